@@ -1,0 +1,100 @@
+"""DFlash block-diffusion drafter (z-lab DFlash), as a pure nn.Module (DESIGN 2.2).
+
+Qwen3-style layers (pre-RMSNorm, GQA with per-head q_norm/k_norm, neox rope, SwiGLU) plus `fc`,
+`hidden_norm` and a final `norm`. No embedding and no lm_head: the caller passes the target's
+`embed_tokens` output in and applies the target's `lm_head` to `norm(out)`.
+Context ("KV injection"): ctx = hidden_norm(fc(concat(taps))); per layer K = rope(k_norm(k_proj(ctx))),
+V = v_proj(ctx) (no input_layernorm on ctx). The block's queries attend bidirectionally to
+[context window ; block].
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from drafter_service.config import DFlashConfig
+from kernels.rmsnorm import RMSNorm
+from kernels.rope import Rope
+
+
+class DFlashAttention(nn.Module):
+    def __init__(self, cfg: DFlashConfig):
+        super().__init__()
+        self.cfg = cfg
+        H, KV, hd, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
+        self.q_proj = nn.Linear(D, H * hd, bias=False)
+        self.k_proj = nn.Linear(D, KV * hd, bias=False)
+        self.v_proj = nn.Linear(D, KV * hd, bias=False)
+        self.o_proj = nn.Linear(H * hd, D, bias=False)
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+
+    def kv(self, x: torch.Tensor, positions: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, D] -> K, V [N, KV, hd] (K normed and rotated)."""
+        c = self.cfg
+        k = self.k_norm(self.k_proj(x).view(-1, c.num_key_value_heads, c.head_dim))
+        return rope.apply(k, positions), self.v_proj(x).view(-1, c.num_key_value_heads, c.head_dim)
+
+    def forward(self, x, positions, rope, ctx_k, ctx_v, ctx_len):
+        """x [R, B, D] block; ctx_k/ctx_v [R, W, KV, hd] context rows (row w valid iff w < ctx_len[r])."""
+        c = self.cfg
+        R, B, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(R * B, c.num_attention_heads, c.head_dim))
+        q = rope.apply(q, positions.reshape(-1)).view(R, B, c.num_attention_heads, c.head_dim)
+        k_blk, v_blk = self.kv(x.reshape(R * B, -1), positions.reshape(-1), rope)
+        k = torch.cat((ctx_k, k_blk.view(R, B, *k_blk.shape[1:])), dim=1)  # [R, W+B, KV, hd]
+        v = torch.cat((ctx_v, v_blk.view(R, B, *v_blk.shape[1:])), dim=1)
+        W = ctx_k.shape[1]
+        valid = torch.arange(W + B, device=x.device)[None, :] < ctx_len[:, None]
+        valid[:, W:] = True  # block rows always visible (bidirectional)
+        groups = c.num_attention_heads // c.num_key_value_heads
+        k = k.repeat_interleave(groups, dim=2).transpose(1, 2)  # [R, H, W+B, hd]
+        v = v.repeat_interleave(groups, dim=2).transpose(1, 2)
+        mask = valid[:, None, None, :]  # [R, 1, 1, W+B]
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.to(q.dtype), v.to(q.dtype), attn_mask=mask)
+        return self.o_proj(o.transpose(1, 2).reshape(R, B, -1))
+
+
+class DFlashLayer(nn.Module):
+    def __init__(self, cfg: DFlashConfig):
+        super().__init__()
+        D = cfg.hidden_size
+        self.input_layernorm = RMSNorm(D, cfg.rms_norm_eps)
+        self.self_attn = DFlashAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(D, cfg.rms_norm_eps)
+        self.mlp = nn.Module()
+        self.mlp.gate_proj = nn.Linear(D, cfg.intermediate_size, bias=False)
+        self.mlp.up_proj = nn.Linear(D, cfg.intermediate_size, bias=False)
+        self.mlp.down_proj = nn.Linear(cfg.intermediate_size, D, bias=False)
+
+    def forward(self, x, positions, rope, ctx_k, ctx_v, ctx_len):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, ctx_k, ctx_v, ctx_len)
+        h = self.post_attention_layernorm(x)
+        return x + self.mlp.down_proj(F.silu(self.mlp.gate_proj(h)) * self.mlp.up_proj(h))
+
+
+class DFlashDrafter(nn.Module):
+    def __init__(self, cfg: DFlashConfig, target_hidden_size: int | None = None):
+        super().__init__()
+        self.cfg = cfg
+        D = cfg.hidden_size
+        self.fc = nn.Linear(cfg.num_taps * (target_hidden_size or D), D, bias=False)
+        self.hidden_norm = RMSNorm(D, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DFlashLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(D, cfg.rms_norm_eps)
+        self.rope = Rope.build(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, rule="hf", interleaved=False)
+
+    def context_kv(self, taps: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """taps [N, num_taps * D_target] of committed tokens -> per layer (K, V) [N, KV, hd]."""
+        ctx = self.hidden_norm(self.fc(taps))
+        return [layer.self_attn.kv(ctx, positions, self.rope) for layer in self.layers]
+
+    def forward(self, block_embeds, positions, ctx_k, ctx_v, ctx_len):
+        """block_embeds [R, B, D] (target embeddings of [root, MASK...]); ctx_k/ctx_v: per layer
+        [R, W, KV, hd]; ctx_len [R] -> normed hidden [R, B, D] (apply the target lm_head)."""
+        x = block_embeds
+        for i, layer in enumerate(self.layers):
+            x = layer(x, positions, self.rope, ctx_k[i], ctx_v[i], ctx_len)
+        return self.norm(x)

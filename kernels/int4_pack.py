@@ -1,0 +1,64 @@
+"""Compressed-tensors `pack-quantized` INT4 (symmetric, group-wise) packing: the reference rule.
+
+Layout of one projection (an nn.Linear weight W [out, in]) in a checkpoint:
+  weight_packed  int32 [out, in/8]   nibble k (bits 4k..4k+3) of word j holds column 8j+k as u = q + 8
+  weight_scale   bf16  [out, in/G]   G = group size (32 for Kimi K2.x)
+  weight_shape   int32 [2]           (out, in)
+Dequantisation: W[r, c] = (u - 8) * scale[r, c // G].  This file defines correctness; kernels
+and loaders may repack, but must reproduce `dequantize_int4` bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+PACK_FACTOR = 8  # int4 values per int32 word
+ZERO_POINT = 8  # u = q + 8 stored unsigned in a nibble
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """Pack signed int4 values q in [-8, 7], [out, in] (in % 8 == 0) -> int32 [out, in/8]."""
+    if q.dim() != 2 or q.shape[1] % PACK_FACTOR:
+        raise ValueError(f"pack_int4 wants [out, in] with in % 8 == 0, got {tuple(q.shape)}")
+    if int(q.min()) < -8 or int(q.max()) > 7:
+        raise ValueError("pack_int4: values outside [-8, 7]")
+    u = (q.to(torch.int64) + ZERO_POINT).view(q.shape[0], -1, PACK_FACTOR)  # [out, in/8, 8]
+    shifts = torch.arange(0, 32, 4, dtype=torch.int64)
+    words = (u << shifts).sum(-1)  # fits in uint32
+    words = torch.where(words >= 2**31, words - 2**32, words)  # reinterpret as int32
+    return words.to(torch.int32)
+
+
+def unpack_int4(packed: torch.Tensor, in_features: int | None = None) -> torch.Tensor:
+    """int32 [..., out, in/8] -> signed int8 values [..., out, in] in [-8, 7]."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
+    u = (packed.unsqueeze(-1) >> shifts) & 0xF  # arithmetic shift then mask: sign bits drop out
+    q = (u - ZERO_POINT).to(torch.int8).flatten(-2)
+    if in_features is not None:
+        q = q[..., :in_features]
+    return q
+
+
+def quantize_int4(w: torch.Tensor, group_size: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric round-to-nearest group quantisation of w [out, in] -> (q int8 [out, in], scale [out, in/G]).
+
+    scale = max|w| / 7 per group (the compressed-tensors minmax observer for symmetric int4 uses
+    the same ratio); scales are rounded to bf16 first so that dequantisation reproduces exactly
+    what a checkpoint stores.
+    """
+    out_f, in_f = w.shape
+    if in_f % group_size:
+        raise ValueError(f"in_features {in_f} is not a multiple of group size {group_size}")
+    g = w.float().view(out_f, in_f // group_size, group_size)
+    scale = (g.abs().amax(-1) / 7.0).clamp_min(1e-8).to(torch.bfloat16)
+    q = torch.round(g / scale.float().unsqueeze(-1)).clamp(-8, 7).to(torch.int8)
+    return q.view(out_f, in_f), scale
+
+
+def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Reference dequant: int32 [..., out, in/8] + scale [..., out, in/G] -> W [..., out, in] in `dtype`."""
+    in_f = packed.shape[-1] * PACK_FACTOR
+    group = in_f // scale.shape[-1]
+    q = unpack_int4(packed).to(dtype)
+    s = scale.to(dtype).repeat_interleave(group, dim=-1)
+    return q * s

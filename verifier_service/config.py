@@ -1,0 +1,162 @@
+"""Kimi K2.x / DeepSeek-V3 text-model configuration, read from a Hugging Face `config.json`.
+
+Kimi K2 / K2-Thinking and DeepSeek-V3 keep the fields at the top level and name tensors without a
+prefix; Kimi K2.5 / K2.6 (`kimi_k25`) nest them under `text_config` and prefix tensor names with
+`language_model.` (DESIGN 2.1). The compressed-tensors `quantization_config` may sit at either level.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """compressed-tensors pack-quantized INT4 settings (None on the target = everything bf16)."""
+
+    num_bits: int = 4
+    group_size: int = 32
+    symmetric: bool = True
+    ignore: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if self.num_bits != 4 or not self.symmetric:
+            raise ValueError(f"only symmetric INT4 is supported, got num_bits={self.num_bits} "
+                             f"symmetric={self.symmetric}")
+        if self.group_size <= 0 or self.group_size % 8:
+            raise ValueError(f"quantization group_size must be a positive multiple of 8, got {self.group_size}")
+
+    @classmethod
+    def from_hf(cls, qc: dict | None) -> QuantConfig | None:
+        if not qc:
+            return None
+        method = qc.get("quant_method")
+        fmt = qc.get("format")
+        if method != "compressed-tensors" or fmt != "pack-quantized":
+            raise ValueError(f"unsupported quantization_config: quant_method={method!r} format={fmt!r} "
+                             "(supported: compressed-tensors pack-quantized)")
+        groups = list((qc.get("config_groups") or {}).values())
+        if len(groups) != 1:
+            raise ValueError(f"quantization_config: expected one config group, found {len(groups)}")
+        w = groups[0].get("weights") or {}
+        if w.get("strategy", "group") != "group" or w.get("type", "int") != "int":
+            raise ValueError(f"quantization_config: unsupported weights scheme {w}")
+        return cls(num_bits=int(w.get("num_bits", 4)), group_size=int(w.get("group_size", 32)),
+                   symmetric=bool(w.get("symmetric", True)), ignore=tuple(qc.get("ignore") or ()))
+
+
+@dataclass(frozen=True)
+class KimiConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    n_routed_experts: int
+    num_experts_per_tok: int
+    n_shared_experts: int = 1
+    first_k_dense_replace: int = 1
+    moe_layer_freq: int = 1
+    q_lora_rank: int | None = 1536
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    norm_topk_prob: bool = True
+    scoring_func: str = "sigmoid"
+    topk_method: str = "noaux_tc"
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None
+    quant: QuantConfig | None = None
+    tensor_prefix: str = ""  # "language_model." for K2.5/K2.6
+    raw: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                     "n_routed_experts", "num_experts_per_tok", "kv_lora_rank", "qk_rope_head_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"config: {name} must be positive, got {getattr(self, name)}")
+        if self.num_experts_per_tok > self.n_routed_experts:
+            raise ValueError(f"config: num_experts_per_tok {self.num_experts_per_tok} > "
+                             f"n_routed_experts {self.n_routed_experts}")
+        if self.n_routed_experts % self.n_group or self.topk_group > self.n_group:
+            raise ValueError(f"config: n_group {self.n_group} / topk_group {self.topk_group} do not "
+                             f"divide {self.n_routed_experts} experts")
+        if self.qk_rope_head_dim % 2:
+            raise ValueError("config: qk_rope_head_dim must be even")
+        if self.scoring_func != "sigmoid" or self.topk_method not in ("noaux_tc", "greedy", "group_limited_greedy"):
+            raise ValueError(f"config: unsupported routing scoring_func={self.scoring_func!r} "
+                             f"topk_method={self.topk_method!r} (supported: sigmoid + noaux_tc)")
+
+    # --- derived -------------------------------------------------------------------------------
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def kv_row_dim(self) -> int:
+        """Latent cache row per token per layer: [c_kv | k_pe]."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        scale = self.qk_head_dim**-0.5
+        rs = self.rope_scaling or {}
+        if rs.get("mscale_all_dim"):
+            factor = float(rs["factor"])
+            m = 0.1 * float(rs["mscale_all_dim"]) * math.log(factor) + 1.0 if factor > 1 else 1.0
+            scale *= m * m
+        return scale
+
+    def is_moe_layer(self, i: int) -> bool:
+        return self.n_routed_experts > 0 and i >= self.first_k_dense_replace and i % self.moe_layer_freq == 0
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        e = self.eos_token_id
+        if e is None:
+            return ()
+        return tuple(e) if isinstance(e, (list, tuple)) else (int(e),)
+
+    # --- parsing -------------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, d: dict) -> KimiConfig:
+        text = d.get("text_config")
+        prefix = "language_model." if text is not None else ""
+        src = dict(text) if text is not None else dict(d)
+        qc = src.get("quantization_config") or d.get("quantization_config")
+        kw = {}
+        for f in cls.__dataclass_fields__:
+            if f in ("quant", "tensor_prefix", "raw"):
+                continue
+            if f in src:
+                kw[f] = src[f]
+        if isinstance(kw.get("eos_token_id"), list):
+            kw["eos_token_id"] = tuple(kw["eos_token_id"])
+        missing = [f for f in ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
+                               "num_hidden_layers", "num_attention_heads", "n_routed_experts",
+                               "num_experts_per_tok") if f not in kw]
+        if missing:
+            raise ValueError(f"config.json: missing fields {missing}")
+        return cls(**kw, quant=QuantConfig.from_hf(qc), tensor_prefix=prefix, raw=d)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> KimiConfig:
+        p = Path(path)
+        if p.is_dir():
+            p = p / "config.json"
+        if not p.exists():
+            raise FileNotFoundError(f"{p}: no config.json (is this a Hugging Face model folder?)")
+        return cls.from_dict(json.loads(p.read_text()))

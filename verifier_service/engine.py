@@ -1,0 +1,231 @@
+"""The verifier's step loop: continuous batching of sessions, one tree-verify forward per step.
+
+Each step (DESIGN 3):
+  1. ask the drafter for one tree per drafting session (sending the taps it has not seen yet);
+     autoregressive sessions (budget 0, or no drafter) contribute their root alone;
+  2. run the target once over the flat batch of all nodes (positions start + depth, ancestor masks
+     derived here from `parent`, never taken from the wire);
+  3. posterior token per node (argmax), acceptance walk, KV compaction of the accepted path;
+  4. one host read of the step's results: emitted tokens, new roots, taps queued for the drafter.
+Autoregressive decoding is this same loop with trees of one node.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from drafter_service.api import DraftRequest
+from kernels.kv_compact import compact_kv, path_moves
+from kernels.tree_accept import accept_greedy
+from kernels.tree_build import TreeBatch, tree_size
+from kernels.tree_mask import ancestor_mask, pack_mask_bits
+from verifier_service.forward_batch import ForwardBatch
+from verifier_service.kv_cache import KVPool
+from verifier_service.model import KimiForCausalLM
+from verifier_service.session import DecodeParams, Session
+
+
+class DraftClient(Protocol):
+    """What the engine needs from a drafter, whatever the transport."""
+
+    depth: int  # tree depth L = block_size - 1
+
+    def draft(self, requests: list[DraftRequest]) -> TreeBatch: ...
+
+    def release(self, session_id: str) -> None: ...
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    page_size: int = 16
+    num_pages: int = 2048
+    max_sessions: int = 64
+    max_session_len: int = 8192
+    draft_window: int = 2048
+
+    def __post_init__(self):
+        for f in ("page_size", "num_pages", "max_sessions", "max_session_len", "draft_window"):
+            if getattr(self, f) <= 0:
+                raise ValueError(f"engine config: {f} must be positive, got {getattr(self, f)}")
+
+
+class Engine:
+    def __init__(self, target: KimiForCausalLM, drafter: DraftClient | None, tap_layers: tuple[int, ...],
+                 cfg: EngineConfig = EngineConfig()):
+        self.target = target
+        self.drafter = drafter
+        self.tap_layers = tuple(tap_layers)
+        self.cfg = cfg
+        p = next(target.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        tc = target.cfg
+        self.kv = KVPool(tc.num_hidden_layers, tc.kv_row_dim, cfg.num_pages, cfg.page_size, cfg.max_sessions,
+                         cfg.max_session_len, self.dtype, self.device)
+        self.sessions: dict[str, Session] = {}
+        self._ids = itertools.count()
+
+    # --- admission ---------------------------------------------------------------------------------
+    def validate(self, prompt: list[int], params: DecodeParams) -> None:
+        """Raise ValueError naming the field before any model work."""
+        if not prompt:
+            raise ValueError("prompt is empty")
+        V = self.target.cfg.vocab_size
+        bad = [t for t in prompt if not 0 <= t < V]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {V})")
+        if not isinstance(params, DecodeParams):
+            raise TypeError("params must be DecodeParams")
+
+    def tree_nodes(self, params: DecodeParams) -> int:
+        if self.drafter is None or params.budget == 0:
+            return 1
+        return tree_size(params.budget, params.topk, self.drafter.depth)
+
+    @torch.no_grad()
+    def add(self, prompt: list[int], params: DecodeParams, sid: str | None = None) -> Session:
+        """Admit a session: prefill the prompt (a causal chain) and emit the first token."""
+        self.validate(prompt, params)
+        sid = sid if sid is not None else f"s{next(self._ids)}"
+        if sid in self.sessions:
+            raise ValueError(f"session id {sid!r} is already in use")
+        row = self.kv.open()
+        try:
+            self.kv.ensure(row, len(prompt) + self.tree_nodes(params))
+        except Exception:
+            self.kv.release(row)
+            raise
+        s = Session(sid=sid, row=row, params=params, prompt_len=len(prompt))
+        self.sessions[sid] = s
+        P = len(prompt)
+        pos = torch.arange(P, device=self.device)
+        fb = ForwardBatch(
+            tokens=torch.tensor(prompt, dtype=torch.int64).to(self.device), positions=pos,
+            write_slots=self.kv.slots(torch.tensor([row], device=self.device), pos[None])[0],
+            cu_q=torch.tensor([0, P], dtype=torch.int32, device=self.device),
+            prefix_lens=torch.zeros(1, dtype=torch.int32, device=self.device),
+            block_table=self.kv.block_table[row : row + 1], page_size=self.kv.page_size, tree_bits=None)
+        hidden, taps = self.target(fb, self.kv.kv, self.tap_layers)
+        first = int(self.target.logits(hidden[-1:]).argmax(-1))
+        s.committed, s.root = P, first
+        s.add_pending(0, taps, self.cfg.draft_window)
+        s.emit([first])
+        if s.done:
+            self.finish(sid)
+        return s
+
+    def finish(self, sid: str) -> None:
+        """Free the session's KV on both services (idempotent)."""
+        s = self.sessions.get(sid)
+        if s is None or s.row < 0:
+            return
+        self.kv.release(s.row)
+        s.row = -1
+        if self.drafter is not None:
+            self.drafter.release(sid)
+        if s.finish_reason is None:
+            s.finish_reason = "cancelled"
+
+    # --- one verify step ---------------------------------------------------------------------------
+    def _trees(self, active: list[Session]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int], int]:
+        """Padded per-session trees [S, M] (tokens, parent, depth), node counts, max depth."""
+        drafting = [i for i, s in enumerate(active) if self.drafter is not None and s.params.budget > 0]
+        n = [1] * len(active)
+        trees = None
+        if drafting:
+            reqs = []
+            for i in drafting:
+                s = active[i]
+                start, feats = s.take_pending()
+                if feats is None:
+                    feats = torch.zeros(0, 0, device=self.device, dtype=self.dtype)
+                reqs.append(DraftRequest(s.sid, start, feats, s.root, s.committed, s.params.budget, s.params.topk))
+            trees = self.drafter.draft(reqs)
+            for j, i in enumerate(drafting):
+                n[i] = trees.n_nodes[j]
+        S, M = len(active), max(n)
+        dev = self.device
+        tok = torch.full((S, M), -1, dtype=torch.int64, device=dev)
+        parent = torch.full((S, M), -1, dtype=torch.int64, device=dev)
+        depth = torch.full((S, M), -1, dtype=torch.int64, device=dev)
+        tok[:, 0] = torch.tensor([s.root for s in active], dtype=torch.int64).to(dev)
+        depth[:, 0] = 0
+        max_depth = 0
+        if trees is not None:
+            idx = torch.tensor(drafting, device=dev)
+            mt = trees.tokens.shape[1]
+            tok[idx, :mt] = trees.tokens[:, :M].to(dev, torch.int64)
+            parent[idx, :mt] = trees.parent[:, :M].to(dev, torch.int64)
+            depth[idx, :mt] = trees.depth[:, :M].to(dev, torch.int64)
+            max_depth = self.drafter.depth
+        return tok, parent, depth, n, max_depth
+
+    @torch.no_grad()
+    def step(self) -> dict[str, list[int]]:
+        """Run one verify step over all running sessions; returns the tokens each one emitted."""
+        active = [s for s in self.sessions.values() if not s.done]
+        if not active:
+            return {}
+        for s in active:
+            self.kv.ensure(s.row, s.committed + self.tree_nodes(s.params))
+        tok, parent, depth, n, max_depth = self._trees(active)
+        S, M = tok.shape
+        dev = self.device
+        gather = torch.tensor([s * M + j for s in range(S) for j in range(n[s])], device=dev)  # flat <- padded
+        rows = torch.tensor([s.row for s in active], device=dev)
+        committed = torch.tensor([s.committed for s in active], device=dev)
+        cu = [0, *itertools.accumulate(n)]
+        local = torch.arange(M, device=dev)[None, :]
+        fb = ForwardBatch(
+            tokens=tok.view(-1)[gather],
+            positions=(committed[:, None] + depth).view(-1)[gather],
+            write_slots=self.kv.slots(rows, committed[:, None] + local).view(-1)[gather],
+            cu_q=torch.tensor(cu, dtype=torch.int32, device=dev),
+            prefix_lens=committed.to(torch.int32),
+            block_table=self.kv.block_table[rows], page_size=self.kv.page_size,
+            tree_bits=pack_mask_bits(ancestor_mask(parent)).view(S * M, -1)[gather])
+        hidden, taps = self.target(fb, self.kv.kv, self.tap_layers)
+        posterior = torch.full((S * M,), -1, dtype=torch.int64, device=dev)
+        posterior[gather] = self.target.logits(hidden).argmax(-1)
+        n_t = torch.tensor(n, device=dev)
+        res = accept_greedy(tok, parent, n_t, posterior.view(S, M), max_depth)
+        path = res.path.long()  # [S, D+1] node indices, -1 padded
+
+        # commit: move the accepted rows down to committed + depth (all layers at once)
+        src_rel, dst_rel = path_moves(res.path, res.accept_len)
+        src = self.kv.slots(rows, committed[:, None] + src_rel.long())
+        dst = self.kv.slots(rows, committed[:, None] + dst_rel.long())
+        compact_kv(self.kv.kv, src.view(-1), dst.view(-1))
+        cu_t = torch.tensor(cu[:-1], device=dev)
+        path_taps = taps[(cu_t[:, None] + path.clamp(min=0)).view(-1)].view(S, path.shape[1], -1)
+        path_tokens = tok.gather(1, path.clamp(min=0))
+
+        # the step's one host read
+        host = torch.cat((res.accept_len.long()[:, None], res.bonus.long()[:, None], path_tokens), 1).cpu().tolist()
+        out: dict[str, list[int]] = {}
+        for i, s in enumerate(active):
+            a, bonus, ptoks = host[i][0], host[i][1], host[i][2:]
+            s.add_pending(s.committed, path_taps[i, : a + 1], self.cfg.draft_window)
+            s.committed += a + 1
+            s.root = bonus
+            s.accepted_per_step.append(a + 1)
+            out[s.sid] = s.emit(ptoks[1 : a + 1] + [bonus])
+            if s.done:
+                self.finish(s.sid)
+        return out
+
+    def run_until_done(self) -> None:
+        while any(not s.done for s in self.sessions.values()):
+            self.step()
+
+    def generate(self, prompts: list[list[int]], params: DecodeParams | list[DecodeParams]) -> list[Session]:
+        """Convenience: admit all prompts, run them concurrently to completion."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        for p, q in zip(prompts, plist, strict=True):
+            self.validate(p, q)
+        sessions = [self.add(p, q) for p, q in zip(prompts, plist, strict=True)]
+        self.run_until_done()
+        return sessions

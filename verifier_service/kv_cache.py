@@ -1,0 +1,76 @@
+"""Paged latent KV pool of the target (DESIGN 3.4).
+
+One preallocated tensor `kv [layers, num_pages * page_size, row_dim]` (row = [c_kv | k_pe]) and a
+preallocated block table `[max_sessions, max_pages_per_session]` on the device. Sessions own a
+block-table row and a list of pages; growing a session appends pages (host bookkeeping plus a tiny
+block-table write), releasing returns them. Nothing is allocated per step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCapacityError(RuntimeError):
+    """The pool cannot hold the requested tokens (maps to RESOURCE_EXHAUSTED at the service edge)."""
+
+
+class KVPool:
+    def __init__(self, num_layers: int, row_dim: int, num_pages: int, page_size: int, max_sessions: int,
+                 max_session_len: int, dtype: torch.dtype, device: torch.device | str):
+        if page_size <= 0 or num_pages <= 0 or max_sessions <= 0 or max_session_len <= 0:
+            raise ValueError("KVPool: sizes must be positive")
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self.max_pages_per_session = -(-max_session_len // page_size)
+        self.max_session_len = self.max_pages_per_session * page_size
+        self.kv = torch.zeros(num_layers, num_pages * page_size, row_dim, dtype=dtype, device=device)
+        self.block_table = torch.zeros(max_sessions, self.max_pages_per_session, dtype=torch.int32, device=device)
+        self._free_pages = list(range(num_pages - 1, -1, -1))
+        self._free_rows = list(range(max_sessions - 1, -1, -1))
+        self._pages: dict[int, list[int]] = {}
+
+    # --- bookkeeping (host) ------------------------------------------------------------------------
+    @property
+    def free_tokens(self) -> int:
+        return len(self._free_pages) * self.page_size
+
+    @property
+    def used_pages(self) -> int:
+        return self.num_pages - len(self._free_pages)
+
+    def open(self) -> int:
+        if not self._free_rows:
+            raise KVCapacityError(f"all {self.block_table.shape[0]} session slots are in use")
+        row = self._free_rows.pop()
+        self._pages[row] = []
+        return row
+
+    def capacity(self, row: int) -> int:
+        return len(self._pages[row]) * self.page_size
+
+    def ensure(self, row: int, n_tokens: int) -> None:
+        """Make logical rows 0..n_tokens-1 of session `row` backed by pages."""
+        if n_tokens > self.max_session_len:
+            raise KVCapacityError(f"session needs {n_tokens} cache rows; the limit is {self.max_session_len}")
+        pages = self._pages[row]
+        need = -(-n_tokens // self.page_size) - len(pages)
+        if need <= 0:
+            return
+        if need > len(self._free_pages):
+            raise KVCapacityError(f"KV pool exhausted: need {need} pages, {len(self._free_pages)} free")
+        new = [self._free_pages.pop() for _ in range(need)]
+        first = len(pages)
+        pages.extend(new)
+        self.block_table[row, first : first + need] = torch.tensor(new, dtype=torch.int32).to(
+            self.block_table.device, non_blocking=True)
+
+    def release(self, row: int) -> None:
+        self._free_pages.extend(reversed(self._pages.pop(row)))
+        self._free_rows.append(row)
+
+    # --- device-side address translation -------------------------------------------------------------
+    def slots(self, rows: torch.Tensor, logical: torch.Tensor) -> torch.Tensor:
+        """rows [R] (block-table rows), logical [R, X] int -> physical slots [R, X] int64."""
+        pages = self.block_table[rows[:, None].long(), (logical // self.page_size).long()]
+        return pages.long() * self.page_size + logical.long() % self.page_size

@@ -1,0 +1,50 @@
+"""Build the embedded (in-process) engine: target + DFlash drafter in one process, one device."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from drafter_service.checkpoint import check_pair, load_drafter
+from drafter_service.config import DFlashConfig
+from drafter_service.drafter import Drafter
+from verifier_service.checkpoint import load_target
+from verifier_service.config import KimiConfig
+from verifier_service.engine import Engine, EngineConfig
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float64": torch.float64, "fp64": torch.float64, "float16": torch.float16, "fp16": torch.float16}
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def check_block_size(drafter_cfg: DFlashConfig, block_size: int | None) -> None:
+    if block_size is not None and block_size != drafter_cfg.block_size:
+        raise ValueError(f"--block-size {block_size} does not match the drafter, which was trained with "
+                         f"block_size {drafter_cfg.block_size}")
+
+
+def build_local_engine(target_dir: str | Path, drafter_dir: str | Path | None, dtype: torch.dtype | None = None,
+                       device: str | None = None, engine_cfg: EngineConfig | None = None,
+                       block_size: int | None = None) -> Engine:
+    """Validate both configs (no weights touched), then load and wire the pair."""
+    device = device or default_device()
+    dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
+    tcfg = KimiConfig.from_file(target_dir)
+    drafter = None
+    tap_layers: tuple[int, ...] = ()
+    if drafter_dir is not None:
+        dcfg = DFlashConfig.from_file(drafter_dir)
+        check_block_size(dcfg, block_size)
+        check_pair(dcfg, tcfg)
+    target = load_target(target_dir, dtype, device, tcfg)
+    if drafter_dir is not None:
+        dmodel = load_drafter(drafter_dir, tcfg, dtype, device)
+        cfg = engine_cfg or EngineConfig()
+        drafter = Drafter(dmodel, target.model.embed_tokens.weight, target.lm_head.weight,
+                          max_sessions=cfg.max_sessions, window=cfg.draft_window)
+        tap_layers = dmodel.cfg.target_layer_ids
+    return Engine(target, drafter, tap_layers, engine_cfg or EngineConfig())

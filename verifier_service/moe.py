@@ -1,0 +1,86 @@
+"""Feed-forward blocks of the Kimi target: dense SwiGLU MLP, noaux_tc router, routed + shared experts.
+
+Routed experts are stacked over experts at load time: INT4 (compressed-tensors pack-quantized,
+`w13_packed`/`w13_scale`/`w2_packed`/`w2_scale`) or dense (`w13`/`w2`, bf16 checkpoints such as
+DeepSeek-V3). gate and up are concatenated on the output axis (rows 0..I-1 gate, I..2I-1 up).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.int4_moe import int4_moe, moe_dense_ref
+from verifier_service.config import KimiConfig
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)); used for dense layers and the shared expert."""
+
+    def __init__(self, dim: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, inter, bias=False)
+        self.up_proj = nn.Linear(dim, inter, bias=False)
+        self.down_proj = nn.Linear(inter, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    """DeepSeek-V3 noaux_tc routing: sigmoid scores in fp32; the correction bias only selects."""
+
+    def __init__(self, cfg: KimiConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size))
+        self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, D] -> (topk_ids [T, k] int64, topk_w [T, k] fp32)."""
+        c = self.cfg
+        acc = torch.promote_types(x.dtype, torch.float32)
+        scores = torch.sigmoid(x.to(acc) @ self.weight.to(acc).T)  # [T, E]
+        choice = scores + self.e_score_correction_bias.to(acc)
+        if c.n_group > 1:
+            T = x.shape[0]
+            grouped = choice.view(T, c.n_group, -1)
+            group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # [T, n_group]
+            keep = group_scores.topk(c.topk_group, dim=-1).indices
+            gmask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+            choice = choice.masked_fill(~gmask.repeat_interleave(c.n_routed_experts // c.n_group, 1),
+                                        float("-inf"))
+        ids = choice.topk(c.num_experts_per_tok, dim=-1).indices
+        w = scores.gather(1, ids)
+        if c.norm_topk_prob:
+            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+        return ids, (w * c.routed_scaling_factor).to(torch.float32)
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: KimiConfig, quantized: bool):
+        super().__init__()
+        E, D, inter = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.quantized = quantized
+        self.gate = Router(cfg)
+        if quantized:
+            g = cfg.quant.group_size
+            self.register_buffer("w13_packed", torch.zeros(E, 2 * inter, D // 8, dtype=torch.int32))
+            self.register_buffer("w13_scale", torch.zeros(E, 2 * inter, D // g, dtype=torch.bfloat16))
+            self.register_buffer("w2_packed", torch.zeros(E, D, inter // 8, dtype=torch.int32))
+            self.register_buffer("w2_scale", torch.zeros(E, D, inter // g, dtype=torch.bfloat16))
+        else:
+            self.w13 = nn.Parameter(torch.empty(E, 2 * inter, D))
+            self.w2 = nn.Parameter(torch.empty(E, D, inter))
+        self.shared_experts = MLP(D, inter * cfg.n_shared_experts) if cfg.n_shared_experts else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids, w = self.gate(x)
+        if self.quantized:
+            y = int4_moe(x, ids, w, self.w13_packed, self.w13_scale, self.w2_packed, self.w2_scale)
+        else:
+            y = moe_dense_ref(x, ids, w, self.w13, self.w2)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x)
+        return y
