@@ -196,8 +196,10 @@ class Engine:
 
         # commit: move the accepted rows down to committed + depth (all layers at once)
         src_rel, dst_rel = path_moves(res.path, res.accept_len)
-        src = self.kv.slots(rows, committed[:, None] + src_rel.long())
-        dst = self.kv.slots(rows, committed[:, None] + dst_rel.long())
+        live = torch.arange(path.shape[1], device=dev)[None, :] <= res.accept_len.long()[:, None]
+        scratch = self.kv.scratch_slot  # padded moves must not alias rows outside the session's pages
+        src = torch.where(live, self.kv.slots(rows, committed[:, None] + src_rel.long()), scratch)
+        dst = torch.where(live, self.kv.slots(rows, committed[:, None] + dst_rel.long()), scratch)
         compact_kv(self.kv.kv, src.view(-1), dst.view(-1))
         cu_t = torch.tensor(cu[:-1], device=dev)
         path_taps = taps[(cu_t[:, None] + path.clamp(min=0)).view(-1)].view(S, path.shape[1], -1)

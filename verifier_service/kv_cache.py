@@ -24,7 +24,10 @@ class KVPool:
         self.num_pages = num_pages
         self.max_pages_per_session = -(-max_session_len // page_size)
         self.max_session_len = self.max_pages_per_session * page_size
-        self.kv = torch.zeros(num_layers, num_pages * page_size, row_dim, dtype=dtype, device=device)
+        # one extra row past the pages: a scratch slot that no session owns, the target of padded
+        # (no-op) moves and writes so fixed-shape device code never touches another session's rows
+        self.scratch_slot = num_pages * page_size
+        self.kv = torch.zeros(num_layers, num_pages * page_size + 1, row_dim, dtype=dtype, device=device)
         self.block_table = torch.zeros(max_sessions, self.max_pages_per_session, dtype=torch.int32, device=device)
         self._free_pages = list(range(num_pages - 1, -1, -1))
         self._free_rows = list(range(max_sessions - 1, -1, -1))
@@ -72,5 +75,6 @@ class KVPool:
     # --- device-side address translation -------------------------------------------------------------
     def slots(self, rows: torch.Tensor, logical: torch.Tensor) -> torch.Tensor:
         """rows [R] (block-table rows), logical [R, X] int -> physical slots [R, X] int64."""
-        pages = self.block_table[rows[:, None].long(), (logical // self.page_size).long()]
+        page_idx = (logical // self.page_size).long().clamp(max=self.max_pages_per_session - 1)
+        pages = self.block_table[rows[:, None].long(), page_idx]
         return pages.long() * self.page_size + logical.long() % self.page_size

@@ -1,0 +1,28 @@
+"""Fixtures: a tiny random model pair written once per test session in the real checkpoint layouts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from drafter_service.checkpoint import write_random_drafter
+from gateway.tokenizer import byte_tokenizer
+from verifier_service import presets
+from verifier_service.random_checkpoint import write_random_target
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tiny")
+    tcfg = presets.target_config("tiny")
+    write_random_target(out / "target", tcfg, seed=1, max_shard_bytes=200_000)
+    write_random_drafter(out / "drafter", presets.drafter_config("tiny"), tcfg["text_config"]["hidden_size"], seed=1)
+    byte_tokenizer(presets.TINY_VOCAB, presets.TINY_SPECIALS).write(out / "target")
+    return out / "target", out / "drafter"
+
+
+@pytest.fixture(scope="session")
+def tiny_target64(tiny_dirs):
+    from verifier_service.checkpoint import load_target
+
+    return load_target(tiny_dirs[0], torch.float64, "cpu")
