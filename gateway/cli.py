@@ -1,4 +1,4 @@
-"""The `ddtree` command line. Flags and environment are read here and nowhere else.
+"""The `ddtree` command line. Flags and environment are read here (and in gateway/commands/) only.
 
   ddtree init-random --preset tiny --out DIR [--seed S]
   ddtree generate --target DIR --drafter DIR (--prompt-ids 1,2,3 | --prompt TEXT) --max-new-tokens N
@@ -8,123 +8,16 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import time
-
-
-def _cmd_init_random(args) -> int:
-    from pathlib import Path
-
-    from drafter_service.checkpoint import write_random_drafter
-    from gateway.tokenizer import byte_tokenizer
-    from verifier_service import presets
-    from verifier_service.random_checkpoint import write_random_target
-
-    out = Path(args.out)
-    tcfg = presets.target_config(args.preset, args.layers)
-    dcfg = presets.drafter_config(args.preset, args.layers)
-    write_random_target(out / "target", tcfg, seed=args.seed)
-    write_random_drafter(out / "drafter", dcfg, tcfg["text_config"]["hidden_size"], seed=args.seed)
-    if args.preset == "tiny":
-        byte_tokenizer(presets.TINY_VOCAB, presets.TINY_SPECIALS).write(out / "target")
-    print(json.dumps({"target": str(out / "target"), "drafter": str(out / "drafter"), "preset": args.preset}))
-    return 0
-
-
-def _parse_ids(s: str) -> list[int]:
-    try:
-        return [int(x) for x in s.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"--prompt-ids must be comma-separated integers, got {s!r}") from None
-
-
-def _cmd_generate(args) -> int:
-    from gateway.tokenizer import Tokenizer
-    from verifier_service.config import KimiConfig
-    from verifier_service.local import DTYPES, build_local_engine
-    from verifier_service.session import DecodeParams
-
-    # everything a user can get wrong is checked before any weights are read
-    if args.block_size is not None and args.block_size < 2:
-        raise ValueError(f"--block-size must be >= 2, got {args.block_size}")
-    tcfg = KimiConfig.from_file(args.target)
-    tok = None
-    if args.prompt is not None:
-        tok = Tokenizer.load(args.target)
-        prompt = tok.encode(args.prompt)
-    else:
-        prompt = _parse_ids(args.prompt_ids)
-    params = DecodeParams(max_new_tokens=args.max_new_tokens, budget=args.budget, topk=args.topk,
-                          eos_ids=tcfg.eos_ids, ignore_eos=args.ignore_eos)
-    if not prompt:
-        raise ValueError("the prompt is empty")
-    bad = [t for t in prompt if not 0 <= t < tcfg.vocab_size]
-    if bad:
-        raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {tcfg.vocab_size})")
-    if args.dtype not in DTYPES:
-        raise ValueError(f"--dtype must be one of {sorted(DTYPES)}")
-    drafter_dir = args.drafter if args.budget > 0 else None
-    if args.budget > 0 and args.drafter is None:
-        raise ValueError("--budget > 0 needs --drafter (use --budget 0 for plain autoregressive decoding)")
-    engine = build_local_engine(args.target, drafter_dir, DTYPES[args.dtype], args.device,
-                                block_size=args.block_size)
-    t0 = time.perf_counter()
-    s = engine.add(prompt, params)
-    engine.run_until_done()
-    dt = time.perf_counter() - t0
-    if tok is None:
-        try:
-            tok = Tokenizer.load(args.target)
-        except FileNotFoundError:
-            tok = None
-    steps = len(s.accepted_per_step)
-    result = {
-        "mode": "ddtree" if args.budget > 0 else "ar", "tokens": s.output, "text": tok.decode(s.output) if tok else "",
-        "steps": steps, "accepted_per_step": s.accepted_per_step,
-        "mean_acceptance": (sum(s.accepted_per_step) / steps) if steps else 0.0,
-        "budget": args.budget, "topk": args.topk, "block_size": engine.drafter.cfg.block_size if engine.drafter else None,
-        "prompt_tokens": len(prompt), "finish_reason": s.finish_reason, "seconds": dt,
-        "tokens_per_s": len(s.output) / dt if dt > 0 else 0.0, "device": str(engine.device),
-        "dtype": str(engine.dtype).replace("torch.", ""),
-    }
-    if args.json:
-        print(json.dumps(result))
-    else:
-        print(result["text"])
-        print(f"[{result['mode']}] {len(s.output)} tokens, {steps} steps, mean acceptance "
-              f"{result['mean_acceptance']:.2f}, {result['tokens_per_s']:.1f} tok/s", file=sys.stderr)
-    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from gateway.commands import COMMANDS
+
     p = argparse.ArgumentParser(prog="ddtree", description="DDTree speculative decoding for Kimi K2.6")
     sub = p.add_subparsers(dest="command", required=True)
-
-    from verifier_service.presets import PRESETS
-
-    ir = sub.add_parser("init-random", help="write a random-weight model pair in the real checkpoint layouts")
-    ir.add_argument("--preset", choices=PRESETS, default="tiny")
-    ir.add_argument("--out", required=True)
-    ir.add_argument("--seed", type=int, default=0)
-    ir.add_argument("--layers", type=int, default=None, help="truncate the target to this many layers")
-    ir.set_defaults(func=_cmd_init_random)
-
-    g = sub.add_parser("generate", help="generate in-process with the embedded engine")
-    g.add_argument("--target", required=True)
-    g.add_argument("--drafter", default=None)
-    src = g.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt-ids")
-    src.add_argument("--prompt")
-    g.add_argument("--max-new-tokens", type=int, default=64)
-    g.add_argument("--budget", type=int, default=16)
-    g.add_argument("--topk", type=int, default=8)
-    g.add_argument("--block-size", type=int, default=None)
-    g.add_argument("--ignore-eos", action="store_true")
-    g.add_argument("--dtype", default="float32")
-    g.add_argument("--device", default=None)
-    g.add_argument("--json", action="store_true")
-    g.set_defaults(func=_cmd_generate)
+    for cmd in COMMANDS:
+        cmd.add_parser(sub)
     return p
 
 

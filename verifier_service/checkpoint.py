@@ -69,7 +69,7 @@ def load_target(folder: str | Path, dtype: torch.dtype = torch.bfloat16, device:
             moe.w2.copy_(_check(f"layer {i} experts weight", w2, moe.w2.shape, folder))
     # compute dtype for weights; INT4 words stay int32 and scales stay bf16 for the kernels
     for mod in model.modules():
-        for n, prm in list(mod.named_parameters(recurse=False)):
+        for prm in list(mod.parameters(recurse=False)):
             prm.data = prm.data.to(dtype)
         if hasattr(mod, "e_score_correction_bias"):
             mod.e_score_correction_bias = mod.e_score_correction_bias.float()
