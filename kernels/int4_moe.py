@@ -7,16 +7,38 @@ y[t] = sum_k topk_w[t, k] * down(silu(gate(x_t)) * up(x_t)) for the experts topk
 The shared expert is not part of this op.
 
 `moe_dense_ref` is the math on dequantised (or bf16-checkpoint) weights; `int4_moe_ref` composes it
-with the reference dequant in `kernels.int4_pack`. `int4_moe` is the launcher (GPU kernel path added
-by the kernels work; the reference elsewhere).
+with the reference dequant in `kernels.int4_pack`; both define correctness.
+
+`int4_moe` is the launcher: on CUDA it runs the Triton path (kernels in `_int4_moe_kernels`, grouping
+in `_moe_align`), elsewhere the reference. GPU path, all on device, no host sync, 4 launches:
+  1. `moe_align`: (token, slot) pairs grouped by expert into blocks of 16 (fixed-size outputs),
+  2. w13 GEMM per (expert block, 32 intermediate columns): gate and up rows in one tile, SiLU(g)*u
+     fused in the epilogue -> a [T*k, I] in the activation dtype,
+  3. w2 GEMM per (expert block, 64 output rows) -> y [T*k, D] fp32, one row per (token, slot),
+  4. combine: out[t] = sum_k topk_w[t, k] * y[t*k + k'] in slot order 0..k-1 (no atomics).
+Every reduction has a fixed order that does not depend on the other tokens of the launch, so a
+token's output is bitwise the same alone or inside any batch (DESIGN 3.5).
+
+Weight layouts (`layout=` keyword of the launcher):
+  "checkpoint"  the compressed-tensors tensors above; on CUDA they are repacked on every call
+                (correct but slow: for tests and one-off use),
+  "gpu"         made once at load by `repack_int4_moe_for_gpu`: K (D for w13, I for w2) padded to a
+                multiple of 256 with zero weights; in each 256-column block, word j of a row holds
+                column 32k + j in nibble k (so nibble k of a 32-word tile is quantisation group k);
+                scales group-major: w13_scale [E, Dp/256, 8, 2I], w2_scale [E, Ip/256, 8, D].
+                `unrepack_int4_moe` inverts it bit for bit.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
-from kernels.int4_pack import dequantize_int4
+from kernels._int4_moe_kernels import _moe_combine_kernel, _moe_w2_kernel, _moe_w13_kernel
+from kernels._moe_align import moe_align
+from kernels.int4_pack import PACK_FACTOR, dequantize_int4
 
 
 def moe_dense_ref(
@@ -54,13 +76,120 @@ def int4_moe_ref(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale
     return moe_dense_ref(x, topk_ids, topk_w, w13, w2)
 
 
-def int4_moe(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale):
-    """Launcher: checks shapes; dispatches to the Triton kernel on CUDA, the reference elsewhere."""
+_BLOCK_K = 256  # K block of the GPU layout: 8 groups of 32 columns
+_BLOCK_M = 16  # pairs per expert block (the MMA's N side)
+_BLOCK_I = 32  # w13: intermediate columns per program (32 gate + 32 up weight rows)
+_BLOCK_D = 64  # w2: output rows per program
+_USE_ASM = True  # bf16 on CUDA: PTX prmt/lop3 dequant (exact, same values as the portable path)
+
+
+def _repack_proj(packed: torch.Tensor, scale: torch.Tensor):
+    """One projection stack: int32 [E, N, K/8] + scale [E, N, K/32] -> GPU layout (module doc)."""
+    E, N, k8 = packed.shape
+    K = k8 * PACK_FACTOR
+    kp = -(-K // _BLOCK_K) * _BLOCK_K
+    out_w = torch.empty(E, N, kp // PACK_FACTOR, dtype=torch.int32, device=packed.device)
+    shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=packed.device)
+    for e in range(E):  # per expert: bounded temporaries
+        u = ((packed[e].long().unsqueeze(-1) >> shifts) & 0xF).flatten(-2)  # [N, K], column order
+        u = F.pad(u, (0, kp - K), value=8)  # q = 0 in the padding
+        u = u.view(N, kp // _BLOCK_K, 8, 32)  # [N, block, group k, j]: column 32k + j of the block
+        words = (u << shifts.view(1, 1, 8, 1)).sum(2)  # nibble k of word j = column 32k + j
+        out_w[e] = torch.where(words >= 2**31, words - 2**32, words).view(N, -1).to(torch.int32)
+    s = F.pad(scale, (0, kp // 32 - scale.shape[-1]))  # zero scales in the padding
+    out_s = s.view(E, N, kp // _BLOCK_K, 8).permute(0, 2, 3, 1).contiguous()  # [E, Kp/256, 8, N]
+    return out_w, out_s
+
+
+def _unrepack_proj(packed: torch.Tensor, scale: torch.Tensor, K: int):
+    E, N, _ = packed.shape
+    shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=packed.device)
+    u = (packed.long().view(E, N, -1, 1, 32) >> shifts.view(1, 1, 1, 8, 1)) & 0xF  # [E,N,blk,k,j]
+    u = u.flatten(2)[..., :K].view(E, N, K // PACK_FACTOR, PACK_FACTOR)
+    words = (u << shifts).sum(-1)
+    w = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    s = scale.permute(0, 3, 1, 2).reshape(E, N, -1)[..., : K // 32].contiguous()
+    return w, s
+
+
+def repack_int4_moe_for_gpu(w13_packed, w13_scale, w2_packed, w2_scale):
+    """Checkpoint layout -> "gpu" layout (module doc); run once at load."""
+    return (*_repack_proj(w13_packed, w13_scale), *_repack_proj(w2_packed, w2_scale))
+
+
+def unrepack_int4_moe(w13_packed, w13_scale, w2_packed, w2_scale, hidden: int):
+    """Inverse of `repack_int4_moe_for_gpu` (needs the true hidden size D; I = w13 rows / 2)."""
+    inter = w13_packed.shape[1] // 2
+    return (*_unrepack_proj(w13_packed, w13_scale, hidden), *_unrepack_proj(w2_packed, w2_scale, inter))
+
+
+_TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+def _int4_moe_triton(x, topk_ids, topk_w, w13, s13, w2, s2):
     T, D = x.shape
-    E, two_i, d8 = w13_packed.shape
-    if d8 * 8 != D or w2_packed.shape[:2] != (E, D) or w2_packed.shape[2] * 8 * 2 != two_i:
+    topk = topk_ids.shape[1]
+    E, two_i, _ = w13.shape
+    inter = two_i // 2
+    P = T * topk
+    out = torch.empty_like(x)
+    if T == 0:
+        return out
+    x = x.contiguous()
+    sorted_pairs, bexp = moe_align(topk_ids, E, _BLOCK_M)
+    nblk = bexp.shape[0]
+    dtype = _TL_DTYPE[x.dtype]
+    use_asm = _USE_ASM and x.dtype == torch.bfloat16 and x.is_cuda  # PTX: real GPU only
+    prec = "ieee" if x.dtype == torch.float32 else "tf32"
+    a = torch.empty(P, inter, dtype=x.dtype, device=x.device)
+    _moe_w13_kernel[(triton.cdiv(inter, _BLOCK_I), nblk)](
+        x, w13, s13, a, sorted_pairs, bexp, P, D, inter, w13.shape[2] // 32,
+        x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), s13.stride(2), a.stride(0),
+        TOPK=topk, BLOCK_M=_BLOCK_M, BLOCK_I=_BLOCK_I, DTYPE=dtype, USE_ASM=use_asm, PREC=prec,
+        num_warps=4, num_stages=3)
+    y = torch.empty(P, D, dtype=torch.float32, device=x.device)
+    _moe_w2_kernel[(triton.cdiv(D, _BLOCK_D), nblk)](
+        a, w2, s2, y, sorted_pairs, bexp, P, inter, D, w2.shape[2] // 32,
+        a.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), s2.stride(2), y.stride(0),
+        BLOCK_M=_BLOCK_M, BLOCK_D=_BLOCK_D, DTYPE=dtype, USE_ASM=use_asm, PREC=prec,
+        num_warps=4, num_stages=3)
+    w = topk_w.contiguous()
+    _moe_combine_kernel[(T, triton.cdiv(D, 1024))](
+        y, w, out, D, y.stride(0), out.stride(0), TOPK=topk, BLOCK=1024, num_warps=4)
+    return out
+
+
+def int4_moe(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale, *, layout: str = "checkpoint"):
+    """Launcher: checks shapes; Triton kernels on CUDA, the reference elsewhere.
+
+    x [T, D]; topk_ids [T, k] int (ids in [0, E)); topk_w [T, k] fp32; weights in `layout` (module doc).
+    """
+    if layout not in ("checkpoint", "gpu"):
+        raise ValueError(f"int4_moe: unknown layout {layout!r}")
+    T, D = x.shape
+    E, two_i, kw = w13_packed.shape
+    kp = -(-D // _BLOCK_K) * _BLOCK_K if layout == "gpu" else D
+    ip = -(-(two_i // 2) // _BLOCK_K) * _BLOCK_K if layout == "gpu" else two_i // 2
+    if kw * 8 != kp or w2_packed.shape[:2] != (E, D) or w2_packed.shape[2] * 8 != ip or two_i % 2:
         raise ValueError(f"int4_moe: x {tuple(x.shape)}, w13 {tuple(w13_packed.shape)}, "
-                         f"w2 {tuple(w2_packed.shape)} do not agree")
+                         f"w2 {tuple(w2_packed.shape)} do not agree ({layout} layout)")
     if topk_ids.shape != topk_w.shape or topk_ids.shape[0] != T:
         raise ValueError("int4_moe: topk_ids/topk_w must both be [T, k]")
+    if w13_packed.dtype != torch.int32 or w2_packed.dtype != torch.int32:
+        raise ValueError("int4_moe: packed weights must be int32")
+    if x.is_cuda:
+        if layout == "checkpoint":
+            w13_packed, w13_scale, w2_packed, w2_scale = repack_int4_moe_for_gpu(
+                w13_packed, w13_scale, w2_packed, w2_scale)
+        if x.dtype not in _TL_DTYPE:
+            raise ValueError(f"int4_moe: unsupported activation dtype {x.dtype}")
+        return _int4_moe_triton(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale)
+    if layout == "gpu":
+        w13_packed, w13_scale, w2_packed, w2_scale = unrepack_int4_moe(
+            w13_packed, w13_scale, w2_packed, w2_scale, D)
     return int4_moe_ref(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale)
+
+
+def int4_moe_triton(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale):
+    """The Triton path on any device (tests call it on CPU under TRITON_INTERPRET=1); "gpu" layout."""
+    return _int4_moe_triton(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale)

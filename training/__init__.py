@@ -1,0 +1,1 @@
+"""Training recipes for the small real model pair (`models/kimi-mini`): tokenizer, target, drafter, evaluation."""
