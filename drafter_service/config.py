@@ -1,4 +1,9 @@
-"""DFlash drafter configuration (a Qwen3-style layer stack conditioned on target taps; DESIGN 2.2)."""
+"""DFlash drafter configuration (a Qwen3-style layer stack conditioned on target taps; DESIGN 2.2).
+
+`dflash_config.{target_layer_ids, mask_token_id, block_size}` win over the same keys at the top level;
+`num_target_layers` is read at the top level, then inside dflash_config. Without target_layer_ids the
+DFlash rule picks n layers spread over the target: round(1 + i*(N-4)/(n-1)).
+"""
 
 from __future__ import annotations
 
@@ -40,6 +45,12 @@ class DFlashConfig:
             raise ValueError("drafter config: num_attention_heads must be a multiple of num_key_value_heads")
         if not self.target_layer_ids:
             raise ValueError("drafter config: target_layer_ids is empty")
+        if len(set(self.target_layer_ids)) != len(self.target_layer_ids) or min(self.target_layer_ids) < 0:
+            raise ValueError(f"drafter config: target_layer_ids {list(self.target_layer_ids)} must be distinct and "
+                             ">= 0")
+        if self.num_target_layers and max(self.target_layer_ids) >= self.num_target_layers:
+            raise ValueError(f"drafter config: target_layer_ids {list(self.target_layer_ids)} reach beyond "
+                             f"num_target_layers {self.num_target_layers}")
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(f"drafter config: mask_token_id {self.mask_token_id} is outside the vocabulary "
                              f"(vocab_size {self.vocab_size})")
@@ -57,15 +68,16 @@ class DFlashConfig:
                 return dc[name]
             return d.get(name, default)
 
-        n_target = int(d.get("num_target_layers") or dc.get("num_target_layers") or 0)
-        ids = pick("target_layer_ids")
-        if ids is None:
-            if not n_target:
-                raise ValueError("drafter config: neither target_layer_ids nor num_target_layers is set")
-            ids = default_target_layer_ids(n_target, int(d["num_hidden_layers"]))
-        hidden = int(d["hidden_size"])
-        heads = int(d["num_attention_heads"])
         try:
+            n_target = int(d.get("num_target_layers") or dc.get("num_target_layers") or 0)
+            ids = pick("target_layer_ids")
+            if ids is None:
+                if not n_target:
+                    raise ValueError("drafter config: neither target_layer_ids nor num_target_layers is set")
+                ids = default_target_layer_ids(n_target, int(d["num_hidden_layers"]))
+            if pick("mask_token_id") is None:
+                raise ValueError("drafter config: mask_token_id is missing (dflash_config.mask_token_id or top level)")
+            hidden, heads = int(d["hidden_size"]), int(d["num_attention_heads"])
             return cls(hidden_size=hidden, num_hidden_layers=int(d["num_hidden_layers"]), num_attention_heads=heads,
                        num_key_value_heads=int(d.get("num_key_value_heads", heads)),
                        head_dim=int(d.get("head_dim") or hidden // heads),
@@ -86,4 +98,9 @@ class DFlashConfig:
             p = p / "config.json"
         if not p.exists():
             raise FileNotFoundError(f"{p}: no config.json for the drafter")
-        return cls.from_dict(json.loads(p.read_text()))
+        try:
+            return cls.from_dict(json.loads(p.read_text()))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{p}: not valid JSON ({e})") from None
+        except ValueError as e:
+            raise ValueError(f"{p}: {e}") from None

@@ -3,6 +3,7 @@
   ddtree init-random --preset tiny --out DIR [--seed S]
   ddtree generate --target DIR --drafter DIR (--prompt-ids 1,2,3 | --prompt TEXT) --max-new-tokens N
                   --budget B [--topk K] [--block-size S] [--json]
+                  [--temperature T] [--top-p P] [--top-k K] [--seed S]   (default greedy; seed reported)
 """
 
 from __future__ import annotations

@@ -2,23 +2,39 @@
 
 `tiktoken.model` lines are `base64(token bytes) rank`; special tokens come from tokenizer_config.json
 `added_tokens_decoder` (id -> {content, special}). When every rank is a single byte (the byte-level
-vocabulary `ddtree init-random` writes) encoding is exact byte lookup; merges for real BPE ranks are
-applied greedily by rank (the tiktoken algorithm).
+vocabulary `ddtree init-random` writes) encoding is exact byte lookup. A BPE vocabulary is encoded like
+tiktoken: the text is pre-split by a regular expression (tokenizer_config.json `pat_str`, default
+`PAT_STR`; it must be one Python's `re` supports), then within each piece the adjacent pair whose
+concatenation has the lowest rank is merged until none is in the vocabulary. Pieces are cached.
 """
 
 from __future__ import annotations
 
 import base64
 import json
+import re
 from pathlib import Path
+
+# cl100k-style pre-split in Python `re` syntax: contractions, identifiers (letters, digits after the
+# first, underscores; one leading non-word char such as a space or '.'), 1-3 digit numbers, punctuation
+# runs with trailing newlines, newlines with the spaces before them, then other whitespace runs
+# (a run before a word leaves its last space to the word, so indentation is its own piece).
+PAT_STR = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\w]?[^\W\d]\w*|\d{1,3}| ?[^\s\w]+[\r\n]*|\s*[\r\n]|"""
+           r"""\s+(?!\S)|\s+""")
+_CACHE_MAX = 1 << 16  # cached pieces
 
 
 class Tokenizer:
-    def __init__(self, ranks: dict[bytes, int], specials: dict[int, str]):
+    def __init__(self, ranks: dict[bytes, int], specials: dict[int, str], pattern: str | None = None):
         self.ranks = ranks
         self.specials = specials
         self.decoder = {v: k for k, v in ranks.items()}
         self.special_ids = {v: k for k, v in specials.items()}
+        self.byte_level = len(ranks) == 256 and all(len(k) == 1 for k in ranks)
+        self.pattern = pattern if pattern is not None else (None if self.byte_level else PAT_STR)
+        self._split = re.compile(self.pattern) if self.pattern else None
+        self._byte_ids = [ranks.get(bytes([b]), -1) for b in range(256)]  # used when byte_level
+        self._cache: dict[str, list[int]] = {}
 
     @property
     def vocab_size(self) -> int:
@@ -36,27 +52,46 @@ class Tokenizer:
                 tok, rank = line.split()
                 ranks[base64.b64decode(tok)] = int(rank)
         specials = {}
+        pattern = None
         cfg = folder / "tokenizer_config.json"
         if cfg.exists():
-            for k, v in json.loads(cfg.read_text()).get("added_tokens_decoder", {}).items():
+            conf = json.loads(cfg.read_text())
+            for k, v in conf.get("added_tokens_decoder", {}).items():
                 specials[int(k)] = v["content"]
-        return cls(ranks, specials)
+            pattern = conf.get("pat_str")
+        return cls(ranks, specials, pattern)
 
     def encode(self, text: str) -> list[int]:
-        return self._merge([self.ranks[bytes([b])] for b in text.encode("utf-8")])
+        if self._split is None:
+            return [self._byte_ids[b] for b in text.encode("utf-8")]
+        out: list[int] = []
+        cache = self._cache
+        for piece in self._split.findall(text):
+            ids = cache.get(piece)
+            if ids is None:
+                ids = self._merge(piece.encode("utf-8"))
+                if len(cache) < _CACHE_MAX:
+                    cache[piece] = ids
+            out.extend(ids)
+        return out
 
-    def _merge(self, ids: list[int]) -> list[int]:
-        if all(len(self.decoder[i]) == 1 for i in ids) and len(self.ranks) == 256:
-            return ids
-        parts = [self.decoder[i] for i in ids]
+    def _merge(self, data: bytes) -> list[int]:
+        """tiktoken's byte-pair merge of one piece: repeatedly join the lowest-ranked adjacent pair."""
+        rank = self.ranks.get(data)
+        if rank is not None:
+            return [rank]
+        parts = [data[i : i + 1] for i in range(len(data))]
+        ranks = self.ranks
         while len(parts) > 1:
-            best = min(((self.ranks.get(parts[i] + parts[i + 1]), i) for i in range(len(parts) - 1)
-                        if parts[i] + parts[i + 1] in self.ranks), default=None)
+            best, at = None, -1
+            for i in range(len(parts) - 1):
+                r = ranks.get(parts[i] + parts[i + 1])
+                if r is not None and (best is None or r < best):
+                    best, at = r, i
             if best is None:
                 break
-            i = best[1]
-            parts[i : i + 2] = [parts[i] + parts[i + 1]]
-        return [self.ranks[p] for p in parts]
+            parts[at : at + 2] = [parts[at] + parts[at + 1]]
+        return [ranks[p] for p in parts]
 
     def decode_bytes(self, ids: list[int]) -> bytes:
         return b"".join(self.decoder.get(i, b"") for i in ids if i not in self.specials)
@@ -73,6 +108,8 @@ class Tokenizer:
         cfg = {"tokenizer_class": "TikTokenTokenizer",
                "added_tokens_decoder": {str(i): {"content": c, "special": True} for i, c in self.specials.items()},
                "bos_token": self.specials.get(min(self.specials), None) if self.specials else None}
+        if self.pattern is not None:
+            cfg["pat_str"] = self.pattern
         (folder / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2))
 
 

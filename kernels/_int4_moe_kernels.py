@@ -74,38 +74,70 @@ def _dequant8(w, DTYPE: tl.constexpr, USE_ASM: tl.constexpr):
 
 
 @triton.jit
-def _group_dot(acc, q, x_ptrs, x_mask, s_ptrs, s_mask, PREC: tl.constexpr):
-    # acc [ROWS, BLOCK_M] += (q [ROWS, 32] @ x^T [32, BLOCK_M]) * scale [ROWS]
-    xt = tl.load(x_ptrs, mask=x_mask, other=0.0)
-    s = tl.load(s_ptrs, mask=s_mask, other=0.0).to(tl.float32)
-    return acc + tl.dot(q, xt, input_precision=PREC) * s[:, None]
+def _xt(x_ptrs, x_ok, c, K, EVEN: tl.constexpr):
+    # x^T tile [32, BLOCK_M] of one quantisation group; padding pairs and columns past K read as 0
+    # (masked lanes fetch nothing: at T=1 only 1 of the 16 pair columns costs cache bandwidth)
+    if EVEN:
+        return tl.load(x_ptrs, mask=x_ok, other=0.0)
+    else:
+        return tl.load(x_ptrs, mask=x_ok & (c < K), other=0.0)
 
 
 @triton.jit
-def _int4_block_gemm(acc, x_ptr, x_row, x_ok, stride_x, K, w_ptrs, w_ok, s_ptrs, stride_sb, stride_sk,
-                     num_kb, DTYPE: tl.constexpr, USE_ASM: tl.constexpr, PREC: tl.constexpr):
-    """acc [ROWS, BLOCK_M] += W[rows, :K] @ X[x_row, :K]^T over the whole K extent (fixed order)."""
-    j = tl.arange(0, 32)
+def _int4_block_gemm(acc, x_ptrs, x_ok, K, w_ptrs, w_ok, s_ptrs, stride_sb, stride_sk, num_kb,
+                     DTYPE: tl.constexpr, USE_ASM: tl.constexpr, PREC: tl.constexpr,
+                     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
+    """acc [ROWS, BLOCK_M] += W[rows, :K] @ X^T over the whole K extent, in a fixed order.
+
+    x_ptrs [32, BLOCK_M]: column j of group 0 for each pair's activation row; x_ok [1, BLOCK_M]
+    False for padding pairs (never stored). Per 256-column block the 8 group products
+    Q_k @ X_k^T are separate MMAs folded into acc in group order with their fp32 scales.
+    """
+    col = tl.arange(0, 32)[:, None]
     for kb in range(num_kb):
-        w = tl.load(w_ptrs + kb * 32, mask=w_ok[:, None], other=0)  # [ROWS, 32] int32, 16-B rows
+        if EVEN_N:
+            w = tl.load(w_ptrs)  # [ROWS, 32] int32: 128 contiguous bytes per row
+        else:
+            w = tl.load(w_ptrs, mask=w_ok[:, None], other=0)
         q0, q1, q2, q3, q4, q5, q6, q7 = _dequant8(w, DTYPE, USE_ASM)
-        col = kb * BLOCK_K + j  # [32] columns of group 0 of this block
-        xp = x_ptr + x_row[None, :] * stride_x + col[:, None]  # [32, BLOCK_M]
-        sp = s_ptrs + kb * stride_sb
-        acc = _group_dot(acc, q0, xp + 0, x_ok[None, :] & (col + 0 < K)[:, None], sp, w_ok, PREC)
-        acc = _group_dot(acc, q1, xp + 32, x_ok[None, :] & (col + 32 < K)[:, None], sp + stride_sk, w_ok, PREC)
-        acc = _group_dot(acc, q2, xp + 64, x_ok[None, :] & (col + 64 < K)[:, None], sp + 2 * stride_sk, w_ok,
-                         PREC)
-        acc = _group_dot(acc, q3, xp + 96, x_ok[None, :] & (col + 96 < K)[:, None], sp + 3 * stride_sk, w_ok,
-                         PREC)
-        acc = _group_dot(acc, q4, xp + 128, x_ok[None, :] & (col + 128 < K)[:, None], sp + 4 * stride_sk, w_ok,
-                         PREC)
-        acc = _group_dot(acc, q5, xp + 160, x_ok[None, :] & (col + 160 < K)[:, None], sp + 5 * stride_sk, w_ok,
-                         PREC)
-        acc = _group_dot(acc, q6, xp + 192, x_ok[None, :] & (col + 192 < K)[:, None], sp + 6 * stride_sk, w_ok,
-                         PREC)
-        acc = _group_dot(acc, q7, xp + 224, x_ok[None, :] & (col + 224 < K)[:, None], sp + 7 * stride_sk, w_ok,
-                         PREC)
+        c = kb * BLOCK_K + col
+        p0 = tl.dot(q0, _xt(x_ptrs, x_ok, c, K, EVEN_K), input_precision=PREC)
+        p1 = tl.dot(q1, _xt(x_ptrs + 32, x_ok, c + 32, K, EVEN_K), input_precision=PREC)
+        p2 = tl.dot(q2, _xt(x_ptrs + 64, x_ok, c + 64, K, EVEN_K), input_precision=PREC)
+        p3 = tl.dot(q3, _xt(x_ptrs + 96, x_ok, c + 96, K, EVEN_K), input_precision=PREC)
+        p4 = tl.dot(q4, _xt(x_ptrs + 128, x_ok, c + 128, K, EVEN_K), input_precision=PREC)
+        p5 = tl.dot(q5, _xt(x_ptrs + 160, x_ok, c + 160, K, EVEN_K), input_precision=PREC)
+        p6 = tl.dot(q6, _xt(x_ptrs + 192, x_ok, c + 192, K, EVEN_K), input_precision=PREC)
+        p7 = tl.dot(q7, _xt(x_ptrs + 224, x_ok, c + 224, K, EVEN_K), input_precision=PREC)
+        if EVEN_N:  # scales [ROWS] per group, fp32
+            s = tl.load(s_ptrs).to(tl.float32)
+            acc += p0 * s[:, None]
+            s = tl.load(s_ptrs + stride_sk).to(tl.float32)
+            acc += p1 * s[:, None]
+            s = tl.load(s_ptrs + 2 * stride_sk).to(tl.float32)
+            acc += p2 * s[:, None]
+            s = tl.load(s_ptrs + 3 * stride_sk).to(tl.float32)
+            acc += p3 * s[:, None]
+            s = tl.load(s_ptrs + 4 * stride_sk).to(tl.float32)
+            acc += p4 * s[:, None]
+            s = tl.load(s_ptrs + 5 * stride_sk).to(tl.float32)
+            acc += p5 * s[:, None]
+            s = tl.load(s_ptrs + 6 * stride_sk).to(tl.float32)
+            acc += p6 * s[:, None]
+            s = tl.load(s_ptrs + 7 * stride_sk).to(tl.float32)
+            acc += p7 * s[:, None]
+        else:  # masked rows get scale 0
+            acc += p0 * tl.load(s_ptrs, mask=w_ok, other=0.0).to(tl.float32)[:, None]
+            acc += p1 * tl.load(s_ptrs + stride_sk, mask=w_ok, other=0.0).to(tl.float32)[:, None]
+            acc += p2 * tl.load(s_ptrs + 2 * stride_sk, mask=w_ok, other=0.0).to(tl.float32)[:, None]
+            acc += p3 * tl.load(s_ptrs + 3 * stride_sk, mask=w_ok, other=0.0).to(tl.float32)[:, None]
+            acc += p4 * tl.load(s_ptrs + 4 * stride_sk, mask=w_ok, other=0.0).to(tl.float32)[:, None]
+            acc += p5 * tl.load(s_ptrs + 5 * stride_sk, mask=w_ok, other=0.0).to(tl.float32)[:, None]
+            acc += p6 * tl.load(s_ptrs + 6 * stride_sk, mask=w_ok, other=0.0).to(tl.float32)[:, None]
+            acc += p7 * tl.load(s_ptrs + 7 * stride_sk, mask=w_ok, other=0.0).to(tl.float32)[:, None]
+        w_ptrs += 32
+        x_ptrs += BLOCK_K
+        s_ptrs += stride_sb
     return acc
 
 
@@ -119,6 +151,7 @@ def _moe_w13_kernel(
     stride_xt, stride_we, stride_wn, stride_se, stride_sb, stride_sk, stride_ap,
     TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr,
     DTYPE: tl.constexpr, USE_ASM: tl.constexpr, PREC: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_b = tl.program_id(1)
@@ -134,9 +167,10 @@ def _moe_w13_kernel(
     row_ok = n < I
     w_ptrs = w_ptr + e * stride_we + row[:, None] * stride_wn + tl.arange(0, 32)[None, :]
     s_ptrs = s_ptr + e * stride_se + row
+    x_ptrs = x_ptr + (tl.where(ok, pair, 0) // TOPK)[None, :] * stride_xt + tl.arange(0, 32)[:, None]
     acc = tl.zeros([2 * BLOCK_I, BLOCK_M], dtype=tl.float32)
-    acc = _int4_block_gemm(acc, x_ptr, pair // TOPK, ok, stride_xt, D, w_ptrs, row_ok, s_ptrs,
-                           stride_sb, stride_sk, num_kb, DTYPE, USE_ASM, PREC)
+    acc = _int4_block_gemm(acc, x_ptrs, ok[None, :], D, w_ptrs, row_ok, s_ptrs, stride_sb, stride_sk, num_kb,
+                           DTYPE, USE_ASM, PREC, EVEN_K, EVEN_N)
     gate, up = tl.split(tl.permute(tl.reshape(acc, [2, BLOCK_I, BLOCK_M]), (1, 2, 0)))  # [BLOCK_I, BLOCK_M]
     act = gate / (1.0 + tl.exp(-gate)) * up
     n_out = pid_n * BLOCK_I + tl.arange(0, BLOCK_I)
@@ -154,6 +188,7 @@ def _moe_w2_kernel(
     stride_ap, stride_we, stride_wn, stride_se, stride_sb, stride_sk, stride_yp,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     DTYPE: tl.constexpr, USE_ASM: tl.constexpr, PREC: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_b = tl.program_id(1)
@@ -167,9 +202,10 @@ def _moe_w2_kernel(
     row_ok = row < D
     w_ptrs = w_ptr + e * stride_we + row[:, None] * stride_wn + tl.arange(0, 32)[None, :]
     s_ptrs = s_ptr + e * stride_se + row
+    x_ptrs = a_ptr + tl.where(ok, pair, 0)[None, :] * stride_ap + tl.arange(0, 32)[:, None]
     acc = tl.zeros([BLOCK_D, BLOCK_M], dtype=tl.float32)
-    acc = _int4_block_gemm(acc, a_ptr, pair, ok, stride_ap, I, w_ptrs, row_ok, s_ptrs,
-                           stride_sb, stride_sk, num_kb, DTYPE, USE_ASM, PREC)
+    acc = _int4_block_gemm(acc, x_ptrs, ok[None, :], I, w_ptrs, row_ok, s_ptrs, stride_sb, stride_sk, num_kb,
+                           DTYPE, USE_ASM, PREC, EVEN_K, EVEN_N)
     tl.store(y_ptr + pair[None, :] * stride_yp + row[:, None], acc, mask=row_ok[:, None] & ok[None, :])
 
 

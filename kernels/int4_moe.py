@@ -126,36 +126,37 @@ def unrepack_int4_moe(w13_packed, w13_scale, w2_packed, w2_scale, hidden: int):
 _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
-def _int4_moe_triton(x, topk_ids, topk_w, w13, s13, w2, s2):
+def _int4_moe_triton(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, block_i: int = _BLOCK_I,
+                     block_d: int = _BLOCK_D, num_warps: int = 4, num_stages: int = 3, use_asm: bool = _USE_ASM):
     T, D = x.shape
     topk = topk_ids.shape[1]
     E, two_i, _ = w13.shape
     inter = two_i // 2
     P = T * topk
-    out = torch.empty_like(x)
+    if out is None:
+        out = torch.empty_like(x)
+    elif out.shape != x.shape or out.dtype != x.dtype or out.stride(-1) != 1:
+        raise ValueError("int4_moe: out must match x")
     if T == 0:
         return out
     x = x.contiguous()
     sorted_pairs, bexp = moe_align(topk_ids, E, _BLOCK_M)
     nblk = bexp.shape[0]
-    dtype = _TL_DTYPE[x.dtype]
-    use_asm = _USE_ASM and x.dtype == torch.bfloat16 and x.is_cuda  # PTX: real GPU only
-    prec = "ieee" if x.dtype == torch.float32 else "tf32"
-    a = torch.empty(P, inter, dtype=x.dtype, device=x.device)
-    _moe_w13_kernel[(triton.cdiv(inter, _BLOCK_I), nblk)](
+    common = dict(BLOCK_M=_BLOCK_M, DTYPE=_TL_DTYPE[x.dtype], PREC="ieee" if x.dtype == torch.float32 else "tf32",
+                  USE_ASM=use_asm and x.dtype == torch.bfloat16 and x.is_cuda,  # PTX: real GPU only
+                  num_warps=num_warps, num_stages=num_stages)
+    a = torch.empty(P, inter, dtype=x.dtype, device=x.device)  # silu(gate) * up per pair
+    _moe_w13_kernel[(triton.cdiv(inter, block_i), nblk)](
         x, w13, s13, a, sorted_pairs, bexp, P, D, inter, w13.shape[2] // 32,
         x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), s13.stride(2), a.stride(0),
-        TOPK=topk, BLOCK_M=_BLOCK_M, BLOCK_I=_BLOCK_I, DTYPE=dtype, USE_ASM=use_asm, PREC=prec,
-        num_warps=4, num_stages=3)
-    y = torch.empty(P, D, dtype=torch.float32, device=x.device)
-    _moe_w2_kernel[(triton.cdiv(D, _BLOCK_D), nblk)](
+        TOPK=topk, BLOCK_I=block_i, EVEN_K=D % _BLOCK_K == 0, EVEN_N=inter % block_i == 0, **common)
+    y = torch.empty(P, D, dtype=torch.float32, device=x.device)  # unweighted expert output per pair
+    _moe_w2_kernel[(triton.cdiv(D, block_d), nblk)](
         a, w2, s2, y, sorted_pairs, bexp, P, inter, D, w2.shape[2] // 32,
         a.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), s2.stride(2), y.stride(0),
-        BLOCK_M=_BLOCK_M, BLOCK_D=_BLOCK_D, DTYPE=dtype, USE_ASM=use_asm, PREC=prec,
-        num_warps=4, num_stages=3)
-    w = topk_w.contiguous()
+        BLOCK_D=block_d, EVEN_K=inter % _BLOCK_K == 0, EVEN_N=D % block_d == 0, **common)
     _moe_combine_kernel[(T, triton.cdiv(D, 1024))](
-        y, w, out, D, y.stride(0), out.stride(0), TOPK=topk, BLOCK=1024, num_warps=4)
+        y, topk_w.contiguous(), out, D, y.stride(0), out.stride(0), TOPK=topk, BLOCK=1024, num_warps=4)
     return out
 
 
@@ -190,6 +191,9 @@ def int4_moe(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale, *,
     return int4_moe_ref(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale)
 
 
-def int4_moe_triton(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale):
-    """The Triton path on any device (tests call it on CPU under TRITON_INTERPRET=1); "gpu" layout."""
-    return _int4_moe_triton(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale)
+def int4_moe_triton(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale, out=None, **config):
+    """The Triton path on any device (tests call it on CPU under TRITON_INTERPRET=1); "gpu" layout.
+
+    `out` ([T, D], x's dtype, optional) is written in place (tests poison it first); `config`
+    overrides the tile sizes (block_i, block_d), num_warps, num_stages, use_asm (benchmarks)."""
+    return _int4_moe_triton(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale, out, **config)

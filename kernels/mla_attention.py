@@ -9,13 +9,26 @@ tokens whose latent KV rows were already written at logical cache indices
 Scores: (q_lat . c_kv + q_pe . k_pe) * sm_scale; output is the latent-space value p . c_kv
 ([T, H, kv_lora_rank]); the caller applies W_UV and o_proj.
 
-`mla_attention` is the launcher (the GPU kernel path is added by the kernels work; on CPU it runs
-`mla_attention_ref`, the definition of correctness).
+`mla_attention_ref` is the definition of correctness. `mla_attention` is the launcher: Triton
+kernels on CUDA (`_mla_kernels`: split-KV over chunks whose size depends only on the session's own
+committed length, tree/causal rows masked at the end of the last chunk, chunks merged by
+log-sum-exp in a fixed order, so results are batch invariant), the reference elsewhere.
+Launches: one attention kernel, plus one combine kernel. Grid sizes depend only on host-known
+shapes (T, S, block table width): no host sync, CUDA-graph capturable.
 """
 
 from __future__ import annotations
 
 import torch
+import triton
+
+from kernels._mla_kernels import _mla_combine_kernel, _mla_fwd_kernel
+
+_BLOCK_M = 64  # query rows (token, head) per tile: one token at 64 heads
+_BLOCK_N = 32  # KV rows per step (divides 32: a tree tile reads one 32-bit half of the bits)
+_NCH = 16  # at most this many KV chunks per session
+_C_MIN = 512  # smallest chunk: bounds the partial traffic for short prefixes
+_LOG2E = 1.4426950408889634
 
 
 def _visible_new(tree_bits: torch.Tensor | None, t0: int, n: int, device) -> torch.Tensor:
@@ -69,6 +82,67 @@ def mla_attention_ref(
     return out
 
 
+def _chunks_for(length: int) -> int:
+    """Number of KV chunks the kernel uses for a session with `length` committed rows."""
+    c = max(_C_MIN, _BLOCK_N * triton.cdiv(triton.cdiv(length, _NCH), _BLOCK_N))
+    return max(1, triton.cdiv(length, c))
+
+
+def mla_attention_triton(q_lat, q_pe, kv_cache, block_table, page_size, cu_q, prefix_lens, tree_bits,
+                         sm_scale, *, out=None, block_n: int = _BLOCK_N, num_warps: int = 8,
+                         num_stages: int = 2):
+    """The Triton path on any device (tests call it on CPU under TRITON_INTERPRET=1).
+
+    q_lat/q_pe are cast to the cache dtype; `out` ([T, H, Dl], optional) is written in place."""
+    T, H, Dl = q_lat.shape
+    Dr = q_pe.shape[-1]
+    S = prefix_lens.shape[0]
+    if block_n not in (16, 32):
+        raise ValueError("mla_attention: block_n must divide 32 (tree tiles read 32-bit halves of the bits)")
+    q_lat = q_lat.to(kv_cache.dtype)
+    q_pe = q_pe.to(kv_cache.dtype)
+    if out is None:
+        out = torch.empty_like(q_lat)
+    elif out.shape != q_lat.shape or out.stride(-1) != 1:
+        raise ValueError("mla_attention: out must be [T, H, Dl] with a contiguous last dim")
+    if T == 0 or S == 0:
+        return out
+    for name, t in (("q_lat", q_lat), ("q_pe", q_pe), ("kv_cache", kv_cache)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"mla_attention: {name} must be contiguous in its last dim")
+    if block_table.dtype != torch.int32 or cu_q.dtype != torch.int32 or prefix_lens.dtype != torch.int32:
+        raise ValueError("mla_attention: block_table, cu_q, prefix_lens must be int32")
+    if tree_bits is not None and (tree_bits.dtype != torch.int64 or tree_bits.shape[1] > 2):
+        raise ValueError("mla_attention: tree_bits must be int64 [T, W] with W <= 2 (trees <= 128 nodes)")
+    bdl = max(16, triton.next_power_of_2(Dl))
+    bdr = max(16, triton.next_power_of_2(Dr))
+    tiles = triton.cdiv(T * H, _BLOCK_M) + S  # >= sum over sessions of cdiv(n_s * H, BLOCK_M)
+    cap = block_table.shape[1] * page_size  # no session holds more rows than its block table maps
+    nch = min(_NCH, _chunks_for(cap))
+    parts = tiles * nch if nch > 1 else 1
+    po = torch.empty(parts, _BLOCK_M, bdl, dtype=torch.float32, device=q_lat.device)
+    pml = torch.empty(parts, 2, _BLOCK_M, dtype=torch.float32, device=q_lat.device)
+    bits = tree_bits if tree_bits is not None else prefix_lens  # dummy pointer when causal
+    prec = "ieee" if kv_cache.dtype == torch.float32 else "tf32"
+    s_pad = max(16, triton.next_power_of_2(S + 1))
+    _mla_fwd_kernel[(tiles, nch)](
+        q_lat, q_pe, kv_cache, block_table, cu_q, prefix_lens, bits, out, po, pml,
+        S, H, sm_scale * _LOG2E,
+        q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), kv_cache.stride(0),
+        block_table.stride(0), bits.stride(0), out.stride(0), out.stride(1),
+        DL=Dl, DR=Dr, BDL=bdl, BDR=bdr, PAGE=page_size, BLOCK_M=_BLOCK_M, BLOCK_N=block_n, NCH=_NCH,
+        C_MIN=_C_MIN, S_PAD=s_pad, TREE=tree_bits is not None,
+        TWO_WORDS=tree_bits is not None and tree_bits.shape[1] > 1, PREC=prec,
+        num_warps=num_warps, num_stages=num_stages)
+    if nch > 1:
+        block_d = min(bdl, 128)
+        _mla_combine_kernel[(tiles, triton.cdiv(bdl, block_d))](
+            po, pml, cu_q, prefix_lens, out, S, H, out.stride(0), out.stride(1),
+            DL=Dl, BDL=bdl, BLOCK_D=block_d, BLOCK_M=_BLOCK_M, BLOCK_N=block_n, NCH=_NCH, C_MIN=_C_MIN,
+            S_PAD=s_pad, num_warps=4)
+    return out
+
+
 def mla_attention(q_lat, q_pe, kv_cache, block_table, page_size, cu_q, prefix_lens, tree_bits, sm_scale):
     """Launcher: checks shapes; dispatches to the Triton kernel on CUDA, the reference elsewhere."""
     T, H, Dl = q_lat.shape
@@ -77,4 +151,9 @@ def mla_attention(q_lat, q_pe, kv_cache, block_table, page_size, cu_q, prefix_le
                          f"kv_cache {tuple(kv_cache.shape)} do not agree")
     if tree_bits is not None and tree_bits.shape[0] != T:
         raise ValueError(f"mla_attention: tree_bits has {tree_bits.shape[0]} rows for {T} queries")
+    if cu_q.shape[0] != prefix_lens.shape[0] + 1 or block_table.shape[0] != prefix_lens.shape[0]:
+        raise ValueError("mla_attention: cu_q must be [S+1], block_table [S, P] for prefix_lens [S]")
+    if q_lat.is_cuda:
+        return mla_attention_triton(q_lat, q_pe, kv_cache, block_table, page_size, cu_q, prefix_lens,
+                                    tree_bits, sm_scale)
     return mla_attention_ref(q_lat, q_pe, kv_cache, block_table, page_size, cu_q, prefix_lens, tree_bits, sm_scale)

@@ -9,43 +9,93 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
+
+SUPPORTED_MODEL_TYPES = ("kimi_k25", "kimi_k2", "deepseek_v3")
+
+
+def match_name(name: str, target: str) -> bool:
+    """compressed-tensors' rule: `re:PATTERN` is `re.match` (anchored at the start, not the end) against
+    the module path; anything else must equal the module path exactly."""
+    if target.startswith("re:"):
+        return re.match(target[3:], name) is not None
+    return target == name
 
 
 @dataclass(frozen=True)
 class QuantConfig:
-    """compressed-tensors pack-quantized INT4 settings (None on the target = everything bf16)."""
+    """compressed-tensors pack-quantized INT4 settings (None on the target = everything bf16).
+
+    Which modules are INT4 follows compressed-tensors: a module is quantized when a config group's
+    `targets` match it (module path or class name, e.g. "Linear") and no `ignore` entry does. Module
+    paths are the checkpoint's tensor names without the `.weight` suffix (with `language_model.` for
+    K2.5/K2.6). The loader then requires exactly the routed experts to be quantized.
+    """
 
     num_bits: int = 4
     group_size: int = 32
     symmetric: bool = True
     ignore: tuple[str, ...] = ()
+    targets: tuple[str, ...] = ("Linear",)
+    format: str = "pack-quantized"
 
     def __post_init__(self):
+        if self.format != "pack-quantized":
+            raise ValueError(f"quantization_config: unsupported format {self.format!r} (supported: pack-quantized)")
         if self.num_bits != 4 or not self.symmetric:
             raise ValueError(f"only symmetric INT4 is supported, got num_bits={self.num_bits} "
                              f"symmetric={self.symmetric}")
         if self.group_size <= 0 or self.group_size % 8:
             raise ValueError(f"quantization group_size must be a positive multiple of 8, got {self.group_size}")
+        for pat in (*self.ignore, *self.targets):
+            if pat.startswith("re:"):
+                try:
+                    re.compile(pat[3:])
+                except re.error as e:
+                    raise ValueError(f"quantization_config: bad regex {pat!r}: {e}") from None
+
+    def is_quantized(self, module: str, classes: tuple[str, ...]) -> bool:
+        """compressed-tensors matching for one module path with its class names (MRO)."""
+        def hit(t: str) -> bool:
+            return match_name(module, t) or t in classes
+
+        return any(hit(t) for t in self.targets) and not any(hit(t) for t in self.ignore)
 
     @classmethod
     def from_hf(cls, qc: dict | None) -> QuantConfig | None:
         if not qc:
             return None
         method = qc.get("quant_method")
-        fmt = qc.get("format")
-        if method != "compressed-tensors" or fmt != "pack-quantized":
-            raise ValueError(f"unsupported quantization_config: quant_method={method!r} format={fmt!r} "
-                             "(supported: compressed-tensors pack-quantized)")
+        if method != "compressed-tensors":
+            raise ValueError(f"quantization_config: unsupported quant_method {method!r} (supported: compressed-tensors "
+                             "pack-quantized INT4; FP8 checkpoints such as the original DeepSeek-V3 must be "
+                             "converted to bf16 first)")
         groups = list((qc.get("config_groups") or {}).values())
         if len(groups) != 1:
             raise ValueError(f"quantization_config: expected one config group, found {len(groups)}")
-        w = groups[0].get("weights") or {}
-        if w.get("strategy", "group") != "group" or w.get("type", "int") != "int":
-            raise ValueError(f"quantization_config: unsupported weights scheme {w}")
+        grp = groups[0]
+        fmt = grp.get("format") or qc.get("format")
+        if fmt != "pack-quantized":
+            raise ValueError(f"quantization_config: unsupported format {fmt!r} (supported: pack-quantized)")
+        status = qc.get("quantization_status", "compressed")
+        if status != "compressed":
+            raise ValueError(f"quantization_config: quantization_status {status!r}: the weights are not packed "
+                             "(expected 'compressed')")
+        w = grp.get("weights") or {}
+        if w.get("strategy", "group") != "group" or w.get("type", "int") != "int" or w.get("dynamic"):
+            raise ValueError(f"quantization_config: unsupported weights scheme {w} (supported: static int group)")
+        if w.get("actorder") not in (None, False, "static"):
+            raise ValueError(f"quantization_config: actorder {w.get('actorder')!r} (g_idx) is not supported")
+        for act in ("input_activations", "output_activations"):
+            if grp.get(act):
+                raise ValueError(f"quantization_config: {act} quantization is not supported (weight-only INT4)")
+        if qc.get("kv_cache_scheme"):
+            raise ValueError("quantization_config: kv_cache_scheme is not supported (the latent cache is bf16)")
         return cls(num_bits=int(w.get("num_bits", 4)), group_size=int(w.get("group_size", 32)),
-                   symmetric=bool(w.get("symmetric", True)), ignore=tuple(qc.get("ignore") or ()))
+                   symmetric=bool(w.get("symmetric", True)), ignore=tuple(qc.get("ignore") or ()),
+                   targets=tuple(grp.get("targets") or ("Linear",)), format=fmt)
 
 
 @dataclass(frozen=True)
@@ -94,6 +144,14 @@ class KimiConfig:
         if self.n_routed_experts % self.n_group or self.topk_group > self.n_group:
             raise ValueError(f"config: n_group {self.n_group} / topk_group {self.topk_group} do not "
                              f"divide {self.n_routed_experts} experts")
+        if self.n_group > 1 and self.n_routed_experts // self.n_group < 2:
+            raise ValueError(f"config: grouped routing scores a group by its top-2 experts; {self.n_routed_experts} "
+                             f"experts in {self.n_group} groups leave fewer than 2 per group")
+        if self.num_experts_per_tok > self.topk_group * (self.n_routed_experts // self.n_group):
+            raise ValueError(f"config: num_experts_per_tok {self.num_experts_per_tok} exceeds the experts of "
+                             f"topk_group {self.topk_group} groups")
+        if self.first_k_dense_replace < 0 or self.moe_layer_freq < 1:
+            raise ValueError("config: first_k_dense_replace must be >= 0 and moe_layer_freq >= 1")
         if self.qk_rope_head_dim % 2:
             raise ValueError("config: qk_rope_head_dim must be even")
         if self.scoring_func != "sigmoid" or self.topk_method not in ("noaux_tc", "greedy", "group_limited_greedy"):
@@ -133,9 +191,14 @@ class KimiConfig:
     # --- parsing -------------------------------------------------------------------------------
     @classmethod
     def from_dict(cls, d: dict) -> KimiConfig:
+        """Kimi K2.5/K2.6 (`text_config` + `language_model.` prefix), Kimi K2 / DeepSeek-V3 (top level)."""
         text = d.get("text_config")
         prefix = "language_model." if text is not None else ""
         src = dict(text) if text is not None else dict(d)
+        for mt in {d.get("model_type"), src.get("model_type")} - {None}:
+            if mt not in SUPPORTED_MODEL_TYPES:
+                raise ValueError(f"model_type {mt!r} is not a Kimi K2.x / DeepSeek-V3 text model "
+                                 f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)}); is this the drafter's folder?")
         qc = src.get("quantization_config") or d.get("quantization_config")
         kw = {}
         for f in cls.__dataclass_fields__:
@@ -143,14 +206,21 @@ class KimiConfig:
                 continue
             if f in src:
                 kw[f] = src[f]
+            elif f in ("bos_token_id", "eos_token_id", "tie_word_embeddings") and f in d:
+                kw[f] = d[f]
         if isinstance(kw.get("eos_token_id"), list):
             kw["eos_token_id"] = tuple(kw["eos_token_id"])
+        if kw.get("rope_scaling") is not None:
+            kw["rope_scaling"] = dict(kw["rope_scaling"])
         missing = [f for f in ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
                                "num_hidden_layers", "num_attention_heads", "n_routed_experts",
                                "num_experts_per_tok") if f not in kw]
         if missing:
-            raise ValueError(f"config.json: missing fields {missing}")
-        return cls(**kw, quant=QuantConfig.from_hf(qc), tensor_prefix=prefix, raw=d)
+            raise ValueError(f"missing fields {missing}")
+        try:
+            return cls(**kw, quant=QuantConfig.from_hf(qc), tensor_prefix=prefix, raw=d)
+        except TypeError as e:
+            raise ValueError(f"bad field value: {e}") from None
 
     @classmethod
     def from_file(cls, path: str | Path) -> KimiConfig:
@@ -159,4 +229,9 @@ class KimiConfig:
             p = p / "config.json"
         if not p.exists():
             raise FileNotFoundError(f"{p}: no config.json (is this a Hugging Face model folder?)")
-        return cls.from_dict(json.loads(p.read_text()))
+        try:
+            return cls.from_dict(json.loads(p.read_text()))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{p}: not valid JSON ({e})") from None
+        except ValueError as e:
+            raise ValueError(f"{p}: {e}") from None

@@ -5,7 +5,8 @@ Each step (DESIGN 3):
      autoregressive sessions (budget 0, or no drafter) contribute their root alone;
   2. run the target once over the flat batch of all nodes (positions start + depth, ancestor masks
      derived here from `parent`, never taken from the wire);
-  3. posterior token per node (argmax), acceptance walk, KV compaction of the accepted path;
+  3. posterior token per node (argmax, or the session's seeded sample: `verifier_service.sampler`),
+     acceptance walk, KV compaction of the accepted path;
   4. one host read of the step's results: emitted tokens, new roots, taps queued for the drafter.
 Autoregressive decoding is this same loop with trees of one node.
 """
@@ -26,6 +27,8 @@ from kernels.tree_mask import ancestor_mask, pack_mask_bits
 from verifier_service.forward_batch import ForwardBatch
 from verifier_service.kv_cache import KVPool
 from verifier_service.model import KimiForCausalLM
+from verifier_service.sampler import SamplerTable
+from verifier_service.sampling_params import resolve_seed
 from verifier_service.session import DecodeParams, Session
 
 
@@ -67,6 +70,7 @@ class Engine:
                          cfg.max_session_len, self.dtype, self.device)
         self.sessions: dict[str, Session] = {}
         self._ids = itertools.count()
+        self.sampler = SamplerTable(cfg.max_sessions, self.device)  # per-KV-row sampling params
 
     # --- admission ---------------------------------------------------------------------------------
     def validate(self, prompt: list[int], params: DecodeParams) -> None:
@@ -86,8 +90,11 @@ class Engine:
         return tree_size(params.budget, params.topk, self.drafter.depth)
 
     @torch.no_grad()
-    def add(self, prompt: list[int], params: DecodeParams, sid: str | None = None) -> Session:
-        """Admit a session: prefill the prompt (a causal chain) and emit the first token."""
+    def add(self, prompt: list[int], params: DecodeParams, sid: str | None = None,
+            persistent: bool = False) -> Session:
+        """Admit a session: prefill the prompt (a causal chain) and emit the first token.
+
+        persistent: keep the KV after the turn finishes, for `extend`, until `release`."""
         self.validate(prompt, params)
         sid = sid if sid is not None else f"s{next(self._ids)}"
         if sid in self.sessions:
@@ -98,24 +105,60 @@ class Engine:
         except Exception:
             self.kv.release(row)
             raise
-        s = Session(sid=sid, row=row, params=params, prompt_len=len(prompt))
+        s = Session(sid=sid, row=row, params=params, prompt_len=len(prompt), seed=resolve_seed(params.sampling),
+                    persistent=persistent)
+        self.sampler.set(row, params.sampling, s.seed)
         self.sessions[sid] = s
-        P = len(prompt)
-        pos = torch.arange(P, device=self.device)
-        fb = ForwardBatch(
-            tokens=torch.tensor(prompt, dtype=torch.int64).to(self.device), positions=pos,
-            write_slots=self.kv.slots(torch.tensor([row], device=self.device), pos[None])[0],
-            cu_q=torch.tensor([0, P], dtype=torch.int32, device=self.device),
-            prefix_lens=torch.zeros(1, dtype=torch.int32, device=self.device),
-            block_table=self.kv.block_table[row : row + 1], page_size=self.kv.page_size, tree_bits=None)
-        hidden, taps = self.target(fb, self.kv.kv, self.tap_layers)
-        first = int(self.target.logits(hidden[-1:]).argmax(-1))
-        s.committed, s.root = P, first
-        s.add_pending(0, taps, self.cfg.draft_window)
-        s.emit([first])
-        if s.done:
+        self._prefill(s, prompt)
+        if s.done and not s.persistent:
             self.finish(sid)
         return s
+
+    @torch.no_grad()
+    def extend(self, sid: str, tokens: list[int], params: DecodeParams) -> Session:
+        """Next turn of a persistent session whose last turn finished: prefill [last emitted token] +
+        tokens right after the cached prefix and emit the turn's first token. Greedy output equals a
+        one-shot generation of the concatenated prompt. Raises before changing anything (ValueError,
+        KVCapacityError) when the turn cannot start."""
+        s = self.sessions.get(sid)
+        if s is None or s.row < 0:
+            raise ValueError(f"session {sid!r} does not hold a KV cache (never opened, or released)")
+        if not s.done:
+            raise ValueError(f"session {sid!r} is still generating its current turn")
+        chain = [s.root, *tokens]
+        self.validate(chain, params)
+        self.kv.ensure(s.row, s.committed + len(chain) + self.tree_nodes(params))
+        s.params, s.output, s.accepted_per_step, s.tree_sizes, s.finish_reason = params, [], [], [], None
+        s.seed = resolve_seed(params.sampling)
+        self.sampler.set(s.row, params.sampling, s.seed)
+        self._prefill(s, chain)
+        if s.done and not s.persistent:
+            self.finish(sid)
+        return s
+
+    def _prefill(self, s: Session, tokens: list[int]) -> None:
+        """Run `tokens` as a causal chain at positions s.committed.. (after the cached prefix), emit
+        the first generated token and queue the chain's taps for the drafter."""
+        start, P, row = s.committed, len(tokens), s.row
+        pos = torch.arange(start, start + P, device=self.device)
+        fb = ForwardBatch(
+            tokens=torch.tensor(tokens, dtype=torch.int64).to(self.device), positions=pos,
+            write_slots=self.kv.slots(torch.tensor([row], device=self.device), pos[None])[0],
+            cu_q=torch.tensor([0, P], dtype=torch.int32, device=self.device),
+            prefix_lens=torch.tensor([start], dtype=torch.int32, device=self.device),
+            block_table=self.kv.block_table[row : row + 1], page_size=self.kv.page_size, tree_bits=None)
+        hidden, taps = self.target(fb, self.kv.kv, self.tap_layers)
+        # the last chain token (position start+P-1) predicts position start+P
+        first = int(self.sampler.posterior(self.target.logits(hidden[-1:]), [row], [start + P],
+                                           not s.params.sampling.greedy)[0])
+        s.committed, s.root = start + P, first
+        s.add_pending(start, taps, self.cfg.draft_window)
+        s.emit([first])
+
+    def release(self, sid: str) -> None:
+        """Free the session's KV on both services and forget it (idempotent)."""
+        self.finish(sid)
+        self.sessions.pop(sid, None)
 
     def finish(self, sid: str) -> None:
         """Free the session's KV on both services (idempotent)."""
@@ -189,7 +232,10 @@ class Engine:
             tree_bits=pack_mask_bits(ancestor_mask(parent)).view(S * M, -1)[gather])
         hidden, taps = self.target(fb, self.kv.kv, self.tap_layers)
         posterior = torch.full((S * M,), -1, dtype=torch.int64, device=dev)
-        posterior[gather] = self.target.logits(hidden).argmax(-1)
+        # node at position p predicts p + 1; nodes at one depth share (seed, p + 1) and so the noise
+        sampled = any(not s.params.sampling.greedy for s in active)
+        posterior[gather] = self.sampler.posterior(self.target.logits(hidden), rows[gather // M], fb.positions + 1,
+                                                   sampled)
         n_t = torch.tensor(n, device=dev)
         res = accept_greedy(tok, parent, n_t, posterior.view(S, M), max_depth)
         path = res.path.long()  # [S, D+1] node indices, -1 padded
@@ -214,8 +260,9 @@ class Engine:
             s.committed += a + 1
             s.root = bonus
             s.accepted_per_step.append(a + 1)
+            s.tree_sizes.append(n[i])
             out[s.sid] = s.emit(ptoks[1 : a + 1] + [bonus])
-            if s.done:
+            if s.done and not s.persistent:
                 self.finish(s.sid)
         return out
 

@@ -63,6 +63,8 @@ class MoE(nn.Module):
         super().__init__()
         E, D, inter = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.quantized = quantized
+        # global ids of the experts stacked below (all of them; expert_parallel.shard_experts keeps a range)
+        self.expert_ids: tuple[int, ...] = tuple(range(E))
         self.gate = Router(cfg)
         if quantized:
             g = cfg.quant.group_size
@@ -76,6 +78,9 @@ class MoE(nn.Module):
         self.shared_experts = MLP(D, inter * cfg.n_shared_experts) if cfg.n_shared_experts else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if len(self.expert_ids) != self.gate.cfg.n_routed_experts:
+            raise NotImplementedError("MoE holds an expert-parallel slice of the experts; the expert-parallel "
+                                      "forward (all-to-all / all-reduce) is not implemented yet")
         ids, w = self.gate(x)
         if self.quantized:
             y = int4_moe(x, ids, w, self.w13_packed, self.w13_scale, self.w2_packed, self.w2_scale)

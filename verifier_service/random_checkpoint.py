@@ -1,84 +1,142 @@
-"""Write a random-weight Kimi target in the real K2.5/K2.6 checkpoint layout (for tests and benchmarks).
+"""Write a random-weight target checkpoint in the real Hugging Face layout (for tests and benchmarks).
 
-Same names, shapes, dtypes and INT4 packing as a downloaded checkpoint: bf16 dense weights, fp32
-`e_score_correction_bias`, routed experts as compressed-tensors `weight_packed`/`weight_scale`/
-`weight_shape`, sharded with an index. Weights are generated one tensor at a time, so real-shape
-checkpoints (truncated to a few layers) stay within host memory.
+Names, shapes, dtypes and tensor kinds come from `checkpoint_layout.target_layout` (the loader's own
+expectations), plus the parts a real folder holds beside the text model: K2.5/K2.6 vision-tower and
+projector tensors (`vision_tower.*`, `mm_projector.*`, representative, at the vision_config sizes) and
+DeepSeek-V3's multi-token-prediction layer (`model.layers.{num_hidden_layers}.*`). The loader ignores
+both.
+
+Every tensor is generated lazily, chunk by chunk, while its shard is written
+(`safetensors_io.write_sharded_lazy`), so a real-shape Kimi K2.6 checkpoint truncated to a few layers
+is written with host memory bounded by one chunk (~128 MB), not by one layer (a K2.6 MoE layer is
+~9.5 GB of INT4 experts). Values are seeded per tensor from (seed, name without prefix), so the
+three layouts of one config hold identical weights.
+
+Routed experts, two modes (same names and packing either way):
+- quantize (the default for small experts, e.g. `tiny`): a random float matrix quantized with the
+  reference `kernels.int4_pack.quantize_int4` / `pack_int4`.
+- fast (default when an expert matrix has >= 4M elements, e.g. `kimi-k2.6`): random packed int32 words
+  (uniform nibbles) and bf16 scales near 1 / (4.6 sqrt(in)), drawn directly; quantizing 384 x 3 random
+  2048 x 7168 matrices per layer on a CPU is too slow for a benchmark setup.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import zlib
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 import torch
 
 from kernels.int4_pack import pack_int4, quantize_int4
+from verifier_service.checkpoint_layout import LayoutTensor, target_layout
 from verifier_service.config import KimiConfig
-from verifier_service.safetensors_io import write_sharded
+from verifier_service.safetensors_io import TensorSpec, write_sharded_lazy
+
+CHUNK_ELEMS = 32 << 20  # rows per generated chunk are chosen to stay under this many elements
+FAST_INT4_MIN = 1 << 22  # expert matrices with at least this many elements use the fast mode
 
 
-def _dense(g: torch.Generator, out_f: int, in_f: int) -> torch.Tensor:
-    return (torch.randn(out_f, in_f, generator=g) / math.sqrt(in_f)).to(torch.bfloat16)
+def _gen(seed: int, key: str) -> torch.Generator:
+    return torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()))
 
 
-def _norm(g: torch.Generator, n: int) -> torch.Tensor:
-    return (1.0 + 0.1 * torch.randn(n, generator=g)).to(torch.bfloat16)
+def _rows(shape: tuple[int, ...]) -> int:
+    inner = math.prod(shape[1:]) if len(shape) > 1 else 1
+    return max(1, CHUNK_ELEMS // max(inner, 1))
 
 
-def target_tensors(cfg: KimiConfig, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (checkpoint name, tensor) in file order."""
-    g = torch.Generator().manual_seed(seed)
-    p, D, H = cfg.tensor_prefix, cfg.hidden_size, cfg.num_attention_heads
-    yield f"{p}model.embed_tokens.weight", torch.randn(cfg.vocab_size, D, generator=g).to(torch.bfloat16)
-    for i in range(cfg.num_hidden_layers):
-        L = f"{p}model.layers.{i}."
-        yield L + "input_layernorm.weight", _norm(g, D)
-        yield L + "post_attention_layernorm.weight", _norm(g, D)
-        a = L + "self_attn."
-        if cfg.q_lora_rank:
-            yield a + "q_a_proj.weight", _dense(g, cfg.q_lora_rank, D)
-            yield a + "q_a_layernorm.weight", _norm(g, cfg.q_lora_rank)
-            yield a + "q_b_proj.weight", _dense(g, H * cfg.qk_head_dim, cfg.q_lora_rank)
-        else:
-            yield a + "q_proj.weight", _dense(g, H * cfg.qk_head_dim, D)
-        yield a + "kv_a_proj_with_mqa.weight", _dense(g, cfg.kv_row_dim, D)
-        yield a + "kv_a_layernorm.weight", _norm(g, cfg.kv_lora_rank)
-        yield a + "kv_b_proj.weight", _dense(g, H * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank)
-        yield a + "o_proj.weight", _dense(g, D, H * cfg.v_head_dim)
-        m = L + "mlp."
-        if not cfg.is_moe_layer(i):
-            yield m + "gate_proj.weight", _dense(g, cfg.intermediate_size, D)
-            yield m + "up_proj.weight", _dense(g, cfg.intermediate_size, D)
-            yield m + "down_proj.weight", _dense(g, D, cfg.intermediate_size)
-            continue
-        yield m + "gate.weight", _dense(g, cfg.n_routed_experts, D)
-        yield m + "gate.e_score_correction_bias", 0.1 * torch.randn(cfg.n_routed_experts, generator=g)
-        si = cfg.moe_intermediate_size * cfg.n_shared_experts
-        yield m + "shared_experts.gate_proj.weight", _dense(g, si, D)
-        yield m + "shared_experts.up_proj.weight", _dense(g, si, D)
-        yield m + "shared_experts.down_proj.weight", _dense(g, D, si)
-        inter = cfg.moe_intermediate_size
-        for e in range(cfg.n_routed_experts):
-            for proj, (o, n) in (("gate_proj", (inter, D)), ("up_proj", (inter, D)), ("down_proj", (D, inter))):
-                w = _dense(g, o, n).float()
-                name = f"{m}experts.{e}.{proj}."
-                if cfg.quant is None:
-                    yield name + "weight", w.to(torch.bfloat16)
-                    continue
-                q, scale = quantize_int4(w, cfg.quant.group_size)
-                yield name + "weight_packed", pack_int4(q)
-                yield name + "weight_scale", scale
-                yield name + "weight_shape", torch.tensor([o, n], dtype=torch.int32)
-    yield f"{p}model.norm.weight", _norm(g, D)
-    yield f"{p}lm_head.weight", _dense(g, cfg.vocab_size, D)
+def random_dense(shape, key: str, seed: int, dtype=torch.bfloat16) -> Iterator[torch.Tensor]:
+    """N(0, 1/in) in row chunks (1-D: norms around 1)."""
+    g = _gen(seed, key)
+    if len(shape) == 1:
+        yield (1.0 + 0.1 * torch.randn(shape, generator=g)).to(dtype)
+        return
+    step = _rows(shape)
+    fan_in = math.prod(shape[1:])
+    for r in range(0, shape[0], step):
+        n = min(step, shape[0] - r)
+        yield (torch.randn((n, *shape[1:]), generator=g) / math.sqrt(fan_in)).to(dtype)
 
 
-def write_random_target(folder: str | Path, config: dict, seed: int = 0, max_shard_bytes: int = 5 << 30) -> None:
+def _quantized(t: LayoutTensor, key: str, seed: int, group: int) -> Iterator[torch.Tensor]:
+    out_f, in_f = t.logical
+    w = next(random_dense((out_f, in_f), key, seed, torch.float32)) if out_f * in_f <= CHUNK_ELEMS else None
+    if w is None:
+        w = torch.cat(list(random_dense((out_f, in_f), key, seed, torch.float32)))
+    q, scale = quantize_int4(w, group)
+    yield pack_int4(q) if t.kind == "packed" else scale
+
+
+def _fast_int4(t: LayoutTensor, key: str, seed: int) -> Iterator[torch.Tensor]:
+    out_f, in_f = t.logical
+    if t.kind == "packed":
+        g = _gen(seed, key + ".weight_packed")
+        step = _rows(t.shape)
+        for r in range(0, out_f, step):
+            n = min(step, out_f - r)
+            yield torch.randint(0, 256, (n, in_f // 2), generator=g, dtype=torch.uint8).view(torch.int32)
+    else:
+        g = _gen(seed, key + ".weight_scale")
+        s0 = 1.0 / (4.6 * math.sqrt(in_f))  # uniform nibbles have std ~4.6: rows of W get std ~1/sqrt(in)
+        yield (s0 * (0.75 + 0.5 * torch.rand(t.shape, generator=g))).to(torch.bfloat16)
+
+
+def _make(t: LayoutTensor, cfg: KimiConfig, seed: int, fast: bool) -> Iterator[torch.Tensor]:
+    key = t.module.removeprefix(cfg.tensor_prefix)  # same values in every layout
+    if t.kind == "shape":
+        yield torch.tensor(list(t.logical), dtype=torch.int32)
+    elif t.kind == "router_bias":
+        yield 0.1 * torch.randn(t.shape, generator=_gen(seed, key + ".bias"))
+    elif t.kind in ("packed", "scale"):
+        yield from (_fast_int4(t, key, seed) if fast else _quantized(t, key, seed, cfg.quant.group_size))
+    else:
+        if t.kind == "embed":  # unit-scale rows, like a trained embedding table
+            yield from (c * math.sqrt(t.shape[1]) for c in random_dense(t.shape, key, seed))
+            return
+        yield from random_dense(t.shape, key, seed)
+
+
+def _extra_specs(config: dict, cfg: KimiConfig, seed: int) -> list[TensorSpec]:
+    """Tensors a real folder holds outside the text model: vision tower (K2.5/K2.6), MTP layer (DeepSeek-V3)."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    vc = config.get("vision_config")
+    if vc:
+        vh, vi, th = vc["vt_hidden_size"], vc["vt_intermediate_size"], vc["text_hidden_size"]
+        p, merged = vc["patch_size"], vc["mm_hidden_size"] * math.prod(vc["merge_kernel_size"])
+        shapes |= {"vision_tower.patch_embed.proj.weight": (vh, 3, p, p), "vision_tower.patch_embed.proj.bias": (vh,)}
+        for i in range(min(vc["vt_num_hidden_layers"], 2)):  # representative blocks, not the whole tower
+            b = f"vision_tower.encoder.blocks.{i}."
+            shapes |= {b + "wqkv.weight": (3 * vh, vh), b + "wo.weight": (vh, vh), b + "mlp.fc0.weight": (vi, vh),
+                       b + "mlp.fc1.weight": (vh, vi), b + "norm0.weight": (vh,), b + "norm1.weight": (vh,)}
+        shapes |= {"mm_projector.pre_norm.weight": (vc["mm_hidden_size"],),
+                   "mm_projector.proj.0.weight": (merged, merged), "mm_projector.proj.2.weight": (th, merged)}
+    text = config.get("text_config", config)
+    for k in range(int(text.get("num_nextn_predict_layers") or 0)):
+        m, D = f"{cfg.tensor_prefix}model.layers.{cfg.num_hidden_layers + k}.", cfg.hidden_size
+        shapes |= {m + "enorm.weight": (D,), m + "hnorm.weight": (D,), m + "eh_proj.weight": (D, 2 * D),
+                   m + "shared_head.norm.weight": (D,), m + "input_layernorm.weight": (D,),
+                   m + "self_attn.kv_a_proj_with_mqa.weight": (cfg.kv_row_dim, D)}
+    return [TensorSpec(n, s, torch.bfloat16, partial(random_dense, s, n, seed)) for n, s in shapes.items()]
+
+
+def target_specs(config: dict, seed: int = 0, fast_int4: bool | None = None) -> list[TensorSpec]:
+    """Every tensor of the checkpoint (text model in layout order, then the extras), lazily generated."""
+    cfg = KimiConfig.from_dict(config)
+    if fast_int4 is None:
+        fast_int4 = cfg.moe_intermediate_size * cfg.hidden_size >= FAST_INT4_MIN
+    specs = [TensorSpec(t.name, t.shape, t.dtype, partial(_make, t, cfg, seed, fast_int4)) for t in target_layout(cfg)]
+    return specs + _extra_specs(config, cfg, seed)
+
+
+def write_random_target(folder: str | Path, config: dict, seed: int = 0, max_shard_bytes: int = 5 << 30,
+                        fast_int4: bool | None = None) -> list[str]:
+    """config.json + sharded safetensors + index; returns the shard file names."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    cfg = KimiConfig.from_dict(config)
+    specs = target_specs(config, seed, fast_int4)
     (folder / "config.json").write_text(json.dumps(config, indent=2))
-    write_sharded(folder, target_tensors(cfg, seed), max_shard_bytes)
+    return write_sharded_lazy(folder, specs, max_shard_bytes)

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from verifier_service.sampling_params import SamplingParams
+
 MAX_BUDGET = 64  # trees have at most 65 nodes: two 64-bit words of ancestor mask per node
 
 
@@ -18,6 +20,7 @@ class DecodeParams:
     topk: int = 8
     eos_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    sampling: SamplingParams = SamplingParams()  # greedy by default
 
     def __post_init__(self):
         if not 0 <= self.budget <= MAX_BUDGET:
@@ -26,6 +29,8 @@ class DecodeParams:
             raise ValueError(f"topk must be >= 1, got {self.topk}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not isinstance(self.sampling, SamplingParams):
+            raise TypeError(f"sampling must be SamplingParams, got {type(self.sampling).__name__}")
 
 
 @dataclass
@@ -38,9 +43,12 @@ class Session:
     root: int = -1  # last emitted token; root of the next tree
     output: list[int] = field(default_factory=list)
     accepted_per_step: list[int] = field(default_factory=list)  # tokens committed per verify step
+    tree_sizes: list[int] = field(default_factory=list)  # nodes verified per step (1 = autoregressive)
     pending_start: int = 0  # position of pending_ctx[0]
     pending_ctx: torch.Tensor | None = None  # [n, F] taps not yet sent to the drafter
     finish_reason: str | None = None
+    seed: int | None = None  # sampling seed used (drawn at admission when the request had none)
+    persistent: bool = False  # keep the KV after a turn finishes (multi-turn), until Engine.release
 
     @property
     def done(self) -> bool:

@@ -19,6 +19,10 @@ def add_parser(sub) -> None:
     g.add_argument("--topk", type=int, default=8)
     g.add_argument("--block-size", type=int, default=None)
     g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1]; 1 = off")
+    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 = off")
+    g.add_argument("--seed", type=int, default=None, help="sampling seed (default: drawn at random, reported)")
     g.add_argument("--dtype", default="float32")
     g.add_argument("--device", default=None)
     g.add_argument("--json", action="store_true")
@@ -36,6 +40,7 @@ def run(args) -> int:
     from gateway.tokenizer import Tokenizer
     from verifier_service.config import KimiConfig
     from verifier_service.local import DTYPES, build_local_engine
+    from verifier_service.sampling_params import SamplingParams
     from verifier_service.session import DecodeParams
 
     # everything a user can get wrong is checked before any weights are read
@@ -48,8 +53,9 @@ def run(args) -> int:
         prompt = tok.encode(args.prompt)
     else:
         prompt = _parse_ids(args.prompt_ids)
+    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     params = DecodeParams(max_new_tokens=args.max_new_tokens, budget=args.budget, topk=args.topk,
-                          eos_ids=tcfg.eos_ids, ignore_eos=args.ignore_eos)
+                          eos_ids=tcfg.eos_ids, ignore_eos=args.ignore_eos, sampling=sampling)
     if not prompt:
         raise ValueError("the prompt is empty")
     bad = [t for t in prompt if not 0 <= t < tcfg.vocab_size]
@@ -81,11 +87,13 @@ def run(args) -> int:
         "prompt_tokens": len(prompt), "finish_reason": s.finish_reason, "seconds": dt,
         "tokens_per_s": len(s.output) / dt if dt > 0 else 0.0, "device": str(engine.device),
         "dtype": str(engine.dtype).replace("torch.", ""),
+        "seed": s.seed, "sampling": sampling.to_dict(),  # seed = the one used (drawn when --seed was not given)
     }
     if args.json:
         print(json.dumps(result))
     else:
         print(result["text"])
         print(f"[{result['mode']}] {len(s.output)} tokens, {steps} steps, mean acceptance "
-              f"{result['mean_acceptance']:.2f}, {result['tokens_per_s']:.1f} tok/s", file=sys.stderr)
+              f"{result['mean_acceptance']:.2f}, {result['tokens_per_s']:.1f} tok/s"
+              + ("" if sampling.greedy else f", seed {s.seed}"), file=sys.stderr)
     return 0

@@ -1,0 +1,335 @@
+"""The drafter as a gRPC service (`ddtree.v1.Drafter`): Draft streams from verifiers, one batched
+DFlash pass per step, FCNS trees back (DESIGN 3.1, 5).
+
+Each Draft stream owns the context caches of its sessions (keys are namespaced by stream), so a
+verifier that disconnects leaves nothing behind and two verifiers never collide on session ids.
+Every request is checked against the model (feature width, vocabulary, budget, context continuity);
+a bad one fails only its session, reported in `DraftTrees.errors` with its context dropped. All
+model work runs on one worker thread in arrival order, so the event loop keeps answering health,
+reflection and Info while a step runs. On drain, streams end after their current step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import torch
+
+from drafter_service.api import DraftRequest
+from drafter_service.drafter import Drafter
+from kernels.tree_build import TreeBatch
+from protos.codec import WireError, draft_request_from_pb, trees_to_pb
+from protos.ddtree.v1 import drafter_pb2, drafter_pb2_grpc
+from protos.serving import GrpcServer
+from protos.shared_region import RegionArena, SharedRegion
+from verifier_service.session import MAX_BUDGET
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
+MAX_POSITION = 1 << 31
+MAX_SESSION_ID = 256
+
+
+@dataclass(frozen=True)
+class DrafterServerConfig:
+    listen: str
+    target_dir: str
+    drafter_dir: str
+    device: str | None = None
+    dtype: str | None = None
+    max_sessions: int = 64
+    draft_window: int = 2048
+    max_message_bytes: int = 64 << 20
+    grace_s: float = 30.0
+
+    def __post_init__(self):
+        for f in ("max_sessions", "draft_window", "max_message_bytes"):
+            if getattr(self, f) <= 0:
+                raise ValueError(f"drafter server: {f} must be positive, got {getattr(self, f)}")
+        if self.grace_s < 0:
+            raise ValueError(f"drafter server: grace period must be >= 0, got {self.grace_s}")
+
+
+class SessionFault(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+class ProtocolError(Exception):
+    """Breaks the stream (not one session): answered with a status that ends the call."""
+
+
+@dataclass
+class _Stream:
+    number: int
+    client_id: str
+    regions: dict[int, SharedRegion]
+    sessions: dict[str, int] = field(default_factory=dict)  # sid -> next expected context position
+
+
+class DrafterService(drafter_pb2_grpc.DrafterServicer):
+    def __init__(self, max_sessions: int, window: int):
+        self.drafter: Drafter | None = None  # set by attach() once loaded
+        self.model_name = ""
+        self.target_hidden = 0
+        self.max_sessions, self.window = max_sessions, window
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="drafter-model")  # all model work, in order
+        self._streams: dict[int, _Stream] = {}
+        self._numbers = itertools.count(1)
+        self._drain = asyncio.Event()
+
+    def attach(self, drafter: Drafter, model_name: str, target_hidden: int) -> None:
+        self.drafter, self.model_name, self.target_hidden = drafter, model_name, target_hidden
+
+    @property
+    def feature_dim(self) -> int:
+        return self.drafter.cfg.num_taps * self.target_hidden
+
+    def begin_drain(self) -> None:
+        """Streams end after their current step; new streams are refused."""
+        self._drain.set()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    # --- Info --------------------------------------------------------------------------------------
+    def info(self) -> drafter_pb2.DrafterInfo:
+        d = self.drafter
+        if d is None:
+            return drafter_pb2.DrafterInfo(max_budget=MAX_BUDGET, max_sessions=self.max_sessions)
+        return drafter_pb2.DrafterInfo(
+            model=self.model_name, vocab_size=d.cfg.vocab_size, block_size=d.cfg.block_size,
+            target_layer_ids=list(d.cfg.target_layer_ids), target_hidden_size=self.target_hidden,
+            max_budget=MAX_BUDGET, max_sessions=self.max_sessions,
+            active_sessions=sum(len(s.sessions) for s in self._streams.values()), draft_window=self.window,
+            streams=len(self._streams), device=str(d.device), dtype=str(d.dtype).removeprefix("torch."))
+
+    async def Info(self, request, context):
+        return self.info()
+
+    # --- Draft stream ------------------------------------------------------------------------------
+    async def _read(self, context):
+        """Next request, or None at the end of the stream or when draining."""
+        read = asyncio.ensure_future(context.read())
+        drain = asyncio.ensure_future(self._drain.wait())
+        done, _ = await asyncio.wait({read, drain}, return_when=asyncio.FIRST_COMPLETED)
+        drain.cancel()
+        if read not in done:
+            read.cancel()
+            return None
+        msg = read.result()
+        return None if msg is grpc.aio.EOF else msg
+
+    async def Draft(self, request_iterator, context):
+        if self.drafter is None or self._drain.is_set():
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the drafter is loading or draining")
+        loop = asyncio.get_running_loop()
+        first = await self._read(context)
+        if first is None:
+            return
+        if first.WhichOneof("kind") != "open":
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"the first message of a Draft stream must be `open`, got {first.WhichOneof('kind')}")
+        try:
+            st = self._open(first.open)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        log.info("stream %d open (client %r, %d shared regions)", st.number, st.client_id, len(st.regions))
+        try:
+            await context.write(drafter_pb2.DraftStreamResponse(opened=self.info()))
+            while (req := await self._read(context)) is not None:
+                kind = req.WhichOneof("kind")
+                if kind == "step":
+                    try:
+                        trees = await loop.run_in_executor(self._pool, self._step, st, req.step)
+                    except ProtocolError as e:
+                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                    await context.write(drafter_pb2.DraftStreamResponse(trees=trees))
+                elif kind == "release":
+                    await loop.run_in_executor(self._pool, self._release, st, list(req.release.session_ids))
+                else:
+                    await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"unexpected `{kind}` mid-stream")
+        finally:
+            # runs on cancellation too: queue the cleanup on the model thread without awaiting it
+            self._pool.submit(self._close, st)
+
+    def _open(self, msg: drafter_pb2.OpenStream) -> _Stream:
+        regions: dict[int, SharedRegion] = {}
+        try:
+            for r in msg.regions:
+                if r.region_id in regions:
+                    raise ValueError(f"shared region id {r.region_id} appears twice")
+                regions[r.region_id] = SharedRegion.attach(r)
+        except Exception:
+            for r in regions.values():
+                r.close()
+            raise
+        st = _Stream(next(self._numbers), msg.client_id, regions)
+        self._streams[st.number] = st
+        return st
+
+    def _close(self, st: _Stream) -> None:
+        for sid in list(st.sessions):
+            self._forget(st, sid)
+        for r in st.regions.values():
+            r.close()
+        self._streams.pop(st.number, None)
+        log.info("stream %d closed", st.number)
+
+    # --- model thread ------------------------------------------------------------------------------
+    @staticmethod
+    def _key(st: _Stream, sid: str) -> str:
+        return f"{st.number}/{sid}"
+
+    def _forget(self, st: _Stream, sid: str) -> None:
+        st.sessions.pop(sid, None)
+        self.drafter.release(self._key(st, sid))
+
+    def _release(self, st: _Stream, sids: list[str]) -> None:
+        for sid in sids:
+            self._forget(st, sid)
+
+    def _check(self, st: _Stream, m: drafter_pb2.SessionDraftRequest, seen: set[str]) -> DraftRequest:
+        """One session's request -> DraftRequest keyed for this stream, or SessionFault."""
+        bad = grpc.StatusCode.INVALID_ARGUMENT
+        sid = m.session_id
+        if not 0 < len(sid) <= MAX_SESSION_ID:
+            raise SessionFault(bad, f"session id must have 1..{MAX_SESSION_ID} characters")
+        if sid in seen:
+            raise SessionFault(bad, "the session appears twice in one step")
+        seen.add(sid)
+        V = self.drafter.cfg.vocab_size
+        if not 1 <= m.budget <= MAX_BUDGET:
+            raise SessionFault(bad, f"budget {m.budget} is outside 1..{MAX_BUDGET}")
+        if m.topk < 1:
+            raise SessionFault(bad, "topk must be >= 1")
+        if not 0 <= m.root_token < V:
+            raise SessionFault(bad, f"root token {m.root_token} is outside the vocabulary [0, {V})")
+        if not 0 <= m.root_pos < MAX_POSITION:
+            raise SessionFault(bad, f"root position {m.root_pos} is outside [0, 2**31)")
+        try:
+            r = draft_request_from_pb(m, st.regions, copy=False)
+        except WireError as e:
+            raise SessionFault(bad, str(e)) from None
+        n, F = r.ctx_features.shape
+        expected = st.sessions.get(sid)
+        if n:
+            if F != self.feature_dim or not r.ctx_features.dtype.is_floating_point:
+                raise SessionFault(bad, f"ctx_features must be floating [n, {self.feature_dim}] (taps of layers "
+                                        f"{list(self.drafter.cfg.target_layer_ids)}), got {r.ctx_features.dtype} "
+                                        f"{list(r.ctx_features.shape)}")
+            if r.ctx_start < 0 or r.ctx_start + n != r.root_pos:
+                raise SessionFault(bad, f"context rows [{r.ctx_start}, {r.ctx_start + n}) must end right before "
+                                        f"the root position {r.root_pos}")
+            if expected is not None and r.ctx_start != expected:
+                raise SessionFault(grpc.StatusCode.FAILED_PRECONDITION,
+                                   f"context gap: this stream holds rows up to {expected}, got rows from "
+                                   f"{r.ctx_start}; send the session's context again as a new session")
+        elif expected is not None and r.root_pos != expected:
+            raise SessionFault(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"root position {r.root_pos} moved past the context ({expected}) without new rows")
+        key = self._key(st, sid)
+        if key not in self.drafter.cache:
+            try:
+                self.drafter.cache.row(key)
+            except RuntimeError as e:
+                raise SessionFault(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
+        return DraftRequest(key, r.ctx_start, r.ctx_features, r.root_token, r.root_pos, r.budget, r.topk)
+
+    @torch.no_grad()
+    def _step(self, st: _Stream, step: drafter_pb2.DraftStep) -> drafter_pb2.DraftTrees:
+        arena = None
+        if step.HasField("response_region_id"):
+            region = st.regions.get(step.response_region_id)
+            if region is None:
+                raise ProtocolError(f"step {step.step_id}: unknown response region {step.response_region_id}")
+            arena = RegionArena(region)
+        reqs, ids, errors, seen = [], [], [], set()
+        for m in step.sessions:
+            try:
+                reqs.append(self._check(st, m, seen))
+                ids.append(m.session_id)
+            except SessionFault as f:
+                errors.append(drafter_pb2.SessionError(session_id=m.session_id, code=f.code.value[0],
+                                                       message=f.message))
+                if m.session_id not in ids:
+                    self._forget(st, m.session_id)
+        trees = None
+        if reqs:
+            try:
+                trees = self.drafter.draft(reqs)
+            except Exception as e:  # noqa: BLE001 - a model failure fails this step's sessions, not the server
+                log.exception("draft step %d failed", step.step_id)
+                for sid in ids:
+                    errors.append(drafter_pb2.SessionError(session_id=sid, code=grpc.StatusCode.INTERNAL.value[0],
+                                                           message=f"drafting failed: {e!r}"))
+                    self._forget(st, sid)
+                ids = []
+            else:
+                for sid, r in zip(ids, reqs):
+                    st.sessions[sid] = r.root_pos  # the root's tap arrives next
+        if trees is None:
+            z = torch.empty(0, 1, dtype=torch.int32)
+            trees = TreeBatch(z, z, z, z, z, torch.empty(0, 1), [])
+        msg = trees_to_pb(trees, ids, step.step_id, arena)
+        msg.errors.extend(errors)
+        return msg
+
+
+# --- building and serving ------------------------------------------------------------------------------
+def load_drafter_service(cfg: DrafterServerConfig, service: DrafterService) -> None:
+    """Load the drafter and the target's embed/lm_head, run one warm-up step, attach to the service."""
+    from drafter_service.checkpoint import check_pair, load_drafter
+    from drafter_service.config import DFlashConfig
+    from drafter_service.target_head import load_target_head
+    from verifier_service.config import KimiConfig
+    from verifier_service.local import DTYPES, default_device
+
+    device = cfg.device or default_device()
+    if cfg.dtype is not None and cfg.dtype not in DTYPES:
+        raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {cfg.dtype!r}")
+    dtype = DTYPES[cfg.dtype] if cfg.dtype else (torch.bfloat16 if device.startswith("cuda") else torch.float32)
+    tcfg = KimiConfig.from_file(cfg.target_dir)
+    check_pair(DFlashConfig.from_file(cfg.drafter_dir), tcfg)  # before any weights move
+    _, embed, head = load_target_head(cfg.target_dir, dtype, device, tcfg)
+    model = load_drafter(cfg.drafter_dir, tcfg, dtype, device)
+    drafter = Drafter(model, embed, head, max_sessions=cfg.max_sessions, window=cfg.draft_window)
+    F = model.cfg.num_taps * tcfg.hidden_size
+    warm = DraftRequest("warm-up", 0, torch.zeros(1, F, dtype=dtype, device=device), 0, 1, 4, 2)
+    drafter.draft([warm])
+    drafter.release("warm-up")
+    service.attach(drafter, Path(cfg.drafter_dir).name, tcfg.hidden_size)
+
+
+async def serve(cfg: DrafterServerConfig) -> int:
+    service = DrafterService(cfg.max_sessions, cfg.draft_window)
+    server = GrpcServer(cfg.listen, [SERVICE_NAME], cfg.max_message_bytes, cfg.grace_s)
+    drafter_pb2_grpc.add_DrafterServicer_to_server(service, server.server)
+    await server.start()
+    loaded = asyncio.ensure_future(asyncio.to_thread(load_drafter_service, cfg, service))
+    stop = asyncio.ensure_future(server.stop_requested.wait())
+    await asyncio.wait({loaded, stop}, return_when=asyncio.FIRST_COMPLETED)
+    if loaded.done() and loaded.exception() is not None:
+        log.error("drafter failed to load: %s", loaded.exception())
+        await server.drain()
+        raise loaded.exception()
+    if loaded.done():
+        await server.set_serving()
+        log.info("drafter serving on %s (%s)", server.address, service.info().device)
+        await stop
+    service.begin_drain()
+    await server.drain()
+    service.close()
+    return 0
+
+
+def run_forever(cfg: DrafterServerConfig) -> int:
+    return asyncio.run(serve(cfg))
+

@@ -1,0 +1,149 @@
+"""Wire codecs: torch tensors, draft requests and draft trees <-> ddtree.v1 protobuf messages.
+
+Protobuf stays at the edge: servicers and transport clients call these functions and pass
+dataclasses and tensors inward. A tensor travels as raw little-endian row-major bytes with dtype
+and shape (remote transport), or as a slice of a shared region registered when the stream was
+opened (co-located transport, see `protos.shared_region`). Decoding checks every size against the
+message before touching bytes: a malformed message raises `WireError` naming the field; it never
+reads out of bounds and never trusts a length.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Mapping
+
+import torch
+
+from drafter_service.api import DraftRequest
+from kernels.tree_build import TreeBatch
+from protos.ddtree.v1 import common_pb2, drafter_pb2
+from protos.shared_region import RegionArena, SharedRegion
+
+if sys.byteorder != "little":  # the wire is little-endian and tensors are sent as their memory
+    raise ImportError("protos.codec supports little-endian hosts only")
+
+DTYPE_TO_PB = {
+    torch.float32: common_pb2.DTYPE_FLOAT32, torch.float16: common_pb2.DTYPE_FLOAT16,
+    torch.bfloat16: common_pb2.DTYPE_BFLOAT16, torch.float64: common_pb2.DTYPE_FLOAT64,
+    torch.int32: common_pb2.DTYPE_INT32, torch.int64: common_pb2.DTYPE_INT64,
+    torch.uint8: common_pb2.DTYPE_UINT8, torch.bool: common_pb2.DTYPE_BOOL,
+}
+PB_TO_DTYPE = {v: k for k, v in DTYPE_TO_PB.items()}
+MAX_DIMS = 8
+TREE_FIELDS = TreeBatch._FIELDS  # tokens, parent, depth, first_child, next_sibling, logw
+TREE_DTYPES = {"tokens": torch.int32, "parent": torch.int32, "depth": torch.int32, "first_child": torch.int32,
+               "next_sibling": torch.int32, "logw": torch.float32}
+
+
+class WireError(ValueError):
+    """A message that does not decode; the text names the field and what is wrong."""
+
+
+# --- tensors ---------------------------------------------------------------------------------------
+def tensor_to_pb(t: torch.Tensor, out: common_pb2.Tensor | None = None,
+                 arena: RegionArena | None = None) -> common_pb2.Tensor:
+    """Encode t into `out` (or a new message): into the arena's region when given and t fits,
+    otherwise inline as little-endian bytes."""
+    if t.dtype not in DTYPE_TO_PB:
+        raise TypeError(f"dtype {t.dtype} cannot travel on the wire (supported: {sorted(map(str, DTYPE_TO_PB))})")
+    msg = out if out is not None else common_pb2.Tensor()
+    msg.dtype = DTYPE_TO_PB[t.dtype]
+    msg.shape[:] = list(t.shape)
+    where = arena.place(t) if arena is not None else None
+    if where is not None:
+        msg.region.CopyFrom(where)
+    else:
+        msg.data = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return msg
+
+
+def tensor_from_pb(msg: common_pb2.Tensor, field: str, regions: Mapping[int, SharedRegion] | None = None,
+                   copy: bool = True) -> torch.Tensor:
+    """Decode; `copy=False` returns a view of the shared region (valid until the peer reuses it)."""
+    if msg.dtype not in PB_TO_DTYPE:
+        raise WireError(f"{field}: unknown dtype {msg.dtype}")
+    dtype = PB_TO_DTYPE[msg.dtype]
+    shape = list(msg.shape)
+    if len(shape) > MAX_DIMS or any(d < 0 for d in shape):
+        raise WireError(f"{field}: invalid shape {shape}")
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    nbytes = math.prod(shape) * itemsize
+    which = msg.WhichOneof("storage")
+    if which == "region":
+        region = (regions or {}).get(msg.region.region_id)
+        if region is None:
+            raise WireError(f"{field}: unknown shared region {msg.region.region_id}")
+        if msg.region.offset % itemsize:
+            raise WireError(f"{field}: region offset {msg.region.offset} is not aligned to {itemsize} bytes")
+        try:
+            raw = region.view(msg.region.offset, nbytes)
+        except ValueError as e:
+            raise WireError(f"{field}: {e}") from None
+        t = raw.view(dtype).view(shape)
+        return t.clone() if copy else t
+    data = msg.data if which == "data" else b""
+    if len(data) != nbytes:
+        raise WireError(f"{field}: {len(data)} bytes for shape {shape} of {dtype} (expected {nbytes})")
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).view(shape)
+
+
+# --- draft requests (verifier -> drafter) ------------------------------------------------------------
+def draft_request_to_pb(r: DraftRequest, arena: RegionArena | None = None) -> drafter_pb2.SessionDraftRequest:
+    msg = drafter_pb2.SessionDraftRequest(session_id=r.session_id, ctx_start=r.ctx_start, root_token=r.root_token,
+                                          root_pos=r.root_pos, budget=r.budget, topk=r.topk)
+    tensor_to_pb(r.ctx_features, msg.ctx_features, arena)
+    return msg
+
+
+def draft_request_from_pb(msg: drafter_pb2.SessionDraftRequest, regions: Mapping[int, SharedRegion] | None = None,
+                          copy: bool = True) -> DraftRequest:
+    """Structural decode only; the drafter checks values against its model (`drafter_service.server`)."""
+    feats = tensor_from_pb(msg.ctx_features, f"session {msg.session_id!r}: ctx_features", regions, copy)
+    if feats.dim() != 2:
+        raise WireError(f"session {msg.session_id!r}: ctx_features must be 2-D [rows, features], "
+                        f"got shape {list(feats.shape)}")
+    return DraftRequest(msg.session_id, msg.ctx_start, feats, msg.root_token, msg.root_pos, msg.budget, msg.topk)
+
+
+# --- draft trees (drafter -> verifier) ---------------------------------------------------------------
+def trees_to_pb(trees: TreeBatch, session_ids: list[str], step_id: int,
+                arena: RegionArena | None = None) -> drafter_pb2.DraftTrees:
+    if len(session_ids) != trees.tokens.shape[0]:
+        raise ValueError(f"{len(session_ids)} session ids for {trees.tokens.shape[0]} trees")
+    msg = drafter_pb2.DraftTrees(step_id=step_id, session_ids=session_ids, n_nodes=trees.n_nodes)
+    for f in TREE_FIELDS:
+        tensor_to_pb(getattr(trees, f).to(TREE_DTYPES[f]), getattr(msg, f), arena)
+    if arena is not None:
+        arena.sync()
+    return msg
+
+
+def trees_from_pb(msg: drafter_pb2.DraftTrees,
+                  regions: Mapping[int, SharedRegion] | None = None) -> tuple[list[str], TreeBatch]:
+    """Decode the batch structure: six [R, M] tensors of the right dtypes, R session ids and node
+    counts. The trees' contents are checked by `verifier_service.tree_validation`."""
+    ids = list(msg.session_ids)
+    R = len(ids)
+    if len(msg.n_nodes) != R:
+        raise WireError(f"trees: {len(msg.n_nodes)} n_nodes for {R} session ids")
+    if len(set(ids)) != R:
+        raise WireError("trees: duplicate session ids")
+    arrays = {}
+    for f in TREE_FIELDS:
+        if not msg.HasField(f):
+            raise WireError(f"trees: {f} is missing")
+        t = tensor_from_pb(getattr(msg, f), f"trees.{f}", regions, copy=True)
+        if t.dtype != TREE_DTYPES[f]:
+            raise WireError(f"trees.{f}: dtype {t.dtype}, expected {TREE_DTYPES[f]}")
+        if t.dim() != 2 or t.shape[0] != R:
+            raise WireError(f"trees.{f}: shape {list(t.shape)}, expected [{R}, M]")
+        arrays[f] = t
+    M = arrays["tokens"].shape[1]
+    bad = [f for f, t in arrays.items() if t.shape[1] != M]
+    if bad:
+        raise WireError(f"trees: {bad} do not have M = {M} columns like tokens")
+    return ids, TreeBatch(**arrays, n_nodes=[int(n) for n in msg.n_nodes])

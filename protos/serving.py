@@ -1,0 +1,96 @@
+"""gRPC server plumbing shared by the DDTree services (drafter, verifier, gateway).
+
+`GrpcServer` owns what every service needs the same way: a grpc.aio server with message-size
+limits, the standard grpc.health.v1 service (NOT_SERVING until the service says it is loaded and
+warmed up), server reflection, one JSON line on stdout per lifecycle event
+(`{"event": "listening" | "serving" | "stopped", "address": ...}`), SIGTERM/SIGINT handling and a
+graceful drain: health goes NOT_SERVING, new calls are refused, in-flight calls get `grace_s`
+seconds to finish and are cancelled after that. No torch here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import sys
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+log = logging.getLogger(__name__)
+
+
+def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    return [("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_message_bytes)]
+
+
+def split_host_port(listen: str) -> tuple[str, int]:
+    """'HOST:PORT' or '[V6]:PORT' -> (host, port); ValueError with the expected form otherwise."""
+    host, sep, port = listen.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ValueError(f"listen address {listen!r} must look like HOST:PORT (for example 127.0.0.1:50051)")
+    return host, int(port)
+
+
+class GrpcServer:
+    def __init__(self, listen: str, service_names: list[str], max_message_bytes: int, grace_s: float):
+        if max_message_bytes <= 0 or grace_s < 0:
+            raise ValueError("max message size must be positive and the grace period non-negative")
+        self.listen = listen
+        self.service_names = list(service_names)
+        self.grace_s = grace_s
+        self.server = grpc.aio.server(options=channel_options(max_message_bytes))
+        self.health = health.aio.HealthServicer()
+        self.address = ""
+        self.stop_requested = asyncio.Event()
+        self.draining = False
+
+    async def start(self) -> str:
+        """Bind and start; every service reports NOT_SERVING. Returns the bound address."""
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        names = [*self.service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                 reflection.SERVICE_NAME]
+        reflection.enable_server_reflection(names, self.server)
+        for name in ("", *self.service_names):
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self.listen.startswith("unix:"):
+            self.server.add_insecure_port(self.listen)
+            self.address = self.listen
+        else:
+            host, _ = split_host_port(self.listen)
+            port = self.server.add_insecure_port(self.listen)
+            if port == 0:
+                raise OSError(f"cannot listen on {self.listen}")
+            self.address = f"{host}:{port}"
+        await self.server.start()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stop_requested.set)
+        announce("listening", self.address)
+        return self.address
+
+    async def set_serving(self) -> None:
+        for name in ("", *self.service_names):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        announce("serving", self.address)
+
+    async def drain(self) -> None:
+        """Health NOT_SERVING, refuse new calls, give in-flight calls grace_s, then stop."""
+        self.draining = True
+        await self.health.enter_graceful_shutdown()
+        log.info("draining: in-flight calls have %.1f s", self.grace_s)
+        await self.server.stop(self.grace_s)
+        announce("stopped", self.address)
+
+
+def announce(event: str, address: str, **extra) -> None:
+    print(json.dumps({"event": event, "address": address, **extra}), flush=True)
+
+
+def setup_logging(level: str = "INFO") -> None:
+    logging.basicConfig(stream=sys.stderr, level=getattr(logging, level.upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -1,0 +1,189 @@
+"""Prometheus metrics of one DDTree process (gateway, verifier or drafter), all named `ddtree_*`.
+
+Every service holds one `Metrics` (from `process_metrics()`, or a fresh one per test) and records
+into the families it owns; families a service never touches simply export no samples (labelled
+ones) or stay at zero. Exposition: `start_metrics_server(host, port)` serves a registry on its own
+port (`--metrics-listen`), and `render_metrics(accept)` returns the body and content type for an
+HTTP framework's `/metrics` route (the gateway's HTTP port).
+
+Definitions (DESIGN 3.2, 6):
+- acceptance length: tokens committed by one session in one verify step = accepted draft nodes
+  + the bonus token, so it is >= 1 and autoregressive steps observe exactly 1;
+- per-depth acceptance: `ddtree_draft_depth_total{depth=d}` counts trees that had a node at depth
+  d and `ddtree_accepted_depth_total{depth=d}` the steps whose accepted path reached depth d; their
+  ratio is the acceptance rate at depth d;
+- inter-token latency: a streamed chunk of n tokens that arrives dt after the previous one is n
+  observations of dt/n, so the mean is 1 / (tokens per second) of the stream, as clients feel it.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import choose_encoder, start_http_server
+
+# final statuses of a request: "ok" plus the gRPC status code names (bounded label cardinality)
+STATUSES = frozenset({
+    "ok", "cancelled", "unknown", "invalid_argument", "deadline_exceeded", "not_found", "already_exists",
+    "permission_denied", "resource_exhausted", "failed_precondition", "aborted", "out_of_range",
+    "unimplemented", "internal", "unavailable", "data_loss", "unauthenticated",
+})
+FALLBACK_REASONS = frozenset({"unavailable", "timeout", "stream_broken", "invalid_tree", "not_ready"})
+
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0)
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
+ACCEPT_BUCKETS = tuple(float(i) for i in range(1, 17))  # one bucket per committed-token count 1..16
+TREE_BUCKETS = (1.0, 2.0, 4.0, 8.0, 16.0, 24.0, 32.0, 48.0, 64.0, 96.0, 128.0, 256.0)
+
+
+class Metrics:
+    """The `ddtree_*` metric families, registered on one `CollectorRegistry`."""
+
+    def __init__(self, registry: CollectorRegistry | None = None, max_depth: int = 64):
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        self.max_depth = max_depth  # depth labels beyond this are clamped (bounded cardinality)
+        r = self.registry
+        # --- requests (gateway; the verifier counts its sessions with the same family) ---------------
+        self.requests = Counter("ddtree_requests", "Finished requests by final status", ["status"], registry=r)
+        self.ttft = Histogram("ddtree_time_to_first_token_seconds", "Request arrival to first streamed token",
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("ddtree_inter_token_latency_seconds",
+                             "Time between streamed tokens (a chunk of n tokens counts n times dt/n)",
+                             buckets=ITL_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("ddtree_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
+        self.generated_tokens = Counter("ddtree_generated_tokens", "Generated (streamed) tokens", registry=r)
+        self.queue_depth = Gauge("ddtree_queue_depth", "Requests admitted but waiting for a verifier slot",
+                                 registry=r)
+        # --- verifier step loop ----------------------------------------------------------------------
+        self.running_sessions = Gauge("ddtree_running_sessions", "Sessions in the verifier's running batch",
+                                      registry=r)
+        self.kv_usage = Gauge("ddtree_kv_cache_usage_ratio", "Fraction of target KV pages in use (0..1)",
+                              registry=r)
+        self.step_seconds = Histogram("ddtree_verify_step_seconds", "Wall time of one verify step (whole batch)",
+                                      buckets=STEP_BUCKETS, registry=r)
+        self.acceptance_length = Histogram("ddtree_acceptance_length",
+                                           "Tokens committed per session per step (accepted drafts + bonus)",
+                                           buckets=ACCEPT_BUCKETS, registry=r)
+        self.tree_size = Histogram("ddtree_tree_size_nodes", "Nodes of a verified tree, root included",
+                                   buckets=TREE_BUCKETS, registry=r)
+        self.draft_depth = Counter("ddtree_draft_depth", "Verified trees that had a node at this depth",
+                                   ["depth"], registry=r)
+        self.accepted_depth = Counter("ddtree_accepted_depth", "Verify steps whose accepted path reached this depth",
+                                      ["depth"], registry=r)
+        self.drafter_fallbacks = Counter("ddtree_drafter_fallbacks",
+                                         "Session-steps decoded autoregressively because the drafter failed",
+                                         ["reason"], registry=r)
+        # --- drafter ---------------------------------------------------------------------------------
+        self.draft_seconds = Histogram("ddtree_draft_seconds", "Wall time of one draft call (all sessions)",
+                                       buckets=STEP_BUCKETS, registry=r)
+
+    # --- recording helpers (validate labels: a bad label is a programming error, not data) ----------
+    def record_request(self, status: str) -> None:
+        if status not in STATUSES:
+            raise ValueError(f"unknown request status {status!r}; expected one of {sorted(STATUSES)}")
+        self.requests.labels(status=status).inc()
+
+    def record_fallback(self, reason: str, sessions: int = 1) -> None:
+        if reason not in FALLBACK_REASONS:
+            raise ValueError(f"unknown fallback reason {reason!r}; expected one of {sorted(FALLBACK_REASONS)}")
+        self.drafter_fallbacks.labels(reason=reason).inc(sessions)
+
+    def record_step(self, tree_size: int, tree_depth: int, accepted_depth: int) -> None:
+        """One session's share of a verify step.
+
+        tree_size: nodes verified including the root (1 for autoregressive); tree_depth: deepest
+        node's depth (0 for autoregressive); accepted_depth: draft nodes on the accepted path.
+        """
+        if tree_size < 1 or not 0 <= accepted_depth <= tree_depth < tree_size:
+            raise ValueError(f"inconsistent step: tree_size={tree_size} tree_depth={tree_depth} "
+                             f"accepted_depth={accepted_depth}")
+        self.tree_size.observe(tree_size)
+        self.acceptance_length.observe(accepted_depth + 1)
+        for d in range(1, min(tree_depth, self.max_depth) + 1):
+            self.draft_depth.labels(depth=str(d)).inc()
+        for d in range(1, min(accepted_depth, self.max_depth) + 1):
+            self.accepted_depth.labels(depth=str(d)).inc()
+
+    def set_kv_usage(self, used_pages: int, total_pages: int) -> None:
+        self.kv_usage.set(used_pages / total_pages if total_pages > 0 else 0.0)
+
+    def token_timer(self, start: float | None = None) -> TokenTimer:
+        return TokenTimer(self, time.perf_counter() if start is None else start)
+
+
+@dataclass
+class TokenTimer:
+    """Per-request TTFT / inter-token latency bookkeeping; call `tokens(n)` as each chunk streams."""
+
+    metrics: Metrics
+    start: float  # time.perf_counter() at request arrival
+    last: float | None = None
+
+    def tokens(self, n: int, now: float | None = None) -> None:
+        if n <= 0:
+            return
+        now = time.perf_counter() if now is None else now
+        m = self.metrics
+        if self.last is None:
+            m.ttft.observe(now - self.start)
+        else:
+            per = (now - self.last) / n
+            for _ in range(n):
+                m.itl.observe(per)
+        self.last = now
+        m.generated_tokens.inc(n)
+
+
+@functools.cache
+def process_metrics() -> Metrics:
+    """The process-wide `Metrics`: its own registry (not prometheus_client's global one) plus the
+    standard process / platform / GC collectors."""
+    from prometheus_client.gc_collector import GCCollector
+    from prometheus_client.platform_collector import PlatformCollector
+    from prometheus_client.process_collector import ProcessCollector
+
+    registry = CollectorRegistry(auto_describe=True)
+    ProcessCollector(registry=registry)
+    PlatformCollector(registry=registry)
+    GCCollector(registry=registry)
+    return Metrics(registry)
+
+
+# --- exposition --------------------------------------------------------------------------------------
+def parse_hostport(s: str) -> tuple[str, int]:
+    """'HOST:PORT' or '[V6]:PORT' -> (host, port); the flag syntax every `--*-listen` uses."""
+    host, sep, port = s.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"expected HOST:PORT, got {s!r}")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host, int(port)
+
+
+class MetricsServer:
+    """A running exposition server (background thread); `port` is the bound port (useful with 0)."""
+
+    def __init__(self, host: str, port: int, registry: CollectorRegistry):
+        self._httpd, self._thread = start_http_server(port, addr=host, registry=registry)
+        self.host, self.port = host, self._httpd.server_address[1]
+
+    def close(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join(timeout=5)
+
+
+def start_metrics_server(host: str, port: int, registry: CollectorRegistry | None = None) -> MetricsServer:
+    """Serve `registry` (default: the process registry) at http://host:port/ (any path) in a thread."""
+    return MetricsServer(host, port, registry if registry is not None else process_metrics().registry)
+
+
+def render_metrics(accept: str | None = None, registry: CollectorRegistry | None = None) -> tuple[bytes, str]:
+    """(body, content_type) for a `/metrics` route; `accept` is the request's Accept header (negotiates
+    OpenMetrics vs the Prometheus text format)."""
+    encoder, content_type = choose_encoder(accept or "")
+    return encoder(registry if registry is not None else process_metrics().registry), content_type

@@ -1,0 +1,221 @@
+"""INT4 MoE kernels (kernels/int4_moe.py) against the torch reference `int4_moe_ref`.
+
+CPU: the Triton kernels run under TRITON_INTERPRET=1 (tests/conftest.py) at small awkward shapes in
+fp32/fp16 (the interpreter has no bf16 dot). GPU (marked `gpu`): the same kernels at Kimi K2.6
+shapes in bf16, plus batch invariance (a token alone vs inside a batch of 64: bitwise equal).
+Outputs are poisoned with NaN before every launch; NaN never passes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels._moe_align import moe_align, moe_align_torch
+from kernels.int4_moe import (
+    int4_moe,
+    int4_moe_ref,
+    int4_moe_triton,
+    repack_int4_moe_for_gpu,
+    unrepack_int4_moe,
+)
+from kernels.int4_pack import dequantize_int4, pack_int4
+
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else [])
+TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 1.5e-2}  # ||out - ref|| / ||ref||
+gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, tol: float, what: str = "") -> None:
+    """Relative Frobenius error <= tol; on failure name the worst element."""
+    assert out.shape == ref.shape, (out.shape, ref.shape)
+    o, r = out.double(), ref.double()
+    nan = torch.isnan(o)
+    err = (o - r).norm() / r.norm().clamp_min(1e-30)
+    if nan.any() or not err <= tol:
+        diff = torch.where(nan, torch.full_like(o, float("inf")), (o - r).abs())
+        i = tuple(int(v) for v in torch.unravel_index(diff.argmax(), diff.shape))
+        raise AssertionError(f"{what}: rel err {float(err):.3e} > {tol:.1e} (NaNs: {int(nan.sum())}); "
+                             f"worst at {i}: out {float(o[i]):.6g} ref {float(r[i]):.6g}")
+
+
+def make_experts(E: int, D: int, inter: int, device=DEV, seed: int = 0):
+    """Random checkpoint-layout INT4 experts: packed int32 + bf16 scales, (w13, w2)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def proj(n_out: int, n_in: int):
+        q = torch.randint(-8, 8, (E * n_out, n_in), generator=g, dtype=torch.int8)
+        packed = pack_int4(q).view(E, n_out, n_in // 8)
+        scale = (torch.rand(E, n_out, n_in // 32, generator=g) * 0.02 + 0.005).to(torch.bfloat16)
+        return packed.to(device), scale.to(device)
+
+    return (*proj(2 * inter, D), *proj(D, inter))
+
+
+def make_routing(T: int, k: int, E: int, device=DEV, seed: int = 1, experts=None):
+    g = torch.Generator().manual_seed(seed)
+    pool = torch.arange(E) if experts is None else torch.tensor(experts)
+    ids = torch.stack([pool[torch.randperm(len(pool), generator=g)[:k]] for _ in range(T)]).reshape(T, k)
+    w = torch.rand(T, k, generator=g) + 0.1
+    return ids.to(device), (w / w.sum(-1, keepdim=True) * 2.5).to(device)
+
+
+def run_kernel(x, ids, w, weights_gpu):
+    """Triton path into an output poisoned with NaN (every element must be written)."""
+    out = torch.full_like(x, float("nan"))
+    int4_moe_triton(x, ids, w, *weights_gpu, out=out)
+    return out
+
+
+# ---------------------------------------------------------------- grouping (moe_align)
+
+@pytest.mark.parametrize("T,k,E", [(1, 8, 384), (5, 3, 7), (40, 3, 4), (3, 2, 100), (17, 8, 64)])
+def test_align_kernel_matches_torch(T, k, E):
+    ids, _ = make_routing(T, k, E)
+    sp, be = moe_align(ids, E, 16)
+    sp_t, be_t = moe_align_torch(ids, E, 16)
+    assert torch.equal(sp.cpu(), sp_t.cpu()) and torch.equal(be.cpu(), be_t.cpu())
+    # every pair appears exactly once, grouped under its expert's blocks
+    P = T * k
+    valid = sp[sp < P].long().cpu()
+    assert torch.equal(valid.sort().values, torch.arange(P))
+    blocks = sp.view(-1, 16).cpu()
+    for b, e in enumerate(be.cpu().tolist()):
+        members = blocks[b][blocks[b] < P].long()
+        if e < 0:
+            assert members.numel() == 0
+        else:
+            assert members.numel() > 0 and (ids.reshape(-1).cpu()[members] == e).all()
+
+
+# ---------------------------------------------------------------- layout
+
+def test_repack_roundtrip_and_dequant():
+    D, inter = 96, 160  # K not a multiple of 256: padded on repack
+    w = make_experts(3, D, inter)
+    g = repack_int4_moe_for_gpu(*w)
+    assert g[0].shape == (3, 2 * inter, 256 // 8) and g[1].shape == (3, 1, 8, 2 * inter)
+    back = unrepack_int4_moe(*g, D)
+    for a, b in zip(back, w):
+        assert torch.equal(a, b)
+    # nibble k of word j of a 256-column block is column 32k + j
+    blk = g[0][0, 0, :32].long()
+    u = (blk.unsqueeze(-1) >> (4 * torch.arange(8, device=blk.device))) & 0xF  # [j, k]
+    ref = dequantize_int4(w[0][0, :1], torch.ones_like(w[1][0, :1]))[0]  # q values of row 0
+    assert torch.equal((u - 8).T.reshape(-1)[:D].to(ref.dtype), ref)
+
+
+# ---------------------------------------------------------------- kernels vs reference
+
+CASES = [  # T, k, E, D, I
+    (1, 2, 5, 256, 256),  # one token
+    (7, 3, 33, 96, 160),  # many experts with no token; K padded (96 -> 256, 160 -> 256)
+    (40, 3, 4, 256, 96),  # experts with > 16 pairs: several blocks per expert
+    (3, 1, 2, 512, 64),  # top-1
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,k,E,D,inter", CASES)
+def test_int4_moe_kernel_vs_reference(T, k, E, D, inter, dtype):
+    w = make_experts(E, D, inter, seed=T + E)
+    ids, tw = make_routing(T, k, E, seed=D + k)
+    x = torch.randn(T, D, generator=torch.Generator().manual_seed(3)).to(DEV, dtype)
+    out = run_kernel(x, ids, tw, repack_int4_moe_for_gpu(*w))
+    ref = int4_moe_ref(x.float(), ids, tw, *w)
+    assert_close(out, ref, TOL[dtype], f"int4_moe T={T} k={k} E={E} D={D} I={inter} {dtype}")
+
+
+def test_int4_moe_exact_small_integers():
+    """Hand-built: integer activations and power-of-two scales make fp32 sums exact."""
+    E, D, inter, T = 2, 256, 64, 2
+    g = torch.Generator().manual_seed(5)
+    q13 = torch.randint(-2, 3, (E * 2 * inter, D), generator=g, dtype=torch.int8)
+    q2 = torch.randint(-2, 3, (E * D, inter), generator=g, dtype=torch.int8)
+    w = (pack_int4(q13).view(E, 2 * inter, D // 8).to(DEV),
+         torch.full((E, 2 * inter, D // 32), 0.125, dtype=torch.bfloat16, device=DEV),
+         pack_int4(q2).view(E, D, inter // 8).to(DEV),
+         torch.full((E, D, inter // 32), 0.25, dtype=torch.bfloat16, device=DEV))
+    x = torch.randint(-3, 4, (T, D), generator=g).float().to(DEV)
+    ids = torch.tensor([[1, 0], [0, 1]], device=DEV)
+    tw = torch.tensor([[0.5, 0.25], [1.0, 2.0]], device=DEV)
+    out = run_kernel(x, ids, tw, repack_int4_moe_for_gpu(*w))
+    ref = int4_moe_ref(x, ids, tw, *w)
+    assert_close(out, ref, 1e-6, "exact small integers")
+
+
+def test_launcher_dispatch_and_layouts():
+    E, D, inter, T = 4, 256, 64, 3
+    w = make_experts(E, D, inter)
+    ids, tw = make_routing(T, 2, E)
+    x = torch.randn(T, D, device=DEV)
+    ref = int4_moe_ref(x, ids, tw, *w)
+    assert_close(int4_moe(x, ids, tw, *w), ref, TOL[torch.float32], "checkpoint layout")
+    assert_close(int4_moe(x, ids, tw, *repack_int4_moe_for_gpu(*w), layout="gpu"), ref, TOL[torch.float32],
+                 "gpu layout")
+    with pytest.raises(ValueError):
+        int4_moe(x[:, :128], ids, tw, *w)
+
+
+# ---------------------------------------------------------------- GPU: Kimi K2.6 shapes
+
+KIMI = dict(E=384, D=7168, inter=2048, k=8)
+
+
+@pytest.fixture(scope="module")
+def kimi_experts():
+    if not CUDA:
+        pytest.skip("needs a CUDA GPU")
+    E, D, inter = KIMI["E"], KIMI["D"], KIMI["inter"]
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def proj(n_out, n_in):  # random words are valid packings
+        packed = torch.randint(-2**31, 2**31 - 1, (E, n_out, n_in // 8), generator=g, device="cuda",
+                               dtype=torch.int32)
+        scale = (torch.rand(E, n_out, n_in // 32, generator=g, device="cuda") * 0.004 + 0.001).to(torch.bfloat16)
+        return packed, scale
+
+    w = (*proj(2 * inter, D), *proj(D, inter))
+    return w, repack_int4_moe_for_gpu(*w)
+
+
+def ref_by_expert(x, ids, tw, w):
+    """int4_moe_ref applied expert by expert (dequantising all 384 experts at once needs 67 GB)."""
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in ids.unique().tolist():
+        tok, slot = (ids == e).nonzero(as_tuple=True)
+        sub = [t[e:e + 1] for t in w]
+        y = int4_moe_ref(x[tok].float(), torch.zeros_like(slot)[:, None], tw[tok, slot][:, None], *sub)
+        out.index_add_(0, tok, y)
+    return out
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 9, 64])
+def test_int4_moe_kimi_shapes_bf16(kimi_experts, T):
+    w, wg = kimi_experts
+    ids, tw = make_routing(T, KIMI["k"], KIMI["E"], seed=T)
+    x = torch.randn(T, KIMI["D"], device="cuda").to(torch.bfloat16)
+    out = run_kernel(x, ids, tw, wg)
+    assert_close(out, ref_by_expert(x, ids, tw, w), TOL[torch.bfloat16], f"Kimi T={T}")
+
+
+@gpu
+@pytest.mark.gpu
+def test_int4_moe_batch_invariance(kimi_experts):
+    """Token 0 computed alone and as row 37 of a batch of 64: bitwise equal (DESIGN 3.5)."""
+    _, wg = kimi_experts
+    ids, tw = make_routing(64, KIMI["k"], KIMI["E"], seed=7)
+    x = torch.randn(64, KIMI["D"], device="cuda").to(torch.bfloat16)
+    batch = run_kernel(x, ids, tw, wg)
+    alone = run_kernel(x[37:38], ids[37:38], tw[37:38], wg)
+    assert torch.equal(alone[0], batch[37])
+    # and with its experts crowded by other tokens (several blocks per expert)
+    ids2 = ids.clone()
+    ids2[:, :4] = ids[37, :4]
+    batch2 = run_kernel(x, ids2, tw, wg)
+    alone2 = run_kernel(x[37:38], ids2[37:38], tw[37:38], wg)
+    assert torch.equal(alone2[0], batch2[37])

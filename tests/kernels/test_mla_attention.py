@@ -1,0 +1,148 @@
+"""Absorbed MLA attention kernel (kernels/mla_attention.py) against `mla_attention_ref`.
+
+CPU: the Triton kernels under TRITON_INTERPRET=1 at small shapes (4 heads, latent 32 + rope 8) in
+fp32/fp16: prefix 0, ragged and multi-chunk prefixes, trees of 1 and 65 nodes, causal prefill,
+pages shuffled in the pool and every unused slot NaN. GPU (marked `gpu`): 64 heads, 512 + 64, bf16,
+prefixes up to 33k, plus batch invariance (a session alone vs inside a batch of 64: bitwise equal).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.mla_attention import _C_MIN, mla_attention, mla_attention_ref, mla_attention_triton
+from kernels.tree_mask import ancestor_mask, pack_mask_bits
+
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else [])
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}  # ||out - ref|| / ||ref||
+gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, tol: float, what: str = "") -> None:
+    """Relative Frobenius error <= tol; on failure name the worst element."""
+    assert out.shape == ref.shape, (out.shape, ref.shape)
+    o, r = out.double(), ref.double()
+    nan = torch.isnan(o)
+    err = (o - r).norm() / r.norm().clamp_min(1e-30)
+    if nan.any() or not err <= tol:
+        diff = torch.where(nan, torch.full_like(o, float("inf")), (o - r).abs())
+        i = tuple(int(v) for v in torch.unravel_index(diff.argmax(), diff.shape))
+        raise AssertionError(f"{what}: rel err {float(err):.3e} > {tol:.1e} (NaNs: {int(nan.sum())}); "
+                             f"worst at {i}: out {float(o[i]):.6g} ref {float(r[i]):.6g}")
+
+
+def random_tree_bits(n: int, g: torch.Generator) -> torch.Tensor:
+    """[n, W] int64 ancestor bits of a random tree (parents precede children), W = 1 or 2."""
+    parent = torch.tensor([-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)])
+    bits = pack_mask_bits(ancestor_mask(parent[None])[0])
+    return bits if bits.shape[1] == 2 else torch.cat([bits, torch.zeros_like(bits)], 1)
+
+
+def make_batch(prefix, ns, H, Dl, Dr, page, dtype, tree, seed=0, device=DEV):
+    """Paged pool with shuffled pages; every slot no session owns is NaN."""
+    g = torch.Generator().manual_seed(seed)
+    S = len(prefix)
+    lens = [p + n for p, n in zip(prefix, ns)]
+    P = max(1, max(-(-ln // page) for ln in lens)) + 1  # one spare page per row of the table
+    pages = S * P + 2
+    bt = torch.randperm(pages, generator=g)[: S * P].view(S, P).int()
+    kv = torch.full((pages * page, Dl + Dr), float("nan"))
+    for s in range(S):
+        idx = torch.arange(lens[s])
+        kv[bt[s, idx // page].long() * page + idx % page] = torch.randn(lens[s], Dl + Dr, generator=g)
+    T = sum(ns)
+    cu = torch.tensor([0] + torch.tensor(ns).cumsum(0).tolist(), dtype=torch.int32)
+    q = torch.randn(T, H, Dl, generator=g)
+    qpe = torch.randn(T, H, Dr, generator=g)
+    bits = None
+    if tree:
+        bits = torch.cat([random_tree_bits(n, g) for n in ns if n > 0]) if T else torch.zeros(0, 2, dtype=torch.int64)
+    to = dict(device=device)
+    return (q.to(dtype=dtype, **to), qpe.to(dtype=dtype, **to), kv.to(dtype=dtype, **to), bt.to(**to), page,
+            cu.to(**to), torch.tensor(prefix, dtype=torch.int32, device=device),
+            None if bits is None else bits.to(**to))
+
+
+def run_kernel(args, scale, **kw):
+    out = torch.full_like(args[0], float("nan"))  # poisoned: every element must be written
+    mla_attention_triton(*args, scale, out=out, **kw)
+    return out
+
+
+def reference(args, scale):
+    q, qpe, kv, *rest = args
+    return mla_attention_ref(q.float(), qpe.float(), kv.float(), *rest, scale)
+
+
+CASES = [  # prefix lens, new tokens per session, tree?
+    ([5], [1], False),  # decode
+    ([0], [1], True),  # tree of 1 node, empty prefix
+    ([0, 37, 2 * _C_MIN + 100], [3, 1, 5], True),  # prefix 0, ragged, 3 KV chunks
+    ([700, 0, 64], [65, 2, 0], True),  # 65-node tree (two bit words), a session with no query
+    ([0], [70], False),  # causal prefill
+    ([129, 3], [33, 4], False),  # chunked prefill after a prefix
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("prefix,ns,tree", CASES)
+def test_mla_kernel_vs_reference(prefix, ns, tree, dtype):
+    args = make_batch(prefix, ns, 4, 32, 8, 16, dtype, tree, seed=sum(prefix) + len(ns))
+    out = run_kernel(args, 0.3)
+    assert_close(out, reference(args, 0.3), TOL[dtype], f"prefix={prefix} ns={ns} tree={tree} {dtype}")
+
+
+def test_mla_odd_heads_and_pages():
+    """3 heads (tiles span tokens unevenly), latent 48 + rope 16 (padded to 64 / 16), page size 1."""
+    args = make_batch([40, 9], [7, 20], 3, 48, 16, 1, torch.float32, True, seed=11)
+    assert_close(run_kernel(args, 0.2), reference(args, 0.2), TOL[torch.float32], "odd shapes")
+
+
+def test_mla_launcher_dispatch():
+    args = make_batch([20], [3], 4, 32, 8, 16, torch.float32, True)
+    assert_close(mla_attention(*args, 0.3), reference(args, 0.3), TOL[torch.float32], "launcher")
+    with pytest.raises(ValueError):
+        mla_attention(args[0][:, :2], *args[1:], 0.3)
+
+
+# ---------------------------------------------------------------- GPU: Kimi K2.6 shapes
+
+KIMI = dict(H=64, Dl=512, Dr=64, page=64)
+SCALE = 192**-0.5 * (0.1 * torch.log(torch.tensor(64.0)).item() + 1) ** 2
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("prefix,ns,tree", [
+    ([1024, 0, 4097, 33000], [9, 65, 1, 33], True),
+    ([0, 300], [257, 64], False),
+])
+def test_mla_kimi_shapes_bf16(prefix, ns, tree):
+    args = make_batch(prefix, ns, KIMI["H"], KIMI["Dl"], KIMI["Dr"], KIMI["page"], torch.bfloat16, tree)
+    assert_close(run_kernel(args, SCALE), reference(args, SCALE), TOL[torch.bfloat16], f"Kimi {prefix} {ns}")
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_probe", [1, 9, 65])
+def test_mla_batch_invariance(n_probe):
+    """A session alone and as session 23 of 64 others (mixed lengths): bitwise equal rows."""
+    g = torch.Generator().manual_seed(n_probe)
+    prefix = torch.randint(0, 6000, (64,), generator=g).tolist()
+    ns = torch.randint(1, 66, (64,), generator=g).tolist()
+    prefix[23], ns[23] = 5000, n_probe
+    big = make_batch(prefix, ns, KIMI["H"], KIMI["Dl"], KIMI["Dr"], KIMI["page"], torch.bfloat16, True)
+    q, qpe, kv, bt, page, cu, pre, bits = big
+    t0, t1 = int(cu[23]), int(cu[24])
+    alone = (q[t0:t1], qpe[t0:t1], kv, bt[23:24], page, torch.tensor([0, t1 - t0], dtype=torch.int32, device=DEV),
+             pre[23:24], bits[t0:t1])
+    out_big = run_kernel(big, SCALE)
+    out_alone = run_kernel(alone, SCALE)
+    assert torch.equal(out_alone, out_big[t0:t1])
+    # the tree's root alone (= the AR step at the same prefix) gives the root row bit for bit
+    root = (q[t0:t0 + 1], qpe[t0:t0 + 1], kv, bt[23:24], page, torch.tensor([0, 1], dtype=torch.int32, device=DEV),
+            pre[23:24], bits[t0:t0 + 1])
+    assert torch.equal(run_kernel(root, SCALE)[0], out_big[t0])

@@ -1,0 +1,387 @@
+"""The drafter behind a Draft stream: the engine's DraftClient for the co-located and gRPC transports.
+
+One bidirectional `ddtree.v1.Drafter/Draft` stream is open at a time. Each engine step sends one
+`DraftStep` control message and waits for its trees, with a deadline. Tensors travel inline as
+bytes (`grpc`) or through two shared regions registered once when the stream opens
+(`colocated`: /dev/shm files on CPU, CUDA IPC allocations on GPU; see `protos.shared_region`).
+
+Faults never change the output, only the speed: when the stream breaks, the deadline passes or the
+drafter answers with something that does not decode, the affected sessions get a root-only tree
+(an autoregressive step), the stream is dropped and a background thread reconnects with backoff.
+Context rows are kept per session until a drafter has acknowledged them (a valid tree came back),
+so a new stream receives every row the old one may have missed (bounded by the draft window).
+Rows acknowledged by a drafter that later died are not replayed: acceptance recovers as the new
+drafter's window refills. A tree that fails validation fails only its session (`take_errors`).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from drafter_service.api import DraftRequest
+from kernels.tree_build import TreeBatch, tree_size
+from protos.codec import WireError, draft_request_to_pb, trees_from_pb
+from protos.ddtree.v1 import drafter_pb2, drafter_pb2_grpc
+from protos.shared_region import RegionArena, SharedRegion
+from verifier_service.tree_validation import validate_trees
+
+log = logging.getLogger(__name__)
+REQUEST_REGION, RESPONSE_REGION = 1, 2
+
+
+@dataclass(frozen=True)
+class StreamClientConfig:
+    address: str
+    colocated: bool = False  # tensors through shared regions instead of inline bytes
+    region_device: str = "cpu"  # where the shared regions live (cuda:N -> CUDA IPC)
+    draft_timeout_s: float = 5.0  # one step's deadline
+    connect_timeout_s: float = 5.0  # opening a stream (handshake included)
+    max_message_bytes: int = 64 << 20
+    window: int = 2048  # context rows kept per session for resending
+    request_region_bytes: int = 64 << 20
+    response_region_bytes: int = 1 << 20
+    retry_min_s: float = 0.1
+    retry_max_s: float = 2.0
+    client_id: str = "verifier"
+
+    def __post_init__(self):
+        for f in ("draft_timeout_s", "connect_timeout_s", "max_message_bytes", "window", "request_region_bytes",
+                  "response_region_bytes", "retry_min_s", "retry_max_s"):
+            if getattr(self, f) <= 0:
+                raise ValueError(f"stream client: {f} must be positive, got {getattr(self, f)}")
+        if not self.address:
+            raise ValueError("stream client: the drafter address is empty")
+
+
+@dataclass(frozen=True)
+class DrafterModel:
+    """What the verifier needs to know about the drafter (from DrafterInfo)."""
+
+    model: str
+    vocab_size: int
+    block_size: int
+    target_layer_ids: tuple[int, ...]
+    target_hidden_size: int
+    max_budget: int
+
+    @classmethod
+    def from_pb(cls, info: drafter_pb2.DrafterInfo) -> DrafterModel:
+        return cls(info.model, info.vocab_size, info.block_size, tuple(info.target_layer_ids),
+                   info.target_hidden_size, info.max_budget)
+
+    def same_shape(self, other: DrafterModel) -> bool:
+        """Can one replace the other mid-flight (same depth, features and vocabulary)?"""
+        return (self.vocab_size, self.block_size, self.target_layer_ids, self.target_hidden_size) == (
+            other.vocab_size, other.block_size, other.target_layer_ids, other.target_hidden_size)
+
+
+class StreamBroken(Exception):
+    pass
+
+
+class _Stream:
+    """One open Draft call: a request queue feeding gRPC, a reader thread filling a response queue."""
+
+    def __init__(self, stub: drafter_pb2_grpc.DrafterStub, regions: dict[int, SharedRegion], on_broken):
+        self.regions = regions
+        self.synced: set[str] = set()  # sessions whose context this drafter holds
+        self.step_id = 0
+        self.broken = False
+        self._requests: queue.Queue = queue.Queue()
+        self._responses: queue.Queue = queue.Queue()
+        self._on_broken = on_broken
+        self.call = stub.Draft(iter(self._requests.get, None))
+        self._reader = threading.Thread(target=self._read, name="draft-stream-reader", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        try:
+            for resp in self.call:
+                self._responses.put(resp)
+            err: Exception = StreamBroken("the drafter closed the stream")
+        except grpc.RpcError as e:
+            err = StreamBroken(f"stream failed: {e.code().name}: {e.details()}")
+        except Exception as e:  # noqa: BLE001 - anything here means the stream is unusable
+            err = StreamBroken(f"stream reader failed: {e!r}")
+        self.broken = True
+        self._responses.put(err)
+        self._on_broken(self, str(err))
+
+    def send(self, msg: drafter_pb2.DraftStreamRequest) -> None:
+        if self.broken:
+            raise StreamBroken("stream is closed")
+        self._requests.put(msg)
+
+    def recv(self, timeout: float) -> drafter_pb2.DraftStreamResponse:
+        try:
+            item = self._responses.get(timeout=timeout)
+        except queue.Empty:
+            raise StreamBroken(f"no answer within {timeout:.2f} s") from None
+        if isinstance(item, Exception):
+            self._responses.put(item)  # later readers see it too
+            raise item
+        return item
+
+    def close(self) -> None:
+        self.broken = True
+        self.call.cancel()
+        self._requests.put(None)
+        for r in self.regions.values():
+            r.close()
+
+
+class DraftStreamClient:
+    """DraftClient over a Draft stream; thread-safe for one engine thread plus the reconnect thread."""
+
+    def __init__(self, cfg: StreamClientConfig):
+        self.cfg = cfg
+        opts = [("grpc.max_send_message_length", cfg.max_message_bytes),
+                ("grpc.max_receive_message_length", cfg.max_message_bytes),
+                ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                ("grpc.max_reconnect_backoff_ms", int(cfg.retry_max_s * 1000))]
+        self._channel = grpc.insecure_channel(cfg.address, options=opts)
+        self._stub = drafter_pb2_grpc.DrafterStub(self._channel)
+        self.model: DrafterModel | None = None
+        self._stream: _Stream | None = None
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._closed = threading.Event()
+        self._ready = threading.Event()
+        self._pending: dict[str, tuple[int, list[torch.Tensor]]] = {}  # sid -> (start, unacknowledged rows)
+        self._errors: dict[str, str] = {}
+        self.stats = {"steps": 0, "fallback_steps": 0, "reconnects": 0, "invalid_trees": 0}
+        self.last_error = ""
+        self._thread = threading.Thread(target=self._connector, name="draft-stream-connect", daemon=True)
+
+    # --- lifecycle ---------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def wait_ready(self, stop: threading.Event | None = None, timeout: float | None = None) -> DrafterModel:
+        """Block until the first stream is open (the drafter's model is known)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._ready.wait(0.1):
+            if (stop is not None and stop.is_set()) or self._closed.is_set():
+                raise RuntimeError("stopped while waiting for the drafter")
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"the drafter at {self.cfg.address} did not answer: {self.last_error}")
+        assert self.model is not None
+        return self.model
+
+    @property
+    def depth(self) -> int:
+        if self.model is None:
+            raise RuntimeError("the drafter's depth is unknown until wait_ready() returns")
+        return self.model.block_size - 1
+
+    @property
+    def connected(self) -> bool:
+        s = self._stream
+        return s is not None and not s.broken
+
+    def close(self) -> None:
+        self._closed.set()
+        self._wake.set()
+        self._drop("client closed")
+        self._channel.close()
+
+    def _connector(self) -> None:
+        delay = self.cfg.retry_min_s
+        while not self._closed.is_set():
+            if self._stream is not None:
+                self._wake.wait()
+                self._wake.clear()
+                continue
+            try:
+                stream = self._open()
+            except Exception as e:  # noqa: BLE001 - reported, retried
+                if str(e) != self.last_error:
+                    log.warning("drafter %s unavailable: %s (retrying)", self.cfg.address, e)
+                self.last_error = str(e)
+                self._closed.wait(delay)
+                delay = min(2 * delay, self.cfg.retry_max_s)
+                continue
+            with self._lock:
+                self._stream = stream
+            if self._ready.is_set():
+                self.stats["reconnects"] += 1
+            log.info("drafter stream open to %s (%s)", self.cfg.address, "colocated" if self.cfg.colocated else "grpc")
+            self._ready.set()
+            delay = self.cfg.retry_min_s
+
+    def _open(self) -> _Stream:
+        regions = {}
+        if self.cfg.colocated:
+            regions = {REQUEST_REGION: SharedRegion.create(REQUEST_REGION, self.cfg.request_region_bytes,
+                                                           self.cfg.region_device),
+                       RESPONSE_REGION: SharedRegion.create(RESPONSE_REGION, self.cfg.response_region_bytes,
+                                                            self.cfg.region_device)}
+        stream = _Stream(self._stub, regions, self._on_broken)
+        try:
+            stream.send(drafter_pb2.DraftStreamRequest(open=drafter_pb2.OpenStream(
+                client_id=self.cfg.client_id, regions=[r.to_pb() for r in regions.values()])))
+            resp = stream.recv(self.cfg.connect_timeout_s)
+            if resp.WhichOneof("kind") != "opened":
+                raise StreamBroken(f"the drafter answered open with {resp.WhichOneof('kind')}")
+            model = DrafterModel.from_pb(resp.opened)
+            if self.model is not None and not self.model.same_shape(model):
+                raise StreamBroken(f"the drafter changed: was {self.model}, now {model}; refusing it")
+            self.model = self.model or model
+            return stream
+        except Exception:
+            stream.close()
+            raise
+
+    def _on_broken(self, stream: _Stream, reason: str) -> None:
+        with self._lock:
+            if self._stream is not stream:
+                return
+            self._stream = None
+        stream.close()
+        self.last_error = reason
+        if not self._closed.is_set():
+            log.warning("drafter stream to %s lost: %s; drafting paused, reconnecting", self.cfg.address, reason)
+        self._wake.set()
+
+    def _drop(self, reason: str) -> None:
+        s = self._stream
+        if s is not None:
+            self._on_broken(s, reason)
+
+    # --- DraftClient -----------------------------------------------------------------------------
+    def release(self, session_id: str) -> None:
+        self._pending.pop(session_id, None)
+        self._errors.pop(session_id, None)
+        s = self._stream
+        if s is not None and session_id in s.synced:
+            s.synced.discard(session_id)
+            try:
+                s.send(drafter_pb2.DraftStreamRequest(release=drafter_pb2.ReleaseSessions(session_ids=[session_id])))
+            except StreamBroken:
+                pass  # the drafter drops the stream's contexts itself
+
+    def take_errors(self) -> dict[str, str]:
+        """Sessions whose tree failed validation since the last call: sid -> message."""
+        errs, self._errors = self._errors, {}
+        return errs
+
+    def draft(self, requests: list[DraftRequest]) -> TreeBatch:
+        for r in requests:
+            self._queue_rows(r)
+        self.stats["steps"] += 1
+        s = self._stream
+        if s is None or s.broken:
+            self.stats["fallback_steps"] += 1
+            return self._assemble(requests, {})
+        try:
+            trees, errors = self._exchange(s, requests)
+        except (StreamBroken, WireError) as e:
+            self.stats["fallback_steps"] += 1
+            self._on_broken(s, str(e))
+            return self._assemble(requests, {})
+        rows = {}
+        for sid, row in trees.items():
+            if sid in errors:
+                continue
+            rows[sid] = row
+            self._pending.pop(sid, None)  # acknowledged: this drafter holds the rows now
+            s.synced.add(sid)
+        for sid in errors:
+            s.synced.discard(sid)  # the drafter dropped its context; rows stay pending for a resend
+        return self._assemble(requests, rows)
+
+    # --- internals -------------------------------------------------------------------------------
+    def _queue_rows(self, r: DraftRequest) -> None:
+        feats = r.ctx_features
+        if feats.numel() == 0:
+            return
+        start, chunks = self._pending.get(r.session_id, (r.ctx_start, []))
+        if chunks and start + sum(c.shape[0] for c in chunks) != r.ctx_start:
+            chunks, start = [], r.ctx_start  # not contiguous (cannot happen with the engine): restart
+        chunks.append(feats)
+        n = sum(c.shape[0] for c in chunks)
+        while n - chunks[0].shape[0] >= self.cfg.window:  # drop whole chunks beyond the window
+            start += chunks[0].shape[0]
+            n -= chunks[0].shape[0]
+            chunks.pop(0)
+        if n > self.cfg.window:
+            cut = n - self.cfg.window
+            chunks[0] = chunks[0][cut:]
+            start += cut
+        self._pending[r.session_id] = (start, chunks)
+
+    def _exchange(self, s: _Stream, requests: list[DraftRequest]) -> tuple[dict[str, dict], dict[str, str]]:
+        s.step_id += 1
+        step = drafter_pb2.DraftStep(step_id=s.step_id)
+        arena = RegionArena(s.regions[REQUEST_REGION]) if s.regions else None
+        for r in requests:
+            start, chunks = self._pending.get(r.session_id, (r.ctx_start, []))
+            feats = (chunks[0] if len(chunks) == 1 else torch.cat(chunks)) if chunks else r.ctx_features[:0]
+            if r.session_id not in s.synced and not chunks:
+                start = r.root_pos
+            step.sessions.append(draft_request_to_pb(
+                DraftRequest(r.session_id, start, feats, r.root_token, r.root_pos, r.budget, r.topk), arena))
+        if arena is not None:
+            arena.sync()
+            step.response_region_id = RESPONSE_REGION
+        s.send(drafter_pb2.DraftStreamRequest(step=step))
+        deadline = time.monotonic() + self.cfg.draft_timeout_s
+        while True:
+            resp = s.recv(max(0.0, deadline - time.monotonic()))
+            if resp.WhichOneof("kind") == "trees" and resp.trees.step_id == s.step_id:
+                break
+            if resp.WhichOneof("kind") != "trees" or resp.trees.step_id > s.step_id:
+                raise WireError(f"unexpected answer to step {s.step_id}: {resp.WhichOneof('kind')}")
+        ids, trees = trees_from_pb(resp.trees, s.regions)
+        errors = {e.session_id: f"{_code_name(e.code)}: {e.message}" for e in resp.trees.errors}
+        asked = {r.session_id for r in requests}
+        if set(ids) & set(errors) or set(ids) | set(errors) != asked:
+            raise WireError(f"step {s.step_id}: answered sessions {sorted(set(ids) | set(errors))} "
+                            f"!= asked {sorted(asked)}")
+        for sid, msg in errors.items():
+            log.info("drafter could not draft for %s: %s (autoregressive step)", sid, msg)
+        by_id = {r.session_id: r for r in requests}
+        problems = validate_trees(trees, [by_id[i].root_token for i in ids],
+                                  [tree_size(by_id[i].budget, by_id[i].topk, self.depth) for i in ids],
+                                  self.model.vocab_size, self.depth)
+        rows = {}
+        for j, (sid, problem) in enumerate(zip(ids, problems)):
+            if problem is not None:
+                self.stats["invalid_trees"] += 1
+                self._errors[sid] = f"the drafter sent an invalid tree: {problem}"
+                log.warning("session %s: invalid tree from the drafter: %s", sid, problem)
+                continue
+            n = trees.n_nodes[j]
+            rows[sid] = {f: getattr(trees, f)[j, :n] for f in TreeBatch._FIELDS}
+        return rows, errors
+
+    def _assemble(self, requests: list[DraftRequest], rows: dict[str, dict]) -> TreeBatch:
+        """[R, M] trees in request order: the drafter's rows, root-only trees for everyone else."""
+        R = len(requests)
+        n = [rows[r.session_id]["tokens"].shape[0] if r.session_id in rows else 1 for r in requests]
+        M = max(n, default=1)
+        dev = next(iter(rows.values()))["tokens"].device if rows else torch.device("cpu")
+        i32 = torch.int32
+        out = {f: torch.full((R, M), -1, dtype=i32, device=dev) for f in TreeBatch._FIELDS if f != "logw"}
+        out["logw"] = torch.full((R, M), float("-inf"), dtype=torch.float32, device=dev)
+        out["tokens"][:, 0] = torch.tensor([r.root_token for r in requests], dtype=i32)
+        out["depth"][:, 0] = 0
+        out["logw"][:, 0] = 0.0
+        for i, r in enumerate(requests):
+            row = rows.get(r.session_id)
+            if row is not None:
+                for f, t in row.items():
+                    out[f][i, : n[i]] = t
+        return TreeBatch(**out, n_nodes=n)
+
+
+def _code_name(value: int) -> str:
+    """Name of the grpc.StatusCode with this integer value (UNKNOWN outside the enum)."""
+    return next((c.name for c in grpc.StatusCode if c.value[0] == value), "UNKNOWN")
