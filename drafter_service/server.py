@@ -284,8 +284,9 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
 
 
 # --- building and serving ------------------------------------------------------------------------------
-def load_drafter_service(cfg: DrafterServerConfig, service: DrafterService) -> None:
-    """Load the drafter and the target's embed/lm_head, run one warm-up step, attach to the service."""
+def load_drafter_service(cfg: DrafterServerConfig, service: DrafterService, make_drafter=Drafter) -> None:
+    """Load the drafter and the target's embed/lm_head, run one warm-up step, attach to the service.
+    `make_drafter` builds the engine object (a Drafter subclass may change the proposal source)."""
     from drafter_service.checkpoint import check_pair, load_drafter
     from drafter_service.config import DFlashConfig
     from drafter_service.target_head import load_target_head
@@ -300,7 +301,7 @@ def load_drafter_service(cfg: DrafterServerConfig, service: DrafterService) -> N
     check_pair(DFlashConfig.from_file(cfg.drafter_dir), tcfg)  # before any weights move
     _, embed, head = load_target_head(cfg.target_dir, dtype, device, tcfg)
     model = load_drafter(cfg.drafter_dir, tcfg, dtype, device)
-    drafter = Drafter(model, embed, head, max_sessions=cfg.max_sessions, window=cfg.draft_window)
+    drafter = make_drafter(model, embed, head, max_sessions=cfg.max_sessions, window=cfg.draft_window)
     F = model.cfg.num_taps * tcfg.hidden_size
     warm = DraftRequest("warm-up", 0, torch.zeros(1, F, dtype=dtype, device=device), 0, 1, 4, 2)
     drafter.draft([warm])
@@ -308,12 +309,12 @@ def load_drafter_service(cfg: DrafterServerConfig, service: DrafterService) -> N
     service.attach(drafter, Path(cfg.drafter_dir).name, tcfg.hidden_size)
 
 
-async def serve(cfg: DrafterServerConfig) -> int:
+async def serve(cfg: DrafterServerConfig, make_drafter=Drafter) -> int:
     service = DrafterService(cfg.max_sessions, cfg.draft_window)
     server = GrpcServer(cfg.listen, [SERVICE_NAME], cfg.max_message_bytes, cfg.grace_s)
     drafter_pb2_grpc.add_DrafterServicer_to_server(service, server.server)
     await server.start()
-    loaded = asyncio.ensure_future(asyncio.to_thread(load_drafter_service, cfg, service))
+    loaded = asyncio.ensure_future(asyncio.to_thread(load_drafter_service, cfg, service, make_drafter))
     stop = asyncio.ensure_future(server.stop_requested.wait())
     await asyncio.wait({loaded, stop}, return_when=asyncio.FIRST_COMPLETED)
     if loaded.done() and loaded.exception() is not None:
@@ -328,8 +329,3 @@ async def serve(cfg: DrafterServerConfig) -> int:
     await server.drain()
     service.close()
     return 0
-
-
-def run_forever(cfg: DrafterServerConfig) -> int:
-    return asyncio.run(serve(cfg))
-

@@ -36,6 +36,9 @@ PHILOX_M0, PHILOX_M1 = 0xD2511F53, 0xCD9E8D57
 PHILOX_W0, PHILOX_W1 = 0x9E3779B9, 0xBB67AE85
 PHILOX_ROUNDS = 10
 MASK32 = 0xFFFFFFFF
+# compile options of every kernel that must match its torch reference bit for bit: IEEE fp32 mul/add,
+# no FMA contraction (Triton's default fuses a * b + c into one rounding)
+KERNEL_OPTIONS = {"enable_fp_fusion": False}
 
 LN2 = 0.693147182464599609375  # fp32(ln 2), exactly representable
 SQRT2 = 1.41421353816986083984375  # fp32(sqrt 2)
@@ -198,5 +201,5 @@ def gumbel_noise(seed: Tensor, position: Tensor, vocab: int, impl: str = "auto",
     if seed.shape[0]:
         grid = (seed.shape[0], triton.cdiv(vocab, block))
         _gumbel_noise_kernel[grid](seed.contiguous(), position.contiguous(), out, vocab, out.stride(0),
-                                   BLOCK=block, enable_fp_fusion=False)
+                                   BLOCK=block, **KERNEL_OPTIONS)
     return out

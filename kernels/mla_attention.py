@@ -112,8 +112,10 @@ def mla_attention_triton(q_lat, q_pe, kv_cache, block_table, page_size, cu_q, pr
             raise ValueError(f"mla_attention: {name} must be contiguous in its last dim")
     if block_table.dtype != torch.int32 or cu_q.dtype != torch.int32 or prefix_lens.dtype != torch.int32:
         raise ValueError("mla_attention: block_table, cu_q, prefix_lens must be int32")
-    if tree_bits is not None and (tree_bits.dtype != torch.int64 or tree_bits.shape[1] > 2):
-        raise ValueError("mla_attention: tree_bits must be int64 [T, W] with W <= 2 (trees <= 128 nodes)")
+    if tree_bits is not None and (tree_bits.dtype != torch.int64 or tree_bits.shape[1] > 2
+                                  or tree_bits.stride(-1) != 1):
+        raise ValueError("mla_attention: tree_bits must be int64 [T, W], W <= 2 (trees <= 128 nodes), "
+                         "contiguous rows")
     bdl = max(16, triton.next_power_of_2(Dl))
     bdr = max(16, triton.next_power_of_2(Dr))
     tiles = triton.cdiv(T * H, _BLOCK_M) + S  # >= sum over sessions of cdiv(n_s * H, BLOCK_M)

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.gumbel_noise import check_keys, gumbel_block, gumbel_noise_ref
+from kernels.gumbel_noise import KERNEL_OPTIONS, check_keys, gumbel_block, gumbel_noise_ref
 
 LOG2E = 1.44269502162933349609375  # fp32(log2 e)
 # 2^r on r in [0, 1): degree 6, least squares on Chebyshev nodes, fp32 coefficients (max rel err 8e-8)
@@ -49,13 +49,14 @@ _E0, _E1, _E2, _E3, _E4, _E5, _E6 = (tl.constexpr(c) for c in EXP2_C)
 def fixed_mass_ref(d: Tensor) -> Tensor:
     """d = z - max z (fp32, <= 0, -inf allowed) -> int64 q = trunc(2^40 * 2^(d log2 e)) (own exp2)."""
     y = torch.clamp(d * LOG2E, min=-41.0)  # log2 of the relative mass; -inf -> -41 (q = 0)
-    n = torch.floor(y)
-    r = y - n  # [0, 1), exact
+    ni = y.to(torch.int32)  # truncation toward 0; floor below (GPU floor flushes denormals, this does not)
+    ni = torch.where(ni.to(torch.float32) > y, ni - 1, ni)
+    r = y - ni.to(torch.float32)  # [0, 1), exact
     p = torch.full_like(r, EXP2_C[-1])
     for c in EXP2_C[-2::-1]:
         p = p * r + c
     pm = (p * 8388608.0).to(torch.int64)  # p * 2^23: an exact integer, p has 23 fraction bits
-    ni = n.to(torch.int64)
+    ni = ni.to(torch.int64)
     sh = ni + (MASS_BITS - 23)
     q = torch.where(sh >= 0, pm << sh.clamp(min=0), pm >> (-sh).clamp(min=0))
     return torch.where(ni < -MASS_BITS, 0, q)
@@ -95,8 +96,9 @@ def sample_reference(logits: Tensor, inv_temp: Tensor, top_p: Tensor, top_k: Ten
 def fixed_mass(d):
     """Mirror of `fixed_mass_ref` (launch with enable_fp_fusion=False)."""
     y = tl.maximum(d * _LOG2E, -41.0)
-    n = tl.floor(y)
-    r = y - n
+    ni = y.to(tl.int32)
+    ni = tl.where(ni.to(tl.float32) > y, ni - 1, ni)
+    r = y - ni.to(tl.float32)
     p = r * 0.0 + _E6
     p = p * r + _E5
     p = p * r + _E4
@@ -105,7 +107,7 @@ def fixed_mass(d):
     p = p * r + _E1
     p = p * r + _E0
     pm = (p * 8388608.0).to(tl.int64)
-    ni = n.to(tl.int64)
+    ni = ni.to(tl.int64)
     sh = ni + 17  # MASS_BITS - 23
     q = tl.where(sh >= 0, pm << tl.maximum(sh, 0), pm >> tl.maximum(-sh, 0))
     return tl.where(ni < -40, 0, q)
@@ -225,5 +227,5 @@ def sample_tokens(logits: Tensor, inv_temp: Tensor, top_p: Tensor, top_k: Tensor
     out = torch.empty(R, dtype=torch.int64, device=logits.device)
     if R:
         _sample_kernel[(R,)](logits, logits.stride(0), inv_temp, top_p, top_k, seed, position, out, V,
-                             BLOCK=block, num_warps=num_warps, enable_fp_fusion=False)
+                             BLOCK=block, num_warps=num_warps, **KERNEL_OPTIONS)
     return out

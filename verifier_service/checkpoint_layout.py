@@ -79,8 +79,8 @@ def experts_quantized(cfg: KimiConfig) -> bool:
     expert_flags: dict[bool, str] = {}
     for i in range(cfg.num_hidden_layers):
         L = f"{p}model.layers.{i}."
-        for n in ("input_layernorm", "post_attention_layernorm", "self_attn.q_a_layernorm", "self_attn.kv_a_layernorm"):
-            non_expert.append((L + n, CLASSES["norm"]))
+        norms = ("input_layernorm", "post_attention_layernorm", "self_attn.q_a_layernorm", "self_attn.kv_a_layernorm")
+        non_expert += [(L + n, CLASSES["norm"]) for n in norms]
         attn = ["q_a_proj", "q_b_proj"] if cfg.q_lora_rank else ["q_proj"]
         non_expert += [(f"{L}self_attn.{n}", LINEAR) for n in (*attn, "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")]
         if not cfg.is_moe_layer(i):

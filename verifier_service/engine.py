@@ -234,7 +234,7 @@ class Engine:
         posterior = torch.full((S * M,), -1, dtype=torch.int64, device=dev)
         # node at position p predicts p + 1; nodes at one depth share (seed, p + 1) and so the noise
         sampled = any(not s.params.sampling.greedy for s in active)
-        posterior[gather] = self.sampler.posterior(self.target.logits(hidden), rows[gather // M], fb.positions + 1,
+        posterior[gather] = self.sampler.posterior(self.target.logits(hidden), rows[gather // M], gather,
                                                    sampled)
         n_t = torch.tensor(n, device=dev)
         res = accept_greedy(tok, parent, n_t, posterior.view(S, M), max_depth)
@@ -256,12 +256,16 @@ class Engine:
         out: dict[str, list[int]] = {}
         for i, s in enumerate(active):
             a, bonus, ptoks = host[i][0], host[i][1], host[i][2:]
-            s.add_pending(s.committed, path_taps[i, : a + 1], self.cfg.draft_window)
-            s.committed += a + 1
-            s.root = bonus
+            new = ptoks[1 : a + 1] + [bonus]
+            out[s.sid] = emitted = s.emit(new)
+            # a turn that ends mid-path (EOS, max_new_tokens) keeps only what it emitted: its last
+            # emitted token becomes the root, so a later turn (`extend`) continues from exactly there
+            k = len(emitted)
+            s.add_pending(s.committed, path_taps[i, :k], self.cfg.draft_window)
+            s.committed += k
+            s.root = new[k - 1]
             s.accepted_per_step.append(a + 1)
             s.tree_sizes.append(n[i])
-            out[s.sid] = s.emit(ptoks[1 : a + 1] + [bonus])
             if s.done and not s.persistent:
                 self.finish(s.sid)
         return out

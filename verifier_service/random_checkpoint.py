@@ -12,12 +12,13 @@ is written with host memory bounded by one chunk (~128 MB), not by one layer (a 
 ~9.5 GB of INT4 experts). Values are seeded per tensor from (seed, name without prefix), so the
 three layouts of one config hold identical weights.
 
-Routed experts, two modes (same names and packing either way):
-- quantize (the default for small experts, e.g. `tiny`): a random float matrix quantized with the
-  reference `kernels.int4_pack.quantize_int4` / `pack_int4`.
-- fast (default when an expert matrix has >= 4M elements, e.g. `kimi-k2.6`): random packed int32 words
-  (uniform nibbles) and bf16 scales near 1 / (4.6 sqrt(in)), drawn directly; quantizing 384 x 3 random
-  2048 x 7168 matrices per layer on a CPU is too slow for a benchmark setup.
+Two modes (same names, shapes, dtypes and packing either way):
+- exact (the default for small models, e.g. `tiny`): bf16 matrices drawn N(0, 1/in), routed experts as
+  random float matrices quantized with the reference `kernels.int4_pack.quantize_int4` / `pack_int4`.
+- fast (default when an expert matrix has >= 4M elements, e.g. `kimi-k2.6`): routed experts as random
+  packed int32 words (uniform nibbles) and bf16 scales near 1 / (4.6 sqrt(in)), drawn directly, and
+  bf16 matrices built from random bits at the same scale (`fast_dense`); quantizing 384 x 3 random
+  2048 x 7168 matrices per layer, or drawing billions of normals, on a CPU is too slow for a benchmark.
 """
 
 from __future__ import annotations
@@ -62,6 +63,21 @@ def random_dense(shape, key: str, seed: int, dtype=torch.bfloat16) -> Iterator[t
         yield (torch.randn((n, *shape[1:]), generator=g) / math.sqrt(fan_in)).to(dtype)
 
 
+def fast_dense(shape, key: str, seed: int, std: float) -> Iterator[torch.Tensor]:
+    """bf16 values of magnitude ~std built from random bits: sign and 7 mantissa bits uniform, exponent
+    uniform over 4 octaves around std. ~10x cheaper than randn; for benchmark-size checkpoints."""
+    g = _gen(seed, key)
+    e0 = int(math.floor(math.log2(std))) + 127 - 1  # biased exponent of the second-lowest octave
+    step = _rows(shape)
+    inner = math.prod(shape[1:])
+    for r in range(0, shape[0], step):
+        n = min(step, shape[0] - r)
+        words = torch.randint(-2**63, 2**63 - 1, (-(-n * inner // 4),), generator=g, dtype=torch.int64)
+        x = words.view(torch.int16)[: n * inner]
+        bits = (x & -32641) | ((e0 - 1 + ((x >> 7) & 3)) << 7)  # -32641 = 0x807F: sign + mantissa
+        yield bits.view(torch.bfloat16).view((n, *shape[1:]))
+
+
 def _quantized(t: LayoutTensor, key: str, seed: int, group: int) -> Iterator[torch.Tensor]:
     out_f, in_f = t.logical
     w = next(random_dense((out_f, in_f), key, seed, torch.float32)) if out_f * in_f <= CHUNK_ELEMS else None
@@ -93,10 +109,11 @@ def _make(t: LayoutTensor, cfg: KimiConfig, seed: int, fast: bool) -> Iterator[t
         yield 0.1 * torch.randn(t.shape, generator=_gen(seed, key + ".bias"))
     elif t.kind in ("packed", "scale"):
         yield from (_fast_int4(t, key, seed) if fast else _quantized(t, key, seed, cfg.quant.group_size))
+    elif fast and len(t.shape) == 2:
+        yield from fast_dense(t.shape, key, seed, 1.0 if t.kind == "embed" else t.shape[1] ** -0.5)
+    elif t.kind == "embed":  # unit-scale rows, like a trained embedding table
+        yield from (c * math.sqrt(t.shape[1]) for c in random_dense(t.shape, key, seed))
     else:
-        if t.kind == "embed":  # unit-scale rows, like a trained embedding table
-            yield from (c * math.sqrt(t.shape[1]) for c in random_dense(t.shape, key, seed))
-            return
         yield from random_dense(t.shape, key, seed)
 
 

@@ -147,7 +147,8 @@ class ShardedReader:
                                   "but the shard does not contain it")
         return hdr[name]
 
-    def _map(self, path: Path) -> mmap.mmap:
+    def open(self, path: Path) -> mmap.mmap:
+        """The read-only memory map of one shard (created on first use)."""
         m = self._maps.get(path)
         if m is None:
             with open(path, "rb") as f:
@@ -161,7 +162,7 @@ class ShardedReader:
         n = info.nbytes - start if nbytes is None else nbytes
         with warnings.catch_warnings():  # the mapping is read-only; the views are never written
             warnings.simplefilter("ignore", UserWarning)
-            return torch.frombuffer(self._map(info.file), dtype=torch.uint8, count=n, offset=info.start + start)
+            return torch.frombuffer(self.open(info.file), dtype=torch.uint8, count=n, offset=info.start + start)
 
     def view(self, name: str) -> torch.Tensor:
         """The tensor as a zero-copy view of the memory map (a copy only if the file misaligns it)."""
@@ -245,6 +246,7 @@ def _write_shard(path: Path, specs: list[TensorSpec]) -> None:
                 b = chunk.contiguous().view(torch.uint8).reshape(-1).numpy()
                 f.write(memoryview(b))
                 wrote += b.nbytes
+                del chunk, b  # release before the generator makes the next chunk: one chunk resident
             if wrote != s.nbytes:
                 raise ValueError(f"{s.name}: generator produced {wrote} bytes, spec {list(s.shape)} needs {s.nbytes}")
     os.replace(tmp, path)

@@ -202,6 +202,8 @@ class DraftStreamClient:
             try:
                 stream = self._open()
             except Exception as e:  # noqa: BLE001 - reported, retried
+                if self._closed.is_set():
+                    break
                 if str(e) != self.last_error:
                     log.warning("drafter %s unavailable: %s (retrying)", self.cfg.address, e)
                 self.last_error = str(e)
@@ -281,17 +283,13 @@ class DraftStreamClient:
             self.stats["fallback_steps"] += 1
             return self._assemble(requests, {})
         try:
-            trees, errors = self._exchange(s, requests)
+            answered, rows, errors = self._exchange(s, requests)
         except (StreamBroken, WireError) as e:
             self.stats["fallback_steps"] += 1
             self._on_broken(s, str(e))
             return self._assemble(requests, {})
-        rows = {}
-        for sid, row in trees.items():
-            if sid in errors:
-                continue
-            rows[sid] = row
-            self._pending.pop(sid, None)  # acknowledged: this drafter holds the rows now
+        for sid in answered:  # a tree came back (valid or not): this drafter holds the rows now
+            self._pending.pop(sid, None)
             s.synced.add(sid)
         for sid in errors:
             s.synced.discard(sid)  # the drafter dropped its context; rows stay pending for a resend
@@ -317,7 +315,8 @@ class DraftStreamClient:
             start += cut
         self._pending[r.session_id] = (start, chunks)
 
-    def _exchange(self, s: _Stream, requests: list[DraftRequest]) -> tuple[dict[str, dict], dict[str, str]]:
+    def _exchange(self, s: _Stream, requests: list[DraftRequest]) -> tuple[list[str], dict[str, dict], dict[str, str]]:
+        """One step on the stream -> (sessions that got a tree, their valid rows, drafter-side errors)."""
         s.step_id += 1
         step = drafter_pb2.DraftStep(step_id=s.step_id)
         arena = RegionArena(s.regions[REQUEST_REGION]) if s.regions else None
@@ -360,7 +359,7 @@ class DraftStreamClient:
                 continue
             n = trees.n_nodes[j]
             rows[sid] = {f: getattr(trees, f)[j, :n] for f in TreeBatch._FIELDS}
-        return rows, errors
+        return ids, rows, errors
 
     def _assemble(self, requests: list[DraftRequest], rows: dict[str, dict]) -> TreeBatch:
         """[R, M] trees in request order: the drafter's rows, root-only trees for everyone else."""

@@ -18,6 +18,7 @@ stays around `(workers + 1) * slot_bytes` plus the page-cache the kernel manages
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -68,8 +69,12 @@ class Progress:
 
 
 def stream_copies(reader: ShardedReader, copies: list[Copy], progress: Progress | None = None,
-                  workers: int = 4, slot_bytes: int = 64 << 20) -> None:
-    """Copy every item's source bytes into its destination (all destinations on one device)."""
+                  workers: int = 4, slot_bytes: int = 64 << 20, pipeline: bool | None = None) -> None:
+    """Copy every item's source bytes into its destination (all destinations on one device).
+
+    `pipeline` (default: only for CUDA) selects the staged multi-threaded path; on a CPU destination it
+    runs with unpinned slots and synchronous copies, which is how the tests exercise its splitting.
+    """
     copies = sorted(copies, key=lambda c: (str(c.src.file), c.src.start))
     for c in copies:
         if c.dst.numel() != _numel(c.src.shape) or not c.dst.is_contiguous():
@@ -78,8 +83,8 @@ def stream_copies(reader: ShardedReader, copies: list[Copy], progress: Progress 
     progress = progress or Progress(sum(c.src.nbytes for c in copies), "load", enabled=False)
     if not copies:
         return
-    if copies[0].dst.device.type == "cuda":
-        _stream_cuda(reader, copies, progress, max(1, workers), slot_bytes)
+    if pipeline if pipeline is not None else copies[0].dst.device.type == "cuda":
+        _stream_staged(reader, copies, progress, max(1, workers), slot_bytes)
     else:
         _stream_host(reader, copies, progress)
     progress.close()
@@ -99,7 +104,7 @@ def _stream_host(reader: ShardedReader, copies: list[Copy], progress: Progress) 
         progress.update(c.src.nbytes)
 
 
-def _stream_cuda(reader: ShardedReader, copies: list[Copy], progress: Progress, workers: int, slot_bytes: int):
+def _stream_staged(reader: ShardedReader, copies: list[Copy], progress: Progress, workers: int, slot_bytes: int):
     # pieces: (copy index, byte offset in tensor, nbytes, offset in slot), grouped into slot-sized batches
     batches: list[list[tuple[int, int, int, int]]] = [[]]
     fill = 0
@@ -119,11 +124,14 @@ def _stream_cuda(reader: ShardedReader, copies: list[Copy], progress: Progress, 
     if nslots == 0:
         return
     device = copies[0].dst.device
-    slots = [torch.empty(slot_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(nslots)]
-    events: list[torch.cuda.Event | None] = [None] * nslots
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))  # destinations were allocated on the default stream
+    cuda = device.type == "cuda"
+    slots = [torch.empty(slot_bytes, dtype=torch.uint8, pin_memory=cuda) for _ in range(nslots)]
+    stream = torch.cuda.Stream(device) if cuda else None
+    if cuda:
+        stream.wait_stream(torch.cuda.current_stream(device))  # destinations were allocated on the default stream
     temps: dict[int, torch.Tensor] = {}  # whole-tensor device staging for dtype-converting copies
+    for f in {c.src.file for c in copies}:
+        reader.open(f)  # map every shard here, not concurrently in the workers
 
     def fill_slot(b: int, slot: int, ev: torch.cuda.Event | None) -> None:
         if ev is not None:
@@ -145,23 +153,27 @@ def _stream_cuda(reader: ShardedReader, copies: list[Copy], progress: Progress, 
             slot = b % nslots
             futures.pop(b).result()
             moved = 0
-            with torch.cuda.stream(stream):
+            with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
                 for k, off, n, soff in batches[b]:
                     c = copies[k]
                     src = slots[slot][soff : soff + n]
                     if c.dst.dtype == c.src.torch_dtype:
-                        c.dst.view(-1).view(torch.uint8)[off : off + n].copy_(src, non_blocking=True)
-                    else:
-                        tmp = temps.setdefault(k, torch.empty(c.src.nbytes, dtype=torch.uint8, device=device))
-                        tmp[off : off + n].copy_(src, non_blocking=True)
+                        c.dst.view(-1).view(torch.uint8)[off : off + n].copy_(src, non_blocking=cuda)
+                    else:  # stage the whole tensor on the device, convert once complete
+                        tmp = temps.get(k)
+                        if tmp is None:
+                            tmp = temps[k] = torch.empty(c.src.nbytes, dtype=torch.uint8, device=device)
+                        tmp[off : off + n].copy_(src, non_blocking=cuda)
                         if off + n == c.src.nbytes:
                             c.dst.copy_(temps.pop(k).view(c.src.torch_dtype).view(c.dst.shape))
                     moved += n
-                ev = torch.cuda.Event()
-                ev.record(stream)
-            events[slot] = ev
+                ev = None
+                if cuda:  # on a CPU destination the copies above were synchronous
+                    ev = torch.cuda.Event()
+                    ev.record(stream)
             progress.update(moved)
             if b + nslots < len(batches):
                 futures[b + nslots] = pool.submit(fill_slot, b + nslots, slot, ev)
-    stream.synchronize()
-    torch.cuda.current_stream(device).wait_stream(stream)
+    if cuda:
+        stream.synchronize()
+        torch.cuda.current_stream(device).wait_stream(stream)

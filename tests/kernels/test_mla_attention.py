@@ -131,9 +131,9 @@ def test_mla_kimi_shapes_bf16(prefix, ns, tree):
 def test_mla_batch_invariance(n_probe):
     """A session alone and as session 23 of 64 others (mixed lengths): bitwise equal rows."""
     g = torch.Generator().manual_seed(n_probe)
-    prefix = torch.randint(0, 6000, (64,), generator=g).tolist()
+    prefix = torch.randint(0, 3000, (64,), generator=g).tolist()
     ns = torch.randint(1, 66, (64,), generator=g).tolist()
-    prefix[23], ns[23] = 5000, n_probe
+    prefix[23], ns[23] = 2900, n_probe  # 6 KV chunks
     big = make_batch(prefix, ns, KIMI["H"], KIMI["Dl"], KIMI["Dr"], KIMI["page"], torch.bfloat16, True)
     q, qpe, kv, bt, page, cu, pre, bits = big
     t0, t1 = int(cu[23]), int(cu[24])

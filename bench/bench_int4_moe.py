@@ -1,0 +1,164 @@
+"""Benchmark: one routed-expert INT4 MoE layer at Kimi K2.6 shapes on one GPU (issue 3).
+
+384 experts, 7168 -> 2048 -> 7168, top-8, uniform random routing, bf16 activations, T = 1, 9, 17, 33,
+65, 129 tokens. Floor = bytes that must move (packed weights + scales of the experts touched,
+plus x and out) / copy bandwidth measured in the same run. Peers, same run, same routing:
+  bf16_loop       plain PyTorch, bf16 experts, one matmul pair per touched expert
+  int4pack_loop   torch._weight_int4pack_mm (tinygemm, group 32) per touched expert
+  triton_eager    our kernels launched eagerly (the headline `ms` replays them from a CUDA graph,
+                  since at T=1 host launch overhead of the 4 launches would dominate)
+Run from the repo root:  PYTHONPATH=. python bench/bench_int4_moe.py [--sweep] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import time
+
+import torch
+import torch.nn.functional as F
+
+from bench._common import bench_ms, env_info, graph_ms, measure_ceilings, write_jsonl
+from kernels.int4_moe import int4_moe_triton
+
+E, D, INTER, TOPK, G = 384, 7168, 2048, 8, 32
+TOKENS = (1, 9, 17, 33, 65, 129)
+SWEEP = [  # (block_i, block_d, num_warps, num_stages, use_asm)
+    (32, 64, 4, 3, True), (64, 128, 4, 3, True), (32, 64, 4, 4, True), (32, 128, 4, 3, True),
+    (64, 64, 4, 3, True), (32, 64, 4, 3, False),
+]
+
+
+def gpu_layout_weights(gen):
+    """Random words are valid packings; scales small and positive. Layout of repack_int4_moe_for_gpu."""
+    def proj(n_out, n_in):
+        packed = torch.randint(-2**31, 2**31 - 1, (E, n_out, n_in // 8), generator=gen, device="cuda",
+                               dtype=torch.int32)
+        scale = (torch.rand(E, n_in // 256, 8, n_out, generator=gen, device="cuda") * 4e-3 + 1e-3)
+        return packed, scale.to(torch.bfloat16)
+    return (*proj(2 * INTER, D), *proj(D, INTER))
+
+
+def routing(T, gen):
+    ids = torch.rand(T, E, generator=gen, device="cuda").topk(TOPK, dim=-1).indices
+    w = torch.rand(T, TOPK, generator=gen, device="cuda") + 0.1
+    return ids, (w / w.sum(-1, keepdim=True) * 2.827).float()
+
+
+def bf16_loop(x, ids, w, w13, w2):
+    """Plain PyTorch: group by expert on the host, bf16 matmuls per touched expert."""
+    T = x.shape[0]
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=E).tolist()
+    out = torch.zeros(T, D, dtype=torch.float32, device=x.device)
+    start = 0
+    for e, c in enumerate(counts):
+        if c == 0:
+            continue
+        pairs = order[start:start + c]
+        start += c
+        tok = pairs // TOPK
+        h = x[tok] @ w13[e].T
+        y = (F.silu(h[:, :INTER]) * h[:, INTER:]) @ w2[e].T
+        out.index_add_(0, tok, y.float() * w.reshape(-1)[pairs, None])
+    return out.to(x.dtype)
+
+
+def int4pack_loop(x, ids, w, p13, sz13, p2, sz2):
+    T = x.shape[0]
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=E).tolist()
+    out = torch.zeros(T, D, dtype=torch.float32, device=x.device)
+    start = 0
+    for e, c in enumerate(counts):
+        if c == 0:
+            continue
+        pairs = order[start:start + c]
+        start += c
+        tok = pairs // TOPK
+        h = torch._weight_int4pack_mm(x[tok].contiguous(), p13[e], G, sz13[e])
+        a = (F.silu(h[:, :INTER]) * h[:, INTER:]).contiguous()
+        y = torch._weight_int4pack_mm(a, p2[e], G, sz2[e])
+        out.index_add_(0, tok, y.float() * w.reshape(-1)[pairs, None])
+    return out.to(x.dtype)
+
+
+def make_int4pack(gen):
+    """tinygemm layout per expert (random nibbles; timing only)."""
+    def proj(n_out, n_in):
+        packed, sz = [], []
+        for _ in range(E):
+            u8 = torch.randint(0, 256, (n_out, n_in // 2), generator=gen, device="cuda", dtype=torch.uint8)
+            packed.append(torch._convert_weight_to_int4pack(u8, 8))
+            s = torch.rand(n_in // G, n_out, 1, generator=gen, device="cuda") * 4e-3 + 1e-3
+            sz.append(torch.cat([s, torch.zeros_like(s)], -1).to(torch.bfloat16))
+        return packed, sz
+    return (*proj(2 * INTER, D), *proj(D, INTER))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench/results/int4_moe.jsonl")
+    ap.add_argument("--sweep", action="store_true", help="also time the tile configurations in SWEEP")
+    ap.add_argument("--no-peers", action="store_true")
+    args = ap.parse_args()
+    info = env_info()
+    ceil = measure_ceilings()
+    print(f"{info['gpu']}  copy {ceil['copy_bw_GBps']:.0f} GB/s  bf16 mm {ceil['mm_tflops']:.0f} TFLOP/s", flush=True)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w = gpu_layout_weights(gen)
+    per_expert = sum(t[0].numel() * t.element_size() for t in w)
+    peers_w = {}
+    if not args.no_peers:
+        t0 = time.time()
+        w13_bf = torch.empty(E, 2 * INTER, D, device="cuda", dtype=torch.bfloat16).normal_(0, 0.02, generator=gen)
+        w2_bf = torch.empty(E, D, INTER, device="cuda", dtype=torch.bfloat16).normal_(0, 0.02, generator=gen)
+        peers_w["bf16"] = (w13_bf, w2_bf)
+        try:
+            peers_w["int4pack"] = make_int4pack(gen)
+        except Exception as exc:  # noqa: BLE001 - record why the peer is missing
+            print(f"int4pack peer unavailable: {exc!r}", flush=True)
+        print(f"peer weights ready in {time.time() - t0:.1f}s", flush=True)
+    records = []
+    print(f"{'T':>4} {'experts':>7} {'ms':>8} {'floor':>8} {'ratio':>6} {'GB/s':>6}  peers (ms)", flush=True)
+    for T in TOKENS:
+        ids, tw = routing(T, gen)
+        x = torch.randn(T, D, generator=gen, device="cuda").to(torch.bfloat16)
+        out = torch.empty_like(x)
+        touched = int(ids.unique().numel())
+        nbytes = touched * per_expert + 2 * x.numel() * x.element_size() + ids.numel() * 12
+        floor_ms = nbytes / (ceil["copy_bw_GBps"] * 1e9) * 1e3
+        configs = [None] + (SWEEP if args.sweep else [])
+        for cfg in configs:
+            kw = {} if cfg is None else dict(block_i=cfg[0], block_d=cfg[1], num_warps=cfg[2], num_stages=cfg[3],
+                                             use_asm=cfg[4])
+            fn = functools.partial(int4_moe_triton, x, ids, tw, *w, out=out, **kw)
+            try:
+                ms = graph_ms(fn)
+                eager = bench_ms(fn)
+            except Exception as exc:  # noqa: BLE001 - a config that does not compile is reported, not fatal
+                print(f"T={T} cfg={cfg}: {exc!r}"[:300], flush=True)
+                continue
+            peers = {"triton_eager": eager}
+            if cfg is None:
+                if "bf16" in peers_w:
+                    peers["bf16_loop"] = bench_ms(functools.partial(bf16_loop, x, ids, tw, *peers_w["bf16"]))
+                if "int4pack" in peers_w:
+                    peers["int4pack_loop"] = bench_ms(
+                        functools.partial(int4pack_loop, x, ids, tw, *peers_w["int4pack"]))
+            rec = dict(name="int4_moe" if cfg is None else "int4_moe_sweep",
+                       params=dict(T=T, E=E, D=D, I=INTER, topk=TOPK, experts_touched=touched, bytes=nbytes,
+                                   timing="cuda_graph_replay", config=kw or "default"),
+                       **info, ms=ms, floor_ms=floor_ms, ratio=floor_ms / ms, peers=peers, **ceil)
+            records.append(rec)
+            pe = "  ".join(f"{k}={v:.3f}" for k, v in peers.items())
+            print(f"{T:>4} {touched:>7} {ms:8.4f} {floor_ms:8.4f} {floor_ms / ms:6.3f} {nbytes / ms / 1e6:6.0f}  "
+                  f"{pe}  {kw or ''}", flush=True)
+    write_jsonl(args.out, records)
+
+
+if __name__ == "__main__":
+    main()

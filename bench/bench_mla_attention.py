@@ -1,0 +1,150 @@
+"""Benchmark: absorbed-MLA tree verify at Kimi K2.6 shapes on one GPU (issue 3).
+
+64 heads, latent 512 + rope 64, bf16 paged cache (page 64, pages shuffled), prefix 1k/4k/32k, tree
+9/33/65 nodes (random trees), batch 1 and 16 sessions. Floor = max(bytes / copy bandwidth,
+flops / bf16 matmul rate), both measured in the same run; bytes = the sessions' KV rows + q + out,
+flops = 2 * 64 * (512 + 576) per (query row, visible KV row), ancestors only for the tree part.
+`ms` replays our 1-2 launches from a CUDA graph. Peers, same run (their K/V are handed over
+already gathered into contiguous [B, 1, L+n, 576] tensors, a head start ours does not get):
+  flex_attention  torch.compile'd FlexAttention with the tree block mask (GQA, Dv = 512)
+  sdpa_dense      F.scaled_dot_product_attention with a dense boolean mask (skipped when its math
+                  fallback would need more than ~24 GB)
+Run from the repo root:  PYTHONPATH=. python bench/bench_mla_attention.py [--sweep] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import time
+
+import torch
+import torch.nn.functional as F
+
+from bench._common import bench_ms, env_info, graph_ms, measure_ceilings, write_jsonl
+from kernels.mla_attention import mla_attention_triton
+from kernels.tree_mask import ancestor_mask, pack_mask_bits
+
+H, DL, DR, PAGE = 64, 512, 64, 64
+SCALE = 192**-0.5 * (0.1 * torch.log(torch.tensor(64.0)).item() + 1) ** 2
+PREFIX = (1024, 4096, 32768)
+TREE = (9, 33, 65)
+BATCH = (1, 16)
+SWEEP = [(32, 8, 3), (16, 8, 2)]  # (block_n, num_warps, num_stages) beside the default (32, 8, 2)
+FLEX_BUDGET_S = 120.0  # stop compiling FlexAttention for new shapes after this much time
+
+
+def make_case(B, L, n, gen, cgen):
+    parents = []
+    for _ in range(B):
+        parents.append([-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)])
+    parent = torch.tensor(parents)
+    anc = ancestor_mask(parent)  # [B, n, n] bool
+    depth = anc.sum(-1) - 1  # [B, n]
+    bits = pack_mask_bits(anc).reshape(B * n, -1)
+    if bits.shape[1] == 1:
+        bits = torch.cat([bits, torch.zeros_like(bits)], 1)
+    P = -(-(L + n) // PAGE)
+    pages = torch.randperm(B * P, generator=gen)
+    bt = pages.view(B, P).int()
+    kv = torch.randn(B * P * PAGE, DL + DR, generator=cgen, device="cuda").to(torch.bfloat16)
+    q = torch.randn(B * n, H, DL, generator=cgen, device="cuda").to(torch.bfloat16)
+    qpe = torch.randn(B * n, H, DR, generator=cgen, device="cuda").to(torch.bfloat16)
+    cu = torch.arange(0, B * n + 1, n, dtype=torch.int32)
+    pre = torch.full((B,), L, dtype=torch.int32)
+    dev = dict(device="cuda")
+    args = (q, qpe, kv, bt.to(**dev), PAGE, cu.to(**dev), pre.to(**dev), bits.to(**dev))
+    return args, anc.to(**dev), depth
+
+
+def dense_mask_mod(dense):
+    """FlexAttention mask_mod reading a dense [B, n, L+n] visibility tensor."""
+    def mask_mod(b, h, q_idx, kv_idx):
+        return dense[b, q_idx, kv_idx]
+    return mask_mod
+
+
+def peer_inputs(args, B, L, n):
+    q, qpe, kv, bt, _, _, _, _ = args
+    idx = torch.arange(L + n, device="cuda")
+    slots = bt[:, idx // PAGE].long() * PAGE + idx % PAGE  # [B, L+n]
+    k = kv[slots][:, None]  # [B, 1, L+n, 576] contiguous
+    qf = torch.cat([q, qpe], -1).view(B, n, H, DL + DR).transpose(1, 2)  # [B, H, n, 576]
+    return qf, k, k[..., :DL]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench/results/mla_attention.jsonl")
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--no-peers", action="store_true")
+    ap.add_argument("--flex-budget", type=float, default=FLEX_BUDGET_S, help="seconds of FlexAttention compiles")
+    args_cli = ap.parse_args()
+    info = env_info()
+    ceil = measure_ceilings()
+    print(f"{info['gpu']}  copy {ceil['copy_bw_GBps']:.0f} GB/s  bf16 mm {ceil['mm_tflops']:.0f} TFLOP/s", flush=True)
+    flex = None
+    flex_spent = 0.0
+    if not args_cli.no_peers:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        flex = torch.compile(flex_attention, dynamic=False)
+    gen = torch.Generator().manual_seed(0)
+    cgen = torch.Generator(device="cuda").manual_seed(0)
+    records = []
+    print(f"{'B':>3} {'L':>6} {'n':>3} {'ms':>8} {'floor':>8} {'ratio':>6} {'TFLOP/s':>7}  peers (ms)", flush=True)
+    for B in BATCH:
+        for L in PREFIX:
+            for n in TREE:
+                args, anc, depth = make_case(B, L, n, gen, cgen)
+                nbytes = B * (L + n) * (DL + DR) * 2 + B * n * H * (DL + DR) * 2 + B * n * H * DL * 2
+                flops = 2 * H * (DL + DR + DL) * float((L + depth + 1).sum())
+                floor_ms = max(nbytes / (ceil["copy_bw_GBps"] * 1e9), flops / (ceil["mm_tflops"] * 1e12)) * 1e3
+                out = torch.empty_like(args[0])
+                cfgs = [None] + (SWEEP if args_cli.sweep and n != 33 else [])
+                for cfg in cfgs:
+                    kw = {} if cfg is None else dict(block_n=cfg[0], num_warps=cfg[1], num_stages=cfg[2])
+                    fn = functools.partial(mla_attention_triton, *args, SCALE, out=out, **kw)
+                    try:
+                        ms = graph_ms(fn)
+                        eager = bench_ms(fn)
+                    except Exception as exc:  # noqa: BLE001 - report and go on
+                        print(f"B={B} L={L} n={n} cfg={cfg}: {exc!r}"[:300], flush=True)
+                        continue
+                    peers = {"triton_eager": eager}
+                    if cfg is None and not args_cli.no_peers:
+                        qf, k, v = peer_inputs(args, B, L, n)
+                        dense = torch.ones(B, n, L + n, dtype=torch.bool, device="cuda")
+                        dense[:, :, L:] = anc
+                        if flex is not None and flex_spent < args_cli.flex_budget:
+                            t0 = time.time()
+                            try:
+                                bm = create_block_mask(dense_mask_mod(dense), B, None, n, L + n, device="cuda")
+                                peers["flex_attention"] = bench_ms(functools.partial(
+                                    flex, qf, k, v, block_mask=bm, scale=SCALE, enable_gqa=True))
+                            except Exception as exc:  # noqa: BLE001
+                                peers["flex_attention_error"] = repr(exc)[:200]
+                            flex_spent += time.time() - t0
+                        if B * H * n * (L + n) * 4 + B * H * (L + n) * (DL + DR) * 2 * 2 < 24e9:
+                            try:
+                                peers["sdpa_dense"] = bench_ms(functools.partial(
+                                    F.scaled_dot_product_attention, qf, k, v, attn_mask=dense[:, None], scale=SCALE,
+                                    enable_gqa=True))
+                            except Exception as exc:  # noqa: BLE001
+                                peers["sdpa_dense_error"] = repr(exc)[:200]
+                        del qf, k, v, dense
+                    rec = dict(name="mla_attention" if cfg is None else "mla_attention_sweep",
+                               params=dict(batch=B, prefix=L, tree=n, heads=H, latent=DL, rope=DR, page=PAGE,
+                                           bytes=nbytes, flops=flops, timing="cuda_graph_replay",
+                                           config=kw or "default"),
+                               **info, ms=ms, floor_ms=floor_ms, ratio=floor_ms / ms, peers=peers, **ceil)
+                    records.append(rec)
+                    pe = "  ".join(f"{a}={b:.3f}" for a, b in peers.items() if isinstance(b, float))
+                    print(f"{B:>3} {L:>6} {n:>3} {ms:8.4f} {floor_ms:8.4f} {floor_ms / ms:6.3f} "
+                          f"{flops / ms / 1e9:7.0f}  {pe}  {kw or ''}", flush=True)
+                del args, out
+                torch.cuda.empty_cache()
+    write_jsonl(args_cli.out, records)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,29 @@
+"""Flags shared by the long-running `ddtree ... serve` commands (drafter, verifier)."""
+
+from __future__ import annotations
+
+import asyncio
+
+
+def add_server_flags(p) -> None:
+    p.add_argument("--listen", required=True, help="HOST:PORT to serve gRPC on (port 0 = any free port; the "
+                                                   "bound address is printed as a JSON line when serving)")
+    p.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
+    p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 | float64 (default: bf16 on "
+                                                 "cuda, fp32 on cpu)")
+    p.add_argument("--max-message-mb", type=int, default=64, help="largest gRPC message, MiB")
+    p.add_argument("--grace-s", type=float, default=30.0, help="on SIGTERM, seconds in-flight calls get to finish")
+    p.add_argument("--log-level", default="INFO")
+
+
+def message_bytes(args) -> int:
+    if args.max_message_mb <= 0:
+        raise ValueError(f"--max-message-mb must be positive, got {args.max_message_mb}")
+    return args.max_message_mb << 20
+
+
+def run_server(serve, cfg, log_level: str) -> int:
+    from protos.serving import setup_logging
+
+    setup_logging(log_level)
+    return asyncio.run(serve(cfg))

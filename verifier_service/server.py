@@ -1,0 +1,225 @@
+"""The verifier as a gRPC service (`ddtree.v1.Verifier`): the session API the gateway uses.
+
+Startup: the server listens at once (health NOT_SERVING), loads the target, connects to the
+drafter (waiting for it while NOT_SERVING: the drafter decides which target layers to tap),
+builds the engine, runs one warm-up step through the chosen transport, starts the scheduler's
+engine thread and only then reports SERVING. Generate streams one message per verify step; its
+cancellation or deadline releases the session on both services (`Scheduler.cancel`). SIGTERM
+drains: NOT_SERVING, new calls refused, running turns get the grace period to finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import torch
+
+from protos.ddtree.v1 import verifier_pb2, verifier_pb2_grpc
+from protos.serving import GrpcServer
+from protos.verifier_codec import event_to_pb, params_from_pb
+from verifier_service.engine import Engine, EngineConfig
+from verifier_service.scheduler import Scheduler, TurnError
+from verifier_service.session import MAX_BUDGET, DecodeParams
+from verifier_service.transport import TRANSPORTS, check_drafter_pair
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
+SESSION_ID = re.compile(r"^[A-Za-z0-9._:@/-]{1,128}$")
+WARMUP_SID = "__warm-up__"
+
+
+@dataclass(frozen=True)
+class VerifierServerConfig:
+    listen: str
+    target_dir: str
+    transport: str
+    drafter_address: str | None = None  # colocated / grpc
+    drafter_dir: str | None = None  # inprocess
+    device: str | None = None
+    dtype: str | None = None
+    max_sessions: int = 64
+    kv_pages: int = 2048
+    page_size: int = 16
+    max_session_len: int = 8192
+    draft_window: int = 2048
+    draft_timeout_s: float = 5.0
+    max_message_bytes: int = 64 << 20
+    grace_s: float = 30.0
+
+    def __post_init__(self):
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
+        if (self.transport == "inprocess") != (self.drafter_dir is not None and self.drafter_address is None):
+            raise ValueError("inprocess takes a drafter folder; colocated and grpc take a drafter address")
+        for f in ("max_sessions", "kv_pages", "page_size", "max_session_len", "draft_window", "draft_timeout_s",
+                  "max_message_bytes"):
+            if getattr(self, f) <= 0:
+                raise ValueError(f"verifier server: {f} must be positive, got {getattr(self, f)}")
+        if self.grace_s < 0:
+            raise ValueError(f"verifier server: grace period must be >= 0, got {self.grace_s}")
+
+
+@dataclass
+class Loaded:
+    """What the servicer needs once loading is done."""
+
+    scheduler: Scheduler
+    engine: Engine
+    model: str
+    eos_ids: tuple[int, ...]
+    block_size: int
+    client: object | None  # DraftStreamClient for colocated / grpc
+
+
+class VerifierService(verifier_pb2_grpc.VerifierServicer):
+    def __init__(self, cfg: VerifierServerConfig):
+        self.cfg = cfg
+        self.loaded: Loaded | None = None
+
+    async def _ready(self, context) -> Loaded:
+        if self.loaded is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the verifier is still loading; watch grpc.health.v1")
+        return self.loaded
+
+    async def Generate(self, request: verifier_pb2.GenerateRequest, context):
+        ld = await self._ready(context)
+        sid = request.session_id
+        if not SESSION_ID.match(sid):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"session_id {sid!r} must be 1..128 characters out of [A-Za-z0-9._:@/-]")
+        if request.continue_session and request.persistent:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "persistent applies when opening a session; a continued session stays persistent")
+        try:
+            params = params_from_pb(request.params, ld.eos_ids)
+        except (ValueError, TypeError) as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"params: {e}")
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+
+        def sink(ev) -> None:  # called on the engine thread
+            loop.call_soon_threadsafe(events.put_nowait, ev)
+
+        tokens = list(request.tokens)
+        if request.continue_session:
+            turn = ld.scheduler.continue_turn(sid, tokens, params, sink)
+        else:
+            turn = ld.scheduler.open(sid, tokens, params, request.persistent, sink)
+        ended = False
+        try:
+            while True:
+                ev = await events.get()
+                if isinstance(ev, TurnError):
+                    ended = True
+                    await context.abort(grpc.StatusCode[ev.code], ev.message)
+                yield event_to_pb(ev)
+                if ev.finish_reason is not None:
+                    ended = True
+                    return
+        finally:
+            if not ended:  # cancelled by the client, its deadline, or the drain's grace period
+                ld.scheduler.cancel(turn)
+
+    async def Release(self, request: verifier_pb2.ReleaseRequest, context):
+        ld = await self._ready(context)
+        try:
+            cancelled = await asyncio.wrap_future(ld.scheduler.release(request.session_id))
+        except TurnError as e:
+            await context.abort(grpc.StatusCode[e.code], e.message)
+        return verifier_pb2.ReleaseResponse(cancelled_running_turn=cancelled)
+
+    async def Info(self, request, context):
+        ld = self.loaded
+        cfg = self.cfg
+        msg = verifier_pb2.VerifierInfo(max_budget=MAX_BUDGET, page_size=cfg.page_size, kv_pages_total=cfg.kv_pages,
+                                        max_sessions=cfg.max_sessions, transport=cfg.transport,
+                                        drafter_address=cfg.drafter_address or "")
+        if ld is None:
+            return msg
+        snap, eng = ld.scheduler.snapshot, ld.engine
+        msg.model, msg.vocab_size, msg.eos_token_ids[:] = ld.model, eng.target.cfg.vocab_size, list(ld.eos_ids)
+        msg.block_size, msg.max_session_len = ld.block_size, eng.kv.max_session_len
+        msg.kv_pages_free, msg.open_sessions, msg.running_sessions = (snap.kv_pages_free, snap.open_sessions,
+                                                                      snap.running_sessions)
+        msg.drafter_connected = ld.client.connected if ld.client is not None else eng.drafter is not None
+        msg.device, msg.dtype = str(eng.device), str(eng.dtype).removeprefix("torch.")
+        return msg
+
+
+# --- loading -----------------------------------------------------------------------------------------
+def build_engine(cfg: VerifierServerConfig, stop: threading.Event) -> Loaded:
+    """Load the target, wire the drafter through the configured transport, warm up; blocking."""
+    from verifier_service.checkpoint import load_target
+    from verifier_service.config import KimiConfig
+    from verifier_service.local import DTYPES, build_local_engine, default_device
+    from verifier_service.transport_stream import DraftStreamClient, StreamClientConfig
+
+    device = cfg.device or default_device()
+    if cfg.dtype is not None and cfg.dtype not in DTYPES:
+        raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {cfg.dtype!r}")
+    dtype = DTYPES[cfg.dtype] if cfg.dtype else (torch.bfloat16 if device.startswith("cuda") else torch.float32)
+    ecfg = EngineConfig(page_size=cfg.page_size, num_pages=cfg.kv_pages, max_sessions=cfg.max_sessions,
+                        max_session_len=cfg.max_session_len, draft_window=cfg.draft_window)
+    tcfg = KimiConfig.from_file(cfg.target_dir)
+    client = None
+    if cfg.transport == "inprocess":
+        engine = build_local_engine(cfg.target_dir, cfg.drafter_dir, dtype, device, ecfg)
+        block = engine.drafter.cfg.block_size
+    else:
+        client = DraftStreamClient(StreamClientConfig(
+            cfg.drafter_address, colocated=cfg.transport == "colocated", region_device=device,
+            draft_timeout_s=cfg.draft_timeout_s, max_message_bytes=cfg.max_message_bytes, window=cfg.draft_window,
+            client_id=f"verifier@{cfg.listen}"))
+        client.start()  # connects in the background while the target loads
+        try:
+            target = load_target(cfg.target_dir, dtype, device, tcfg)
+            log.info("target loaded; waiting for the drafter at %s", cfg.drafter_address)
+            model = client.wait_ready(stop)
+            check_drafter_pair(model, tcfg)
+        except BaseException:
+            client.close()
+            raise
+        engine = Engine(target, client, model.target_layer_ids, ecfg)
+        block = model.block_size
+    # warm-up: one drafted step through the transport, then give everything back
+    engine.add([0, 1, 2], DecodeParams(max_new_tokens=2, budget=4, topk=2), sid=WARMUP_SID)
+    engine.run_until_done()
+    engine.release(WARMUP_SID)
+    scheduler = Scheduler(engine, client.take_errors if client is not None else None)
+    scheduler.start()
+    return Loaded(scheduler, engine, Path(cfg.target_dir).name, tcfg.eos_ids, block, client)
+
+
+async def serve(cfg: VerifierServerConfig) -> int:
+    service = VerifierService(cfg)
+    server = GrpcServer(cfg.listen, [SERVICE_NAME], cfg.max_message_bytes, cfg.grace_s)
+    verifier_pb2_grpc.add_VerifierServicer_to_server(service, server.server)
+    await server.start()
+    stop_loading = threading.Event()
+    loading = asyncio.ensure_future(asyncio.to_thread(build_engine, cfg, stop_loading))
+    stop = asyncio.ensure_future(server.stop_requested.wait())
+    await asyncio.wait({loading, stop}, return_when=asyncio.FIRST_COMPLETED)
+    if not loading.done():
+        stop_loading.set()  # interrupts the wait for the drafter; weight loading itself runs to its end
+        await server.drain()
+        return 0
+    if loading.exception() is not None:
+        log.error("the verifier failed to start: %s", loading.exception())
+        await server.drain()
+        raise loading.exception()
+    service.loaded = loading.result()
+    await server.set_serving()
+    log.info("verifier serving on %s (transport %s)", server.address, cfg.transport)
+    await stop
+    await server.drain()
+    ld = service.loaded
+    ld.scheduler.close()
+    if ld.client is not None:
+        ld.client.close()
+    return 0

@@ -1,0 +1,79 @@
+"""Choosing and wiring the verifier <-> drafter transport (DESIGN 5).
+
+Three transports sit behind the engine's `DraftClient` interface:
+- `inprocess`: the `Drafter` object itself, in the verifier's process (the embedded mode);
+- `colocated`: a drafter process on this host; tensors through shared memory (/dev/shm on CPU,
+  CUDA IPC on GPU) registered once per stream, a small control message per step;
+- `grpc`: a drafter anywhere; tensors as little-endian bytes in the messages.
+`colocated` is the default when the drafter's address is on this host (loopback, this host's
+name, or a unix socket), `grpc` otherwise.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+
+from verifier_service.config import KimiConfig
+from verifier_service.transport_stream import DrafterModel
+
+TRANSPORTS = ("inprocess", "colocated", "grpc")
+
+
+def address_host(address: str) -> str | None:
+    """The host part of a gRPC target ('host:port', '[v6]:port', 'dns:///host:port', 'ipv4:a.b.c.d:port');
+    None for unix sockets."""
+    if address.startswith(("unix:", "unix-abstract:")):
+        return None
+    for scheme in ("dns:///", "dns:", "ipv4:", "ipv6:"):
+        if address.startswith(scheme):
+            address = address[len(scheme):]
+            break
+    host, sep, _ = address.rpartition(":")
+    host = host if sep else address
+    return host.strip("[]")
+
+
+def is_local_address(address: str) -> bool:
+    host = address_host(address)
+    if host is None:
+        return True
+    if host.lower() in ("localhost", socket.gethostname().lower(), socket.getfqdn().lower()):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def resolve_transport(requested: str | None, drafter_address: str | None, drafter_dir: str | None) -> str:
+    """The transport to use, from the flags; ValueError says which flag is missing or conflicting."""
+    if requested is not None and requested not in TRANSPORTS:
+        raise ValueError(f"--transport must be one of {', '.join(TRANSPORTS)}, got {requested!r}")
+    if requested == "inprocess" or (requested is None and drafter_address is None):
+        if drafter_dir is None:
+            raise ValueError("--transport inprocess needs --drafter DIR (the drafter runs inside the verifier)")
+        if drafter_address is not None:
+            raise ValueError("--transport inprocess takes --drafter DIR, not --drafter-address")
+        return "inprocess"
+    if drafter_address is None:
+        raise ValueError(f"--transport {requested} needs --drafter-address HOST:PORT")
+    if drafter_dir is not None:
+        raise ValueError("--drafter DIR is only for --transport inprocess; the remote drafter loads its own weights")
+    return requested or ("colocated" if is_local_address(drafter_address) else "grpc")
+
+
+def check_drafter_pair(model: DrafterModel, target: KimiConfig) -> None:
+    """The same checks as `check_pair`, against a drafter known only through its Info."""
+    if model.vocab_size != target.vocab_size:
+        raise ValueError(f"drafter {model.model!r} has vocab_size {model.vocab_size}, the target "
+                         f"{target.vocab_size}")
+    if model.target_hidden_size != target.hidden_size:
+        raise ValueError(f"drafter {model.model!r} expects target hidden size {model.target_hidden_size}, the "
+                         f"target has {target.hidden_size}")
+    bad = [i for i in model.target_layer_ids if not 0 <= i < target.num_hidden_layers]
+    if bad or not model.target_layer_ids:
+        raise ValueError(f"drafter {model.model!r} taps target layers {list(model.target_layer_ids)}, the target "
+                         f"has {target.num_hidden_layers}")
+    if model.block_size < 2:
+        raise ValueError(f"drafter {model.model!r} reports block size {model.block_size}")
