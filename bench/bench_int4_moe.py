@@ -24,9 +24,10 @@ from kernels.int4_moe import int4_moe_triton
 
 E, D, INTER, TOPK, G = 384, 7168, 2048, 8, 32
 TOKENS = (1, 9, 17, 33, 65, 129)
-SWEEP = [  # (block_i, block_d, num_warps, num_stages, use_asm)
-    (32, 64, 4, 3, True), (64, 128, 4, 3, True), (32, 64, 4, 4, True), (32, 128, 4, 3, True),
-    (64, 64, 4, 3, True), (32, 64, 4, 3, False),
+SWEEP = [  # (block_i, block_d, num_warps, num_stages, use_asm, prescale, swap)
+    (32, 64, 4, 3, True, False, True), (64, 128, 8, 3, True, True, True), (64, 128, 4, 3, True, True, True),
+    (32, 128, 4, 3, True, True, True), (32, 64, 4, 4, True, True, True), (32, 64, 4, 3, True, True, False),
+    (32, 64, 4, 3, True, False, False), (32, 64, 4, 3, False, True, True),
 ]
 
 
@@ -134,7 +135,7 @@ def main():
         configs = [None] + (SWEEP if args.sweep else [])
         for cfg in configs:
             kw = {} if cfg is None else dict(block_i=cfg[0], block_d=cfg[1], num_warps=cfg[2], num_stages=cfg[3],
-                                             use_asm=cfg[4])
+                                             use_asm=cfg[4], prescale=cfg[5], swap=cfg[6])
             fn = functools.partial(int4_moe_triton, x, ids, tw, *w, out=out, **kw)
             try:
                 ms = graph_ms(fn)

@@ -44,11 +44,15 @@ def shards(folder: Path) -> list[Path]:
     return sorted(folder.glob("*.safetensors"))
 
 
+DROPPED_BY: list[str] = []  # how the page cache was dropped, per call
+
+
 def drop_cache(files: list[Path]) -> str:
     os.sync()
     try:
         with open("/proc/sys/vm/drop_caches", "w") as f:
             f.write("3\n")
+        DROPPED_BY.append("drop_caches")
         return "drop_caches"
     except OSError:
         pass
@@ -59,15 +63,22 @@ def drop_cache(files: list[Path]) -> str:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
+    DROPPED_BY.append("fadvise")
     return "fadvise"
 
 
-def raw_read(files: list[Path], threads: int, chunk: int = 64 << 20) -> int:
+CHUNK = 16 << 20
+BUFS: list[bytearray] = []  # allocated once, outside the timed region
+
+
+def raw_read(files: list[Path], threads: int, chunk: int = CHUNK) -> int:
     """Plain reads of every byte of the files (no mmap, no torch); returns bytes read."""
     jobs = [(p, off) for p in files for off in range(0, p.stat().st_size, chunk)]
+    while len(BUFS) < threads:
+        BUFS.append(bytearray(chunk))
 
-    def work(part: list[tuple[Path, int]]) -> int:
-        buf, total = bytearray(chunk), 0
+    def work(part: list[tuple[Path, int]], buf: bytearray) -> int:
+        total = 0
         fds: dict[Path, int] = {}
         try:
             for p, off in part:
@@ -79,12 +90,12 @@ def raw_read(files: list[Path], threads: int, chunk: int = 64 << 20) -> int:
         return total
 
     if threads == 1:
-        return work(jobs)
+        return work(jobs, BUFS[0])
     with ThreadPoolExecutor(threads) as ex:  # interleaved ranges: every thread reads sequentially-ish
-        return sum(ex.map(work, [jobs[i::threads] for i in range(threads)]))
+        return sum(ex.map(work, [jobs[i::threads] for i in range(threads)], BUFS[:threads]))
 
 
-def safetensors_peer(folder: Path, names: list[str], weight_map: dict[str, str]) -> int:
+def safetensors_peer(folder: Path, names: list[str], weight_map: dict[str, str], device: str) -> int:
     from safetensors import safe_open
 
     total = 0
@@ -92,21 +103,36 @@ def safetensors_peer(folder: Path, names: list[str], weight_map: dict[str, str])
     for n in names:
         by_file.setdefault(weight_map[n], []).append(n)
     for fname, ns in by_file.items():
-        with safe_open(folder / fname, "pt", device="cuda") as f:
+        with safe_open(folder / fname, "pt", device=device) as f:
             for n in ns:
                 t = f.get_tensor(n)
                 total += t.numel() * t.element_size()
                 del t
-    torch.cuda.synchronize()
     return total
 
 
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def timed(fn):
-    torch.cuda.synchronize()
+    sync()
     t0 = time.perf_counter()
     out = fn()
-    torch.cuda.synchronize()
+    sync()
     return out, (time.perf_counter() - t0) * 1e3
+
+
+def fs_type(path: Path) -> str:
+    """Filesystem of the longest mount point containing path (tmpfs would make 'disk' reads memory reads)."""
+    path = os.path.abspath(path)
+    best = ("", "?")
+    for ln in open("/proc/mounts"):
+        mnt, kind = ln.split()[1], ln.split()[2]
+        if (path == mnt or path.startswith(mnt.rstrip("/") + "/")) and len(mnt) > len(best[0]):
+            best = (mnt, kind)
+    return f"{best[1]} on {best[0]}"
 
 
 def sanity(tmp: Path) -> int:
@@ -145,7 +171,9 @@ def verify(model, folder: Path) -> int:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", default="kimi-k2.6", choices=presets.PRESETS)
     ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--device", default="cuda", help="cpu runs the whole flow as a dry run (no GPU numbers)")
     ap.add_argument("--dir", default=".bench_load_ckpt", help="checkpoint folder on the local disk")
     ap.add_argument("--results", default="bench/results/load.jsonl")
     ap.add_argument("--commit", default=os.environ.get("GIT_COMMIT", "unknown"))
@@ -155,7 +183,7 @@ def main() -> int:
     t_start = time.perf_counter()
     left = lambda: args.budget_s - (time.perf_counter() - t_start)  # noqa: E731
     folder = Path(args.dir)
-    gpu = torch.cuda.get_device_name(0)
+    gpu = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "none (cpu dry run)"
     env = {"gpu": gpu, "torch": torch.__version__, "python": platform.python_version(), "commit": args.commit}
     rows: list[dict] = []
 
@@ -169,58 +197,76 @@ def main() -> int:
             f.write(json.dumps(row) + "\n")
         print(json.dumps(row), flush=True)
 
-    n_sane = sanity(folder.parent / (folder.name + "_tiny"))
-    print(f"sanity: {n_sane} tensors equal between GPU and CPU loads", flush=True)
+    if args.device.startswith("cuda"):
+        n_sane = sanity(folder.parent / (folder.name + "_tiny"))
+        print(f"sanity: {n_sane} tensors equal between GPU and CPU loads", flush=True)
+    else:  # warm up torch's one-time meta-device imports outside the timed region
+        tiny = folder.parent / (folder.name + "_tiny")
+        write_random_target(tiny, presets.target_config("tiny"), seed=5)
+        load_target(tiny, torch.float32, "cpu")
 
-    cfg_dict = presets.target_config("kimi-k2.6", layers=args.layers)
+    cfg_dict = presets.target_config(args.preset, layers=args.layers)
     t0 = time.perf_counter()
     write_random_target(folder, cfg_dict, seed=0, max_shard_bytes=4 << 30, fast_int4=True)
     write_s = time.perf_counter() - t0
     files = shards(folder)
     nbytes = sum(p.stat().st_size for p in files)
-    fs = next((ln.split()[2] for ln in open("/proc/mounts") if ln.split()[1] == os.path.abspath(
-        os.path.dirname(os.path.abspath(folder)) or "/")), "?")
+    fs = fs_type(folder)
     cfg = KimiConfig.from_dict(cfg_dict)
     wmap = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
     with ShardedReader(folder) as r:
         names = [t.name for t, _ in plan_target(cfg, r, check_values=False).items]
-    base = {"preset": "kimi-k2.6", "layers": args.layers, "file_bytes": nbytes, "shards": len(files),
+    base = {"preset": args.preset, "layers": args.layers, "file_bytes": nbytes, "shards": len(files),
             "tensors_loaded": len(names), "workers": args.workers, "dtype": "bfloat16", "fs": fs,
             "write_s": round(write_s, 1), "write_gb_s": round(nbytes / write_s / 1e9, 2)}
     print(json.dumps(base), flush=True)
 
-    for mode in ("cold", "warm"):
-        if left() < 20:
+    BUFS.extend(bytearray(CHUNK) for _ in range(args.workers))
+    can_drop = args.device.startswith("cuda")  # never drop a shared dev box's page cache in a dry run
+    est = [write_s]  # seconds one pass over the files may take (write time, then the slowest pass seen)
+
+    def maybe(fn, cold: bool):
+        """Run one timed pass if the budget covers it (after dropping the page cache for cold passes)."""
+        if left() < 1.5 * max(est) + 5:
+            return None, None
+        if cold:
+            drop_cache(files)
+        out, ms = timed(fn)
+        est.append(ms / 1e3)
+        return out, ms
+
+    for mode in ("cold", "warm") if can_drop else ("warm",):
+        cold = mode == "cold"
+        model, ms = maybe(lambda: load_target(folder, torch.bfloat16, args.device, workers=args.workers), cold)
+        if model is None:
             print(f"budget spent: {mode} runs skipped", flush=True)
             break
-        cache = drop_cache(files) if mode == "cold" else "warm"
-        raw1 = timed(lambda: raw_read(files, 1))[1]
-        cache = drop_cache(files) if mode == "cold" else cache
-        rawn = timed(lambda: raw_read(files, args.workers))[1]
-        floor = min(raw1, rawn)
-        if mode == "cold":
-            drop_cache(files)
-        model, ms = timed(lambda: load_target(folder, torch.bfloat16, "cuda", workers=args.workers))
         rep = model.load_report
-        checked = verify(model, folder) if mode == "cold" else None
+        checked = verify(model, folder) if cold else None
         del model
-        torch.cuda.empty_cache()
-        peers = {"raw_read_1thread_ms": round(raw1, 1), f"raw_read_{args.workers}threads_ms": round(rawn, 1)}
-        if left() > 15:
-            if mode == "cold":
-                drop_cache(files)
-            moved, peer_ms = timed(lambda: safetensors_peer(folder, names, wmap))
-            peers |= {"safetensors_safe_open_cuda_ms": round(peer_ms, 1),
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        raw1 = maybe(lambda: raw_read(files, 1), cold)[1]
+        rawn = maybe(lambda: raw_read(files, args.workers), cold)[1]
+        floor = min((x for x in (raw1, rawn) if x is not None), default=None)
+        peers = {"raw_read_1thread_ms": raw1 and round(raw1, 1),
+                 f"raw_read_{args.workers}threads_ms": rawn and round(rawn, 1)}
+        moved, peer_ms = maybe(lambda: safetensors_peer(folder, names, wmap, args.device), cold)
+        if peer_ms is not None:
+            peers |= {"safetensors_safe_open_ms": round(peer_ms, 1),
                       "safetensors_gb_s": round(moved / peer_ms / 1e6, 2)}
-        params = base | {"cache": cache, "loaded_bytes": rep.bytes, "gb_s": round(rep.bytes / ms / 1e6, 2),
-                         "disk_floor_gb_s": round(nbytes / floor / 1e6, 2), "verified_tensors": checked}
+        params = base | {"cache": DROPPED_BY[-1] if cold and DROPPED_BY else "warm",
+                         "loaded_bytes": rep.bytes, "gb_s": round(rep.bytes / ms / 1e6, 2),
+                         "disk_floor_gb_s": floor and round(nbytes / floor / 1e6, 2), "verified_tensors": checked}
         emit(f"load_target_{mode}", ms, floor, peers, params)
 
     print(f"\n{'run':<20}{'GB':>8}{'load ms':>10}{'GB/s':>8}{'disk floor ms':>15}{'ratio':>7}{'safetensors ms':>16}")
     for r in rows:
         p = r["params"]
-        print(f"{r['name']:<20}{p['loaded_bytes'] / 1e9:>8.2f}{r['ms']:>10.0f}{p['gb_s']:>8.2f}{r['floor_ms']:>15.0f}"
-              f"{r['ratio']:>7.2f}{r['peers'].get('safetensors_safe_open_cuda_ms', float('nan')):>16.0f}")
+        nan = float("nan")
+        floor, ratio = (nan if r[k] is None else r[k] for k in ("floor_ms", "ratio"))
+        print(f"{r['name']:<20}{p['loaded_bytes'] / 1e9:>8.2f}{r['ms']:>10.0f}{p['gb_s']:>8.2f}"
+              f"{floor:>15.0f}{ratio:>7.2f}{r['peers'].get('safetensors_safe_open_ms') or nan:>16.0f}")
     return 0
 
 

@@ -30,7 +30,10 @@ SCALE = 192**-0.5 * (0.1 * torch.log(torch.tensor(64.0)).item() + 1) ** 2
 PREFIX = (1024, 4096, 32768)
 TREE = (9, 33, 65)
 BATCH = (1, 16)
-SWEEP = [(32, 8, 3), (16, 8, 2)]  # (block_n, num_warps, num_stages) beside the default (32, 8, 2)
+SWEEP = [  # (block_n, num_warps, num_stages, nch, c_min) beside the default (32, 8, 2, 16, 512)
+    (32, 8, 2, 32, 256), (32, 8, 2, 16, 256), (32, 8, 2, 32, 128), (32, 8, 2, 64, 256)]
+# head dim 576 leaves Inductor's autotuner no valid default config (seen on the H200): small tiles
+FLEX_OPTIONS = {"BLOCK_M": 32, "BLOCK_N": 32, "num_stages": 1, "num_warps": 4}
 FLEX_BUDGET_S = 120.0  # stop compiling FlexAttention for new shapes after this much time
 
 
@@ -102,7 +105,8 @@ def main():
                 out = torch.empty_like(args[0])
                 cfgs = [None] + (SWEEP if args_cli.sweep and n != 33 else [])
                 for cfg in cfgs:
-                    kw = {} if cfg is None else dict(block_n=cfg[0], num_warps=cfg[1], num_stages=cfg[2])
+                    kw = {} if cfg is None else dict(block_n=cfg[0], num_warps=cfg[1], num_stages=cfg[2], nch=cfg[3],
+                                                                     c_min=cfg[4])
                     fn = functools.partial(mla_attention_triton, *args, SCALE, out=out, **kw)
                     try:
                         ms = graph_ms(fn)
@@ -120,7 +124,8 @@ def main():
                             try:
                                 bm = create_block_mask(dense_mask_mod(dense), B, None, n, L + n, device="cuda")
                                 peers["flex_attention"] = bench_ms(functools.partial(
-                                    flex, qf, k, v, block_mask=bm, scale=SCALE, enable_gqa=True))
+                                    flex, qf, k, v, block_mask=bm, scale=SCALE, enable_gqa=True,
+                                    kernel_options=FLEX_OPTIONS))
                             except Exception as exc:  # noqa: BLE001
                                 peers["flex_attention_error"] = repr(exc)[:200]
                             flex_spent += time.time() - t0

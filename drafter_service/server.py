@@ -119,11 +119,15 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         """Next request, or None at the end of the stream or when draining."""
         read = asyncio.ensure_future(context.read())
         drain = asyncio.ensure_future(self._drain.wait())
-        done, _ = await asyncio.wait({read, drain}, return_when=asyncio.FIRST_COMPLETED)
-        drain.cancel()
-        if read not in done:
-            read.cancel()
-            return None
+        try:
+            await asyncio.wait({read, drain}, return_when=asyncio.FIRST_COMPLETED)
+        finally:  # also when this handler is cancelled: leave no task behind
+            drain.cancel()
+            got = read.done()
+            if not got:
+                read.cancel()
+        if not got:
+            return None  # draining
         msg = read.result()
         return None if msg is grpc.aio.EOF else msg
 

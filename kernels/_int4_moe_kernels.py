@@ -19,58 +19,88 @@ import triton.language as tl
 
 BLOCK_K = tl.constexpr(256)  # columns per K step: 8 groups of 32, one nibble position each
 
-# Eight bf16 values from each int32 word, exactly (u - 8): pair two words with prmt so that each
-# nibble position of both words lands in one bf16x2 register, OR in the exponent of 128.0 (0x4300:
-# bf16 128 + u exactly) and subtract 136 with one bf16x2 FMA (Marlin's trick). Output k = nibble k.
-_DEQUANT8_PTX = tl.constexpr("""
-{
-.reg .b32 lo, hi, t, one, bias;
-mov.b32 one, 0x3F803F80;
-mov.b32 bias, 0xC308C308;
-prmt.b32 lo, $8, $9, 0x5410;
-prmt.b32 hi, $8, $9, 0x7632;
-lop3.b32 t, lo, 0x000F000F, 0x43004300, 0xEA;
-fma.rn.bf16x2 $0, t, one, bias;
-shr.u32 t, lo, 4;
-lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA;
-fma.rn.bf16x2 $1, t, one, bias;
-shr.u32 t, lo, 8;
-lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA;
-fma.rn.bf16x2 $2, t, one, bias;
-shr.u32 t, lo, 12;
-lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA;
-fma.rn.bf16x2 $3, t, one, bias;
-lop3.b32 t, hi, 0x000F000F, 0x43004300, 0xEA;
-fma.rn.bf16x2 $4, t, one, bias;
-shr.u32 t, hi, 4;
-lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA;
-fma.rn.bf16x2 $5, t, one, bias;
-shr.u32 t, hi, 8;
-lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA;
-fma.rn.bf16x2 $6, t, one, bias;
-shr.u32 t, hi, 12;
-lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA;
-fma.rn.bf16x2 $7, t, one, bias;
-}
-""")
+
+def _dequant8_ptx(scaled: bool) -> str:
+    """PTX: eight bf16 values per int32 word, exactly (u - 8), optionally times a per-row scale.
+
+    Two words per call: prmt pairs each nibble position of both words in one bf16x2 register, OR
+    puts it in the mantissa of 128.0 (0x4300: bf16 128 + u exactly), one bf16x2 FMA subtracts 136
+    (Marlin's trick). Output k = nibble k ($0..$7), words in $8, $9; with `scaled`, scale k is the
+    bf16x2 $10+k and q * s is rounded once to bf16 (= the fp32 product rounded: it is exact in fp32).
+    """
+    lines = ["{", ".reg .b32 lo, hi, t, one, bias, nz;", "mov.b32 one, 0x3F803F80;", "mov.b32 bias, 0xC308C308;",
+             "mov.b32 nz, 0x80008000;", "prmt.b32 lo, $8, $9, 0x5410;", "prmt.b32 hi, $8, $9, 0x7632;"]
+    for k in range(8):
+        src = "lo" if k < 4 else "hi"
+        if k % 4:
+            lines.append(f"shr.u32 t, {src}, {4 * (k % 4)};")
+        lines.append(f"lop3.b32 t, {'t' if k % 4 else src}, 0x000F000F, 0x43004300, 0xEA;")
+        if scaled:
+            lines += ["fma.rn.bf16x2 t, t, one, bias;", f"fma.rn.bf16x2 ${k}, t, ${10 + k}, nz;"]
+        else:
+            lines.append(f"fma.rn.bf16x2 ${k}, t, one, bias;")
+    return "\n".join(lines + ["}"])
+
+
+_DEQUANT8_PTX = tl.constexpr(_dequant8_ptx(False))
+_DEQUANT8_SCALED_PTX = tl.constexpr(_dequant8_ptx(True))
 
 
 @triton.jit
-def _nibble(w, K: tl.constexpr, DTYPE: tl.constexpr):
-    # Portable exact dequant of nibble K: fp32 2^23 + u by bit pattern, minus 2^23 + 8.
+def _nibble(w, K: tl.constexpr):
+    # Portable exact dequant of nibble K to fp32: the bit pattern of 2^23 + u, minus 2^23 + 8.
     u = (w >> (4 * K)) & 0xF
-    return ((u | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0).to(DTYPE)
+    return (u | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
 
 
 @triton.jit
 def _dequant8(w, DTYPE: tl.constexpr, USE_ASM: tl.constexpr):
+    """[ROWS, 32] int32 -> eight [ROWS, 32] tensors of exact int4 values (group k = nibble k)."""
     if USE_ASM:
         return tl.inline_asm_elementwise(
-            _DEQUANT8_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [w],
+            _DEQUANT8_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [w], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=2)
+    else:
+        return (_nibble(w, 0).to(DTYPE), _nibble(w, 1).to(DTYPE), _nibble(w, 2).to(DTYPE),
+                _nibble(w, 3).to(DTYPE), _nibble(w, 4).to(DTYPE), _nibble(w, 5).to(DTYPE),
+                _nibble(w, 6).to(DTYPE), _nibble(w, 7).to(DTYPE))
+
+
+@triton.jit
+def _sc(s_ptrs, w_ok, EVEN_N: tl.constexpr):
+    # per-row scale [ROWS] of one group (0 for rows past N)
+    if EVEN_N:
+        return tl.load(s_ptrs)
+    else:
+        return tl.load(s_ptrs, mask=w_ok, other=0.0)
+
+
+@triton.jit
+def _dequant8_scaled(w, s_ptrs, stride_sk, w_ok, DTYPE: tl.constexpr, USE_ASM: tl.constexpr,
+                     EVEN_N: tl.constexpr):
+    """Like _dequant8 but each group already multiplied by its scale, rounded once to DTYPE."""
+    s0 = _sc(s_ptrs, w_ok, EVEN_N)[:, None]  # [ROWS, 1] scale of group k
+    s1 = _sc(s_ptrs + stride_sk, w_ok, EVEN_N)[:, None]
+    s2 = _sc(s_ptrs + 2 * stride_sk, w_ok, EVEN_N)[:, None]
+    s3 = _sc(s_ptrs + 3 * stride_sk, w_ok, EVEN_N)[:, None]
+    s4 = _sc(s_ptrs + 4 * stride_sk, w_ok, EVEN_N)[:, None]
+    s5 = _sc(s_ptrs + 5 * stride_sk, w_ok, EVEN_N)[:, None]
+    s6 = _sc(s_ptrs + 6 * stride_sk, w_ok, EVEN_N)[:, None]
+    s7 = _sc(s_ptrs + 7 * stride_sk, w_ok, EVEN_N)[:, None]
+    if USE_ASM:
+        return tl.inline_asm_elementwise(  # scales broadcast along the 32 words of a row
+            _DEQUANT8_SCALED_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r",
+            [w, tl.broadcast(s0, w)[0], tl.broadcast(s1, w)[0], tl.broadcast(s2, w)[0], tl.broadcast(s3, w)[0],
+             tl.broadcast(s4, w)[0], tl.broadcast(s5, w)[0], tl.broadcast(s6, w)[0], tl.broadcast(s7, w)[0]],
             dtype=(tl.bfloat16,) * 8, is_pure=True, pack=2)
     else:
-        return (_nibble(w, 0, DTYPE), _nibble(w, 1, DTYPE), _nibble(w, 2, DTYPE), _nibble(w, 3, DTYPE),
-                _nibble(w, 4, DTYPE), _nibble(w, 5, DTYPE), _nibble(w, 6, DTYPE), _nibble(w, 7, DTYPE))
+        return (_qs(w, 0, s0, DTYPE), _qs(w, 1, s1, DTYPE), _qs(w, 2, s2, DTYPE), _qs(w, 3, s3, DTYPE),
+                _qs(w, 4, s4, DTYPE), _qs(w, 5, s5, DTYPE), _qs(w, 6, s6, DTYPE), _qs(w, 7, s7, DTYPE))
+
+
+@triton.jit
+def _qs(w, K: tl.constexpr, s, DTYPE: tl.constexpr):
+    # q * s is exact in fp32 (4-bit x 8-bit mantissas): one rounding, to DTYPE, as in the PTX path
+    return (_nibble(w, K) * s.to(tl.float32)).to(DTYPE)
 
 
 @triton.jit
@@ -84,60 +114,78 @@ def _xt(x_ptrs, x_ok, c, K, EVEN: tl.constexpr):
 
 
 @triton.jit
+def _mma(q, xt, acc, PREC: tl.constexpr, SWAP: tl.constexpr):
+    # q [ROWS, 32] weights, xt [32, BLOCK_M]: acc [ROWS, BLOCK_M] += q @ xt, or with SWAP the same
+    # product transposed, acc [BLOCK_M, ROWS] += xt^T @ q^T (pairs on the MMA's M side)
+    if SWAP:
+        return tl.dot(tl.trans(xt), tl.trans(q), acc, input_precision=PREC)
+    else:
+        return tl.dot(q, xt, acc, input_precision=PREC)
+
+
+@triton.jit
+def _scaled(p, s, SWAP: tl.constexpr):
+    # group product times its per-weight-row fp32 scale
+    if SWAP:
+        return p * s.to(tl.float32)[None, :]
+    else:
+        return p * s.to(tl.float32)[:, None]
+
+
+@triton.jit
 def _int4_block_gemm(acc, x_ptrs, x_ok, K, w_ptrs, w_ok, s_ptrs, stride_sb, stride_sk, num_kb,
                      DTYPE: tl.constexpr, USE_ASM: tl.constexpr, PREC: tl.constexpr,
-                     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
+                     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, PRESCALE: tl.constexpr, SWAP: tl.constexpr):
     """acc [ROWS, BLOCK_M] += W[rows, :K] @ X^T over the whole K extent, in a fixed order.
 
     x_ptrs [32, BLOCK_M]: column j of group 0 for each pair's activation row; x_ok [1, BLOCK_M]
-    False for padding pairs (never stored). Per 256-column block the 8 group products
-    Q_k @ X_k^T are separate MMAs folded into acc in group order with their fp32 scales.
+    False for padding pairs (never stored). PRESCALE: the weights are dequantised with their scale
+    (bf16(q * s), as a bf16 dequant would) and the 8 group MMAs chain into acc; otherwise each group
+    MMA runs on the exact q and is folded into acc with its fp32 scale (more exact, 8 MMA waits).
+    SWAP computes the transposed product (see _mma); acc goes in and out as [ROWS, BLOCK_M].
     """
+    if SWAP:
+        acc = tl.trans(acc)
     col = tl.arange(0, 32)[:, None]
     for kb in range(num_kb):
         if EVEN_N:
             w = tl.load(w_ptrs)  # [ROWS, 32] int32: 128 contiguous bytes per row
         else:
             w = tl.load(w_ptrs, mask=w_ok[:, None], other=0)
-        q0, q1, q2, q3, q4, q5, q6, q7 = _dequant8(w, DTYPE, USE_ASM)
         c = kb * BLOCK_K + col
-        p0 = tl.dot(q0, _xt(x_ptrs, x_ok, c, K, EVEN_K), input_precision=PREC)
-        p1 = tl.dot(q1, _xt(x_ptrs + 32, x_ok, c + 32, K, EVEN_K), input_precision=PREC)
-        p2 = tl.dot(q2, _xt(x_ptrs + 64, x_ok, c + 64, K, EVEN_K), input_precision=PREC)
-        p3 = tl.dot(q3, _xt(x_ptrs + 96, x_ok, c + 96, K, EVEN_K), input_precision=PREC)
-        p4 = tl.dot(q4, _xt(x_ptrs + 128, x_ok, c + 128, K, EVEN_K), input_precision=PREC)
-        p5 = tl.dot(q5, _xt(x_ptrs + 160, x_ok, c + 160, K, EVEN_K), input_precision=PREC)
-        p6 = tl.dot(q6, _xt(x_ptrs + 192, x_ok, c + 192, K, EVEN_K), input_precision=PREC)
-        p7 = tl.dot(q7, _xt(x_ptrs + 224, x_ok, c + 224, K, EVEN_K), input_precision=PREC)
-        if EVEN_N:  # scales [ROWS] per group, fp32
-            s = tl.load(s_ptrs).to(tl.float32)
-            acc += p0 * s[:, None]
-            s = tl.load(s_ptrs + stride_sk).to(tl.float32)
-            acc += p1 * s[:, None]
-            s = tl.load(s_ptrs + 2 * stride_sk).to(tl.float32)
-            acc += p2 * s[:, None]
-            s = tl.load(s_ptrs + 3 * stride_sk).to(tl.float32)
-            acc += p3 * s[:, None]
-            s = tl.load(s_ptrs + 4 * stride_sk).to(tl.float32)
-            acc += p4 * s[:, None]
-            s = tl.load(s_ptrs + 5 * stride_sk).to(tl.float32)
-            acc += p5 * s[:, None]
-            s = tl.load(s_ptrs + 6 * stride_sk).to(tl.float32)
-            acc += p6 * s[:, None]
-            s = tl.load(s_ptrs + 7 * stride_sk).to(tl.float32)
-            acc += p7 * s[:, None]
-        else:  # masked rows get scale 0
-            acc += p0 * tl.load(s_ptrs, mask=w_ok, other=0.0).to(tl.float32)[:, None]
-            acc += p1 * tl.load(s_ptrs + stride_sk, mask=w_ok, other=0.0).to(tl.float32)[:, None]
-            acc += p2 * tl.load(s_ptrs + 2 * stride_sk, mask=w_ok, other=0.0).to(tl.float32)[:, None]
-            acc += p3 * tl.load(s_ptrs + 3 * stride_sk, mask=w_ok, other=0.0).to(tl.float32)[:, None]
-            acc += p4 * tl.load(s_ptrs + 4 * stride_sk, mask=w_ok, other=0.0).to(tl.float32)[:, None]
-            acc += p5 * tl.load(s_ptrs + 5 * stride_sk, mask=w_ok, other=0.0).to(tl.float32)[:, None]
-            acc += p6 * tl.load(s_ptrs + 6 * stride_sk, mask=w_ok, other=0.0).to(tl.float32)[:, None]
-            acc += p7 * tl.load(s_ptrs + 7 * stride_sk, mask=w_ok, other=0.0).to(tl.float32)[:, None]
+        x0 = _xt(x_ptrs, x_ok, c, K, EVEN_K)
+        x1 = _xt(x_ptrs + 32, x_ok, c + 32, K, EVEN_K)
+        x2 = _xt(x_ptrs + 64, x_ok, c + 64, K, EVEN_K)
+        x3 = _xt(x_ptrs + 96, x_ok, c + 96, K, EVEN_K)
+        x4 = _xt(x_ptrs + 128, x_ok, c + 128, K, EVEN_K)
+        x5 = _xt(x_ptrs + 160, x_ok, c + 160, K, EVEN_K)
+        x6 = _xt(x_ptrs + 192, x_ok, c + 192, K, EVEN_K)
+        x7 = _xt(x_ptrs + 224, x_ok, c + 224, K, EVEN_K)
+        if PRESCALE:
+            q0, q1, q2, q3, q4, q5, q6, q7 = _dequant8_scaled(w, s_ptrs, stride_sk, w_ok, DTYPE, USE_ASM, EVEN_N)
+            acc = _mma(q0, x0, acc, PREC, SWAP)
+            acc = _mma(q1, x1, acc, PREC, SWAP)
+            acc = _mma(q2, x2, acc, PREC, SWAP)
+            acc = _mma(q3, x3, acc, PREC, SWAP)
+            acc = _mma(q4, x4, acc, PREC, SWAP)
+            acc = _mma(q5, x5, acc, PREC, SWAP)
+            acc = _mma(q6, x6, acc, PREC, SWAP)
+            acc = _mma(q7, x7, acc, PREC, SWAP)
+        else:
+            q0, q1, q2, q3, q4, q5, q6, q7 = _dequant8(w, DTYPE, USE_ASM)
+            acc += _scaled(_mma(q0, x0, None, PREC, SWAP), _sc(s_ptrs, w_ok, EVEN_N), SWAP)
+            acc += _scaled(_mma(q1, x1, None, PREC, SWAP), _sc(s_ptrs + stride_sk, w_ok, EVEN_N), SWAP)
+            acc += _scaled(_mma(q2, x2, None, PREC, SWAP), _sc(s_ptrs + 2 * stride_sk, w_ok, EVEN_N), SWAP)
+            acc += _scaled(_mma(q3, x3, None, PREC, SWAP), _sc(s_ptrs + 3 * stride_sk, w_ok, EVEN_N), SWAP)
+            acc += _scaled(_mma(q4, x4, None, PREC, SWAP), _sc(s_ptrs + 4 * stride_sk, w_ok, EVEN_N), SWAP)
+            acc += _scaled(_mma(q5, x5, None, PREC, SWAP), _sc(s_ptrs + 5 * stride_sk, w_ok, EVEN_N), SWAP)
+            acc += _scaled(_mma(q6, x6, None, PREC, SWAP), _sc(s_ptrs + 6 * stride_sk, w_ok, EVEN_N), SWAP)
+            acc += _scaled(_mma(q7, x7, None, PREC, SWAP), _sc(s_ptrs + 7 * stride_sk, w_ok, EVEN_N), SWAP)
         w_ptrs += 32
         x_ptrs += BLOCK_K
         s_ptrs += stride_sb
+    if SWAP:
+        acc = tl.trans(acc)
     return acc
 
 
@@ -151,7 +199,7 @@ def _moe_w13_kernel(
     stride_xt, stride_we, stride_wn, stride_se, stride_sb, stride_sk, stride_ap,
     TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr,
     DTYPE: tl.constexpr, USE_ASM: tl.constexpr, PREC: tl.constexpr,
-    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, PRESCALE: tl.constexpr, SWAP: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_b = tl.program_id(1)
@@ -170,7 +218,7 @@ def _moe_w13_kernel(
     x_ptrs = x_ptr + (tl.where(ok, pair, 0) // TOPK)[None, :] * stride_xt + tl.arange(0, 32)[:, None]
     acc = tl.zeros([2 * BLOCK_I, BLOCK_M], dtype=tl.float32)
     acc = _int4_block_gemm(acc, x_ptrs, ok[None, :], D, w_ptrs, row_ok, s_ptrs, stride_sb, stride_sk, num_kb,
-                           DTYPE, USE_ASM, PREC, EVEN_K, EVEN_N)
+                           DTYPE, USE_ASM, PREC, EVEN_K, EVEN_N, PRESCALE, SWAP)
     gate, up = tl.split(tl.permute(tl.reshape(acc, [2, BLOCK_I, BLOCK_M]), (1, 2, 0)))  # [BLOCK_I, BLOCK_M]
     act = gate / (1.0 + tl.exp(-gate)) * up
     n_out = pid_n * BLOCK_I + tl.arange(0, BLOCK_I)
@@ -188,7 +236,7 @@ def _moe_w2_kernel(
     stride_ap, stride_we, stride_wn, stride_se, stride_sb, stride_sk, stride_yp,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     DTYPE: tl.constexpr, USE_ASM: tl.constexpr, PREC: tl.constexpr,
-    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, PRESCALE: tl.constexpr, SWAP: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_b = tl.program_id(1)
@@ -205,7 +253,7 @@ def _moe_w2_kernel(
     x_ptrs = a_ptr + tl.where(ok, pair, 0)[None, :] * stride_ap + tl.arange(0, 32)[:, None]
     acc = tl.zeros([BLOCK_D, BLOCK_M], dtype=tl.float32)
     acc = _int4_block_gemm(acc, x_ptrs, ok[None, :], I, w_ptrs, row_ok, s_ptrs, stride_sb, stride_sk, num_kb,
-                           DTYPE, USE_ASM, PREC, EVEN_K, EVEN_N)
+                           DTYPE, USE_ASM, PREC, EVEN_K, EVEN_N, PRESCALE, SWAP)
     tl.store(y_ptr + pair[None, :] * stride_yp + row[:, None], acc, mask=row_ok[:, None] & ok[None, :])
 
 

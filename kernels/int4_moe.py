@@ -81,6 +81,8 @@ _BLOCK_M = 16  # pairs per expert block (the MMA's N side)
 _BLOCK_I = 32  # w13: intermediate columns per program (32 gate + 32 up weight rows)
 _BLOCK_D = 64  # w2: output rows per program
 _USE_ASM = True  # bf16 on CUDA: PTX prmt/lop3 dequant (exact, same values as the portable path)
+_SWAP = True  # pairs on the MMA's M side (mma.sync, no wgmma waits) vs N side (wgmma, weights as A)
+_PRESCALE = True  # dequantise to bf16(q * scale) and chain the 8 group MMAs (vs exact q, fp32 scale per group)
 
 
 def _repack_proj(packed: torch.Tensor, scale: torch.Tensor):
@@ -127,7 +129,8 @@ _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float
 
 
 def _int4_moe_triton(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, block_i: int = _BLOCK_I,
-                     block_d: int = _BLOCK_D, num_warps: int = 4, num_stages: int = 3, use_asm: bool = _USE_ASM):
+                     block_d: int = _BLOCK_D, num_warps: int = 4, num_stages: int = 3, use_asm: bool = _USE_ASM,
+                     prescale: bool = _PRESCALE, swap: bool = _SWAP):
     T, D = x.shape
     topk = topk_ids.shape[1]
     E, two_i, _ = w13.shape
@@ -144,6 +147,7 @@ def _int4_moe_triton(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, block_i
     nblk = bexp.shape[0]
     common = dict(BLOCK_M=_BLOCK_M, DTYPE=_TL_DTYPE[x.dtype], PREC="ieee" if x.dtype == torch.float32 else "tf32",
                   USE_ASM=use_asm and x.dtype == torch.bfloat16 and x.is_cuda,  # PTX: real GPU only
+                  PRESCALE=prescale, SWAP=swap,
                   num_warps=num_warps, num_stages=num_stages)
     a = torch.empty(P, inter, dtype=x.dtype, device=x.device)  # silu(gate) * up per pair
     _moe_w13_kernel[(triton.cdiv(inter, block_i), nblk)](
@@ -195,5 +199,5 @@ def int4_moe_triton(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_sc
     """The Triton path on any device (tests call it on CPU under TRITON_INTERPRET=1); "gpu" layout.
 
     `out` ([T, D], x's dtype, optional) is written in place (tests poison it first); `config`
-    overrides the tile sizes (block_i, block_d), num_warps, num_stages, use_asm (benchmarks)."""
+    overrides the tile sizes (block_i, block_d), num_warps, num_stages, use_asm, prescale, swap (benchmarks)."""
     return _int4_moe_triton(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale, out, **config)

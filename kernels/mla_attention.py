@@ -82,18 +82,14 @@ def mla_attention_ref(
     return out
 
 
-def _chunks_for(length: int) -> int:
-    """Number of KV chunks the kernel uses for a session with `length` committed rows."""
-    c = max(_C_MIN, _BLOCK_N * triton.cdiv(triton.cdiv(length, _NCH), _BLOCK_N))
-    return max(1, triton.cdiv(length, c))
-
-
 def mla_attention_triton(q_lat, q_pe, kv_cache, block_table, page_size, cu_q, prefix_lens, tree_bits,
                          sm_scale, *, out=None, block_n: int = _BLOCK_N, num_warps: int = 8,
-                         num_stages: int = 2):
+                         num_stages: int = 2, nch: int = _NCH, c_min: int = _C_MIN):
     """The Triton path on any device (tests call it on CPU under TRITON_INTERPRET=1).
 
-    q_lat/q_pe are cast to the cache dtype; `out` ([T, H, Dl], optional) is written in place."""
+    q_lat/q_pe are cast to the cache dtype; `out` ([T, H, Dl], optional) is written in place.
+    The keywords are tuning knobs for benchmarks; `nch`/`c_min` define the KV chunking, so a
+    deployment must keep them fixed (batch invariance holds for any fixed value)."""
     T, H, Dl = q_lat.shape
     Dr = q_pe.shape[-1]
     S = prefix_lens.shape[0]
@@ -120,27 +116,27 @@ def mla_attention_triton(q_lat, q_pe, kv_cache, block_table, page_size, cu_q, pr
     bdr = max(16, triton.next_power_of_2(Dr))
     tiles = triton.cdiv(T * H, _BLOCK_M) + S  # >= sum over sessions of cdiv(n_s * H, BLOCK_M)
     cap = block_table.shape[1] * page_size  # no session holds more rows than its block table maps
-    nch = min(_NCH, _chunks_for(cap))
-    parts = tiles * nch if nch > 1 else 1
+    grid_c = max(1, min(nch, triton.cdiv(cap, c_min)))  # >= chunks of any length <= cap (C >= c_min, L/nch)
+    parts = tiles * grid_c if grid_c > 1 else 1
     po = torch.empty(parts, _BLOCK_M, bdl, dtype=torch.float32, device=q_lat.device)
     pml = torch.empty(parts, 2, _BLOCK_M, dtype=torch.float32, device=q_lat.device)
     bits = tree_bits if tree_bits is not None else prefix_lens  # dummy pointer when causal
     prec = "ieee" if kv_cache.dtype == torch.float32 else "tf32"
     s_pad = max(16, triton.next_power_of_2(S + 1))
-    _mla_fwd_kernel[(tiles, nch)](
+    _mla_fwd_kernel[(tiles, grid_c)](
         q_lat, q_pe, kv_cache, block_table, cu_q, prefix_lens, bits, out, po, pml,
         S, H, sm_scale * _LOG2E,
         q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), kv_cache.stride(0),
         block_table.stride(0), bits.stride(0), out.stride(0), out.stride(1),
-        DL=Dl, DR=Dr, BDL=bdl, BDR=bdr, PAGE=page_size, BLOCK_M=_BLOCK_M, BLOCK_N=block_n, NCH=_NCH,
-        C_MIN=_C_MIN, S_PAD=s_pad, TREE=tree_bits is not None,
+        DL=Dl, DR=Dr, BDL=bdl, BDR=bdr, PAGE=page_size, BLOCK_M=_BLOCK_M, BLOCK_N=block_n, NCH=nch,
+        C_MIN=c_min, S_PAD=s_pad, TREE=tree_bits is not None,
         TWO_WORDS=tree_bits is not None and tree_bits.shape[1] > 1, PREC=prec,
         num_warps=num_warps, num_stages=num_stages)
-    if nch > 1:
+    if grid_c > 1:
         block_d = min(bdl, 128)
         _mla_combine_kernel[(tiles, triton.cdiv(bdl, block_d))](
             po, pml, cu_q, prefix_lens, out, S, H, out.stride(0), out.stride(1),
-            DL=Dl, BDL=bdl, BLOCK_D=block_d, BLOCK_M=_BLOCK_M, BLOCK_N=block_n, NCH=_NCH, C_MIN=_C_MIN,
+            DL=Dl, BDL=bdl, BLOCK_D=block_d, BLOCK_M=_BLOCK_M, BLOCK_N=block_n, NCH=nch, C_MIN=c_min,
             S_PAD=s_pad, num_warps=4)
     return out
 

@@ -22,7 +22,7 @@ Definition, per row with logits x [V], inv_temp = 1/T, top_p, top_k, seed, posit
 
 No sort is needed: let j = argmax of z + g over a candidate set S (start: all tokens). If j is
 kept, it is the answer (kept set ⊂ S). Otherwise every kept token ranks before j, so continue with
-S = {ranked before j}. Ranks shrink each round; typically 1-2 rounds. The kernel runs one program
+S = {ranked before j}. Ranks shrink each round; usually the first j is kept (one round). The kernel runs one program
 per row: pass 1 (max z, argmax of z + g), then one pass per round (count, mass, total, and the
 argmax over the tokens ranked before j), all on the device with no host synchronisation.
 """
@@ -41,7 +41,8 @@ LOG2E = 1.44269502162933349609375  # fp32(log2 e)
 EXP2_C = (1.0, 0.6931469440460205, 0.2402305006980896, 0.05548042804002762, 0.009684580378234386,
           0.0012387821916490793, 0.00021877505059819669)
 MASS_BITS = 40  # q of the top token = 2^40; V * 2^40 < 2^63 for V < 2^23
-_LOG2E = tl.constexpr(LOG2E)
+GUMBEL_BOUND = 17.0  # > the largest noise value, -ln(-ln(1 - 2^-24)) = 16.64
+_LOG2E, _GUMBEL_BOUND = tl.constexpr(LOG2E), tl.constexpr(GUMBEL_BOUND)
 _E0, _E1, _E2, _E3, _E4, _E5, _E6 = (tl.constexpr(c) for c in EXP2_C)
 
 
@@ -114,25 +115,23 @@ def fixed_mass(d):
 
 
 @triton.jit
-def _row_block(row_ptr, start, V, inv_t, greedy, seed, pos, BLOCK: tl.constexpr):
-    """One block of a row: (offs, in-range mask, z, key = z + noise) with -inf outside the row."""
+def _row_z(row_ptr, start, V, inv_t, greedy, BLOCK: tl.constexpr):
+    """One block of a row: (offs, z) with z = -inf outside the row; z = x for greedy rows."""
     offs = start + tl.arange(0, BLOCK)
-    m = offs < V
-    x = tl.load(row_ptr + offs, mask=m, other=float("-inf")).to(tl.float32)
-    if greedy:
-        z = x
-        key = x
-    else:
-        z = x * inv_t
-        key = z + gumbel_block(seed, pos, start, BLOCK)
-    key = tl.where(m, key, float("-inf"))
-    return offs, m, z, key
+    x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+    if not greedy:
+        x = x * inv_t
+    return offs, x
 
 
 @triton.jit
 def _sample_kernel(x_ptr, stride_xm, inv_temp_ptr, top_p_ptr, top_k_ptr, seed_ptr, pos_ptr, out_ptr, V,
                    BLOCK: tl.constexpr):
-    """grid (R,): out[r] = the posterior token of row r (see the module docstring)."""
+    """grid (R,): out[r] = the posterior token of row r (see the module docstring).
+
+    Noise is only generated where it can matter: in pass 1, a block whose largest z cannot reach
+    the best key so far even with the largest possible noise (g < GUMBEL_BOUND) is skipped; in
+    the rounds, only blocks holding tokens ranked before j. Both skips are exact."""
     r = tl.program_id(0)
     row = x_ptr + r.to(tl.int64) * stride_xm
     inv_t = tl.load(inv_temp_ptr + r)
@@ -148,8 +147,16 @@ def _sample_kernel(x_ptr, stride_xm, inv_temp_ptr, top_p_ptr, top_k_ptr, seed_pt
     best = tl.full((), neg_inf, tl.float32)
     j = tl.full((), 0, tl.int32)
     for start in range(0, V, BLOCK):
-        offs, m, z, key = _row_block(row, start, V, inv_t, greedy, seed, pos, BLOCK)
-        zmax = tl.maximum(zmax, tl.max(tl.where(m, z, neg_inf), 0))
+        offs, z = _row_z(row, start, V, inv_t, greedy, BLOCK)
+        zb = tl.max(z, 0)
+        zmax = tl.maximum(zmax, zb)
+        key = z
+        if not greedy:
+            if zb + _GUMBEL_BOUND >= best:
+                key = z + gumbel_block(seed, pos, start, BLOCK)
+            else:  # no token here can beat `best`
+                key = tl.full([BLOCK], neg_inf, tl.float32)
+        key = tl.where(offs < V, key, neg_inf)
         bm = tl.max(key, 0)
         bi = tl.argmax(key, 0, tie_break_left=True)
         upd = bm > best  # strictly: earlier blocks win ties
@@ -168,18 +175,20 @@ def _sample_kernel(x_ptr, stride_xm, inv_temp_ptr, top_p_ptr, top_k_ptr, seed_pt
         fbest = tl.full((), neg_inf, tl.float32)
         fj = j
         for start in range(0, V, BLOCK):
-            offs, m, z, key = _row_block(row, start, V, inv_t, greedy, seed, pos, BLOCK)
-            q = tl.where(m, fixed_mass(z - zmax), 0)  # [BLOCK] int64
-            before = m & ((z > zj) | ((z == zj) & (offs < j)))
+            offs, z = _row_z(row, start, V, inv_t, greedy, BLOCK)
+            q = tl.where(offs < V, fixed_mass(z - zmax), 0)  # [BLOCK] int64
+            before = (offs < V) & ((z > zj) | ((z == zj) & (offs < j)))
+            nb = tl.sum(before.to(tl.int32), 0)
             total += tl.sum(q, 0)
-            cnt += tl.sum(before.to(tl.int32), 0)
+            cnt += nb
             mass += tl.sum(tl.where(before, q, 0), 0)
-            kb = tl.where(before, key, neg_inf)
-            bm = tl.max(kb, 0)
-            bi = tl.argmax(kb, 0, tie_break_left=True)
-            upd = bm > fbest
-            fj = tl.where(upd, start + bi, fj)
-            fbest = tl.where(upd, bm, fbest)
+            if nb > 0:
+                kb = tl.where(before, z + gumbel_block(seed, pos, start, BLOCK), neg_inf)
+                bm = tl.max(kb, 0)
+                bi = tl.argmax(kb, 0, tie_break_left=True)
+                upd = bm > fbest
+                fj = tl.where(upd, start + bi, fj)
+                fbest = tl.where(upd, bm, fbest)
         limit = top_p.to(tl.float64) * total.to(tl.float64)
         kept = ((not use_k) | (cnt < top_k)) & ((not use_p) | (mass.to(tl.float64) < limit))
         j = tl.where(kept, j, fj)
@@ -194,7 +203,9 @@ def check_sampling_args(logits: Tensor, inv_temp: Tensor, top_p: Tensor, top_k: 
         raise ValueError(f"logits must be a 2-D float tensor [R, V], got {tuple(logits.shape)} {logits.dtype}")
     if logits.stride(-1) != 1:
         raise ValueError("logits must be contiguous along the vocabulary")
-    R = logits.shape[0]
+    R, V = logits.shape
+    if V >= 1 << (63 - MASS_BITS):
+        raise ValueError(f"logits: vocabulary {V} is too large for the int64 fixed-point masses (< 2^23)")
     for name, t, dt in (("inv_temp", inv_temp, torch.float32), ("top_p", top_p, torch.float32),
                         ("top_k", top_k, torch.int32)):
         if t.shape != (R,) or t.dtype != dt:

@@ -4,8 +4,9 @@
 limits, the standard grpc.health.v1 service (NOT_SERVING until the service says it is loaded and
 warmed up), server reflection, one JSON line on stdout per lifecycle event
 (`{"event": "listening" | "serving" | "stopped", "address": ...}`), SIGTERM/SIGINT handling and a
-graceful drain: health goes NOT_SERVING, new calls are refused, in-flight calls get `grace_s`
-seconds to finish and are cancelled after that. No torch here.
+graceful drain: health goes NOT_SERVING and stays reachable for a short notice period (so probes
+and load balancers see it; servicers refuse new work meanwhile), then the listener closes and
+in-flight calls get the rest of `grace_s` seconds to finish before they are cancelled. No torch.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 log = logging.getLogger(__name__)
+DRAIN_NOTICE_S = 1.0  # NOT_SERVING is visible this long before the listener closes (bounded by grace)
 
 
 def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
@@ -79,11 +81,14 @@ class GrpcServer:
         announce("serving", self.address)
 
     async def drain(self) -> None:
-        """Health NOT_SERVING, refuse new calls, give in-flight calls grace_s, then stop."""
+        """Health NOT_SERVING (servicers check `draining` and refuse new work), a short notice
+        period, then stop accepting and give in-flight calls the rest of grace_s."""
         self.draining = True
         await self.health.enter_graceful_shutdown()
         log.info("draining: in-flight calls have %.1f s", self.grace_s)
-        await self.server.stop(self.grace_s)
+        notice = min(DRAIN_NOTICE_S, self.grace_s)
+        await asyncio.sleep(notice)
+        await self.server.stop(self.grace_s - notice)
         announce("stopped", self.address)
 
 

@@ -120,8 +120,11 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--commit", default=None)
     ap.add_argument("--name", default="kimi-mini")
+    ap.add_argument("--threads", type=int, default=1, help="CPU threads (1 avoids OpenMP stalls on a busy machine)")
     ap.add_argument("--out", default="bench/results/demo_pair.jsonl")
     args = ap.parse_args(argv)
+    if not args.device.startswith("cuda"):
+        torch.set_num_threads(args.threads)
     pair = Path(args.pair)
     what = set(args.what.split(","))
     dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if args.device.startswith("cuda") else torch.float32)

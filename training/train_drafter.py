@@ -17,13 +17,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from drafter_service.checkpoint import check_pair
 from drafter_service.config import DFlashConfig

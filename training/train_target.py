@@ -142,7 +142,8 @@ def train(args) -> dict:
         step += 1
         tokens_seen += batch[:, 1:].numel()
         if step % args.log_every == 0 or step == 1:
-            load = torch.stack([torch.bincount(r.reshape(-1), minlength=qcfg.n_routed_experts) for r in routes.values()])
+            load = torch.stack([torch.bincount(r.reshape(-1), minlength=qcfg.n_routed_experts)
+                                for r in routes.values()])
             rec = {"step": step, "progress": round(progress, 4), "loss": round(float(loss.detach()), 4), "lr": lr,
                    "gnorm": round(float(gnorm), 3), "qat": qat, "tok_per_s": round(tokens_seen / (time.time() - t_log)),
                    "elapsed": round(elapsed, 1), "max_load_ratio": round(float((load.max(1).values /

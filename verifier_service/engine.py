@@ -234,7 +234,7 @@ class Engine:
         posterior = torch.full((S * M,), -1, dtype=torch.int64, device=dev)
         # node at position p predicts p + 1; nodes at one depth share (seed, p + 1) and so the noise
         sampled = any(not s.params.sampling.greedy for s in active)
-        posterior[gather] = self.sampler.posterior(self.target.logits(hidden), rows[gather // M], gather,
+        posterior[gather] = self.sampler.posterior(self.target.logits(hidden), rows[gather // M], fb.positions + 1,
                                                    sampled)
         n_t = torch.tensor(n, device=dev)
         res = accept_greedy(tok, parent, n_t, posterior.view(S, M), max_depth)

@@ -81,10 +81,13 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
     def __init__(self, cfg: VerifierServerConfig):
         self.cfg = cfg
         self.loaded: Loaded | None = None
+        self.draining = False
 
-    async def _ready(self, context) -> Loaded:
+    async def _ready(self, context, new_work: bool = True) -> Loaded:
         if self.loaded is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the verifier is still loading; watch grpc.health.v1")
+        if self.draining and new_work:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the verifier is shutting down; use another replica")
         return self.loaded
 
     async def Generate(self, request: verifier_pb2.GenerateRequest, context):
@@ -127,7 +130,7 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
                 ld.scheduler.cancel(turn)
 
     async def Release(self, request: verifier_pb2.ReleaseRequest, context):
-        ld = await self._ready(context)
+        ld = await self._ready(context, new_work=False)  # releasing is allowed while draining
         try:
             cancelled = await asyncio.wrap_future(ld.scheduler.release(request.session_id))
         except TurnError as e:
@@ -217,6 +220,7 @@ async def serve(cfg: VerifierServerConfig) -> int:
     await server.set_serving()
     log.info("verifier serving on %s (transport %s)", server.address, cfg.transport)
     await stop
+    service.draining = True
     await server.drain()
     ld = service.loaded
     ld.scheduler.close()

@@ -94,6 +94,7 @@ class _Stream:
         self.synced: set[str] = set()  # sessions whose context this drafter holds
         self.step_id = 0
         self.broken = False
+        self.error: StreamBroken | None = None
         self._requests: queue.Queue = queue.Queue()
         self._responses: queue.Queue = queue.Queue()
         self._on_broken = on_broken
@@ -110,13 +111,14 @@ class _Stream:
             err = StreamBroken(f"stream failed: {e.code().name}: {e.details()}")
         except Exception as e:  # noqa: BLE001 - anything here means the stream is unusable
             err = StreamBroken(f"stream reader failed: {e!r}")
+        self.error = err
         self.broken = True
         self._responses.put(err)
         self._on_broken(self, str(err))
 
     def send(self, msg: drafter_pb2.DraftStreamRequest) -> None:
         if self.broken:
-            raise StreamBroken("stream is closed")
+            raise self.error or StreamBroken("stream is closed")
         self._requests.put(msg)
 
     def recv(self, timeout: float) -> drafter_pb2.DraftStreamResponse:

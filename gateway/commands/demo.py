@@ -36,6 +36,8 @@ def add_parser(sub) -> None:
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--pair", default=None, help="folder with target/ and drafter/ (default: models/kimi-mini)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="CPU threads (default 1: the model is small, and more threads stall on a busy machine)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
 
@@ -68,6 +70,8 @@ def _decode(engine, prompt: list[int], params) -> tuple[object, float]:
 
 
 def run(args) -> int:
+    import torch
+
     from gateway.tokenizer import Tokenizer
     from verifier_service.engine import EngineConfig
     from verifier_service.local import build_local_engine
@@ -76,7 +80,10 @@ def run(args) -> int:
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.budget < 1:
-        raise ValueError(f"--budget must be >= 1 for DDTree (the demo always runs plain decoding too), got {args.budget}")
+        raise ValueError(f"--budget must be >= 1 (the demo runs plain decoding and DDTree), got {args.budget}")
+    if args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    torch.set_num_threads(args.threads)
     pair = Path(args.pair) if args.pair else default_pair()
     note = None
     if not (pair / "target" / "config.json").exists() or not (pair / "drafter" / "config.json").exists():

@@ -40,9 +40,16 @@ class Reference:
 
         todo = [p for p in prompts if (tuple(p), new) not in self.cache]
         if todo:
-            eng = Engine(self.target, None, (), EngineConfig(page_size=16, num_pages=1024, max_sessions=len(todo)))
-            for p, s in zip(todo, eng.generate(todo, DecodeParams(max_new_tokens=new, budget=0, ignore_eos=True))):
-                self.cache[(tuple(p), new)] = s.output
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)  # the servers under test share the 2 cores; spinning threads thrash
+            try:
+                eng = Engine(self.target, None, (), EngineConfig(page_size=16, num_pages=1024,
+                                                                 max_sessions=len(todo)))
+                params = DecodeParams(max_new_tokens=new, budget=0, ignore_eos=True)
+                for p, s in zip(todo, eng.generate(todo, params)):
+                    self.cache[(tuple(p), new)] = s.output
+            finally:
+                torch.set_num_threads(threads)
         return [self.cache[(tuple(p), new)] for p in prompts]
 
 

@@ -96,7 +96,7 @@ def test_corrupt_tree_fails_only_its_session(pair, reference):
 
 
 def test_drafter_killed_mid_generation_falls_back_and_reconnects(pair, reference):
-    new = 120
+    new = 80
     ref = reference(PROMPTS, new)
     port = free_port()
     d = Service("drafter", drafter_argv(pair, f"127.0.0.1:{port}"))

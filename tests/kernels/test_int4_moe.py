@@ -62,10 +62,10 @@ def make_routing(T: int, k: int, E: int, device=DEV, seed: int = 1, experts=None
     return ids.to(device), (w / w.sum(-1, keepdim=True) * 2.5).to(device)
 
 
-def run_kernel(x, ids, w, weights_gpu):
+def run_kernel(x, ids, w, weights_gpu, **config):
     """Triton path into an output poisoned with NaN (every element must be written)."""
     out = torch.full_like(x, float("nan"))
-    int4_moe_triton(x, ids, w, *weights_gpu, out=out)
+    int4_moe_triton(x, ids, w, *weights_gpu, out=out, **config)
     return out
 
 
@@ -126,6 +126,22 @@ def test_int4_moe_kernel_vs_reference(T, k, E, D, inter, dtype):
     out = run_kernel(x, ids, tw, repack_int4_moe_for_gpu(*w))
     ref = int4_moe_ref(x.float(), ids, tw, *w)
     assert_close(out, ref, TOL[dtype], f"int4_moe T={T} k={k} E={E} D={D} I={inter} {dtype}")
+
+
+# the kernel variants the benchmarks sweep (MMA orientation, where the scale is applied, tiles)
+VARIANTS = [dict(swap=s, prescale=p) for s in (False, True) for p in (False, True)] + [
+    dict(swap=True, prescale=True, block_i=64, block_d=128, num_warps=8)]
+
+
+@pytest.mark.parametrize("config", VARIANTS, ids=lambda c: "-".join(f"{k}{int(v)}" for k, v in c.items()))
+def test_int4_moe_variants(config):
+    T, k, E, D, inter = 7, 3, 33, 96, 160
+    w = make_experts(E, D, inter, seed=2)
+    ids, tw = make_routing(T, k, E, seed=4)
+    for dtype in DTYPES[1:]:  # fp16 (and bf16 on a GPU)
+        x = torch.randn(T, D, generator=torch.Generator().manual_seed(5)).to(DEV, dtype)
+        out = run_kernel(x, ids, tw, repack_int4_moe_for_gpu(*w), **config)
+        assert_close(out, int4_moe_ref(x.float(), ids, tw, *w), TOL[dtype], f"{config} {dtype}")
 
 
 def test_int4_moe_exact_small_integers():
@@ -205,17 +221,19 @@ def test_int4_moe_kimi_shapes_bf16(kimi_experts, T):
 
 @gpu
 @pytest.mark.gpu
-def test_int4_moe_batch_invariance(kimi_experts):
-    """Token 0 computed alone and as row 37 of a batch of 64: bitwise equal (DESIGN 3.5)."""
-    _, wg = kimi_experts
+@pytest.mark.parametrize("config", VARIANTS, ids=lambda c: "-".join(f"{k}{int(v)}" for k, v in c.items()))
+def test_int4_moe_batch_invariance(kimi_experts, config):
+    """Token 37 computed alone and as row 37 of a batch of 64: bitwise equal (DESIGN 3.5)."""
+    w, wg = kimi_experts
     ids, tw = make_routing(64, KIMI["k"], KIMI["E"], seed=7)
     x = torch.randn(64, KIMI["D"], device="cuda").to(torch.bfloat16)
-    batch = run_kernel(x, ids, tw, wg)
-    alone = run_kernel(x[37:38], ids[37:38], tw[37:38], wg)
+    batch = run_kernel(x, ids, tw, wg, **config)
+    alone = run_kernel(x[37:38], ids[37:38], tw[37:38], wg, **config)
     assert torch.equal(alone[0], batch[37])
+    assert_close(alone, ref_by_expert(x[37:38], ids[37:38], tw[37:38], w), TOL[torch.bfloat16], f"{config}")
     # and with its experts crowded by other tokens (several blocks per expert)
     ids2 = ids.clone()
     ids2[:, :4] = ids[37, :4]
-    batch2 = run_kernel(x, ids2, tw, wg)
-    alone2 = run_kernel(x[37:38], ids2[37:38], tw[37:38], wg)
+    batch2 = run_kernel(x, ids2, tw, wg, **config)
+    alone2 = run_kernel(x[37:38], ids2[37:38], tw[37:38], wg, **config)
     assert torch.equal(alone2[0], batch2[37])

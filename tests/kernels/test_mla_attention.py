@@ -95,6 +95,14 @@ def test_mla_kernel_vs_reference(prefix, ns, tree, dtype):
     assert_close(out, reference(args, 0.3), TOL[dtype], f"prefix={prefix} ns={ns} tree={tree} {dtype}")
 
 
+@pytest.mark.parametrize("nch,c_min,block_n", [(16, 32, 32), (4, 64, 16)])
+def test_mla_chunking_knobs(nch, c_min, block_n):
+    """Many small chunks (16 of 32 rows), block table wider than the prefix, BLOCK_N 16."""
+    args = make_batch([512, 300, 0], [2, 9, 4], 4, 32, 8, 16, torch.float32, True, seed=nch)
+    out = run_kernel(args, 0.3, nch=nch, c_min=c_min, block_n=block_n)
+    assert_close(out, reference(args, 0.3), TOL[torch.float32], f"nch={nch} c_min={c_min}")
+
+
 def test_mla_odd_heads_and_pages():
     """3 heads (tiles span tokens unevenly), latent 48 + rope 16 (padded to 64 / 16), page size 1."""
     args = make_batch([40, 9], [7, 20], 3, 48, 16, 1, torch.float32, True, seed=11)

@@ -19,8 +19,9 @@ from verifier_service.random_checkpoint import CHUNK_ELEMS, target_specs
 
 @pytest.mark.parametrize("layout", presets.LAYOUTS)
 def test_cli_writes_loadable_pair(tmp_path, layout):
-    p = subprocess.run([sys.executable, "-m", "gateway.cli", "init-random", "--preset", "tiny", "--layout", layout,
-                        "--layers", "3", "--out", str(tmp_path), "--shard-gb", "0.0001"], capture_output=True, text=True)
+    cmd = ["init-random", "--preset", "tiny", "--layout", layout, "--layers", "3", "--out", str(tmp_path),
+           "--shard-gb", "0.0001"]
+    p = subprocess.run([sys.executable, "-m", "gateway.cli", *cmd], capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout)
     assert out["shards"] > 1 and (tmp_path / "target" / "tiktoken.model").exists()
@@ -43,10 +44,12 @@ def test_kimi_preset_matches_tiny_structure():
     assert text_big == text_tiny  # same names (up to the expert count) and dtypes
     L = "language_model.model.layers.1."
     shapes = {"language_model.model.embed_tokens.weight": (163840, 7168),
-              L + "self_attn.q_b_proj.weight": (64 * 192, 1536), L + "self_attn.kv_a_proj_with_mqa.weight": (576, 7168),
+              L + "self_attn.q_b_proj.weight": (64 * 192, 1536),
+              L + "self_attn.kv_a_proj_with_mqa.weight": (576, 7168),
               L + "mlp.experts.383.gate_proj.weight_packed": (2048, 896),
               L + "mlp.experts.383.gate_proj.weight_scale": (2048, 224),
-              L + "mlp.experts.0.down_proj.weight_packed": (7168, 256), L + "mlp.experts.0.down_proj.weight_shape": (2,),
+              L + "mlp.experts.0.down_proj.weight_packed": (7168, 256),
+              L + "mlp.experts.0.down_proj.weight_shape": (2,),
               L + "mlp.gate.e_score_correction_bias": (384,), "language_model.lm_head.weight": (163840, 7168)}
     assert {n: big[n].shape for n in shapes} == shapes
     assert any(n.startswith("vision_tower.") for n in big) and any(n.startswith("mm_projector.") for n in big)
@@ -75,3 +78,13 @@ def test_big_tensors_are_generated_in_bounded_chunks():
     specs = {s.name: s for s in target_specs(presets.target_config("kimi-k2.6", layers=2))}
     first = next(iter(specs["language_model.lm_head.weight"].make()))
     assert first.shape[1] == 7168 and first.numel() <= CHUNK_ELEMS and first.shape[0] < 163840
+
+
+@pytest.mark.parametrize("shape,std", [((512, 7168), 7168**-0.5), ((256, 1536), 1536**-0.5), ((64, 100), 1.0)])
+def test_fast_dense_has_the_requested_scale(shape, std):
+    from verifier_service.random_checkpoint import fast_dense
+
+    w = torch.cat(list(fast_dense(shape, "k", 0, std))).float()
+    assert w.shape == shape and torch.isfinite(w).all()
+    assert 0.5 * std < w.std().item() < 2 * std
+    assert abs(w.mean().item()) < 0.05 * std and (w > 0).float().mean().item() == pytest.approx(0.5, abs=0.02)

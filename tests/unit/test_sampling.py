@@ -100,6 +100,12 @@ def test_sampler_triton_matches_reference_bitwise():
     logits[3, 10:20] = logits[3].max()  # tied maxima
     logits[4, ::3] = float("-inf")
     logits[5] = torch.randn(V, generator=g).round()  # many exact ties in z
+    # pass-1 noise skipping (a block whose max z + 17 < best key is skipped): one dominant early token;
+    # a falling row; high blocks first and last with hopeless blocks between (block = 64)
+    logits[6, 3] = 60.0
+    logits[9] = torch.linspace(60, -60, V)
+    logits[12, 64:256] = -30.0
+    logits[12, 256:] += 2.0
     ps = [SamplingParams(), SamplingParams(1.0), SamplingParams(0.7, top_p=0.9), SamplingParams(1.5, top_k=20),
           SamplingParams(0.3, top_p=0.9, top_k=20), SamplingParams(2.0, top_p=0.5, top_k=7),
           SamplingParams(1.0, top_k=V - 1), SamplingParams(1.0, top_k=V), SamplingParams(1.0, top_p=1e-6),

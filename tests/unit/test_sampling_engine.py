@@ -28,7 +28,7 @@ from verifier_service.session import DecodeParams
 PROMPTS = [[5, 17, 99, 3], [200, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [42], list(range(60, 90)), [7, 7, 7]]
 SP = [SamplingParams(0.3, seed=11), SamplingParams(0.7, top_p=0.9, seed=22), SamplingParams(1.0, top_k=20, seed=33),
       SamplingParams(1.5, top_p=0.9, top_k=20, seed=2**40 + 7), SamplingParams()]  # the last one is greedy
-NEW = 32
+NEW = 24
 
 
 def engine(target, drafter=None, sessions=8):
@@ -120,6 +120,34 @@ def test_unseeded_request_records_a_seed_that_reproduces(tiny_target64):
     eng.run_until_done()
     assert again.output == a.output and again.seed == a.seed
     assert max(again.accepted_per_step) >= 5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_ddtree_sampling_equals_ar_sampling_on_gpu(tiny_dirs):
+    """fp32 tiny model on the GPU: the Triton sampler in the engine. Greedy is checked first: if
+    greedy DDTree != AR here, the target forward is not batch-invariant and sampling cannot be."""
+    from verifier_service.checkpoint import load_target
+
+    target = load_target(tiny_dirs[0], torch.float32, "cuda")
+    results = {}
+    for kind, sps in (("greedy", [SamplingParams()] * 5), ("sampled", SP)):
+        eng = Engine(target, None, (), EngineConfig(page_size=8, num_pages=512, max_sessions=8))
+        ar = [eng.add(p, DecodeParams(NEW, 0, sampling=sp)) for p, sp in zip(PROMPTS, sps)]
+        eng.run_until_done()
+        ref = {f"r{i}": p + s.output for i, (p, s) in enumerate(zip(PROMPTS, ar))}
+        eng = Engine(target, OracleDrafter(ref, target.cfg.vocab_size, 8, seed=1), (),
+                     EngineConfig(page_size=8, num_pages=512, max_sessions=8))
+        dd = [eng.add(p, DecodeParams(NEW, b, 4, sampling=sp), sid=f"r{i}")
+              for i, (p, sp, b) in enumerate(zip(PROMPTS, sps, [16, 64, 8, 32, 0]))]
+        eng.run_until_done()
+        deepest = max(a for s in dd for a in s.accepted_per_step)
+        results[kind] = ([s.output for s in ar], [s.output for s in dd], deepest)
+    ar, dd, deepest = results["greedy"]
+    if ar != dd:
+        pytest.fail("greedy DDTree != AR on this GPU: the target forward is not batch-invariant")
+    ar, dd, deepest = results["sampled"]
+    assert dd == ar and deepest >= 5
 
 
 # --- distribution through DDTree, on a hand-built bigram target ---------------------------------------------

@@ -56,9 +56,11 @@ def serving_prefill(target, tokens: list[int], taps=TAPS):
     row = kv.open()
     kv.ensure(row, len(tokens))
     pos = torch.arange(len(tokens))
-    fb = ForwardBatch(tokens=torch.tensor(tokens), positions=pos, write_slots=kv.slots(torch.tensor([row]), pos[None])[0],
-                      cu_q=torch.tensor([0, len(tokens)], dtype=torch.int32), prefix_lens=torch.zeros(1, dtype=torch.int32),
-                      block_table=kv.block_table[row : row + 1], page_size=kv.page_size, tree_bits=None)
+    fb = ForwardBatch(tokens=torch.tensor(tokens), positions=pos,
+                      write_slots=kv.slots(torch.tensor([row]), pos[None])[0],
+                      cu_q=torch.tensor([0, len(tokens)], dtype=torch.int32),
+                      prefix_lens=torch.zeros(1, dtype=torch.int32), block_table=kv.block_table[row : row + 1],
+                      page_size=kv.page_size, tree_bits=None)
     hidden, tap = target(fb, kv.kv, taps)
     return target.logits(hidden), tap
 

@@ -1,0 +1,301 @@
+"""Transports between the verifier and the drafter.
+
+The stream client (grpc bytes and co-located shared memory) against a real grpc.aio drafter
+service on loopback in this process must produce exactly the trees of the in-process `Drafter`;
+faults (the drafter stops, a step times out, a malformed tree, a session the drafter refuses)
+degrade to root-only trees without raising, and context rows that were never acknowledged are
+sent again after a reconnect. Plus shared regions across processes and transport selection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import pytest
+import torch
+
+from drafter_service.api import DraftRequest
+from drafter_service.drafter import Drafter
+from drafter_service.server import DrafterService
+from kernels.tree_build import TreeBatch
+from protos.ddtree.v1 import drafter_pb2_grpc
+from protos.shared_region import SharedRegion
+from verifier_service.transport import is_local_address, resolve_transport
+from verifier_service.transport_stream import DraftStreamClient, StreamClientConfig
+
+
+class ServerThread:
+    """A grpc.aio drafter server on its own event-loop thread."""
+
+    def __init__(self, service: DrafterService, port: int = 0):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.port = asyncio.run_coroutine_threadsafe(self._start(service, port), self.loop).result(10)
+
+    async def _start(self, service, port):
+        self.server = grpc.aio.server()
+        drafter_pb2_grpc.add_DrafterServicer_to_server(service, self.server)
+        bound = self.server.add_insecure_port(f"127.0.0.1:{port}")
+        await self.server.start()
+        return bound
+
+    def stop(self):
+        asyncio.run_coroutine_threadsafe(self.server.stop(0), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def parts(tiny_dirs, tiny_target64):
+    from drafter_service.checkpoint import load_drafter
+
+    model = load_drafter(tiny_dirs[1], tiny_target64.cfg, torch.float64)
+    return model, tiny_target64.model.embed_tokens.weight, tiny_target64.lm_head.weight
+
+
+class SlowOrBadDrafter(Drafter):
+    delay = 0.0
+    corrupt = "bad"
+
+    def draft(self, requests):
+        time.sleep(self.delay)
+        trees = super().draft(requests)
+        for j, r in enumerate(requests):
+            if self.corrupt in r.session_id:
+                trees.tokens[j, 1] = 10**6  # outside the vocabulary
+        return trees
+
+
+def make_service(parts, cls=Drafter):
+    model, embed, head = parts
+    service = DrafterService(max_sessions=8, window=64)
+    service.attach(cls(model, embed, head, max_sessions=8, window=64), "tiny", embed.shape[1])
+    return service
+
+
+@pytest.fixture
+def served(parts):
+    service = make_service(parts, SlowOrBadDrafter)
+    srv = ServerThread(service)
+    yield service, srv
+    srv.stop()
+
+
+def client_for(port, colocated, **kw) -> DraftStreamClient:
+    c = DraftStreamClient(StreamClientConfig(f"127.0.0.1:{port}", colocated=colocated, retry_max_s=0.2, **kw))
+    c.start()
+    c.wait_ready(timeout=20)
+    return c
+
+
+def feats(n, seed, F=128):
+    return torch.randn(n, F, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def steps(sids=("a", "b")):
+    """Engine-like requests over three steps: prompts, then 2 and 1 committed tokens."""
+    out, pos = [], {s: 3 + 2 * i for i, s in enumerate(sids)}
+    start = dict.fromkeys(sids, 0)
+    for k, n_new in enumerate((None, 2, 1)):
+        reqs = []
+        for i, s in enumerate(sids):
+            n = pos[s] if n_new is None else n_new
+            reqs.append(DraftRequest(s, start[s], feats(n, seed=10 * k + i), 17 + i + k, start[s] + n, 16, 4))
+            start[s] += n
+        out.append(reqs)
+    return out
+
+
+def assert_same_trees(a: TreeBatch, b: TreeBatch, rows=None):
+    rows = rows if rows is not None else range(len(a.n_nodes))
+    for r in rows:
+        assert a.n_nodes[r] == b.n_nodes[r]
+        for f in TreeBatch._FIELDS:
+            assert torch.equal(a.select(r)[f].cpu(), b.select(r)[f].cpu()), f
+
+
+def root_only(tb: TreeBatch, r: int, root: int) -> bool:
+    return tb.n_nodes[r] == 1 and int(tb.tokens[r, 0]) == root
+
+
+@pytest.mark.parametrize("colocated", [False, True])
+def test_stream_client_equals_inprocess_drafter(parts, served, colocated):
+    service, srv = served
+    local = Drafter(*parts, max_sessions=8, window=64)
+    client = client_for(srv.port, colocated)
+    try:
+        assert client.depth == local.depth and client.model.target_layer_ids == tuple(local.cfg.target_layer_ids)
+        for reqs in steps():
+            assert_same_trees(client.draft(reqs), local.draft(reqs))
+        assert service.info().active_sessions == 2 and client.take_errors() == {}
+        client.release("a")
+        deadline = time.monotonic() + 5
+        while service.info().active_sessions != 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert service.info().active_sessions == 1
+    finally:
+        client.close()
+    deadline = time.monotonic() + 5
+    while service.info().streams and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert service.info().active_sessions == 0 and service.info().streams == 0  # the stream end freed everything
+
+
+def test_invalid_tree_fails_only_its_session(parts, served):
+    _, srv = served
+    local = Drafter(*parts, max_sessions=8, window=64)
+    client = client_for(srv.port, colocated=True)
+    try:
+        for reqs in steps(("a", "bad", "c")):
+            got = client.draft(reqs)
+            ref = local.draft(reqs)
+            assert_same_trees(got, ref, rows=[0, 2])
+            assert root_only(got, 1, reqs[1].root_token)
+            errs = client.take_errors()
+            assert list(errs) == ["bad"] and "outside the vocabulary" in errs["bad"]
+        assert client.take_errors() == {} and client.connected
+    finally:
+        client.close()
+
+
+def test_session_refused_by_the_drafter_drafts_autoregressively(served):
+    _, srv = served
+    client = client_for(srv.port, colocated=False)
+    try:
+        reqs = steps()[0]
+        reqs[1] = DraftRequest("b", 0, feats(5, 1, F=7), 18, 5, 16, 4)  # wrong feature width
+        got = client.draft(reqs)
+        assert got.n_nodes[0] > 1 and root_only(got, 1, 18)
+        assert client.take_errors() == {}  # not the session's fault: no error, just no tree
+        assert client.connected
+    finally:
+        client.close()
+
+
+def test_timeout_falls_back_then_reconnects(parts, served):
+    service, srv = served
+    client = client_for(srv.port, colocated=True, draft_timeout_s=0.3)
+    try:
+        reqs = steps()[0]
+        service.drafter.delay = 1.0
+        t0 = time.monotonic()
+        got = client.draft(reqs)
+        assert time.monotonic() - t0 < 0.9
+        assert all(root_only(got, r, q.root_token) for r, q in enumerate(reqs))
+        service.drafter.delay = 0.0
+        time.sleep(1.0)  # the drafter's one model thread is still inside the slow step
+        deadline = time.monotonic() + 10
+        while not client.connected and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert client.connected and client.stats["reconnects"] >= 1
+        # the timed-out step's rows were never acknowledged: the new stream gets them again
+        local = Drafter(*parts, max_sessions=8, window=64)
+        local.draft(reqs)
+        nxt = steps()[1]
+        assert_same_trees(client.draft(nxt), local.draft(nxt))
+    finally:
+        client.close()
+
+
+def test_drafter_down_then_back_resends_unacknowledged_context(parts):
+    service = make_service(parts)
+    srv = ServerThread(service)
+    client = client_for(srv.port, colocated=False)
+    s0, s1, s2 = steps()
+    try:
+        client.draft(s0)
+        port = srv.port
+        srv.stop()
+        deadline = time.monotonic() + 5
+        while client.connected and time.monotonic() < deadline:
+            time.sleep(0.02)
+        got = client.draft(s1)  # the drafter is gone: autoregressive, nothing raised
+        assert all(root_only(got, r, q.root_token) for r, q in enumerate(s1))
+        assert client.stats["fallback_steps"] >= 1
+        srv = ServerThread(make_service(parts), port)
+        deadline = time.monotonic() + 10
+        while not client.connected and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert client.connected
+        # a fresh drafter that saw the step-1 rows (kept unacknowledged) and then the step-2 rows
+        local = Drafter(*parts, max_sessions=8, window=64)
+        for r in s1:
+            local.add_context(r.session_id, r.ctx_start, r.ctx_features)
+        assert_same_trees(client.draft(s2), local.draft(s2))
+    finally:
+        client.close()
+        srv.stop()
+
+
+def test_shared_region_is_shared_with_another_process():
+    region = SharedRegion.create(1, 256)
+    try:
+        code = ("import sys; from protos.ddtree.v1 import drafter_pb2; from protos.shared_region import SharedRegion;"
+                "r = SharedRegion.attach(drafter_pb2.SharedRegion.FromString(sys.stdin.buffer.read()));"
+                "r.buf[:4] = r.buf[4:8] + 1")
+        region.buf[4:8] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8)
+        subprocess.run([sys.executable, "-c", code], input=region.to_pb().SerializeToString(), check=True,
+                       timeout=60)
+        assert region.buf[:4].tolist() == [2, 3, 4, 5]
+    finally:
+        region.close()
+    assert not region.path.exists()  # the owner removed the file
+
+
+def test_shared_region_attach_errors(tmp_path):
+    region = SharedRegion.create(1, 128)
+    msg = region.to_pb()
+    region.close()
+    with pytest.raises(ValueError, match="same host"):
+        SharedRegion.attach(msg)
+    msg.shm_path = str(tmp_path / "elsewhere")
+    with pytest.raises(ValueError, match="not a ddtree region"):
+        SharedRegion.attach(msg)
+    other = SharedRegion.create(2, 64)
+    msg = other.to_pb()
+    msg.nbytes = 128
+    with pytest.raises(ValueError, match="expected 128"):
+        SharedRegion.attach(msg)
+    other.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC needs a GPU")
+def test_cuda_ipc_region_is_shared_with_another_process():
+    region = SharedRegion.create(1, 1 << 20, "cuda")
+    region.buf[4:8] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+    code = ("import sys, torch; from protos.ddtree.v1 import drafter_pb2; from protos.shared_region import "
+            "SharedRegion; r = SharedRegion.attach(drafter_pb2.SharedRegion.FromString(sys.stdin.buffer.read()));"
+            "r.buf[:4] = r.buf[4:8] + 1; torch.cuda.synchronize()")
+    subprocess.run([sys.executable, "-c", code], input=region.to_pb().SerializeToString(), check=True, timeout=120)
+    assert region.buf[:4].tolist() == [2, 3, 4, 5]
+    region.close()
+
+
+@pytest.mark.parametrize("address, local", [
+    ("127.0.0.1:5000", True), ("localhost:5000", True), ("[::1]:5000", True), ("unix:/tmp/d.sock", True),
+    ("dns:///localhost:5000", True), ("ipv4:127.0.0.2:5000", True), ("10.1.2.3:5000", False),
+    ("drafter.svc.cluster.local:5000", False),
+])
+def test_local_addresses(address, local):
+    assert is_local_address(address) == local
+
+
+def test_transport_resolution():
+    assert resolve_transport(None, "127.0.0.1:1", None) == "colocated"
+    assert resolve_transport(None, "10.0.0.1:1", None) == "grpc"
+    assert resolve_transport("grpc", "127.0.0.1:1", None) == "grpc"
+    assert resolve_transport(None, None, "/d") == "inprocess"
+    with pytest.raises(ValueError, match="needs --drafter DIR"):
+        resolve_transport("inprocess", None, None)
+    with pytest.raises(ValueError, match="needs --drafter-address"):
+        resolve_transport("colocated", None, None)
+    with pytest.raises(ValueError, match="only for --transport inprocess"):
+        resolve_transport("grpc", "h:1", "/d")

@@ -1,0 +1,155 @@
+"""Wire codecs: tensors, draft requests, trees and decode parameters <-> protobuf, inline and through
+shared regions; every malformed message is refused with a WireError naming the field."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from drafter_service.api import DraftRequest
+from kernels.tree_build import TreeBatch, build_tree
+from protos.codec import (
+    WireError,
+    draft_request_from_pb,
+    draft_request_to_pb,
+    tensor_from_pb,
+    tensor_to_pb,
+    trees_from_pb,
+    trees_to_pb,
+)
+from protos.ddtree.v1 import common_pb2, verifier_pb2
+from protos.shared_region import RegionArena, SharedRegion
+from protos.verifier_codec import params_from_pb, params_to_pb
+from verifier_service.sampling_params import SamplingParams
+from verifier_service.session import DecodeParams
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int32, torch.int64, torch.uint8,
+          torch.bool]
+
+
+def sample(dtype, shape, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.rand(shape, generator=g) > 0.5
+    if dtype.is_floating_point:
+        return (torch.randn(shape, generator=g) * 100).to(dtype)
+    return torch.randint(0, 200, shape, generator=g).to(dtype)
+
+
+@pytest.fixture
+def region():
+    r = SharedRegion.create(7, 4096)
+    yield r
+    r.close()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(3, 5), (0, 6), (), (2, 3, 4)])
+def test_tensor_roundtrip_inline(dtype, shape):
+    t = sample(dtype, shape)
+    msg = common_pb2.Tensor.FromString(tensor_to_pb(t).SerializeToString())
+    back = tensor_from_pb(msg, "t")
+    assert back.dtype == dtype and back.shape == t.shape and torch.equal(back, t)
+
+
+def test_inline_bytes_are_little_endian_row_major():
+    msg = tensor_to_pb(torch.tensor([[1, 256], [2, 3]], dtype=torch.int32).T)  # non-contiguous input
+    assert list(msg.shape) == [2, 2] and msg.dtype == common_pb2.DTYPE_INT32
+    assert msg.data == bytes([1, 0, 0, 0, 2, 0, 0, 0, 0, 1, 0, 0, 3, 0, 0, 0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool])
+def test_tensor_roundtrip_through_a_region_mapped_twice(region, dtype):
+    peer = SharedRegion.attach(region.to_pb())  # a second, independent mapping (what the peer does)
+    arena = RegionArena(region)
+    ts = [sample(dtype, (5, 3), seed=i) for i in range(3)]
+    msgs = [tensor_to_pb(t, arena=arena) for t in ts]
+    assert all(m.WhichOneof("storage") == "region" for m in msgs)
+    assert all(m.region.offset % 64 == 0 for m in msgs)
+    for t, m in zip(ts, msgs):
+        assert torch.equal(tensor_from_pb(m, "t", {7: peer}), t)
+    view = tensor_from_pb(msgs[0], "t", {7: peer}, copy=False)
+    region.buf[msgs[0].region.offset] ^= 1  # a view sees the owner's later writes; a copy does not
+    assert not torch.equal(view, ts[0])
+    peer.close()
+
+
+def test_arena_overflow_falls_back_to_inline(region):
+    arena = RegionArena(region)
+    big = torch.zeros(2000, dtype=torch.float32)  # 8000 bytes > 4096
+    assert tensor_to_pb(big, arena=arena).WhichOneof("storage") == "data"
+    assert tensor_to_pb(torch.ones(10), arena=arena).WhichOneof("storage") == "region"
+
+
+@pytest.mark.parametrize("mutate, words", [
+    (lambda m: setattr(m, "dtype", 99), "unknown dtype"),
+    (lambda m: m.shape.append(-1), "invalid shape"),
+    (lambda m: setattr(m, "data", m.data[:-1]), "bytes for shape"),
+    (lambda m: m.shape.__setitem__(0, 4), "bytes for shape"),
+    (lambda m: m.region.CopyFrom(common_pb2.RegionSlice(region_id=3, offset=0)), "unknown shared region"),
+    (lambda m: m.region.CopyFrom(common_pb2.RegionSlice(region_id=7, offset=4088)), "outside region"),
+    (lambda m: m.region.CopyFrom(common_pb2.RegionSlice(region_id=7, offset=2)), "not aligned"),
+])
+def test_malformed_tensors_are_refused(region, mutate, words):
+    msg = tensor_to_pb(torch.ones(3, 2))
+    mutate(msg)
+    with pytest.raises(WireError, match=words) as e:
+        tensor_from_pb(msg, "ctx_features", {7: region})
+    assert "ctx_features" in str(e.value)
+
+
+def test_draft_request_roundtrip_bf16():
+    r = DraftRequest("s-1", 12, sample(torch.bfloat16, (4, 16)), 9, 16, 32, 4)
+    back = draft_request_from_pb(draft_request_to_pb(r))
+    assert (back.session_id, back.ctx_start, back.root_token, back.root_pos, back.budget, back.topk) == \
+           ("s-1", 12, 9, 16, 32, 4)
+    assert torch.equal(back.ctx_features, r.ctx_features)
+    msg = draft_request_to_pb(DraftRequest("s", 0, torch.ones(3), 0, 0, 1, 1))
+    with pytest.raises(WireError, match="2-D"):
+        draft_request_from_pb(msg)
+
+
+def trees(R=3, V=50, L=5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    logq = torch.log_softmax(torch.randn(R, L, V, generator=g), -1)
+    return build_tree(logq, torch.tensor([1, 2, 3][:R]), [16, 3, 8][:R], [4, 2, 3][:R])
+
+
+@pytest.mark.parametrize("through_region", [False, True])
+def test_trees_roundtrip(region, through_region):
+    tb = trees()
+    arena = RegionArena(region) if through_region else None
+    msg = trees_to_pb(tb, ["a", "b", "c"], 5, arena)
+    ids, back = trees_from_pb(msg, {7: region})
+    assert ids == ["a", "b", "c"] and back.n_nodes == tb.n_nodes and msg.step_id == 5
+    for f in TreeBatch._FIELDS:
+        assert torch.equal(getattr(back, f), getattr(tb, f)), f
+
+
+@pytest.mark.parametrize("mutate, words", [
+    (lambda m: m.ClearField("logw"), "logw is missing"),
+    (lambda m: tensor_to_pb(torch.zeros(3, 17, dtype=torch.int64), m.tokens), "dtype"),
+    (lambda m: tensor_to_pb(torch.zeros(2, 17, dtype=torch.int32), m.parent), "shape"),
+    (lambda m: tensor_to_pb(torch.zeros(3, 16, dtype=torch.int32), m.depth), "M = 17"),
+    (lambda m: m.n_nodes.append(1), "n_nodes"),
+    (lambda m: m.session_ids.__setitem__(2, "a"), "duplicate"),
+])
+def test_malformed_tree_batches_are_refused(mutate, words):
+    msg = trees_to_pb(trees(), ["a", "b", "c"], 1)
+    mutate(msg)
+    with pytest.raises(WireError, match=words):
+        trees_from_pb(msg)
+
+
+def test_decode_params_unset_vs_zero():
+    d = params_from_pb(verifier_pb2.DecodeParams(), default_eos=(7,))
+    assert d == DecodeParams(eos_ids=(7,))  # unset -> the engine's defaults (budget 16, greedy)
+    d = params_from_pb(verifier_pb2.DecodeParams(budget=0, temperature=0.0, eos_token_ids=[3]), default_eos=(7,))
+    assert d.budget == 0 and d.sampling.greedy and d.eos_ids == (3,)
+    p = DecodeParams(max_new_tokens=5, budget=3, topk=2, eos_ids=(1, 2), ignore_eos=True,
+                     sampling=SamplingParams(temperature=0.7, top_p=0.9, top_k=20, seed=11))
+    assert params_from_pb(params_to_pb(p), default_eos=()) == p
+    with pytest.raises(ValueError, match="budget"):
+        params_from_pb(verifier_pb2.DecodeParams(budget=65), default_eos=())
+    with pytest.raises(ValueError, match="top_p"):
+        params_from_pb(verifier_pb2.DecodeParams(top_p=0.0), default_eos=())
