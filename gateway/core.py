@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 
 from opentelemetry import trace
 
-from gateway.chat import ChatTemplate, Message
+from gateway.chat import Message
 from gateway.detokenizer import TurnText
 from gateway.errors import GatewayError
-from gateway.params import Defaults, GenerationParams, Limits, ResolvedParams, fit_max_tokens, resolve
+from gateway.params import GenerationParams, Limits, ResolvedParams, fit_max_tokens, resolve
 from gateway.sessions import Session
 from gateway.state import GatewayState
 from gateway.turns import TurnInput, TurnPlan, TurnPlanner, require_input
@@ -79,13 +79,13 @@ class _Progress:
     text: list[str] = field(default_factory=list)
     steps: list[int] = field(default_factory=list)  # accepted length per verify step
     verifier_done: bool = False  # the verifier finished the turn itself (a persistent session keeps its KV)
+    verifier_finished: bool = False  # the verifier's call ended with the turn's last step
     stop: bool = False  # ended by EOS, a stop token id or a stop string (else by max_tokens)
 
 
 class GatewayCore:
     def __init__(self, state: GatewayState):
         self.state = state
-        self.tracer = tracing.get_tracer()
 
     @property
     def tok(self):
@@ -97,7 +97,8 @@ class GatewayCore:
         st = self.state
         start = time.perf_counter()
         deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
-        span = self.tracer.start_span(f"{req.operation} {st.model_name}", context=trace_context,
+        tracer = tracing.get_tracer()  # the global provider as configured now
+        span = tracer.start_span(f"{req.operation} {st.model_name}", context=trace_context,
                                       kind=trace.SpanKind.SERVER, attributes={
                                           tracing.GEN_AI_OPERATION_NAME: req.operation,
                                           tracing.GEN_AI_REQUEST_MODEL: st.model_name})
@@ -115,7 +116,7 @@ class GatewayCore:
             stop_ids = self._stop_ids(params, req.input.is_chat, limits)
             max_new = fit_max_tokens(params, len(plan.context), limits, defaults)
             span.set_attribute(tracing.GEN_AI_USAGE_INPUT_TOKENS, len(plan.context))
-            queue_span = self.tracer.start_span(tracing.SPAN_QUEUE, context=trace.set_span_in_context(span))
+            queue_span = tracer.start_span(tracing.SPAN_QUEUE, context=trace.set_span_in_context(span))
             try:
                 async with st.admission.slot():
                     queue_span.end()
@@ -123,17 +124,19 @@ class GatewayCore:
                     timer = st.metrics.token_timer(start)
                     async for chunk in self._run(req, session, plan, params, max_new, stop_ids, deadline, span):
                         timer.tokens(len(chunk.token_ids))
+                        if chunk.usage is not None:
+                            status = "ok"
                         yield chunk
             finally:
-                if queue_span.is_recording() and queue_span.end_time is None:
+                if queue_span.is_recording():  # refused by admission, or cancelled while queued
                     queue_span.end()
-            status = "ok"
         except GatewayError as e:
             status = e.code.lower()
             span.set_status(trace.Status(trace.StatusCode.ERROR, e.message))
             raise
         except (asyncio.CancelledError, GeneratorExit):
-            status = "cancelled"
+            if status != "ok":
+                status = "cancelled"
             raise
         finally:
             if session is not None:
@@ -184,7 +187,8 @@ class GatewayCore:
                 p.tokens += chunk.token_ids
                 p.text.append(chunk.text)
                 if last:
-                    p.verifier_done = ev.finish_reason is not None and n == len(ev.tokens)
+                    p.verifier_finished = ev.finish_reason is not None
+                    p.verifier_done = p.verifier_finished and n == len(ev.tokens)
                     p.stop = text.hit is not None or ev.finish_reason == "stop"
                     chunk.usage = self._usage(plan, params, p, text, session)
                     tracing.set_usage(span, input_tokens=chunk.usage.prompt_tokens,
@@ -203,8 +207,10 @@ class GatewayCore:
                 raise
             outcome = "reopen"
         finally:
-            if not p.verifier_done:
+            if not p.verifier_finished:
                 vt.cancel()  # frees the turn's KV on the verifier and the drafter
+            elif not p.verifier_done and session is not None:  # it kept tokens past the stop: drop them
+                self.state.spawn(self._release_quietly(vsid))
             if session is not None and outcome != "reopen":
                 self._record(session, plan, p, text, vsid, outcome)
         # the verifier lost the session (restarted): prefill the whole history into a new one
@@ -247,7 +253,7 @@ class GatewayCore:
             return
         if not p.tokens and outcome != "done":  # cancelled before any token: the turn leaves no trace
             if plan.continue_session:  # the verifier dropped the session, or will once it is released
-                asyncio.ensure_future(self._release_quietly(vsid))
+                self.state.spawn(self._release_quietly(vsid))
             s.verifier_sid = None
             return
         s.tokens = plan.context + p.tokens
