@@ -24,10 +24,10 @@ from kernels.int4_moe import int4_moe_triton
 
 E, D, INTER, TOPK, G = 384, 7168, 2048, 8, 32
 TOKENS = (1, 9, 17, 33, 65, 129)
-SWEEP = [  # (block_i, block_d, num_warps, num_stages, use_asm, prescale, swap)
-    (32, 64, 4, 3, True, False, True), (64, 128, 8, 3, True, True, True), (64, 128, 4, 3, True, True, True),
-    (32, 128, 4, 3, True, True, True), (32, 64, 4, 4, True, True, True), (32, 64, 4, 3, True, True, False),
-    (32, 64, 4, 3, True, False, False), (32, 64, 4, 3, False, True, True),
+SWEEP = [  # (block_i, block_d, num_warps, num_stages, use_asm, prescale, swap); default: (32, 64, 4, 3, T, T, T)
+    (16, 32, 4, 3, True, True, True), (32, 32, 4, 3, True, True, True), (16, 64, 4, 3, True, True, True),
+    (32, 64, 4, 4, True, True, True), (32, 64, 4, 3, True, False, True), (32, 64, 4, 3, True, True, False),
+    (32, 64, 4, 3, True, False, False), (64, 128, 8, 3, True, True, True), (32, 64, 4, 3, False, True, True),
 ]
 
 

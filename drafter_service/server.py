@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -82,6 +83,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         self.max_sessions, self.window = max_sessions, window
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="drafter-model")  # all model work, in order
         self._streams: dict[int, _Stream] = {}
+        self._streams_lock = threading.Lock()  # opened on the event loop, closed on the model thread
         self._numbers = itertools.count(1)
         self._drain = asyncio.Event()
 
@@ -104,12 +106,14 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         d = self.drafter
         if d is None:
             return drafter_pb2.DrafterInfo(max_budget=MAX_BUDGET, max_sessions=self.max_sessions)
+        with self._streams_lock:
+            streams = list(self._streams.values())
         return drafter_pb2.DrafterInfo(
             model=self.model_name, vocab_size=d.cfg.vocab_size, block_size=d.cfg.block_size,
             target_layer_ids=list(d.cfg.target_layer_ids), target_hidden_size=self.target_hidden,
             max_budget=MAX_BUDGET, max_sessions=self.max_sessions,
-            active_sessions=sum(len(s.sessions) for s in self._streams.values()), draft_window=self.window,
-            streams=len(self._streams), device=str(d.device), dtype=str(d.dtype).removeprefix("torch."))
+            active_sessions=sum(len(s.sessions) for s in streams), draft_window=self.window,
+            streams=len(streams), device=str(d.device), dtype=str(d.dtype).removeprefix("torch."))
 
     async def Info(self, request, context):
         return self.info()
@@ -162,7 +166,10 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
                     await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"unexpected `{kind}` mid-stream")
         finally:
             # runs on cancellation too: queue the cleanup on the model thread without awaiting it
-            self._pool.submit(self._close, st)
+            try:
+                self._pool.submit(self._close, st)
+            except RuntimeError:  # the pool is shut down: the process is exiting
+                pass
 
     def _open(self, msg: drafter_pb2.OpenStream) -> _Stream:
         regions: dict[int, SharedRegion] = {}
@@ -176,7 +183,8 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
                 r.close()
             raise
         st = _Stream(next(self._numbers), msg.client_id, regions)
-        self._streams[st.number] = st
+        with self._streams_lock:
+            self._streams[st.number] = st
         return st
 
     def _close(self, st: _Stream) -> None:
@@ -184,7 +192,8 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
             self._forget(st, sid)
         for r in st.regions.values():
             r.close()
-        self._streams.pop(st.number, None)
+        with self._streams_lock:
+            self._streams.pop(st.number, None)
         log.info("stream %d closed", st.number)
 
     # --- model thread ------------------------------------------------------------------------------

@@ -134,7 +134,14 @@ class GatewayCore:
             status = e.code.lower()
             span.set_status(trace.Status(trace.StatusCode.ERROR, e.message))
             raise
-        except (asyncio.CancelledError, GeneratorExit):
+        except asyncio.CancelledError:
+            if status != "ok":
+                status = "cancelled"
+            if session is not None and session.closed and asyncio.current_task().uncancel() == 0:
+                raise GatewayError("CANCELLED", "session_id: the session was closed while this turn was "
+                                                "running", "session_id") from None
+            raise
+        except GeneratorExit:
             if status != "ok":
                 status = "cancelled"
             raise
@@ -172,6 +179,8 @@ class GatewayCore:
             vsid = session.next_verifier_sid()
         text = TurnText(self.tok.token_bytes, stop_ids, params.stop)
         p = _Progress()
+        if session is not None:
+            session.running_vsid = vsid
         vt = self._start(vsid, plan, params, max_new, stop_ids, session is not None, deadline, span)
         outcome = "cancelled"  # until proven otherwise: "done" | "refused" | "reopen" | "cancelled"
         try:
@@ -247,6 +256,10 @@ class GatewayCore:
     def _record(self, s: Session, plan: TurnPlan, p: _Progress, text: TurnText, vsid: str, outcome: str) -> None:
         """Record the turn in the session: what it sent and what it generated (all of it, or what was
         streamed before it ended early), and whether the verifier still holds it."""
+        if s.closed:  # closed while running: make sure the verifier lets go of it
+            if p.verifier_done:
+                self.state.spawn(self._release_quietly(vsid))
+            return
         if outcome == "refused":  # nothing changed on the verifier
             if not plan.continue_session:
                 s.verifier_sid = None

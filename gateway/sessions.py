@@ -16,6 +16,7 @@ timeout are closed by `SessionStore.expired()` callers (the server's reaper).
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -34,6 +35,8 @@ class Session:
     generation: int = 0  # verifier sessions opened so far (their ids are f"{id}.{generation}")
     last_stop_token: int | None = None  # the token that ended the last reply, when one did
     busy: bool = False
+    turn_task: asyncio.Task | None = None  # the task generating the running turn (cancelled by close)
+    running_vsid: str | None = None  # verifier session of the running turn
     closed: bool = False
     last_used: float = field(default_factory=time.monotonic)
 
@@ -75,11 +78,13 @@ class SessionStore:
             raise GatewayError("FAILED_PRECONDITION", f"session_id: session {sid!r} is still generating its "
                                                       "previous turn", "session_id")
         s.busy = True
+        s.turn_task = asyncio.current_task()
         s.last_used = time.monotonic()
         return s
 
     def end_turn(self, s: Session) -> None:
         s.busy = False
+        s.turn_task = s.running_vsid = None
         s.last_used = time.monotonic()
 
     def pop(self, sid: str) -> Session:

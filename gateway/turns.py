@@ -27,6 +27,7 @@ class TurnInput:
     token_ids: tuple[int, ...] | None = None
     messages: tuple[Message, ...] | None = None
     add_special_tokens: bool = False  # completions through a Hugging Face tokenizer add BOS like transformers
+    ids_field: str = "token_ids"  # how the surface names token ids in errors ("prompt" for OpenAI completions)
 
     @property
     def is_chat(self) -> bool:
@@ -83,7 +84,7 @@ class TurnPlanner:
     def tokens(self, inp: TurnInput) -> list[int]:
         """The input on its own (one-shot requests, or a session's first turn)."""
         if inp.token_ids is not None:
-            return check_ids(inp.token_ids, self.vocab_size, "token_ids")
+            return check_ids(inp.token_ids, self.vocab_size, inp.ids_field)
         if inp.messages is not None:
             return self._render(check_messages(inp.messages))
         return self._encode(inp.text or "", inp.add_special_tokens)

@@ -6,10 +6,16 @@ of a [rows, 32]-word tile is exactly quantisation group k of the block):
   packed int32 [E, N, Kp/8]          scale [E, Kp/256, 8, N] (bf16, group-major so loads are rows)
 
 Each program owns one block of BLOCK_M pairs of one expert (see `_moe_align`) and a slice of
-output rows, and streams the whole K extent: the GEMM is computed transposed (weights are the
-MMA's M side, the <= 16 pairs its N side), per group k: acc += (Q_k @ X_k^T) * scale_k, Q_k the
-exact int4 values -8..7. The K loop order is fixed (no split-K), so a pair's result does not depend
-on which other pairs share its block or the launch (batch invariance).
+output rows, and streams the whole K extent in 256-column steps (8 groups). Per group k the int4
+words are dequantised in registers (PTX prmt/lop3/bf16x2-FMA on the GPU, a portable fp32 path in
+the interpreter; both give identical values) and one MMA adds Q_k X_k^T. Variants (constexpr):
+  SWAP      pairs on the MMA's M side, acc [BLOCK_M, ROWS] (mma.sync; the default) or on the N side,
+            acc [ROWS, BLOCK_M] (wgmma with the weights as the register A operand: one MMA wait per
+            group, slower here)
+  PRESCALE  dequantise to bf16(q * s) and chain the 8 MMAs into one accumulator (default), or keep
+            q exact and fold each group product in with its fp32 scale.
+The K loop order is fixed (no split-K), so a pair's result does not depend on which other pairs
+share its block or the launch (batch invariance).
 """
 
 from __future__ import annotations

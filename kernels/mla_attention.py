@@ -14,7 +14,10 @@ kernels on CUDA (`_mla_kernels`: split-KV over chunks whose size depends only on
 committed length, tree/causal rows masked at the end of the last chunk, chunks merged by
 log-sum-exp in a fixed order, so results are batch invariant), the reference elsewhere.
 Launches: one attention kernel, plus one combine kernel. Grid sizes depend only on host-known
-shapes (T, S, block table width): no host sync, CUDA-graph capturable.
+shapes (T, S, block table width): no host sync, CUDA-graph capturable. Because the chunking does
+not depend on how many new rows a session has, a tree's root row equals the single-token (AR)
+result at the same prefix bit for bit (tested on the GPU). Limits: tree_bits <= 2 words (128
+nodes); page_size is a compile-time constant of the kernel.
 """
 
 from __future__ import annotations

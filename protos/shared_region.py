@@ -157,6 +157,7 @@ class RegionArena:
     def __init__(self, region: SharedRegion):
         self.region = region
         self.cursor = 0
+        self._devices: set[torch.device] = set()  # CUDA devices whose streams wrote into the region
 
     def reset(self) -> None:
         self.cursor = 0
@@ -170,10 +171,12 @@ class RegionArena:
         if nbytes:
             dst = self.region.buf[start : start + nbytes]
             dst.copy_(t.detach().contiguous().reshape(-1).view(torch.uint8), non_blocking=False)
+            self._devices.update(d for d in (t.device, dst.device) if d.type == "cuda")
         self.cursor = start + nbytes
         return common_pb2.RegionSlice(region_id=self.region.region_id, offset=start)
 
     def sync(self) -> None:
         """Make device writes visible to the peer before the control message is sent."""
-        if self.region.device.type == "cuda":
-            torch.cuda.current_stream(self.region.device).synchronize()
+        for d in self._devices:
+            torch.cuda.synchronize(d)
+        self._devices.clear()

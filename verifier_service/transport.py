@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import ipaddress
 import socket
+from typing import TYPE_CHECKING
 
-from verifier_service.config import KimiConfig
-from verifier_service.transport_stream import DrafterModel
+if TYPE_CHECKING:  # this module stays torch-free: the CLI builds its parser from TRANSPORTS
+    from verifier_service.config import KimiConfig
+    from verifier_service.transport_stream import DrafterModel
 
 TRANSPORTS = ("inprocess", "colocated", "grpc")
 

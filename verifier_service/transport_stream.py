@@ -197,10 +197,13 @@ class DraftStreamClient:
     def _connector(self) -> None:
         delay = self.cfg.retry_min_s
         while not self._closed.is_set():
-            if self._stream is not None:
-                self._wake.wait()
+            current = self._stream
+            if current is not None and not current.broken:
+                self._wake.wait(1.0)  # woken when the stream breaks; the timeout is a safety net
                 self._wake.clear()
                 continue
+            if current is not None:  # broke before it was installed: clear it first
+                self._on_broken(current, str(current.error or "stream closed"))
             try:
                 stream = self._open()
             except Exception as e:  # noqa: BLE001 - reported, retried
@@ -286,7 +289,9 @@ class DraftStreamClient:
             return self._assemble(requests, {})
         try:
             answered, rows, errors = self._exchange(s, requests)
-        except (StreamBroken, WireError) as e:
+        except Exception as e:  # noqa: BLE001 - whatever went wrong on the wire, this step goes on without trees
+            if not isinstance(e, (StreamBroken, WireError)):
+                log.exception("draft step failed")
             self.stats["fallback_steps"] += 1
             self._on_broken(s, str(e))
             return self._assemble(requests, {})

@@ -1,4 +1,9 @@
-"""`ddtree generate`: generate in-process with the embedded engine and print the result (JSON with --json)."""
+"""`ddtree generate`: generate and print the result (JSON with --json).
+
+`--target DIR [--drafter DIR]` runs the embedded engine in this process (its JSON output is a stable
+contract); `--server HOST:PORT` goes through a running gateway with the client SDK instead (API key
+from DDTREE_API_KEY), reporting the same fields plus the gateway's usage.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +13,10 @@ import time
 
 
 def add_parser(sub) -> None:
-    g = sub.add_parser("generate", help="generate in-process with the embedded engine")
-    g.add_argument("--target", required=True)
+    g = sub.add_parser("generate", help="generate in-process (--target) or through a running gateway (--server)")
+    where = g.add_mutually_exclusive_group(required=True)
+    where.add_argument("--target", help="target checkpoint folder: generate in this process")
+    where.add_argument("--server", help="HOST:PORT of `ddtree gateway serve` (or `ddtree serve`)")
     g.add_argument("--drafter", default=None)
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt-ids")
@@ -25,6 +32,8 @@ def add_parser(sub) -> None:
     g.add_argument("--seed", type=int, default=None, help="sampling seed (default: drawn at random, reported)")
     g.add_argument("--dtype", default="float32")
     g.add_argument("--device", default=None)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable; --server only)")
+    g.add_argument("--timeout", type=float, default=None, help="deadline in seconds (--server only)")
     g.add_argument("--json", action="store_true")
     g.set_defaults(func=run)
 
@@ -37,6 +46,10 @@ def _parse_ids(s: str) -> list[int]:
 
 
 def run(args) -> int:
+    if args.server is not None:
+        return run_remote(args)
+    if args.stop or args.timeout is not None:
+        raise ValueError("--stop and --timeout apply to --server (the gateway owns stop strings and deadlines)")
     from gateway.tokenizer import Tokenizer
     from verifier_service.config import KimiConfig
     from verifier_service.local import DTYPES, build_local_engine
@@ -96,4 +109,43 @@ def run(args) -> int:
         print(f"[{result['mode']}] {len(s.output)} tokens, {steps} steps, mean acceptance "
               f"{result['mean_acceptance']:.2f}, {result['tokens_per_s']:.1f} tok/s"
               + ("" if sampling.greedy else f", seed {s.seed}"), file=sys.stderr)
+    return 0
+
+
+def run_remote(args) -> int:
+    """Through a running gateway (no torch imported)."""
+    import os
+
+    from gateway.client import GatewayClient, GatewayError
+    from gateway.commands.gateway import API_KEY_ENV
+
+    if args.drafter is not None or args.block_size is not None:
+        raise ValueError("--drafter and --block-size describe a local model; the server has its own")
+    source = {"text": args.prompt} if args.prompt is not None else {"token_ids": _parse_ids(args.prompt_ids)}
+    sampling = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed}
+    t0 = time.perf_counter()
+    try:
+        with GatewayClient(args.server, api_key=os.environ.get(API_KEY_ENV) or None) as client:
+            r = client.generate(**source, max_tokens=args.max_new_tokens, draft_budget=args.budget,
+                                draft_topk=args.topk, ignore_eos=args.ignore_eos, stop=args.stop,
+                                timeout=args.timeout, **sampling)
+    except GatewayError as e:
+        print(f"ddtree generate: {e.code.name}: {e.details}", file=sys.stderr)
+        return 1
+    dt = time.perf_counter() - t0
+    u = r.usage
+    result = {
+        "mode": "server", "server": args.server, "tokens": r.token_ids, "text": r.text, "steps": u.steps,
+        "accepted_per_step": r.accepted_per_step, "mean_acceptance": u.mean_accepted_length,
+        "budget": args.budget, "topk": args.topk, "prompt_tokens": u.prompt_tokens,
+        "finish_reason": u.finish_reason, "seconds": dt, "tokens_per_s": len(r.token_ids) / dt if dt > 0 else 0.0,
+        "seed": u.seed, "sampling": {**sampling, "seed": u.seed if u.seed is not None else args.seed},
+    }
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(r.text)
+        print(f"[server {args.server}] {len(r.token_ids)} tokens, {u.steps} steps, mean acceptance "
+              f"{u.mean_accepted_length:.2f}, {result['tokens_per_s']:.1f} tok/s"
+              + (f", seed {u.seed}" if u.seed is not None else ""), file=sys.stderr)
     return 0

@@ -130,7 +130,8 @@ def test_int4_moe_kernel_vs_reference(T, k, E, D, inter, dtype):
 
 # the kernel variants the benchmarks sweep (MMA orientation, where the scale is applied, tiles)
 VARIANTS = [dict(swap=s, prescale=p) for s in (False, True) for p in (False, True)] + [
-    dict(swap=True, prescale=True, block_i=64, block_d=128, num_warps=8)]
+    dict(swap=True, prescale=True, block_i=64, block_d=128, num_warps=8),
+    dict(swap=True, prescale=True, block_i=16, block_d=32), dict(swap=True, prescale=True, block_i=32, block_d=32)]
 
 
 @pytest.mark.parametrize("config", VARIANTS, ids=lambda c: "-".join(f"{k}{int(v)}" for k, v in c.items()))
