@@ -91,7 +91,8 @@ def main() -> int:
     from verifier_service.checkpoint import load_target
     from verifier_service.engine import Engine, EngineConfig
     from verifier_service.local import DTYPES, build_local_engine
-    from verifier_service.transport_stream import DraftStreamClient, StreamClientConfig
+    from verifier_service.transport import StreamClientConfig
+    from verifier_service.transport_stream import DraftStreamClient
 
     pair = Path(args.pair)
     dtype_name = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")

@@ -1,12 +1,11 @@
 """The drafter as a gRPC service (`ddtree.v1.Drafter`): Draft streams from verifiers, one batched
 DFlash pass per step, FCNS trees back (DESIGN 3.1, 5).
 
-Each Draft stream owns the context caches of its sessions (keys are namespaced by stream), so a
-verifier that disconnects leaves nothing behind and two verifiers never collide on session ids.
-Every request is checked against the model (feature width, vocabulary, budget, context continuity);
-a bad one fails only its session, reported in `DraftTrees.errors` with its context dropped. All
-model work runs on one worker thread in arrival order, so the event loop keeps answering health,
-reflection and Info while a step runs. On drain, streams end after their current step.
+Each Draft stream owns the context caches of its sessions (`drafter_service.draft_stream`), so a
+verifier that disconnects leaves nothing behind and two verifiers never collide on session ids. This
+module is the gRPC edge: it reads the stream, hands each message to the stream's `DraftStream` on
+the one model thread (arrival order, so the event loop keeps answering health, reflection and Info
+while a step runs) and writes the answers. On drain, streams end after their current step.
 """
 
 from __future__ import annotations
@@ -16,25 +15,22 @@ import itertools
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import torch
 
 from drafter_service.api import DraftRequest
+from drafter_service.draft_stream import DraftStream, ProtocolError
 from drafter_service.drafter import Drafter
-from kernels.tree_build import TreeBatch
-from protos.codec import WireError, draft_request_from_pb, trees_to_pb
 from protos.ddtree.v1 import drafter_pb2, drafter_pb2_grpc
 from protos.serving import GrpcServer
-from protos.shared_region import RegionArena, SharedRegion
+from protos.shared_region import SharedRegion
 from verifier_service.session import MAX_BUDGET
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
-MAX_POSITION = 1 << 31
-MAX_SESSION_ID = 256
 
 
 @dataclass(frozen=True)
@@ -57,24 +53,6 @@ class DrafterServerConfig:
             raise ValueError(f"drafter server: grace period must be >= 0, got {self.grace_s}")
 
 
-class SessionFault(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(message)
-        self.code, self.message = code, message
-
-
-class ProtocolError(Exception):
-    """Breaks the stream (not one session): answered with a status that ends the call."""
-
-
-@dataclass
-class _Stream:
-    number: int
-    client_id: str
-    regions: dict[int, SharedRegion]
-    sessions: dict[str, int] = field(default_factory=dict)  # sid -> next expected context position
-
-
 class DrafterService(drafter_pb2_grpc.DrafterServicer):
     def __init__(self, max_sessions: int, window: int):
         self.drafter: Drafter | None = None  # set by attach() once loaded
@@ -82,7 +60,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         self.target_hidden = 0
         self.max_sessions, self.window = max_sessions, window
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="drafter-model")  # all model work, in order
-        self._streams: dict[int, _Stream] = {}
+        self._streams: dict[int, DraftStream] = {}
         self._streams_lock = threading.Lock()  # opened on the event loop, closed on the model thread
         self._numbers = itertools.count(1)
         self._drain = asyncio.Event()
@@ -156,12 +134,14 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
                 kind = req.WhichOneof("kind")
                 if kind == "step":
                     try:
-                        trees = await loop.run_in_executor(self._pool, self._step, st, req.step)
+                        trees = await loop.run_in_executor(self._pool, st.step, req.step)
                     except ProtocolError as e:
                         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
                     await context.write(drafter_pb2.DraftStreamResponse(trees=trees))
+                elif kind == "context":
+                    await loop.run_in_executor(self._pool, st.context, req.context)
                 elif kind == "release":
-                    await loop.run_in_executor(self._pool, self._release, st, list(req.release.session_ids))
+                    await loop.run_in_executor(self._pool, st.release, list(req.release.session_ids))
                 else:
                     await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"unexpected `{kind}` mid-stream")
         finally:
@@ -171,7 +151,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
             except RuntimeError:  # the pool is shut down: the process is exiting
                 pass
 
-    def _open(self, msg: drafter_pb2.OpenStream) -> _Stream:
+    def _open(self, msg: drafter_pb2.OpenStream) -> DraftStream:
         regions: dict[int, SharedRegion] = {}
         try:
             for r in msg.regions:
@@ -182,118 +162,16 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
             for r in regions.values():
                 r.close()
             raise
-        st = _Stream(next(self._numbers), msg.client_id, regions)
+        st = DraftStream(next(self._numbers), msg.client_id, regions, self.drafter, self.feature_dim)
         with self._streams_lock:
             self._streams[st.number] = st
         return st
 
-    def _close(self, st: _Stream) -> None:
-        for sid in list(st.sessions):
-            self._forget(st, sid)
-        for r in st.regions.values():
-            r.close()
+    def _close(self, st: DraftStream) -> None:
+        st.close()
         with self._streams_lock:
             self._streams.pop(st.number, None)
         log.info("stream %d closed", st.number)
-
-    # --- model thread ------------------------------------------------------------------------------
-    @staticmethod
-    def _key(st: _Stream, sid: str) -> str:
-        return f"{st.number}/{sid}"
-
-    def _forget(self, st: _Stream, sid: str) -> None:
-        st.sessions.pop(sid, None)
-        self.drafter.release(self._key(st, sid))
-
-    def _release(self, st: _Stream, sids: list[str]) -> None:
-        for sid in sids:
-            self._forget(st, sid)
-
-    def _check(self, st: _Stream, m: drafter_pb2.SessionDraftRequest, seen: set[str]) -> DraftRequest:
-        """One session's request -> DraftRequest keyed for this stream, or SessionFault."""
-        bad = grpc.StatusCode.INVALID_ARGUMENT
-        sid = m.session_id
-        if not 0 < len(sid) <= MAX_SESSION_ID:
-            raise SessionFault(bad, f"session id must have 1..{MAX_SESSION_ID} characters")
-        if sid in seen:
-            raise SessionFault(bad, "the session appears twice in one step")
-        seen.add(sid)
-        V = self.drafter.cfg.vocab_size
-        if not 1 <= m.budget <= MAX_BUDGET:
-            raise SessionFault(bad, f"budget {m.budget} is outside 1..{MAX_BUDGET}")
-        if m.topk < 1:
-            raise SessionFault(bad, "topk must be >= 1")
-        if not 0 <= m.root_token < V:
-            raise SessionFault(bad, f"root token {m.root_token} is outside the vocabulary [0, {V})")
-        if not 0 <= m.root_pos < MAX_POSITION:
-            raise SessionFault(bad, f"root position {m.root_pos} is outside [0, 2**31)")
-        try:
-            r = draft_request_from_pb(m, st.regions, copy=False)
-        except WireError as e:
-            raise SessionFault(bad, str(e)) from None
-        n, F = r.ctx_features.shape
-        expected = st.sessions.get(sid)
-        if n:
-            if F != self.feature_dim or not r.ctx_features.dtype.is_floating_point:
-                raise SessionFault(bad, f"ctx_features must be floating [n, {self.feature_dim}] (taps of layers "
-                                        f"{list(self.drafter.cfg.target_layer_ids)}), got {r.ctx_features.dtype} "
-                                        f"{list(r.ctx_features.shape)}")
-            if r.ctx_start < 0 or r.ctx_start + n != r.root_pos:
-                raise SessionFault(bad, f"context rows [{r.ctx_start}, {r.ctx_start + n}) must end right before "
-                                        f"the root position {r.root_pos}")
-            if expected is not None and r.ctx_start != expected:
-                raise SessionFault(grpc.StatusCode.FAILED_PRECONDITION,
-                                   f"context gap: this stream holds rows up to {expected}, got rows from "
-                                   f"{r.ctx_start}; send the session's context again as a new session")
-        elif expected is not None and r.root_pos != expected:
-            raise SessionFault(grpc.StatusCode.FAILED_PRECONDITION,
-                               f"root position {r.root_pos} moved past the context ({expected}) without new rows")
-        key = self._key(st, sid)
-        if key not in self.drafter.cache:
-            try:
-                self.drafter.cache.row(key)
-            except RuntimeError as e:
-                raise SessionFault(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
-        return DraftRequest(key, r.ctx_start, r.ctx_features, r.root_token, r.root_pos, r.budget, r.topk)
-
-    @torch.no_grad()
-    def _step(self, st: _Stream, step: drafter_pb2.DraftStep) -> drafter_pb2.DraftTrees:
-        arena = None
-        if step.HasField("response_region_id"):
-            region = st.regions.get(step.response_region_id)
-            if region is None:
-                raise ProtocolError(f"step {step.step_id}: unknown response region {step.response_region_id}")
-            arena = RegionArena(region)
-        reqs, ids, errors, seen = [], [], [], set()
-        for m in step.sessions:
-            try:
-                reqs.append(self._check(st, m, seen))
-                ids.append(m.session_id)
-            except SessionFault as f:
-                errors.append(drafter_pb2.SessionError(session_id=m.session_id, code=f.code.value[0],
-                                                       message=f.message))
-                if m.session_id not in ids:
-                    self._forget(st, m.session_id)
-        trees = None
-        if reqs:
-            try:
-                trees = self.drafter.draft(reqs)
-            except Exception as e:  # noqa: BLE001 - a model failure fails this step's sessions, not the server
-                log.exception("draft step %d failed", step.step_id)
-                for sid in ids:
-                    errors.append(drafter_pb2.SessionError(session_id=sid, code=grpc.StatusCode.INTERNAL.value[0],
-                                                           message=f"drafting failed: {e!r}"))
-                    self._forget(st, sid)
-                ids = []
-            else:
-                for sid, r in zip(ids, reqs):
-                    st.sessions[sid] = r.root_pos  # the root's tap arrives next
-        if trees is None:
-            z = torch.empty(0, 1, dtype=torch.int32)
-            trees = TreeBatch(z, z, z, z, z, torch.empty(0, 1), [])
-        msg = trees_to_pb(trees, ids, step.step_id, arena)
-        msg.errors.extend(errors)
-        return msg
 
 
 # --- building and serving ------------------------------------------------------------------------------

@@ -84,8 +84,9 @@ class _Progress:
 
 
 class GatewayCore:
-    def __init__(self, state: GatewayState):
+    def __init__(self, state: GatewayState, tracer_provider=None):
         self.state = state
+        self.tracer_provider = tracer_provider  # None: the global one, as configured at request time
 
     @property
     def tok(self):
@@ -97,7 +98,7 @@ class GatewayCore:
         st = self.state
         start = time.perf_counter()
         deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
-        tracer = tracing.get_tracer()  # the global provider as configured now
+        tracer = tracing.get_tracer(self.tracer_provider)
         span = tracer.start_span(f"{req.operation} {st.model_name}", context=trace_context,
                                       kind=trace.SpanKind.SERVER, attributes={
                                           tracing.GEN_AI_OPERATION_NAME: req.operation,

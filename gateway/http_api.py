@@ -81,7 +81,6 @@ class OpenAIRoutes:
 
     async def _generate(self, request: web.Request, body: dict, req, chat: bool) -> web.StreamResponse:
         stream, include_usage = stream_flags(body)
-        self.state.check_model(req.model)
         out = ResponseBuilder(chat, self.state.model_name)
         chunks = self.core.generate(req, None, extract_http(request.headers))
         async with aclosing(chunks):

@@ -44,20 +44,14 @@ from kernels._moe_align import moe_align
 from kernels.int4_pack import PACK_FACTOR, dequantize_int4
 
 
-def moe_dense_ref(
-    x: torch.Tensor,  # [T, D]
-    topk_ids: torch.Tensor,  # [T, k] int
-    topk_w: torch.Tensor,  # [T, k] fp32 routing weights (already normalised and scaled)
-    w13: torch.Tensor,  # [E, 2I, D]
-    w2: torch.Tensor,  # [E, D, I]
-) -> torch.Tensor:
+def _moe_loop(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, num_experts: int, expert) -> torch.Tensor:
+    """The reference math; `expert(e) -> (w13_e [2I, D], w2_e [D, I])` is asked only for experts with tokens."""
     T, D = x.shape
     acc = torch.promote_types(x.dtype, torch.float32)
-    inter = w2.shape[-1]
     out = torch.zeros(T, D, dtype=acc, device=x.device)
     flat_ids = topk_ids.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)  # group (token, slot) pairs by expert
-    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
+    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
     start = 0
     for e, c in enumerate(counts):
         if c == 0:
@@ -65,18 +59,31 @@ def moe_dense_ref(
         pairs = order[start : start + c]
         start += c
         tok = pairs // topk_ids.shape[1]
-        h = x[tok].to(acc) @ w13[e].to(acc).T  # [c, 2I]
+        w13_e, w2_e = expert(e)
+        inter = w2_e.shape[-1]
+        h = x[tok].to(acc) @ w13_e.to(acc).T  # [c, 2I]
         a = F.silu(h[:, :inter]) * h[:, inter:]
-        y = a @ w2[e].to(acc).T  # [c, D]
+        y = a @ w2_e.to(acc).T  # [c, D]
         out.index_add_(0, tok, y * topk_w.reshape(-1)[pairs].to(acc)[:, None])
     return out.to(x.dtype)
 
 
+def moe_dense_ref(
+    x: torch.Tensor,  # [T, D]
+    topk_ids: torch.Tensor,  # [T, k] int
+    topk_w: torch.Tensor,  # [T, k] fp32 routing weights (already normalised and scaled)
+    w13: torch.Tensor,  # [E, 2I, D]
+    w2: torch.Tensor,  # [E, D, I]
+) -> torch.Tensor:
+    return _moe_loop(x, topk_ids, topk_w, w13.shape[0], lambda e: (w13[e], w2[e]))
+
+
 def int4_moe_ref(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale):
+    """moe_dense_ref on the reference dequant; only the experts that received tokens are dequantised."""
     acc = torch.promote_types(x.dtype, torch.float32)
-    w13 = dequantize_int4(w13_packed, w13_scale, acc)
-    w2 = dequantize_int4(w2_packed, w2_scale, acc)
-    return moe_dense_ref(x, topk_ids, topk_w, w13, w2)
+    return _moe_loop(x, topk_ids, topk_w, w13_packed.shape[0],
+                     lambda e: (dequantize_int4(w13_packed[e], w13_scale[e], acc),
+                                dequantize_int4(w2_packed[e], w2_scale[e], acc)))
 
 
 _BLOCK_K = 256  # K block of the GPU layout: 8 groups of 32 columns

@@ -8,10 +8,14 @@ INVALID_ARGUMENT.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from protos.ddtree.v1 import verifier_pb2
 from verifier_service.sampling_params import SamplingParams
-from verifier_service.scheduler import TurnEvent
 from verifier_service.session import DecodeParams
+
+if TYPE_CHECKING:
+    from verifier_service.scheduler import TurnEvent
 
 FINISH_TO_PB = {"stop": verifier_pb2.FINISH_REASON_STOP, "length": verifier_pb2.FINISH_REASON_LENGTH}
 PB_TO_FINISH = {v: k for k, v in FINISH_TO_PB.items()}

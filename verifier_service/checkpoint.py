@@ -25,6 +25,7 @@ from verifier_service.checkpoint_layout import LayoutTensor, target_layout
 from verifier_service.config import KimiConfig
 from verifier_service.expert_parallel import expert_range, shard_experts
 from verifier_service.model import KimiForCausalLM
+from verifier_service.moe import MoE
 from verifier_service.safetensors_io import INDEX, CheckpointError, ShardedReader, TensorInfo
 from verifier_service.weight_stream import Copy, Progress, stream_copies
 
@@ -183,6 +184,10 @@ def load_target(folder: str | Path, dtype: torch.dtype = torch.bfloat16, device:
         stream_copies(reader, copies, Progress(sum(c.src.nbytes for c in copies), label, progress), workers)
         stats = reader.stats
     model.build_rope()  # rope tables were created on the meta device
+    if torch.device(device).type == "cuda":
+        for m in model.modules():
+            if isinstance(m, MoE):
+                m.repack_for_gpu()  # one-time repack into the INT4 kernel's layout
     model.load_report = LoadReport(stats.tensors, stats.bytes, time.perf_counter() - t0, len(stats.files))
     return model.eval()
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.int4_moe import int4_moe, moe_dense_ref
+from kernels.int4_moe import int4_moe, moe_dense_ref, repack_int4_moe_for_gpu
 from verifier_service.config import KimiConfig
 
 
@@ -66,6 +66,7 @@ class MoE(nn.Module):
         # global ids of the experts stacked below (all of them; expert_parallel.shard_experts keeps a range)
         self.expert_ids: tuple[int, ...] = tuple(range(E))
         self.gate = Router(cfg)
+        self.layout = "checkpoint"  # INT4 buffers' layout; "gpu" after repack_for_gpu() (kernels/int4_moe.py)
         if quantized:
             g = cfg.quant.group_size
             self.register_buffer("w13_packed", torch.zeros(E, 2 * inter, D // 8, dtype=torch.int32))
@@ -77,13 +78,24 @@ class MoE(nn.Module):
             self.w2 = nn.Parameter(torch.empty(E, D, inter))
         self.shared_experts = MLP(D, inter * cfg.n_shared_experts) if cfg.n_shared_experts else None
 
+    @torch.no_grad()
+    def repack_for_gpu(self) -> None:
+        """Once, at load on CUDA: INT4 buffers -> the Triton kernel's layout (the checkpoint layout would be
+        repacked on every call)."""
+        if not self.quantized or self.layout == "gpu":
+            return
+        w13, s13, w2, s2 = repack_int4_moe_for_gpu(self.w13_packed, self.w13_scale, self.w2_packed, self.w2_scale)
+        self.w13_packed, self.w13_scale, self.w2_packed, self.w2_scale = w13, s13, w2, s2
+        self.layout = "gpu"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if len(self.expert_ids) != self.gate.cfg.n_routed_experts:
             raise NotImplementedError("MoE holds an expert-parallel slice of the experts; the expert-parallel "
                                       "forward (all-to-all / all-reduce) is not implemented yet")
         ids, w = self.gate(x)
         if self.quantized:
-            y = int4_moe(x, ids, w, self.w13_packed, self.w13_scale, self.w2_packed, self.w2_scale)
+            y = int4_moe(x, ids, w, self.w13_packed, self.w13_scale, self.w2_packed, self.w2_scale,
+                         layout=self.layout)
         else:
             y = moe_dense_ref(x, ids, w, self.w13, self.w2)
         if self.shared_experts is not None:

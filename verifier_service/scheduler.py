@@ -187,7 +187,7 @@ class Scheduler:
             s = self.engine.add(prompt, params, sid=sid, persistent=turn.persistent)
         except (TurnError, KVCapacityError, ValueError) as e:
             turn.running = False
-            turn.sink(_as_turn_error(e))
+            _send(turn, _as_turn_error(e))
             return
         turn.prefill_tokens = len(prompt)
         self._turns[sid] = turn
@@ -209,7 +209,7 @@ class Scheduler:
             s = self.engine.extend(sid, tokens, params)
         except (TurnError, KVCapacityError, ValueError) as e:
             turn.running = False
-            turn.sink(_as_turn_error(e))
+            _send(turn, _as_turn_error(e))
             return
         turn.prefill_tokens = 1 + len(tokens)
         self._turns[sid] = turn
@@ -225,7 +225,7 @@ class Scheduler:
             steps = len(s.accepted_per_step)
             ev.usage = TurnUsage(turn.prefill_tokens, len(s.output), steps,
                                  sum(s.accepted_per_step) / steps if steps else 0.0, s.committed + 1)
-        turn.sink(ev)
+        _send(turn, ev)
         if s.done:
             turn.running = False
             if not turn.persistent:
@@ -238,7 +238,7 @@ class Scheduler:
             log.exception("verify step failed")
             for sid, t in list(self._turns.items()):
                 if t.running:
-                    t.sink(TurnError("INTERNAL", f"verify step failed: {e!r}"))
+                    _send(t, TurnError("INTERNAL", f"verify step failed: {e!r}"))
                     self._drop(sid)
             return
         errors = self._drafter_errors()
@@ -249,8 +249,8 @@ class Scheduler:
                 continue
             ev = TurnEvent(tokens=tokens, accepted_length=s.accepted_per_step[-1], tree_size=s.tree_sizes[-1])
             if sid in errors:
-                turn.sink(ev)
-                turn.sink(TurnError("INVALID_ARGUMENT", errors[sid]))
+                _send(turn, ev)
+                _send(turn, TurnError("INVALID_ARGUMENT", errors[sid]))
                 self._drop(sid)
                 continue
             self._deliver(turn, s, ev)
@@ -272,7 +272,7 @@ class Scheduler:
             return
         was_running = turn.running
         if was_running:
-            turn.sink(TurnError("CANCELLED", f"session {sid!r} was released"))
+            _send(turn, TurnError("CANCELLED", f"session {sid!r} was released"))
         self._drop(sid)
         fut.set_result(was_running)
 
@@ -283,3 +283,11 @@ def _as_turn_error(e: Exception) -> TurnError:
     if isinstance(e, KVCapacityError):
         return TurnError("RESOURCE_EXHAUSTED", str(e))
     return TurnError("INVALID_ARGUMENT", str(e))
+
+
+def _send(turn: Turn, item: TurnEvent | TurnError) -> None:
+    """Deliver to the turn's caller; a caller that went away must not stop the engine thread."""
+    try:
+        turn.sink(item)
+    except Exception:  # noqa: BLE001
+        log.exception("could not deliver an event of session %s", turn.sid)

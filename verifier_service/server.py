@@ -161,7 +161,8 @@ def build_engine(cfg: VerifierServerConfig, stop: threading.Event) -> Loaded:
     from verifier_service.checkpoint import load_target
     from verifier_service.config import KimiConfig
     from verifier_service.local import DTYPES, build_local_engine, default_device
-    from verifier_service.transport_stream import DraftStreamClient, StreamClientConfig
+    from verifier_service.transport import StreamClientConfig
+    from verifier_service.transport_stream import DraftStreamClient
 
     device = cfg.device or default_device()
     if cfg.dtype is not None and cfg.dtype not in DTYPES:

@@ -6,20 +6,69 @@ Three transports sit behind the engine's `DraftClient` interface:
   CUDA IPC on GPU) registered once per stream, a small control message per step;
 - `grpc`: a drafter anywhere; tensors as little-endian bytes in the messages.
 `colocated` is the default when the drafter's address is on this host (loopback, this host's
-name, or a unix socket), `grpc` otherwise.
+name, or a unix socket), `grpc` otherwise. Also the stream client's configuration and what it
+learns about the drafter (`StreamClientConfig`, `DrafterModel`); torch-free.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import socket
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from protos.ddtree.v1 import drafter_pb2
 
 if TYPE_CHECKING:  # this module stays torch-free: the CLI builds its parser from TRANSPORTS
     from verifier_service.config import KimiConfig
-    from verifier_service.transport_stream import DrafterModel
 
 TRANSPORTS = ("inprocess", "colocated", "grpc")
+
+
+@dataclass(frozen=True)
+class StreamClientConfig:
+    address: str
+    colocated: bool = False  # tensors through shared regions instead of inline bytes
+    region_device: str = "cpu"  # where the shared regions live (cuda:N -> CUDA IPC)
+    draft_timeout_s: float = 5.0  # one step's deadline
+    connect_timeout_s: float = 5.0  # opening a stream (handshake included)
+    max_message_bytes: int = 64 << 20
+    window: int = 2048  # context rows kept per session for resending
+    request_region_bytes: int = 64 << 20
+    response_region_bytes: int = 1 << 20
+    retry_min_s: float = 0.1
+    retry_max_s: float = 2.0
+    client_id: str = "verifier"
+
+    def __post_init__(self):
+        for f in ("draft_timeout_s", "connect_timeout_s", "max_message_bytes", "window", "request_region_bytes",
+                  "response_region_bytes", "retry_min_s", "retry_max_s"):
+            if getattr(self, f) <= 0:
+                raise ValueError(f"stream client: {f} must be positive, got {getattr(self, f)}")
+        if not self.address:
+            raise ValueError("stream client: the drafter address is empty")
+
+
+@dataclass(frozen=True)
+class DrafterModel:
+    """What the verifier needs to know about the drafter (from DrafterInfo)."""
+
+    model: str
+    vocab_size: int
+    block_size: int
+    target_layer_ids: tuple[int, ...]
+    target_hidden_size: int
+    max_budget: int
+
+    @classmethod
+    def from_pb(cls, info: drafter_pb2.DrafterInfo) -> DrafterModel:
+        return cls(info.model, info.vocab_size, info.block_size, tuple(info.target_layer_ids),
+                   info.target_hidden_size, info.max_budget)
+
+    def same_shape(self, other: DrafterModel) -> bool:
+        """Can one replace the other mid-flight (same depth, features and vocabulary)?"""
+        return (self.vocab_size, self.block_size, self.target_layer_ids, self.target_hidden_size) == (
+            other.vocab_size, other.block_size, other.target_layer_ids, other.target_hidden_size)
 
 
 def address_host(address: str) -> str | None:

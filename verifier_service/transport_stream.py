@@ -20,66 +20,20 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
 
 import grpc
 import torch
 
 from drafter_service.api import DraftRequest
 from kernels.tree_build import TreeBatch, tree_size
-from protos.codec import WireError, draft_request_to_pb, trees_from_pb
+from protos.codec import WireError, draft_request_to_pb, tensor_to_pb, trees_from_pb
 from protos.ddtree.v1 import drafter_pb2, drafter_pb2_grpc
 from protos.shared_region import RegionArena, SharedRegion
+from verifier_service.transport import DrafterModel, StreamClientConfig
 from verifier_service.tree_validation import validate_trees
 
 log = logging.getLogger(__name__)
 REQUEST_REGION, RESPONSE_REGION = 1, 2
-
-
-@dataclass(frozen=True)
-class StreamClientConfig:
-    address: str
-    colocated: bool = False  # tensors through shared regions instead of inline bytes
-    region_device: str = "cpu"  # where the shared regions live (cuda:N -> CUDA IPC)
-    draft_timeout_s: float = 5.0  # one step's deadline
-    connect_timeout_s: float = 5.0  # opening a stream (handshake included)
-    max_message_bytes: int = 64 << 20
-    window: int = 2048  # context rows kept per session for resending
-    request_region_bytes: int = 64 << 20
-    response_region_bytes: int = 1 << 20
-    retry_min_s: float = 0.1
-    retry_max_s: float = 2.0
-    client_id: str = "verifier"
-
-    def __post_init__(self):
-        for f in ("draft_timeout_s", "connect_timeout_s", "max_message_bytes", "window", "request_region_bytes",
-                  "response_region_bytes", "retry_min_s", "retry_max_s"):
-            if getattr(self, f) <= 0:
-                raise ValueError(f"stream client: {f} must be positive, got {getattr(self, f)}")
-        if not self.address:
-            raise ValueError("stream client: the drafter address is empty")
-
-
-@dataclass(frozen=True)
-class DrafterModel:
-    """What the verifier needs to know about the drafter (from DrafterInfo)."""
-
-    model: str
-    vocab_size: int
-    block_size: int
-    target_layer_ids: tuple[int, ...]
-    target_hidden_size: int
-    max_budget: int
-
-    @classmethod
-    def from_pb(cls, info: drafter_pb2.DrafterInfo) -> DrafterModel:
-        return cls(info.model, info.vocab_size, info.block_size, tuple(info.target_layer_ids),
-                   info.target_hidden_size, info.max_budget)
-
-    def same_shape(self, other: DrafterModel) -> bool:
-        """Can one replace the other mid-flight (same depth, features and vocabulary)?"""
-        return (self.vocab_size, self.block_size, self.target_layer_ids, self.target_hidden_size) == (
-            other.vocab_size, other.block_size, other.target_layer_ids, other.target_hidden_size)
 
 
 class StreamBroken(Exception):
@@ -327,11 +281,19 @@ class DraftStreamClient:
         s.step_id += 1
         step = drafter_pb2.DraftStep(step_id=s.step_id)
         arena = RegionArena(s.regions[REQUEST_REGION]) if s.regions else None
+        room = self.cfg.max_message_bytes // 2  # context bytes one step message may carry
         for r in requests:
             start, chunks = self._pending.get(r.session_id, (r.ctx_start, []))
             feats = (chunks[0] if len(chunks) == 1 else torch.cat(chunks)) if chunks else r.ctx_features[:0]
             if r.session_id not in s.synced and not chunks:
                 start = r.root_pos
+            n = feats.shape[0]
+            row_bytes = feats[:1].numel() * feats.element_size()
+            keep = n if n * row_bytes <= room else min(n, room // max(row_bytes, 1))
+            if keep < n:  # a long prompt or a resent window: the older rows go ahead in context messages
+                self._send_ahead(s, r.session_id, start, feats[: n - keep], max(1, room // row_bytes))
+                start, feats = start + n - keep, feats[n - keep :]
+            room -= keep * row_bytes
             step.sessions.append(draft_request_to_pb(
                 DraftRequest(r.session_id, start, feats, r.root_token, r.root_pos, r.budget, r.topk), arena))
         if arena is not None:
@@ -367,6 +329,13 @@ class DraftStreamClient:
             n = trees.n_nodes[j]
             rows[sid] = {f: getattr(trees, f)[j, :n] for f in TreeBatch._FIELDS}
         return ids, rows, errors
+
+    @staticmethod
+    def _send_ahead(s: _Stream, sid: str, start: int, feats: torch.Tensor, rows_per_message: int) -> None:
+        for i in range(0, feats.shape[0], rows_per_message):
+            part = feats[i : i + rows_per_message]
+            s.send(drafter_pb2.DraftStreamRequest(context=drafter_pb2.SessionContext(
+                session_id=sid, ctx_start=start + i, ctx_features=tensor_to_pb(part))))
 
     def _assemble(self, requests: list[DraftRequest], rows: dict[str, dict]) -> TreeBatch:
         """[R, M] trees in request order: the drafter's rows, root-only trees for everyone else."""

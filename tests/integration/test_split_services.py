@@ -223,3 +223,36 @@ def test_streams_of_two_verifiers_run_side_by_side(services, reference):
     for name in ("colocated", "grpc"):
         assert [t for t, _ in out[name]] == ref
     assert drafter_info(services["drafter"]).streams == 2
+
+
+def test_inprocess_transport_server(pair, reference):
+    """`--transport inprocess`: the drafter runs inside the verifier process."""
+    v = Service("verifier-inprocess", verifier_argv(pair, "127.0.0.1:0", None, "--transport", "inprocess",
+                                                    "--drafter", str(pair[1])))
+    try:
+        addr = v.wait_for("serving")
+        results = run_concurrently(addr, [request(f"ip-{i}", p, 16, 16) for i, p in enumerate(PROMPTS[:2])])
+        assert [t for t, _ in results] == reference(PROMPTS[:2], 16)
+        assert {m.stats.tree_size for _, msgs in results for m in msgs[1:]} == {TREE}
+        info = verifier_info(addr)
+        assert info.transport == "inprocess" and info.drafter_connected and info.block_size == 8
+    finally:
+        v.stop()
+
+
+def test_unix_socket_drafter_defaults_to_colocated(pair, reference, tmp_path):
+    sock = f"unix:{tmp_path}/drafter.sock"
+    d = Service("drafter-unix", drafter_argv(pair, sock))
+    v = None
+    try:
+        assert d.wait_for("serving") == sock
+        v = Service("verifier-unix", verifier_argv(pair, "127.0.0.1:0", sock))
+        addr = v.wait_for("serving")
+        assert verifier_info(addr).transport == "colocated"
+        with channel(addr) as ch:
+            tokens, msgs = generate(verifier_stub(ch), request("unix", PROMPTS[0], 16, 16))
+        assert tokens == reference([PROMPTS[0]], 16)[0] and msgs[1].stats.tree_size == TREE
+    finally:
+        for p in (v, d):
+            if p is not None:
+                p.stop()

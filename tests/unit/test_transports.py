@@ -25,8 +25,8 @@ from drafter_service.server import DrafterService
 from kernels.tree_build import TreeBatch
 from protos.ddtree.v1 import drafter_pb2_grpc
 from protos.shared_region import SharedRegion
-from verifier_service.transport import is_local_address, resolve_transport
-from verifier_service.transport_stream import DraftStreamClient, StreamClientConfig
+from verifier_service.transport import StreamClientConfig, is_local_address, resolve_transport
+from verifier_service.transport_stream import DraftStreamClient
 
 
 class ServerThread:
@@ -145,6 +145,39 @@ def test_stream_client_equals_inprocess_drafter(parts, served, colocated):
     while service.info().streams and time.monotonic() < deadline:
         time.sleep(0.02)
     assert service.info().active_sessions == 0 and service.info().streams == 0  # the stream end freed everything
+
+
+@pytest.mark.parametrize("colocated", [False, True])
+def test_long_contexts_go_ahead_in_context_messages(parts, served, colocated):
+    """With a 4 KiB message limit a step carries 2 KiB of context (two fp64 rows of 128): longer
+    prompts are sent ahead in `context` messages, and the trees are still exactly the in-process ones."""
+    _, srv = served
+    local = Drafter(*parts, max_sessions=8, window=64)
+    client = client_for(srv.port, colocated, max_message_bytes=4096)
+    try:
+        long_prompt = [DraftRequest("long", 0, feats(11, 5), 30, 11, 16, 4), DraftRequest("short", 0, feats(1, 6),
+                                                                                          31, 1, 16, 4)]
+        nxt = [DraftRequest("long", 11, feats(3, 7), 32, 14, 16, 4), DraftRequest("short", 1, feats(2, 8), 33, 3, 16,
+                                                                                  4)]
+        for reqs in (long_prompt, nxt):
+            assert_same_trees(client.draft(reqs), local.draft(reqs))
+        assert client.stats["fallback_steps"] == 0 and client.take_errors() == {}
+    finally:
+        client.close()
+
+
+def test_refused_context_message_is_reported_at_the_step(served):
+    """A context row of the wrong width, sent ahead, fails the session at its next step (no tree, no
+    error for the caller), and the client sends the context again as a new session afterwards."""
+    service, srv = served
+    client = client_for(srv.port, colocated=False, max_message_bytes=4096)
+    try:
+        bad = [DraftRequest("w", 0, feats(9, 1, F=64), 40, 9, 16, 4)]  # 64 columns: refused by the drafter
+        got = client.draft(bad)
+        assert root_only(got, 0, 40) and client.take_errors() == {} and client.connected
+        assert service.info().active_sessions == 0
+    finally:
+        client.close()
 
 
 def test_invalid_tree_fails_only_its_session(parts, served):

@@ -8,14 +8,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DraftStreamRequest(_message.Message):
-    __slots__ = ("open", "step", "release")
+    __slots__ = ("open", "step", "release", "context")
     OPEN_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_FIELD_NUMBER: _ClassVar[int]
     open: OpenStream
     step: DraftStep
     release: ReleaseSessions
-    def __init__(self, open: _Optional[_Union[OpenStream, _Mapping]] = ..., step: _Optional[_Union[DraftStep, _Mapping]] = ..., release: _Optional[_Union[ReleaseSessions, _Mapping]] = ...) -> None: ...
+    context: SessionContext
+    def __init__(self, open: _Optional[_Union[OpenStream, _Mapping]] = ..., step: _Optional[_Union[DraftStep, _Mapping]] = ..., release: _Optional[_Union[ReleaseSessions, _Mapping]] = ..., context: _Optional[_Union[SessionContext, _Mapping]] = ...) -> None: ...
 
 class OpenStream(_message.Message):
     __slots__ = ("client_id", "regions")
@@ -86,6 +88,16 @@ class SessionDraftRequest(_message.Message):
     budget: int
     topk: int
     def __init__(self, session_id: _Optional[str] = ..., ctx_start: _Optional[int] = ..., ctx_features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., root_token: _Optional[int] = ..., root_pos: _Optional[int] = ..., budget: _Optional[int] = ..., topk: _Optional[int] = ...) -> None: ...
+
+class SessionContext(_message.Message):
+    __slots__ = ("session_id", "ctx_start", "ctx_features")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    CTX_START_FIELD_NUMBER: _ClassVar[int]
+    CTX_FEATURES_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    ctx_start: int
+    ctx_features: _common_pb2.Tensor
+    def __init__(self, session_id: _Optional[str] = ..., ctx_start: _Optional[int] = ..., ctx_features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class ReleaseSessions(_message.Message):
     __slots__ = ("session_ids",)

@@ -52,7 +52,8 @@ class DrafterServicer:
     def Draft(self, request_iterator, context):
         """The draft stream. The first request must be `open`, answered by one `opened` response.
         After that every `step` request is answered by exactly one `trees` response with the same
-        step_id (steps are answered in order); `release` requests are not answered.
+        step_id (steps are answered in order); `context` and `release` requests are not answered.
+        Requests are applied in the order they are sent.
         Errors that concern one session come back in DraftTrees.errors; errors that break the
         protocol (a missing `open`, an unreadable shared region) end the stream with a status.
         """

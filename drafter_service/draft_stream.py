@@ -1,0 +1,195 @@
+"""One verifier's Draft stream inside the drafter: its sessions' contexts and the checks on
+everything the verifier sends. All methods run on the drafter's single model thread.
+
+Context caches live in the shared `Drafter` under "<stream number>/<session id>", so streams never
+collide and closing a stream frees exactly its own sessions. Every request is checked against the
+model (feature width, vocabulary, budget, positions) and against the stream's history (context rows
+must continue where the session's previous rows ended); a bad request fails only its session,
+reported in `DraftTrees.errors`, and that session's context is dropped so the verifier resends it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+
+from drafter_service.api import DraftRequest
+from drafter_service.drafter import Drafter
+from kernels.tree_build import TreeBatch
+from protos.codec import WireError, draft_request_from_pb, tensor_from_pb, trees_to_pb
+from protos.ddtree.v1 import drafter_pb2
+from protos.shared_region import RegionArena, SharedRegion
+from verifier_service.session import MAX_BUDGET
+
+log = logging.getLogger(__name__)
+MAX_POSITION = 1 << 31
+MAX_SESSION_ID = 256
+BAD = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class SessionFault(Exception):
+    """Fails one session's request (reported in DraftTrees.errors)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+class ProtocolError(Exception):
+    """Breaks the stream, not one session: the call ends with INVALID_ARGUMENT."""
+
+
+@dataclass
+class DraftStream:
+    number: int
+    client_id: str
+    regions: dict[int, SharedRegion]
+    drafter: Drafter
+    feature_dim: int  # num_taps * target hidden size
+    sessions: dict[str, int] = field(default_factory=dict)  # sid -> next expected context position
+    faults: dict[str, SessionFault] = field(default_factory=dict)  # from `context` messages, told at the next step
+
+    def key(self, sid: str) -> str:
+        return f"{self.number}/{sid}"
+
+    # --- lifecycle -----------------------------------------------------------------------------------
+    def forget(self, sid: str) -> None:
+        self.sessions.pop(sid, None)
+        self.drafter.release(self.key(sid))
+
+    def release(self, sids: list[str]) -> None:
+        for sid in sids:
+            self.forget(sid)
+
+    def close(self) -> None:
+        for sid in list(self.sessions):
+            self.forget(sid)
+        for r in self.regions.values():
+            r.close()
+
+    def _reserve(self, sid: str) -> str:
+        key = self.key(sid)
+        if key not in self.drafter.cache:
+            try:
+                self.drafter.cache.row(key)
+            except RuntimeError as e:
+                raise SessionFault(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
+        return key
+
+    # --- checks --------------------------------------------------------------------------------------
+    def _check_rows(self, sid: str, start: int, feats: torch.Tensor) -> None:
+        """n >= 1 context rows: the model's feature width, in range, continuing the stream's rows."""
+        n, F = feats.shape
+        if F != self.feature_dim or not feats.dtype.is_floating_point:
+            raise SessionFault(BAD, f"ctx_features must be floating [n, {self.feature_dim}] (taps of layers "
+                                    f"{list(self.drafter.cfg.target_layer_ids)}), got {feats.dtype} "
+                                    f"{list(feats.shape)}")
+        if start < 0 or start + n > MAX_POSITION:
+            raise SessionFault(BAD, f"context rows [{start}, {start + n}) are out of range")
+        expected = self.sessions.get(sid)
+        if expected is not None and start != expected:
+            raise SessionFault(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"context gap: this stream holds rows up to {expected}, got rows from {start}; "
+                               "send the session's context again as a new session")
+
+    @staticmethod
+    def _check_id(sid: str) -> None:
+        if not 0 < len(sid) <= MAX_SESSION_ID:
+            raise SessionFault(BAD, f"session id must have 1..{MAX_SESSION_ID} characters")
+
+    def _request(self, m: drafter_pb2.SessionDraftRequest, seen: set[str]) -> DraftRequest:
+        """One session's step request -> DraftRequest keyed for this stream, or SessionFault."""
+        sid = m.session_id
+        self._check_id(sid)
+        if sid in seen:
+            raise SessionFault(BAD, "the session appears twice in one step")
+        seen.add(sid)
+        if sid in self.faults:  # its context rows, sent ahead, were refused
+            raise self.faults.pop(sid)
+        V = self.drafter.cfg.vocab_size
+        if not 1 <= m.budget <= MAX_BUDGET:
+            raise SessionFault(BAD, f"budget {m.budget} is outside 1..{MAX_BUDGET}")
+        if m.topk < 1:
+            raise SessionFault(BAD, "topk must be >= 1")
+        if not 0 <= m.root_token < V:
+            raise SessionFault(BAD, f"root token {m.root_token} is outside the vocabulary [0, {V})")
+        if not 0 <= m.root_pos < MAX_POSITION:
+            raise SessionFault(BAD, f"root position {m.root_pos} is outside [0, 2**31)")
+        try:
+            r = draft_request_from_pb(m, self.regions, copy=False)
+        except WireError as e:
+            raise SessionFault(BAD, str(e)) from None
+        n = r.ctx_features.shape[0]
+        expected = self.sessions.get(sid)
+        if n:
+            self._check_rows(sid, r.ctx_start, r.ctx_features)
+            if r.ctx_start + n != r.root_pos:
+                raise SessionFault(BAD, f"context rows [{r.ctx_start}, {r.ctx_start + n}) must end right before "
+                                        f"the root position {r.root_pos}")
+        elif expected is not None and r.root_pos != expected:
+            raise SessionFault(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"root position {r.root_pos} moved past the context ({expected}) without new rows")
+        return DraftRequest(self._reserve(sid), r.ctx_start, r.ctx_features, r.root_token, r.root_pos, r.budget,
+                            r.topk)
+
+    # --- messages ------------------------------------------------------------------------------------
+    def context(self, m: drafter_pb2.SessionContext) -> None:
+        """Rows sent ahead of a step; a problem is kept and told at the session's next step."""
+        sid = m.session_id
+        try:
+            self._check_id(sid)
+            try:
+                feats = tensor_from_pb(m.ctx_features, f"session {sid!r}: ctx_features", self.regions, copy=False)
+            except WireError as e:
+                raise SessionFault(BAD, str(e)) from None
+            if feats.dim() != 2 or feats.shape[0] == 0:
+                raise SessionFault(BAD, "a context message needs rows [n >= 1, features]")
+            self._check_rows(sid, m.ctx_start, feats)
+            self.drafter.add_context(self._reserve(sid), m.ctx_start, feats)
+            self.sessions[sid] = m.ctx_start + feats.shape[0]
+        except SessionFault as f:
+            self.forget(sid)
+            self.faults[sid] = f
+
+    @torch.no_grad()
+    def step(self, step: drafter_pb2.DraftStep) -> drafter_pb2.DraftTrees:
+        """Check every session's request, draft the valid ones in one batch, answer all of them."""
+        arena = None
+        if step.HasField("response_region_id"):
+            region = self.regions.get(step.response_region_id)
+            if region is None:
+                raise ProtocolError(f"step {step.step_id}: unknown response region {step.response_region_id}")
+            arena = RegionArena(region)
+        reqs, ids, errors, seen = [], [], [], set()
+        for m in step.sessions:
+            try:
+                reqs.append(self._request(m, seen))
+                ids.append(m.session_id)
+            except SessionFault as f:
+                errors.append(drafter_pb2.SessionError(session_id=m.session_id, code=f.code.value[0],
+                                                       message=f.message))
+                if m.session_id not in ids:
+                    self.forget(m.session_id)
+        trees = None
+        if reqs:
+            try:
+                trees = self.drafter.draft(reqs)
+            except Exception as e:  # noqa: BLE001 - a model failure fails this step's sessions, not the server
+                log.exception("stream %d: draft step %d failed", self.number, step.step_id)
+                for sid in ids:
+                    errors.append(drafter_pb2.SessionError(session_id=sid, code=grpc.StatusCode.INTERNAL.value[0],
+                                                           message=f"drafting failed: {e!r}"))
+                    self.forget(sid)
+                ids = []
+            else:
+                for sid, r in zip(ids, reqs):
+                    self.sessions[sid] = r.root_pos  # the root's tap arrives next
+        if trees is None:
+            z = torch.empty(0, 1, dtype=torch.int32)
+            trees = TreeBatch(z, z, z, z, z, torch.empty(0, 1), [])
+        msg = trees_to_pb(trees, ids, step.step_id, arena)
+        msg.errors.extend(errors)
+        return msg

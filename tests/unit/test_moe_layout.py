@@ -1,0 +1,22 @@
+"""The MoE block gives the same output before and after the one-time repack into the GPU kernel layout
+(on CPU the launcher unrepacks for the reference, so this checks the round trip through the model)."""
+
+from __future__ import annotations
+
+import torch
+
+from verifier_service.moe import MoE
+
+
+def test_repack_for_gpu_keeps_outputs(tiny_target64):
+    moe = next(m for m in tiny_target64.modules() if isinstance(m, MoE))
+    x = torch.randn(7, tiny_target64.cfg.hidden_size, dtype=torch.float64)
+    before = moe(x)
+    saved = [t.clone() for t in (moe.w13_packed, moe.w13_scale, moe.w2_packed, moe.w2_scale)]
+    try:
+        moe.repack_for_gpu()
+        assert moe.layout == "gpu" and moe.w13_packed.shape != saved[0].shape
+        assert torch.equal(moe(x), before)
+    finally:  # the fixture is shared: restore the checkpoint layout
+        moe.w13_packed, moe.w13_scale, moe.w2_packed, moe.w2_scale = saved
+        moe.layout = "checkpoint"
