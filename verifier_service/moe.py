@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.int4_moe import int4_moe, moe_dense_ref, repack_int4_moe_for_gpu
+from kernels.int4_moe import int4_moe, moe_dense_ref, repack_int4_moe_for_gpu, unrepack_int4_moe
+from kernels.int4_pack import dequantize_int4
 from verifier_service.config import KimiConfig
 
 
@@ -88,12 +89,27 @@ class MoE(nn.Module):
         self.w13_packed, self.w13_scale, self.w2_packed, self.w2_scale = w13, s13, w2, s2
         self.layout = "gpu"
 
+    def _dequantized(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """CPU path: the reference dequant of every expert, done once per weights version and dtype."""
+        acc = torch.promote_types(dtype, torch.float32)
+        key = (self.w13_packed.data_ptr(), self.w13_packed._version, self.w2_scale._version, self.layout, acc)
+        cache = getattr(self, "_dense_cache", None)
+        if cache is None or cache[0] != key:
+            w13p, s13, w2p, s2 = self.w13_packed, self.w13_scale, self.w2_packed, self.w2_scale
+            if self.layout == "gpu":
+                w13p, s13, w2p, s2 = unrepack_int4_moe(w13p, s13, w2p, s2, self.w2_packed.shape[1])
+            cache = (key, dequantize_int4(w13p, s13, acc), dequantize_int4(w2p, s2, acc))
+            self._dense_cache = cache
+        return cache[1], cache[2]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if len(self.expert_ids) != self.gate.cfg.n_routed_experts:
             raise NotImplementedError("MoE holds an expert-parallel slice of the experts; the expert-parallel "
                                       "forward (all-to-all / all-reduce) is not implemented yet")
         ids, w = self.gate(x)
-        if self.quantized:
+        if self.quantized and not x.is_cuda:
+            y = moe_dense_ref(x, ids, w, *self._dequantized(x.dtype))  # CPU: the reference on cached weights
+        elif self.quantized:
             y = int4_moe(x, ids, w, self.w13_packed, self.w13_scale, self.w2_packed, self.w2_scale,
                          layout=self.layout)
         else:

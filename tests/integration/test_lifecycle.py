@@ -27,7 +27,6 @@ from tests.integration.harness import (
     verifier_argv,
     verifier_info,
     verifier_stub,
-    wait_until,
 )
 
 pytestmark = pytest.mark.integration
@@ -74,10 +73,13 @@ def test_sigterm_drains_the_verifier(pair, reference):
         addr = v.wait_for("serving")
         with channel(addr) as ch:
             stub = verifier_stub(ch)
+            watch = health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(service=""), timeout=60)
+            assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
             call = stub.Generate(request("drain", PROMPT, new, 16), timeout=60)
             head = [next(call), next(call)]
             v.signal(signal.SIGTERM)
-            wait_until(lambda: health(addr) == health_pb2.HealthCheckResponse.NOT_SERVING, what="NOT_SERVING")
+            assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING  # pushed to watchers
+            watch.cancel()  # an open Watch would hold the drain for the whole grace period
             with pytest.raises(grpc.RpcError) as e:
                 generate(stub, request("late", PROMPT, 4, 0), timeout=10)
             assert e.value.code() == grpc.StatusCode.UNAVAILABLE

@@ -109,3 +109,23 @@ def test_non_persistent_session_frees_kv_when_done(tiny_target64):
     assert s.row == -1 and eng.kv.used_pages == 0
     with pytest.raises(ValueError, match="does not hold"):
         eng.extend("a", T2, DecodeParams(max_new_tokens=3, budget=0))
+
+
+def test_extend_with_a_seed_equals_one_shot_sampling(tiny_target64):
+    """Sampling noise is keyed by (seed, position): a continued turn samples exactly what a one-shot
+    generation of the concatenated prompt samples with the same seed."""
+    from verifier_service.sampling_params import SamplingParams
+
+    def params(n):
+        return DecodeParams(max_new_tokens=n, budget=0, sampling=SamplingParams(temperature=0.9, top_k=50, seed=5))
+
+    eng = Engine(tiny_target64, None, (), CFG)
+    s = eng.add(P1, params(N1), sid="a", persistent=True)
+    eng.run_until_done()
+    o1 = list(s.output)
+    eng.extend("a", T2, params(N2))
+    eng.run_until_done()
+    one = Engine(tiny_target64, None, (), CFG).generate([P1 + o1 + T2], params(N2))[0].output
+    assert s.output == one
+    greedy = one_shot(tiny_target64, P1 + o1 + T2, N2)
+    assert one != greedy  # the test would prove nothing if sampling fell back to argmax

@@ -1,0 +1,170 @@
+"""Batch-invariant GEMMs (DESIGN 3.5): y = x @ W^T, and its per-head batched form for absorbed MLA.
+
+A row's result must not depend on how many rows share the launch, so that a token computed alone
+(an AR step: 1 row) and inside a tree batch (many rows) gets the same bits. cuBLAS picks kernels,
+tile shapes and split-K by M; here nothing depends on M:
+  - one fixed tile config per operand dtype (`CONFIGS`: BLOCK_M/BLOCK_N/BLOCK_K, warps, stages),
+  - no split-K: one program owns a whole [BLOCK_M, BLOCK_N] output tile and walks K from 0 in
+    steps of BLOCK_K, accumulating in fp32 with `tl.dot` (acc += a @ b, the same order every time),
+  - M is not specialised by the compiler (`do_not_specialize`), so M = 1 runs the same machine code,
+  - rows past M are masked to zero; they never touch another row's accumulator.
+So a row's reduction order depends only on K and the dtype. Trailing zero padding of K is neutral
+(whole extra K tiles add exact zeros), which `verifier_service.aligned_attention` relies on.
+
+Launchers (check shapes, dtypes, devices; Triton on CUDA, the torch reference elsewhere):
+  matmul(x [M, K], w [N, K])              -> [M, N]       (nn.Linear without bias, lm_head, router)
+  head_matmul(x [T, H, K], w [H, N, K])   -> [T, H, N]    y[t, h] = w[h] @ x[t, h]; the absorbed MLA
+      products are head_matmul(q_nope, w_uk.transpose(1, 2)) and head_matmul(o_lat, w_uv)
+  batched_matmul(x [B, M, K], w [B, N, K]) -> [B, M, N]   any strides
+fp32 operands use IEEE fp32 products (`input_precision="ieee"`, no TF32); bf16/fp16 products are
+exact in fp32, so `out_dtype=torch.float32` on 16-bit operands equals an fp32 GEMM up to order.
+Grid: (M tiles, N tiles, batch); M tiles vary fastest so the programs reading one W tile run
+together and W streams from HBM about once (x is small at decode/verify sizes and stays in L2).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# dtype of x/w -> (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). Fixed for every M: changing
+# BLOCK_K, the warps or the MMA shape can change the bits, so a deployment keeps these constant.
+CONFIGS = {
+    torch.bfloat16: (64, 64, 64, 4, 4),
+    torch.float16: (64, 64, 64, 4, 4),
+    torch.float32: (64, 64, 32, 4, 3),
+}
+
+
+@triton.jit(do_not_specialize=["M"])
+def _matmul_kernel(
+    x_ptr,  # [B, M, K]
+    w_ptr,  # [B, N, K]
+    y_ptr,  # out: [B, M, N]
+    M, N, K,
+    stride_xb, stride_xm, stride_xk,
+    stride_wb, stride_wn, stride_wk,
+    stride_yb, stride_ym, stride_yn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    x_rows = x_ptr + b * stride_xb + offs_m.to(tl.int64)[:, None] * stride_xm  # [BLOCK_M, 1]
+    w_rows = w_ptr + b * stride_wb + offs_n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):  # fixed order over K, no split
+        kk = k0 + offs_k
+        k_ok = kk < K
+        a = tl.load(x_rows + kk[None, :] * stride_xk, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_rows + kk[None, :] * stride_wk, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc = tl.dot(a, tl.trans(w), acc, input_precision=PREC)
+    y_ptrs = y_ptr + b * stride_yb + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :] * stride_yn
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+# --- torch references ------------------------------------------------------------------------------
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+def matmul_ref(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [M, K], w [N, K] -> x @ w^T [M, N], products and sums in at least fp32, one final rounding."""
+    acc = _acc(x.dtype)
+    return (x.to(acc) @ w.to(acc).T).to(out_dtype or x.dtype)
+
+
+def head_matmul_ref(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [T, H, K], w [H, N, K] -> [T, H, N]."""
+    acc = _acc(x.dtype)
+    return torch.einsum("thk,hnk->thn", x.to(acc), w.to(acc)).to(out_dtype or x.dtype)
+
+
+def batched_matmul_ref(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [B, M, K], w [B, N, K] -> [B, M, N]."""
+    acc = _acc(x.dtype)
+    return torch.bmm(x.to(acc), w.to(acc).transpose(1, 2)).to(out_dtype or x.dtype)
+
+
+# --- launchers -------------------------------------------------------------------------------------
+def _check(name: str, x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None) -> torch.dtype:
+    if x.dtype != w.dtype:
+        raise ValueError(f"{name}: x is {x.dtype} but w is {w.dtype} (cast one first)")
+    if x.device != w.device:
+        raise ValueError(f"{name}: x on {x.device}, w on {w.device}")
+    out_dtype = out_dtype or x.dtype
+    if x.is_cuda and (x.dtype not in CONFIGS or out_dtype not in CONFIGS):
+        raise ValueError(f"{name}: CUDA path supports {sorted(map(str, CONFIGS))}, got {x.dtype} -> {out_dtype}")
+    return out_dtype
+
+
+def batched_matmul_triton(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """The Triton path on any device (tests call it on CPU under TRITON_INTERPRET=1).
+
+    x [B, M, K], w [B, N, K], out [B, M, N] (written in place): any strides, including views such as
+    a head slice of [T, H, K] or a transposed weight."""
+    B, M, K = x.shape
+    N = w.shape[1]
+    if w.shape != (B, N, K) or out.shape != (B, M, N):
+        raise ValueError(f"batched_matmul: x {tuple(x.shape)}, w {tuple(w.shape)}, out {tuple(out.shape)} "
+                         "do not agree")
+    if x.dtype not in CONFIGS or w.dtype != x.dtype or out.dtype not in CONFIGS:
+        raise ValueError(f"batched_matmul: unsupported dtypes x {x.dtype}, w {w.dtype}, out {out.dtype}")
+    if B == 0 or M == 0 or N == 0:
+        return out
+    if K == 0:
+        return out.zero_()
+    block_m, block_n, block_k, warps, stages = CONFIGS[x.dtype]
+    grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n), B)
+    if grid[1] > 65535 or B > 65535:
+        raise ValueError(f"batched_matmul: N = {N} or B = {B} too large for one launch")
+    _matmul_kernel[grid](
+        x, w, out, M, N, K,
+        x.stride(0), x.stride(1), x.stride(2), w.stride(0), w.stride(1), w.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        PREC="ieee" if x.dtype == torch.float32 else "tf32",  # tf32 is ignored for 16-bit operands
+        num_warps=warps, num_stages=stages)
+    return out
+
+
+def matmul(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [M, K] @ w[N, K]^T -> [M, N] in out_dtype (default x.dtype). Batch invariant on CUDA."""
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"matmul: x {tuple(x.shape)} and w {tuple(w.shape)} must be [M, K] and [N, K]")
+    out_dtype = _check("matmul", x, w, out_dtype)
+    if not x.is_cuda:
+        return matmul_ref(x, w, out_dtype)
+    out = torch.empty(x.shape[0], w.shape[0], dtype=out_dtype, device=x.device)
+    batched_matmul_triton(x[None], w[None], out[None])
+    return out
+
+
+def head_matmul(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [T, H, K], w [H, N, K] -> y [T, H, N], y[t, h] = w[h] @ x[t, h]. Batch invariant in T on CUDA."""
+    if x.dim() != 3 or w.dim() != 3 or x.shape[1] != w.shape[0] or x.shape[2] != w.shape[2]:
+        raise ValueError(f"head_matmul: x {tuple(x.shape)} and w {tuple(w.shape)} must be [T, H, K] and [H, N, K]")
+    out_dtype = _check("head_matmul", x, w, out_dtype)
+    if not x.is_cuda:
+        return head_matmul_ref(x, w, out_dtype)
+    out = torch.empty(x.shape[0], x.shape[1], w.shape[1], dtype=out_dtype, device=x.device)  # [T, H, N]
+    batched_matmul_triton(x.transpose(0, 1), w, out.transpose(0, 1))  # batch over heads: [H, T, *]
+    return out
+
+
+def batched_matmul(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [B, M, K], w [B, N, K] -> [B, M, N]. Batch invariant in M (and in B) on CUDA."""
+    if x.dim() != 3 or w.dim() != 3 or x.shape[0] != w.shape[0] or x.shape[2] != w.shape[2]:
+        raise ValueError(f"batched_matmul: x {tuple(x.shape)} and w {tuple(w.shape)} must be [B, M, K] and "
+                         "[B, N, K]")
+    out_dtype = _check("batched_matmul", x, w, out_dtype)
+    if not x.is_cuda:
+        return batched_matmul_ref(x, w, out_dtype)
+    out = torch.empty(x.shape[0], x.shape[1], w.shape[1], dtype=out_dtype, device=x.device)
+    return batched_matmul_triton(x, w, out)
