@@ -33,6 +33,7 @@ from gateway.state import GatewayState
 from gateway.turns import TurnInput, TurnPlan, TurnPlanner, require_input
 from gateway.verifier_client import VerifierTurn
 from telemetry import tracing
+from telemetry.metrics import STATUSES
 
 log = logging.getLogger(__name__)
 
@@ -99,10 +100,9 @@ class GatewayCore:
         start = time.perf_counter()
         deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
         tracer = tracing.get_tracer(self.tracer_provider)
-        span = tracer.start_span(f"{req.operation} {st.model_name}", context=trace_context,
-                                      kind=trace.SpanKind.SERVER, attributes={
-                                          tracing.GEN_AI_OPERATION_NAME: req.operation,
-                                          tracing.GEN_AI_REQUEST_MODEL: st.model_name})
+        attrs = {tracing.GEN_AI_OPERATION_NAME: req.operation, tracing.GEN_AI_REQUEST_MODEL: st.model_name}
+        span = tracer.start_span(f"{req.operation} {st.model_name}", context=trace_context, kind=trace.SpanKind.SERVER,
+                                 attributes=attrs)
         status = "unknown"
         session: Session | None = None
         try:
@@ -149,7 +149,7 @@ class GatewayCore:
         finally:
             if session is not None:
                 st.sessions.end_turn(session)
-            st.metrics.record_request(status if status in _STATUSES else "unknown")
+            st.metrics.record_request(status if status in STATUSES else "unknown")
             span.end()
 
     # --- planning ---------------------------------------------------------------------------------
@@ -293,9 +293,3 @@ def _trace_request(span, params: ResolvedParams, session_id: str | None) -> None
              tracing.DDTREE_BUDGET: params.draft_budget}
     span.set_attributes({k: v for k, v in attrs.items() if v is not None})
 
-
-_STATUSES = frozenset({
-    "ok", "cancelled", "unknown", "invalid_argument", "deadline_exceeded", "not_found", "already_exists",
-    "permission_denied", "resource_exhausted", "failed_precondition", "aborted", "out_of_range",
-    "unimplemented", "internal", "unavailable", "data_loss", "unauthenticated",
-})

@@ -12,6 +12,7 @@ the verifier call and frees the KV.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from contextlib import aclosing
@@ -61,6 +62,11 @@ class OpenAIRoutes:
                 raise
             return _error(GatewayError({404: "NOT_FOUND", 405: "UNIMPLEMENTED"}.get(e.status, "INVALID_ARGUMENT"),
                                        f"{request.method} {request.path}: {e.reason}"))
+        except (ConnectionError, asyncio.CancelledError):
+            raise  # the client went away: nothing to answer
+        except Exception as e:  # noqa: BLE001 - a bug must still answer in the API's error shape
+            log.exception("HTTP %s %s failed", request.method, request.path)
+            return _error(GatewayError("INTERNAL", f"internal error: {e!r}"))
 
     async def _body(self, request: web.Request) -> dict:
         try:

@@ -100,7 +100,7 @@ def completion_request(body: dict) -> TurnRequest:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
-        inp = TurnInput(text=prompt, add_special_tokens=True)
+        inp = TurnInput(text=prompt)
     elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         inp = TurnInput(token_ids=tuple(prompt), ids_field="prompt")
     elif prompt is None:

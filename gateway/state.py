@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import weakref
 from dataclasses import dataclass
 
 from prometheus_client import Gauge
@@ -120,12 +121,12 @@ class GatewayState:
         self.sessions_gauge.set(len(self.sessions))
 
 
+_GAUGES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # registry -> {name: Gauge}
+
+
 def _gauge(metrics: Metrics, name: str, doc: str) -> Gauge:
-    """A gateway-only gauge on the process registry (created once per registry)."""
-    existing = getattr(metrics, "_gateway_gauges", None)
-    if existing is None:
-        existing = {}
-        metrics._gateway_gauges = existing
-    if name not in existing:
-        existing[name] = Gauge(name, doc, registry=metrics.registry)
-    return existing[name]
+    """A gateway-only gauge on the metrics' registry (registered once per registry)."""
+    gauges = _GAUGES.setdefault(metrics.registry, {})
+    if name not in gauges:
+        gauges[name] = Gauge(name, doc, registry=metrics.registry)
+    return gauges[name]

@@ -37,7 +37,8 @@ class TextTokenizer(Protocol):
     eos_token: str | None
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """Token ids of `text`; special-token strings in it become their ids."""
+        """Token ids of `text`; special-token strings in it become their ids. `add_special_tokens`: what
+        transformers' `tokenizer(text)` adds around a text (a BOS for some Hugging Face tokenizers)."""
         ...
 
     def token_bytes(self, token_id: int) -> bytes:
@@ -95,9 +96,9 @@ class TiktokenTextTokenizer:
             [*(i for i in [self.special_id(self.eos_token)] if i is not None), *generation_config_eos(files.folder)]))
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """`add_special_tokens` adds nothing: Kimi's tokenizer puts no BOS in front of a text (its chat
+        template writes every marker itself)."""
         out: list[int] = []
-        if add_special_tokens and self.bos_token is not None and self.special_id(self.bos_token) is not None:
-            out.append(self.special_id(self.bos_token))
         if self._special_re is None:
             return out + self.base.encode(text)
         at = 0

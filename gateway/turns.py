@@ -26,7 +26,7 @@ class TurnInput:
     text: str | None = None
     token_ids: tuple[int, ...] | None = None
     messages: tuple[Message, ...] | None = None
-    add_special_tokens: bool = False  # completions through a Hugging Face tokenizer add BOS like transformers
+    add_special_tokens: bool = True  # text as transformers' tokenizer(text) encodes it (not inside a session)
     ids_field: str = "token_ids"  # how the surface names token ids in errors ("prompt" for OpenAI completions)
 
     @property
@@ -110,6 +110,8 @@ class TurnPlanner:
             else:
                 new = self._render(new_msgs)
                 messages_after = new_msgs if not history else None
+        elif history and inp.text is not None:
+            new = self._encode(inp.text)  # mid-conversation: nothing (no BOS) is added around the text
         else:
             new = self.tokens(inp)
         context = history + new

@@ -6,8 +6,9 @@ drafter attaches to them. Each step then moves only a small control message: ten
 in a region by a `RegionArena` (a bump allocator reset every message) and the message carries
 `RegionSlice {region_id, offset}`.
 
-- CPU: a file in /dev/shm (created 0600, mapped MAP_SHARED through `torch.from_file`); the owner
-  unlinks it when the stream ends, so nothing outlives the connection.
+- CPU: a file in /dev/shm (created 0600, mapped MAP_SHARED through `torch.from_file`). The owner
+  unlinks it as soon as the peer has mapped it (both mappings stay valid), so nothing is left in
+  /dev/shm even when a process is killed.
 - CUDA: one device allocation shared through CUDA IPC (`cudaIpcGetMemHandle`, via
   torch.multiprocessing's reductions); the handle's fields travel as explicit proto fields, never
   pickled. Writers synchronise their stream before the control message leaves, so the reader
@@ -141,13 +142,17 @@ class SharedRegion:
                              f"of {self.nbytes} bytes")
         return self.buf[offset : offset + nbytes]
 
-    def close(self) -> None:
-        """Drop the mapping; the owner also removes the file (mappings elsewhere stay valid)."""
+    def unlink(self) -> None:
+        """Owner: remove the file once the peer has mapped it; every existing mapping stays valid."""
         if self.owner and self.path is not None:
             try:
                 self.path.unlink()
             except FileNotFoundError:
                 pass
+
+    def close(self) -> None:
+        """Drop this mapping (the owner also removes the file if it still exists)."""
+        self.unlink()
         self.buf = torch.empty(0, dtype=torch.uint8)
 
 

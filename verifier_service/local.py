@@ -9,6 +9,7 @@ import torch
 from drafter_service.checkpoint import check_pair, load_drafter
 from drafter_service.config import DFlashConfig
 from drafter_service.drafter import Drafter
+from verifier_service.batch_invariant import make_batch_invariant
 from verifier_service.checkpoint import load_target
 from verifier_service.config import KimiConfig
 from verifier_service.engine import Engine, EngineConfig
@@ -29,8 +30,11 @@ def check_block_size(drafter_cfg: DFlashConfig, block_size: int | None) -> None:
 
 def build_local_engine(target_dir: str | Path, drafter_dir: str | Path | None, dtype: torch.dtype | None = None,
                        device: str | None = None, engine_cfg: EngineConfig | None = None,
-                       block_size: int | None = None) -> Engine:
-    """Validate both configs (no weights touched), then load and wire the pair."""
+                       block_size: int | None = None, batch_invariant: bool = True) -> Engine:
+    """Validate both configs (no weights touched), then load and wire the pair.
+
+    batch_invariant: on CUDA, swap the target's GEMMs for batch-invariant kernels
+    (`verifier_service.batch_invariant`) so greedy DDTree matches AR; False keeps cuBLAS."""
     device = device or default_device()
     dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
     tcfg = KimiConfig.from_file(target_dir)
@@ -41,6 +45,8 @@ def build_local_engine(target_dir: str | Path, drafter_dir: str | Path | None, d
         check_block_size(dcfg, block_size)
         check_pair(dcfg, tcfg)
     target = load_target(target_dir, dtype, device, tcfg)
+    if batch_invariant and str(device).startswith("cuda") and dtype != torch.float64:
+        make_batch_invariant(target)
     if drafter_dir is not None:
         dmodel = load_drafter(drafter_dir, tcfg, dtype, device)
         cfg = engine_cfg or EngineConfig()

@@ -33,6 +33,18 @@ class MLAAttention(nn.Module):
         self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, H * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
         self.o_proj = nn.Linear(H * cfg.v_head_dim, D, bias=False)
 
+    # The head-batched products and the attention are attributes, so that a transform
+    # (verifier_service.batch_invariant) can swap their kernels without touching the math here.
+    attention = staticmethod(mla_attention)
+
+    @staticmethod
+    def absorb_uk(q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
+        return torch.einsum("thn,hnl->thl", q_nope, w_uk)  # [T, H, nope] x [H, nope, Dl] -> [T, H, Dl]
+
+    @staticmethod
+    def apply_uv(o_lat: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+        return torch.einsum("thl,hvl->thv", o_lat, w_uv)  # [T, H, Dl] x [H, v, Dl] -> [T, H, v]
+
     def _w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.cfg
         w = self.kv_b_proj.weight.view(c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
@@ -56,8 +68,8 @@ class MLAAttention(nn.Module):
         kv_layer[fb.write_slots] = torch.cat((c_kv, k_pe), dim=-1).to(kv_layer.dtype)
 
         w_uk, w_uv = self._w_uk_uv()
-        q_lat = torch.einsum("thn,hnl->thl", q_nope, w_uk)  # absorb W_UK: [T, H, Dl]
-        o_lat = mla_attention(q_lat, q_pe.contiguous(), kv_layer, fb.block_table, fb.page_size, fb.cu_q,
-                              fb.prefix_lens, fb.tree_bits, c.softmax_scale)
-        o = torch.einsum("thl,hvl->thv", o_lat, w_uv)  # apply W_UV: [T, H, v]
+        q_lat = self.absorb_uk(q_nope, w_uk)  # absorb W_UK: [T, H, Dl]
+        o_lat = self.attention(q_lat, q_pe.contiguous(), kv_layer, fb.block_table, fb.page_size, fb.cu_q,
+                               fb.prefix_lens, fb.tree_bits, c.softmax_scale)
+        o = self.apply_uv(o_lat, w_uv)  # apply W_UV: [T, H, v]
         return self.o_proj(o.reshape(T, -1))

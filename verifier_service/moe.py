@@ -38,11 +38,16 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size))
         self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
 
+    def score_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, D] -> router logits [T, E] in at least fp32 (a method: `batch_invariant` swaps the GEMM)."""
+        acc = torch.promote_types(x.dtype, torch.float32)
+        return x.to(acc) @ self.weight.to(acc).T
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, D] -> (topk_ids [T, k] int64, topk_w [T, k] fp32)."""
         c = self.cfg
         acc = torch.promote_types(x.dtype, torch.float32)
-        scores = torch.sigmoid(x.to(acc) @ self.weight.to(acc).T)  # [T, E]
+        scores = torch.sigmoid(self.score_logits(x))  # [T, E]
         choice = scores + self.e_score_correction_bias.to(acc)
         if c.n_group > 1:
             T = x.shape[0]

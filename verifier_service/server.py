@@ -158,6 +158,7 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
 # --- loading -----------------------------------------------------------------------------------------
 def build_engine(cfg: VerifierServerConfig, stop: threading.Event) -> Loaded:
     """Load the target, wire the drafter through the configured transport, warm up; blocking."""
+    from verifier_service.batch_invariant import make_batch_invariant
     from verifier_service.checkpoint import load_target
     from verifier_service.config import KimiConfig
     from verifier_service.local import DTYPES, build_local_engine, default_device
@@ -183,6 +184,8 @@ def build_engine(cfg: VerifierServerConfig, stop: threading.Event) -> Loaded:
         client.start()  # connects in the background while the target loads
         try:
             target = load_target(cfg.target_dir, dtype, device, tcfg)
+            if device.startswith("cuda") and dtype != torch.float64:
+                make_batch_invariant(target)  # as build_local_engine does: greedy DDTree == AR
             log.info("target loaded; waiting for the drafter at %s", cfg.drafter_address)
             model = client.wait_ready(stop)
             check_drafter_pair(model, tcfg)

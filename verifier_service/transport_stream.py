@@ -170,6 +170,9 @@ class DraftStreamClient:
                 delay = min(2 * delay, self.cfg.retry_max_s)
                 continue
             with self._lock:
+                if self._closed.is_set():  # close() ran while this stream was opening
+                    stream.close()
+                    break
                 self._stream = stream
             if self._ready.is_set():
                 self.stats["reconnects"] += 1
@@ -191,6 +194,8 @@ class DraftStreamClient:
             resp = stream.recv(self.cfg.connect_timeout_s)
             if resp.WhichOneof("kind") != "opened":
                 raise StreamBroken(f"the drafter answered open with {resp.WhichOneof('kind')}")
+            for r in regions.values():
+                r.unlink()  # the drafter has mapped them: nothing may outlive the two processes
             model = DrafterModel.from_pb(resp.opened)
             if self.model is not None and not self.model.same_shape(model):
                 raise StreamBroken(f"the drafter changed: was {self.model}, now {model}; refusing it")

@@ -60,11 +60,12 @@ class Child:
         self.proc: asyncio.subprocess.Process | None = None
         self.events: dict[str, dict] = {}
         self._changed = asyncio.Event()
+        self._reader: asyncio.Task | None = None
 
     async def start(self) -> None:
         self.proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "gateway.cli", *self.argv,
                                                          stdout=asyncio.subprocess.PIPE)
-        asyncio.ensure_future(self._read())
+        self._reader = asyncio.ensure_future(self._read())
 
     async def _read(self) -> None:
         async for line in self.proc.stdout:

@@ -74,6 +74,7 @@ def gateway_argv(verifier: str, tokenizer, *extra: str) -> list[str]:
 
 
 def start_gateway(name: str, verifier: str, tokenizer, *extra: str, api_key: str | None = None) -> Gateway:
+    """One more gateway for a running verifier; waits until it serves. The caller stops `.service`."""
     with environment(DDTREE_API_KEY=api_key):
         svc = Service(name, gateway_argv(verifier, tokenizer, *extra))
     try:

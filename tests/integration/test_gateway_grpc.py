@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import subprocess
 import sys
 import threading
@@ -22,7 +23,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from gateway.client import AsyncGatewayClient, GatewayClient, GatewayError
 from gateway.text_tokenizer import decode, load_text_tokenizer
-from tests.integration.gateway_stack import sampled_reference, start_stack
+from tests.integration.gateway_stack import sampled_reference, start_gateway, start_stack
 from tests.integration.harness import REPO, channel, drafter_info, verifier_info, wait_until
 
 pytestmark = pytest.mark.integration
@@ -317,3 +318,31 @@ def test_generate_cli_goes_through_the_gateway(stack, reference):
     r = json.loads(out.stdout)
     assert r["mode"] == "server" and r["tokens"] == reference([PROMPTS[0]], 12)[0]
     assert r["finish_reason"] == "length" and r["steps"] == len(r["accepted_per_step"])
+
+
+def test_sigterm_drains_in_flight_streams_and_refuses_new_ones(stack, pair, reference):
+    gw = start_gateway("gateway-drain", stack.verifier, pair[0])
+    try:
+        with GatewayClient(gw.grpc) as c:
+            it = iter(c.stream(token_ids=PROMPTS[2], max_tokens=100, ignore_eos=True, draft_budget=0, timeout=60))
+            first = next(it)
+            gw.service.signal(signal.SIGTERM)
+            wait_until(lambda: _health(gw.grpc) != health_pb2.HealthCheckResponse.SERVING, what="NOT_SERVING")
+            with pytest.raises(GatewayError) as e:
+                c.generate(token_ids=[1], max_tokens=1, timeout=10)
+            assert e.value.code == grpc.StatusCode.UNAVAILABLE
+            tokens = first.token_ids + [t for chunk in it for t in chunk.token_ids]
+        assert tokens == reference([PROMPTS[2]], 100)[0]  # the running stream finished within the grace period
+        assert gw.service.wait_exit(30) == 0 and "stopped" in gw.service.seen
+    finally:
+        gw.service.stop()
+    stack.wait_idle()
+
+
+def _health(address: str) -> int:
+    try:
+        with channel(address) as ch:
+            return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="ddtree.v1.Gateway"),
+                                                        timeout=2).status
+    except grpc.RpcError:
+        return -1

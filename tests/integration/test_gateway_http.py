@@ -28,7 +28,7 @@ KEY = "http-s3cret"
 
 @pytest.fixture(scope="module")
 def stack(pair):
-    with start_stack(pair, {"main": ([], None),
+    with start_stack(pair, {"main": (["--metrics-listen", "127.0.0.1:0"], None),
                             "guarded": (["--max-concurrency", "1", "--max-queue", "1"], KEY)}) as s:
         yield s
 
@@ -197,3 +197,5 @@ def test_health_metrics_and_models(stack, client):
     assert float(samples['ddtree_requests_total{status="invalid_argument"}']) >= 1
     assert float(samples["ddtree_time_to_first_token_seconds_count"]) >= 1
     assert float(samples["ddtree_generated_tokens_total"]) > 0
+    separate = stack.gateways["main"].service.seen["metrics_listening"]["address"]  # --metrics-listen
+    assert 'ddtree_requests_total{status="ok"}' in http("GET", f"http://{separate}/metrics")[1]

@@ -80,10 +80,12 @@ class FakeVerifier:
     def __init__(self):
         self.sessions: dict[str, list[int]] = {}
         self.calls: list[tuple[str, bool, list[int]]] = []  # (sid, continue, tokens sent)
+        self.timeouts: list[float | None] = []
         self.released: list[str] = []
 
     def turn(self, sid, tokens, params, max_new, stop_ids, *, continue_session, persistent, timeout):
         self.calls.append((sid, continue_session, list(tokens)))
+        self.timeouts.append(timeout)
         return FakeTurn(self, sid, tokens, max_new, stop_ids, continue_session, persistent)
 
     async def release(self, sid, timeout=10.0):
@@ -104,12 +106,12 @@ def env(tiny_dirs):
     return GatewayCore(state, provider), SessionAPI(state), fake, exporter
 
 
-def gen(core, ids=None, session=None, stop=(), max_tokens=6, limit=None, **kw):
+def gen(core, ids=None, session=None, stop=(), max_tokens=6, limit=None, timeout=None, **kw):
     async def main():
         req = TurnRequest(TurnInput(token_ids=tuple(ids)), GenerationParams(max_tokens=max_tokens, stop=stop,
                                                                             ignore_eos=True, **kw), session)
         chunks = []
-        async with aclosing(core.generate(req)) as it:
+        async with aclosing(core.generate(req, timeout)) as it:
             async for c in it:
                 chunks.append(c)
                 if limit is not None and len(chunks) >= limit:
@@ -222,3 +224,32 @@ def test_not_ready_and_draining_are_unavailable(env):
     core.state.draining = True
     with pytest.raises(GatewayError, match="UNAVAILABLE: the gateway is shutting down"):
         run(gen(core, [1]))
+
+
+def test_the_deadline_travels_to_the_verifier(env):
+    core, _, fake, _ = env
+    run(gen(core, [1], timeout=5.0))
+    run(gen(core, [1]))
+    assert 4.0 < fake.timeouts[0] <= 5.0 and fake.timeouts[1] is None
+
+
+def test_idle_sessions_are_reaped_and_their_kv_released(tiny_dirs):
+    cfg = GatewayConfig(listen="x:1", http_listen=None, verifier_address="v:1", tokenizer_dir=str(tiny_dirs[0]),
+                        session_idle_timeout_s=0.05)
+    fake = FakeVerifier()
+    state = GatewayState(cfg, load_text_tokenizer(tiny_dirs[0]), fake, Metrics())
+    state.attach(VerifierModel("tiny", 320, (257,), 64, 4096, 8, 8))
+    core, api = GatewayCore(state), SessionAPI(state)
+
+    async def main():
+        s = api.create(None)
+        await gen(core, [1, 2], s.id)
+        held = s.verifier_sid
+        assert fake.sessions and held
+        reaper = asyncio.create_task(api.reap(period_s=0.02))
+        await asyncio.sleep(0.2)
+        reaper.cancel()
+        return s, held
+
+    s, held = run(main())
+    assert len(state.sessions) == 0 and s.closed and fake.released == [held] and fake.sessions == {}

@@ -127,9 +127,10 @@ def test_unseeded_request_records_a_seed_that_reproduces(tiny_target64):
 def test_ddtree_sampling_equals_ar_sampling_on_gpu(tiny_dirs):
     """fp32 tiny model on the GPU: the Triton sampler in the engine. Greedy is checked first: if
     greedy DDTree != AR here, the target forward is not batch-invariant and sampling cannot be."""
+    from verifier_service.batch_invariant import make_batch_invariant
     from verifier_service.checkpoint import load_target
 
-    target = load_target(tiny_dirs[0], torch.float32, "cuda")
+    target = make_batch_invariant(load_target(tiny_dirs[0], torch.float32, "cuda"))  # as build_local_engine does
     results = {}
     for kind, sps in (("greedy", [SamplingParams()] * 5), ("sampled", SP)):
         eng = Engine(target, None, (), EngineConfig(page_size=8, num_pages=512, max_sessions=8))

@@ -10,6 +10,7 @@ sent again after a reconnect. Plus shared regions across processes and transport
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import sys
 import threading
@@ -24,7 +25,7 @@ from drafter_service.drafter import Drafter
 from drafter_service.server import DrafterService
 from kernels.tree_build import TreeBatch
 from protos.ddtree.v1 import drafter_pb2_grpc
-from protos.shared_region import SharedRegion
+from protos.shared_region import SharedRegion, shm_dir
 from verifier_service.transport import StreamClientConfig, is_local_address, resolve_transport
 from verifier_service.transport_stream import DraftStreamClient
 
@@ -130,6 +131,8 @@ def test_stream_client_equals_inprocess_drafter(parts, served, colocated):
     local = Drafter(*parts, max_sessions=8, window=64)
     client = client_for(srv.port, colocated)
     try:
+        # the drafter mapped the regions, so their files are gone already: a killed process leaves nothing
+        assert list(shm_dir().glob(f"ddtree-{os.getpid()}-*")) == []
         assert client.depth == local.depth and client.model.target_layer_ids == tuple(local.cfg.target_layer_ids)
         for reqs in steps():
             assert_same_trees(client.draft(reqs), local.draft(reqs))

@@ -1,0 +1,233 @@
+"""Batch-invariant GEMMs (kernels/matmul.py) against their torch references.
+
+CPU: the Triton kernel under TRITON_INTERPRET=1 in fp32/fp16 (the interpreter has no bf16) at
+awkward shapes (one row, non-multiples of every block, K = 0), strided views like the absorbed-MLA
+operands, outputs poisoned with NaN. GPU (marked `gpu`): bf16 at Kimi K2.6 shapes, a row computed
+alone vs inside M = 64 / 300 / 1100 rows: bitwise equal, for matmul, fp32-output matmul (router),
+head_matmul (both MLA einsums) and batched_matmul, plus the zero-padding neutrality that
+`verifier_service.aligned_attention` relies on.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.matmul import (
+    CONFIGS,
+    batched_matmul,
+    batched_matmul_ref,
+    batched_matmul_triton,
+    head_matmul,
+    head_matmul_ref,
+    matmul,
+    matmul_ref,
+)
+
+CUDA = torch.cuda.is_available()
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}  # ||out - ref|| / ||ref||
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, tol: float, what: str = "") -> None:
+    """Relative Frobenius error <= tol; NaN never passes; on failure name the worst element."""
+    assert out.shape == ref.shape, (what, out.shape, ref.shape)
+    o, r = out.double().cpu(), ref.double().cpu()
+    nan = torch.isnan(o)
+    err = (o - r).norm() / r.norm().clamp_min(1e-30)
+    if nan.any() or not err <= tol:
+        diff = torch.where(nan, torch.full_like(o, float("inf")), (o - r).abs())
+        i = tuple(int(v) for v in torch.unravel_index(diff.argmax(), diff.shape))
+        raise AssertionError(f"{what}: rel err {float(err):.3e} > {tol:.1e} (NaNs: {int(nan.sum())}); "
+                             f"worst at {i}: out {float(o[i]):.6g} ref {float(r[i]):.6g}")
+
+
+def rand(*shape, dtype=torch.float32, seed=0, device="cpu"):
+    g = torch.Generator(device=device).manual_seed(seed)
+    return torch.randn(*shape, generator=g, device=device).to(dtype)
+
+
+def poisoned(*shape, dtype):
+    return torch.full(shape, float("nan"), dtype=dtype)
+
+
+# --- CPU: the kernel under the interpreter ----------------------------------------------------------
+def test_exact_small_integers():
+    """Integer operands: every product and partial sum is exact, so the result is exact."""
+    x = torch.tensor([[1.0, 2.0, 3.0], [-1.0, 0.0, 4.0]])
+    w = torch.tensor([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0], [2.0, -1.0, 5.0], [1.0, 1.0, 1.0]])
+    want = torch.tensor([[1.0, 2.0, 15.0, 6.0], [-1.0, 0.0, 18.0, 3.0]])
+    for dtype in (torch.float32, torch.float16):
+        out = poisoned(1, 2, 4, dtype=dtype)
+        batched_matmul_triton(x[None].to(dtype), w[None].to(dtype), out)
+        assert torch.equal(out[0].float(), want), dtype
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("M,N,K", [(1, 1, 1), (1, 70, 33), (7, 65, 130), (65, 129, 97), (130, 17, 64)])
+def test_matmul_kernel_vs_reference(M, N, K, dtype):
+    x, w = rand(M, K, dtype=dtype, seed=M), rand(N, K, dtype=dtype, seed=N + 1)
+    out = poisoned(1, M, N, dtype=dtype)
+    batched_matmul_triton(x[None], w[None], out)
+    assert_close(out[0], matmul_ref(x, w), TOL[dtype], f"matmul {M}x{N}x{K} {dtype}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fp32_output_from_16bit_operands(dtype):
+    x, w = rand(9, 100, dtype=dtype, seed=3), rand(24, 100, dtype=dtype, seed=4)
+    out = poisoned(1, 9, 24, dtype=torch.float32)
+    batched_matmul_triton(x[None], w[None], out)
+    assert_close(out[0], matmul_ref(x, w, torch.float32), 1e-5, "fp32 out")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_strided_views_like_the_mla_einsums(dtype):
+    """q_nope is a head-dim slice of q; W_UK is read transposed out of kv_b_proj's weight."""
+    T, H, nope, rope, v, Dl = 5, 3, 24, 8, 16, 40
+    q = rand(T, H, nope + rope, dtype=dtype, seed=5)
+    kv_b = rand(H * (nope + v), Dl, dtype=dtype, seed=6).view(H, nope + v, Dl)
+    q_nope, w_uk, w_uv = q[..., :nope], kv_b[:, :nope], kv_b[:, nope:]
+    out = poisoned(T, H, Dl, dtype=dtype)
+    batched_matmul_triton(q_nope.transpose(0, 1), w_uk.transpose(1, 2), out.transpose(0, 1))
+    assert_close(out, torch.einsum("thn,hnl->thl", q_nope.float(), w_uk.float()), TOL[dtype], "absorb W_UK")
+    o_lat = rand(T, H, Dl, dtype=dtype, seed=7)
+    out = poisoned(T, H, v, dtype=dtype)
+    batched_matmul_triton(o_lat.transpose(0, 1), w_uv, out.transpose(0, 1))
+    assert_close(out, torch.einsum("thl,hvl->thv", o_lat.float(), w_uv.float()), TOL[dtype], "apply W_UV")
+    x = rand(6, 50, dtype=dtype, seed=8)[:, 7:40]  # a column slice: row stride 50
+    w = rand(33, 21, dtype=dtype, seed=9).T  # [21, 33] with a K stride of 21
+    out = poisoned(1, 6, 21, dtype=dtype)
+    batched_matmul_triton(x[None], w[None], out)
+    assert_close(out[0], matmul_ref(x, w), TOL[dtype], "strided 2-D")
+
+
+def test_batched_kernel_vs_reference():
+    x, w = rand(3, 17, 45, seed=10), rand(3, 70, 45, seed=11)
+    out = poisoned(3, 17, 70, dtype=torch.float32)
+    batched_matmul_triton(x, w, out)
+    assert_close(out, batched_matmul_ref(x, w), TOL[torch.float32], "bmm")
+
+
+def test_empty_and_zero_k():
+    out = batched_matmul_triton(torch.zeros(1, 0, 8), torch.zeros(1, 5, 8), torch.empty(1, 0, 5))
+    assert out.shape == (1, 0, 5)
+    out = batched_matmul_triton(torch.zeros(1, 3, 0), torch.zeros(1, 5, 0), poisoned(1, 3, 5, dtype=torch.float32))
+    assert torch.equal(out, torch.zeros(1, 3, 5))
+
+
+def test_row_alone_equals_row_in_batch_interpreted():
+    x, w = rand(70, 90, dtype=torch.float16, seed=12), rand(40, 90, dtype=torch.float16, seed=13)
+    full = poisoned(1, 70, 40, dtype=torch.float16)
+    batched_matmul_triton(x[None], w[None], full)
+    for r in (0, 63, 69):
+        alone = poisoned(1, 1, 40, dtype=torch.float16)
+        batched_matmul_triton(x[None, r : r + 1], w[None], alone)
+        assert torch.equal(alone[0, 0], full[0, r]), r
+
+
+def test_launchers_dispatch_to_the_reference_on_cpu():
+    x, w = rand(4, 10, seed=14), rand(6, 10, seed=15)
+    assert torch.equal(matmul(x, w), matmul_ref(x, w))
+    assert matmul(x.half(), w.half(), torch.float32).dtype == torch.float32
+    xh, wh = rand(4, 2, 10, seed=16), rand(2, 6, 10, seed=17)
+    assert torch.equal(head_matmul(xh, wh), head_matmul_ref(xh, wh))
+    assert torch.equal(batched_matmul(xh.transpose(0, 1), wh), batched_matmul_ref(xh.transpose(0, 1), wh))
+    x64, w64 = x.double(), w.double()
+    assert torch.equal(matmul(x64, w64), x64 @ w64.T)
+
+
+def test_launchers_check_shapes_and_dtypes():
+    x, w = rand(4, 10), rand(6, 10)
+    with pytest.raises(ValueError, match="must be"):
+        matmul(x, w.T)
+    with pytest.raises(ValueError, match="cast one first"):
+        matmul(x, w.half())
+    with pytest.raises(ValueError, match="must be"):
+        head_matmul(rand(4, 2, 10), rand(3, 6, 10))
+    with pytest.raises(ValueError, match="must be"):
+        batched_matmul(rand(2, 4, 10), rand(3, 6, 10))
+    with pytest.raises(ValueError, match="do not agree"):
+        batched_matmul_triton(rand(1, 4, 10), rand(1, 6, 10), torch.empty(1, 4, 5))
+    with pytest.raises(ValueError, match="unsupported"):
+        batched_matmul_triton(rand(1, 4, 10).double(), rand(1, 6, 10).double(), torch.empty(1, 4, 6).double())
+
+
+# --- GPU: bitwise row invariance in bf16 at Kimi shapes ---------------------------------------------
+KIMI_LINEARS = [  # (N, K): q_a, q_b, kv_a, o_proj, shared gate/up, shared down, an awkward one
+    (1536, 7168), (12288, 1536), (576, 7168), (7168, 8192), (2048, 7168), (7168, 2048), (1000, 999)]
+BATCHES = (64, 300, 1100)
+
+
+def rows_to_check(M: int) -> list[int]:
+    return sorted({0, 1, 37 % M, M // 2, M - 1})
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("N,K", KIMI_LINEARS)
+@pytest.mark.parametrize("out_dtype", [None, torch.float32])
+def test_matmul_row_invariance_bf16(N, K, out_dtype):
+    x = rand(max(BATCHES), K, dtype=torch.bfloat16, seed=N, device="cuda")
+    w = rand(N, K, dtype=torch.bfloat16, seed=K, device="cuda") * K**-0.5
+    alone = {r: matmul(x[r : r + 1], w, out_dtype)[0] for r in rows_to_check(max(BATCHES))}
+    for M in BATCHES:
+        y = matmul(x[:M], w, out_dtype)
+        for r in rows_to_check(M):
+            assert torch.equal(y[r], alone[r]), f"[{N}x{K}] row {r} of M={M} differs from the row alone"
+    assert_close(y, matmul_ref(x, w, out_dtype), 1e-5 if out_dtype else TOL[torch.bfloat16], f"{N}x{K}")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_lm_head_and_router_shapes_row_invariance():
+    x = rand(max(BATCHES), 7168, dtype=torch.bfloat16, seed=1, device="cuda")
+    for N, out_dtype in ((163840, None), (384, torch.float32)):
+        w = rand(N, 7168, dtype=torch.bfloat16, seed=N, device="cuda") * 7168**-0.5
+        alone = matmul(x[5:6], w, out_dtype)[0]
+        for M in BATCHES:
+            assert torch.equal(matmul(x[:M], w, out_dtype)[5], alone), f"N={N} M={M}"
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_head_matmul_row_invariance_bf16():
+    """Both absorbed-MLA einsums at K2.6 shapes: 64 heads, nope 128, v 128, latent 512."""
+    H, nope, rope, v, Dl = 64, 128, 64, 128, 512
+    Tm = max(BATCHES)
+    q = rand(Tm, H, nope + rope, dtype=torch.bfloat16, seed=2, device="cuda")
+    kv_b = rand(H, nope + v, Dl, dtype=torch.bfloat16, seed=3, device="cuda") * Dl**-0.5
+    o_lat = rand(Tm, H, Dl, dtype=torch.bfloat16, seed=4, device="cuda")
+    w_uk, w_uv = kv_b[:, :nope].transpose(1, 2), kv_b[:, nope:]
+    cases = {"absorb_uk": (q[..., :nope], w_uk), "apply_uv": (o_lat, w_uv)}
+    for name, (x, w) in cases.items():
+        alone = {r: head_matmul(x[r : r + 1], w)[0] for r in rows_to_check(Tm)}
+        for T in BATCHES:
+            y = head_matmul(x[:T], w)
+            for r in rows_to_check(T):
+                assert torch.equal(y[r], alone[r]), f"{name}: token {r} of T={T}"
+        assert_close(y, head_matmul_ref(x, w), TOL[torch.bfloat16], name)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_batched_matmul_invariance_and_zero_padding_bf16():
+    """Rows (M) and batch entries are independent, and zero-padding K (and N) changes no bit: the
+    contract `aligned_mla_attention` relies on (keys padded to the longest list of the batch)."""
+    B, M, N, K = 12, 64, 300, 576
+    x = rand(B, M, K, dtype=torch.bfloat16, seed=5, device="cuda")
+    w = rand(B, N, K, dtype=torch.bfloat16, seed=6, device="cuda")
+    y = batched_matmul(x, w, torch.float32)
+    assert torch.equal(batched_matmul(x[3:4, 10:11], w[3:4], torch.float32)[0, 0], y[3, 10])
+    for pad_k in (1, 37, 200):
+        xp = torch.cat((x, torch.zeros(B, M, pad_k, dtype=x.dtype, device="cuda")), -1)
+        wp = torch.cat((w, torch.zeros(B, N, pad_k, dtype=w.dtype, device="cuda")), -1)
+        assert torch.equal(batched_matmul(xp, wp, torch.float32), y), f"K padded by {pad_k}"
+    wp = torch.cat((w, rand(B, 77, K, dtype=w.dtype, seed=7, device="cuda")), 1)
+    assert torch.equal(batched_matmul(x, wp, torch.float32)[:, :, :N], y)
+    assert_close(y, batched_matmul_ref(x, w, torch.float32), 1e-5, "bmm fp32 out")
+
+
+def test_configs_are_fixed_per_dtype():
+    """The tile config is a function of the dtype alone (never of M); bf16 and fp16 must agree."""
+    assert CONFIGS[torch.bfloat16] == CONFIGS[torch.float16]
+    assert all(len(c) == 5 for c in CONFIGS.values())

@@ -1,0 +1,143 @@
+"""Transform: make the Kimi target's GPU forward batch invariant (DESIGN 3.5), around the pure model.
+
+Greedy DDTree equals AR only if a token's logits do not depend on how many rows share its forward.
+`make_batch_invariant(model)` rebinds, per instance, every operation of `KimiForCausalLM.forward`
+and `.logits` whose CUDA implementation picks its reduction order from the row count:
+
+  op (where)                                       torch on CUDA                    swapped to
+  nn.Linear: q_a/q_b/kv_a/kv_b/o_proj, dense MLP,  cuBLAS, kernel/split-K by M      kernels.matmul.matmul
+    shared experts, lm_head (module forward)
+  model.logits (hidden @ lm_head.weight^T)         cuBLAS                           matmul, then fp32
+  Router.score_logits (fp32 x @ W_g^T)             cuBLAS fp32                      matmul, fp32 out
+  MLAAttention.absorb_uk / apply_uv (einsums)      cuBLAS batched GEMM              kernels.matmul.head_matmul
+  RMSNorm (every norm)                             torch mean: layout by #rows      kernels.rmsnorm kernel, used
+                                                                                    by the module on CUDA already
+Checked and left alone, because each output element is computed from its own row only, by a
+launch whose per-row work does not depend on the number of rows:
+  - embedding gather, rope (cos/sin of the row's position, elementwise), SiLU * up, residual adds,
+    sigmoid, the correction-bias add, concat/view/index_put of the KV rows: elementwise or copies;
+  - top-k over experts and the group top-k: exact selections over one row;
+  - sum of the k (<= 8) routing weights: torch reduces rows that short with one fixed 8-lane tree
+    whatever the row count (block width = min(pow2(row length), 32));
+  - routed experts (`kernels.int4_moe`) and attention (`kernels.mla_attention`): batch-invariant
+    Triton kernels (fixed K and KV-chunk orders), the latter with one caveat below;
+  - sampler: argmax (exact, first index on ties) and `kernels.sampling` (one program per row).
+Attention caveat: `mla_attention` gives a tree's root the AR bits, but a node at depth >= 1 is
+reduced over a different tiling of its keys than the AR step at the same position (see
+`verifier_service.aligned_attention`). `attention="aligned"` swaps in that position-aligned
+op, which is exact at every depth but costs O(tokens x context): for checks and small contexts.
+
+`remove_batch_invariance(model)` undoes the swaps. The CPU path never needs this (torch's CPU
+kernels here are row-invariant for the fp32/fp64 tests), but the swapped model also runs there:
+every launcher falls back to its torch reference off CUDA. Whenever autograd needs gradients
+(training on the same modules) the swapped forwards fall back to the torch ops.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.matmul import CONFIGS, head_matmul, matmul
+from verifier_service.aligned_attention import aligned_mla_attention
+from verifier_service.mla import MLAAttention
+from verifier_service.moe import Router
+
+ATTENTION = ("kernel", "aligned")
+_SWAPPED = ("forward", "score_logits", "absorb_uk", "apply_uv", "attention", "logits")  # instance attributes
+
+
+def _needs_grad(*ts: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in ts)
+
+
+def _linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """nn.Linear.forward through the invariant GEMM: x [..., in] -> [..., out]."""
+    if _needs_grad(x, self.weight) or x.dtype != self.weight.dtype:
+        return F.linear(x, self.weight, self.bias)
+    y = matmul(x.reshape(-1, x.shape[-1]), self.weight)
+    if self.bias is not None:
+        y = y + self.bias
+    return y.view(*x.shape[:-1], y.shape[-1])
+
+
+def _router_logits(self: Router, x: torch.Tensor) -> torch.Tensor:
+    """x [T, D] -> fp32 (or wider) router logits [T, E]. 16-bit x and W: their products are exact
+    in fp32, so the 16-bit GEMM with fp32 output is the fp32 GEMM up to summation order."""
+    acc = torch.promote_types(x.dtype, torch.float32)
+    if _needs_grad(x, self.weight):
+        return x.to(acc) @ self.weight.to(acc).T
+    if x.dtype == self.weight.dtype and x.dtype in (torch.bfloat16, torch.float16):
+        return matmul(x, self.weight, out_dtype=acc)
+    return matmul(x.to(acc), self.weight.to(acc))
+
+
+def _absorb_uk(q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
+    """[T, H, nope] x [H, nope, Dl] -> [T, H, Dl] (= einsum thn,hnl->thl)."""
+    if _needs_grad(q_nope, w_uk):
+        return MLAAttention.absorb_uk(q_nope, w_uk)
+    return head_matmul(q_nope, w_uk.transpose(1, 2))
+
+
+def _apply_uv(o_lat: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+    """[T, H, Dl] x [H, v, Dl] -> [T, H, v] (= einsum thl,hvl->thv)."""
+    if _needs_grad(o_lat, w_uv):
+        return MLAAttention.apply_uv(o_lat, w_uv)
+    return head_matmul(o_lat.to(w_uv.dtype), w_uv)
+
+
+def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    """KimiForCausalLM.logits: [T, D] -> fp32 (or fp64) logits [T, V], rounded to the hidden dtype
+    first, exactly like `hidden @ lm_head.weight.T` followed by the promotion."""
+    acc = torch.promote_types(hidden.dtype, torch.float32)
+    w = self.lm_head.weight
+    if _needs_grad(hidden, w) or hidden.dtype != w.dtype:
+        return (hidden @ w.T).to(acc)
+    return matmul(hidden, w).to(acc)
+
+
+def make_batch_invariant(model: nn.Module, attention: str = "kernel") -> nn.Module:
+    """Rebind the target's row-count-dependent ops to batch-invariant kernels, in place; returns model.
+
+    attention: "kernel" keeps `kernels.mla_attention` (fast; root rows exact), "aligned" uses
+    `aligned_mla_attention` (exact at every tree depth; O(tokens x context), for checks)."""
+    if attention not in ATTENTION:
+        raise ValueError(f"attention must be one of {ATTENTION}, got {attention!r}")
+    params = list(model.parameters())
+    bad = {p.dtype for p in params if p.is_cuda and p.is_floating_point() and p.dtype not in CONFIGS}
+    if bad:
+        raise ValueError(f"make_batch_invariant: CUDA weights in {sorted(map(str, bad))}; the invariant "
+                         f"kernels take {sorted(map(str, CONFIGS))}")
+    for mod in model.modules():
+        if isinstance(mod, nn.Linear):
+            mod.forward = types.MethodType(_linear_forward, mod)
+        elif isinstance(mod, Router):
+            mod.score_logits = types.MethodType(_router_logits, mod)
+        elif isinstance(mod, MLAAttention):
+            mod.absorb_uk = _absorb_uk
+            mod.apply_uv = _apply_uv
+            if attention == "aligned":
+                mod.attention = aligned_mla_attention
+            else:
+                mod.__dict__.pop("attention", None)  # the class default: kernels.mla_attention
+    if hasattr(model, "lm_head"):
+        model.logits = types.MethodType(_logits, model)
+    model.batch_invariant = attention
+    return model
+
+
+def remove_batch_invariance(model: nn.Module) -> nn.Module:
+    """Undo `make_batch_invariant`: every module runs its class's own forward again."""
+    for mod in model.modules():
+        for name in _SWAPPED:
+            mod.__dict__.pop(name, None)
+    model.__dict__.pop("batch_invariant", None)
+    return model
+
+
+def is_batch_invariant(model: nn.Module) -> str | None:
+    """The attention mode `make_batch_invariant` applied, or None."""
+    return model.__dict__.get("batch_invariant")
