@@ -40,7 +40,6 @@ def main():
     print(f"{'op':>15} {'M':>5} {'ours ms':>9} {'cublas':>8} {'x':>5} {'floor':>8} {'ratio':>6}", flush=True)
     g = torch.Generator(device="cuda").manual_seed(0)
     bf = torch.bfloat16
-    records = []
     cases = []
     for name, (N, K, od) in LINEARS.items():
         w = torch.randn(N, K, device="cuda", generator=g).to(bf)
@@ -52,6 +51,7 @@ def main():
         ref = functools.partial(lambda x, w: torch.einsum("thk,hnk->thn", x, w), w=w)
         cases.append((name, N, K, 64, w, functools.partial(head_matmul, w=w), ref, bf))
     for name, N, K, H, w, ours, ref, acc in cases:
+        records = []
         for M in MS:
             shape = (M, K) if H == 1 else (M, H, K)
             x = torch.randn(*shape, device="cuda", generator=g).to(bf)
@@ -64,9 +64,9 @@ def main():
                                 **info, ms=ms, floor_ms=floor, ratio=floor / ms, peers={"cublas": peer}, **ceil))
             print(f"{name:>15} {M:>5} {ms:9.4f} {peer:8.4f} {ms / peer:5.2f} {floor:8.4f} {floor / ms:6.2f}",
                   flush=True)
+        write_jsonl(args.out, records)  # per op, so a run cut short keeps what it measured
         del w
-    write_jsonl(args.out, records)
-    print(f"wrote {len(records)} records to {args.out}", flush=True)
+    print(f"wrote {len(cases) * len(MS)} records to {args.out}", flush=True)
 
 
 if __name__ == "__main__":

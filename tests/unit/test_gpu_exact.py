@@ -32,7 +32,7 @@ TEXTS = [
     "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n        self.items"
     ".append(item)\n\n    def pop(self):\n        return self.items.pop()\n\n    def peek(self):\n",
 ]
-NEW = 40
+NEW = 32
 BUDGETS = (4, 16, 64)
 
 
