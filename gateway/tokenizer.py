@@ -4,7 +4,9 @@
 `added_tokens_decoder` (id -> {content, special}). When every rank is a single byte (the byte-level
 vocabulary `ddtree init-random` writes) encoding is exact byte lookup. A BPE vocabulary is encoded like
 tiktoken: the text is pre-split by a regular expression (tokenizer_config.json `pat_str`, default
-`PAT_STR`; it must be one Python's `re` supports), then within each piece the adjacent pair whose
+`PAT_STR`; Kimi folders, whose tokenizer_config.json carries no pattern, get Kimi's own `KIMI_PAT_STR`;
+patterns with Unicode properties or class intersections are compiled with the `regex` module), then
+within each piece the adjacent pair whose
 concatenation has the lowest rank is merged until none is in the vocabulary. Pieces are cached.
 """
 
@@ -15,13 +17,36 @@ import json
 import re
 from pathlib import Path
 
+import regex
+
 # cl100k-style pre-split in Python `re` syntax: contractions, identifiers (letters, digits after the
 # first, underscores; one leading non-word char such as a space or '.'), 1-3 digit numbers, punctuation
 # runs with trailing newlines, newlines with the spaces before them, then other whitespace runs
 # (a run before a word leaves its last space to the word, so indentation is its own piece).
 PAT_STR = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\w]?[^\W\d]\w*|\d{1,3}| ?[^\s\w]+[\r\n]*|\s*[\r\n]|"""
            r"""\s+(?!\S)|\s+""")
+# Kimi K2.x pre-split (the format's pattern, from its tokenization_kimi.py): Han runs, cased letter runs
+# that exclude Han (class intersections), 1-3 digit numbers, punctuation, newlines, whitespace.
+KIMI_PAT_STR = "|".join([
+    r"[\p{Han}]+",
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"\p{N}{1,3}",
+    r" ?[^\s\p{L}\p{N}]+[\r\n]*",
+    r"\s*[\r\n]+",
+    r"\s+(?!\S)",
+    r"\s+",
+])
 _CACHE_MAX = 1 << 16  # cached pieces
+
+
+def compile_split(pattern: str):
+    """Python `re` for plain patterns; the `regex` module (V1: set intersection) for \\p{..} or `&&`."""
+    if "\\p{" in pattern or "&&" in pattern:
+        return regex.compile(pattern, regex.V1)
+    return re.compile(pattern)
 
 
 class Tokenizer:
@@ -32,7 +57,7 @@ class Tokenizer:
         self.special_ids = {v: k for k, v in specials.items()}
         self.byte_level = len(ranks) == 256 and all(len(k) == 1 for k in ranks)
         self.pattern = pattern if pattern is not None else (None if self.byte_level else PAT_STR)
-        self._split = re.compile(self.pattern) if self.pattern else None
+        self._split = compile_split(self.pattern) if self.pattern else None
         self._byte_ids = [ranks.get(bytes([b]), -1) for b in range(256)]  # used when byte_level
         self._cache: dict[str, list[int]] = {}
 
@@ -59,6 +84,8 @@ class Tokenizer:
             for k, v in conf.get("added_tokens_decoder", {}).items():
                 specials[int(k)] = v["content"]
             pattern = conf.get("pat_str")
+            if pattern is None and (len(ranks) > 100_000 or (folder / "tokenization_kimi.py").exists()):
+                pattern = KIMI_PAT_STR  # a Kimi tiktoken folder: the pattern lives in its Python code
         return cls(ranks, specials, pattern)
 
     def encode(self, text: str) -> list[int]:

@@ -2,7 +2,7 @@
 
 y = x / sqrt(mean(x^2) + eps) * weight, fp32 accumulation, returned in x.dtype.
 
-`rms_norm_ref` (alias `rms_norm`'s CPU path) defines correctness. torch's CUDA mean picks its
+`rms_norm_ref` defines correctness (and runs off CUDA). torch's CUDA mean picks its
 reduction layout from the number of rows (one row gets a block-wide split, many rows a warp each),
 so a row's bits depend on the batch. `_rmsnorm_kernel` runs one program per row and reduces the
 row in a fixed order that depends only on the row length D (chunks of BLOCK_D, lane-wise fp32
