@@ -20,3 +20,4 @@ class DraftRequest:
     root_pos: int  # its position = the session's committed length
     budget: int  # draft nodes N (tree has N + 1 nodes)
     topk: int  # per-depth top-k cap
+    traceparent: str = ""  # W3C trace context of the session's request ("" = untraced); for the draft span

@@ -133,7 +133,7 @@ class DraftStream:
             raise SessionFault(grpc.StatusCode.FAILED_PRECONDITION,
                                f"root position {r.root_pos} moved past the context ({expected}) without new rows")
         return DraftRequest(self._reserve(sid), r.ctx_start, r.ctx_features, r.root_token, r.root_pos, r.budget,
-                            r.topk)
+                            r.topk, r.traceparent)
 
     # --- messages ------------------------------------------------------------------------------------
     def context(self, m: drafter_pb2.SessionContext) -> None:

@@ -94,7 +94,8 @@ def tensor_from_pb(msg: common_pb2.Tensor, field: str, regions: Mapping[int, Sha
 # --- draft requests (verifier -> drafter) ------------------------------------------------------------
 def draft_request_to_pb(r: DraftRequest, arena: RegionArena | None = None) -> drafter_pb2.SessionDraftRequest:
     msg = drafter_pb2.SessionDraftRequest(session_id=r.session_id, ctx_start=r.ctx_start, root_token=r.root_token,
-                                          root_pos=r.root_pos, budget=r.budget, topk=r.topk)
+                                          root_pos=r.root_pos, budget=r.budget, topk=r.topk,
+                                          traceparent=r.traceparent)
     tensor_to_pb(r.ctx_features, msg.ctx_features, arena)
     return msg
 
@@ -106,7 +107,8 @@ def draft_request_from_pb(msg: drafter_pb2.SessionDraftRequest, regions: Mapping
     if feats.dim() != 2:
         raise WireError(f"session {msg.session_id!r}: ctx_features must be 2-D [rows, features], "
                         f"got shape {list(feats.shape)}")
-    return DraftRequest(msg.session_id, msg.ctx_start, feats, msg.root_token, msg.root_pos, msg.budget, msg.topk)
+    return DraftRequest(msg.session_id, msg.ctx_start, feats, msg.root_token, msg.root_pos, msg.budget, msg.topk,
+                        msg.traceparent)
 
 
 # --- draft trees (drafter -> verifier) ---------------------------------------------------------------

@@ -6,7 +6,8 @@ warmed up), server reflection, one JSON line on stdout per lifecycle event
 (`{"event": "listening" | "serving" | "stopped", "address": ...}`), SIGTERM/SIGINT handling and a
 graceful drain: health goes NOT_SERVING and stays reachable for a short notice period (so probes
 and load balancers see it; servicers refuse new work meanwhile), then the listener closes and
-in-flight calls get the rest of `grace_s` seconds to finish before they are cancelled. No torch.
+in-flight calls get the rest of `grace_s` seconds to finish before they are cancelled. Optional server
+interceptors (trace context: `telemetry.grpc_tracing`) and `serve_metrics` for `--metrics-listen`. No torch.
 """
 
 from __future__ import annotations
@@ -39,13 +40,14 @@ def split_host_port(listen: str) -> tuple[str, int]:
 
 
 class GrpcServer:
-    def __init__(self, listen: str, service_names: list[str], max_message_bytes: int, grace_s: float):
+    def __init__(self, listen: str, service_names: list[str], max_message_bytes: int, grace_s: float,
+                 interceptors: list[grpc.aio.ServerInterceptor] | None = None):
         if max_message_bytes <= 0 or grace_s < 0:
             raise ValueError("max message size must be positive and the grace period non-negative")
         self.listen = listen
         self.service_names = list(service_names)
         self.grace_s = grace_s
-        self.server = grpc.aio.server(options=channel_options(max_message_bytes))
+        self.server = grpc.aio.server(options=channel_options(max_message_bytes), interceptors=interceptors)
         self.health = health.aio.HealthServicer()
         self.address = ""
         self.stop_requested = asyncio.Event()
@@ -90,6 +92,20 @@ class GrpcServer:
         await asyncio.sleep(notice)
         await self.server.stop(self.grace_s - notice)
         announce("stopped", self.address)
+
+
+def serve_metrics(listen: str | None):
+    """Start the Prometheus exposition server of `--metrics-listen HOST:PORT` (port 0 = any free port) on
+    the process registry and announce `{"event": "metrics_listening", "address": ...}`; None when unset.
+    The caller closes the returned server."""
+    if not listen:
+        return None
+    from telemetry.metrics import parse_hostport, start_metrics_server
+
+    host, port = parse_hostport(listen)
+    server = start_metrics_server(host, port)
+    announce("metrics_listening", f"{listen.rpartition(':')[0]}:{server.port}")
+    return server
 
 
 def announce(event: str, address: str, **extra) -> None:

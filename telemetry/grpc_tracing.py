@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-from contextlib import contextmanager
+from contextlib import aclosing, contextmanager
 
 import grpc
 from opentelemetry import trace
@@ -109,8 +109,11 @@ def _wrap(behavior, response_streaming: bool, tracer_of, method: str, parent):
     if response_streaming and inspect.isasyncgenfunction(behavior):
         async def gen(request, context):
             with _server_span(tracer_of(), method, parent, context):
-                async for item in behavior(request, context):
-                    yield item
+                # aclosing: when the call is cancelled while this wrapper waits at `yield`, the handler's
+                # own `finally` (e.g. releasing a session) runs now, not whenever the GC finalizes it
+                async with aclosing(behavior(request, context)) as items:
+                    async for item in items:
+                        yield item
         return gen
 
     async def unary(request, context):

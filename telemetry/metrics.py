@@ -18,8 +18,10 @@ Definitions (DESIGN 3.2, 6):
 
 from __future__ import annotations
 
+import bisect
 import functools
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -80,6 +82,12 @@ class Metrics:
         # --- drafter ---------------------------------------------------------------------------------
         self.draft_seconds = Histogram("ddtree_draft_seconds", "Wall time of one draft call (all sessions)",
                                        buckets=STEP_BUCKETS, registry=r)
+        self.draft_requests = Counter("ddtree_draft_requests",
+                                      "Per-session draft requests answered, by status (ok = a tree came back)",
+                                      ["status"], registry=r)
+        self.draft_sessions = Gauge("ddtree_draft_sessions", "Sessions holding a drafter context cache (all streams)",
+                                    registry=r)
+        self._depth_children: dict[tuple[Counter, int], Counter] = {}  # (family, depth) -> child, for the step loop
 
     # --- recording helpers (validate labels: a bad label is a programming error, not data) ----------
     def record_request(self, status: str) -> None:
@@ -98,15 +106,34 @@ class Metrics:
         tree_size: nodes verified including the root (1 for autoregressive); tree_depth: deepest
         node's depth (0 for autoregressive); accepted_depth: draft nodes on the accepted path.
         """
-        if tree_size < 1 or not 0 <= accepted_depth <= tree_depth < tree_size:
-            raise ValueError(f"inconsistent step: tree_size={tree_size} tree_depth={tree_depth} "
-                             f"accepted_depth={accepted_depth}")
-        self.tree_size.observe(tree_size)
-        self.acceptance_length.observe(accepted_depth + 1)
-        for d in range(1, min(tree_depth, self.max_depth) + 1):
-            self.draft_depth.labels(depth=str(d)).inc()
-        for d in range(1, min(accepted_depth, self.max_depth) + 1):
-            self.accepted_depth.labels(depth=str(d)).inc()
+        self.record_steps(((tree_size, tree_depth, accepted_depth),))
+
+    def record_steps(self, steps: Iterable[tuple[int, int, int]]) -> None:
+        """Every session's share of one verify step: (tree_size, tree_depth, accepted_depth) each, as in
+        `record_step`. The per-depth counters move once per depth for the whole step (by the number of
+        sessions that reached it), so the step loop's cost is two observations per session."""
+        reach = [0] * (self.max_depth + 2)  # reach[d]: trees whose deepest node is at depth d (clamped)
+        acc = [0] * (self.max_depth + 2)
+        for tree_size, tree_depth, accepted_depth in steps:
+            if tree_size < 1 or not 0 <= accepted_depth <= tree_depth < tree_size:
+                raise ValueError(f"inconsistent step: tree_size={tree_size} tree_depth={tree_depth} "
+                                 f"accepted_depth={accepted_depth}")
+            self.tree_size.observe(tree_size)
+            self.acceptance_length.observe(accepted_depth + 1)
+            reach[min(tree_depth, self.max_depth)] += 1
+            acc[min(accepted_depth, self.max_depth)] += 1
+        for family, counts in ((self.draft_depth, reach), (self.accepted_depth, acc)):
+            n = 0
+            for d in range(self.max_depth, 0, -1):  # sessions at depth >= d
+                n += counts[d]
+                if n:
+                    self._depth_child(family, d).inc(n)
+
+    def _depth_child(self, family: Counter, depth: int) -> Counter:
+        child = self._depth_children.get((family, depth))
+        if child is None:
+            child = self._depth_children[(family, depth)] = family.labels(depth=str(depth))
+        return child
 
     def set_kv_usage(self, used_pages: int, total_pages: int) -> None:
         self.kv_usage.set(used_pages / total_pages if total_pages > 0 else 0.0)
@@ -131,11 +158,24 @@ class TokenTimer:
         if self.last is None:
             m.ttft.observe(now - self.start)
         else:
-            per = (now - self.last) / n
-            for _ in range(n):
-                m.itl.observe(per)
+            observe_many(m.itl, (now - self.last) / n, n)
         self.last = now
         m.generated_tokens.inc(n)
+
+
+def observe_many(hist: Histogram, value: float, n: int) -> None:
+    """n observations of one value (a streamed chunk's tokens): one bucket increment of n instead of n
+    `observe` calls, which would be per-token work. Falls back to `observe` if prometheus_client's
+    Histogram internals differ from the ones relied on (sorted `_upper_bounds` ending in +Inf, `_buckets`,
+    `_sum`, as in 0.20-0.26)."""
+    try:
+        bounds, buckets, total = hist._upper_bounds, hist._buckets, hist._sum
+    except AttributeError:
+        for _ in range(n):
+            hist.observe(value)
+        return
+    total.inc(value * n)
+    buckets[bisect.bisect_left(bounds, value)].inc(n)  # first bound >= value, as observe() picks
 
 
 @functools.cache

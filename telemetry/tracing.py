@@ -36,6 +36,9 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 log = logging.getLogger(__name__)
 
 TRACER_NAME = "ddtree"
+# With OTEL_TRACES_EXPORTER=console: append the JSON span lines to this file instead of stdout (the services'
+# stdout carries their lifecycle JSON lines). Meant for tests and local debugging, not for production export.
+CONSOLE_FILE_ENV = "DDTREE_TRACES_CONSOLE_FILE"
 
 # --- attribute names ------------------------------------------------------------------------------
 # GenAI semantic conventions (https://opentelemetry.io/docs/specs/semconv/gen-ai/gen-ai-spans/)
@@ -63,7 +66,7 @@ DDTREE_TRANSPORT = "ddtree.transport"  # inprocess | colocated | grpc
 DDTREE_FALLBACK = "ddtree.fallback"  # why a step ran without a tree (drafter failure)
 
 # --- span names (the services and the tracing integration test agree on these) ----------------------
-SPAN_QUEUE = "ddtree.queue"  # gateway: admitted -> handed to a verifier
+SPAN_QUEUE = "ddtree.queue"  # gateway: admitted -> handed to a verifier; verifier: arrival -> scheduler admission
 SPAN_PREFILL = "ddtree.prefill"  # verifier: prompt forward
 SPAN_VERIFY_STEP = "ddtree.verify_step"  # verifier: one step, one span per session
 SPAN_TRANSPORT = "ddtree.transport.draft"  # verifier: the draft round trip through the transport
@@ -139,7 +142,8 @@ def configure_tracing(env: Mapping[str, str], default_service_name: str, *, cons
     Returns the SDK TracerProvider, or None when nothing is exported: OTEL_SDK_DISABLED=true,
     OTEL_TRACES_EXPORTER=none, or neither OTEL_TRACES_EXPORTER nor an OTLP endpoint is set.
     Exporters: "otlp" (grpc or http/protobuf, by OTEL_EXPORTER_OTLP[_TRACES]_PROTOCOL) and
-    "console" (one compact JSON span per line to `console_out`, default stdout).
+    "console" (one compact JSON span per line to `console_out`, else to the file named by
+    DDTREE_TRACES_CONSOLE_FILE, else to stdout).
     """
     if (env.get("OTEL_SDK_DISABLED") or "").strip().lower() == "true":
         return None
@@ -159,8 +163,10 @@ def configure_tracing(env: Mapping[str, str], default_service_name: str, *, cons
             if exporter is not None:
                 processors.append(BatchSpanProcessor(exporter))
         elif name == "console":
-            out = console_out if console_out is not None else sys.stdout
-            processors.append(SimpleSpanProcessor(ConsoleSpanExporter(out=out, formatter=_compact_json)))
+            out = console_out
+            if out is None and env.get(CONSOLE_FILE_ENV):
+                out = open(env[CONSOLE_FILE_ENV], "a", buffering=1)  # line-buffered; lives as long as the process
+            processors.append(SimpleSpanProcessor(ConsoleSpanExporter(out=out or sys.stdout, formatter=_compact_json)))
         else:
             log.warning("OTEL_TRACES_EXPORTER=%r is not supported here (otlp, console, none); ignored", name)
     if not processors:
@@ -171,6 +177,14 @@ def configure_tracing(env: Mapping[str, str], default_service_name: str, *, cons
     if set_global:
         trace.set_tracer_provider(provider)
     return provider
+
+
+def is_configured() -> bool:
+    """True when an SDK TracerProvider is installed globally (configure_tracing found something to export).
+    Services check it once at startup to skip span work entirely when tracing is off."""
+    from opentelemetry.sdk.trace import TracerProvider
+
+    return isinstance(trace.get_tracer_provider(), TracerProvider)
 
 
 def get_tracer(provider=None) -> trace.Tracer:

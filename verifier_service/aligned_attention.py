@@ -1,12 +1,13 @@
 """Position-aligned absorbed MLA attention: a tree node gets the bits of the AR step at its position.
 
 `kernels.mla_attention` is batch invariant (a row's result does not depend on the other rows or
-sessions of the launch), so a tree's root row equals the AR step bit for bit. A node at depth
-d >= 1 still differs from the AR step that computes the same token: the kernel walks the committed
-prefix [0, L) in tiles aligned at 0 and then the tree rows in a tile of their own, while the AR
-step at committed length L + d has the ancestors inside its prefix tiles. Different tile
-boundaries mean a different online-softmax rescaling sequence and different bf16 roundings of
-the probabilities, so the logits can differ in the last bits and a near-tie argmax can flip.
+sessions of the launch), so a tree's root equals the AR step at the same prefix bit for bit. A
+node at depth d >= 1 still differs from the AR step that computes the same token: the kernel walks
+the committed prefix [0, L) in tiles aligned at 0 and then the tree rows in a tile of their own,
+while the AR step at committed length L + d has the ancestors inside its prefix tiles. Different
+tile boundaries mean a different online-softmax rescaling sequence and different bf16 roundings
+of the probabilities. Accepted nodes keep their KV rows, so every later token (roots included)
+reads rows AR never wrote, and a near-tie argmax can flip (seen on the H200, tests/unit/test_gpu_exact.py).
 
 This op orders each query's keys by absolute position (committed rows 0..L-1, then its visible new
 rows in node order = ancestors by depth, then itself), so the query at absolute position p sees

@@ -22,10 +22,13 @@ launch whose per-row work does not depend on the number of rows:
   - routed experts (`kernels.int4_moe`) and attention (`kernels.mla_attention`): batch-invariant
     Triton kernels (fixed K and KV-chunk orders), the latter with one caveat below;
   - sampler: argmax (exact, first index on ties) and `kernels.sampling` (one program per row).
-Attention caveat: `mla_attention` gives a tree's root the AR bits, but a node at depth >= 1 is
-reduced over a different tiling of its keys than the AR step at the same position (see
-`verifier_service.aligned_attention`). `attention="aligned"` swaps in that position-aligned
-op, which is exact at every depth but costs O(tokens x context): for checks and small contexts.
+Attention caveat: `mla_attention` gives a tree's root the AR bits (same prefix KV), but a node at
+depth >= 1 is reduced over a different tiling of its keys than the AR step at the same position
+(see `verifier_service.aligned_attention`); once accepted, its KV rows differ from AR's and every
+later token reads them. Measured on the H200 (kimi-mini, bf16, 3 prompts): with "kernel" the
+outputs diverge at budgets 4 and 16; with `attention="aligned"` (the position-aligned op) greedy
+DDTree == AR and every AR-path node's logits equal AR's bitwise at budgets 4/16/64. "aligned"
+costs O(tokens x context) memory and time: for checks and small contexts, not K2.6 serving.
 
 `remove_batch_invariance(model)` undoes the swaps. The CPU path never needs this (torch's CPU
 kernels here are row-invariant for the fp32/fp64 tests), but the swapped model also runs there:

@@ -14,6 +14,7 @@ Autoregressive decoding is this same loop with trees of one node.
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -71,6 +72,7 @@ class Engine:
         self.sessions: dict[str, Session] = {}
         self._ids = itertools.count()
         self.sampler = SamplerTable(cfg.max_sessions, self.device)  # per-KV-row sampling params
+        self.draft_ns: tuple[int, int] | None = None  # time.time_ns() around the last step's draft call (tracing)
 
     # --- admission ---------------------------------------------------------------------------------
     def validate(self, prompt: list[int], params: DecodeParams) -> None:
@@ -185,8 +187,11 @@ class Engine:
                 start, feats = s.take_pending()
                 if feats is None:
                     feats = torch.zeros(0, 0, device=self.device, dtype=self.dtype)
-                reqs.append(DraftRequest(s.sid, start, feats, s.root, s.committed, s.params.budget, s.params.topk))
+                reqs.append(DraftRequest(s.sid, start, feats, s.root, s.committed, s.params.budget, s.params.topk,
+                                         s.traceparent))
+            t0 = time.time_ns()
             trees = self.drafter.draft(reqs)
+            self.draft_ns = (t0, time.time_ns())
             for j, i in enumerate(drafting):
                 n[i] = trees.n_nodes[j]
         S, M = len(active), max(n)
@@ -210,6 +215,7 @@ class Engine:
     def step(self) -> dict[str, list[int]]:
         """Run one verify step over all running sessions; returns the tokens each one emitted."""
         active = [s for s in self.sessions.values() if not s.done]
+        self.draft_ns = None
         if not active:
             return {}
         for s in active:
@@ -251,11 +257,12 @@ class Engine:
         path_taps = taps[(cu_t[:, None] + path.clamp(min=0)).view(-1)].view(S, path.shape[1], -1)
         path_tokens = tok.gather(1, path.clamp(min=0))
 
-        # the step's one host read
-        host = torch.cat((res.accept_len.long()[:, None], res.bonus.long()[:, None], path_tokens), 1).cpu().tolist()
+        # the step's one host read (the tree depth is for the per-depth acceptance metrics)
+        host = torch.cat((res.accept_len.long()[:, None], res.bonus.long()[:, None], depth.amax(1, keepdim=True),
+                          path_tokens), 1).cpu().tolist()
         out: dict[str, list[int]] = {}
         for i, s in enumerate(active):
-            a, bonus, ptoks = host[i][0], host[i][1], host[i][2:]
+            a, bonus, s.tree_depth, ptoks = host[i][0], host[i][1], host[i][2], host[i][3:]
             new = ptoks[1 : a + 1] + [bonus]
             out[s.sid] = emitted = s.emit(new)
             # a turn that ends mid-path (EOS, max_new_tokens) keeps only what it emitted: its last

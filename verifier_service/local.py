@@ -30,11 +30,15 @@ def check_block_size(drafter_cfg: DFlashConfig, block_size: int | None) -> None:
 
 def build_local_engine(target_dir: str | Path, drafter_dir: str | Path | None, dtype: torch.dtype | None = None,
                        device: str | None = None, engine_cfg: EngineConfig | None = None,
-                       block_size: int | None = None, batch_invariant: bool = True) -> Engine:
+                       block_size: int | None = None, batch_invariant: bool | str = True) -> Engine:
     """Validate both configs (no weights touched), then load and wire the pair.
 
-    batch_invariant: on CUDA, swap the target's GEMMs for batch-invariant kernels
-    (`verifier_service.batch_invariant`) so greedy DDTree matches AR; False keeps cuBLAS."""
+    batch_invariant (CUDA only): True swaps the target's GEMMs and norms for batch-invariant kernels
+    (`verifier_service.batch_invariant`, attention stays `kernels.mla_attention`; also "kernel"); "aligned" also
+    swaps in the position-aligned attention, with which greedy DDTree == AR bit for bit (cost
+    O(tokens x context): small models, checks); False keeps cuBLAS."""
+    if batch_invariant not in (True, False, "kernel", "aligned"):
+        raise ValueError(f"batch_invariant must be True, False, 'kernel' or 'aligned', got {batch_invariant!r}")
     device = device or default_device()
     dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
     tcfg = KimiConfig.from_file(target_dir)
@@ -46,7 +50,7 @@ def build_local_engine(target_dir: str | Path, drafter_dir: str | Path | None, d
         check_pair(dcfg, tcfg)
     target = load_target(target_dir, dtype, device, tcfg)
     if batch_invariant and str(device).startswith("cuda") and dtype != torch.float64:
-        make_batch_invariant(target)
+        make_batch_invariant(target, attention="aligned" if batch_invariant == "aligned" else "kernel")
     if drafter_dir is not None:
         dmodel = load_drafter(drafter_dir, tcfg, dtype, device)
         cfg = engine_cfg or EngineConfig()

@@ -22,9 +22,12 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from opentelemetry.context import Context
+
 from verifier_service.engine import Engine
 from verifier_service.kv_cache import KVCapacityError
 from verifier_service.session import DecodeParams, Session
+from verifier_service.turn_telemetry import TurnTelemetry
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +75,8 @@ class Turn:
     prefill_tokens: int = 0
     reserve_len: int = 0  # cache rows this turn may touch
     running: bool = True
+    trace: Context | None = None  # context of the request's recording span; None = untraced
+    arrival_ns: int = 0  # time.time_ns() when submitted (traced turns only)
 
 
 @dataclass(frozen=True)
@@ -85,9 +90,11 @@ class Snapshot:
 
 
 class Scheduler:
-    def __init__(self, engine: Engine, drafter_errors: Callable[[], dict[str, str]] | None = None):
+    def __init__(self, engine: Engine, drafter_errors: Callable[[], dict[str, str]] | None = None,
+                 telemetry: TurnTelemetry | None = None):
         self.engine = engine
         self._drafter_errors = drafter_errors or (lambda: {})
+        self.telemetry = telemetry if telemetry is not None else TurnTelemetry()
         self._commands: queue.Queue = queue.Queue()
         self._turns: dict[str, Turn] = {}  # sessions holding KV: running turns and idle persistent ones
         self._stop = threading.Event()
@@ -105,13 +112,17 @@ class Scheduler:
         self._thread.join(timeout)
 
     # --- called from any thread --------------------------------------------------------------------
-    def open(self, sid: str, prompt: list[int], params: DecodeParams, persistent: bool, sink: Sink) -> Turn:
-        turn = Turn(sid, sink, persistent)
+    def open(self, sid: str, prompt: list[int], params: DecodeParams, persistent: bool, sink: Sink,
+             trace: Context | None = None) -> Turn:
+        turn = Turn(sid, sink, persistent, trace=trace)
+        self.telemetry.arrived(turn)
         self._commands.put(lambda: self._open(turn, prompt, params))
         return turn
 
-    def continue_turn(self, sid: str, tokens: list[int], params: DecodeParams, sink: Sink) -> Turn:
-        turn = Turn(sid, sink, persistent=True)
+    def continue_turn(self, sid: str, tokens: list[int], params: DecodeParams, sink: Sink,
+                      trace: Context | None = None) -> Turn:
+        turn = Turn(sid, sink, persistent=True, trace=trace)
+        self.telemetry.arrived(turn)
         self._commands.put(lambda: self._continue(turn, tokens, params))
         return turn
 
@@ -155,6 +166,7 @@ class Scheduler:
         kv = self.engine.kv
         self.snapshot = Snapshot(kv.num_pages, kv.num_pages - kv.used_pages, len(self._turns),
                                  sum(t.running for t in self._turns.values()))
+        self.telemetry.refresh(self.snapshot.running_sessions, kv.used_pages, kv.num_pages)
 
     def _pages(self, rows: int) -> int:
         return -(-rows // self.engine.kv.page_size)
@@ -179,6 +191,7 @@ class Scheduler:
 
     def _open(self, turn: Turn, prompt: list[int], params: DecodeParams) -> None:
         sid = turn.sid
+        t0 = self.telemetry.admitting(turn)
         try:
             if sid in self._turns or sid in self.engine.sessions:
                 raise TurnError("ALREADY_EXISTS", f"session {sid!r} already exists on this verifier")
@@ -191,10 +204,12 @@ class Scheduler:
             return
         turn.prefill_tokens = len(prompt)
         self._turns[sid] = turn
+        self.telemetry.prefilled(turn, t0)
         self._emit_prefill(turn, s)
 
     def _continue(self, turn: Turn, tokens: list[int], params: DecodeParams) -> None:
         sid = turn.sid
+        t0 = self.telemetry.admitting(turn)
         prev = self._turns.get(sid)
         try:
             if prev is None:
@@ -213,6 +228,7 @@ class Scheduler:
             return
         turn.prefill_tokens = 1 + len(tokens)
         self._turns[sid] = turn
+        self.telemetry.prefilled(turn, t0)
         self._emit_prefill(turn, s)
 
     def _emit_prefill(self, turn: Turn, s: Session) -> None:
@@ -232,15 +248,18 @@ class Scheduler:
                 self._drop(turn.sid)
 
     def _step(self) -> None:
+        spans = self.telemetry.step_begin(self.engine)
         try:
             out = self.engine.step()
         except Exception as e:  # noqa: BLE001 - the engine failed: fail the running turns, keep serving
             log.exception("verify step failed")
+            self.telemetry.step_failed(spans, e)
             for sid, t in list(self._turns.items()):
                 if t.running:
                     _send(t, TurnError("INTERNAL", f"verify step failed: {e!r}"))
                     self._drop(sid)
             return
+        self.telemetry.step_end(self.engine, spans, out)
         errors = self._drafter_errors()
         for sid, tokens in out.items():
             turn = self._turns.get(sid)

@@ -6,6 +6,13 @@ builds the engine, runs one warm-up step through the chosen transport, starts th
 engine thread and only then reports SERVING. Generate streams one message per verify step; its
 cancellation or deadline releases the session on both services (`Scheduler.cancel`). SIGTERM
 drains: NOT_SERVING, new calls refused, running turns get the grace period to finish.
+
+Observability (DESIGN 6): every RPC runs in a SERVER span continuing the caller's W3C context
+(`telemetry.grpc_tracing`); Generate puts the GenAI attributes on it and hands its context to the
+scheduler, whose `TurnTelemetry` records the queue, prefill, per-step and transport spans. Metrics
+go to the process registry, served on `--metrics-listen`: requests by final status, TTFT and
+inter-token latency as this service streams, prompt and generated tokens here; the step loop's
+families in `TurnTelemetry`; drafter fallbacks in the stream client.
 """
 
 from __future__ import annotations
@@ -19,14 +26,19 @@ from pathlib import Path
 
 import grpc
 import torch
+from opentelemetry import trace
 
 from protos.ddtree.v1 import verifier_pb2, verifier_pb2_grpc
 from protos.serving import GrpcServer
 from protos.verifier_codec import event_to_pb, params_from_pb
+from telemetry import tracing
+from telemetry.grpc_tracing import TracingServerInterceptor
+from telemetry.metrics import STATUSES, Metrics, parse_hostport, process_metrics
 from verifier_service.engine import Engine, EngineConfig
 from verifier_service.scheduler import Scheduler, TurnError
 from verifier_service.session import MAX_BUDGET, DecodeParams
 from verifier_service.transport import TRANSPORTS, check_drafter_pair
+from verifier_service.turn_telemetry import TurnTelemetry
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
@@ -51,8 +63,11 @@ class VerifierServerConfig:
     draft_timeout_s: float = 5.0
     max_message_bytes: int = 64 << 20
     grace_s: float = 30.0
+    metrics_listen: str | None = None  # HOST:PORT of the Prometheus endpoint; None = not served
 
     def __post_init__(self):
+        if self.metrics_listen is not None:
+            parse_hostport(self.metrics_listen)  # ValueError naming the expected form
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
         if (self.transport == "inprocess") != (self.drafter_dir is not None and self.drafter_address is None):
@@ -78,8 +93,9 @@ class Loaded:
 
 
 class VerifierService(verifier_pb2_grpc.VerifierServicer):
-    def __init__(self, cfg: VerifierServerConfig):
+    def __init__(self, cfg: VerifierServerConfig, metrics: Metrics | None = None):
         self.cfg = cfg
+        self.metrics = metrics if metrics is not None else process_metrics()
         self.loaded: Loaded | None = None
         self.draining = False
 
@@ -91,6 +107,40 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
         return self.loaded
 
     async def Generate(self, request: verifier_pb2.GenerateRequest, context):
+        """`_generate` with the request's metrics and the GenAI attributes of its server span."""
+        m = self.metrics
+        timer = m.token_timer()
+        span = trace.get_current_span()  # the interceptor's SERVER span
+        if span.is_recording():
+            span.set_attributes({tracing.GEN_AI_OPERATION_NAME: "text_completion",
+                                 tracing.GEN_AI_CONVERSATION_ID: request.session_id,
+                                 tracing.GEN_AI_USAGE_INPUT_TOKENS: len(request.tokens),
+                                 **({tracing.GEN_AI_REQUEST_MODEL: self.loaded.model} if self.loaded else {})})
+        status, generated, finish = "unknown", 0, None
+        try:
+            async for msg in self._generate(request, context):
+                if msg.stats.prefill_tokens:
+                    m.prompt_tokens.inc(msg.stats.prefill_tokens)
+                timer.tokens(len(msg.tokens))
+                generated += len(msg.tokens)
+                if msg.HasField("finish_reason"):
+                    status = "ok"
+                    finish = verifier_pb2.FinishReason.Name(msg.finish_reason).removeprefix("FINISH_REASON_").lower()
+                yield msg
+        except grpc.aio.AbortError:
+            status = _status_name(context)
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
+            if status != "ok":
+                remaining = context.time_remaining()
+                status = "deadline_exceeded" if remaining is not None and remaining <= 0 else "cancelled"
+            raise
+        finally:
+            m.record_request(status)
+            if span.is_recording():
+                tracing.set_usage(span, output_tokens=generated, finish_reason=finish)
+
+    async def _generate(self, request: verifier_pb2.GenerateRequest, context):
         ld = await self._ready(context)
         sid = request.session_id
         if not SESSION_ID.match(sid):
@@ -110,10 +160,12 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
             loop.call_soon_threadsafe(events.put_nowait, ev)
 
         tokens = list(request.tokens)
+        span = trace.get_current_span()
+        ctx = trace.set_span_in_context(span) if span.is_recording() else None  # spans only for traced turns
         if request.continue_session:
-            turn = ld.scheduler.continue_turn(sid, tokens, params, sink)
+            turn = ld.scheduler.continue_turn(sid, tokens, params, sink, trace=ctx)
         else:
-            turn = ld.scheduler.open(sid, tokens, params, request.persistent, sink)
+            turn = ld.scheduler.open(sid, tokens, params, request.persistent, sink, trace=ctx)
         ended = False
         try:
             while True:

@@ -44,6 +44,8 @@ class Session:
     output: list[int] = field(default_factory=list)
     accepted_per_step: list[int] = field(default_factory=list)  # tokens committed per verify step
     tree_sizes: list[int] = field(default_factory=list)  # nodes verified per step (1 = autoregressive)
+    tree_depth: int = 0  # deepest node of the last verified tree (0 = autoregressive)
+    traceparent: str = ""  # W3C context the next draft request carries ("" = untraced; set by the scheduler)
     pending_start: int = 0  # position of pending_ctx[0]
     pending_ctx: torch.Tensor | None = None  # [n, F] taps not yet sent to the drafter
     finish_reason: str | None = None

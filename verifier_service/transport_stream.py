@@ -300,7 +300,8 @@ class DraftStreamClient:
                 start, feats = start + n - keep, feats[n - keep :]
             room -= keep * row_bytes
             step.sessions.append(draft_request_to_pb(
-                DraftRequest(r.session_id, start, feats, r.root_token, r.root_pos, r.budget, r.topk), arena))
+                DraftRequest(r.session_id, start, feats, r.root_token, r.root_pos, r.budget, r.topk, r.traceparent),
+                arena))
         if arena is not None:
             arena.sync()
             step.response_region_id = RESPONSE_REGION

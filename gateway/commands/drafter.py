@@ -23,7 +23,7 @@ def config_from_args(args):
     return DrafterServerConfig(listen=args.listen, target_dir=args.target, drafter_dir=args.drafter,
                                device=args.device, dtype=args.dtype, max_sessions=args.max_sessions,
                                draft_window=args.draft_window, max_message_bytes=message_bytes(args),
-                               grace_s=args.grace_s)
+                               grace_s=args.grace_s, metrics_listen=args.metrics_listen)
 
 
 def run(args, make_drafter=None) -> int:
@@ -32,4 +32,4 @@ def run(args, make_drafter=None) -> int:
     from drafter_service.server import serve
 
     serve_fn = functools.partial(serve, make_drafter=make_drafter) if make_drafter is not None else serve
-    return run_server(serve_fn, config_from_args(args), args.log_level)
+    return run_server(serve_fn, config_from_args(args), args.log_level, "ddtree-drafter")

