@@ -7,9 +7,10 @@ DFlash rule picks n layers spread over the target: round(1 + i*(N-4)/(n-1)).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from verifier_service.config import parse_config_file
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
@@ -93,14 +94,4 @@ class DFlashConfig:
 
     @classmethod
     def from_file(cls, path: str | Path) -> DFlashConfig:
-        p = Path(path)
-        if p.is_dir():
-            p = p / "config.json"
-        if not p.exists():
-            raise FileNotFoundError(f"{p}: no config.json for the drafter")
-        try:
-            return cls.from_dict(json.loads(p.read_text()))
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{p}: not valid JSON ({e})") from None
-        except ValueError as e:
-            raise ValueError(f"{p}: {e}") from None
+        return parse_config_file(path, cls.from_dict, "the drafter folder")

@@ -41,7 +41,7 @@ def split_host_port(listen: str) -> tuple[str, int]:
 
 class GrpcServer:
     def __init__(self, listen: str, service_names: list[str], max_message_bytes: int, grace_s: float,
-                 interceptors: list[grpc.aio.ServerInterceptor] | None = None):
+                 interceptors: list[grpc.aio.ServerInterceptor] | None = None, metrics_listen: str | None = None):
         if max_message_bytes <= 0 or grace_s < 0:
             raise ValueError("max message size must be positive and the grace period non-negative")
         self.listen = listen
@@ -52,6 +52,8 @@ class GrpcServer:
         self.address = ""
         self.stop_requested = asyncio.Event()
         self.draining = False
+        self.metrics_listen = metrics_listen  # served from start() until the end of drain()
+        self.metrics_server = None
 
     async def start(self) -> str:
         """Bind and start; every service reports NOT_SERVING. Returns the bound address."""
@@ -75,6 +77,7 @@ class GrpcServer:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stop_requested.set)
         announce("listening", self.address)
+        self.metrics_server = serve_metrics(self.metrics_listen)
         return self.address
 
     async def set_serving(self) -> None:
@@ -91,6 +94,9 @@ class GrpcServer:
         notice = min(DRAIN_NOTICE_S, self.grace_s)
         await asyncio.sleep(notice)
         await self.server.stop(self.grace_s - notice)
+        if self.metrics_server is not None:
+            self.metrics_server.close()
+            self.metrics_server = None
         announce("stopped", self.address)
 
 

@@ -224,14 +224,19 @@ class KimiConfig:
 
     @classmethod
     def from_file(cls, path: str | Path) -> KimiConfig:
-        p = Path(path)
-        if p.is_dir():
-            p = p / "config.json"
-        if not p.exists():
-            raise FileNotFoundError(f"{p}: no config.json (is this a Hugging Face model folder?)")
-        try:
-            return cls.from_dict(json.loads(p.read_text()))
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{p}: not valid JSON ({e})") from None
-        except ValueError as e:
-            raise ValueError(f"{p}: {e}") from None
+        return parse_config_file(path, cls.from_dict, "is this a Hugging Face model folder?")
+
+
+def parse_config_file(path: str | Path, parse, hint: str):
+    """Read `path` (a config.json or the folder holding one) and parse it; every error names the file."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    if not p.exists():
+        raise FileNotFoundError(f"{p}: no config.json ({hint})")
+    try:
+        return parse(json.loads(p.read_text()))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{p}: not valid JSON ({e})") from None
+    except ValueError as e:
+        raise ValueError(f"{p}: {e}") from None

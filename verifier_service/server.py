@@ -207,8 +207,17 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
         return msg
 
 
+def _status_name(context) -> str:
+    """The status an aborted call ends with, as a `ddtree_requests` label."""
+    code = context.code()
+    if not isinstance(code, grpc.StatusCode):
+        code = next((c for c in grpc.StatusCode if c.value[0] == code), grpc.StatusCode.UNKNOWN)
+    name = code.name.lower()
+    return name if name in STATUSES else "unknown"
+
+
 # --- loading -----------------------------------------------------------------------------------------
-def build_engine(cfg: VerifierServerConfig, stop: threading.Event) -> Loaded:
+def build_engine(cfg: VerifierServerConfig, stop: threading.Event, metrics: Metrics | None = None) -> Loaded:
     """Load the target, wire the drafter through the configured transport, warm up; blocking."""
     from verifier_service.batch_invariant import make_batch_invariant
     from verifier_service.checkpoint import load_target
@@ -232,7 +241,7 @@ def build_engine(cfg: VerifierServerConfig, stop: threading.Event) -> Loaded:
         client = DraftStreamClient(StreamClientConfig(
             cfg.drafter_address, colocated=cfg.transport == "colocated", region_device=device,
             draft_timeout_s=cfg.draft_timeout_s, max_message_bytes=cfg.max_message_bytes, window=cfg.draft_window,
-            client_id=f"verifier@{cfg.listen}"))
+            client_id=f"verifier@{cfg.listen}"), metrics=metrics)
         client.start()  # connects in the background while the target loads
         try:
             target = load_target(cfg.target_dir, dtype, device, tcfg)
@@ -250,18 +259,20 @@ def build_engine(cfg: VerifierServerConfig, stop: threading.Event) -> Loaded:
     engine.add([0, 1, 2], DecodeParams(max_new_tokens=2, budget=4, topk=2), sid=WARMUP_SID)
     engine.run_until_done()
     engine.release(WARMUP_SID)
-    scheduler = Scheduler(engine, client.take_errors if client is not None else None)
+    scheduler = Scheduler(engine, client.take_errors if client is not None else None,
+                          TurnTelemetry(metrics, transport=cfg.transport))
     scheduler.start()
     return Loaded(scheduler, engine, Path(cfg.target_dir).name, tcfg.eos_ids, block, client)
 
 
 async def serve(cfg: VerifierServerConfig) -> int:
     service = VerifierService(cfg)
-    server = GrpcServer(cfg.listen, [SERVICE_NAME], cfg.max_message_bytes, cfg.grace_s)
+    server = GrpcServer(cfg.listen, [SERVICE_NAME], cfg.max_message_bytes, cfg.grace_s,
+                        interceptors=[TracingServerInterceptor()], metrics_listen=cfg.metrics_listen)
     verifier_pb2_grpc.add_VerifierServicer_to_server(service, server.server)
     await server.start()
     stop_loading = threading.Event()
-    loading = asyncio.ensure_future(asyncio.to_thread(build_engine, cfg, stop_loading))
+    loading = asyncio.ensure_future(asyncio.to_thread(build_engine, cfg, stop_loading, service.metrics))
     stop = asyncio.ensure_future(server.stop_requested.wait())
     await asyncio.wait({loading, stop}, return_when=asyncio.FIRST_COMPLETED)
     if not loading.done():

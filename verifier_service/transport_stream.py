@@ -12,6 +12,9 @@ Context rows are kept per session until a drafter has acknowledged them (a valid
 so a new stream receives every row the old one may have missed (bounded by the draft window).
 Rows acknowledged by a drafter that later died are not replayed: acceptance recovers as the new
 drafter's window refills. A tree that fails validation fails only its session (`take_errors`).
+Every session-step without a tree because of the drafter counts in `ddtree_drafter_fallbacks{reason}`:
+unavailable (no stream), timeout, stream_broken (the stream failed or answered garbage), invalid_tree,
+not_ready (the drafter refused the session, e.g. no room or a context gap; its context is re-sent).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from kernels.tree_build import TreeBatch, tree_size
 from protos.codec import WireError, draft_request_to_pb, tensor_to_pb, trees_from_pb
 from protos.ddtree.v1 import drafter_pb2, drafter_pb2_grpc
 from protos.shared_region import RegionArena, SharedRegion
+from telemetry.metrics import Metrics
 from verifier_service.transport import DrafterModel, StreamClientConfig
 from verifier_service.tree_validation import validate_trees
 
@@ -38,6 +42,10 @@ REQUEST_REGION, RESPONSE_REGION = 1, 2
 
 class StreamBroken(Exception):
     pass
+
+
+class DraftTimeout(StreamBroken):
+    """No answer within the deadline."""
 
 
 class _Stream:
@@ -79,7 +87,7 @@ class _Stream:
         try:
             item = self._responses.get(timeout=timeout)
         except queue.Empty:
-            raise StreamBroken(f"no answer within {timeout:.2f} s") from None
+            raise DraftTimeout(f"no answer within {timeout:.2f} s") from None
         if isinstance(item, Exception):
             self._responses.put(item)  # later readers see it too
             raise item
@@ -96,8 +104,9 @@ class _Stream:
 class DraftStreamClient:
     """DraftClient over a Draft stream; thread-safe for one engine thread plus the reconnect thread."""
 
-    def __init__(self, cfg: StreamClientConfig):
+    def __init__(self, cfg: StreamClientConfig, metrics: Metrics | None = None):
         self.cfg = cfg
+        self.metrics = metrics if metrics is not None else Metrics()
         opts = [("grpc.max_send_message_length", cfg.max_message_bytes),
                 ("grpc.max_receive_message_length", cfg.max_message_bytes),
                 ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
@@ -245,6 +254,7 @@ class DraftStreamClient:
         s = self._stream
         if s is None or s.broken:
             self.stats["fallback_steps"] += 1
+            self.metrics.record_fallback("unavailable", len(requests))
             return self._assemble(requests, {})
         try:
             answered, rows, errors = self._exchange(s, requests)
@@ -252,8 +262,15 @@ class DraftStreamClient:
             if not isinstance(e, (StreamBroken, WireError)):
                 log.exception("draft step failed")
             self.stats["fallback_steps"] += 1
+            self.metrics.record_fallback("timeout" if isinstance(e, DraftTimeout) else "stream_broken", len(requests))
             self._on_broken(s, str(e))
             return self._assemble(requests, {})
+        if len(rows) < len(requests):
+            invalid = len(answered) - len(rows)
+            if invalid:
+                self.metrics.record_fallback("invalid_tree", invalid)
+            if errors:
+                self.metrics.record_fallback("not_ready", len(errors))
         for sid in answered:  # a tree came back (valid or not): this drafter holds the rows now
             self._pending.pop(sid, None)
             s.synced.add(sid)
