@@ -6,15 +6,20 @@ collide and closing a stream frees exactly its own sessions. Every request is ch
 model (feature width, vocabulary, budget, positions) and against the stream's history (context rows
 must continue where the session's previous rows ended); a bad request fails only its session,
 reported in `DraftTrees.errors`, and that session's context is dropped so the verifier resends it.
+Each step records the draft call's time and every session's outcome (`ddtree_draft_seconds`,
+`ddtree_draft_requests{status}`); a session whose request carries a traceparent gets a `ddtree.draft`
+span in its request's trace, timed by the batched draft call it shared.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 import grpc
 import torch
+from opentelemetry import trace
 
 from drafter_service.api import DraftRequest
 from drafter_service.drafter import Drafter
@@ -22,6 +27,8 @@ from kernels.tree_build import TreeBatch
 from protos.codec import WireError, draft_request_from_pb, tensor_from_pb, trees_to_pb
 from protos.ddtree.v1 import drafter_pb2
 from protos.shared_region import RegionArena, SharedRegion
+from telemetry import tracing
+from telemetry.metrics import Metrics
 from verifier_service.session import MAX_BUDGET
 
 log = logging.getLogger(__name__)
@@ -51,6 +58,8 @@ class DraftStream:
     feature_dim: int  # num_taps * target hidden size
     sessions: dict[str, int] = field(default_factory=dict)  # sid -> next expected context position
     faults: dict[str, SessionFault] = field(default_factory=dict)  # from `context` messages, told at the next step
+    metrics: Metrics = field(default_factory=Metrics)
+    tracer: trace.Tracer | None = None  # None: tracing is off in this process (no draft spans)
 
     def key(self, sid: str) -> str:
         return f"{self.number}/{sid}"
@@ -175,6 +184,7 @@ class DraftStream:
                     self.forget(m.session_id)
         trees = None
         if reqs:
+            t0, p0 = time.time_ns(), time.perf_counter()
             try:
                 trees = self.drafter.draft(reqs)
             except Exception as e:  # noqa: BLE001 - a model failure fails this step's sessions, not the server
@@ -187,9 +197,30 @@ class DraftStream:
             else:
                 for sid, r in zip(ids, reqs):
                     self.sessions[sid] = r.root_pos  # the root's tap arrives next
+                self.metrics.draft_seconds.observe(time.perf_counter() - p0)
+                if self.tracer is not None:
+                    self._spans(ids, reqs, trees, t0, time.time_ns())
+        self._count(len(ids), errors)
         if trees is None:
             z = torch.empty(0, 1, dtype=torch.int32)
             trees = TreeBatch(z, z, z, z, z, torch.empty(0, 1), [])
         msg = trees_to_pb(trees, ids, step.step_id, arena)
         msg.errors.extend(errors)
         return msg
+
+    # --- telemetry -----------------------------------------------------------------------------------
+    def _count(self, ok: int, errors: list[drafter_pb2.SessionError]) -> None:
+        if ok:
+            self.metrics.draft_requests.labels(status="ok").inc(ok)
+        for e in errors:
+            code = next((c for c in grpc.StatusCode if c.value[0] == e.code), grpc.StatusCode.UNKNOWN)
+            self.metrics.draft_requests.labels(status=code.name.lower()).inc()
+
+    def _spans(self, ids: list[str], reqs: list[DraftRequest], trees: TreeBatch, t0: int, t1: int) -> None:
+        """One `ddtree.draft` span per traced session, under the traceparent its request carried."""
+        for j, (sid, r) in enumerate(zip(ids, reqs)):
+            if r.traceparent:
+                attrs = tracing.step_attributes(tree_size=trees.n_nodes[j], budget=r.budget, batch_sessions=len(reqs))
+                attrs[tracing.GEN_AI_CONVERSATION_ID] = sid
+                tracing.record_span(self.tracer, tracing.SPAN_DRAFT, tracing.context_from_traceparent(r.traceparent),
+                                    t0, t1, attrs)

@@ -6,6 +6,11 @@ verifier that disconnects leaves nothing behind and two verifiers never collide 
 module is the gRPC edge: it reads the stream, hands each message to the stream's `DraftStream` on
 the one model thread (arrival order, so the event loop keeps answering health, reflection and Info
 while a step runs) and writes the answers. On drain, streams end after their current step.
+
+Observability: Info calls run in SERVER spans continuing the caller's W3C context; the long-lived Draft
+stream does not (it carries many requests: each session's draft span follows the traceparent in its
+request, see `draft_stream`). Metrics (`--metrics-listen`): draft call time, per-session draft requests
+by status, and the sessions holding a context cache (read at scrape time).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from pathlib import Path
 
 import grpc
 import torch
+from opentelemetry import trace
 
 from drafter_service.api import DraftRequest
 from drafter_service.draft_stream import DraftStream, ProtocolError
@@ -27,6 +33,9 @@ from drafter_service.drafter import Drafter
 from protos.ddtree.v1 import drafter_pb2, drafter_pb2_grpc
 from protos.serving import GrpcServer
 from protos.shared_region import SharedRegion
+from telemetry import tracing
+from telemetry.grpc_tracing import DEFAULT_EXCLUDE, TracingServerInterceptor
+from telemetry.metrics import Metrics, parse_hostport, process_metrics
 from verifier_service.session import MAX_BUDGET
 
 log = logging.getLogger(__name__)
@@ -44,8 +53,11 @@ class DrafterServerConfig:
     draft_window: int = 2048
     max_message_bytes: int = 64 << 20
     grace_s: float = 30.0
+    metrics_listen: str | None = None  # HOST:PORT of the Prometheus endpoint; None = not served
 
     def __post_init__(self):
+        if self.metrics_listen is not None:
+            parse_hostport(self.metrics_listen)  # ValueError naming the expected form
         for f in ("max_sessions", "draft_window", "max_message_bytes"):
             if getattr(self, f) <= 0:
                 raise ValueError(f"drafter server: {f} must be positive, got {getattr(self, f)}")
@@ -54,7 +66,8 @@ class DrafterServerConfig:
 
 
 class DrafterService(drafter_pb2_grpc.DrafterServicer):
-    def __init__(self, max_sessions: int, window: int):
+    def __init__(self, max_sessions: int, window: int, metrics: Metrics | None = None,
+                 tracer: trace.Tracer | None = None):
         self.drafter: Drafter | None = None  # set by attach() once loaded
         self.model_name = ""
         self.target_hidden = 0
@@ -64,6 +77,9 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         self._streams_lock = threading.Lock()  # opened on the event loop, closed on the model thread
         self._numbers = itertools.count(1)
         self._drain = asyncio.Event()
+        self.metrics = metrics if metrics is not None else process_metrics()
+        self.metrics.draft_sessions.set_function(self.active_sessions)  # evaluated at scrape time
+        self.tracer = tracer  # None: no draft spans (tracing off in this process)
 
     def attach(self, drafter: Drafter, model_name: str, target_hidden: int) -> None:
         self.drafter, self.model_name, self.target_hidden = drafter, model_name, target_hidden
@@ -78,6 +94,11 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+
+    def active_sessions(self) -> int:
+        """Sessions holding a context cache, all streams together."""
+        with self._streams_lock:
+            return sum(len(s.sessions) for s in self._streams.values())
 
     # --- Info --------------------------------------------------------------------------------------
     def info(self) -> drafter_pb2.DrafterInfo:
@@ -162,7 +183,8 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
             for r in regions.values():
                 r.close()
             raise
-        st = DraftStream(next(self._numbers), msg.client_id, regions, self.drafter, self.feature_dim)
+        st = DraftStream(next(self._numbers), msg.client_id, regions, self.drafter, self.feature_dim,
+                         metrics=self.metrics, tracer=self.tracer)
         with self._streams_lock:
             self._streams[st.number] = st
         return st
@@ -201,8 +223,12 @@ def load_drafter_service(cfg: DrafterServerConfig, service: DrafterService, make
 
 
 async def serve(cfg: DrafterServerConfig, make_drafter=Drafter) -> int:
-    service = DrafterService(cfg.max_sessions, cfg.draft_window)
-    server = GrpcServer(cfg.listen, [SERVICE_NAME], cfg.max_message_bytes, cfg.grace_s)
+    service = DrafterService(cfg.max_sessions, cfg.draft_window,
+                            tracer=tracing.get_tracer() if tracing.is_configured() else None)
+    # the Draft stream lives as long as the verifier's connection: no span for it (see the module docstring)
+    interceptor = TracingServerInterceptor(exclude_prefixes=(*DEFAULT_EXCLUDE, f"/{SERVICE_NAME}/Draft"))
+    server = GrpcServer(cfg.listen, [SERVICE_NAME], cfg.max_message_bytes, cfg.grace_s, interceptors=[interceptor],
+                        metrics_listen=cfg.metrics_listen)
     drafter_pb2_grpc.add_DrafterServicer_to_server(service, server.server)
     await server.start()
     loaded = asyncio.ensure_future(asyncio.to_thread(load_drafter_service, cfg, service, make_drafter))

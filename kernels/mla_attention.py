@@ -10,14 +10,20 @@ Scores: (q_lat . c_kv + q_pe . k_pe) * sm_scale; output is the latent-space valu
 ([T, H, kv_lora_rank]); the caller applies W_UV and o_proj.
 
 `mla_attention_ref` is the definition of correctness. `mla_attention` is the launcher: Triton
-kernels on CUDA (`_mla_kernels`: split-KV over chunks whose size depends only on the session's own
-committed length, tree/causal rows masked at the end of the last chunk, chunks merged by
-log-sum-exp in a fixed order, so results are batch invariant), the reference elsewhere.
-Launches: one attention kernel, plus one combine kernel. Grid sizes depend only on host-known
-shapes (T, S, block table width): no host sync, CUDA-graph capturable. Because the chunking does
-not depend on how many new rows a session has, a tree's root row equals the single-token (AR)
-result at the same prefix bit for bit (tested on the GPU). Limits: tree_bits <= 2 words (128
-nodes); page_size is a compile-time constant of the kernel.
+kernels on CUDA (`_mla_kernels`), the reference elsewhere. The kernels are position aligned: a
+query at absolute position p (L + depth for a tree node, L + j for a causal row) reduces over its
+keys at positions 0..p (committed rows, then its ancestors by depth, then itself) in an order that
+depends only on p: split-KV chunks of C(p) positions (C_MIN = 512 for p < 8192, else 16 chunks),
+tiles of BLOCK_N keys aligned at absolute positions, chunks merged by log-sum-exp in order. So a
+tree node at depth d computes bit for bit what the AR step at position L + d computes once the
+accepted path is compacted to L + depth (DESIGN 3.3, 3.5), a causal prefill row what the decode
+step at its position computes, and no row depends on the other rows or sessions of the launch
+(batch invariance). Tested bitwise in fp32 under the interpreter and in bf16 on the GPU.
+Launches: one attention kernel, plus one combine kernel when some row has more than one chunk.
+Grid sizes depend only on host-known shapes (T, H, block table width): no host sync, CUDA-graph
+capturable. Limits: tree_bits <= 2 words (128 nodes); page_size is a compile-time constant.
+Bit alignment needs parents to precede children in each session's node order (DESIGN 3.1);
+without it the result is still the reference's, only not aligned.
 """
 
 from __future__ import annotations
@@ -27,10 +33,10 @@ import triton
 
 from kernels._mla_kernels import _mla_combine_kernel, _mla_fwd_kernel
 
-_BLOCK_M = 64  # query rows (token, head) per tile: one token at 64 heads
-_BLOCK_N = 32  # KV rows per step (divides 32: a tree tile reads one 32-bit half of the bits)
-_NCH = 16  # at most this many KV chunks per session
-_C_MIN = 512  # smallest chunk: bounds the partial traffic for short prefixes
+_BLOCK_M = 64  # largest query tile: the heads of one token (64 at Kimi)
+_BLOCK_N = 32  # keys per tile; tiles sit at absolute multiples of BLOCK_N
+_NCH = 16  # at most this many KV chunks per query row
+_C_MIN = 512  # chunk size for rows of <= NCH * C_MIN keys: bounds the partial traffic
 _LOG2E = 1.4426950408889634
 
 
@@ -91,13 +97,13 @@ def mla_attention_triton(q_lat, q_pe, kv_cache, block_table, page_size, cu_q, pr
     """The Triton path on any device (tests call it on CPU under TRITON_INTERPRET=1).
 
     q_lat/q_pe are cast to the cache dtype; `out` ([T, H, Dl], optional) is written in place.
-    The keywords are tuning knobs for benchmarks; `nch`/`c_min` define the KV chunking, so a
-    deployment must keep them fixed (batch invariance holds for any fixed value)."""
+    The keywords are tuning knobs for benchmarks; `block_n`/`nch`/`c_min` define the reduction order,
+    so a deployment must keep them fixed (position alignment holds for any fixed value)."""
     T, H, Dl = q_lat.shape
     Dr = q_pe.shape[-1]
     S = prefix_lens.shape[0]
-    if block_n not in (16, 32):
-        raise ValueError("mla_attention: block_n must divide 32 (tree tiles read 32-bit halves of the bits)")
+    if block_n not in (16, 32, 64) or c_min % block_n:
+        raise ValueError("mla_attention: block_n must be 16, 32 or 64 and divide c_min")
     q_lat = q_lat.to(kv_cache.dtype)
     q_pe = q_pe.to(kv_cache.dtype)
     if out is None:
@@ -117,30 +123,32 @@ def mla_attention_triton(q_lat, q_pe, kv_cache, block_table, page_size, cu_q, pr
                          "contiguous rows")
     bdl = max(16, triton.next_power_of_2(Dl))
     bdr = max(16, triton.next_power_of_2(Dr))
-    tiles = triton.cdiv(T * H, _BLOCK_M) + S  # >= sum over sessions of cdiv(n_s * H, BLOCK_M)
-    cap = block_table.shape[1] * page_size  # no session holds more rows than its block table maps
-    grid_c = max(1, min(nch, triton.cdiv(cap, c_min)))  # >= chunks of any length <= cap (C >= c_min, L/nch)
+    block_m = min(_BLOCK_M, max(16, triton.next_power_of_2(H)))  # one token's heads (tl.dot needs >= 16)
+    ht = triton.cdiv(H, block_m)  # query tiles per token
+    tiles = T * ht
+    cap = block_table.shape[1] * page_size  # every position a row can see is < cap
+    grid_c = max(1, min(nch, triton.cdiv(cap, c_min)))  # >= nc(p) for any p < cap
     parts = tiles * grid_c if grid_c > 1 else 1
-    po = torch.empty(parts, _BLOCK_M, bdl, dtype=torch.float32, device=q_lat.device)
-    pml = torch.empty(parts, 2, _BLOCK_M, dtype=torch.float32, device=q_lat.device)
+    po = torch.empty(parts, block_m, bdl, dtype=torch.float32, device=q_lat.device)
+    pml = torch.empty(parts, 2, block_m, dtype=torch.float32, device=q_lat.device)
+    nc = torch.empty(tiles, dtype=torch.int32, device=q_lat.device)
     bits = tree_bits if tree_bits is not None else prefix_lens  # dummy pointer when causal
     prec = "ieee" if kv_cache.dtype == torch.float32 else "tf32"
-    s_pad = max(16, triton.next_power_of_2(S + 1))
+    s_pad = max(16, triton.next_power_of_2(S))
     _mla_fwd_kernel[(tiles, grid_c)](
-        q_lat, q_pe, kv_cache, block_table, cu_q, prefix_lens, bits, out, po, pml,
-        S, H, sm_scale * _LOG2E,
+        q_lat, q_pe, kv_cache, block_table, cu_q, prefix_lens, bits, out, po, pml, nc,
+        S, H, ht, grid_c, sm_scale * _LOG2E,
         q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), kv_cache.stride(0),
         block_table.stride(0), bits.stride(0), out.stride(0), out.stride(1),
-        DL=Dl, DR=Dr, BDL=bdl, BDR=bdr, PAGE=page_size, BLOCK_M=_BLOCK_M, BLOCK_N=block_n, NCH=nch,
+        DL=Dl, DR=Dr, BDL=bdl, BDR=bdr, PAGE=page_size, BLOCK_M=block_m, BLOCK_N=block_n, NCH=nch,
         C_MIN=c_min, S_PAD=s_pad, TREE=tree_bits is not None,
-        TWO_WORDS=tree_bits is not None and tree_bits.shape[1] > 1, PREC=prec,
+        NB=64 * (tree_bits.shape[1] if tree_bits is not None else 1), PREC=prec,
         num_warps=num_warps, num_stages=num_stages)
     if grid_c > 1:
         block_d = min(bdl, 128)
         _mla_combine_kernel[(tiles, triton.cdiv(bdl, block_d))](
-            po, pml, cu_q, prefix_lens, out, S, H, out.stride(0), out.stride(1),
-            DL=Dl, BDL=bdl, BLOCK_D=block_d, BLOCK_M=_BLOCK_M, BLOCK_N=block_n, NCH=nch, C_MIN=c_min,
-            S_PAD=s_pad, num_warps=4)
+            po, pml, nc, out, H, ht, grid_c, out.stride(0), out.stride(1),
+            DL=Dl, BDL=bdl, BLOCK_D=block_d, BLOCK_M=block_m, num_warps=4)
     return out
 
 

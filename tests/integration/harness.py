@@ -34,12 +34,12 @@ def free_port() -> int:
 
 
 class Service:
-    def __init__(self, name: str, argv: list[str], module: str = "gateway.cli"):
+    def __init__(self, name: str, argv: list[str], module: str = "gateway.cli", env: dict[str, str] | None = None):
         self.name = name
         self.events: queue.Queue = queue.Queue()
         self.seen: dict[str, dict] = {}
         self._stderr = tempfile.NamedTemporaryFile(prefix=f"ddtree-{name}-", suffix=".log", delete=False)
-        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
         self.proc = subprocess.Popen([sys.executable, "-m", module, *argv], cwd=REPO, env=env,
                                      stdout=subprocess.PIPE, stderr=self._stderr, text=True, start_new_session=True)
         threading.Thread(target=self._read, daemon=True).start()

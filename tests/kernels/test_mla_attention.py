@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.mla_attention import _C_MIN, mla_attention, mla_attention_ref, mla_attention_triton
+from kernels.mla_attention import (_C_MIN, mla_attention, mla_attention_ref, mla_attention_triton,
+                                   session_slots)
 from kernels.tree_mask import ancestor_mask, pack_mask_bits
 
 CUDA = torch.cuda.is_available()
@@ -114,6 +115,93 @@ def test_mla_launcher_dispatch():
     assert_close(mla_attention(*args, 0.3), reference(args, 0.3), TOL[torch.float32], "launcher")
     with pytest.raises(ValueError):
         mla_attention(args[0][:, :2], *args[1:], 0.3)
+
+
+# ------------------------------------------- position alignment: tree node == AR step at its position
+
+
+def deep_tree_bits(n: int, words: int, g: torch.Generator) -> torch.Tensor:
+    """[n, words] int64 ancestor bits of a random tree with long chains (parent among the 3 latest nodes)."""
+    parent = torch.tensor([-1] + [max(0, i - 1 - int(torch.randint(0, 3, (1,), generator=g))) for i in range(1, n)])
+    bits = pack_mask_bits(ancestor_mask(parent[None])[0])
+    return torch.cat([bits, torch.zeros(n, words - bits.shape[1], dtype=torch.int64)], 1)
+
+
+def ancestors(bits_row: list[int]) -> list[int]:
+    """Node indices whose bit is set, in index order = depth order (parents precede children)."""
+    return [k for k in range(64 * len(bits_row)) if (bits_row[k // 64] >> (k % 64)) & 1]
+
+
+def paged(rows: torch.Tensor, page: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """rows [R, D] -> (pool holding them at shuffled pages, NaN elsewhere; block table [1, P] int32)."""
+    P = -(-rows.shape[0] // page) + 1
+    bt = torch.randperm(P + 1, generator=g)[:P]
+    kv = torch.full(((P + 1) * page, rows.shape[1]), float("nan"), dtype=rows.dtype, device=rows.device)
+    idx = torch.arange(rows.shape[0])
+    kv[(bt[idx // page] * page + idx % page).to(rows.device)] = rows
+    return kv, bt[None].int().to(rows.device)
+
+
+def assert_bitwise(out: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    if not torch.equal(out, want):
+        diff = (out.double() - want.double()).abs().nan_to_num(float("inf"))
+        i = tuple(int(v) for v in torch.unravel_index(diff.argmax(), diff.shape))
+        raise AssertionError(f"{what}: not bitwise equal ({int((diff > 0).sum())} elements differ); worst at {i}: "
+                             f"{float(out[i]):.9g} vs {float(want[i]):.9g}")
+
+
+def check_alignment(prefix, ns, checked, H, Dl, Dr, page, dtype, words, scale, nodes=None, **kw):
+    """Tree verify of several sessions; each node of the sessions in `checked` (optionally only
+    `nodes`) must give, bit for bit, the row computed in a cache holding the AR layout (committed
+    rows, the node's ancestors at L..L+d-1, itself at L+d; on other pages) by a causal decode at
+    L+d and by the 1-node tree the engine's AR step sends; and each leaf's whole path the rows of a
+    causal chain prefill from L (the prefill rows of the AR layout)."""
+    g = torch.Generator().manual_seed(sum(prefix) + words)
+    args = make_batch(prefix, ns, H, Dl, Dr, page, dtype, True, seed=len(ns) + words)
+    bits = torch.cat([deep_tree_bits(n, words, g) for n in ns]).to(DEV)
+    args = (*args[:7], bits)
+    q, qpe, kv, bt, _, cu, _, _ = args
+    out = run_kernel(args, scale, **kw)
+    host_bits = bits.tolist()
+    i32 = dict(dtype=torch.int32, device=DEV)
+    root = torch.zeros(1, words, dtype=torch.int64, device=DEV)
+    root[0, 0] = 1
+    for s in checked:
+        L, t0, n = prefix[s], int(cu[s]), ns[s]
+        rows = kv[session_slots(bt, page, s, L + n)]  # [L + n, Dl + Dr] session s in logical order
+        paths = {i: ancestors(host_bits[t0 + i]) for i in (nodes or range(n))}
+        inner = {a for path in paths.values() for a in path[:-1]}
+        for i, path in paths.items():
+            d, t = len(path) - 1, t0 + i
+            kv_ar, bt_ar = paged(torch.cat([rows[:L], rows[L + torch.tensor(path, device=DEV)]]), page, g)
+            for name, tb in (("causal decode", None), ("AR step (1-node tree)", root)):
+                one = (q[t : t + 1], qpe[t : t + 1], kv_ar, bt_ar, page, torch.tensor([0, 1], **i32),
+                       torch.tensor([L + d], **i32), tb)
+                assert_bitwise(run_kernel(one, scale, **kw)[0], out[t], f"session {s} node {i} depth {d}: {name}")
+            if i not in inner:  # a leaf of the checked set: its chain covers its ancestors
+                idx = t0 + torch.tensor(path, device=DEV)
+                chain = (q[idx], qpe[idx], kv_ar, bt_ar, page, torch.tensor([0, d + 1], **i32),
+                         torch.tensor([L], **i32), None)
+                assert_bitwise(run_kernel(chain, scale, **kw), out[idx], f"session {s} path to {i}: causal prefill")
+
+
+ALIGN_CASES = [  # prefix lens, tree sizes, sessions checked, H, Dl, Dr, page, bit words, knobs
+    ([520, 40], [10, 5], [0, 1], 4, 32, 8, 16, 1, {}),  # 2 chunks of 512 (combine), a one-chunk session
+    ([118, 3], [16, 5], [0], 4, 32, 8, 16, 2, dict(nch=4, c_min=32, block_n=16)),  # C(p): 32 -> 48 at p = 128
+    ([0, 45], [14, 9], [0, 1], 3, 48, 16, 3, 1, dict(nch=4, c_min=16, block_n=16)),  # tree at position 0
+]
+
+
+@pytest.mark.parametrize("prefix,ns,checked,H,Dl,Dr,page,words,kw", ALIGN_CASES)
+def test_mla_tree_node_equals_ar_step_bitwise(prefix, ns, checked, H, Dl, Dr, page, words, kw):
+    """fp32 under the interpreter: exact equality (the GPU test below does the same in bf16)."""
+    check_alignment(prefix, ns, checked, H, Dl, Dr, page, torch.float32, words, 0.3, **kw)
+
+
+def test_mla_alignment_fp16_and_second_bit_word():
+    """fp16; nodes 64.. of a 66-node tree (their paths read the second bit word)."""
+    check_alignment([70], [66], [0], 4, 32, 8, 16, torch.float16, 2, 0.3, nodes=[5, 63, 64, 65],
+                    nch=4, c_min=32, block_n=16)
 
 
 # ---------------------------------------------------------------- GPU: Kimi K2.6 shapes
