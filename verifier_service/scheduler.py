@@ -204,7 +204,7 @@ class Scheduler:
             return
         turn.prefill_tokens = len(prompt)
         self._turns[sid] = turn
-        self.telemetry.prefilled(turn, t0)
+        self.telemetry.prefilled(turn, s, t0)
         self._emit_prefill(turn, s)
 
     def _continue(self, turn: Turn, tokens: list[int], params: DecodeParams) -> None:
@@ -228,7 +228,7 @@ class Scheduler:
             return
         turn.prefill_tokens = 1 + len(tokens)
         self._turns[sid] = turn
-        self.telemetry.prefilled(turn, t0)
+        self.telemetry.prefilled(turn, s, t0)
         self._emit_prefill(turn, s)
 
     def _emit_prefill(self, turn: Turn, s: Session) -> None:

@@ -41,7 +41,8 @@ class TurnTelemetry:
         self.metrics = metrics if metrics is not None else Metrics()
         self.tracer = tracer if tracer is not None else tracing.get_tracer()
         self.transport = transport  # the ddtree.transport attribute of transport spans
-        self._traced: dict[str, Turn] = {}  # admitted turns with a recording request span, by session id
+        # admitted turns with a recording request span and their engine session, by session id
+        self._traced: dict[str, tuple[Turn, Session]] = {}
         self._step_t0 = 0.0
 
     # --- admission (any thread, then the engine thread) ------------------------------------------
@@ -59,13 +60,13 @@ class TurnTelemetry:
         tracing.record_span(self.tracer, tracing.SPAN_QUEUE, turn.trace, turn.arrival_ns, now)
         return now
 
-    def prefilled(self, turn: Turn, start_ns: int) -> None:
+    def prefilled(self, turn: Turn, s: Session, start_ns: int) -> None:
         """The turn was admitted and its prompt (turn.prefill_tokens) ran; it takes part in steps from now."""
         if turn.trace is None:
             return
         tracing.record_span(self.tracer, tracing.SPAN_PREFILL, turn.trace, start_ns, time.time_ns(),
                             {tracing.GEN_AI_USAGE_INPUT_TOKENS: turn.prefill_tokens})
-        self._traced[turn.sid] = turn
+        self._traced[turn.sid] = (turn, s)
 
     def refresh(self, running: int, used_pages: int, total_pages: int) -> None:
         self.metrics.running_sessions.set(running)
@@ -79,9 +80,9 @@ class TurnTelemetry:
             return {}
         t0 = time.time_ns()
         spans: StepSpans = {}
-        for sid, turn in list(self._traced.items()):
-            s = engine.sessions.get(sid)
-            if s is None or not turn.running or s.done:  # finished, cancelled or released since the last step
+        for sid, (turn, s) in list(self._traced.items()):
+            # finished, cancelled or released since the last step (the id may even name a new session now)
+            if engine.sessions.get(sid) is not s or not turn.running or s.done:
                 del self._traced[sid]
                 continue
             step = self.tracer.start_span(tracing.SPAN_VERIFY_STEP, context=turn.trace, start_time=t0)

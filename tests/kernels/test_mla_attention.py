@@ -2,8 +2,11 @@
 
 CPU: the Triton kernels under TRITON_INTERPRET=1 at small shapes (4 heads, latent 32 + rope 8) in
 fp32/fp16: prefix 0, ragged and multi-chunk prefixes, trees of 1 and 65 nodes, causal prefill,
-pages shuffled in the pool and every unused slot NaN. GPU (marked `gpu`): 64 heads, 512 + 64, bf16,
-prefixes up to 33k, plus batch invariance (a session alone vs inside a batch of 64: bitwise equal).
+pages shuffled in the pool and every unused slot NaN. Position alignment (exact equality): every
+tree node's row equals the causal decode, the 1-node-tree AR step and the causal prefill row at
+its position in a cache holding the AR layout (prefix + its ancestors + itself).
+GPU (marked `gpu`): 64 heads, 512 + 64, bf16, prefixes up to 33k, batch invariance (a session
+alone vs inside a batch of 64: bitwise equal) and the same position alignment in bf16.
 """
 
 from __future__ import annotations
@@ -11,8 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.mla_attention import (_C_MIN, mla_attention, mla_attention_ref, mla_attention_triton,
-                                   session_slots)
+from kernels.mla_attention import _C_MIN, mla_attention, mla_attention_ref, mla_attention_triton, session_slots
 from kernels.tree_mask import ancestor_mask, pack_mask_bits
 
 CUDA = torch.cuda.is_available()
@@ -82,7 +84,7 @@ CASES = [  # prefix lens, new tokens per session, tree?
     ([5], [1], False),  # decode
     ([0], [1], True),  # tree of 1 node, empty prefix
     ([0, 37, 2 * _C_MIN + 100], [3, 1, 5], True),  # prefix 0, ragged, 3 KV chunks
-    ([700, 0, 64], [65, 2, 0], True),  # 65-node tree (two bit words), a session with no query
+    ([530, 0, 64], [65, 2, 0], True),  # 65-node tree (two bit words, 2 chunks), a session with no query
     ([0], [70], False),  # causal prefill
     ([129, 3], [33, 4], False),  # chunked prefill after a prefix
 ]
@@ -200,8 +202,8 @@ def test_mla_tree_node_equals_ar_step_bitwise(prefix, ns, checked, H, Dl, Dr, pa
 
 def test_mla_alignment_fp16_and_second_bit_word():
     """fp16; nodes 64.. of a 66-node tree (their paths read the second bit word)."""
-    check_alignment([70], [66], [0], 4, 32, 8, 16, torch.float16, 2, 0.3, nodes=[5, 63, 64, 65],
-                    nch=4, c_min=32, block_n=16)
+    check_alignment([10], [66], [0], 4, 32, 8, 16, torch.float16, 2, 0.3, nodes=[5, 63, 64, 65],
+                    nch=4, c_min=64, block_n=16)
 
 
 # ---------------------------------------------------------------- GPU: Kimi K2.6 shapes
@@ -242,3 +244,16 @@ def test_mla_batch_invariance(n_probe):
     root = (q[t0:t0 + 1], qpe[t0:t0 + 1], kv, bt[23:24], page, torch.tensor([0, 1], dtype=torch.int32, device=DEV),
             pre[23:24], bits[t0:t0 + 1])
     assert torch.equal(run_kernel(root, SCALE)[0], out_big[t0])
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("prefix,ns,checked,words", [
+    ([2900, 8185, 700], [65, 17, 9], [0, 1], 2),  # 6 chunks; C(p) goes 512 -> 544 inside session 1's tree
+    ([8180, 33000, 0], [40, 9, 20], [0, 1, 2], 1),  # one bit word (budgets <= 63); 16 chunks of 2064; prefix 0
+])
+def test_mla_tree_node_equals_ar_step_bitwise_bf16(prefix, ns, checked, words):
+    """The position-alignment invariant at Kimi shapes in bf16: every node of the checked sessions
+    equals the causal decode / AR step / prefill row at its position in the AR layout, bitwise."""
+    check_alignment(prefix, ns, checked, KIMI["H"], KIMI["Dl"], KIMI["Dr"], KIMI["page"], torch.bfloat16, words,
+                    SCALE)
