@@ -94,7 +94,6 @@ def main():
         flex = torch.compile(flex_attention, dynamic=False)
     gen = torch.Generator().manual_seed(0)
     cgen = torch.Generator(device="cuda").manual_seed(0)
-    records = []
     print(f"{'B':>3} {'L':>6} {'n':>3} {'ms':>8} {'floor':>8} {'ratio':>6} {'TFLOP/s':>7}  peers (ms)", flush=True)
     for B in BATCH:
         for L in PREFIX:
@@ -143,13 +142,12 @@ def main():
                                            bytes=nbytes, flops=flops, timing="cuda_graph_replay",
                                            config=kw or "default"),
                                **info, ms=ms, floor_ms=floor_ms, ratio=floor_ms / ms, peers=peers, **ceil)
-                    records.append(rec)
+                    write_jsonl(args_cli.out, [rec])  # one line at a time: a cut-off run keeps what it measured
                     pe = "  ".join(f"{a}={b:.3f}" for a, b in peers.items() if isinstance(b, float))
                     print(f"{B:>3} {L:>6} {n:>3} {ms:8.4f} {floor_ms:8.4f} {floor_ms / ms:6.3f} "
                           f"{flops / ms / 1e9:7.0f}  {pe}  {kw or ''}", flush=True)
                 del args, out
                 torch.cuda.empty_cache()
-    write_jsonl(args_cli.out, records)
 
 
 if __name__ == "__main__":

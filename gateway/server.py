@@ -26,10 +26,14 @@ from gateway.text_tokenizer import load_text_tokenizer
 from gateway.verifier_client import VerifierClient
 from protos.ddtree.v1 import gateway_pb2, gateway_pb2_grpc
 from protos.serving import GrpcServer, announce, split_host_port
-from telemetry.metrics import parse_hostport, process_metrics, start_metrics_server
+from telemetry.grpc_tracing import DEFAULT_EXCLUDE, TracingServerInterceptor
+from telemetry.metrics import process_metrics
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
+# Generate opens its own GenAI SERVER span in GatewayCore (shared with the HTTP routes); the interceptor
+# traces the other RPCs (sessions, Info, ListModels) the way the verifier and the drafter trace theirs
+UNTRACED = (*DEFAULT_EXCLUDE, f"/{SERVICE_NAME}/Generate")
 WATCH_PERIOD_S = 2.0
 
 
@@ -59,19 +63,17 @@ async def serve(cfg: GatewayConfig) -> int:
     verifier = VerifierClient(cfg.verifier_address, cfg.max_message_bytes)
     state = GatewayState(cfg, tokenizer, verifier, metrics)
     core, sessions = GatewayCore(state), SessionAPI(state)
-    server = GrpcServer(cfg.listen, [SERVICE_NAME], cfg.max_message_bytes, cfg.grace_s)
+    server = GrpcServer(cfg.listen, [SERVICE_NAME], cfg.max_message_bytes, cfg.grace_s,
+                        interceptors=[TracingServerInterceptor(exclude_prefixes=UNTRACED)],
+                        metrics_listen=cfg.metrics_listen)  # the process registry: the one `metrics` records into
     gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayService(state, core, sessions), server.server)
     await server.start()
-    runner = metrics_server = None
+    runner = None
     tasks: list[asyncio.Task] = []
     try:
         if cfg.http_listen:
             runner, http_address = await _start_http(OpenAIRoutes(state, core, sessions), cfg.http_listen, cfg.grace_s)
             announce("http_listening", http_address)
-        if cfg.metrics_listen:
-            host, port = parse_hostport(cfg.metrics_listen)
-            metrics_server = start_metrics_server(host, port, metrics.registry)
-            announce("metrics_listening", f"{cfg.metrics_listen.rpartition(':')[0]}:{metrics_server.port}")
         vmodel = await verifier.wait_ready(server.stop_requested)
         if vmodel is not None:
             state.attach(vmodel)
@@ -89,6 +91,4 @@ async def serve(cfg: GatewayConfig) -> int:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(sessions.close_all(), 10)
         await verifier.close()
-        if metrics_server is not None:
-            metrics_server.close()
     return 0

@@ -22,7 +22,7 @@ from gateway.params import Defaults, Limits
 from gateway.sessions import SessionStore
 from gateway.text_tokenizer import TextTokenizer, chat_stop_ids
 from gateway.verifier_client import VerifierClient, VerifierModel
-from telemetry.metrics import Metrics
+from telemetry.metrics import Metrics, parse_hostport
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +56,8 @@ class GatewayConfig:
             raise ValueError("gateway: the grace period must be >= 0 and the message size positive")
         if self.api_key is not None and not self.api_key:
             raise ValueError("gateway: an empty API key would accept anyone; leave DDTREE_API_KEY unset instead")
+        if self.metrics_listen is not None:
+            parse_hostport(self.metrics_listen)  # ValueError naming the expected form, before anything starts
         Defaults(self.default_max_tokens, self.default_draft_budget, self.default_draft_topk)  # validates
 
 

@@ -1,13 +1,12 @@
-"""Position-aligned absorbed MLA attention: a tree node gets the bits of the AR step at its position.
+"""Position-aligned absorbed MLA attention on the invariant GEMMs: an independent exact construction.
 
-`kernels.mla_attention` is batch invariant (a row's result does not depend on the other rows or
-sessions of the launch), so a tree's root equals the AR step at the same prefix bit for bit. A
-node at depth d >= 1 still differs from the AR step that computes the same token: the kernel walks
-the committed prefix [0, L) in tiles aligned at 0 and then the tree rows in a tile of their own,
-while the AR step at committed length L + d has the ancestors inside its prefix tiles. Different
-tile boundaries mean a different online-softmax rescaling sequence and different bf16 roundings
-of the probabilities. Accepted nodes keep their KV rows, so every later token (roots included)
-reads rows AR never wrote, and a near-tie argmax can flip (seen on the H200, tests/unit/test_gpu_exact.py).
+A tree node at depth d must get the bits of the AR step at its position: accepted nodes keep their
+KV rows, so any difference reaches every later token, and a near-tie argmax can flip. Different
+tile boundaries over a node's keys than over the AR step's (e.g. the prefix tiled from 0 and the
+tree rows in a tile of their own) mean a different online-softmax rescaling sequence and different
+roundings, which is what `kernels.mla_attention` did before it was made position aligned itself.
+This module reaches the same property by another route and stays as a cross-check
+(`make_batch_invariant(model, attention="aligned")`, tests/unit/test_gpu_exact.py).
 
 This op orders each query's keys by absolute position (committed rows 0..L-1, then its visible new
 rows in node order = ancestors by depth, then itself), so the query at absolute position p sees

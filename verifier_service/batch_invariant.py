@@ -20,15 +20,15 @@ launch whose per-row work does not depend on the number of rows:
   - sum of the k (<= 8) routing weights: torch reduces rows that short with one fixed 8-lane tree
     whatever the row count (block width = min(pow2(row length), 32));
   - routed experts (`kernels.int4_moe`) and attention (`kernels.mla_attention`): batch-invariant
-    Triton kernels (fixed K and KV-chunk orders), the latter with one caveat below;
+    Triton kernels (fixed K and KV-chunk orders); the attention is also position aligned, below;
   - sampler: argmax (exact, first index on ties) and `kernels.sampling` (one program per row).
-Attention caveat: `mla_attention` gives a tree's root the AR bits (same prefix KV), but a node at
-depth >= 1 is reduced over a different tiling of its keys than the AR step at the same position
-(see `verifier_service.aligned_attention`); once accepted, its KV rows differ from AR's and every
-later token reads them. Measured on the H200 (kimi-mini, bf16, 3 prompts): with "kernel" the
-outputs diverge at budgets 4 and 16; with `attention="aligned"` (the position-aligned op) greedy
-DDTree == AR and every AR-path node's logits equal AR's bitwise at budgets 4/16/64. "aligned"
-costs O(tokens x context) memory and time: for checks and small contexts, not K2.6 serving.
+Attention: `mla_attention` reduces a query's keys by absolute position (committed rows, then its
+tree ancestors by depth, then itself) in an order that depends only on the query's position, so a
+tree node at depth d gets the bits of the AR step at L + d, and once accepted (path compacted to
+L + depth) writes the KV rows AR writes. With the default `attention="kernel"` greedy DDTree ==
+AR bit for bit (tests/unit/test_gpu_exact.py, H200, bf16). `attention="aligned"` swaps in
+`verifier_service.aligned_attention`, an independent exact construction built on the invariant
+GEMMs: O(tokens x context) memory and time, kept as a cross-check for small models.
 
 `remove_batch_invariance(model)` undoes the swaps. The CPU path never needs this (torch's CPU
 kernels here are row-invariant for the fp32/fp64 tests), but the swapped model also runs there:
@@ -105,8 +105,8 @@ def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
 def make_batch_invariant(model: nn.Module, attention: str = "kernel") -> nn.Module:
     """Rebind the target's row-count-dependent ops to batch-invariant kernels, in place; returns model.
 
-    attention: "kernel" keeps `kernels.mla_attention` (fast; root rows exact), "aligned" uses
-    `aligned_mla_attention` (exact at every tree depth; O(tokens x context), for checks)."""
+    attention: "kernel" keeps `kernels.mla_attention` (fast, position aligned: DDTree == AR), "aligned"
+    uses `aligned_mla_attention` (the same exactness by another route; O(tokens x context), for checks)."""
     if attention not in ATTENTION:
         raise ValueError(f"attention must be one of {ATTENTION}, got {attention!r}")
     params = list(model.parameters())

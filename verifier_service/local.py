@@ -34,9 +34,9 @@ def build_local_engine(target_dir: str | Path, drafter_dir: str | Path | None, d
     """Validate both configs (no weights touched), then load and wire the pair.
 
     batch_invariant (CUDA only): True swaps the target's GEMMs and norms for batch-invariant kernels
-    (`verifier_service.batch_invariant`, attention stays `kernels.mla_attention`; also "kernel"); "aligned" also
-    swaps in the position-aligned attention, with which greedy DDTree == AR bit for bit (cost
-    O(tokens x context): small models, checks); False keeps cuBLAS."""
+    (`verifier_service.batch_invariant`, attention stays `kernels.mla_attention`, position aligned: greedy
+    DDTree == AR bit for bit; also "kernel"); "aligned" also swaps in the cross-check attention of
+    `verifier_service.aligned_attention` (cost O(tokens x context): small models, checks); False keeps cuBLAS."""
     if batch_invariant not in (True, False, "kernel", "aligned"):
         raise ValueError(f"batch_invariant must be True, False, 'kernel' or 'aligned', got {batch_invariant!r}")
     device = device or default_device()

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 
+from gateway.commands.server_flags import run_server
+
 API_KEY_ENV = "DDTREE_API_KEY"
 
 
@@ -59,13 +61,7 @@ def config_from_args(args, env=None):
 
 
 def run(args) -> int:
-    import asyncio
-
     from gateway.server import serve
-    from protos.serving import setup_logging
-    from telemetry.tracing import configure_tracing
 
-    cfg = config_from_args(args)
-    setup_logging(args.log_level)
-    configure_tracing(os.environ, "ddtree-gateway")
-    return asyncio.run(serve(cfg))
+    # logging, then tracing from OTEL_* exactly as the verifier and the drafter set it up
+    return run_server(serve, config_from_args(args), args.log_level, "ddtree-gateway")

@@ -1,4 +1,5 @@
-"""Flags shared by the long-running `ddtree ... serve` commands (drafter, verifier)."""
+"""Flags shared by the long-running `ddtree ... serve` commands (drafter, verifier), and `run_server`, which
+starts them and the gateway the same way (logging, OTEL_* tracing, the event loop)."""
 
 from __future__ import annotations
 
