@@ -118,7 +118,9 @@ class TurnPlanner:
         if not context:
             raise invalid("prompt", "the first turn of a session needs a non-empty prompt")
         if s.verifier_sid is not None and history:
-            return TurnPlan(new, True, context, len(history), messages_after)
+            # the last history token (the previous turn's final output) has no KV yet: the verifier
+            # prefills it with the new tokens, so it is not counted as cached
+            return TurnPlan(new, True, context, len(history) - 1, messages_after)
         return TurnPlan(context, False, context, 0, messages_after)
 
     def _chat_continuation(self, s: Session, new_msgs: list[Message]) -> list[int]:

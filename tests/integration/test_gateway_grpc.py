@@ -89,7 +89,7 @@ def test_session_turns_reuse_the_verifier_kv(stack, client, reference):
     assert [t for c in chunks for t in c.token_ids] == o2
     assert chunks[0].prefill_tokens == 1 + len(t2)  # only the new tokens (+ the last reply token) were prefilled
     u = chunks[-1].usage
-    assert (u.cached_tokens, u.prompt_tokens, u.session_tokens) == (len(p1 + o1), len(p1 + o1 + t2),
+    assert (u.cached_tokens, u.prompt_tokens, u.session_tokens) == (len(p1 + o1) - 1, len(p1 + o1 + t2),
                                                                     len(p1 + o1 + t2 + o2))
     assert client.close_session(s.session_id) is False
     stack.wait_idle()
@@ -114,7 +114,7 @@ def test_chat_session_continues_the_conversation(stack, client, reference, tok):
     r1 = client.generate(messages=as_dicts, session_id=s.session_id, max_tokens=8, ignore_eos=True, timeout=60)
     r2 = client.generate(messages=u2, session_id=s.session_id, max_tokens=8, ignore_eos=True, timeout=60)
     assert (r1.token_ids, r2.token_ids) == (o1, o2)
-    assert r2.usage.cached_tokens == len(ctx1 + o1) and r2.usage.prompt_tokens == len(ctx2)
+    assert r2.usage.cached_tokens == len(ctx1 + o1) - 1 and r2.usage.prompt_tokens == len(ctx2)
     client.close_session(s.session_id)
     stack.wait_idle()
 
@@ -240,7 +240,7 @@ def test_stop_in_a_session_keeps_history_consistent(stack, client, reference, to
     stop, _, n = _first_stop(tok, o2, 2)
     r2 = client.generate(token_ids=t2, session_id=s.session_id, max_tokens=24, ignore_eos=True, stop=[stop],
                          timeout=60)
-    assert r2.token_ids == o2[:n] and r2.usage.cached_tokens == len(p1 + cut)
+    assert r2.token_ids == o2[:n] and r2.usage.cached_tokens == len(p1 + cut) - 1
     wait_until(lambda: verifier_info(stack.verifier).open_sessions == 0, what="the cut verifier session dropped")
     h3 = h2 + o2[:n] + [4]
     r3 = client.generate(token_ids=[4], session_id=s.session_id, max_tokens=5, ignore_eos=True, timeout=60)
