@@ -68,7 +68,7 @@ def test_session_turns_send_only_what_is_new(planner):
     nxt = p.session_turn(s, TurnInput(messages=tuple(U2)))
     expected = tok.encode("<|im_user|>user<|im_middle|>again<|im_end|><|im_assistant|>assistant<|im_middle|>")
     assert nxt.continue_session and nxt.send == expected  # the closing marker was already generated
-    assert nxt.cached == len(s.tokens) and nxt.context == s.tokens + expected
+    assert nxt.cached == len(s.tokens) - 1 and nxt.context == s.tokens + expected  # last reply token re-prefilled
     s.last_stop_token = None  # ended by length: the closing marker is added
     assert p.session_turn(s, TurnInput(messages=tuple(U2))).send == [258, *expected]
     raw = p.session_turn(s, TurnInput(token_ids=(1, 2)))

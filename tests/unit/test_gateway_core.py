@@ -148,7 +148,7 @@ def test_session_continues_and_a_stop_string_makes_the_next_turn_reopen(env, tin
     c2 = run(gen(core, [9], s.id))
     h2 = [1, 2, 3, *tokens(c1), 9]
     assert tokens(c2) == reference(h2, 6) and fake.calls[-1] == (s.verifier_sid, True, [9])
-    assert c2[-1].usage.cached_tokens == 9
+    assert c2[-1].usage.cached_tokens == 8  # 9 history tokens; the last one is prefilled again with [9]
     tok = load_text_tokenizer(tiny_dirs[0])
     full = reference([*h2, *tokens(c2), 5], 12)
     text = decode(tok, full)
