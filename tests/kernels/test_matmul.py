@@ -23,23 +23,11 @@ from kernels.matmul import (
     matmul,
     matmul_ref,
 )
+from tests.kernels.compare import assert_close
 
 CUDA = torch.cuda.is_available()
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}  # ||out - ref|| / ||ref||
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
-
-
-def assert_close(out: torch.Tensor, ref: torch.Tensor, tol: float, what: str = "") -> None:
-    """Relative Frobenius error <= tol; NaN never passes; on failure name the worst element."""
-    assert out.shape == ref.shape, (what, out.shape, ref.shape)
-    o, r = out.double().cpu(), ref.double().cpu()
-    nan = torch.isnan(o)
-    err = (o - r).norm() / r.norm().clamp_min(1e-30)
-    if nan.any() or not err <= tol:
-        diff = torch.where(nan, torch.full_like(o, float("inf")), (o - r).abs())
-        i = tuple(int(v) for v in torch.unravel_index(diff.argmax(), diff.shape))
-        raise AssertionError(f"{what}: rel err {float(err):.3e} > {tol:.1e} (NaNs: {int(nan.sum())}); "
-                             f"worst at {i}: out {float(o[i]):.6g} ref {float(r[i]):.6g}")
 
 
 def rand(*shape, dtype=torch.float32, seed=0, device="cpu"):

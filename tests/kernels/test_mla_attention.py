@@ -16,25 +16,13 @@ import torch
 
 from kernels.mla_attention import _C_MIN, mla_attention, mla_attention_ref, mla_attention_triton, session_slots
 from kernels.tree_mask import ancestor_mask, pack_mask_bits
+from tests.kernels.compare import assert_close
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else [])
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}  # ||out - ref|| / ||ref||
 gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
-
-
-def assert_close(out: torch.Tensor, ref: torch.Tensor, tol: float, what: str = "") -> None:
-    """Relative Frobenius error <= tol; on failure name the worst element."""
-    assert out.shape == ref.shape, (out.shape, ref.shape)
-    o, r = out.double(), ref.double()
-    nan = torch.isnan(o)
-    err = (o - r).norm() / r.norm().clamp_min(1e-30)
-    if nan.any() or not err <= tol:
-        diff = torch.where(nan, torch.full_like(o, float("inf")), (o - r).abs())
-        i = tuple(int(v) for v in torch.unravel_index(diff.argmax(), diff.shape))
-        raise AssertionError(f"{what}: rel err {float(err):.3e} > {tol:.1e} (NaNs: {int(nan.sum())}); "
-                             f"worst at {i}: out {float(o[i]):.6g} ref {float(r[i]):.6g}")
 
 
 def random_tree_bits(n: int, g: torch.Generator) -> torch.Tensor:
