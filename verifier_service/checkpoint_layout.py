@@ -14,6 +14,7 @@ is_quantized`); only routed experts may be quantized, and then all of them.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -41,10 +42,7 @@ class LayoutTensor:
 
     @property
     def nbytes(self) -> int:
-        n = self.dtype.itemsize
-        for d in self.shape:
-            n *= d
-        return n
+        return self.dtype.itemsize * math.prod(self.shape)
 
     @property
     def module(self) -> str:

@@ -17,6 +17,7 @@ every tensor starts aligned; the files are byte-compatible with `safetensors.saf
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import os
 import struct
@@ -220,10 +221,7 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
-        n = self.dtype.itemsize
-        for d in self.shape:
-            n *= d
-        return n
+        return self.dtype.itemsize * math.prod(self.shape)
 
 
 def _write_shard(path: Path, specs: list[TensorSpec]) -> None:
