@@ -31,7 +31,7 @@ from training.dflash_forward import drafter_blocks, sample_starts
 from training.export import load_target_dense, write_drafter
 from training.kimi_forward import causal_forward
 from training.mini_config import drafter_config
-from training.train_target import lr_at, save_ckpt
+from training.train_target import load_ckpt, lr_at, save_ckpt
 
 
 def drafter_cfg_for(target, block: int, toy: bool) -> dict:
@@ -100,15 +100,8 @@ def train(args) -> dict:
     opt = torch.optim.AdamW(dr.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.wd,
                             fused=device.type == "cuda")
     gen = torch.Generator().manual_seed(args.seed + 2)
-    step, elapsed = 0, 0.0
     ckpt = Path(args.ckpt)
-    if args.resume and (ckpt / "last.pt").exists():
-        st = torch.load(ckpt / "last.pt", map_location=device, weights_only=False)
-        dr.load_state_dict(st["model"])
-        opt.load_state_dict(st["opt"])
-        sampler.load_state(st["sampler"])
-        step, elapsed = st["step"], st["elapsed"]
-        print(json.dumps({"resumed": str(ckpt), "step": step, "elapsed": round(elapsed, 1)}), flush=True)
+    step, elapsed = load_ckpt(ckpt, dr, opt, sampler, device) if args.resume else (0, 0.0)
     log = open(args.log, "a") if args.log else None
     t_start, last_ckpt = time.time() - elapsed, time.time()
     while True:

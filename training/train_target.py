@@ -93,6 +93,18 @@ def save_ckpt(path: Path, model, opt, sampler, step: int, elapsed: float) -> Non
     tmp.rename(path / "last.pt")
 
 
+def load_ckpt(path: Path, model, opt, sampler, device) -> tuple[int, float]:
+    """Resume from path/last.pt when it exists -> (step, elapsed seconds); (0, 0.0) otherwise."""
+    if not (path / "last.pt").exists():
+        return 0, 0.0
+    st = torch.load(path / "last.pt", map_location=device, weights_only=False)
+    model.load_state_dict(st["model"])
+    opt.load_state_dict(st["opt"])
+    sampler.load_state(st["sampler"])
+    print(json.dumps({"resumed": str(path), "step": st["step"], "elapsed": round(st["elapsed"], 1)}), flush=True)
+    return st["step"], st["elapsed"]
+
+
 def train(args) -> dict:
     device = torch.device(args.device)
     torch.manual_seed(args.seed)
@@ -110,15 +122,8 @@ def train(args) -> dict:
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2 or "embed_tokens" in n]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.wd}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=args.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
-    step, elapsed = 0, 0.0
     ckpt = Path(args.ckpt)
-    if args.resume and (ckpt / "last.pt").exists():
-        st = torch.load(ckpt / "last.pt", map_location=device, weights_only=False)
-        model.load_state_dict(st["model"])
-        opt.load_state_dict(st["opt"])
-        sampler.load_state(st["sampler"])
-        step, elapsed = st["step"], st["elapsed"]
-        print(json.dumps({"resumed": str(ckpt), "step": step, "elapsed": round(elapsed, 1)}), flush=True)
+    step, elapsed = load_ckpt(ckpt, model, opt, sampler, device) if args.resume else (0, 0.0)
     log = open(args.log, "a") if args.log else None
     t_start, last_ckpt, last_eval, tokens_seen = time.time() - elapsed, time.time(), time.time(), 0
     t_log = time.time()
