@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from drafter_service.checkpoint import check_pair
+from drafter_service.checkpoint import check_pair, load_drafter
 from drafter_service.config import DFlashConfig
 from drafter_service.model import DFlashDrafter
 from training.data import WindowSampler, heldout_windows
@@ -94,6 +94,11 @@ def train(args) -> dict:
     dcfg = DFlashConfig.from_dict(config)
     check_pair(dcfg, target.cfg)
     dr = DFlashDrafter(dcfg, target.cfg.hidden_size).to(device)
+    if args.init:
+        init = load_drafter(args.init, target.cfg, torch.float32, device)
+        if init.cfg != dcfg:
+            raise SystemExit(f"--init {args.init}: its config differs from the one this run trains")
+        dr.load_state_dict(init.state_dict())
     data = Path(args.data)
     sampler = WindowSampler(np.load(data / "train.npy"), args.seq, seed=args.seed + 1)
     held = heldout_windows(np.load(data / "heldout.npy"), args.seq, args.eval_windows)
@@ -152,6 +157,7 @@ def parse_args(argv=None):
     ap.add_argument("--ckpt", required=True)
     ap.add_argument("--export", default=None)
     ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--init", default=None, help="start from an exported drafter folder (DFlash layout)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--block-size", type=int, default=8)
     ap.add_argument("--taps", default=None, help="comma-separated target_layer_ids (default: the mini config's)")
