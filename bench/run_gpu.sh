@@ -2,6 +2,7 @@
 # One device call: kernel tests on the GPU + both benchmarks. Logs and JSONL go to $OUT
 # (the device tool's output folder; bench/results/run when unset). Run from the repo root.
 # Extra benchmark flags: MOE_ARGS / MLA_ARGS (e.g. --sweep); section time limits: T_TESTS/T_MOE/T_MLA.
+# STEP=1 also runs the whole-verify-step benchmark (8 layers of K2.6, ~90 GB, ~2.5 min; STEP_ARGS, T_STEP).
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 OUT=${OUT:-bench/results/run}
@@ -14,3 +15,7 @@ timeout "${T_MOE:-200}" python bench/bench_int4_moe.py --out "$OUT/int4_moe.json
   | tee "$OUT/bench_int4_moe.log"
 timeout "${T_MLA:-240}" python bench/bench_mla_attention.py --out "$OUT/mla_attention.jsonl" $MLA_ARGS 2>&1 \
   | tee "$OUT/bench_mla_attention.log"
+if [ "${STEP:-0}" = 1 ]; then
+  timeout "${T_STEP:-240}" python bench/bench_verify_step.py --out "$OUT/verify_step.jsonl" $STEP_ARGS 2>&1 \
+    | tee "$OUT/bench_verify_step.log"
+fi

@@ -1,0 +1,483 @@
+"""Benchmark: one whole verify step of the Kimi K2.6 target, N decoder layers on one GPU (issue 3).
+
+The target is `KimiForCausalLM` at K2.6 shapes truncated to `--layers` layers (default 8: layer 0 dense
+as in K2.6's first_k_dense_replace = 1, layers 1..7 MoE with 384 INT4 experts, top-8, + shared expert),
+with random weights created directly on the device (no checkpoint on disk): the loader's own
+`build_empty_target` allocates it, every tensor is filled in place, and each MoE layer is repacked
+by `MoE.repack_for_gpu` exactly as `load_target` leaves it on CUDA ("gpu" INT4 g32 layout). Weights
+are bf16 elsewhere; embed_tokens and lm_head are included (the lm_head is timed separately).
+
+Cases: prefix lengths x batch sizes (sessions with the same prefix) x step kinds: AR (a 1-node tree,
+as the engine runs it) and trees of 9/17/33 nodes per session (a chain of depth <= 7 plus random
+branches; parents precede children). The latent KV pool is the serving `KVPool` (page 16, sessions'
+pages interleaved, real block tables and write slots) filled with random bf16 rows instead of a
+prefill: the content does not change the timing. Each case runs `model(fb, kv)`, the forward the
+engine's verify step runs (embedding, N layers, final norm), timed as the median of
+`triton.testing.do_bench` around a CUDA-graph replay of that forward (eager time always kept as the
+`eager` peer; when the capture fails the record says why and `ms` is eager), with and without
+`make_batch_invariant` (the serving default on CUDA; `params.batch_invariant`).
+
+Reported per layer: ms = forward ms / N. Floor per layer = max(bytes / copy bandwidth, flops /
+bf16 matmul rate), both ceilings measured in this run (`bench._common.measure_ceilings`), with
+  bytes  = the layer's attention weights and norms + dense MLP, or shared expert + router + the
+           packed weights and scales of the routed experts its tokens touched (counted from the
+           routing of this very forward) + the latent KV rows read (every session's prefix + its
+           tree rows) and written (the tree rows) + activations (4 x tokens x hidden),
+  flops  = 2 x tokens x the layer's matrix parameters (routed experts: top-k of them) + the absorbed
+           MLA attention, 2 x heads x (576 + 512) per (query row, visible key row),
+averaged over the N layers. Both terms are in the record (`bytes_floor_ms`, `flops_floor_ms`).
+
+Run from the repo root (one H200, ~2.5 min with the defaults; `--quick` ~1.5 min):
+  PYTHONPATH=. python bench/bench_verify_step.py [--layers 8] [--prefix 4096] [--batch 1 16]
+      [--trees 1 9 17 33] [--invariant both|on|off] [--quick] [--out bench/results/verify_step.jsonl]
+CPU smoke run (tiny random config, torch references, a few seconds; what the unit test runs):
+  PYTHONPATH=. python bench/bench_verify_step.py --smoke --out /tmp/verify_step.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import math
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable without PYTHONPATH too
+
+from bench._common import bench_ms, commit, env_info, measure_ceilings, write_jsonl  # noqa: E402
+from kernels.tree_mask import ancestor_mask, pack_mask_bits  # noqa: E402
+from verifier_service import presets  # noqa: E402
+from verifier_service.batch_invariant import make_batch_invariant, remove_batch_invariance  # noqa: E402
+from verifier_service.checkpoint import build_empty_target  # noqa: E402
+from verifier_service.config import KimiConfig  # noqa: E402
+from verifier_service.forward_batch import ForwardBatch  # noqa: E402
+from verifier_service.kv_cache import KVPool  # noqa: E402
+from verifier_service.model import KimiForCausalLM  # noqa: E402
+from verifier_service.model_size import size_report  # noqa: E402
+from verifier_service.moe import MoE, Router  # noqa: E402
+
+NAME = "verify_step"
+MAX_DEPTH = 7  # DFlash block size 8: at most 7 draft positions below the root
+DEFAULTS = dict(prefix=[4096], batch=[1, 16], trees=[1, 9, 17, 33])
+QUICK = dict(prefix=[4096], batch=[1, 16], trees=[1, 33])
+SMOKE = dict(prefix=[40], batch=[1, 2], trees=[1, 5, 9], layers=3, page_size=8, max_session_len=64)
+ROUTED = ("w13_packed", "w13_scale", "w2_packed", "w2_scale", "w13", "w2")  # stacked [E, ...] expert tensors
+
+
+# --- the target, random weights made on the device ----------------------------------------------------------
+def _fill_(name: str, t: torch.Tensor, cfg: KimiConfig, gen: torch.Generator) -> None:
+    """Random values in place, at the scales of random_checkpoint's fast mode (rows of W ~ 1/sqrt(in))."""
+    leaf = name.rsplit(".", 1)[-1]
+    if t.dtype == torch.int32:  # packed INT4 words: any bit pattern is a valid packing of 8 nibbles
+        t.random_(-(2**31), 2**31, generator=gen)
+    elif leaf in ("w13_scale", "w2_scale"):
+        fan_in = cfg.hidden_size if leaf == "w13_scale" else cfg.moe_intermediate_size
+        s0 = 1.0 / (4.6 * math.sqrt(fan_in))  # uniform nibbles have std ~4.6
+        t.uniform_(0.75 * s0, 1.25 * s0, generator=gen)
+    elif leaf == "e_score_correction_bias":
+        t.normal_(0.0, 0.01, generator=gen)
+    elif t.dim() == 1:  # norm weights
+        t.normal_(1.0, 0.05, generator=gen)
+    elif "embed_tokens" in name:
+        t.normal_(0.0, 1.0, generator=gen)
+    else:
+        t.normal_(0.0, t.shape[-1] ** -0.5, generator=gen)
+
+
+@torch.no_grad()
+def build_target(cfg: KimiConfig, dtype: torch.dtype, device: str, seed: int = 0, log=print) -> KimiForCausalLM:
+    """The loader's `build_empty_target`, every tensor filled with random values on `device`, then (on any
+    device) each MoE repacked into the INT4 kernel's "gpu" layout by `MoE.repack_for_gpu`, as `load_target`
+    does on CUDA. Peak memory: all layers in the checkpoint layout + one layer's repack."""
+    model = build_empty_target(cfg, dtype, device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        _fill_(name, t.data, cfg, gen)
+    del t  # hold no checkpoint-layout tensor past its repack
+    model.build_rope()  # rope tables were created on the meta device
+    for i, layer in enumerate(model.model.layers):
+        if isinstance(layer.mlp, MoE):
+            layer.mlp.repack_for_gpu()
+            if str(device).startswith("cuda"):
+                torch.cuda.synchronize()
+                log(f"  layer {i}: repacked, {torch.cuda.memory_allocated() / 1e9:.1f} GB allocated")
+    return model.eval()
+
+
+# --- the step's inputs ----------------------------------------------------------------------------------------
+def random_parents(n: int, max_depth: int, gen: torch.Generator) -> list[int]:
+    """A tree of n nodes, parents before children: a chain root..depth min(n-1, max_depth) (the draft's main
+    path), the other nodes hung below uniformly chosen nodes of depth < max_depth."""
+    chain = min(n, max_depth + 1)
+    parent = [-1, *range(chain - 1)]
+    depth = list(range(chain))
+    for _ in range(chain, n):
+        cand = [j for j, d in enumerate(depth) if d < max_depth]
+        p = cand[int(torch.randint(len(cand), (1,), generator=gen))]
+        parent.append(p)
+        depth.append(depth[p] + 1)
+    return parent
+
+
+def make_pool(cfg: KimiConfig, layers: int, sessions: int, rows_per_session: int, page_size: int,
+              max_session_len: int, dtype: torch.dtype, device: str, seed: int = 0) -> KVPool:
+    """The serving KV pool with `sessions` sessions of `rows_per_session` rows, their pages interleaved
+    page by page (as in a pool where sessions grew together), filled with random rows."""
+    pages_per = -(-rows_per_session // page_size)
+    pool = KVPool(layers, cfg.kv_row_dim, sessions * pages_per, page_size, sessions,
+                  max(max_session_len, rows_per_session), dtype, device)
+    rows = [pool.open() for _ in range(sessions)]
+    for k in range(1, pages_per + 1):
+        for r in rows:
+            pool.ensure(r, k * page_size)
+    pool.kv.normal_(generator=torch.Generator(device=device).manual_seed(seed + 1))
+    return pool
+
+
+def make_batch(pool: KVPool, cfg: KimiConfig, batch: int, prefix: int, n: int, gen: torch.Generator,
+               max_depth: int = MAX_DEPTH) -> tuple[ForwardBatch, dict]:
+    """The flat verify batch of `batch` sessions (pool rows 0..batch-1) with `prefix` committed rows and an
+    n-node tree each (n = 1: the AR step, a 1-node tree as the engine runs it); plus its shape stats."""
+    dev = pool.kv.device
+    parent = torch.tensor([random_parents(n, max_depth, gen) for _ in range(batch)])  # [B, n]
+    anc = ancestor_mask(parent)  # [B, n, n]
+    depth = anc.sum(-1) - 1
+    rows = torch.arange(batch, device=dev)
+    local = torch.arange(n, device=dev)[None, :].expand(batch, n)
+    fb = ForwardBatch(
+        tokens=torch.randint(0, cfg.vocab_size, (batch * n,), generator=gen).to(dev),
+        positions=(prefix + depth).view(-1).to(dev),
+        write_slots=pool.slots(rows, prefix + local).view(-1),
+        cu_q=torch.arange(0, batch * n + 1, n, dtype=torch.int32, device=dev),
+        prefix_lens=torch.full((batch,), prefix, dtype=torch.int32, device=dev),
+        block_table=pool.block_table[:batch], page_size=pool.page_size,
+        tree_bits=pack_mask_bits(anc).view(batch * n, -1).contiguous().to(dev))
+    shape = dict(tokens=batch * n, kv_rows_read=batch * (prefix + n),
+                 visible_rows=batch * n * prefix + int((depth + 1).sum()), max_depth=int(depth.max()))
+    return fb, shape
+
+
+# --- bytes and flops ----------------------------------------------------------------------------------------
+def _nbytes(ts) -> int:
+    return sum(t.numel() * t.element_size() for t in ts)
+
+
+def _routed(mlp) -> list[torch.Tensor]:
+    return [getattr(mlp, n) for n in ROUTED if isinstance(getattr(mlp, n, None), torch.Tensor)]
+
+
+def layer_bytes(layer, *, experts_touched: int, tokens: int, kv_rows_read: int, elt: int) -> dict:
+    """HBM bytes one decoder layer must move in the step: weights (all but the routed experts, plus the
+    touched experts' stored tensors: packed words + scales, as laid out), the latent KV rows read
+    (prefix + tree rows of every session) and written (the tree rows), activations (4 x tokens x hidden:
+    the residual read and written around attention and around the MLP). elt: activation/KV dtype bytes."""
+    attn = layer.self_attn
+    weights = _nbytes([*layer.parameters(), *layer.buffers()])
+    if isinstance(layer.mlp, MoE):
+        routed = _routed(layer.mlp)
+        weights += experts_touched * _nbytes(t[0] for t in routed) - _nbytes(routed)
+    kv = (kv_rows_read + tokens) * attn.cfg.kv_row_dim * elt
+    act = 4 * tokens * attn.cfg.hidden_size * elt
+    return dict(weights=weights, kv=kv, act=act, total=weights + kv + act)
+
+
+def layer_flops(layer, *, tokens: int, visible_rows: int) -> dict:
+    """2 x tokens x every matrix parameter used per token (routed experts: top-k of them, logical sizes) plus
+    the absorbed MLA attention: per (query row, visible key row) 2 x heads x (Dl + Dr) for the scores and
+    2 x heads x Dl for p . c_kv."""
+    c = layer.self_attn.cfg
+    mats = sum(p.numel() for p in layer.parameters() if p.dim() == 2)  # attention, dense/shared MLP, router
+    linear = 2 * tokens * mats
+    if isinstance(layer.mlp, MoE):
+        linear += 2 * tokens * c.num_experts_per_tok * 3 * c.hidden_size * c.moe_intermediate_size
+    attention = 2 * c.num_attention_heads * (2 * c.kv_lora_rank + c.qk_rope_head_dim) * visible_rows
+    return dict(linear=linear, attention=attention, total=linear + attention)
+
+
+def step_floor(model: KimiForCausalLM, shape: dict, touched: list[int], elt: int, ceil: dict) -> dict:
+    """Per-layer floor terms averaged over the model's decoder layers; touched = distinct experts per MoE
+    layer, in layer order."""
+    layers = list(model.model.layers)
+    it = iter(touched)
+    nb = nf = 0
+    for layer in layers:
+        k = next(it) if isinstance(layer.mlp, MoE) else 0
+        nb += layer_bytes(layer, experts_touched=k, tokens=shape["tokens"], kv_rows_read=shape["kv_rows_read"],
+                          elt=elt)["total"]
+        nf += layer_flops(layer, tokens=shape["tokens"], visible_rows=shape["visible_rows"])["total"]
+    nb, nf = nb / len(layers), nf / len(layers)
+    bytes_ms = nb / (ceil["copy_bw_GBps"] * 1e9) * 1e3
+    flops_ms = nf / (ceil["mm_tflops"] * 1e12) * 1e3
+    return dict(bytes_per_layer=nb, flops_per_layer=nf, bytes_floor_ms=bytes_ms, flops_floor_ms=flops_ms,
+                floor_ms=max(bytes_ms, flops_ms))
+
+
+def touched_experts(model: KimiForCausalLM, fb: ForwardBatch, kv: torch.Tensor) -> tuple[list[int], tuple]:
+    """One eager forward with hooks on the routers: distinct routed experts per MoE layer (host syncs; not
+    timed), and the forward's output."""
+    counts: list[int] = []
+
+    def hook(mod, inp, out):
+        counts.append(int(out[0].unique().numel()))
+
+    hooks = [m.register_forward_hook(hook) for m in model.modules() if isinstance(m, Router)]
+    try:
+        out = model(fb, kv)
+    finally:
+        for h in hooks:
+            h.remove()
+    return counts, out
+
+
+# --- timing ------------------------------------------------------------------------------------------------
+def _sync(device: str) -> None:
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _settle() -> None:
+    """After a failed case or capture: wait for the GPU and free cached blocks, never raising."""
+    try:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    except Exception as exc:  # noqa: BLE001
+        print(f"  (cuda synchronize after a failure: {exc!r:.200})", flush=True)
+
+
+def once_ms(fn, device: str) -> float:
+    _sync(device)
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    return (time.perf_counter() - t0) * 1e3
+
+
+def median_ms(fn, device: str, est_ms: float, reps: int) -> float:
+    """CUDA: triton's do_bench (CUDA events, median) with at least ~`reps` repetitions; CPU: wall clock."""
+    if str(device).startswith("cuda"):
+        return bench_ms(fn, warmup_ms=max(25, int(2 * est_ms)), rep_ms=max(100, int(reps * est_ms)))
+    return statistics.median(once_ms(fn, device) for _ in range(max(1, reps)))
+
+
+def capture_graph(fn):
+    """(graph, outputs) of `fn` captured in a CUDA graph after a warm call on a side stream."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = fn()
+    torch.cuda.synchronize()
+    return g, out
+
+
+def cpu_ceilings() -> dict:
+    """Small CPU stand-ins for `measure_ceilings` (smoke runs only)."""
+    src = torch.randn(1 << 22)
+    dst = torch.empty_like(src)
+    t = statistics.median(once_ms(functools.partial(dst.copy_, src), "cpu") for _ in range(5))
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+    tm = statistics.median(once_ms(functools.partial(torch.matmul, a, b), "cpu") for _ in range(5))
+    return dict(copy_bw_GBps=2 * src.numel() * 4 / (t * 1e-3) / 1e9, mm_tflops=2 * 256**3 / (tm * 1e-3) / 1e12)
+
+
+def cpu_info() -> dict:
+    import triton
+
+    return dict(gpu=f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)", commit=commit(),
+                torch=torch.__version__, triton=triton.__version__, python=sys.version.split()[0])
+
+
+# --- one case --------------------------------------------------------------------------------------------------
+def run_case(model, pool, cfg, case: dict, invariant: bool, ceil: dict, info: dict, args, state: dict) -> dict:
+    B, L, n = case["batch"], case["prefix"], case["tree"]
+    dev = args.device
+    cuda = dev.startswith("cuda")
+    (make_batch_invariant if invariant else remove_batch_invariance)(model)
+    fb, shape = make_batch(pool, cfg, B, L, n, torch.Generator().manual_seed(args.seed * 7919 + B * 131 + L + n))
+    fn = functools.partial(model, fb, pool.kv)
+    first_ms = once_ms(fn, dev)  # compiles the kernels for new shapes
+    est = once_ms(fn, dev)
+    touched, out = touched_experts(model, fb, pool.kv)
+    hidden_ref = out[0].clone()
+    finite = bool(torch.isfinite(hidden_ref).all())
+    del out
+    eager = median_ms(fn, dev, est, args.reps)
+    graph_err, graph_same, ms = None, None, eager
+    if not cuda:
+        graph_err = "not CUDA"
+    elif args.no_graph:
+        graph_err = "disabled (--no-graph)"
+    elif state.get("graph_error"):
+        graph_err = "skipped after an earlier failure: " + state["graph_error"]
+    else:
+        try:
+            g, gout = capture_graph(fn)
+            g.replay()
+            torch.cuda.synchronize()
+            graph_same = bool(torch.equal(gout[0], hidden_ref))
+            ms = median_ms(g.replay, dev, est, args.reps)
+            del g, gout
+        except Exception as exc:  # noqa: BLE001 - record why and time eagerly
+            graph_err = f"{type(exc).__name__}: {exc}"[:300]
+            state["graph_error"] = graph_err
+            _settle()
+    lm = {}
+    if not args.no_lm_head:
+        lm_fn = functools.partial(model.logits, hidden_ref)
+        lm_ms = median_ms(lm_fn, dev, once_ms(lm_fn, dev), args.reps)
+        w = model.lm_head.weight
+        lm_bytes = _nbytes([w]) + shape["tokens"] * (w.shape[1] * w.element_size() + w.shape[0] * 4)
+        lm_floor = max(lm_bytes / (ceil["copy_bw_GBps"] * 1e9), 2 * shape["tokens"] * w.numel()
+                       / (ceil["mm_tflops"] * 1e12)) * 1e3
+        lm = dict(lm_head_ms=lm_ms, lm_head_floor_ms=lm_floor)
+    N = len(model.model.layers)
+    elt = pool.kv.element_size()
+    fl = step_floor(model, shape, touched, elt, ceil)
+    per_layer = ms / N
+    E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    params = dict(
+        layers=N, batch=B, prefix=L, tree=n, tokens=shape["tokens"], batch_invariant=invariant,
+        graph=graph_err is None, timing="cuda_graph_replay" if graph_err is None else "eager",
+        experts_touched_per_layer=statistics.mean(touched) if touched else 0, experts_touched=touched,
+        experts_uniform=round(E * (1 - (1 - k / E) ** shape["tokens"]), 1) if touched else 0,
+        max_depth=shape["max_depth"], kv_rows_read=shape["kv_rows_read"], visible_rows=shape["visible_rows"],
+        page_size=pool.page_size, forward_ms=ms, first_call_ms=first_ms, finite=finite,
+        bytes_per_layer=fl["bytes_per_layer"], flops_per_layer=fl["flops_per_layer"],
+        bytes_floor_ms=fl["bytes_floor_ms"], flops_floor_ms=fl["flops_floor_ms"],
+        dtype=str(pool.kv.dtype).removeprefix("torch."), build_s=state.get("build_s"), **lm)
+    if graph_err is not None:
+        params["graph_error"] = graph_err
+    else:
+        params["graph_matches_eager"] = graph_same
+    rec = dict(name=NAME, params=params, **info, ms=per_layer, floor_ms=fl["floor_ms"],
+               ratio=fl["floor_ms"] / per_layer, peers={"eager": eager / N}, **ceil)
+    del fb, hidden_ref
+    if cuda:
+        torch.cuda.empty_cache()
+    return rec
+
+
+def print_row(r: dict) -> None:
+    p = r["params"]
+    lm = f"{p['lm_head_ms']:8.3f}" if "lm_head_ms" in p else f"{'-':>8}"
+    print(f"{p['batch']:>3} {p['prefix']:>6} {p['tree']:>3} {p['tokens']:>5} {str(p['batch_invariant'])[0]:>3} "
+          f"{str(p['graph'])[0]:>5} {p['experts_touched_per_layer']:7.1f} {r['ms']:9.4f} {r['peers']['eager']:9.4f} "
+          f"{r['floor_ms']:8.4f} {r['ratio']:6.3f} {p['bytes_per_layer'] / 1e6:8.1f} {lm}", flush=True)
+
+
+# --- main --------------------------------------------------------------------------------------------------
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--layers", type=int, default=None, help="decoder layers (default 8; --smoke 3)")
+    ap.add_argument("--prefix", type=int, nargs="+", default=None, help=f"prefix lengths {DEFAULTS['prefix']}")
+    ap.add_argument("--batch", type=int, nargs="+", default=None, help=f"sessions per step {DEFAULTS['batch']}")
+    ap.add_argument("--trees", type=int, nargs="+", default=None,
+                    help=f"nodes per session, 1 = AR {DEFAULTS['trees']}")
+    ap.add_argument("--invariant", choices=("both", "on", "off"), default="both",
+                    help="time with make_batch_invariant (on), without (off), or both (default)")
+    ap.add_argument("--quick", action="store_true", help=f"fewer cases: {QUICK}")
+    ap.add_argument("--smoke", action="store_true", help="tiny random config (CPU by default), for tests")
+    ap.add_argument("--out", default="bench/results/verify_step.jsonl")
+    ap.add_argument("--device", default=None, help="default: cuda if available (cpu with --smoke)")
+    ap.add_argument("--page-size", type=int, default=None, help="KV page size (serving default 16)")
+    ap.add_argument("--max-session-len", type=int, default=None,
+                    help="block-table width in rows (serving default 8192; sets the MLA split grid)")
+    ap.add_argument("--reps", type=int, default=None, help="timed repetitions per measurement (about)")
+    ap.add_argument("--budget-s", type=float, default=180.0,
+                    help="start no new case after this many seconds (records are written as they come)")
+    ap.add_argument("--no-graph", action="store_true", help="time eagerly only")
+    ap.add_argument("--no-lm-head", action="store_true", help="do not time the lm_head")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    base = dict(DEFAULTS, layers=8, page_size=16, max_session_len=8192)
+    if args.quick:
+        base.update(QUICK)
+    if args.smoke:
+        base.update(SMOKE)
+    for k, v in base.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    args.device = args.device or ("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    args.reps = args.reps or (3 if args.smoke else 10)
+    if min(args.trees) < 1 or max(args.trees) > 128:
+        ap.error("--trees: 1..128 nodes (the MLA kernel takes at most 2 bit words)")
+    if args.layers < 1 or min(args.batch) < 1 or min(args.prefix) < 0:
+        ap.error("--layers and --batch must be positive, --prefix non-negative")
+    return args
+
+
+def presets_cfg(preset: str, layers: int) -> KimiConfig:
+    return KimiConfig.from_dict(presets.target_config(preset, layers=layers))
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
+    t_start = time.perf_counter()
+    dev = args.device
+    cuda = dev.startswith("cuda")
+    preset = "tiny" if args.smoke else "kimi-k2.6"
+    cfg = presets_cfg(preset, args.layers)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    info = env_info() if cuda else cpu_info()
+    ceil = measure_ceilings() if cuda else cpu_ceilings()
+    print(f"{info['gpu']}  copy {ceil['copy_bw_GBps']:.0f} GB/s  matmul {ceil['mm_tflops']:.1f} TFLOP/s  "
+          f"commit {info['commit']}", flush=True)
+    rows = max(args.prefix) + max(args.trees)
+    kv_gb = args.layers * max(args.batch) * rows * cfg.kv_row_dim * dtype.itemsize / 1e9
+    w_gb = size_report(cfg)["bytes"]["total"] / 1e9
+    moe_layers = sum(map(cfg.is_moe_layer, range(args.layers)))
+    repack_gb = (w_gb - size_report(presets_cfg(preset, 1))["bytes"]["total"] / 1e9) / max(moe_layers, 1)
+    need_gb = w_gb + repack_gb + kv_gb + 3  # + MLA partials and MoE temporaries of the largest case
+    print(f"{preset}: {args.layers} layers ({moe_layers} MoE), weights {w_gb:.1f} GB + one layer's repack "
+          f"{repack_gb:.1f} GB, KV pool {kv_gb:.2f} GB; building on {dev} ...", flush=True)
+    if cuda and need_gb > torch.cuda.get_device_properties(torch.device(dev)).total_memory / 1e9:
+        raise SystemExit(f"about {need_gb:.0f} GB needed, more than {dev} holds: use fewer --layers")
+    t0 = time.perf_counter()
+    model = build_target(cfg, dtype, dev, args.seed)
+    pool = make_pool(cfg, args.layers, max(args.batch), rows, args.page_size, args.max_session_len, dtype, dev,
+                     args.seed)
+    _sync(dev)
+    build_s = time.perf_counter() - t0
+    mem = f", peak {torch.cuda.max_memory_allocated() / 1e9:.1f} GB" if cuda else ""
+    print(f"built in {build_s:.1f}s{mem}", flush=True)
+    modes = {"both": [True, False], "on": [True], "off": [False]}[args.invariant]
+    print(f"{'B':>3} {'L':>6} {'n':>3} {'T':>5} {'inv':>3} {'graph':>5} {'experts':>7} {'ms/layer':>9} "
+          f"{'eager':>9} {'floor':>8} {'ratio':>6} {'MB/layer':>8} {'lm_head':>8}", flush=True)
+    records, state = [], {"build_s": round(build_s, 1)}
+    with torch.no_grad():  # the serving default (batch invariant) first: a cut-off run keeps it
+        for inv in modes:
+            for L in args.prefix:
+                for B in args.batch:
+                    for n in args.trees:
+                        if time.perf_counter() - t_start > args.budget_s:
+                            print(f"budget of {args.budget_s:.0f}s spent: skipping B={B} L={L} n={n} inv={inv}",
+                                  flush=True)
+                            continue
+                        case = dict(batch=B, prefix=L, tree=n)
+                        try:
+                            rec = run_case(model, pool, cfg, case, inv, ceil, info, args, state)
+                        except Exception as exc:  # noqa: BLE001 - report and go on with the next case
+                            print(f"B={B} L={L} n={n} inv={inv}: {type(exc).__name__}: {exc}"[:400], flush=True)
+                            if cuda:
+                                _settle()
+                            continue
+                        if cuda:
+                            rec["params"]["peak_mem_GB"] = round(torch.cuda.max_memory_allocated() / 1e9, 1)
+                        write_jsonl(args.out, [rec])  # one line at a time: a cut-off run keeps what it measured
+                        records.append(rec)
+                        print_row(rec)
+    remove_batch_invariance(model)
+    print(f"done in {time.perf_counter() - t_start:.0f}s, {len(records)} records -> {args.out}", flush=True)
+    return records
+
+
+if __name__ == "__main__":
+    main()
