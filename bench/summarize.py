@@ -22,7 +22,7 @@ def table(records: list[dict], keys: list[str]) -> str:
     latest = {}
     for r in records:
         p = r["params"]
-        latest[(r["name"], json.dumps(p.get("config")), *(p[k] for k in keys))] = r
+        latest[(r["name"], json.dumps(p.get("config")), *(p.get(k, "-") for k in keys))] = r
     rows = [f"| {' | '.join(keys)} | config | ms | floor ms | ratio | peers (ms) |",
             "|" + "---|" * (len(keys) + 5)]
     for (_, cfg, *vals), r in sorted(latest.items(), key=lambda kv: (kv[0][0], kv[0][1], *kv[0][2:])):
@@ -37,7 +37,7 @@ def main():
     paths = sys.argv[1:] or ["bench/results/int4_moe.jsonl", "bench/results/mla_attention.jsonl"]
     for path in paths:
         recs = load(path)
-        keys = ["T", "experts_touched"] if "int4" in recs[0]["name"] else ["batch", "prefix", "tree"]
+        keys = ["T", "experts_touched"] if "int4" in recs[0]["name"] else ["batch", "prefix", "tree", "chunk_rule"]
         print(f"## {path}\n\n{table(recs, keys)}\n")
 
 
