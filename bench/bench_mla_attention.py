@@ -1,7 +1,8 @@
 """Benchmark: absorbed-MLA tree verify at Kimi K2.6 shapes on one GPU (issue 3).
 
 64 heads, latent 512 + rope 64, bf16 paged cache (page 64, pages shuffled), prefix 1k/4k/32k, tree
-9/33/65 nodes (random trees), batch 1 and 16 sessions. Floor = max(bytes / copy bandwidth,
+9/33/65 nodes (random trees), batch 1 and 16 sessions (`--prefix`/`--tree`/`--batch` pick others, e.g.
+prefixes off the 512 grid; `--quick`: 1000/1024/4000/4096, no 32k). Floor = max(bytes / copy bandwidth,
 flops / bf16 matmul rate), both measured in the same run; bytes = the sessions' KV rows + q + out,
 flops = 2 * 64 * (512 + 576) per (query row, visible KV row), ancestors only for the tree part.
 `ms` replays our 1-2 launches from a CUDA graph. Peers, same run (their K/V are handed over
@@ -9,6 +10,8 @@ already gathered into contiguous [B, 1, L+n, 576] tensors, a head start ours doe
   flex_attention  torch.compile'd FlexAttention with the tree block mask (GQA, Dv = 512)
   sdpa_dense      F.scaled_dot_product_attention with a dense boolean mask (skipped when its math
                   fallback would need more than ~24 GB)
+`--chunk-rule balanced legacy` times each case under both KV chunk rules (same inputs, one record
+each, params.chunk_rule; params.chunks = KV chunks over all query rows, each one a CTA).
 Run from the repo root:  PYTHONPATH=. python bench/bench_mla_attention.py [--sweep] [--out FILE]
 """
 
@@ -22,12 +25,13 @@ import torch
 import torch.nn.functional as F
 
 from bench._common import bench_ms, env_info, graph_ms, measure_ceilings, write_jsonl
-from kernels.mla_attention import mla_attention_triton
+from kernels.mla_attention import CHUNK_RULES, DEFAULT_CHUNK_RULE, chunk_spans, mla_attention_triton
 from kernels.tree_mask import ancestor_mask, pack_mask_bits
 
 H, DL, DR, PAGE = 64, 512, 64, 64
 SCALE = 192**-0.5 * (0.1 * torch.log(torch.tensor(64.0)).item() + 1) ** 2
 PREFIX = (1024, 4096, 32768)
+QUICK_PREFIX = (1000, 1024, 4000, 4096)  # on and off the 512-key grid of the legacy chunk rule
 TREE = (9, 33, 65)
 BATCH = (1, 16)
 SWEEP = [  # (block_n, num_warps, num_stages, nch, c_min) beside the default (32, 8, 2, 16, 512)
@@ -83,7 +87,14 @@ def main():
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--flex-budget", type=float, default=FLEX_BUDGET_S, help="seconds of FlexAttention compiles")
+    ap.add_argument("--chunk-rule", nargs="+", default=[DEFAULT_CHUNK_RULE], choices=sorted(CHUNK_RULES),
+                    help="KV chunk rules to time, each case under each (peers run once per case)")
+    ap.add_argument("--batch", nargs="+", type=int, default=list(BATCH))
+    ap.add_argument("--prefix", nargs="+", type=int, default=None, help=f"committed lengths (default {PREFIX})")
+    ap.add_argument("--tree", nargs="+", type=int, default=list(TREE), help="tree sizes, <= 128 nodes")
+    ap.add_argument("--quick", action="store_true", help=f"prefixes {QUICK_PREFIX} (unless --prefix)")
     args_cli = ap.parse_args()
+    prefixes = args_cli.prefix or (QUICK_PREFIX if args_cli.quick else PREFIX)
     info = env_info()
     ceil = measure_ceilings()
     print(f"{info['gpu']}  copy {ceil['copy_bw_GBps']:.0f} GB/s  bf16 mm {ceil['mm_tflops']:.0f} TFLOP/s", flush=True)
@@ -94,28 +105,31 @@ def main():
         flex = torch.compile(flex_attention, dynamic=False)
     gen = torch.Generator().manual_seed(0)
     cgen = torch.Generator(device="cuda").manual_seed(0)
-    print(f"{'B':>3} {'L':>6} {'n':>3} {'ms':>8} {'floor':>8} {'ratio':>6} {'TFLOP/s':>7}  peers (ms)", flush=True)
-    for B in BATCH:
-        for L in PREFIX:
-            for n in TREE:
+    print(f"{'B':>3} {'L':>6} {'n':>3} {'rule':>8} {'chunks':>6} {'ms':>8} {'floor':>8} {'ratio':>6} {'TFLOP/s':>7}"
+          "  peers (ms)", flush=True)
+    for B in args_cli.batch:
+        for L in prefixes:
+            for n in args_cli.tree:
                 args, anc, depth = make_case(B, L, n, gen, cgen)
                 nbytes = B * (L + n) * (DL + DR) * 2 + B * n * H * (DL + DR) * 2 + B * n * H * DL * 2
                 flops = 2 * H * (DL + DR + DL) * float((L + depth + 1).sum())
                 floor_ms = max(nbytes / (ceil["copy_bw_GBps"] * 1e9), flops / (ceil["mm_tflops"] * 1e12)) * 1e3
                 out = torch.empty_like(args[0])
                 cfgs = [None] + (SWEEP if args_cli.sweep and n != 33 else [])
-                for cfg in cfgs:
+                for rule, cfg in [(r, c) for r in args_cli.chunk_rule for c in cfgs]:
                     kw = {} if cfg is None else dict(block_n=cfg[0], num_warps=cfg[1], num_stages=cfg[2], nch=cfg[3],
-                                                                     c_min=cfg[4])
-                    fn = functools.partial(mla_attention_triton, *args, SCALE, out=out, **kw)
+                                                     c_min=cfg[4])
+                    knobs = {k: kw[k] for k in ("block_n", "nch", "c_min") if k in kw}
+                    chunks = sum(len(chunk_spans(L + int(d), rule, **knobs)) for d in depth.flatten().tolist())
+                    fn = functools.partial(mla_attention_triton, *args, SCALE, out=out, chunk_rule=rule, **kw)
                     try:
                         ms = graph_ms(fn)
                         eager = bench_ms(fn)
                     except Exception as exc:  # noqa: BLE001 - report and go on
-                        print(f"B={B} L={L} n={n} cfg={cfg}: {exc!r}"[:300], flush=True)
+                        print(f"B={B} L={L} n={n} rule={rule} cfg={cfg}: {exc!r}"[:300], flush=True)
                         continue
                     peers = {"triton_eager": eager}
-                    if cfg is None and not args_cli.no_peers:
+                    if cfg is None and rule == args_cli.chunk_rule[0] and not args_cli.no_peers:
                         qf, k, v = peer_inputs(args, B, L, n)
                         dense = torch.ones(B, n, L + n, dtype=torch.bool, device="cuda")
                         dense[:, :, L:] = anc
@@ -140,11 +154,11 @@ def main():
                     rec = dict(name="mla_attention" if cfg is None else "mla_attention_sweep",
                                params=dict(batch=B, prefix=L, tree=n, heads=H, latent=DL, rope=DR, page=PAGE,
                                            bytes=nbytes, flops=flops, timing="cuda_graph_replay",
-                                           config=kw or "default"),
+                                           config=kw or "default", chunk_rule=rule, chunks=chunks),
                                **info, ms=ms, floor_ms=floor_ms, ratio=floor_ms / ms, peers=peers, **ceil)
                     write_jsonl(args_cli.out, [rec])  # one line at a time: a cut-off run keeps what it measured
                     pe = "  ".join(f"{a}={b:.3f}" for a, b in peers.items() if isinstance(b, float))
-                    print(f"{B:>3} {L:>6} {n:>3} {ms:8.4f} {floor_ms:8.4f} {floor_ms / ms:6.3f} "
+                    print(f"{B:>3} {L:>6} {n:>3} {rule:>8} {chunks:>6} {ms:8.4f} {floor_ms:8.4f} {floor_ms / ms:6.3f} "
                           f"{flops / ms / 1e9:7.0f}  {pe}  {kw or ''}", flush=True)
                 del args, out
                 torch.cuda.empty_cache()

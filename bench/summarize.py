@@ -24,7 +24,7 @@ def table(records: list[dict], keys: list[str], shown: tuple[str, ...] = ()) -> 
     latest = {}
     for r in records:
         p = r["params"]
-        latest[(r["name"], json.dumps(p.get("config")), *(p[k] for k in keys))] = r
+        latest[(r["name"], json.dumps(p.get("config")), *(p.get(k, "-") for k in keys))] = r
     rows = [f"| {' | '.join([*keys, *shown])} | config | ms | floor ms | ratio | peers (ms) |",
             "|" + "---|" * (len(keys) + len(shown) + 5)]
     for (_, cfg, *vals), r in sorted(latest.items(), key=lambda kv: (kv[0][0], kv[0][1], *kv[0][2:])):
@@ -47,7 +47,7 @@ def main():
             keys = ["layers", "batch", "prefix", "tree", "batch_invariant"]
             shown = ("graph", "experts_touched_per_layer")
         else:
-            keys = ["batch", "prefix", "tree"]
+            keys = ["batch", "prefix", "tree", "chunk_rule"]
         print(f"## {path}\n\n{table(recs, keys, shown)}\n")
 
 

@@ -13,15 +13,23 @@ Keys by absolute position (DESIGN 3.2-3.5). A query at position p sees the keys 
     set bit of the row's ancestor bits (parents precede children, so ancestors in index order are
     in depth order), depth = popcount - 1. After acceptance the engine compacts the path rows to
     L + depth, so a node's keys are the keys of the AR step at its position, at the same positions.
-Reduction order, a function of p alone (never of L, of the other rows, or of the batch):
-    K = p + 1,  C(p) = max(C_MIN, BLOCK_N * cdiv(cdiv(K, NCH), BLOCK_N)),  nc(p) = cdiv(K, C)
-Chunk c holds positions [c*C, min((c+1)*C, K)), reduced in tiles of BLOCK_N keys aligned at
-absolute multiples of BLOCK_N, in order; lanes past p load nothing and add exact zeros. For K <=
-NCH * C_MIN every row uses chunks of C_MIN (a fixed global chunk size); longer rows keep NCH chunks,
-which bounds the grid and the partials at long contexts. Every tile goes through the same
-`_attend` code with a runtime mask, whichever loop feeds it, so a tree node at depth d, the AR
-step at L + d and a causal prefill row at L + d give the same bits. nc == 1: the kernel writes the
-output; else fp32 partials (m, l, O) per chunk, folded by `_mla_combine_kernel` in chunk order.
+Reduction order, a function of p alone (never of L, of the other rows, or of the batch): the K = p + 1
+keys are cut into nc chunks of whole BLOCK_N-key tiles at absolute positions (`chunk_span`, the one
+definition, also evaluated on the host), each reduced tile by tile in order; lanes past p load
+nothing and add exact zeros. Two rules (constexpr RULE), both with at most NCH chunks, which bounds
+the grid and the partials at long contexts:
+  balanced (1, default): Tn = cdiv(K, BLOCK_N) tiles, nc = clamp(round(K / C_MIN), 1, NCH) (half up),
+    chunk c = tiles [c*Tn // nc, (c+1)*Tn // nc): every chunk has floor(Tn / nc) or ceil(Tn / nc)
+    tiles, the last one ceil, so no chunk is empty or short (with the default knobs >= 384 keys
+    when nc > 1, <= 767 keys when nc = 1); the count is non-decreasing in K and, with the default
+    knobs, never above legacy's, and from NCH * C_MIN keys on the longest chunk is legacy's.
+  legacy (0): C = max(C_MIN, BLOCK_N * cdiv(cdiv(K, NCH), BLOCK_N)), nc = cdiv(K, C), chunk c =
+    positions [c*C, min((c+1)*C, K)): with K just past a multiple of C the last chunk holds a few
+    keys (a whole CTA and a partial for them).
+Every tile goes through the same `_attend` code with a runtime mask, whichever loop feeds it, so a
+tree node at depth d, the AR step at L + d and a causal prefill row at L + d give the same bits.
+nc == 1: the kernel writes the output; else fp32 partials (m, l, O) per chunk, folded by
+`_mla_combine_kernel` in chunk order.
 """
 
 from __future__ import annotations
@@ -52,12 +60,21 @@ def _query_row(pid_t, HT, cu_ptr, pre_ptr, bits_ptr, stride_bits, S, S_PAD: tl.c
 
 
 @triton.jit
-def _chunking(p, BLOCK_N: tl.constexpr, NCH: tl.constexpr, C_MIN: tl.constexpr):
-    """Position -> (chunk size C, number of chunks nc), see the module docstring."""
-    K = p + 1
-    C = tl.maximum(C_MIN, ((K + NCH - 1) // NCH + BLOCK_N - 1) // BLOCK_N * BLOCK_N)
-    nc = tl.maximum(1, (K + C - 1) // C)
-    return C, nc
+def chunk_span(K, c, RULE: tl.constexpr, BLOCK_N: tl.constexpr, NCH: tl.constexpr, C_MIN: tl.constexpr):
+    """A row of K keys (positions 0..K-1) -> (nc, start, end): its number of chunks and the positions
+    [start, end) of chunk c < nc (module docstring). Only integer operators and builtin min/max on
+    non-negative scalars, so `chunk_span.fn` evaluates the same rule on host ints."""
+    if RULE == 0:  # legacy
+        C = max(C_MIN, ((K + NCH - 1) // NCH + BLOCK_N - 1) // BLOCK_N * BLOCK_N)
+        nc = (K + C - 1) // C
+        start = c * C
+        end = min(start + C, K)
+    else:  # balanced
+        tiles = (K + BLOCK_N - 1) // BLOCK_N
+        nc = max(1, min(NCH, (K + C_MIN // 2) // C_MIN))
+        start = c * tiles // nc * BLOCK_N
+        end = min((c + 1) * tiles // nc * BLOCK_N, K)
+    return nc, start, end
 
 
 @triton.jit
@@ -107,13 +124,13 @@ def _mla_fwd_kernel(
     S, H, HT, GC, qk_scale,
     stride_qt, stride_qh, stride_pt, stride_ph, stride_kv, stride_bt, stride_bits, stride_ot, stride_oh,
     DL: tl.constexpr, DR: tl.constexpr, BDL: tl.constexpr, BDR: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NCH: tl.constexpr, C_MIN: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NCH: tl.constexpr, C_MIN: tl.constexpr, RULE: tl.constexpr,
     S_PAD: tl.constexpr, TREE: tl.constexpr, NB: tl.constexpr, PREC: tl.constexpr,
 ):
     pid_t = tl.program_id(0)  # query tile = (token, head block)
     pid_c = tl.program_id(1)  # chunk
     t, hb, s, L, p, bit = _query_row(pid_t, HT, cu_ptr, pre_ptr, bits_ptr, stride_bits, S, S_PAD, TREE, NB)
-    C, nc = _chunking(p, BLOCK_N, NCH, C_MIN)
+    nc, start, end = chunk_span(p + 1, pid_c, RULE, BLOCK_N, NCH, C_MIN)  # this chunk's positions: [start, end)
     if pid_c == 0:
         tl.store(nc_ptr + pid_t, nc)
     if pid_c >= nc:
@@ -132,8 +149,6 @@ def _mla_fwd_kernel(
     l = tl.zeros([BLOCK_M], tl.float32)
     o = tl.zeros([BLOCK_M, BDL], tl.float32)
     cols = tl.arange(0, BLOCK_N)
-    start = pid_c * C
-    end = tl.minimum(start + C, p + 1)  # this chunk's positions: [start, end)
     if TREE:
         ident = tl.minimum(end, L)  # positions < L are committed rows; later ones go through the bits
         rank = tl.cumsum(bit, 0) - 1  # [NB] depth of each ancestor (valid where bit is set)

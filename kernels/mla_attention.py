@@ -13,12 +13,13 @@ Scores: (q_lat . c_kv + q_pe . k_pe) * sm_scale; output is the latent-space valu
 kernels on CUDA (`_mla_kernels`), the reference elsewhere. The kernels are position aligned: a
 query at absolute position p (L + depth for a tree node, L + j for a causal row) reduces over its
 keys at positions 0..p (committed rows, then its ancestors by depth, then itself) in an order that
-depends only on p: split-KV chunks of C(p) positions (C_MIN = 512 for p < 8192, else 16 chunks),
-tiles of BLOCK_N keys aligned at absolute positions, chunks merged by log-sum-exp in order. So a
-tree node at depth d computes bit for bit what the AR step at position L + d computes once the
-accepted path is compacted to L + depth (DESIGN 3.3, 3.5), a causal prefill row what the decode
-step at its position computes, and no row depends on the other rows or sessions of the launch
-(batch invariance). Tested bitwise in fp32 under the interpreter and in bf16 on the GPU.
+depends only on p: split-KV chunks of whole tiles (`chunk_spans`; the default "balanced" rule
+takes round((p + 1) / 512) chunks, at most 16, of equal tile counts up to one), tiles of BLOCK_N
+keys aligned at absolute positions, chunks merged by log-sum-exp in order. So a tree node at depth
+d computes bit for bit what the AR step at position L + d computes once the accepted path is
+compacted to L + depth (DESIGN 3.3, 3.5), a causal prefill row what the decode step at its
+position computes, and no row depends on the other rows or sessions of the launch (batch
+invariance). Tested bitwise in fp32 under the interpreter and in bf16 on the GPU.
 Launches: one attention kernel, plus one combine kernel when some row has more than one chunk.
 Grid sizes depend only on host-known shapes (T, H, block table width): no host sync, CUDA-graph
 capturable. Limits: tree_bits <= 2 words (128 nodes); page_size is a compile-time constant.
@@ -31,12 +32,14 @@ from __future__ import annotations
 import torch
 import triton
 
-from kernels._mla_kernels import _mla_combine_kernel, _mla_fwd_kernel
+from kernels._mla_kernels import _mla_combine_kernel, _mla_fwd_kernel, chunk_span
 
 _BLOCK_M = 64  # largest query tile: the heads of one token (64 at Kimi)
 _BLOCK_N = 32  # keys per tile; tiles sit at absolute multiples of BLOCK_N
 _NCH = 16  # at most this many KV chunks per query row
-_C_MIN = 512  # chunk size for rows of <= NCH * C_MIN keys: bounds the partial traffic
+_C_MIN = 512  # base chunk size (keys) for rows of < NCH * C_MIN keys: bounds the partial traffic
+CHUNK_RULES = {"legacy": 0, "balanced": 1}  # `_mla_kernels.chunk_span`'s RULE
+DEFAULT_CHUNK_RULE = "balanced"
 _LOG2E = 1.4426950408889634
 
 
@@ -54,6 +57,31 @@ def session_slots(block_table: torch.Tensor, page_size: int, s: int, length: int
     """int64 [length]: physical cache slots of logical rows 0..length-1 of session row s."""
     idx = torch.arange(length, device=block_table.device)
     return block_table[s, idx // page_size].long() * page_size + idx % page_size
+
+
+def _rule_id(chunk_rule: str) -> int:
+    if chunk_rule not in CHUNK_RULES:
+        raise ValueError(f"mla_attention: chunk_rule {chunk_rule!r} is not one of {sorted(CHUNK_RULES)}")
+    return CHUNK_RULES[chunk_rule]
+
+
+def chunk_spans(p: int, chunk_rule: str = DEFAULT_CHUNK_RULE, block_n: int = _BLOCK_N, nch: int = _NCH,
+                c_min: int = _C_MIN) -> list[tuple[int, int]]:
+    """Positions [start, end) of each KV chunk of the query at position p, in reduction order: the
+    kernel's own `chunk_span`, evaluated on host ints (a function of p and the fixed knobs alone)."""
+    rule = _rule_id(chunk_rule)
+    nc = chunk_span.fn(p + 1, 0, rule, block_n, nch, c_min)[0]
+    return [tuple(chunk_span.fn(p + 1, c, rule, block_n, nch, c_min)[1:]) for c in range(nc)]
+
+
+def max_chunks(cap: int, chunk_rule: str = DEFAULT_CHUNK_RULE, block_n: int = _BLOCK_N, nch: int = _NCH,
+               c_min: int = _C_MIN) -> int:
+    """Grid size along chunks: >= the chunk count of every position < cap (checked by the tests).
+    balanced: its count does not decrease with the position, so that of K = cap keys;
+    legacy: its count is <= cdiv(K, C_MIN) and <= NCH (it can decrease with small knobs)."""
+    if _rule_id(chunk_rule) == CHUNK_RULES["balanced"]:
+        return chunk_span.fn(max(cap, 1), 0, CHUNK_RULES["balanced"], block_n, nch, c_min)[0]
+    return max(1, min(nch, triton.cdiv(cap, c_min)))
 
 
 def mla_attention_ref(
@@ -93,17 +121,20 @@ def mla_attention_ref(
 
 def mla_attention_triton(q_lat, q_pe, kv_cache, block_table, page_size, cu_q, prefix_lens, tree_bits,
                          sm_scale, *, out=None, block_n: int = _BLOCK_N, num_warps: int = 8,
-                         num_stages: int = 2, nch: int = _NCH, c_min: int = _C_MIN):
+                         num_stages: int = 2, nch: int = _NCH, c_min: int = _C_MIN,
+                         chunk_rule: str = DEFAULT_CHUNK_RULE):
     """The Triton path on any device (tests call it on CPU under TRITON_INTERPRET=1).
 
     q_lat/q_pe are cast to the cache dtype; `out` ([T, H, Dl], optional) is written in place.
-    The keywords are tuning knobs for benchmarks; `block_n`/`nch`/`c_min` define the reduction order,
-    so a deployment must keep them fixed (position alignment holds for any fixed value)."""
+    The keywords are tuning knobs for benchmarks; `block_n`/`nch`/`c_min`/`chunk_rule` define the
+    reduction order, so a deployment must keep them fixed (position alignment holds for any fixed
+    value; "legacy" is the previous chunk rule, kept for comparisons)."""
     T, H, Dl = q_lat.shape
     Dr = q_pe.shape[-1]
     S = prefix_lens.shape[0]
-    if block_n not in (16, 32, 64) or c_min % block_n:
-        raise ValueError("mla_attention: block_n must be 16, 32 or 64 and divide c_min")
+    rule = _rule_id(chunk_rule)
+    if block_n not in (16, 32, 64) or c_min < block_n or c_min % block_n or nch < 1:
+        raise ValueError("mla_attention: block_n must be 16, 32 or 64 and divide c_min > 0; nch >= 1")
     q_lat = q_lat.to(kv_cache.dtype)
     q_pe = q_pe.to(kv_cache.dtype)
     if out is None:
@@ -127,7 +158,7 @@ def mla_attention_triton(q_lat, q_pe, kv_cache, block_table, page_size, cu_q, pr
     ht = triton.cdiv(H, block_m)  # query tiles per token
     tiles = T * ht
     cap = block_table.shape[1] * page_size  # every position a row can see is < cap
-    grid_c = max(1, min(nch, triton.cdiv(cap, c_min)))  # >= nc(p) for any p < cap
+    grid_c = max_chunks(cap, chunk_rule, block_n, nch, c_min)  # >= nc(p) for any p < cap
     parts = tiles * grid_c if grid_c > 1 else 1
     po = torch.empty(parts, block_m, bdl, dtype=torch.float32, device=q_lat.device)
     pml = torch.empty(parts, 2, block_m, dtype=torch.float32, device=q_lat.device)
@@ -141,7 +172,7 @@ def mla_attention_triton(q_lat, q_pe, kv_cache, block_table, page_size, cu_q, pr
         q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), kv_cache.stride(0),
         block_table.stride(0), bits.stride(0), out.stride(0), out.stride(1),
         DL=Dl, DR=Dr, BDL=bdl, BDR=bdr, PAGE=page_size, BLOCK_M=block_m, BLOCK_N=block_n, NCH=nch,
-        C_MIN=c_min, S_PAD=s_pad, TREE=tree_bits is not None,
+        C_MIN=c_min, RULE=rule, S_PAD=s_pad, TREE=tree_bits is not None,
         NB=64 * (tree_bits.shape[1] if tree_bits is not None else 1), PREC=prec,
         num_warps=num_warps, num_stages=num_stages)
     if grid_c > 1:

@@ -2,9 +2,11 @@
 
 CPU: the Triton kernels under TRITON_INTERPRET=1 at small shapes (4 heads, latent 32 + rope 8) in
 fp32/fp16: prefix 0, ragged and multi-chunk prefixes, trees of 1 and 65 nodes, causal prefill,
-pages shuffled in the pool and every unused slot NaN. Position alignment (exact equality): every
-tree node's row equals the causal decode, the 1-node-tree AR step and the causal prefill row at
-its position in a cache holding the AR layout (prefix + its ancestors + itself).
+pages shuffled in the pool and every unused slot NaN; both chunk rules with small chunk knobs at
+prefixes on and off chunk multiples. Position alignment (exact equality): every tree node's row
+equals the causal decode, the 1-node-tree AR step and the causal prefill row at its position in a
+cache holding the AR layout (prefix + its ancestors + itself). The chunk rules themselves (pure
+Python, the kernel's own `chunk_span` on host ints): no empty or short chunk, grid bound.
 GPU (marked `gpu`): 64 heads, 512 + 64, bf16, prefixes up to 33k, batch invariance (a session
 alone vs inside a batch of 64: bitwise equal) and the same position alignment in bf16.
 """
@@ -14,7 +16,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.mla_attention import _C_MIN, mla_attention, mla_attention_ref, mla_attention_triton, session_slots
+from kernels.mla_attention import (
+    _BLOCK_N,
+    _C_MIN,
+    _NCH,
+    CHUNK_RULES,
+    chunk_spans,
+    max_chunks,
+    mla_attention,
+    mla_attention_ref,
+    mla_attention_triton,
+    session_slots,
+)
 from kernels.tree_mask import ancestor_mask, pack_mask_bits
 from tests.kernels.compare import assert_close
 
@@ -71,8 +84,8 @@ def reference(args, scale):
 CASES = [  # prefix lens, new tokens per session, tree?
     ([5], [1], False),  # decode
     ([0], [1], True),  # tree of 1 node, empty prefix
-    ([0, 37, 2 * _C_MIN + 100], [3, 1, 5], True),  # prefix 0, ragged, 3 KV chunks
-    ([530, 0, 64], [65, 2, 0], True),  # 65-node tree (two bit words, 2 chunks), a session with no query
+    ([0, 37, 3 * _C_MIN - 100], [3, 1, 5], True),  # prefix 0, ragged, 3 KV chunks
+    ([530, 0, 64], [65, 2, 0], True),  # 65-node tree (two bit words, one chunk), a session with no query
     ([0], [70], False),  # causal prefill
     ([129, 3], [33, 4], False),  # chunked prefill after a prefix
 ]
@@ -86,12 +99,27 @@ def test_mla_kernel_vs_reference(prefix, ns, tree, dtype):
     assert_close(out, reference(args, 0.3), TOL[dtype], f"prefix={prefix} ns={ns} tree={tree} {dtype}")
 
 
+RULES = sorted(CHUNK_RULES)
+
+
+@pytest.mark.parametrize("chunk_rule", RULES)
 @pytest.mark.parametrize("nch,c_min,block_n", [(16, 32, 32), (4, 64, 16)])
-def test_mla_chunking_knobs(nch, c_min, block_n):
+def test_mla_chunking_knobs(nch, c_min, block_n, chunk_rule):
     """Many small chunks (16 of 32 rows), block table wider than the prefix, BLOCK_N 16."""
     args = make_batch([512, 300, 0], [2, 9, 4], 4, 32, 8, 16, torch.float32, True, seed=nch)
-    out = run_kernel(args, 0.3, nch=nch, c_min=c_min, block_n=block_n)
-    assert_close(out, reference(args, 0.3), TOL[torch.float32], f"nch={nch} c_min={c_min}")
+    out = run_kernel(args, 0.3, nch=nch, c_min=c_min, block_n=block_n, chunk_rule=chunk_rule)
+    assert_close(out, reference(args, 0.3), TOL[torch.float32], f"nch={nch} c_min={c_min} {chunk_rule}")
+
+
+@pytest.mark.parametrize("chunk_rule", RULES)
+@pytest.mark.parametrize("tree", [True, False])
+def test_mla_chunk_rules_awkward_prefixes(chunk_rule, tree):
+    """Chunk base 32, at most 4 chunks, 16-key tiles: prefixes on multiples of the base and of the
+    capped length (legacy's one-key last chunks), between them and past the cap, fp16."""
+    kw = dict(nch=4, c_min=32, block_n=16, chunk_rule=chunk_rule)
+    prefix, ns = [64, 95, 128, 161, 7], [6, 3, 9, 1, 2]
+    args = make_batch(prefix, ns, 4, 32, 8, 8, torch.float16, tree, seed=5 + tree)
+    assert_close(run_kernel(args, 0.3, **kw), reference(args, 0.3), TOL[torch.float16], f"{kw} tree={tree}")
 
 
 def test_mla_odd_heads_and_pages():
@@ -175,23 +203,92 @@ def check_alignment(prefix, ns, checked, H, Dl, Dr, page, dtype, words, scale, n
                 assert_bitwise(run_kernel(chain, scale, **kw), out[idx], f"session {s} path to {i}: causal prefill")
 
 
+SMALL = dict(nch=4, c_min=32, block_n=16)
 ALIGN_CASES = [  # prefix lens, tree sizes, sessions checked, H, Dl, Dr, page, bit words, knobs
-    ([520, 40], [10, 5], [0, 1], 4, 32, 8, 16, 1, {}),  # 2 chunks of 512 (combine), a one-chunk session
-    ([118, 3], [16, 5], [0], 4, 32, 8, 16, 2, dict(nch=4, c_min=32, block_n=16)),  # C(p): 32 -> 48 at p = 128
+    # default knobs; balanced: 1 -> 2 chunks (combine) at p = 767 inside session 0's tree, a one-chunk session
+    ([764, 40], [10, 5], [0, 1], 4, 32, 8, 16, 1, {}),
+    # p = 120..129; balanced: 4 chunks of 2 tiles, the last one 3 tiles from p = 128; legacy: C 32 -> 48 there
+    ([120, 3], [16, 5], [0], 4, 32, 8, 16, 2, SMALL),
     ([0, 45], [14, 9], [0, 1], 3, 48, 16, 3, 1, dict(nch=4, c_min=16, block_n=16)),  # tree at position 0
 ]
 
 
-@pytest.mark.parametrize("prefix,ns,checked,H,Dl,Dr,page,words,kw", ALIGN_CASES)
-def test_mla_tree_node_equals_ar_step_bitwise(prefix, ns, checked, H, Dl, Dr, page, words, kw):
+@pytest.mark.parametrize("prefix,ns,checked,H,Dl,Dr,page,words,kw,chunk_rule", [
+    (*case, rule) for case in ALIGN_CASES for rule in RULES if case[-1] or rule == "balanced"])  # legacy: small knobs
+def test_mla_tree_node_equals_ar_step_bitwise(prefix, ns, checked, H, Dl, Dr, page, words, kw, chunk_rule):
     """fp32 under the interpreter: exact equality (the GPU test below does the same in bf16)."""
-    check_alignment(prefix, ns, checked, H, Dl, Dr, page, torch.float32, words, 0.3, **kw)
+    check_alignment(prefix, ns, checked, H, Dl, Dr, page, torch.float32, words, 0.3, chunk_rule=chunk_rule, **kw)
 
 
-def test_mla_alignment_fp16_and_second_bit_word():
-    """fp16; nodes 64.. of a 66-node tree (their paths read the second bit word)."""
-    check_alignment([10], [66], [0], 4, 32, 8, 16, torch.float16, 2, 0.3, nodes=[5, 63, 64, 65],
-                    nch=4, c_min=64, block_n=16)
+@pytest.mark.parametrize("chunk_rule", RULES)
+def test_mla_alignment_fp16_and_second_bit_word(chunk_rule):
+    """fp16; nodes 64.. of a 66-node tree (their paths read the second bit word); paths up to p = 66:
+    balanced 1 -> 2 chunks at p = 47, legacy 1 -> 2 -> 3 at p = 32, 64."""
+    check_alignment([29], [66], [0], 4, 32, 8, 16, torch.float16, 2, 0.3, nodes=[5, 40, 63, 64, 65],
+                    chunk_rule=chunk_rule, **SMALL)
+
+
+# ------------------------------------------- the chunk rules (pure Python: the kernel's chunk_span on ints)
+
+KNOBS = [  # block_n, nch, c_min
+    (_BLOCK_N, _NCH, _C_MIN), (16, 4, 32), (16, 4, 16), (16, 8, 64), (64, 16, 64), (32, 3, 96)]
+
+
+def chunk_lengths(p: int, rule: str, block_n: int, nch: int, c_min: int) -> list[int]:
+    """Key counts of the chunks of position p; checks they tile 0..p in order at tile boundaries."""
+    spans = chunk_spans(p, rule, block_n, nch, c_min)
+    assert 1 <= len(spans) <= nch, (p, spans)
+    assert spans[0][0] == 0 and spans[-1][1] == p + 1, (p, spans)
+    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:])), (p, spans)
+    assert all(s % block_n == 0 and e > s for s, e in spans), f"p={p}: unaligned or empty chunk in {spans}"
+    return [e - s for s, e in spans]
+
+
+@pytest.mark.parametrize("chunk_rule", RULES)
+@pytest.mark.parametrize("block_n,nch,c_min", KNOBS)
+def test_chunk_rule_properties(block_n, nch, c_min, chunk_rule):
+    """For every position up to past the cap (and a sample far beyond): chunks cover 0..p in order,
+    start at tile boundaries, none is empty, at most NCH of them, and `max_chunks(cap)` (the
+    launcher's grid) covers every position < cap. Balanced: the chunk count is round(K / C_MIN)
+    clamped to [1, NCH] and never decreases; chunks are floor or ceil of tiles / nc tiles with the
+    ceil last, so the last chunk is never short; a row with several chunks has none below C_MIN / 2.
+    The spans depend on p and the fixed knobs alone: `chunk_spans` gets nothing else."""
+    top = 2 * nch * c_min + 3 * block_n
+    positions = list(range(top)) + list(range(top, 64 * nch * c_min, 997)) + [2**20 - 1, 2**24 + 7]
+    seen = 0  # largest chunk count so far
+    for p in positions:
+        K = p + 1
+        lens = chunk_lengths(p, chunk_rule, block_n, nch, c_min)
+        nc = len(lens)
+        seen = max(seen, nc)
+        assert max_chunks(K, chunk_rule, block_n, nch, c_min) >= seen, f"grid of cap {K} misses a chunk"
+        if chunk_rule != "balanced":
+            continue
+        assert nc == max(1, min(nch, (2 * K + c_min) // (2 * c_min))), (p, nc)  # round half up
+        assert nc == seen, f"p={p}: chunk count went down"
+        assert max_chunks(K, chunk_rule, block_n, nch, c_min) == nc
+        tiles = -(-K // block_n)
+        counts = [-(-n // block_n) for n in lens]
+        assert set(counts) <= {tiles // nc, -(-tiles // nc)} and counts[-1] == -(-tiles // nc), (p, lens)
+        assert lens[-1] > max(lens) - block_n, f"p={p}: short last chunk {lens}"
+        assert nc == 1 or min(lens) >= c_min // 2, f"p={p}: short chunk {lens}"
+
+
+def test_chunk_rule_examples():
+    """The default knobs at the benchmark's prefixes: legacy's one-key last chunks are gone, and the
+    chunk count never exceeds legacy's (never more partials)."""
+    assert chunk_spans(1024, "legacy") == [(0, 512), (512, 1024), (1024, 1025)]
+    assert chunk_spans(1024) == [(0, 512), (512, 1025)]
+    assert [e - s for s, e in chunk_spans(4096 + 10)] == [512] * 7 + [523]
+    assert len(chunk_spans(4096 + 10, "legacy")) == 9
+    assert chunk_spans(8192, "legacy")[-1] == (8160, 8193)  # C = 544: a 33-key 16th chunk
+    assert chunk_spans(8192)[-1] == (7680, 8193)
+    assert [e - s for s, e in chunk_spans(32768 + 20)] == [2048] * 15 + [2069]
+    assert len(chunk_spans(766)) == 1 and len(chunk_spans(767)) == 2  # 768 keys = 1.5 C_MIN: rounds up
+    for p in range(0, 40000, 7):
+        assert len(chunk_spans(p)) <= len(chunk_spans(p, "legacy")), p
+    with pytest.raises(ValueError):
+        chunk_spans(5, "new")
 
 
 # ---------------------------------------------------------------- GPU: Kimi K2.6 shapes
@@ -237,8 +334,10 @@ def test_mla_batch_invariance(n_probe):
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("prefix,ns,checked,words", [
-    ([2900, 8185, 700], [65, 17, 9], [0, 1], 2),  # 6 chunks; C(p) goes 512 -> 544 inside session 1's tree
-    ([8180, 33000, 0], [40, 9, 20], [0, 1, 2], 1),  # one bit word (budgets <= 63); 16 chunks of 2064; prefix 0
+    # 5 -> 6 chunks at p = 2815 inside session 0's tree; session 1: the 16th chunk gains a tile at p = 8192
+    ([2810, 8185, 700], [65, 17, 9], [0, 1], 2),
+    # one bit word (budgets <= 63); session 0 crosses p = 8192; session 1: 16 chunks of 64-65 tiles; prefix 0
+    ([8180, 33000, 0], [40, 9, 20], [0, 1, 2], 1),
 ])
 def test_mla_tree_node_equals_ar_step_bitwise_bf16(prefix, ns, checked, words):
     """The position-alignment invariant at Kimi shapes in bf16: every node of the checked sessions
