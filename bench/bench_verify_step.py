@@ -278,6 +278,30 @@ def capture_graph(fn):
     return g, out
 
 
+def kernel_breakdown(fn, reps: int = 3, top: int = 14) -> list[dict]:
+    """GPU time per kernel name over `reps` eager calls of `fn` (torch.profiler), per call, largest first."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    agg: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA:
+            a = agg.setdefault(e.name[:90], [0.0, 0])
+            a[0] += e.time_range.elapsed_us() / 1e3 / reps
+            a[1] += 1 / reps
+    rows = sorted(agg.items(), key=lambda kv: -kv[1][0])
+    total = sum(v[0] for v in agg.values())
+    out = [dict(kernel=k, ms=round(v[0], 4), calls=round(v[1], 1)) for k, v in rows[:top]]
+    out.append(dict(kernel="(all kernels)", ms=round(total, 4), calls=round(sum(v[1] for v in agg.values()), 1)))
+    return out
+
+
 def cpu_ceilings() -> dict:
     """Small CPU stand-ins for `measure_ceilings` (smoke runs only)."""
     src = torch.randn(1 << 22)
@@ -329,6 +353,14 @@ def run_case(model, pool, cfg, case: dict, invariant: bool, ceil: dict, info: di
             graph_err = f"{type(exc).__name__}: {exc}"[:300]
             state["graph_error"] = graph_err
             _settle()
+    if args.profile and cuda:
+        try:
+            breakdown = kernel_breakdown(fn)
+        except Exception as exc:  # noqa: BLE001 - the profile is extra; the timing stands without it
+            breakdown = [dict(kernel=f"profile failed: {type(exc).__name__}: {exc}"[:200], ms=0.0, calls=0)]
+        state.setdefault("breakdowns", []).append((case, invariant, breakdown))
+        for row in breakdown:
+            print(f"    {row['ms']:8.4f} ms  x{row['calls']:<6} {row['kernel']}", flush=True)
     lm = {}
     if not args.no_lm_head:
         lm_fn = functools.partial(model.logits, hidden_ref)
@@ -353,6 +385,8 @@ def run_case(model, pool, cfg, case: dict, invariant: bool, ceil: dict, info: di
         bytes_per_layer=fl["bytes_per_layer"], flops_per_layer=fl["flops_per_layer"],
         bytes_floor_ms=fl["bytes_floor_ms"], flops_floor_ms=fl["flops_floor_ms"],
         dtype=str(pool.kv.dtype).removeprefix("torch."), build_s=state.get("build_s"), **lm)
+    if args.profile and cuda:
+        params["kernel_breakdown"] = state["breakdowns"][-1][2]
     if graph_err is not None:
         params["graph_error"] = graph_err
     else:
@@ -395,6 +429,8 @@ def parse_args(argv=None):
                     help="start no new case after this many seconds (records are written as they come)")
     ap.add_argument("--no-graph", action="store_true", help="time eagerly only")
     ap.add_argument("--no-lm-head", action="store_true", help="do not time the lm_head")
+    ap.add_argument("--profile", action="store_true",
+                    help="also record GPU time per kernel (torch.profiler, eager calls) in params.kernel_breakdown")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     base = dict(DEFAULTS, layers=8, page_size=16, max_session_len=8192)
