@@ -13,7 +13,8 @@ DATA=${DATA:-runs/data}
 TOK=${TOK:-runs/tok}
 W=${WORK:-runs/gpu}
 T_TARGET=${T_TARGET:-150}
-T_DRAFTER=${T_DRAFTER:-90}
+T_DRAFTER=${T_DRAFTER:-300}
+D_BATCH=${D_BATCH:-64}
 EVAL_DEVICE=${EVAL_DEVICE:-cuda}
 EVAL_TIMEOUT=${EVAL_TIMEOUT:-75}
 COMMIT=${COMMIT:-unknown}
@@ -26,7 +27,7 @@ python3 -m training.train_target --data "$DATA" --ckpt "$W/ckpt_target" --export
   --time-budget "$T_TARGET" --log "$OUT/train_target.jsonl" --resume ${EXTRA_T:-} || exit 1
 echo "target done at $(( $(date +%s) - t0 ))s"
 python3 -m training.train_drafter --target "$W/pair/target" --data "$DATA" --ckpt "$W/ckpt_drafter" \
-  --export "$W/pair/drafter" --time-budget "$T_DRAFTER" --log "$OUT/train_drafter.jsonl" --resume ${EXTRA_D:-} || exit 1
+  --export "$W/pair/drafter" --time-budget "$T_DRAFTER" --batch "$D_BATCH" --log "$OUT/train_drafter.jsonl" --resume ${EXTRA_D:-} || exit 1
 echo "drafter done at $(( $(date +%s) - t0 ))s"
 tar -cf "$W/pair.tar" -C "$W" pair && split -b 15M "$W/pair.tar" "$OUT/pair.tar.part-"
 # evaluation on the device: perplexity (full held-out set), acceptance by budget, AR vs DDTree tokens/s
