@@ -1,14 +1,27 @@
 """Per-step cost of each verifier <-> drafter transport against the in-process drafter.
 
-    python bench/bench_transport.py [--pair models/kimi-mini] [--device cpu] [--concurrency 1 32]
+    python bench/bench_transport.py [--pair models/kimi-mini] [--device cpu|cuda] [--concurrency 1 32]
+                                    [--steps 30] [--warmup 5] [--time-budget-s S]
 
 For each transport the same engine (target in this process) runs C sessions at one budget; the
 drafter is the in-process `Drafter` (inprocess) or a `ddtree drafter serve` process on loopback
-reached through the stream client with shared regions (colocated: /dev/shm on CPU, CUDA IPC on
-GPU) or inline bytes (grpc). The three engines step in interleaved rounds, so that load from
-other processes falls on all of them alike. Reported: median and p90 verify-step time, median time inside
-`draft()`, and the step-time overhead against in-process at the same C. Output: a table on stdout
-and JSON lines appended to bench/results/transport.jsonl.
+(same device) reached through the stream client with shared regions (colocated: /dev/shm on CPU,
+CUDA IPC on GPU) or inline bytes (grpc). All engines share one target (batch-invariant on CUDA, as
+`build_local_engine` builds it) and step in interleaved rounds, so that load from other processes
+falls on all of them alike. Checked: every session's tokens equal the in-process engine's (greedy:
+a transport must not change a token), and every round's tokens too (the drafter runs the same model
+on the same device, so the trees must be the same, which is also what makes the timings comparable).
+On CUDA each timed step is bracketed by torch.cuda.synchronize(). Reported: median and p90 verify-step
+time, median time inside `draft()`, the ratio and overhead against in-process at the same C. Output:
+a table on stdout and JSON lines appended to bench/results/transport.jsonl. Exit status 1 (after
+writing the records, flagged with `problems`) when a check fails, a step fell back to autoregressive,
+or the co-located stream did not use its shared regions on the requested device.
+
+On CPU, pin glibc's allocator for the whole run (both processes inherit it):
+    MALLOC_MMAP_THRESHOLD_=1073741824 MALLOC_TRIM_THRESHOLD_=4294967296 OMP_NUM_THREADS=1 python bench/...
+otherwise its dynamic mmap threshold decides, by the process's allocation history, whether the
+drafter's megabyte temporaries are reused or mapped and page-faulted afresh every step: seen here as
++-25% drafter compute between builds that differ in a few small allocations. Records say whether it was.
 """
 
 from __future__ import annotations
@@ -16,6 +29,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -29,6 +43,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench._common import commit  # noqa: E402
+
+TRANSPORTS = ("inprocess", "colocated", "grpc")
 
 
 def timed_draft(client):
@@ -55,25 +71,44 @@ def admit(engine, conc, budget, vocab) -> None:
         engine.add(prompt, DecodeParams(max_new_tokens=10**6, budget=budget, topk=8, ignore_eos=True), sid=f"b{i}")
 
 
-def timed_step(engine) -> float:
-    if engine.device.type == "cuda":
-        torch.cuda.synchronize()
+def timed_step(engine) -> tuple[float, dict[str, list[int]]]:
+    cuda = engine.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(engine.device)
     t0 = time.perf_counter()
-    engine.step()
-    if engine.device.type == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter() - t0
+    out = engine.step()
+    if cuda:
+        torch.cuda.synchronize(engine.device)
+    return time.perf_counter() - t0, out
 
 
-def start_drafter(pair, device, dtype):
-    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "drafter", "serve", "--listen", "127.0.0.1:0",
+def start_drafter(pair, device, dtype, max_sessions) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "gateway.cli", "drafter", "serve", "--listen", "127.0.0.1:0",
                              "--target", str(pair / "target"), "--drafter", str(pair / "drafter"), "--device", device,
-                             "--dtype", dtype, "--log-level", "WARNING"], cwd=REPO, stdout=subprocess.PIPE, text=True)
+                             "--dtype", dtype, "--max-sessions", str(max_sessions), "--log-level", "WARNING"],
+                            cwd=REPO, stdout=subprocess.PIPE, text=True)
+
+
+def wait_serving(proc: subprocess.Popen) -> str:
     for line in proc.stdout:
         ev = json.loads(line)
         if ev.get("event") == "serving":
-            return proc, ev["address"]
-    raise RuntimeError("the drafter did not start")
+            return ev["address"]
+    raise RuntimeError(f"the drafter did not start (exit status {proc.wait()})")
+
+
+def versions() -> dict:
+    import grpc
+
+    v = {"torch": torch.__version__, "grpcio": grpc.__version__, "python": platform.python_version(),
+         "cuda": torch.version.cuda}
+    try:
+        import triton
+
+        v["triton"] = triton.__version__
+    except ImportError:
+        pass
+    return v
 
 
 def main() -> int:
@@ -83,81 +118,149 @@ def main() -> int:
     p.add_argument("--dtype", default=None)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
     p.add_argument("--budget", type=int, default=16)
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--steps", type=int, default=30, help="measured rounds per concurrency (all transports)")
+    p.add_argument("--warmup", type=int, default=5, help="unmeasured rounds first (Triton compiles, caches warm)")
+    p.add_argument("--time-budget-s", type=float, default=None,
+                   help="stop measuring a concurrency early (after at least 5 rounds) once its share of this "
+                        "many seconds is spent; the records say how many rounds were measured")
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "transport.jsonl"))
     args = p.parse_args()
 
-    from verifier_service.checkpoint import load_target
     from verifier_service.engine import Engine, EngineConfig
     from verifier_service.local import DTYPES, build_local_engine
     from verifier_service.transport import StreamClientConfig
     from verifier_service.transport_stream import DraftStreamClient
 
+    t_start = time.monotonic()
     pair = Path(args.pair)
-    dtype_name = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    cuda = args.device.startswith("cuda")
+    dtype_name = args.dtype or ("bfloat16" if cuda else "float32")
     dtype = DTYPES[dtype_name]
     ecfg = EngineConfig(page_size=16, num_pages=8192, max_sessions=max(args.concurrency) + 1)
-    device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu"
-    rows = []
-    base = {}
-    proc, addr = start_drafter(pair, args.device, dtype_name)
-    clients = []
+    gpu = torch.cuda.get_device_name(torch.device(args.device)) if cuda else None
+    device_name = gpu or platform.processor() or "cpu"
+    rows, problems = [], []
+    base: dict[int, float] = {}
+    proc = start_drafter(pair, args.device, dtype_name, 2 * max(args.concurrency) + 8)  # loads meanwhile
+    clients: dict[str, DraftStreamClient] = {}
     try:
         inproc = build_local_engine(pair / "target", pair / "drafter", dtype, args.device, ecfg)
         vocab = inproc.target.cfg.vocab_size
-        target = load_target(pair / "target", dtype, args.device)
+        addr = wait_serving(proc)
         engines = {"inprocess": inproc}
         for transport in ("colocated", "grpc"):
             client = DraftStreamClient(StreamClientConfig(addr, colocated=transport == "colocated",
-                                                          region_device=args.device, draft_timeout_s=30))
+                                                          region_device=args.device, draft_timeout_s=60,
+                                                          client_id=f"bench-{transport}"))
             client.start()
-            model = client.wait_ready(timeout=60)
-            clients.append(client)
-            engines[transport] = Engine(target, client, model.target_layer_ids, ecfg)
+            model = client.wait_ready(timeout=120)
+            clients[transport] = client
+            # one target for all: the in-process engine's (batch-invariant on CUDA), so only the drafter path differs
+            engines[transport] = Engine(inproc.target, client, model.target_layer_ids, ecfg)
+        regions = clients["colocated"].region_devices
+        print(f"device {device_name}; drafter process at {addr}; co-located regions {regions}; "
+              f"setup {time.monotonic() - t_start:.1f} s", flush=True)
+        if not regions or any(torch.device(d).type != torch.device(args.device).type for d in regions.values()):
+            problems.append(f"co-located regions {regions} are not on {args.device}")
         draft_times = {t: timed_draft(e.drafter) for t, e in engines.items()}
+        share = None if args.time_budget_s is None else args.time_budget_s / len(args.concurrency)
         for conc in args.concurrency:
             times: dict[str, list[float]] = {t: [] for t in engines}
-            for t, e in engines.items():
+            diverged = 0  # rounds in which a transport emitted other tokens than in-process (other trees)
+            emitted: dict[str, dict[str, list[int]]] = {t: {} for t in engines}
+            before = {t: dict(c.stats) for t, c in clients.items()}
+            for e in engines.values():
                 admit(e, conc, args.budget, vocab)
-                draft_times[t].clear()
+            t_conc = time.monotonic()
             for k in range(args.warmup + args.steps):
+                if k == args.warmup:
+                    for t in engines:
+                        draft_times[t].clear()
+                outs = {}
                 for t, e in engines.items():
-                    dt = timed_step(e)
+                    dt, outs[t] = timed_step(e)
                     if k >= args.warmup:
                         times[t].append(dt)
+                for t, out in outs.items():
+                    for sid, toks in out.items():
+                        emitted[t].setdefault(sid, []).extend(toks)
+                    if out != outs["inprocess"]:
+                        diverged += 1
+                        if diverged <= 3:
+                            print(f"note: C={conc} round {k}: {t} emitted {out}, in-process {outs['inprocess']}",
+                                  flush=True)
+                if share is not None and k >= args.warmup + 4 and time.monotonic() - t_conc > share:
+                    print(f"C={conc}: time budget spent after {k + 1 - args.warmup} measured rounds", flush=True)
+                    break
+            # lossless: every session's tokens so far are a prefix of the in-process engine's, or extend them
+            wrong = [(t, sid) for t in ("colocated", "grpc") for sid, ref in emitted["inprocess"].items()
+                     if (got := emitted[t].get(sid, []))[: len(ref)] != ref[: len(got)]]
+            if wrong:
+                problems.append(f"C={conc}: outputs differ from in-process: {wrong[:4]}")
+            if diverged:  # same tokens, but other trees: expected bit-identical on one device; timings not paired
+                problems.append(f"C={conc}: {diverged} engine-rounds emitted other tokens than in-process that "
+                                "round (other trees)")
+            for t, c in clients.items():
+                d = {key: c.stats[key] - before[t][key] for key in c.stats}
+                if d["fallback_steps"] or d["invalid_trees"]:
+                    problems.append(f"C={conc} {t}: {d['fallback_steps']} autoregressive fallback steps, "
+                                    f"{d['invalid_trees']} invalid trees ({c.last_error})")
+                if t == "colocated" and (d["region_tensors"] == 0 or d["region_trees"] != d["steps"]):
+                    problems.append(f"C={conc} colocated: shared regions not used for every step ({d})")
             for t, e in engines.items():
                 for i in range(conc):
                     e.release(f"b{i}")
                 step = statistics.median(times[t]) * 1e3
                 base.setdefault(conc, step)
-                row = {"name": "transport/step", "params": {"transport": t, "concurrency": conc,
-                                                             "budget": args.budget, "topk": 8, "pair": pair.name,
-                                                             "steps": args.steps},
-                       "device": device_name, "dtype": dtype_name, "torch": torch.__version__, "commit": commit(),
+                n = len(times[t])
+                row = {"name": "transport/step",
+                       "params": {"transport": t, "concurrency": conc, "device": args.device, "budget": args.budget,
+                                  "topk": 8, "pair": pair.name, "steps": n, "warmup": args.warmup},
+                       "device": device_name, "gpu": gpu, "dtype": dtype_name, "commit": commit(),
+                       "torch": torch.__version__, "versions": versions(),
+                       "ms": round(step, 4), "ratio": round(step / base[conc], 4),
                        "metrics": {"step_ms_median": round(step, 3),
-                                   "step_ms_p90": round(sorted(times[t])[int(0.9 * (len(times[t]) - 1))] * 1e3, 3),
-                                   "draft_ms_median": round(statistics.median(draft_times[t][args.warmup:]) * 1e3, 3),
+                                   "step_ms_p90": round(sorted(times[t])[int(0.9 * (n - 1))] * 1e3, 3),
+                                   "draft_ms_median": round(statistics.median(draft_times[t]) * 1e3, 3),
                                    "overhead_vs_inprocess_pct": round(100 * (step / base[conc] - 1), 1)},
+                       "outputs_identical": not wrong, "steps_identical": not diverged,
+                       "regions": regions if t == "colocated" else {},
+                       "malloc_pinned": "MALLOC_MMAP_THRESHOLD_" in os.environ,
                        "time": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-                       "note": "drafter in a separate process on loopback; engines stepped in interleaved rounds; "
-                               "on CPU the processes share the machine's cores with other work"}
+                       "note": "drafter in a separate process on loopback, same device; engines share one target "
+                               "and step in interleaved rounds"
+                               + ("; each step bracketed by torch.cuda.synchronize()" if cuda else
+                                  "; on CPU the processes share the machine's cores with other work")}
                 rows.append(row)
                 m = row["metrics"]
                 print(f"{t:10s} C={conc:3d}  step {m['step_ms_median']:8.2f} ms (p90 {m['step_ms_p90']:8.2f})"
-                      f"  draft {m['draft_ms_median']:8.2f} ms  overhead {m['overhead_vs_inprocess_pct']:+6.1f}%",
-                      flush=True)
-        for c in clients:
-            assert c.stats["fallback_steps"] == 0, c.stats
+                      f"  draft {m['draft_ms_median']:8.2f} ms  ratio {row['ratio']:6.3f}"
+                      f"  overhead {m['overhead_vs_inprocess_pct']:+6.1f}%  ({n} steps)", flush=True)
     finally:
-        for c in clients:
+        for c in clients.values():
             c.close()
         proc.terminate()
-        proc.wait(30)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    if problems:
+        for row in rows:
+            row["problems"] = problems
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "a") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")
+    print(f"\n| transport | C | step ms (median) | p90 ms | draft ms | ratio vs in-process |  ({device_name}, "
+          f"{dtype_name})\n|---|---|---|---|---|---|")
+    for r in rows:
+        m = r["metrics"]
+        print(f"| {r['params']['transport']} | {r['params']['concurrency']} | {m['step_ms_median']:.3f} | "
+              f"{m['step_ms_p90']:.3f} | {m['draft_ms_median']:.3f} | {r['ratio']:.3f} |")
+    print(f"total {time.monotonic() - t_start:.1f} s; {len(rows)} records appended to {args.out}", flush=True)
+    if problems:
+        print("FAILED:\n  " + "\n  ".join(problems), file=sys.stderr, flush=True)
+        return 1
     return 0
 
 

@@ -43,15 +43,16 @@ class WireError(ValueError):
 
 # --- tensors ---------------------------------------------------------------------------------------
 def tensor_to_pb(t: torch.Tensor, out: common_pb2.Tensor | None = None,
-                 arena: RegionArena | None = None) -> common_pb2.Tensor:
-    """Encode t into `out` (or a new message): into the arena's region when given and t fits,
-    otherwise inline as little-endian bytes."""
+                 arena: RegionArena | None = None, where: common_pb2.RegionSlice | None = None) -> common_pb2.Tensor:
+    """Encode t into `out` (or a new message): at `where` when t was placed in a region already, else
+    into the arena's region when given and t fits, otherwise inline as little-endian bytes."""
     if t.dtype not in DTYPE_TO_PB:
         raise TypeError(f"dtype {t.dtype} cannot travel on the wire (supported: {sorted(map(str, DTYPE_TO_PB))})")
     msg = out if out is not None else common_pb2.Tensor()
     msg.dtype = DTYPE_TO_PB[t.dtype]
     msg.shape[:] = list(t.shape)
-    where = arena.place(t) if arena is not None else None
+    if where is None and arena is not None:
+        where = arena.place(t)
     if where is not None:
         msg.region.CopyFrom(where)
     else:
@@ -62,26 +63,11 @@ def tensor_to_pb(t: torch.Tensor, out: common_pb2.Tensor | None = None,
 def tensor_from_pb(msg: common_pb2.Tensor, field: str, regions: Mapping[int, SharedRegion] | None = None,
                    copy: bool = True) -> torch.Tensor:
     """Decode; `copy=False` returns a view of the shared region (valid until the peer reuses it)."""
-    if msg.dtype not in PB_TO_DTYPE:
-        raise WireError(f"{field}: unknown dtype {msg.dtype}")
-    dtype = PB_TO_DTYPE[msg.dtype]
-    shape = list(msg.shape)
-    if len(shape) > MAX_DIMS or any(d < 0 for d in shape):
-        raise WireError(f"{field}: invalid shape {shape}")
-    itemsize = torch.empty(0, dtype=dtype).element_size()
-    nbytes = math.prod(shape) * itemsize
+    dtype, shape, nbytes = _layout(msg, field)
     which = msg.WhichOneof("storage")
     if which == "region":
-        region = (regions or {}).get(msg.region.region_id)
-        if region is None:
-            raise WireError(f"{field}: unknown shared region {msg.region.region_id}")
-        if msg.region.offset % itemsize:
-            raise WireError(f"{field}: region offset {msg.region.offset} is not aligned to {itemsize} bytes")
-        try:
-            raw = region.view(msg.region.offset, nbytes)
-        except ValueError as e:
-            raise WireError(f"{field}: {e}") from None
-        t = raw.view(dtype).view(shape)
+        region = _region_of(msg, field, regions, dtype.itemsize, nbytes)
+        t = region.view(msg.region.offset, nbytes).view(dtype).view(shape)
         return t.clone() if copy else t
     data = msg.data if which == "data" else b""
     if len(data) != nbytes:
@@ -91,12 +77,40 @@ def tensor_from_pb(msg: common_pb2.Tensor, field: str, regions: Mapping[int, Sha
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).view(shape)
 
 
+def _layout(msg: common_pb2.Tensor, field: str) -> tuple[torch.dtype, list[int], int]:
+    """(dtype, shape, byte size) of a Tensor message, checked."""
+    if msg.dtype not in PB_TO_DTYPE:
+        raise WireError(f"{field}: unknown dtype {msg.dtype}")
+    dtype = PB_TO_DTYPE[msg.dtype]
+    shape = list(msg.shape)
+    if len(shape) > MAX_DIMS or any(d < 0 for d in shape):
+        raise WireError(f"{field}: invalid shape {shape}")
+    return dtype, shape, math.prod(shape) * dtype.itemsize
+
+
+def _region_of(msg: common_pb2.Tensor, field: str, regions: Mapping[int, SharedRegion] | None, itemsize: int,
+               nbytes: int) -> SharedRegion:
+    """The region holding a Tensor message's `nbytes`, checked: known, aligned, in bounds."""
+    region = (regions or {}).get(msg.region.region_id)
+    if region is None:
+        raise WireError(f"{field}: unknown shared region {msg.region.region_id}")
+    offset = msg.region.offset
+    if offset % itemsize:
+        raise WireError(f"{field}: region offset {offset} is not aligned to {itemsize} bytes")
+    if offset + nbytes > region.nbytes:
+        raise WireError(f"{field}: slice [{offset}, {offset + nbytes}) is outside region {region.region_id} "
+                        f"of {region.nbytes} bytes")
+    return region
+
+
 # --- draft requests (verifier -> drafter) ------------------------------------------------------------
-def draft_request_to_pb(r: DraftRequest, arena: RegionArena | None = None) -> drafter_pb2.SessionDraftRequest:
+def draft_request_to_pb(r: DraftRequest, arena: RegionArena | None = None,
+                        where: common_pb2.RegionSlice | None = None) -> drafter_pb2.SessionDraftRequest:
+    """`where`: ctx_features were placed in a region already (`RegionArena.place_many`)."""
     msg = drafter_pb2.SessionDraftRequest(session_id=r.session_id, ctx_start=r.ctx_start, root_token=r.root_token,
                                           root_pos=r.root_pos, budget=r.budget, topk=r.topk,
                                           traceparent=r.traceparent)
-    tensor_to_pb(r.ctx_features, msg.ctx_features, arena)
+    tensor_to_pb(r.ctx_features, msg.ctx_features, arena, where)
     return msg
 
 
@@ -117,8 +131,10 @@ def trees_to_pb(trees: TreeBatch, session_ids: list[str], step_id: int,
     if len(session_ids) != trees.tokens.shape[0]:
         raise ValueError(f"{len(session_ids)} session ids for {trees.tokens.shape[0]} trees")
     msg = drafter_pb2.DraftTrees(step_id=step_id, session_ids=session_ids, n_nodes=trees.n_nodes)
-    for f in TREE_FIELDS:
-        tensor_to_pb(getattr(trees, f).to(TREE_DTYPES[f]), getattr(msg, f), arena)
+    fields = [getattr(trees, f).to(TREE_DTYPES[f]) for f in TREE_FIELDS]
+    places = arena.place_many(fields) if arena is not None else [None] * len(fields)  # 4-byte dtypes: one copy
+    for f, t, where in zip(TREE_FIELDS, fields, places):
+        tensor_to_pb(t, getattr(msg, f), where=where)
     if arena is not None:
         arena.sync()
     return msg
@@ -127,25 +143,41 @@ def trees_to_pb(trees: TreeBatch, session_ids: list[str], step_id: int,
 def trees_from_pb(msg: drafter_pb2.DraftTrees,
                   regions: Mapping[int, SharedRegion] | None = None) -> tuple[list[str], TreeBatch]:
     """Decode the batch structure: six [R, M] tensors of the right dtypes, R session ids and node
-    counts. The trees' contents are checked by `verifier_service.tree_validation`."""
+    counts, in this host's memory. The trees' contents are checked by `verifier_service.tree_validation`
+    (on the host: it reads them there anyway). Fields in a shared region are copied out with one
+    copy per region (one device-to-host copy for a CUDA region), before the peer reuses it."""
     ids = list(msg.session_ids)
     R = len(ids)
     if len(msg.n_nodes) != R:
         raise WireError(f"trees: {len(msg.n_nodes)} n_nodes for {R} session ids")
     if len(set(ids)) != R:
         raise WireError("trees: duplicate session ids")
-    arrays = {}
+    arrays: dict[str, torch.Tensor] = {}
+    shapes: dict[str, list[int]] = {}
+    in_region: dict[int, list[tuple[str, int, int]]] = {}  # region id -> (field, offset, nbytes)
     for f in TREE_FIELDS:
         if not msg.HasField(f):
             raise WireError(f"trees: {f} is missing")
-        t = tensor_from_pb(getattr(msg, f), f"trees.{f}", regions, copy=True)
-        if t.dtype != TREE_DTYPES[f]:
-            raise WireError(f"trees.{f}: dtype {t.dtype}, expected {TREE_DTYPES[f]}")
-        if t.dim() != 2 or t.shape[0] != R:
-            raise WireError(f"trees.{f}: shape {list(t.shape)}, expected [{R}, M]")
-        arrays[f] = t
-    M = arrays["tokens"].shape[1]
-    bad = [f for f, t in arrays.items() if t.shape[1] != M]
+        m = getattr(msg, f)
+        dtype, shape, nbytes = _layout(m, f"trees.{f}")
+        if dtype != TREE_DTYPES[f]:
+            raise WireError(f"trees.{f}: dtype {dtype}, expected {TREE_DTYPES[f]}")
+        if len(shape) != 2 or shape[0] != R:
+            raise WireError(f"trees.{f}: shape {shape}, expected [{R}, M]")
+        shapes[f] = shape
+        if m.WhichOneof("storage") == "region":
+            _region_of(m, f"trees.{f}", regions, dtype.itemsize, nbytes)
+            in_region.setdefault(m.region.region_id, []).append((f, m.region.offset, nbytes))
+        else:
+            arrays[f] = tensor_from_pb(m, f"trees.{f}")
+    M = shapes["tokens"][1]
+    bad = [f for f, shape in shapes.items() if shape[1] != M]
     if bad:
         raise WireError(f"trees: {bad} do not have M = {M} columns like tokens")
-    return ids, TreeBatch(**arrays, n_nodes=[int(n) for n in msg.n_nodes])
+    for rid, fields in in_region.items():  # one copy of the span covering the region's fields
+        lo = min(off for _, off, _ in fields)
+        hi = max(off + n for _, off, n in fields)
+        host = regions[rid].view(lo, hi - lo).to("cpu", copy=True)
+        for f, off, n in fields:
+            arrays[f] = host[off - lo : off - lo + n].view(TREE_DTYPES[f]).view(shapes[f])
+    return ids, TreeBatch(**{f: arrays[f] for f in TREE_FIELDS}, n_nodes=[int(n) for n in msg.n_nodes])

@@ -11,15 +11,25 @@ in a region by a `RegionArena` (a bump allocator reset every message) and the me
   /dev/shm even when a process is killed.
 - CUDA: one device allocation shared through CUDA IPC (`cudaIpcGetMemHandle`, via
   torch.multiprocessing's reductions); the handle's fields travel as explicit proto fields, never
-  pickled. Writers synchronise their stream before the control message leaves, so the reader
-  sees the bytes.
+  pickled. The peer finds its own ordinal of the GPU by UUID (its CUDA_VISIBLE_DEVICES may differ).
+  torch's IPC ref-counting keeps the allocation alive while the peer maps it: the owner freeing
+  its region first parks the block (torch's "limbo") until the peer's mapping is dropped. A region
+  attached in the process that created it (an in-process server, tests) is the owner's own tensor:
+  CUDA cannot open an IPC handle in the process that exported it.
+  Ordering: every message is a hand-over. Before a control message leaves, its sender waits for
+  its current stream on the region's GPU (`RegionArena.sync`): its writes into the regions are
+  complete and so are its reads of what the peer wrote last, so the peer may read and then
+  overwrite. Both sides use their current stream for every region access.
 """
 
 from __future__ import annotations
 
+import inspect
 import os
 import tempfile
+import threading
 import uuid
+import weakref
 from pathlib import Path
 
 import torch
@@ -27,6 +37,13 @@ import torch
 from protos.ddtree.v1 import common_pb2, drafter_pb2
 
 ALIGN = 64  # byte alignment of every slice (covers every dtype's itemsize)
+# what torch.multiprocessing.reductions.rebuild_cuda_tensor takes (torch 2.x), matched by name
+_REBUILD_ARGS = ("tensor_cls", "tensor_size", "tensor_stride", "tensor_offset", "storage_cls", "dtype",
+                 "storage_device", "storage_handle", "storage_size_bytes", "storage_offset_bytes", "requires_grad",
+                 "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required")
+# CUDA regions created by this process, by (IPC handle, offset): attaching one here returns the tensor itself
+_OWN_CUDA: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_OWN_LOCK = threading.Lock()
 
 
 def shm_dir() -> Path:
@@ -75,17 +92,10 @@ class SharedRegion:
 
     @classmethod
     def _create_cuda(cls, region_id: int, nbytes: int, device: torch.device) -> SharedRegion:
-        from torch.multiprocessing.reductions import reduce_tensor
-
         buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        _, args = reduce_tensor(buf)
-        # args: (cls, size, stride, tensor_offset, storage_cls, dtype, device, handle, storage_size_bytes,
-        #        storage_offset_bytes, requires_grad, ref_counter_handle, ref_counter_offset,
-        #        event_handle, event_sync_required)
-        handle = drafter_pb2.CudaIpcHandle(
-            device=int(args[6]), handle=args[7], storage_size_bytes=int(args[8]),
-            storage_offset_bytes=int(args[9]), ref_counter_handle=args[11], ref_counter_offset=int(args[12]),
-            event_handle=args[13] or b"", event_sync_required=bool(args[14]), tensor_offset=int(args[3]))
+        handle = _export_cuda(buf)
+        with _OWN_LOCK:
+            _OWN_CUDA[(handle.handle, handle.storage_offset_bytes, handle.tensor_offset)] = buf
         return cls(region_id, buf, None, owner=True, cuda=handle)
 
     def to_pb(self) -> drafter_pb2.SharedRegion:
@@ -123,16 +133,24 @@ class SharedRegion:
 
     @classmethod
     def _attach_cuda(cls, msg: drafter_pb2.SharedRegion) -> SharedRegion:
-        if not torch.cuda.is_available():
-            raise ValueError(f"shared region {msg.region_id} is a CUDA IPC allocation, but this process has no GPU")
-        from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
         h = msg.cuda
-        buf = rebuild_cuda_tensor(
-            torch.Tensor, (msg.nbytes,), (1,), h.tensor_offset, torch.storage.TypedStorage, torch.uint8, h.device,
-            h.handle, h.storage_size_bytes, h.storage_offset_bytes, False, h.ref_counter_handle,
-            h.ref_counter_offset, h.event_handle or None, h.event_sync_required)
-        return cls(msg.region_id, buf, None, owner=False)
+        with _OWN_LOCK:
+            own = _OWN_CUDA.get((h.handle, h.storage_offset_bytes, h.tensor_offset))
+        if own is not None:  # created by this very process (an in-process drafter server, tests)
+            if own.numel() != msg.nbytes:
+                raise ValueError(f"shared region {msg.region_id}: {own.numel()} bytes here, announced {msg.nbytes}")
+            try:  # no other process will drop the reference the export counted: drop it, so the block frees
+                torch.UntypedStorage._release_ipc_counter_cuda(bytes(h.ref_counter_handle), h.ref_counter_offset)
+            except Exception:  # noqa: BLE001 - torch internals, best effort: at worst the block stays parked
+                pass
+            return cls(msg.region_id, own, None, owner=False)
+        if not torch.cuda.is_available():
+            raise ValueError(f"shared region {msg.region_id} is a CUDA IPC allocation, but this process has no GPU; "
+                             "use --transport grpc")
+        if h.storage_size_bytes < h.tensor_offset + msg.nbytes:
+            raise ValueError(f"shared region {msg.region_id}: {msg.nbytes} bytes at {h.tensor_offset} do not fit "
+                             f"its storage of {h.storage_size_bytes}")
+        return cls(msg.region_id, _open_cuda(msg), None, owner=False)
 
     # --- both --------------------------------------------------------------------------------------
     def view(self, offset: int, nbytes: int) -> torch.Tensor:
@@ -151,9 +169,80 @@ class SharedRegion:
                 pass
 
     def close(self) -> None:
-        """Drop this mapping (the owner also removes the file if it still exists)."""
+        """Drop this mapping (the owner also removes the file if it still exists). CUDA: the allocation
+        lives on (torch's ref-counting) until the other side has dropped its mapping too."""
         self.unlink()
         self.buf = torch.empty(0, dtype=torch.uint8)
+
+
+def _export_cuda(buf: torch.Tensor) -> drafter_pb2.CudaIpcHandle:
+    """The IPC handle of a CUDA tensor's allocation, as proto fields (torch's reduce_tensor, which also
+    arms its IPC ref-counting and records the event the peer waits for when it opens the handle)."""
+    from torch.multiprocessing import reductions
+
+    rebuild, args = reductions.reduce_tensor(buf)
+    a = dict(zip(_rebuild_arg_names(rebuild), args, strict=True))
+    index = int(a["storage_device"])
+    return drafter_pb2.CudaIpcHandle(
+        device=index, handle=a["storage_handle"], storage_size_bytes=int(a["storage_size_bytes"]),
+        storage_offset_bytes=int(a["storage_offset_bytes"]), ref_counter_handle=a["ref_counter_handle"],
+        ref_counter_offset=int(a["ref_counter_offset"]), event_handle=a["event_handle"] or b"",
+        event_sync_required=bool(a["event_sync_required"]), tensor_offset=int(a["tensor_offset"]),
+        device_uuid=cuda_uuid(index))
+
+
+def _open_cuda(msg: drafter_pb2.SharedRegion) -> torch.Tensor:
+    """Open a peer's CUDA region ([nbytes] uint8) on this process's ordinal of its GPU."""
+    from torch.multiprocessing import reductions
+
+    h = msg.cuda
+    index = local_cuda_index(h.device_uuid, h.device, _visible_uuids())
+    if index is None:
+        raise ValueError(f"shared region {msg.region_id}: GPU {h.device_uuid} (cuda:{h.device} in the owner) is "
+                         "not visible in this process; give both processes that GPU, or use --transport grpc")
+    names = _rebuild_arg_names(reductions.rebuild_cuda_tensor)
+    args = dict(tensor_cls=torch.Tensor, tensor_size=(msg.nbytes,), tensor_stride=(1,), tensor_offset=h.tensor_offset,
+                storage_cls=torch.storage.TypedStorage, dtype=torch.uint8, storage_device=index,
+                storage_handle=bytes(h.handle), storage_size_bytes=h.storage_size_bytes,
+                storage_offset_bytes=h.storage_offset_bytes, requires_grad=False,
+                ref_counter_handle=bytes(h.ref_counter_handle), ref_counter_offset=h.ref_counter_offset,
+                event_handle=bytes(h.event_handle), event_sync_required=bool(h.event_sync_required))
+    try:  # cudaIpcOpenMemHandle (once per handle in this process; torch caches it), then waits for the event
+        return reductions.rebuild_cuda_tensor(**{k: args[k] for k in names})
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"shared region {msg.region_id}: cannot open its CUDA IPC handle on cuda:{index} ({e}); "
+                         "are the verifier and the drafter on the same host? use --transport grpc otherwise") from e
+
+
+def _rebuild_arg_names(fn) -> list[str]:
+    """Parameter names of torch's rebuild_cuda_tensor, checked against the ones this module fills in."""
+    names = list(inspect.signature(fn).parameters)
+    if sorted(names) != sorted(_REBUILD_ARGS):
+        raise RuntimeError(f"torch {torch.__version__}: rebuild_cuda_tensor takes {names}, this module knows "
+                           f"{list(_REBUILD_ARGS)}; the CUDA IPC regions need updating for this torch")
+    return names
+
+
+def cuda_uuid(index: int) -> str:
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def _visible_uuids() -> list[str]:
+    return [cuda_uuid(i) for i in range(torch.cuda.device_count())]
+
+
+def local_cuda_index(uuid_text: str, owner_index: int, visible: list[str]) -> int | None:
+    """This process's ordinal of the owner's GPU: by UUID when the owner sent one (None when that GPU
+    is not visible here), else the owner's ordinal if it exists here."""
+    if uuid_text:
+        want = _norm_uuid(uuid_text)
+        found = [i for i, u in enumerate(visible) if _norm_uuid(u) == want]
+        return found[0] if found else None
+    return owner_index if 0 <= owner_index < len(visible) else None
+
+
+def _norm_uuid(text: str) -> str:
+    return text.strip().lower().removeprefix("gpu-")
 
 
 class RegionArena:
@@ -162,7 +251,9 @@ class RegionArena:
     def __init__(self, region: SharedRegion):
         self.region = region
         self.cursor = 0
-        self._devices: set[torch.device] = set()  # CUDA devices whose streams wrote into the region
+        self.placed = 0  # tensors placed (observability: the co-located transport really used its region)
+        # CUDA devices whose current streams touch the region: its own, plus sources of copies
+        self._devices: set[torch.device] = {region.device} if region.device.type == "cuda" else set()
 
     def reset(self) -> None:
         self.cursor = 0
@@ -175,13 +266,37 @@ class RegionArena:
             return None
         if nbytes:
             dst = self.region.buf[start : start + nbytes]
-            dst.copy_(t.detach().contiguous().reshape(-1).view(torch.uint8), non_blocking=False)
-            self._devices.update(d for d in (t.device, dst.device) if d.type == "cuda")
+            dst.copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))  # on the current stream
+            if t.device.type == "cuda":
+                self._devices.add(t.device)
         self.cursor = start + nbytes
+        self.placed += 1
         return common_pb2.RegionSlice(region_id=self.region.region_id, offset=start)
 
+    def place_many(self, ts: list[torch.Tensor]) -> list[common_pb2.RegionSlice | None]:
+        """place() each of ts; when they all live on the region's device and share an element size,
+        back to back with one copy (one kernel on a GPU instead of one per tensor)."""
+        if len(ts) < 2 or any(t.device != self.region.device or t.element_size() != ts[0].element_size()
+                              for t in ts):
+            return [self.place(t) for t in ts]
+        sizes = [t.numel() * t.element_size() for t in ts]
+        start = -(-self.cursor // ALIGN) * ALIGN
+        if start + sum(sizes) > self.region.nbytes:
+            return [self.place(t) for t in ts]  # the ones that fit still go through the region
+        torch.cat([t.detach().reshape(-1).view(torch.uint8) for t in ts],
+                  out=self.region.buf[start : start + sum(sizes)])  # on the current stream
+        out = []
+        for n in sizes:  # same element size: every offset stays aligned to it
+            out.append(common_pb2.RegionSlice(region_id=self.region.region_id, offset=start))
+            start += n
+        self.cursor = start
+        self.placed += len(ts)
+        return out
+
     def sync(self) -> None:
-        """Make device writes visible to the peer before the control message is sent."""
+        """Before the control message leaves: wait until this process's work on the region's GPU is
+        done (the copies into it, and any kernel still reading what the peer wrote there last), so
+        the peer may read and overwrite it. The current stream only: a device-wide synchronize
+        would also wait for unrelated streams (NCCL collectives of expert parallelism, for one)."""
         for d in self._devices:
-            torch.cuda.synchronize(d)
-        self._devices.clear()
+            torch.cuda.current_stream(d).synchronize()

@@ -23,6 +23,8 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 
 import grpc
 import torch
@@ -121,8 +123,15 @@ class DraftStreamClient:
         self._ready = threading.Event()
         self._pending: dict[str, tuple[int, list[torch.Tensor]]] = {}  # sid -> (start, unacknowledged rows)
         self._errors: dict[str, str] = {}
-        self.stats = {"steps": 0, "fallback_steps": 0, "reconnects": 0, "invalid_trees": 0}
+        # region_tensors: tensors this client placed in a shared region; region_trees: steps whose trees
+        # came back through one (both stay 0 for grpc, and for a co-located stream that fell back to bytes)
+        self.stats = {"steps": 0, "fallback_steps": 0, "reconnects": 0, "invalid_trees": 0, "region_tensors": 0,
+                      "region_trees": 0}
         self.last_error = ""
+        self._region_device = torch.device(cfg.region_device)
+        if cfg.colocated and self._region_device.type == "cuda" and self._region_device.index is None:
+            # this (the engine's) thread's GPU: the connect thread that allocates the regions would use cuda:0
+            self._region_device = torch.device("cuda", torch.cuda.current_device())
         self._thread = threading.Thread(target=self._connector, name="draft-stream-connect", daemon=True)
 
     # --- lifecycle ---------------------------------------------------------------------------------
@@ -150,6 +159,12 @@ class DraftStreamClient:
     def connected(self) -> bool:
         s = self._stream
         return s is not None and not s.broken
+
+    @property
+    def region_devices(self) -> dict[int, str]:
+        """Region id -> device of the open stream's shared regions ("cuda:0": CUDA IPC); {} without them."""
+        s = self._stream
+        return {} if s is None else {rid: str(r.device) for rid, r in s.regions.items()}
 
     def close(self) -> None:
         self._closed.set()
@@ -192,10 +207,14 @@ class DraftStreamClient:
     def _open(self) -> _Stream:
         regions = {}
         if self.cfg.colocated:
+            if self._region_device.type == "cuda":
+                # regions of earlier streams whose drafter has let go of them (torch keeps an exported
+                # allocation until its peer does, then frees it on demand): free them before allocating
+                torch.cuda.ipc_collect()
             regions = {REQUEST_REGION: SharedRegion.create(REQUEST_REGION, self.cfg.request_region_bytes,
-                                                           self.cfg.region_device),
+                                                           self._region_device),
                        RESPONSE_REGION: SharedRegion.create(RESPONSE_REGION, self.cfg.response_region_bytes,
-                                                            self.cfg.region_device)}
+                                                            self._region_device)}
         stream = _Stream(self._stub, regions, self._on_broken)
         try:
             stream.send(drafter_pb2.DraftStreamRequest(open=drafter_pb2.OpenStream(
@@ -255,18 +274,18 @@ class DraftStreamClient:
         if s is None or s.broken:
             self.stats["fallback_steps"] += 1
             self.metrics.record_fallback("unavailable", len(requests))
-            return self._assemble(requests, {})
+            return self._assemble(requests)
         try:
-            answered, rows, errors = self._exchange(s, requests)
+            answered, trees, good, errors = self._exchange(s, requests)
         except Exception as e:  # noqa: BLE001 - whatever went wrong on the wire, this step goes on without trees
             if not isinstance(e, (StreamBroken, WireError)):
                 log.exception("draft step failed")
             self.stats["fallback_steps"] += 1
             self.metrics.record_fallback("timeout" if isinstance(e, DraftTimeout) else "stream_broken", len(requests))
             self._on_broken(s, str(e))
-            return self._assemble(requests, {})
-        if len(rows) < len(requests):
-            invalid = len(answered) - len(rows)
+            return self._assemble(requests)
+        if len(good) < len(requests):
+            invalid = len(answered) - len(good)
             if invalid:
                 self.metrics.record_fallback("invalid_tree", invalid)
             if errors:
@@ -276,7 +295,7 @@ class DraftStreamClient:
             s.synced.add(sid)
         for sid in errors:
             s.synced.discard(sid)  # the drafter dropped its context; rows stay pending for a resend
-        return self._assemble(requests, rows)
+        return self._assemble(requests, answered, trees, good)
 
     # --- internals -------------------------------------------------------------------------------
     def _queue_rows(self, r: DraftRequest) -> None:
@@ -298,12 +317,15 @@ class DraftStreamClient:
             start += cut
         self._pending[r.session_id] = (start, chunks)
 
-    def _exchange(self, s: _Stream, requests: list[DraftRequest]) -> tuple[list[str], dict[str, dict], dict[str, str]]:
-        """One step on the stream -> (sessions that got a tree, their valid rows, drafter-side errors)."""
+    def _exchange(self, s: _Stream, requests: list[DraftRequest]
+                  ) -> tuple[list[str], TreeBatch | None, set[str], dict[str, str]]:
+        """One step on the stream -> (sessions that got a tree, the decoded trees in that order, the
+        sessions whose tree is valid, drafter-side errors)."""
         s.step_id += 1
         step = drafter_pb2.DraftStep(step_id=s.step_id)
         arena = RegionArena(s.regions[REQUEST_REGION]) if s.regions else None
         room = self.cfg.max_message_bytes // 2  # context bytes one step message may carry
+        sent = []
         for r in requests:
             start, chunks = self._pending.get(r.session_id, (r.ctx_start, []))
             feats = (chunks[0] if len(chunks) == 1 else torch.cat(chunks)) if chunks else r.ctx_features[:0]
@@ -316,11 +338,14 @@ class DraftStreamClient:
                 self._send_ahead(s, r.session_id, start, feats[: n - keep], max(1, room // row_bytes))
                 start, feats = start + n - keep, feats[n - keep :]
             room -= keep * row_bytes
-            step.sessions.append(draft_request_to_pb(
-                DraftRequest(r.session_id, start, feats, r.root_token, r.root_pos, r.budget, r.topk, r.traceparent),
-                arena))
+            sent.append(DraftRequest(r.session_id, start, feats, r.root_token, r.root_pos, r.budget, r.topk,
+                                     r.traceparent))
+        # every session's rows into the region with one copy where they can (inline bytes otherwise)
+        places = arena.place_many([q.ctx_features for q in sent]) if arena is not None else [None] * len(sent)
+        step.sessions.extend(draft_request_to_pb(q, where=w) for q, w in zip(sent, places))
         if arena is not None:
-            arena.sync()
+            arena.sync()  # the features are in the region, and our reads of the last trees are done
+            self.stats["region_tensors"] += arena.placed
             step.response_region_id = RESPONSE_REGION
         s.send(drafter_pb2.DraftStreamRequest(step=step))
         deadline = time.monotonic() + self.cfg.draft_timeout_s
@@ -330,7 +355,9 @@ class DraftStreamClient:
                 break
             if resp.WhichOneof("kind") != "trees" or resp.trees.step_id > s.step_id:
                 raise WireError(f"unexpected answer to step {s.step_id}: {resp.WhichOneof('kind')}")
-        ids, trees = trees_from_pb(resp.trees, s.regions)
+        ids, trees = trees_from_pb(resp.trees, s.regions)  # on this host: validation reads them here
+        if resp.trees.tokens.WhichOneof("storage") == "region":
+            self.stats["region_trees"] += 1
         errors = {e.session_id: f"{_code_name(e.code)}: {e.message}" for e in resp.trees.errors}
         asked = {r.session_id for r in requests}
         if set(ids) & set(errors) or set(ids) | set(errors) != asked:
@@ -338,20 +365,21 @@ class DraftStreamClient:
                             f"!= asked {sorted(asked)}")
         for sid, msg in errors.items():
             log.info("drafter could not draft for %s: %s (autoregressive step)", sid, msg)
+        if not ids:
+            return ids, None, set(), errors
         by_id = {r.session_id: r for r in requests}
         problems = validate_trees(trees, [by_id[i].root_token for i in ids],
                                   [tree_size(by_id[i].budget, by_id[i].topk, self.depth) for i in ids],
                                   self.model.vocab_size, self.depth)
-        rows = {}
-        for j, (sid, problem) in enumerate(zip(ids, problems)):
+        good = set()
+        for sid, problem in zip(ids, problems):
             if problem is not None:
                 self.stats["invalid_trees"] += 1
                 self._errors[sid] = f"the drafter sent an invalid tree: {problem}"
                 log.warning("session %s: invalid tree from the drafter: %s", sid, problem)
-                continue
-            n = trees.n_nodes[j]
-            rows[sid] = {f: getattr(trees, f)[j, :n] for f in TreeBatch._FIELDS}
-        return ids, rows, errors
+            else:
+                good.add(sid)
+        return ids, trees, good, errors
 
     @staticmethod
     def _send_ahead(s: _Stream, sid: str, start: int, feats: torch.Tensor, rows_per_message: int) -> None:
@@ -360,23 +388,33 @@ class DraftStreamClient:
             s.send(drafter_pb2.DraftStreamRequest(context=drafter_pb2.SessionContext(
                 session_id=sid, ctx_start=start + i, ctx_features=tensor_to_pb(part))))
 
-    def _assemble(self, requests: list[DraftRequest], rows: dict[str, dict]) -> TreeBatch:
-        """[R, M] trees in request order: the drafter's rows, root-only trees for everyone else."""
+    @staticmethod
+    def _assemble(requests: list[DraftRequest], ids: Sequence[str] = (), trees: TreeBatch | None = None,
+                  good: AbstractSet[str] = frozenset()) -> TreeBatch:
+        """[R, M] trees in request order: the drafter's valid trees, root-only trees for everyone else.
+        Validated trees are -1 / -inf beyond their n_nodes, so whole rows are copied (one indexed copy
+        per field), and when every session got a valid tree in request order the batch is used as is."""
+        if trees is not None and len(good) == len(ids) == len(requests) and \
+                all(i == r.session_id for i, r in zip(ids, requests)):
+            return trees
         R = len(requests)
-        n = [rows[r.session_id]["tokens"].shape[0] if r.session_id in rows else 1 for r in requests]
+        col = {sid: j for j, sid in enumerate(ids)}
+        src = [col[r.session_id] if r.session_id in good else -1 for r in requests]
+        n = [trees.n_nodes[j] if j >= 0 else 1 for j in src]
         M = max(n, default=1)
-        dev = next(iter(rows.values()))["tokens"].device if rows else torch.device("cpu")
+        dev = trees.tokens.device if trees is not None else torch.device("cpu")
         i32 = torch.int32
         out = {f: torch.full((R, M), -1, dtype=i32, device=dev) for f in TreeBatch._FIELDS if f != "logw"}
         out["logw"] = torch.full((R, M), float("-inf"), dtype=torch.float32, device=dev)
         out["tokens"][:, 0] = torch.tensor([r.root_token for r in requests], dtype=i32)
         out["depth"][:, 0] = 0
         out["logw"][:, 0] = 0.0
-        for i, r in enumerate(requests):
-            row = rows.get(r.session_id)
-            if row is not None:
-                for f, t in row.items():
-                    out[f][i, : n[i]] = t
+        dst = [i for i, j in enumerate(src) if j >= 0]
+        if dst:
+            w = min(M, trees.tokens.shape[1])
+            at, take = torch.tensor(dst, device=dev), torch.tensor([src[i] for i in dst], device=dev)
+            for f in TreeBatch._FIELDS:
+                out[f][at, :w] = getattr(trees, f)[take, :w].to(out[f].dtype)
         return TreeBatch(**out, n_nodes=n)
 
 

@@ -1,0 +1,102 @@
+"""The co-located transport on the GPU: CUDA IPC regions between this process and a drafter process.
+
+`ddtree drafter serve --device cuda` runs in its own process on the committed kimi-mini pair; this
+process runs the verifier engine on the same GPU (bf16, batch-invariant, as `build_local_engine`
+builds it) with the in-process drafter, and with the drafter process reached through the co-located
+transport (CUDA IPC regions) and through grpc (bytes). Greedy output must be the in-process engine's
+token for token, over several sessions: a concurrent wave, then a second wave with other parameters
+on the same stream after the first released its sessions. No step may fall back to autoregressive,
+and the co-located stream must have used its CUDA regions both ways (regions on the GPU, context
+rows placed there, every step's trees read back from there): no silent fallback to bytes. Closing
+the clients ends the streams: the drafter frees every session and mapping.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.integration.harness import Service, drafter_info, wait_until
+
+PAIR = Path(__file__).resolve().parents[2] / "models" / "kimi-mini"
+pytestmark = [pytest.mark.integration, pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+              pytest.mark.skipif(not (PAIR / "drafter" / "config.json").exists(), reason="models/kimi-mini missing")]
+
+TEXTS = [
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n    a, b = 0, 1\n    for _ in range(n):\n',
+    "import os\nimport sys\n\n\ndef main(argv):\n    parser = argparse.ArgumentParser(description=",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
+    "    for line in open(path):\n        if line.startswith('#'):\n            continue\n",
+    "try:\n    import json\nexcept ImportError:\n",
+    "def read_config(filename):\n    with open(filename) as f:\n",
+]
+
+
+@pytest.fixture(scope="module")
+def setup():
+    from gateway.tokenizer import Tokenizer
+    from verifier_service.engine import EngineConfig
+    from verifier_service.local import build_local_engine
+
+    drafter = Service("drafter-gpu", ["drafter", "serve", "--listen", "127.0.0.1:0", "--target", str(PAIR / "target"),
+                                      "--drafter", str(PAIR / "drafter"), "--device", "cuda", "--dtype", "bfloat16",
+                                      "--grace-s", "5"])
+    try:  # the drafter loads in its process while the target loads here
+        cfg = EngineConfig(num_pages=1024, max_sessions=8)
+        engine = build_local_engine(PAIR / "target", PAIR / "drafter", torch.bfloat16, "cuda", cfg)
+        tok = Tokenizer.load(PAIR / "target")
+        address = drafter.wait_for("serving", timeout=240)
+        yield dict(address=address, engine=engine, cfg=cfg, prompts=[tok.encode(t) for t in TEXTS])
+    finally:
+        drafter.stop()
+
+
+def waves():
+    from verifier_service.session import DecodeParams
+
+    return [(slice(0, 4), DecodeParams(max_new_tokens=40, budget=16, topk=8, ignore_eos=True)),
+            (slice(4, 6), DecodeParams(max_new_tokens=24, budget=6, topk=3, ignore_eos=True))]
+
+
+def run(engine, prompts) -> list[list[int]]:
+    return [s.output for sl, params in waves() for s in engine.generate(prompts[sl], params)]
+
+
+@pytest.fixture(scope="module")
+def reference(setup):
+    return run(setup["engine"], setup["prompts"])
+
+
+@pytest.mark.parametrize("transport", ["colocated", "grpc"])
+def test_split_drafter_on_the_gpu_equals_in_process(setup, reference, transport):
+    from verifier_service.engine import Engine
+    from verifier_service.transport import StreamClientConfig
+    from verifier_service.transport_stream import DraftStreamClient
+
+    info = drafter_info(setup["address"])
+    assert info.device.startswith("cuda") and info.dtype == "bfloat16"
+    client = DraftStreamClient(StreamClientConfig(setup["address"], colocated=transport == "colocated",
+                                                  region_device="cuda", draft_timeout_s=30))
+    client.start()
+    try:
+        model = client.wait_ready(timeout=60)
+        engine = Engine(setup["engine"].target, client, model.target_layer_ids, setup["cfg"])
+        assert run(engine, setup["prompts"]) == reference
+        stats = client.stats
+        assert stats["steps"] > 0 and stats["fallback_steps"] == 0 and stats["invalid_trees"] == 0, stats
+        assert stats["reconnects"] == 0, stats
+        if transport == "colocated":  # CUDA IPC, both ways, every step
+            devices = client.region_devices
+            assert devices and all(d.startswith("cuda") for d in devices.values()), devices
+            assert stats["region_tensors"] > 0 and stats["region_trees"] == stats["steps"], stats
+        else:
+            assert client.region_devices == {} and stats["region_tensors"] == stats["region_trees"] == 0, stats
+        assert drafter_info(setup["address"]).streams == 1
+    finally:
+        client.close()
+    # the stream ended: the drafter dropped its sessions and its mappings of the regions
+    wait_until(lambda: drafter_info(setup["address"]).streams == 0, what="the drafter closed the stream")
+    assert drafter_info(setup["address"]).active_sessions == 0
