@@ -9,6 +9,9 @@ so nothing depends on a host-side count and the step stays CUDA-graph capturable
                                               an expert; padding slots hold P (= T * topk)
   block_expert  int32 [max_blocks]            expert of each block, -1 for unused blocks
 
+Ids equal to num_experts are skipped (no slot, no block): expert parallelism maps the pairs of experts
+another rank holds there.
+
 max_blocks = cdiv(P, BLOCK_M) + min(E, P) bounds sum_e cdiv(count_e, BLOCK_M). Only weight rows
 are streamed per block, so padding costs compute lanes, never weight bytes.
 
@@ -71,24 +74,26 @@ def _moe_align_kernel(
 def moe_align_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     """Sync-free torch version (same outputs as the kernel): used for large P and as the oracle."""
     dev = topk_ids.device
-    flat = topk_ids.reshape(-1).long()
+    flat = topk_ids.reshape(-1).long().clamp(max=num_experts)  # id num_experts: not held here, skipped
     P = flat.numel()
     maxb = max_blocks_for(P, num_experts, block_m)
     order = torch.argsort(flat * P + torch.arange(P, device=dev))  # unique keys: stable by pair id
     e_sorted = flat[order]
-    counts = torch.zeros(num_experts, dtype=torch.long, device=dev).index_add_(
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=dev).index_add_(
         0, flat, torch.ones_like(flat))
+    counts[num_experts] = 0  # skipped pairs open no block
     nblk = (counts + block_m - 1) // block_m
     blk_start = torch.cumsum(nblk, 0) - nblk
     grp_start = torch.cumsum(counts, 0) - counts
     rank = torch.arange(P, device=dev) - grp_start[e_sorted]
-    pos = blk_start[e_sorted] * block_m + rank
-    sorted_pairs = torch.full((maxb * block_m,), P, dtype=torch.int32, device=dev)
+    held = e_sorted < num_experts
+    pos = torch.where(held, blk_start[e_sorted] * block_m + rank, maxb * block_m)  # slot maxb*block_m: dropped
+    sorted_pairs = torch.full((maxb * block_m + 1,), P, dtype=torch.int32, device=dev)
     sorted_pairs[pos] = order.to(torch.int32)
-    first = rank % block_m == 0
+    first = held & (rank % block_m == 0)
     bexp = torch.full((maxb + 1,), -1, dtype=torch.int32, device=dev)  # slot maxb swallows non-firsts
     bexp[torch.where(first, pos // block_m, maxb)] = torch.where(first, e_sorted, -1).to(torch.int32)
-    return sorted_pairs, bexp[:maxb]
+    return sorted_pairs[: maxb * block_m], bexp[:maxb]
 
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, force_torch: bool = False):

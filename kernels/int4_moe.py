@@ -7,7 +7,14 @@ y[t] = sum_k topk_w[t, k] * down(silu(gate(x_t)) * up(x_t)) for the experts topk
 The shared expert is not part of this op.
 
 `moe_dense_ref` is the math on dequantised (or bf16-checkpoint) weights; `int4_moe_ref` composes it
-with the reference dequant in `kernels.int4_pack`; both define correctness.
+with the reference dequant in `kernels.int4_pack`; both define correctness. The reference works in two
+halves: per-pair weighted rows (`moe_pairs_ref`), then the combine (`moe_combine_ref`: each token's k rows
+added in ascending expert id).
+
+Expert parallel (`verifier_service.expert_parallel`): a rank holds a contiguous range of experts
+(`experts=`); pairs routed elsewhere get -0.0 rows, `reduce_pairs` (an all-reduce over the ranks) fills
+them in, and the combine runs unchanged on every rank. Each row is non-zero on exactly one rank and
+x + (-0.0) == x, so the reduction is exact in any order: the output is bitwise the single-process one.
 
 `int4_moe` is the launcher: on CUDA it runs the Triton path (kernels in `_int4_moe_kernels`, grouping
 in `_moe_align`), elsewhere the reference. GPU path, all on device, no host sync, 4 launches:
@@ -44,46 +51,90 @@ from kernels._moe_align import moe_align
 from kernels.int4_pack import PACK_FACTOR, dequantize_int4
 
 
-def _moe_loop(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, num_experts: int, expert) -> torch.Tensor:
-    """The reference math; `expert(e) -> (w13_e [2I, D], w2_e [D, I])` is asked only for experts with tokens."""
+def _local_ids(topk_ids: torch.Tensor, experts: range | None, n_local: int) -> torch.Tensor:
+    """Global expert ids -> indices into the held stack; experts not held -> n_local (skipped)."""
+    if experts is None:
+        return topk_ids
+    local = topk_ids - experts.start
+    return torch.where((local >= 0) & (local < n_local), local, n_local)
+
+
+def _pair_buffer(P: int, D: int, dtype: torch.dtype, device, partial: bool) -> torch.Tensor:
+    """[P, D] per-pair rows. With a subset of the experts, pairs of other experts hold -0.0: the additive
+    identity of IEEE addition (x + -0.0 == x for every x, +0.0 included), so summing the ranks' buffers,
+    whose supports are disjoint, reproduces every row bit for bit in any reduction order."""
+    if partial:
+        return torch.full((P, D), -0.0, dtype=dtype, device=device)
+    return torch.empty(P, D, dtype=dtype, device=device)
+
+
+def moe_pairs_ref(x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor, n_local: int, expert,
+                  experts: range | None = None) -> torch.Tensor:
+    """The reference math up to the combine: per (token, slot) pair p = t * k + s, the weighted expert output
+    topk_w[t, s] * E(x_t) [T*k, D] (acc dtype). `expert(i) -> (w13 [2I, D], w2 [D, I])` of the i-th held expert
+    is asked only for experts with tokens; `experts` = global ids held (None: all, ids index the stack);
+    pairs routed to experts not held are -0.0 (`_pair_buffer`)."""
     T, D = x.shape
+    k = topk_ids.shape[1]
     acc = torch.promote_types(x.dtype, torch.float32)
-    out = torch.zeros(T, D, dtype=acc, device=x.device)
-    flat_ids = topk_ids.reshape(-1)
-    order = torch.argsort(flat_ids, stable=True)  # group (token, slot) pairs by expert
-    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
+    local = _local_ids(topk_ids, experts, n_local).reshape(-1)
+    pairs = _pair_buffer(T * k, D, acc, x.device, experts is not None)
+    order = torch.argsort(local, stable=True)  # group (token, slot) pairs by expert, pair order inside
+    counts = torch.bincount(local, minlength=n_local + 1).tolist()
+    if experts is None and len(counts) > n_local + 1:
+        raise ValueError(f"moe: expert id {len(counts) - 1} is outside the {n_local} experts")
     start = 0
-    for e, c in enumerate(counts):
+    for e, c in enumerate(counts[:n_local]):
         if c == 0:
             continue
-        pairs = order[start : start + c]
+        pair = order[start : start + c]
         start += c
-        tok = pairs // topk_ids.shape[1]
         w13_e, w2_e = expert(e)
         inter = w2_e.shape[-1]
-        h = x[tok].to(acc) @ w13_e.to(acc).T  # [c, 2I]
+        h = x[pair // k].to(acc) @ w13_e.to(acc).T  # [c, 2I]
         a = F.silu(h[:, :inter]) * h[:, inter:]
-        y = a @ w2_e.to(acc).T  # [c, D]
-        out.index_add_(0, tok, y * topk_w.reshape(-1)[pairs].to(acc)[:, None])
-    return out.to(x.dtype)
+        pairs[pair] = (a @ w2_e.to(acc).T) * topk_w.reshape(-1)[pair].to(acc)[:, None]  # [c, D]
+    return pairs
+
+
+def moe_combine_ref(pairs: torch.Tensor, topk_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """out[t] = sum of token t's k weighted pair rows, added one by one in ascending global expert id
+    (starting from +0.0), then cast to `dtype`. A fixed order that depends only on the token's own routing."""
+    T, k = topk_ids.shape
+    rows = pairs.view(T, k, -1).gather(1, topk_ids.argsort(dim=1)[..., None].expand(T, k, pairs.shape[-1]))
+    out = torch.zeros(T, pairs.shape[-1], dtype=pairs.dtype, device=pairs.device)
+    for s in range(k):
+        out += rows[:, s]
+    return out.to(dtype)
+
+
+def _moe_loop(x, topk_ids, topk_w, n_local: int, expert, experts: range | None = None,
+              reduce_pairs=None) -> torch.Tensor:
+    """moe_pairs_ref, then `reduce_pairs(pairs)` (in place: expert parallel sums the ranks' rows), combine."""
+    pairs = moe_pairs_ref(x, topk_ids, topk_w, n_local, expert, experts)
+    if reduce_pairs is not None:
+        reduce_pairs(pairs)
+    return moe_combine_ref(pairs, topk_ids, x.dtype)
 
 
 def moe_dense_ref(
     x: torch.Tensor,  # [T, D]
-    topk_ids: torch.Tensor,  # [T, k] int
+    topk_ids: torch.Tensor,  # [T, k] int global expert ids
     topk_w: torch.Tensor,  # [T, k] fp32 routing weights (already normalised and scaled)
-    w13: torch.Tensor,  # [E, 2I, D]
-    w2: torch.Tensor,  # [E, D, I]
+    w13: torch.Tensor,  # [E_held, 2I, D]
+    w2: torch.Tensor,  # [E_held, D, I]
+    experts: range | None = None,  # global ids of the held experts (None: all of them)
+    reduce_pairs=None,  # in-place reduction of the [T*k, D] pair rows before the combine (expert parallel)
 ) -> torch.Tensor:
-    return _moe_loop(x, topk_ids, topk_w, w13.shape[0], lambda e: (w13[e], w2[e]))
+    return _moe_loop(x, topk_ids, topk_w, w13.shape[0], lambda e: (w13[e], w2[e]), experts, reduce_pairs)
 
 
-def int4_moe_ref(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale):
+def int4_moe_ref(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale, experts=None, reduce_pairs=None):
     """moe_dense_ref on the reference dequant; only the experts that received tokens are dequantised."""
     acc = torch.promote_types(x.dtype, torch.float32)
     return _moe_loop(x, topk_ids, topk_w, w13_packed.shape[0],
                      lambda e: (dequantize_int4(w13_packed[e], w13_scale[e], acc),
-                                dequantize_int4(w2_packed[e], w2_scale[e], acc)))
+                                dequantize_int4(w2_packed[e], w2_scale[e], acc)), experts, reduce_pairs)
 
 
 _BLOCK_K = 256  # K block of the GPU layout: 8 groups of 32 columns
@@ -138,9 +189,9 @@ def unrepack_int4_moe(w13_packed, w13_scale, w2_packed, w2_scale, hidden: int):
 _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
-def _int4_moe_triton(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, block_i: int = _BLOCK_I,
-                     block_d: int = _BLOCK_D, num_warps: int = 4, num_stages: int = 3, use_asm: bool = _USE_ASM,
-                     prescale: bool = _PRESCALE, swap: bool = _SWAP):
+def _int4_moe_triton(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, experts: range | None = None,
+                     reduce_pairs=None, block_i: int = _BLOCK_I, block_d: int = _BLOCK_D, num_warps: int = 4,
+                     num_stages: int = 3, use_asm: bool = _USE_ASM, prescale: bool = _PRESCALE, swap: bool = _SWAP):
     T, D = x.shape
     topk = topk_ids.shape[1]
     E, two_i, _ = w13.shape
@@ -153,7 +204,7 @@ def _int4_moe_triton(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, block_i
     if T == 0:
         return out
     x = x.contiguous()
-    sorted_pairs, bexp = moe_align(topk_ids, E, _BLOCK_M)
+    sorted_pairs, bexp = moe_align(_local_ids(topk_ids, experts, E), E, _BLOCK_M)  # experts not held: skipped
     nblk = bexp.shape[0]
     common = dict(BLOCK_M=_BLOCK_M, DTYPE=_TL_DTYPE[x.dtype], PREC="ieee" if x.dtype == torch.float32 else "tf32",
                   USE_ASM=use_asm and x.dtype == torch.bfloat16 and x.is_cuda,  # PTX: real GPU only
@@ -164,21 +215,29 @@ def _int4_moe_triton(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, block_i
         x, w13, s13, a, sorted_pairs, bexp, P, D, inter, w13.shape[2] // 32,
         x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), s13.stride(2), a.stride(0),
         TOPK=topk, BLOCK_I=block_i, EVEN_K=D % _BLOCK_K == 0, EVEN_N=inter % block_i == 0, **common)
-    y = torch.empty(P, D, dtype=torch.float32, device=x.device)  # unweighted expert output per pair
+    y = _pair_buffer(P, D, torch.float32, x.device, experts is not None)  # unweighted expert output per pair
     _moe_w2_kernel[(triton.cdiv(D, block_d), nblk)](
         a, w2, s2, y, sorted_pairs, bexp, P, inter, D, w2.shape[2] // 32,
         a.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), s2.stride(2), y.stride(0),
         BLOCK_D=block_d, EVEN_K=inter % _BLOCK_K == 0, EVEN_N=D % block_d == 0, **common)
+    if reduce_pairs is not None:
+        reduce_pairs(y)  # expert parallel: every rank now holds every pair's row, bit for bit
     _moe_combine_kernel[(T, triton.cdiv(D, 1024))](
         y, topk_w.contiguous(), out, D, y.stride(0), out.stride(0), TOPK=topk, BLOCK=1024, num_warps=4)
     return out
 
 
-def int4_moe(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale, *, layout: str = "checkpoint"):
+def int4_moe(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale, *, layout: str = "checkpoint",
+             experts: range | None = None, reduce_pairs=None):
     """Launcher: checks shapes; Triton kernels on CUDA, the reference elsewhere.
 
     x [T, D]; topk_ids [T, k] int (ids in [0, E)); topk_w [T, k] fp32; weights in `layout` (module doc).
+    Expert parallel (module doc): `experts` = the global ids of the stacked experts (a contiguous range;
+    None = all, ids index the stack); `reduce_pairs(rows)` sums the ranks' per-pair rows in place before the
+    combine (an all-reduce: exact, since each row is non-zero on one rank only).
     """
+    if experts is not None and len(experts) != w13_packed.shape[0]:
+        raise ValueError(f"int4_moe: {len(experts)} expert ids for {w13_packed.shape[0]} stacked experts")
     if layout not in ("checkpoint", "gpu"):
         raise ValueError(f"int4_moe: unknown layout {layout!r}")
     T, D = x.shape
@@ -198,16 +257,18 @@ def int4_moe(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale, *,
                 w13_packed, w13_scale, w2_packed, w2_scale)
         if x.dtype not in _TL_DTYPE:
             raise ValueError(f"int4_moe: unsupported activation dtype {x.dtype}")
-        return _int4_moe_triton(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale)
+        return _int4_moe_triton(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale, experts=experts,
+                                reduce_pairs=reduce_pairs)
     if layout == "gpu":
         w13_packed, w13_scale, w2_packed, w2_scale = unrepack_int4_moe(
             w13_packed, w13_scale, w2_packed, w2_scale, D)
-    return int4_moe_ref(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale)
+    return int4_moe_ref(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale, experts, reduce_pairs)
 
 
 def int4_moe_triton(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale, out=None, **config):
     """The Triton path on any device (tests call it on CPU under TRITON_INTERPRET=1); "gpu" layout.
 
     `out` ([T, D], x's dtype, optional) is written in place (tests poison it first); `config`
-    overrides the tile sizes (block_i, block_d), num_warps, num_stages, use_asm, prescale, swap (benchmarks)."""
+    overrides the tile sizes (block_i, block_d), num_warps, num_stages, use_asm, prescale, swap (benchmarks),
+    or passes `experts` / `reduce_pairs` (expert parallel, see `int4_moe`)."""
     return _int4_moe_triton(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale, out, **config)

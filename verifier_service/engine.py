@@ -149,7 +149,7 @@ class Engine:
             cu_q=torch.tensor([0, P], dtype=torch.int32, device=self.device),
             prefix_lens=torch.tensor([start], dtype=torch.int32, device=self.device),
             block_table=self.kv.block_table[row : row + 1], page_size=self.kv.page_size, tree_bits=None)
-        hidden, taps = self.target(fb, self.kv.kv, self.tap_layers)
+        hidden, taps = self.forward(fb)
         # the last chain token (position start+P-1) predicts position start+P
         first = int(self.sampler.posterior(self.target.logits(hidden[-1:]), [row], [start + P],
                                            not s.params.sampling.greedy)[0])
@@ -173,6 +173,15 @@ class Engine:
             self.drafter.release(sid)
         if s.finish_reason is None:
             s.finish_reason = "cancelled"
+
+    # --- the two operations that change the target's state (the seam `distributed.LeaderEngine` mirrors) ---
+    def forward(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target over a flat batch; writes the batch's latent KV at fb.write_slots -> (hidden, taps)."""
+        return self.target(fb, self.kv.kv, self.tap_layers)
+
+    def compact(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Commit: KV rows src -> dst (physical slots, all layers at once)."""
+        compact_kv(self.kv.kv, src, dst)
 
     # --- one verify step ---------------------------------------------------------------------------
     def _trees(self, active: list[Session]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int], int]:
@@ -236,7 +245,7 @@ class Engine:
             prefix_lens=committed.to(torch.int32),
             block_table=self.kv.block_table[rows], page_size=self.kv.page_size,
             tree_bits=pack_mask_bits(ancestor_mask(parent)).view(S * M, -1)[gather])
-        hidden, taps = self.target(fb, self.kv.kv, self.tap_layers)
+        hidden, taps = self.forward(fb)
         posterior = torch.full((S * M,), -1, dtype=torch.int64, device=dev)
         # node at position p predicts p + 1; nodes at one depth share (seed, p + 1) and so the noise
         sampled = any(not s.params.sampling.greedy for s in active)
@@ -252,7 +261,7 @@ class Engine:
         scratch = self.kv.scratch_slot  # padded moves must not alias rows outside the session's pages
         src = torch.where(live, self.kv.slots(rows, committed[:, None] + src_rel.long()), scratch)
         dst = torch.where(live, self.kv.slots(rows, committed[:, None] + dst_rel.long()), scratch)
-        compact_kv(self.kv.kv, src.view(-1), dst.view(-1))
+        self.compact(src.view(-1), dst.view(-1))
         cu_t = torch.tensor(cu[:-1], device=dev)
         path_taps = taps[(cu_t[:, None] + path.clamp(min=0)).view(-1)].view(S, path.shape[1], -1)
         path_tokens = tok.gather(1, path.clamp(min=0))

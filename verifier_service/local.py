@@ -1,4 +1,5 @@
-"""Build the embedded (in-process) engine: target + DFlash drafter in one process, one device."""
+"""Build the embedded (in-process) engine: target + DFlash drafter in one process, one device (or rank 0 of an
+expert-parallel group, `leader=`)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from drafter_service.drafter import Drafter
 from verifier_service.batch_invariant import make_batch_invariant
 from verifier_service.checkpoint import load_target
 from verifier_service.config import KimiConfig
+from verifier_service.distributed import Leader, LeaderEngine, load_rank_target
 from verifier_service.engine import Engine, EngineConfig
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -30,8 +32,12 @@ def check_block_size(drafter_cfg: DFlashConfig, block_size: int | None) -> None:
 
 def build_local_engine(target_dir: str | Path, drafter_dir: str | Path | None, dtype: torch.dtype | None = None,
                        device: str | None = None, engine_cfg: EngineConfig | None = None,
-                       block_size: int | None = None, batch_invariant: bool | str = True) -> Engine:
+                       block_size: int | None = None, batch_invariant: bool | str = True,
+                       leader: Leader | None = None) -> Engine:
     """Validate both configs (no weights touched), then load and wire the pair.
+
+    leader: rank 0 of an expert-parallel group (`verifier_service.distributed`): load only rank 0's experts
+    and return a `LeaderEngine`, which the other ranks' `Follower`s mirror.
 
     batch_invariant (CUDA only): True swaps the target's GEMMs and norms for batch-invariant kernels
     (`verifier_service.batch_invariant`, attention stays `kernels.mla_attention`, position aligned: greedy
@@ -48,7 +54,10 @@ def build_local_engine(target_dir: str | Path, drafter_dir: str | Path | None, d
         dcfg = DFlashConfig.from_file(drafter_dir)
         check_block_size(dcfg, block_size)
         check_pair(dcfg, tcfg)
-    target = load_target(target_dir, dtype, device, tcfg)
+    if leader is None:
+        target = load_target(target_dir, dtype, device, tcfg)
+    else:
+        target = load_rank_target(leader.groups, target_dir, dtype, device, tcfg)
     if batch_invariant and str(device).startswith("cuda") and dtype != torch.float64:
         make_batch_invariant(target, attention="aligned" if batch_invariant == "aligned" else "kernel")
     if drafter_dir is not None:
@@ -57,4 +66,6 @@ def build_local_engine(target_dir: str | Path, drafter_dir: str | Path | None, d
         drafter = Drafter(dmodel, target.model.embed_tokens.weight, target.lm_head.weight,
                           max_sessions=cfg.max_sessions, window=cfg.draft_window)
         tap_layers = dmodel.cfg.target_layer_ids
+    if leader is not None:
+        return LeaderEngine(target, drafter, tap_layers, engine_cfg or EngineConfig(), leader)
     return Engine(target, drafter, tap_layers, engine_cfg or EngineConfig())

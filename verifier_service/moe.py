@@ -3,11 +3,14 @@
 Routed experts are stacked over experts at load time: INT4 (compressed-tensors pack-quantized,
 `w13_packed`/`w13_scale`/`w2_packed`/`w2_scale`) or dense (`w13`/`w2`, bf16 checkpoints such as
 DeepSeek-V3). gate and up are concatenated on the output axis (rows 0..I-1 gate, I..2I-1 up).
+Under expert parallelism (`verifier_service.expert_parallel`) a MoE holds a contiguous slice of the
+experts (`expert_ids`) and a process group (`ep_group`) whose ranks hold the rest.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -71,6 +74,7 @@ class MoE(nn.Module):
         self.quantized = quantized
         # global ids of the experts stacked below (all of them; expert_parallel.shard_experts keeps a range)
         self.expert_ids: tuple[int, ...] = tuple(range(E))
+        self.ep_group: dist.ProcessGroup | None = None  # set by expert_parallel.use_expert_group
         self.gate = Router(cfg)
         self.layout = "checkpoint"  # INT4 buffers' layout; "gpu" after repack_for_gpu() (kernels/int4_moe.py)
         if quantized:
@@ -107,18 +111,26 @@ class MoE(nn.Module):
             self._dense_cache = cache
         return cache[1], cache[2]
 
+    def _reduce_pairs(self):
+        """(global ids held, in-place sum of the per-pair rows over the ranks) or (None, None): all experts here."""
+        if self.ep_group is None:
+            if len(self.expert_ids) != self.gate.cfg.n_routed_experts:
+                raise RuntimeError("MoE holds an expert-parallel slice of the experts but no process group: "
+                                   "call expert_parallel.use_expert_group(model, group) first")
+            return None, None
+        held = range(self.expert_ids[0], self.expert_ids[-1] + 1)
+        return held, lambda rows: dist.all_reduce(rows, op=dist.ReduceOp.SUM, group=self.ep_group)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if len(self.expert_ids) != self.gate.cfg.n_routed_experts:
-            raise NotImplementedError("MoE holds an expert-parallel slice of the experts; the expert-parallel "
-                                      "forward (all-to-all / all-reduce) is not implemented yet")
-        ids, w = self.gate(x)
-        if self.quantized and not x.is_cuda:
-            y = moe_dense_ref(x, ids, w, *self._dequantized(x.dtype))  # CPU: the reference on cached weights
+        ids, w = self.gate(x)  # every rank routes every token (same inputs, same bits)
+        held, reduce = self._reduce_pairs()
+        if self.quantized and not x.is_cuda:  # CPU: the reference on cached weights
+            y = moe_dense_ref(x, ids, w, *self._dequantized(x.dtype), experts=held, reduce_pairs=reduce)
         elif self.quantized:
             y = int4_moe(x, ids, w, self.w13_packed, self.w13_scale, self.w2_packed, self.w2_scale,
-                         layout=self.layout)
+                         layout=self.layout, experts=held, reduce_pairs=reduce)
         else:
-            y = moe_dense_ref(x, ids, w, self.w13, self.w2)
+            y = moe_dense_ref(x, ids, w, self.w13, self.w2, experts=held, reduce_pairs=reduce)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
         return y

@@ -13,6 +13,10 @@ scheduler, whose `TurnTelemetry` records the queue, prefill, per-step and transp
 go to the process registry, served on `--metrics-listen`: requests by final status, TTFT and
 inter-token latency as this service streams, prompt and generated tokens here; the step loop's
 families in `TurnTelemetry`; drafter fallbacks in the stream client.
+
+Expert parallel (`cfg.dist`, DESIGN 7, `verifier_service.distributed`): rank 0 runs `serve` with a
+`LeaderEngine` (and alone binds the gRPC and metrics ports); ranks > 0 run `follow`, which loads the
+rank's experts and replays rank 0's forwards until rank 0 stops or the group breaks.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from protos.verifier_codec import event_to_pb, params_from_pb
 from telemetry import tracing
 from telemetry.grpc_tracing import TracingServerInterceptor
 from telemetry.metrics import STATUSES, Metrics, parse_hostport, process_metrics
+from verifier_service.distributed import DistConfig
 from verifier_service.engine import Engine, EngineConfig
 from verifier_service.scheduler import Scheduler, TurnError
 from verifier_service.session import MAX_BUDGET, DecodeParams
@@ -64,6 +69,7 @@ class VerifierServerConfig:
     max_message_bytes: int = 64 << 20
     grace_s: float = 30.0
     metrics_listen: str | None = None  # HOST:PORT of the Prometheus endpoint; None = not served
+    dist: DistConfig | None = None  # this rank's place in an expert-parallel group; None = one process
 
     def __post_init__(self):
         if self.metrics_listen is not None:
@@ -217,25 +223,41 @@ def _status_name(context) -> str:
 
 
 # --- loading -----------------------------------------------------------------------------------------
-def build_engine(cfg: VerifierServerConfig, stop: threading.Event, metrics: Metrics | None = None) -> Loaded:
-    """Load the target, wire the drafter through the configured transport, warm up; blocking."""
-    from verifier_service.batch_invariant import make_batch_invariant
-    from verifier_service.checkpoint import load_target
-    from verifier_service.config import KimiConfig
-    from verifier_service.local import DTYPES, build_local_engine, default_device
-    from verifier_service.transport import StreamClientConfig
-    from verifier_service.transport_stream import DraftStreamClient
+def _device_dtype(cfg: VerifierServerConfig) -> tuple[str, torch.dtype]:
+    from verifier_service.local import DTYPES, default_device
 
     device = cfg.device or default_device()
     if cfg.dtype is not None and cfg.dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {cfg.dtype!r}")
-    dtype = DTYPES[cfg.dtype] if cfg.dtype else (torch.bfloat16 if device.startswith("cuda") else torch.float32)
-    ecfg = EngineConfig(page_size=cfg.page_size, num_pages=cfg.kv_pages, max_sessions=cfg.max_sessions,
+    return device, DTYPES[cfg.dtype] if cfg.dtype else (torch.bfloat16 if device.startswith("cuda") else torch.float32)
+
+
+def _engine_config(cfg: VerifierServerConfig) -> EngineConfig:
+    return EngineConfig(page_size=cfg.page_size, num_pages=cfg.kv_pages, max_sessions=cfg.max_sessions,
                         max_session_len=cfg.max_session_len, draft_window=cfg.draft_window)
+
+
+def build_engine(cfg: VerifierServerConfig, stop: threading.Event, metrics: Metrics | None = None,
+                 on_group_failure=None) -> Loaded:
+    """Load the target, wire the drafter through the configured transport, warm up; blocking.
+    With `cfg.dist` (rank 0): join the group first, load rank 0's experts, lead the followers."""
+    from verifier_service.batch_invariant import make_batch_invariant
+    from verifier_service.checkpoint import load_target
+    from verifier_service.config import KimiConfig
+    from verifier_service.distributed import Leader, LeaderEngine, init_groups, load_rank_target
+    from verifier_service.local import build_local_engine
+    from verifier_service.transport import StreamClientConfig
+    from verifier_service.transport_stream import DraftStreamClient
+
+    device, dtype = _device_dtype(cfg)
+    ecfg = _engine_config(cfg)
     tcfg = KimiConfig.from_file(cfg.target_dir)
+    leader = None
+    if cfg.dist is not None:
+        leader = Leader(init_groups(cfg.dist), on_failure=on_group_failure)
     client = None
     if cfg.transport == "inprocess":
-        engine = build_local_engine(cfg.target_dir, cfg.drafter_dir, dtype, device, ecfg)
+        engine = build_local_engine(cfg.target_dir, cfg.drafter_dir, dtype, device, ecfg, leader=leader)
         block = engine.drafter.cfg.block_size
     else:
         client = DraftStreamClient(StreamClientConfig(
@@ -244,7 +266,10 @@ def build_engine(cfg: VerifierServerConfig, stop: threading.Event, metrics: Metr
             client_id=f"verifier@{cfg.listen}"), metrics=metrics)
         client.start()  # connects in the background while the target loads
         try:
-            target = load_target(cfg.target_dir, dtype, device, tcfg)
+            if leader is None:
+                target = load_target(cfg.target_dir, dtype, device, tcfg)
+            else:
+                target = load_rank_target(leader.groups, cfg.target_dir, dtype, device, tcfg)
             if device.startswith("cuda") and dtype != torch.float64:
                 make_batch_invariant(target)  # as build_local_engine does: greedy DDTree == AR
             log.info("target loaded; waiting for the drafter at %s", cfg.drafter_address)
@@ -253,7 +278,10 @@ def build_engine(cfg: VerifierServerConfig, stop: threading.Event, metrics: Metr
         except BaseException:
             client.close()
             raise
-        engine = Engine(target, client, model.target_layer_ids, ecfg)
+        if leader is None:
+            engine = Engine(target, client, model.target_layer_ids, ecfg)
+        else:
+            engine = LeaderEngine(target, client, model.target_layer_ids, ecfg, leader)
         block = model.block_size
     # warm-up: one drafted step through the transport, then give everything back
     engine.add([0, 1, 2], DecodeParams(max_new_tokens=2, budget=4, topk=2), sid=WARMUP_SID)
@@ -266,13 +294,24 @@ def build_engine(cfg: VerifierServerConfig, stop: threading.Event, metrics: Metr
 
 
 async def serve(cfg: VerifierServerConfig) -> int:
+    """The service (rank 0 of an expert-parallel group: the only rank that binds ports) until SIGTERM;
+    returns 1 when the expert-parallel group broke."""
+    if cfg.dist is not None and cfg.dist.rank != 0:
+        raise ValueError(f"serve runs on rank 0; rank {cfg.dist.rank} runs `follow`")
     service = VerifierService(cfg)
     server = GrpcServer(cfg.listen, [SERVICE_NAME], cfg.max_message_bytes, cfg.grace_s,
                         interceptors=[TracingServerInterceptor()], metrics_listen=cfg.metrics_listen)
     verifier_pb2_grpc.add_VerifierServicer_to_server(service, server.server)
     await server.start()
     stop_loading = threading.Event()
-    loading = asyncio.ensure_future(asyncio.to_thread(build_engine, cfg, stop_loading, service.metrics))
+    loop = asyncio.get_running_loop()
+    group_failed = asyncio.Event()  # set from the engine thread when a rank of the group is lost
+
+    def on_group_failure(_e) -> None:
+        loop.call_soon_threadsafe(group_failed.set)
+
+    loading = asyncio.ensure_future(asyncio.to_thread(build_engine, cfg, stop_loading, service.metrics,
+                                                      on_group_failure))
     stop = asyncio.ensure_future(server.stop_requested.wait())
     await asyncio.wait({loading, stop}, return_when=asyncio.FIRST_COMPLETED)
     if not loading.done():
@@ -285,12 +324,59 @@ async def serve(cfg: VerifierServerConfig) -> int:
         raise loading.exception()
     service.loaded = loading.result()
     await server.set_serving()
-    log.info("verifier serving on %s (transport %s)", server.address, cfg.transport)
-    await stop
+    log.info("verifier serving on %s (transport %s%s)", server.address, cfg.transport,
+             f", rank 0 of {cfg.dist.world_size}" if cfg.dist else "")
+    failed = asyncio.ensure_future(group_failed.wait())
+    await asyncio.wait({stop, failed}, return_when=asyncio.FIRST_COMPLETED)
+    code = 0
+    if failed.done():
+        log.error("the expert-parallel group broke; stopping so that the launcher restarts every rank")
+        code = 1
+    failed.cancel()
     service.draining = True
     await server.drain()
     ld = service.loaded
     ld.scheduler.close()
     if ld.client is not None:
         ld.client.close()
+    if cfg.dist is not None:
+        ld.engine.close()  # STOP to the followers
+        if not code:
+            _leave_group()  # a broken group is left to process exit (destroying it could block on NCCL)
+    return code
+
+
+def _leave_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def follow(cfg: VerifierServerConfig) -> int:
+    """Ranks > 0: join the group, load this rank's experts, replay rank 0's forwards until it stops.
+    Binds no port. SIGTERM/SIGINT are logged and otherwise ignored: rank 0 drains its streams (which need
+    every rank) and then stops the followers. Returns 1 when rank 0 is lost."""
+    import signal
+
+    from verifier_service.batch_invariant import make_batch_invariant
+    from verifier_service.distributed import Follower, GroupError, init_groups, load_rank_target
+
+    if cfg.dist is None or cfg.dist.rank == 0:
+        raise ValueError("follow runs on ranks > 0 of an expert-parallel group")
+    rank = cfg.dist.rank
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda n, _f: log.info("rank %d: %s; waiting for rank 0 to drain and stop the group",
+                                                  rank, signal.Signals(n).name))
+    device, dtype = _device_dtype(cfg)
+    groups = init_groups(cfg.dist)
+    try:
+        target = load_rank_target(groups, cfg.target_dir, dtype, device)
+        if device.startswith("cuda") and dtype != torch.float64:
+            make_batch_invariant(target)  # exactly what rank 0 runs: the replicated parts must agree bit for bit
+        Follower(target, _engine_config(cfg), groups).run()
+    except GroupError as e:
+        log.error("%s", e)
+        return 1  # a broken group is left to process exit (destroying it could block on NCCL)
+    _leave_group()
     return 0

@@ -1,6 +1,17 @@
-"""`ddtree verifier serve`: the target model and its scheduler as a gRPC service (ddtree.v1.Verifier)."""
+"""`ddtree verifier serve`: the target model and its scheduler as a gRPC service (ddtree.v1.Verifier).
+
+Under torchrun (WORLD_SIZE > 1 in the environment, with RANK, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) every
+rank runs this same command: the routed experts are split across the ranks (DESIGN 7); rank 0 serves
+gRPC and metrics on the given addresses, ranks > 0 bind nothing and replay rank 0's forwards. On CUDA each
+rank uses cuda:LOCAL_RANK and NCCL; on CPU, gloo.
+"""
 
 from __future__ import annotations
+
+import os
+import sys
+import traceback
+from typing import NoReturn
 
 from gateway.commands.server_flags import add_server_flags, message_bytes, run_server
 
@@ -25,18 +36,75 @@ def add_parser(sub) -> None:
     s.add_argument("--draft-window", type=int, default=2048, help="drafter context rows kept per session")
     s.add_argument("--draft-timeout-s", type=float, default=5.0,
                    help="a draft step slower than this falls back to autoregressive and reconnects")
+    s.add_argument("--dist-timeout-s", type=float, default=300.0,
+                   help="under torchrun: a collective, or rank 0's silence, longer than this fails the group")
     s.set_defaults(func=run)
 
 
+def dist_from_env(env, device: str | None, timeout_s: float):
+    """(DistConfig or None, device) from torchrun's environment; WORLD_SIZE unset or 1 = one process."""
+    from verifier_service.distributed import DistConfig
+    from verifier_service.local import default_device
+
+    world = int(env.get("WORLD_SIZE") or 1)
+    if world <= 1:
+        return None, device
+    missing = [k for k in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") if not env.get(k)]
+    if missing:
+        raise ValueError(f"WORLD_SIZE={world} but {', '.join(missing)} unset: start the ranks with torchrun")
+    rank, local = int(env["RANK"]), int(env["LOCAL_RANK"])
+    device = device or default_device()
+    backend = "gloo"
+    if device.startswith("cuda"):
+        if device != "cuda":
+            raise ValueError(f"--device {device}: under torchrun pass --device cuda (rank r uses cuda:LOCAL_RANK)")
+        device, backend = f"cuda:{local}", "nccl"
+    return DistConfig(rank, world, local, backend, "env://", timeout_s), device
+
+
 def run(args) -> int:
-    from verifier_service.server import VerifierServerConfig, serve
+    from verifier_service.server import VerifierServerConfig, follow, serve
     from verifier_service.transport import resolve_transport
 
     transport = resolve_transport(args.transport, args.drafter_address, args.drafter)
+    dist, device = dist_from_env(os.environ, args.device, args.dist_timeout_s)
     cfg = VerifierServerConfig(
         listen=args.listen, target_dir=args.target, transport=transport, drafter_address=args.drafter_address,
-        drafter_dir=args.drafter, device=args.device, dtype=args.dtype, max_sessions=args.max_sessions,
+        drafter_dir=args.drafter, device=device, dtype=args.dtype, max_sessions=args.max_sessions,
         kv_pages=args.kv_pages, page_size=args.page_size, max_session_len=args.max_session_len,
         draft_window=args.draft_window, draft_timeout_s=args.draft_timeout_s,
-        max_message_bytes=message_bytes(args), grace_s=args.grace_s, metrics_listen=args.metrics_listen)
-    return run_server(serve, cfg, args.log_level, "ddtree-verifier")
+        max_message_bytes=message_bytes(args), grace_s=args.grace_s, metrics_listen=args.metrics_listen, dist=dist)
+    if dist is None:
+        return run_server(serve, cfg, args.log_level, "ddtree-verifier")
+    try:
+        if dist.rank > 0:  # binds no port: rank 0 serves for the group
+            from protos.serving import setup_logging
+
+            setup_logging(args.log_level)
+            code = follow(cfg)
+        else:
+            code = run_server(serve, cfg, args.log_level, "ddtree-verifier")
+    except (ValueError, FileNotFoundError) as e:
+        print(f"ddtree verifier: error: {e}", file=sys.stderr)
+        code = 2
+    except Exception:  # noqa: BLE001 - printed, then the rank exits like any other
+        traceback.print_exc()
+        code = 1
+    exit_rank(code)
+
+
+def exit_rank(code: int) -> NoReturn:
+    """End a torch.distributed rank without interpreter finalization. Gloo's worker threads can destroy the
+    last collective's tensors while the interpreter shuts down, which aborts the process (SIGABRT) after a
+    clean run, and tearing down a broken NCCL group can block: flush what we own, then leave."""
+    import logging
+
+    from opentelemetry import trace
+
+    shutdown = getattr(trace.get_tracer_provider(), "shutdown", None)
+    if shutdown is not None:
+        shutdown()  # export the spans still batched (atexit handlers do not run after os._exit)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

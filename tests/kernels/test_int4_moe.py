@@ -164,6 +164,44 @@ def test_launcher_dispatch_and_layouts():
         int4_moe(x[:, :128], ids, tw, *w)
 
 
+# ---------------------------------------------------------------- expert parallel
+
+def test_align_skips_experts_not_held():
+    """Id == num_experts (another rank's expert) gets no slot and opens no block, in both implementations."""
+    ids, _ = make_routing(9, 3, 7, seed=3)
+    local = torch.where(ids < 4, ids, 4)  # this rank holds experts 0..3
+    sp, be = moe_align(local, 4, 16)
+    assert all(torch.equal(a.cpu(), b.cpu()) for a, b in zip((sp, be), moe_align_torch(local, 4, 16)))
+    P = ids.numel()
+    held = (local.reshape(-1) < 4).nonzero().reshape(-1).cpu()
+    assert torch.equal(sp[sp < P].long().cpu().sort().values, held)
+    assert set(be[be >= 0].tolist()) == set(local[local < 4].tolist())
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_expert_slices_sum_to_the_full_kernel_bitwise(world):
+    """Each rank's launch over its contiguous expert slice leaves -0.0 rows for the others' pairs; their sum
+    (what the all-reduce computes, in any order), fed to the combine, is the single-launch output bit for bit."""
+    from verifier_service.expert_parallel import expert_range
+
+    T, k, E, D, inter = 5, 3, 7, 96, 160
+    w = repack_int4_moe_for_gpu(*make_experts(E, D, inter, seed=9))
+    ids, tw = make_routing(T, k, E, seed=8)
+    x = torch.randn(T, D, generator=torch.Generator().manual_seed(2)).to(DEV)
+    full = run_kernel(x, ids, tw, w)
+    rows = []
+    for r in range(world):
+        rng = expert_range(E, r, world)
+        run_kernel(x, ids, tw, [t[rng.start:rng.stop] for t in w], experts=rng,
+                   reduce_pairs=lambda y: rows.append(y.clone()))
+    total = rows[-1].clone()
+    for y in rows[-2::-1]:
+        total += y
+    rng = expert_range(E, 0, world)
+    out = run_kernel(x, ids, tw, [t[rng.start:rng.stop] for t in w], experts=rng, reduce_pairs=lambda y: y.copy_(total))
+    assert torch.equal(out.view(torch.int32), full.view(torch.int32))
+
+
 # ---------------------------------------------------------------- GPU: Kimi K2.6 shapes
 
 KIMI = dict(E=384, D=7168, inter=2048, k=8)

@@ -286,8 +286,23 @@ def test_multi_gpu_world_matches_gpus():
     env = env_of(objs, where, c)
     ns = get_args_parser().parse_args([expand(a, env) for a in c["args"]])
     gpus = int(c["resources"]["limits"]["nvidia.com/gpu"])
-    assert int(env["WORLD_SIZE"]) == gpus == int(ns.nproc_per_node) == 8
+    assert int(env["NPROC_PER_NODE"]) == gpus == int(ns.nproc_per_node) == 8
     assert ns.nnodes == "1" and ns.module and ns.training_script == "gateway.cli"
+    _torchrun_waits_for_the_drain(objs, where, c, ns)
+    # torchrun sets WORLD_SIZE, RANK, LOCAL_RANK per rank: the container must not (the CLI reads them)
+    assert not {"WORLD_SIZE", "RANK", "LOCAL_RANK"} & {e["name"] for e in c.get("env", [])}
+
+
+def _torchrun_waits_for_the_drain(objs, where, c, ns) -> None:
+    """On SIGTERM torchrun signals the ranks and SIGKILLs them after --shutdown-timeout: rank 0 must get its
+    whole drain (--grace-s; the other ranks wait for its STOP), within the pod's termination grace period."""
+    from tests.unit.test_deploy_cli_contract import parsed_or_none
+
+    grace = parsed_or_none(objs, where, c).grace_s
+    assert ns.shutdown_timeout is not None and int(ns.shutdown_timeout) >= grace, where
+    tpl = dict(pod_templates(objs))[where]
+    assert tpl["spec"]["terminationGracePeriodSeconds"] >= c["lifecycle"]["preStop"]["sleep"]["seconds"] + int(
+        ns.shutdown_timeout), where
 
 
 def test_lws_group_and_leader_service():
@@ -309,6 +324,7 @@ def test_lws_group_and_leader_service():
         assert int(ns.nproc_per_node) == int(c["resources"]["limits"]["nvidia.com/gpu"]), where
         assert ns.nnodes == str(lwt["size"]) and ns.training_script == "gateway.cli"
         assert ns.master_addr == LWS_INJECTED["LWS_LEADER_ADDRESS"] and ns.node_rank == 0
+        _torchrun_waits_for_the_drain(objs, where, c, ns)
     svc = by_kind(objs, "Service")["ddtree-verifier"]
     assert svc["spec"]["selector"]["leaderworkerset.sigs.k8s.io/worker-index"] == "0"
     assert svc["spec"]["selector"]["leaderworkerset.sigs.k8s.io/name"] == lws["metadata"]["name"]

@@ -75,7 +75,7 @@ def test_rank_reads_only_its_experts(folder, full, reads, ep_size, ep_rank):
             assert t.shape[0] == len(rng)
             assert torch.equal(t, full_state[f"model.layers.{i}.mlp.{name}"][rng.start : rng.stop])
     assert torch.equal(model.lm_head.weight, full.lm_head.weight)  # the rest is replicated
-    with pytest.raises(NotImplementedError, match="expert-parallel"):
+    with pytest.raises(RuntimeError, match="expert-parallel slice .* no process group"):
         model.model.layers[1].mlp(torch.zeros(1, cfg.hidden_size))
 
 
@@ -85,3 +85,27 @@ def test_rank_skips_shards_without_its_tensors(folder, reads):
     idx = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
     load_target(folder, torch.float32, "cpu", ep_rank=0, ep_size=2)
     assert reads["files"] < set(idx.values())
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_rank_partial_outputs_sum_to_the_single_process_output_bitwise(full, world):
+    """The expert-parallel MoE math without a process group: each rank's pair rows (-0.0 where another rank
+    holds the expert), summed in any order, then the combine: bitwise the single-process MoE."""
+    from kernels.int4_moe import moe_combine_ref, moe_dense_ref, moe_pairs_ref
+
+    moe = full.model.layers[1].mlp
+    T, E = 37, moe.gate.cfg.n_routed_experts
+    x = torch.randn(T, full.cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    ids, w = moe.gate(x)
+    w13, w2 = moe._dequantized(x.dtype)
+    want = moe_dense_ref(x, ids, w, w13, w2)  # what the single-process MoE adds to its shared expert
+    assert torch.equal(moe(x), want + moe.shared_experts(x))
+    parts = []
+    for r in range(world):
+        rng = expert_range(E, r, world)
+        parts.append(moe_pairs_ref(x, ids, w, len(rng), lambda e, s=rng.start: (w13[s + e], w2[s + e]), rng))
+    for order in (parts, parts[::-1]):  # any reduction order
+        total = order[0].clone()
+        for p in order[1:]:
+            total += p
+        assert torch.equal(moe_combine_ref(total, ids, x.dtype).view(torch.int32), want.view(torch.int32))
