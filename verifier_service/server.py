@@ -64,6 +64,7 @@ class VerifierServerConfig:
     max_message_bytes: int = 64 << 20
     grace_s: float = 30.0
     metrics_listen: str | None = None  # HOST:PORT of the Prometheus endpoint; None = not served
+    cuda_graphs: bool | None = None  # verify forwards through CUDA graphs; None = on for a CUDA device
 
     def __post_init__(self):
         if self.metrics_listen is not None:
@@ -230,8 +231,9 @@ def build_engine(cfg: VerifierServerConfig, stop: threading.Event, metrics: Metr
     if cfg.dtype is not None and cfg.dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {cfg.dtype!r}")
     dtype = DTYPES[cfg.dtype] if cfg.dtype else (torch.bfloat16 if device.startswith("cuda") else torch.float32)
+    graphs = cfg.cuda_graphs if cfg.cuda_graphs is not None else device.startswith("cuda")
     ecfg = EngineConfig(page_size=cfg.page_size, num_pages=cfg.kv_pages, max_sessions=cfg.max_sessions,
-                        max_session_len=cfg.max_session_len, draft_window=cfg.draft_window)
+                        max_session_len=cfg.max_session_len, draft_window=cfg.draft_window, cuda_graphs=graphs)
     tcfg = KimiConfig.from_file(cfg.target_dir)
     client = None
     if cfg.transport == "inprocess":

@@ -25,6 +25,8 @@ def add_parser(sub) -> None:
     s.add_argument("--draft-window", type=int, default=2048, help="drafter context rows kept per session")
     s.add_argument("--draft-timeout-s", type=float, default=5.0,
                    help="a draft step slower than this falls back to autoregressive and reconnects")
+    s.add_argument("--no-cuda-graphs", action="store_true",
+                   help="run verify forwards eagerly (default on CUDA: replayed from CUDA graphs)")
     s.set_defaults(func=run)
 
 
@@ -38,5 +40,6 @@ def run(args) -> int:
         drafter_dir=args.drafter, device=args.device, dtype=args.dtype, max_sessions=args.max_sessions,
         kv_pages=args.kv_pages, page_size=args.page_size, max_session_len=args.max_session_len,
         draft_window=args.draft_window, draft_timeout_s=args.draft_timeout_s,
-        max_message_bytes=message_bytes(args), grace_s=args.grace_s, metrics_listen=args.metrics_listen)
+        max_message_bytes=message_bytes(args), grace_s=args.grace_s, metrics_listen=args.metrics_listen,
+        cuda_graphs=False if args.no_cuda_graphs else None)
     return run_server(serve, cfg, args.log_level, "ddtree-verifier")
