@@ -49,8 +49,9 @@ def _visible_new(tree_bits: torch.Tensor | None, t0: int, n: int, device) -> tor
         return torch.ones(n, n, dtype=torch.bool, device=device).tril()
     words = tree_bits[t0 : t0 + n]  # [n, W] int64
     k = torch.arange(n, device=device)
-    bits = (words[:, k // 64] >> (k % 64)) & 1  # [n, n]
-    return bits.bool()
+    W = words.shape[1]
+    bits = (words[:, (k // 64).clamp(max=W - 1)] >> (k % 64)) & 1  # [n, n]
+    return bits.bool() & (k < 64 * W)  # rows past the W words are never visible (as in the kernel)
 
 
 def session_slots(block_table: torch.Tensor, page_size: int, s: int, length: int) -> torch.Tensor:

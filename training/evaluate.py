@@ -6,7 +6,9 @@
   tree build, verify, commit) on prompts cut from held-out files; mean acceptance length = committed
   tokens per verify step (accepted drafts + the bonus token), and whether every session's output equals
   plain autoregressive decoding token for token;
-- throughput: generated tokens / wall time at concurrency C (C sessions decoded together), AR vs DDTree.
+- throughput: generated tokens / wall time at concurrency C (C sessions decoded together), AR vs DDTree,
+  after one identical warm-up run (kernels compiled, CUDA graphs captured); `--cuda-graphs on,off` measures
+  it with the verify forward replayed from CUDA graphs and eagerly in one run (params.cuda_graphs).
 Each measurement becomes one JSON line (name, params, device, commit, metrics) appended to --out.
 
   python -m training.evaluate --pair models/kimi-mini --data runs/data --out bench/results/demo_pair.jsonl
@@ -64,14 +66,38 @@ def acceptance_sweep(engine, prompts, budgets, topk: int, max_new: int) -> dict:
     return out
 
 
+def graph_stats(engine) -> dict:
+    """The CUDA-graph runner's counters (replays, captures, padded_eager, eager) and failed captures."""
+    g = getattr(engine, "graphs", None)
+    if g is None:
+        return {}
+    return {**dict(g.stats), "graphs": len(g.graphs), "failed": len(g.failed)}
+
+
 def throughput(engine, prompts, budget: int, topk: int, max_new: int, concurrency: int) -> dict:
     batch = (prompts * concurrency)[:concurrency]
-    decode(engine, batch[:1], budget, topk, 8)  # warm-up
+    decode(engine, batch, budget, topk, max_new)  # warm-up: the same steps (kernels compiled, graphs captured)
+    before = graph_stats(engine)
     sessions, dt = decode(engine, batch, budget, topk, max_new)
     n = sum(len(s.output) for s in sessions)
     steps = [a for s in sessions for a in s.accepted_per_step]
-    return {"tokens": n, "seconds": round(dt, 3), "tokens_per_s": round(n / dt, 2),
-            "mean_acceptance": round(sum(steps) / len(steps), 3) if budget else 1.0}
+    out = {"tokens": n, "seconds": round(dt, 3), "tokens_per_s": round(n / dt, 2),
+           "mean_acceptance": round(sum(steps) / len(steps), 3) if budget else 1.0}
+    after = graph_stats(engine)
+    if after:  # what the measured run itself did
+        out["graph"] = {k: v - before.get(k, 0) for k, v in after.items()}
+    return out
+
+
+def graph_modes(arg: str, device: str) -> list[bool]:
+    """--cuda-graphs: auto (on for cuda), on, off, or a comma list (e.g. on,off: both, in that order)."""
+    if arg == "auto":
+        return [device.startswith("cuda")]
+    table = {"on": True, "off": False}
+    modes = [table.get(x.strip()) for x in arg.split(",")]
+    if not modes or None in modes:
+        raise ValueError(f"--cuda-graphs must be auto, on, off or a comma list of on/off, got {arg!r}")
+    return modes
 
 
 @torch.no_grad()
@@ -121,8 +147,12 @@ def main(argv=None) -> int:
     ap.add_argument("--commit", default=None)
     ap.add_argument("--name", default="kimi-mini")
     ap.add_argument("--threads", type=int, default=1, help="CPU threads (1 avoids OpenMP stalls on a busy machine)")
+    ap.add_argument("--cuda-graphs", default="auto",
+                    help="verify forwards through CUDA graphs: auto (on for cuda), on, off, or on,off to measure "
+                         "throughput both ways in one run (recorded as params.cuda_graphs)")
     ap.add_argument("--out", default="bench/results/demo_pair.jsonl")
     args = ap.parse_args(argv)
+    modes = graph_modes(args.cuda_graphs, args.device)
     if not args.device.startswith("cuda"):
         torch.set_num_threads(args.threads)
     pair = Path(args.pair)
@@ -147,20 +177,30 @@ def main(argv=None) -> int:
              perplexity(pair / "target", args.data, args.seq, args.device, args.ppl_windows))
     if what & {"accept", "tput"}:
         engine = build_local_engine(pair / "target", pair / "drafter", dtype, args.device,
-                                    EngineConfig(max_sessions=32, num_pages=1024, draft_window=1024))
+                                    EngineConfig(max_sessions=32, num_pages=1024, draft_window=1024),
+                                    cuda_graphs=any(modes))
+
+        def use_graphs(on: bool) -> None:
+            if engine.graphs is not None:
+                engine.graphs.enabled = on
+
         prompts = heldout_prompts(args.data, args.prompts, args.prompt_len)
         common = {"prompts": args.prompts, "prompt_len": args.prompt_len, "max_new_tokens": args.max_new,
                   "topk": args.topk, "block_size": engine.drafter.cfg.block_size, "greedy": True}
         if "accept" in what:
             budgets = [int(b) for b in args.budgets.split(",")]
-            emit("acceptance", {**common, "budgets": budgets},
+            use_graphs(modes[0])
+            emit("acceptance", {**common, "budgets": budgets, "cuda_graphs": modes[0]},
                  acceptance_sweep(engine, prompts, budgets, args.topk, args.max_new))
         if "tput" in what:
             for c in (int(x) for x in args.concurrency.split(",")):
-                ar = throughput(engine, prompts, 0, args.topk, args.max_new, c)
-                dd = throughput(engine, prompts, args.tput_budget, args.topk, args.max_new, c)
-                emit("throughput", {**common, "concurrency": c, "budget": args.tput_budget},
-                     {"ar": ar, "ddtree": dd, "speedup": round(dd["tokens_per_s"] / ar["tokens_per_s"], 3)})
+                for on in modes:
+                    use_graphs(on)
+                    ar = throughput(engine, prompts, 0, args.topk, args.max_new, c)
+                    dd = throughput(engine, prompts, args.tput_budget, args.topk, args.max_new, c)
+                    emit("throughput", {**common, "concurrency": c, "budget": args.tput_budget, "cuda_graphs": on,
+                                        "warmup": "one identical run"},
+                         {"ar": ar, "ddtree": dd, "speedup": round(dd["tokens_per_s"] / ar["tokens_per_s"], 3)})
     return 0
 
 

@@ -4,7 +4,9 @@ Each step (DESIGN 3):
   1. ask the drafter for one tree per drafting session (sending the taps it has not seen yet);
      autoregressive sessions (budget 0, or no drafter) contribute their root alone;
   2. run the target once over the flat batch of all nodes (positions start + depth, ancestor masks
-     derived here from `parent`, never taken from the wire);
+     derived here from `parent`, never taken from the wire), through `forward`; with
+     `EngineConfig.cuda_graphs` this forward and the logits replay from CUDA graphs padded to a token
+     bucket (`verifier_service.cuda_graphs`);
   3. posterior token per node (argmax, or the session's seeded sample: `verifier_service.sampler`),
      acceptance walk, KV compaction of the accepted path;
   4. one host read of the step's results: emitted tokens, new roots, taps queued for the drafter.
@@ -25,12 +27,13 @@ from kernels.kv_compact import compact_kv, path_moves
 from kernels.tree_accept import accept_greedy
 from kernels.tree_build import TreeBatch, tree_size
 from kernels.tree_mask import ancestor_mask, pack_mask_bits
+from verifier_service.cuda_graphs import GraphRunner
 from verifier_service.forward_batch import ForwardBatch
 from verifier_service.kv_cache import KVPool
 from verifier_service.model import KimiForCausalLM
 from verifier_service.sampler import SamplerTable
 from verifier_service.sampling_params import resolve_seed
-from verifier_service.session import DecodeParams, Session
+from verifier_service.session import MAX_BUDGET, DecodeParams, Session
 
 
 class DraftClient(Protocol):
@@ -50,9 +53,16 @@ class EngineConfig:
     max_sessions: int = 64
     max_session_len: int = 8192
     draft_window: int = 2048
+    # Verify forwards (and their logits) through CUDA graphs padded to token buckets
+    # (`verifier_service.cuda_graphs`). None: the builder decides (`build_local_engine` and the verifier
+    # server turn them on for CUDA); an Engine built directly treats None as off. True on a CPU target pads
+    # the batches the same way and runs them eagerly (what the graphs compute; for tests).
+    cuda_graphs: bool | None = None
+    cuda_graph_max_tokens: int = 2048  # larger verify batches run eagerly (compute bound anyway)
 
     def __post_init__(self):
-        for f in ("page_size", "num_pages", "max_sessions", "max_session_len", "draft_window"):
+        for f in ("page_size", "num_pages", "max_sessions", "max_session_len", "draft_window",
+                  "cuda_graph_max_tokens"):
             if getattr(self, f) <= 0:
                 raise ValueError(f"engine config: {f} must be positive, got {getattr(self, f)}")
 
@@ -73,6 +83,23 @@ class Engine:
         self._ids = itertools.count()
         self.sampler = SamplerTable(cfg.max_sessions, self.device)  # per-KV-row sampling params
         self.draft_ns: tuple[int, int] | None = None  # time.time_ns() around the last step's draft call (tracing)
+        self.graphs: GraphRunner | None = None  # verify forwards through CUDA graphs (cfg.cuda_graphs)
+        if cfg.cuda_graphs:
+            self.graphs = GraphRunner(
+                lambda fb: self.forward(fb), lambda h: self.target.logits(h), self.kv, cfg.max_sessions,
+                min(cfg.cuda_graph_max_tokens, cfg.max_sessions * (MAX_BUDGET + 1)),
+                capture=self.device.type == "cuda", vocab_size=tc.vocab_size, target=target)
+
+    def _verify_forward(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A verify step's `forward` and logits: replayed from the CUDA-graph runner when it takes the batch
+        (outputs are its static buffers, consumed within the step), else eagerly -> (hidden, taps, logits)."""
+        out = self.graphs.run(fb) if self.graphs is not None else None
+        if out is None:
+            hidden, taps = self.forward(fb)
+            logits = None
+        else:
+            hidden, taps, logits = out
+        return hidden, taps, self.target.logits(hidden) if logits is None else logits
 
     # --- admission ---------------------------------------------------------------------------------
     def validate(self, prompt: list[int], params: DecodeParams) -> None:
@@ -245,12 +272,11 @@ class Engine:
             prefix_lens=committed.to(torch.int32),
             block_table=self.kv.block_table[rows], page_size=self.kv.page_size,
             tree_bits=pack_mask_bits(ancestor_mask(parent)).view(S * M, -1)[gather])
-        hidden, taps = self.forward(fb)
+        hidden, taps, logits = self._verify_forward(fb)
         posterior = torch.full((S * M,), -1, dtype=torch.int64, device=dev)
         # node at position p predicts p + 1; nodes at one depth share (seed, p + 1) and so the noise
         sampled = any(not s.params.sampling.greedy for s in active)
-        posterior[gather] = self.sampler.posterior(self.target.logits(hidden), rows[gather // M], fb.positions + 1,
-                                                   sampled)
+        posterior[gather] = self.sampler.posterior(logits, rows[gather // M], fb.positions + 1, sampled)
         n_t = torch.tensor(n, device=dev)
         res = accept_greedy(tok, parent, n_t, posterior.view(S, M), max_depth)
         path = res.path.long()  # [S, D+1] node indices, -1 padded

@@ -1,9 +1,10 @@
 """Paged latent KV pool of the target (DESIGN 3.4).
 
-One preallocated tensor `kv [layers, num_pages * page_size, row_dim]` (row = [c_kv | k_pe]) and a
-preallocated block table `[max_sessions, max_pages_per_session]` on the device. Sessions own a
-block-table row and a list of pages; growing a session appends pages (host bookkeeping plus a tiny
-block-table write), releasing returns them. Nothing is allocated per step.
+One preallocated tensor `kv [layers, (num_pages + 1) * page_size, row_dim]` (row = [c_kv | k_pe]; the
+last page is scratch, owned by no session) and a preallocated block table
+`[max_sessions, max_pages_per_session]` on the device. Sessions own a block-table row and a list of
+pages; growing a session appends pages (host bookkeeping plus a tiny block-table write), releasing
+returns them. Nothing is allocated per step.
 """
 
 from __future__ import annotations
@@ -24,10 +25,13 @@ class KVPool:
         self.num_pages = num_pages
         self.max_pages_per_session = -(-max_session_len // page_size)
         self.max_session_len = self.max_pages_per_session * page_size
-        # one extra row past the pages: a scratch slot that no session owns, the target of padded
-        # (no-op) moves and writes so fixed-shape device code never touches another session's rows
+        # one extra page past the pages: scratch that no session owns. Its first row, `scratch_slot`, is the
+        # target of padded (no-op) moves and writes, so fixed-shape device code never touches another
+        # session's rows; a block-table row made only of `scratch_page` (the padding session of a CUDA-graph
+        # batch, `verifier_service.cuda_graphs`) reads and writes nothing else.
+        self.scratch_page = num_pages
         self.scratch_slot = num_pages * page_size
-        self.kv = torch.zeros(num_layers, num_pages * page_size + 1, row_dim, dtype=dtype, device=device)
+        self.kv = torch.zeros(num_layers, (num_pages + 1) * page_size, row_dim, dtype=dtype, device=device)
         self.block_table = torch.zeros(max_sessions, self.max_pages_per_session, dtype=torch.int32, device=device)
         self._free_pages = list(range(num_pages - 1, -1, -1))
         self._free_rows = list(range(max_sessions - 1, -1, -1))

@@ -3,6 +3,7 @@ expert-parallel group, `leader=`)."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -33,7 +34,7 @@ def check_block_size(drafter_cfg: DFlashConfig, block_size: int | None) -> None:
 def build_local_engine(target_dir: str | Path, drafter_dir: str | Path | None, dtype: torch.dtype | None = None,
                        device: str | None = None, engine_cfg: EngineConfig | None = None,
                        block_size: int | None = None, batch_invariant: bool | str = True,
-                       leader: Leader | None = None) -> Engine:
+                       leader: Leader | None = None, cuda_graphs: bool | None = None) -> Engine:
     """Validate both configs (no weights touched), then load and wire the pair.
 
     leader: rank 0 of an expert-parallel group (`verifier_service.distributed`): load only rank 0's experts
@@ -42,10 +43,17 @@ def build_local_engine(target_dir: str | Path, drafter_dir: str | Path | None, d
     batch_invariant (CUDA only): True swaps the target's GEMMs and norms for batch-invariant kernels
     (`verifier_service.batch_invariant`, attention stays `kernels.mla_attention`, position aligned: greedy
     DDTree == AR bit for bit; also "kernel"); "aligned" also swaps in the cross-check attention of
-    `verifier_service.aligned_attention` (cost O(tokens x context): small models, checks); False keeps cuBLAS."""
+    `verifier_service.aligned_attention` (cost O(tokens x context): small models, checks); False keeps cuBLAS.
+    cuda_graphs: verify forwards through CUDA graphs (`verifier_service.cuda_graphs`); None keeps
+    engine_cfg.cuda_graphs, and where that is None too, turns them on for a CUDA device."""
     if batch_invariant not in (True, False, "kernel", "aligned"):
         raise ValueError(f"batch_invariant must be True, False, 'kernel' or 'aligned', got {batch_invariant!r}")
     device = device or default_device()
+    cfg = engine_cfg or EngineConfig()
+    if cuda_graphs is not None:
+        cfg = dataclasses.replace(cfg, cuda_graphs=cuda_graphs)
+    if cfg.cuda_graphs is None:
+        cfg = dataclasses.replace(cfg, cuda_graphs=str(device).startswith("cuda"))
     dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
     tcfg = KimiConfig.from_file(target_dir)
     drafter = None
@@ -62,10 +70,9 @@ def build_local_engine(target_dir: str | Path, drafter_dir: str | Path | None, d
         make_batch_invariant(target, attention="aligned" if batch_invariant == "aligned" else "kernel")
     if drafter_dir is not None:
         dmodel = load_drafter(drafter_dir, tcfg, dtype, device)
-        cfg = engine_cfg or EngineConfig()
         drafter = Drafter(dmodel, target.model.embed_tokens.weight, target.lm_head.weight,
                           max_sessions=cfg.max_sessions, window=cfg.draft_window)
         tap_layers = dmodel.cfg.target_layer_ids
     if leader is not None:
-        return LeaderEngine(target, drafter, tap_layers, engine_cfg or EngineConfig(), leader)
-    return Engine(target, drafter, tap_layers, engine_cfg or EngineConfig())
+        return LeaderEngine(target, drafter, tap_layers, cfg, leader)
+    return Engine(target, drafter, tap_layers, cfg)

@@ -70,6 +70,7 @@ class VerifierServerConfig:
     grace_s: float = 30.0
     metrics_listen: str | None = None  # HOST:PORT of the Prometheus endpoint; None = not served
     dist: DistConfig | None = None  # this rank's place in an expert-parallel group; None = one process
+    cuda_graphs: bool | None = None  # verify forwards through CUDA graphs; None = on for a CUDA device
 
     def __post_init__(self):
         if self.metrics_listen is not None:
@@ -232,9 +233,11 @@ def _device_dtype(cfg: VerifierServerConfig) -> tuple[str, torch.dtype]:
     return device, DTYPES[cfg.dtype] if cfg.dtype else (torch.bfloat16 if device.startswith("cuda") else torch.float32)
 
 
-def _engine_config(cfg: VerifierServerConfig) -> EngineConfig:
+def _engine_config(cfg: VerifierServerConfig, device: str) -> EngineConfig:
+    # an expert-parallel leader runs eagerly: its forwards are broadcast to the followers call by call
+    graphs = cfg.cuda_graphs if cfg.cuda_graphs is not None else device.startswith("cuda") and cfg.dist is None
     return EngineConfig(page_size=cfg.page_size, num_pages=cfg.kv_pages, max_sessions=cfg.max_sessions,
-                        max_session_len=cfg.max_session_len, draft_window=cfg.draft_window)
+                        max_session_len=cfg.max_session_len, draft_window=cfg.draft_window, cuda_graphs=graphs)
 
 
 def build_engine(cfg: VerifierServerConfig, stop: threading.Event, metrics: Metrics | None = None,
@@ -250,7 +253,7 @@ def build_engine(cfg: VerifierServerConfig, stop: threading.Event, metrics: Metr
     from verifier_service.transport_stream import DraftStreamClient
 
     device, dtype = _device_dtype(cfg)
-    ecfg = _engine_config(cfg)
+    ecfg = _engine_config(cfg, device)
     tcfg = KimiConfig.from_file(cfg.target_dir)
     leader = None
     if cfg.dist is not None:
@@ -374,7 +377,7 @@ def follow(cfg: VerifierServerConfig) -> int:
         target = load_rank_target(groups, cfg.target_dir, dtype, device)
         if device.startswith("cuda") and dtype != torch.float64:
             make_batch_invariant(target)  # exactly what rank 0 runs: the replicated parts must agree bit for bit
-        Follower(target, _engine_config(cfg), groups).run()
+        Follower(target, _engine_config(cfg, device), groups).run()
     except GroupError as e:
         log.error("%s", e)
         return 1  # a broken group is left to process exit (destroying it could block on NCCL)

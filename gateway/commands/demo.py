@@ -38,6 +38,8 @@ def add_parser(sub) -> None:
     p.add_argument("--pair", default=None, help="folder with target/ and drafter/ (default: models/kimi-mini)")
     p.add_argument("--threads", type=int, default=1,
                    help="CPU threads (default 1: the model is small, and more threads stall on a busy machine)")
+    p.add_argument("--no-cuda-graphs", action="store_true",
+                   help="run verify forwards eagerly (default on CUDA: replayed from CUDA graphs)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
 
@@ -98,7 +100,8 @@ def run(args) -> int:
     if not prompt:
         raise ValueError("the prompt is empty")
     engine = build_local_engine(pair / "target", pair / "drafter", device=args.device,
-                                engine_cfg=EngineConfig(num_pages=512, max_sessions=2, draft_window=2048))
+                                engine_cfg=EngineConfig(num_pages=512, max_sessions=2, draft_window=2048),
+                                cuda_graphs=False if args.no_cuda_graphs else None)
     eos = engine.target.cfg.eos_ids
     _decode(engine, prompt[-8:], DecodeParams(max_new_tokens=2, budget=args.budget, topk=args.topk))  # warm-up
     ar, t_ar = _decode(engine, prompt, DecodeParams(max_new_tokens=args.max_new_tokens, budget=0, eos_ids=eos))

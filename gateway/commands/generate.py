@@ -32,6 +32,8 @@ def add_parser(sub) -> None:
     g.add_argument("--seed", type=int, default=None, help="sampling seed (default: drawn at random, reported)")
     g.add_argument("--dtype", default="float32")
     g.add_argument("--device", default=None)
+    g.add_argument("--no-cuda-graphs", action="store_true",
+                   help="run verify forwards eagerly (default on CUDA: replayed from CUDA graphs; --target only)")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable; --server only)")
     g.add_argument("--timeout", type=float, default=None, help="deadline in seconds (--server only)")
     g.add_argument("--json", action="store_true")
@@ -80,7 +82,7 @@ def run(args) -> int:
     if args.budget > 0 and args.drafter is None:
         raise ValueError("--budget > 0 needs --drafter (use --budget 0 for plain autoregressive decoding)")
     engine = build_local_engine(args.target, drafter_dir, DTYPES[args.dtype], args.device,
-                                block_size=args.block_size)
+                                block_size=args.block_size, cuda_graphs=False if args.no_cuda_graphs else None)
     t0 = time.perf_counter()
     s = engine.add(prompt, params)
     engine.run_until_done()
@@ -121,6 +123,8 @@ def run_remote(args) -> int:
 
     if args.drafter is not None or args.block_size is not None:
         raise ValueError("--drafter and --block-size describe a local model; the server has its own")
+    if args.no_cuda_graphs:
+        raise ValueError("--no-cuda-graphs applies to --target (the server's verifier has its own flag)")
     source = {"text": args.prompt} if args.prompt is not None else {"token_ids": _parse_ids(args.prompt_ids)}
     sampling = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed}
     t0 = time.perf_counter()

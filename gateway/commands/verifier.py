@@ -38,6 +38,8 @@ def add_parser(sub) -> None:
                    help="a draft step slower than this falls back to autoregressive and reconnects")
     s.add_argument("--dist-timeout-s", type=float, default=300.0,
                    help="under torchrun: a collective, or rank 0's silence, longer than this fails the group")
+    s.add_argument("--no-cuda-graphs", action="store_true",
+                   help="run verify forwards eagerly (default on CUDA: replayed from CUDA graphs)")
     s.set_defaults(func=run)
 
 
@@ -73,7 +75,8 @@ def run(args) -> int:
         drafter_dir=args.drafter, device=device, dtype=args.dtype, max_sessions=args.max_sessions,
         kv_pages=args.kv_pages, page_size=args.page_size, max_session_len=args.max_session_len,
         draft_window=args.draft_window, draft_timeout_s=args.draft_timeout_s,
-        max_message_bytes=message_bytes(args), grace_s=args.grace_s, metrics_listen=args.metrics_listen, dist=dist)
+        max_message_bytes=message_bytes(args), grace_s=args.grace_s, metrics_listen=args.metrics_listen, dist=dist,
+        cuda_graphs=False if args.no_cuda_graphs else None)
     if dist is None:
         return run_server(serve, cfg, args.log_level, "ddtree-verifier")
     try:
