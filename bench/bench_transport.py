@@ -123,6 +123,8 @@ def main() -> int:
     p.add_argument("--time-budget-s", type=float, default=None,
                    help="stop measuring a concurrency early (after at least 5 rounds) once its share of this "
                         "many seconds is spent; the records say how many rounds were measured")
+    p.add_argument("--cuda-graphs", choices=("on", "off"), default=None,
+                   help="verify forwards through CUDA graphs in every engine (default: on for cuda, as served)")
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "transport.jsonl"))
     args = p.parse_args()
 
@@ -136,7 +138,9 @@ def main() -> int:
     cuda = args.device.startswith("cuda")
     dtype_name = args.dtype or ("bfloat16" if cuda else "float32")
     dtype = DTYPES[dtype_name]
-    ecfg = EngineConfig(page_size=16, num_pages=8192, max_sessions=max(args.concurrency) + 1)
+    # one engine config for all three engines (the verifier server turns CUDA graphs on for a GPU)
+    graphs = cuda if args.cuda_graphs is None else args.cuda_graphs == "on"
+    ecfg = EngineConfig(page_size=16, num_pages=8192, max_sessions=max(args.concurrency) + 1, cuda_graphs=graphs)
     gpu = torch.cuda.get_device_name(torch.device(args.device)) if cuda else None
     device_name = gpu or platform.processor() or "cpu"
     rows, problems = [], []
@@ -215,7 +219,8 @@ def main() -> int:
                 n = len(times[t])
                 row = {"name": "transport/step",
                        "params": {"transport": t, "concurrency": conc, "device": args.device, "budget": args.budget,
-                                  "topk": 8, "pair": pair.name, "steps": n, "warmup": args.warmup},
+                                  "topk": 8, "pair": pair.name, "steps": n, "warmup": args.warmup,
+                                  "cuda_graphs": graphs},
                        "device": device_name, "gpu": gpu, "dtype": dtype_name, "commit": commit(),
                        "torch": torch.__version__, "versions": versions(),
                        "ms": round(step, 4), "ratio": round(step / base[conc], 4),

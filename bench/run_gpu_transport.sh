@@ -4,7 +4,7 @@
 # C=1 and C=32 on cuda. Logs and JSONL go to $OUT (bench/results/run when unset); run from the repo
 # root. Section time limits: T_TESTS / T_BENCH (seconds); extra bench flags: BENCH_ARGS.
 set -o pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH=.
+export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-bench/results/run}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv 2>&1 | tee "$OUT/gpu.txt"
