@@ -4,12 +4,17 @@ A row's result must not depend on how many rows share the launch, so that a toke
 (an AR step: 1 row) and inside a tree batch (many rows) gets the same bits. cuBLAS picks kernels,
 tile shapes and split-K by M; here nothing depends on M:
   - one fixed tile config per operand dtype (`CONFIGS`: BLOCK_M/BLOCK_N/BLOCK_K, warps, stages),
-  - no split-K: one program owns a whole [BLOCK_M, BLOCK_N] output tile and walks K from 0 in
-    steps of BLOCK_K, accumulating in fp32 with `tl.dot` (acc += a @ b, the same order every time),
+  - K is cut into a number of splits that depends only on the weight's shape (N, K) and the dtype
+    (`split_k`, never on M): each split's program walks its K range from its start in steps of
+    BLOCK_K, accumulating in fp32 with `tl.dot` (acc += a @ b, the same order every time), and the
+    fp32 partials are summed in split order by `_sum_splits_kernel`. Skinny weights at decode sizes
+    (kv_a_proj 7168 -> 576 is 9 output tiles) would otherwise leave most SMs idle; wide ones keep
+    one split (no partials),
   - M is not specialised by the compiler (`do_not_specialize`), so M = 1 runs the same machine code,
   - rows past M are masked to zero; they never touch another row's accumulator.
-So a row's reduction order depends only on K and the dtype. Trailing zero padding of K is neutral
-(whole extra K tiles add exact zeros), which `verifier_service.aligned_attention` relies on.
+So a row's reduction order depends only on (N, K) and the dtype. `batched_matmul`/`head_matmul` never
+split; there trailing zero padding of K is neutral (whole extra K tiles add exact zeros), which
+`verifier_service.aligned_attention` relies on.
 
 Launchers (check shapes, dtypes, devices; Triton on CUDA, the torch reference elsewhere):
   matmul(x [M, K], w [N, K])              -> [M, N]       (nn.Linear without bias, lm_head, router)
@@ -37,6 +42,23 @@ CONFIGS = {
 }
 
 
+# split-K (2-D `matmul` only): enough programs per row tile to cover this many SMs (a constant, not the
+# device's count: the bits must not depend on which GPU runs), at most MAX_SPLITS partials, and at
+# least MIN_SPLIT_TILES K tiles per split
+FILL_SMS = 132
+MAX_SPLITS = 8
+MIN_SPLIT_TILES = 4
+
+
+def split_k(N: int, K: int, dtype: torch.dtype) -> tuple[int, int]:
+    """(splits, K positions per split) for a weight [N, K] of `dtype`; a function of (N, K, dtype) only."""
+    _, block_n, block_k, _, _ = CONFIGS[dtype]
+    n_tiles, k_tiles = triton.cdiv(N, block_n), triton.cdiv(K, block_k)
+    splits = max(1, min(MAX_SPLITS, FILL_SMS // n_tiles, k_tiles // MIN_SPLIT_TILES))
+    per = triton.cdiv(k_tiles, splits) * block_k
+    return triton.cdiv(K, per), per
+
+
 @triton.jit(do_not_specialize=["M"])
 def _matmul_kernel(
     x_ptr,  # [B, M, K]
@@ -46,11 +68,18 @@ def _matmul_kernel(
     stride_xb, stride_xm, stride_xk,
     stride_wb, stride_wn, stride_wk,
     stride_yb, stride_ym, stride_yn,
+    K_SPLIT,  # K positions per program (a multiple of BLOCK_K); with several splits, program_id(2) is the
+    # split and y is the fp32 partials [splits, M, N] (stride_yb between splits); else it is the batch
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    b = tl.program_id(2).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)  # split mode: x and w strides over b are 0, y's is the split's
+    k_lo, k_hi = 0, K
+    if SPLIT:
+        k_lo = tl.program_id(2) * K_SPLIT
+        k_hi = tl.minimum(k_lo + K_SPLIT, K)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -59,14 +88,25 @@ def _matmul_kernel(
     x_rows = x_ptr + b * stride_xb + offs_m.to(tl.int64)[:, None] * stride_xm  # [BLOCK_M, 1]
     w_rows = w_ptr + b * stride_wb + offs_n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):  # fixed order over K, no split
+    for k0 in range(k_lo, k_hi, BLOCK_K):  # fixed order over this program's K range
         kk = k0 + offs_k
-        k_ok = kk < K
+        k_ok = kk < k_hi
         a = tl.load(x_rows + kk[None, :] * stride_xk, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_rows + kk[None, :] * stride_wk, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         acc = tl.dot(a, tl.trans(w), acc, input_precision=PREC)
     y_ptrs = y_ptr + b * stride_yb + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :] * stride_yn
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _sum_splits_kernel(p_ptr, y_ptr, MN, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+    """y[i] = sum over s = 0, 1, ... of p[s, i] (fp32, in split order), cast to y's dtype."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < MN
+    acc = tl.zeros([BLOCK], tl.float32)
+    for s in tl.static_range(SPLITS):
+        acc += tl.load(p_ptr + s * MN + offs, mask=ok, other=0.0)
+    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
 # --- torch references ------------------------------------------------------------------------------
@@ -127,10 +167,38 @@ def batched_matmul_triton(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -
     _matmul_kernel[grid](
         x, w, out, M, N, K,
         x.stride(0), x.stride(1), x.stride(2), w.stride(0), w.stride(1), w.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        PREC="ieee" if x.dtype == torch.float32 else "tf32",  # tf32 is ignored for 16-bit operands
+        out.stride(0), out.stride(1), out.stride(2), K,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PREC=_prec(x.dtype), SPLIT=False,
         num_warps=warps, num_stages=stages)
+    return out
+
+
+def _prec(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit operands
+
+
+def matmul_triton(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """The 2-D Triton path on any device: x [M, K] @ w [N, K]^T -> out [M, N] (written in place), split
+    over K by `split_k(N, K)` (fp32 partials summed in split order), else one pass as batched_matmul."""
+    (M, K), N = x.shape, w.shape[0]
+    if x.dtype not in CONFIGS or w.dtype != x.dtype or out.dtype not in CONFIGS:
+        raise ValueError(f"matmul: unsupported dtypes x {x.dtype}, w {w.dtype}, out {out.dtype}")
+    splits, per = split_k(N, K, x.dtype) if K > 0 else (1, 0)
+    if splits == 1 or M == 0 or N == 0:
+        return batched_matmul_triton(x[None], w[None], out[None])[0]
+    block_m, block_n, block_k, warps, stages = CONFIGS[x.dtype]
+    part = torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
+    _matmul_kernel[(triton.cdiv(M, block_m), triton.cdiv(N, block_n), splits)](
+        x, w, part, M, N, K,
+        0, x.stride(0), x.stride(1), 0, w.stride(0), w.stride(1),
+        part.stride(0), part.stride(1), part.stride(2), per,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PREC=_prec(x.dtype), SPLIT=True,
+        num_warps=warps, num_stages=stages)
+    y = out if out.is_contiguous() else torch.empty_like(out, memory_format=torch.contiguous_format)
+    block = 1024
+    _sum_splits_kernel[(triton.cdiv(M * N, block),)](part, y, M * N, SPLITS=splits, BLOCK=block)
+    if y is not out:
+        out.copy_(y)
     return out
 
 
@@ -142,8 +210,7 @@ def matmul(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = Non
     if not x.is_cuda:
         return matmul_ref(x, w, out_dtype)
     out = torch.empty(x.shape[0], w.shape[0], dtype=out_dtype, device=x.device)
-    batched_matmul_triton(x[None], w[None], out[None])
-    return out
+    return matmul_triton(x, w, out)
 
 
 def head_matmul(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:

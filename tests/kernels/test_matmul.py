@@ -15,6 +15,7 @@ import torch
 
 from kernels.matmul import (
     CONFIGS,
+    MAX_SPLITS,
     batched_matmul,
     batched_matmul_ref,
     batched_matmul_triton,
@@ -22,6 +23,8 @@ from kernels.matmul import (
     head_matmul_ref,
     matmul,
     matmul_ref,
+    matmul_triton,
+    split_k,
 )
 from tests.kernels.compare import assert_close
 
@@ -101,6 +104,42 @@ def test_empty_and_zero_k():
     assert out.shape == (1, 0, 5)
     out = batched_matmul_triton(torch.zeros(1, 3, 0), torch.zeros(1, 5, 0), poisoned(1, 3, 5, dtype=torch.float32))
     assert torch.equal(out, torch.zeros(1, 3, 5))
+
+
+def test_split_rule_depends_on_the_weight_only():
+    """Splits cover K exactly once in whole K tiles; skinny K2.6 weights split, wide ones do not."""
+    for dtype in CONFIGS:
+        block_k = CONFIGS[dtype][2]
+        for N in (1, 5, 40, 64, 65, 576, 1536, 8191, 163840):
+            for K in (1, 31, 64, 1000, 2048, 7168, 18432):
+                splits, per = split_k(N, K, dtype)
+                assert 1 <= splits <= MAX_SPLITS and per % block_k == 0, (N, K, splits, per)
+                assert (splits - 1) * per < K <= splits * per, (N, K, splits, per)
+    bf = torch.bfloat16
+    assert split_k(576, 7168, bf)[0] == 8 and split_k(1536, 7168, bf)[0] == 5  # kv_a_proj, q_a_proj
+    assert split_k(163840, 7168, bf)[0] == 1 and split_k(7168, 8192, bf)[0] == 1  # lm_head, o_proj
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("M,N,K", [(1, 40, 1000), (5, 33, 2048), (70, 65, 777)])
+def test_split_matmul_vs_reference(M, N, K, dtype):
+    assert split_k(N, K, dtype)[0] > 1
+    x, w = rand(M, K, dtype=dtype, seed=M + 3), rand(N, K, dtype=dtype, seed=N + 4)
+    out = poisoned(M, N, dtype=dtype)
+    matmul_triton(x, w, out)
+    assert_close(out, matmul_ref(x, w), TOL[dtype], f"split matmul {M}x{N}x{K} {dtype}")
+    out32 = poisoned(M, N, dtype=torch.float32)
+    matmul_triton(x, w, out32)  # 16-bit operands, fp32 out (the router)
+    assert_close(out32, matmul_ref(x, w, torch.float32), 1e-5, f"split matmul fp32 out {M}x{N}x{K} {dtype}")
+
+
+def test_split_row_alone_equals_row_in_batch_interpreted():
+    x, w = rand(70, 1000, dtype=torch.float16, seed=21), rand(40, 1000, dtype=torch.float16, seed=22)
+    assert split_k(40, 1000, torch.float16)[0] > 1
+    full = matmul_triton(x, w, poisoned(70, 40, dtype=torch.float16))
+    for r in (0, 63, 69):
+        alone = matmul_triton(x[r : r + 1], w, poisoned(1, 40, dtype=torch.float16))
+        assert torch.equal(alone[0], full[r]), r
 
 
 def test_row_alone_equals_row_in_batch_interpreted():
