@@ -81,7 +81,7 @@ def moe_align_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     e_sorted = flat[order]
     counts = torch.zeros(num_experts + 1, dtype=torch.long, device=dev).index_add_(
         0, flat, torch.ones_like(flat))
-    counts[num_experts] = 0  # skipped pairs open no block
+    counts[num_experts:].zero_()  # skipped pairs open no block (in place: `t[i] = 0` copies from the host)
     nblk = (counts + block_m - 1) // block_m
     blk_start = torch.cumsum(nblk, 0) - nblk
     grp_start = torch.cumsum(counts, 0) - counts
