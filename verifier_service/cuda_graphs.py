@@ -140,6 +140,7 @@ class GraphRunner:
         self._mempool = None
         self._stream = None
         self._warned: set[str] = set()
+        self._blockers: list[str] | None = None  # capture_blockers(target), once (reset() forgets it)
 
     # --- public -------------------------------------------------------------------------------------
     def bucket(self, n_tokens: int) -> int | None:
@@ -163,18 +164,14 @@ class GraphRunner:
             self.stats["padded_eager"] += 1
             hidden, taps, logits = self._body(*key)
         else:
-            entry = self.graphs.get(key)
+            if key not in self.graphs and (key in self.failed or self._blocked()):
+                self.stats["eager"] += 1
+                return None
+            self._load(fb, key[0])
+            entry = self.graphs.get(key) or self._capture(key)
             if entry is None:
-                if key in self.failed or self._blocked():
-                    self.stats["eager"] += 1
-                    return None
-                self._load(fb, key[0])
-                entry = self._capture(key)
-                if entry is None:
-                    self.stats["eager"] += 1
-                    return None
-            else:
-                self._load(fb, key[0])
+                self.stats["eager"] += 1
+                return None
             graph, (hidden, taps, logits) = entry
             graph.replay()
             self.stats["replays"] += 1
@@ -205,6 +202,7 @@ class GraphRunner:
         self.graphs.clear()
         self.failed.clear()
         self._warned.clear()
+        self._blockers = None
         self._mempool = None
 
     # --- internals ----------------------------------------------------------------------------------
@@ -266,7 +264,9 @@ class GraphRunner:
     def _blocked(self) -> bool:
         if self.target is None:
             return False
-        reasons = capture_blockers(self.target)
+        if self._blockers is None:
+            self._blockers = capture_blockers(self.target)
+        reasons = self._blockers
         for r in reasons:
             self._warn(f"CUDA graphs: running the verify forward eagerly: {r}")
         return bool(reasons)

@@ -30,6 +30,7 @@ Shutdown: `LeaderEngine.close()` sends STOP; followers return from `run`.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import enum
 import logging
@@ -251,10 +252,9 @@ class LeaderEngine(Engine):
 
     def __init__(self, target: KimiForCausalLM, drafter: DraftClient | None, tap_layers: tuple[int, ...],
                  cfg: EngineConfig, leader: Leader):
-        super().__init__(target, drafter, tap_layers, cfg)
         # every target forward must pass through `forward` below to reach the followers: no CUDA-graph
         # replays here (a graph would also have to hold the MoE's NCCL all-reduce)
-        self.graphs = None
+        super().__init__(target, drafter, tap_layers, dataclasses.replace(cfg, cuda_graphs=False))
         self.leader = leader
         leader.start(self.kv.kv, target.cfg.n_routed_experts)
 

@@ -234,8 +234,7 @@ def _device_dtype(cfg: VerifierServerConfig) -> tuple[str, torch.dtype]:
 
 
 def _engine_config(cfg: VerifierServerConfig, device: str) -> EngineConfig:
-    # an expert-parallel leader runs eagerly: its forwards are broadcast to the followers call by call
-    graphs = cfg.cuda_graphs if cfg.cuda_graphs is not None else device.startswith("cuda") and cfg.dist is None
+    graphs = cfg.cuda_graphs if cfg.cuda_graphs is not None else device.startswith("cuda")  # LeaderEngine: off
     return EngineConfig(page_size=cfg.page_size, num_pages=cfg.kv_pages, max_sessions=cfg.max_sessions,
                         max_session_len=cfg.max_session_len, draft_window=cfg.draft_window, cuda_graphs=graphs)
 

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Sequence
 import grpc
 
 from gateway.client.types import (
+    DEFAULT_UNARY_TIMEOUT_S,
     Chunk,
     Collector,
     GatewayError,
@@ -31,8 +32,6 @@ from gateway.client.types import (
     server_info_from_pb,
 )
 from protos.ddtree.v1 import gateway_pb2, gateway_pb2_grpc
-
-DEFAULT_UNARY_TIMEOUT_S = 30.0
 
 
 class AsyncGenerationStream:

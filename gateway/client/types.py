@@ -12,6 +12,7 @@ import grpc
 
 from protos.ddtree.v1 import gateway_pb2
 
+DEFAULT_UNARY_TIMEOUT_S = 30.0  # deadline of the unary calls (sessions, info, models) of both clients
 _REASON = {gateway_pb2.STOP_REASON_STOP: "stop", gateway_pb2.STOP_REASON_LENGTH: "length"}
 
 
