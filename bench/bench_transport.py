@@ -12,7 +12,9 @@ falls on all of them alike. Checked: every session's tokens equal the in-process
 a transport must not change a token), and every round's tokens too (the drafter runs the same model
 on the same device, so the trees must be the same, which is also what makes the timings comparable).
 On CUDA each timed step is bracketed by torch.cuda.synchronize(). Reported: median and p90 verify-step
-time, median time inside `draft()`, the ratio and overhead against in-process at the same C. Output:
+time, median time inside `draft()`, the ratio and overhead against in-process at the same C, and for the
+remote transports the medians of the stream client's per-step phases (`breakdown_ms`: round trip, the
+drafter's own compute as it reports it, transport = the difference, decode, validate). Output:
 a table on stdout and JSON lines appended to bench/results/transport.jsonl. Exit status 1 (after
 writing the records, flagged with `problems`) when a check fails, a step fell back to autoregressive,
 or the co-located stream did not use its shared regions on the requested device.
@@ -170,6 +172,7 @@ def main() -> int:
         share = None if args.time_budget_s is None else args.time_budget_s / len(args.concurrency)
         for conc in args.concurrency:
             times: dict[str, list[float]] = {t: [] for t in engines}
+            phases: dict[str, list[dict[str, float]]] = {t: [] for t in clients}  # the clients' last_step_ms
             diverged = 0  # rounds in which a transport emitted other tokens than in-process (other trees)
             emitted: dict[str, dict[str, list[int]]] = {t: {} for t in engines}
             before = {t: dict(c.stats) for t, c in clients.items()}
@@ -185,6 +188,8 @@ def main() -> int:
                     dt, outs[t] = timed_step(e)
                     if k >= args.warmup:
                         times[t].append(dt)
+                        if t in clients and clients[t].last_step_ms:
+                            phases[t].append(clients[t].last_step_ms)
                 for t, out in outs.items():
                     for sid, toks in out.items():
                         emitted[t].setdefault(sid, []).extend(toks)
@@ -227,7 +232,9 @@ def main() -> int:
                        "metrics": {"step_ms_median": round(step, 3),
                                    "step_ms_p90": round(sorted(times[t])[int(0.9 * (n - 1))] * 1e3, 3),
                                    "draft_ms_median": round(statistics.median(draft_times[t]) * 1e3, 3),
-                                   "overhead_vs_inprocess_pct": round(100 * (step / base[conc] - 1), 1)},
+                                   "overhead_vs_inprocess_pct": round(100 * (step / base[conc] - 1), 1),
+                                   "breakdown_ms": {key: round(statistics.median(p[key] for p in phases[t]), 3)
+                                                    for key in (phases[t][0] if phases.get(t) else ())}},
                        "outputs_identical": not wrong, "steps_identical": not diverged,
                        "regions": regions if t == "colocated" else {},
                        "malloc_pinned": "MALLOC_MMAP_THRESHOLD_" in os.environ,
@@ -240,7 +247,8 @@ def main() -> int:
                 m = row["metrics"]
                 print(f"{t:10s} C={conc:3d}  step {m['step_ms_median']:8.2f} ms (p90 {m['step_ms_p90']:8.2f})"
                       f"  draft {m['draft_ms_median']:8.2f} ms  ratio {row['ratio']:6.3f}"
-                      f"  overhead {m['overhead_vs_inprocess_pct']:+6.1f}%  ({n} steps)", flush=True)
+                      f"  overhead {m['overhead_vs_inprocess_pct']:+6.1f}%  ({n} steps)"
+                      + "".join(f"  {key} {v:.2f}" for key, v in m["breakdown_ms"].items()), flush=True)
     finally:
         for c in clients.values():
             c.close()

@@ -166,6 +166,7 @@ class DraftStream:
     @torch.no_grad()
     def step(self, step: drafter_pb2.DraftStep) -> drafter_pb2.DraftTrees:
         """Check every session's request, draft the valid ones in one batch, answer all of them."""
+        t_start = time.perf_counter()
         arena = None
         if step.HasField("response_region_id"):
             region = self.regions.get(step.response_region_id)
@@ -206,6 +207,7 @@ class DraftStream:
             trees = TreeBatch(z, z, z, z, z, torch.empty(0, 1), [])
         msg = trees_to_pb(trees, ids, step.step_id, arena)
         msg.errors.extend(errors)
+        msg.compute_us = max(1, round((time.perf_counter() - t_start) * 1e6))
         return msg
 
     # --- telemetry -----------------------------------------------------------------------------------

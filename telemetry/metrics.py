@@ -79,6 +79,10 @@ class Metrics:
         self.drafter_fallbacks = Counter("ddtree_drafter_fallbacks",
                                          "Session-steps decoded autoregressively because the drafter failed",
                                          ["reason"], registry=r)
+        self.draft_transport_seconds = Histogram(
+            "ddtree_draft_transport_seconds",
+            "Remote draft step: round trip minus the drafter's own compute (wire, hand-offs, encoding)",
+            buckets=STEP_BUCKETS, registry=r)
         # --- drafter ---------------------------------------------------------------------------------
         self.draft_seconds = Histogram("ddtree_draft_seconds", "Wall time of one draft call (all sessions)",
                                        buckets=STEP_BUCKETS, registry=r)

@@ -128,6 +128,9 @@ class DraftStreamClient:
         self.stats = {"steps": 0, "fallback_steps": 0, "reconnects": 0, "invalid_trees": 0, "region_tensors": 0,
                       "region_trees": 0}
         self.last_error = ""
+        # the last exchanged step, in ms: round_trip (request sent -> answer read), drafter (its compute_us),
+        # transport (round_trip - drafter), decode (trees off the wire / out of the region), validate
+        self.last_step_ms: dict[str, float] = {}
         self._region_device = torch.device(cfg.region_device)
         if cfg.colocated and self._region_device.type == "cuda" and self._region_device.index is None:
             # this (the engine's) thread's GPU: the connect thread that allocates the regions would use cuda:0
@@ -347,6 +350,7 @@ class DraftStreamClient:
             arena.sync()  # the features are in the region, and our reads of the last trees are done
             self.stats["region_tensors"] += arena.placed
             step.response_region_id = RESPONSE_REGION
+        t_sent = time.perf_counter()
         s.send(drafter_pb2.DraftStreamRequest(step=step))
         deadline = time.monotonic() + self.cfg.draft_timeout_s
         while True:
@@ -355,7 +359,9 @@ class DraftStreamClient:
                 break
             if resp.WhichOneof("kind") != "trees" or resp.trees.step_id > s.step_id:
                 raise WireError(f"unexpected answer to step {s.step_id}: {resp.WhichOneof('kind')}")
+        t_answer = time.perf_counter()
         ids, trees = trees_from_pb(resp.trees, s.regions)  # on this host: validation reads them here
+        t_decoded = time.perf_counter()
         if resp.trees.tokens.WhichOneof("storage") == "region":
             self.stats["region_trees"] += 1
         errors = {e.session_id: f"{_code_name(e.code)}: {e.message}" for e in resp.trees.errors}
@@ -371,6 +377,7 @@ class DraftStreamClient:
         problems = validate_trees(trees, [by_id[i].root_token for i in ids],
                                   [tree_size(by_id[i].budget, by_id[i].topk, self.depth) for i in ids],
                                   self.model.vocab_size, self.depth)
+        self._time_step(resp.trees.compute_us, t_sent, t_answer, t_decoded)
         good = set()
         for sid, problem in zip(ids, problems):
             if problem is not None:
@@ -380,6 +387,14 @@ class DraftStreamClient:
             else:
                 good.add(sid)
         return ids, trees, good, errors
+
+    def _time_step(self, compute_us: int, t_sent: float, t_answer: float, t_decoded: float) -> None:
+        round_trip, drafter = t_answer - t_sent, compute_us * 1e-6
+        self.last_step_ms = {"round_trip": round_trip * 1e3, "drafter": drafter * 1e3,
+                             "transport": (round_trip - drafter) * 1e3, "decode": (t_decoded - t_answer) * 1e3,
+                             "validate": (time.perf_counter() - t_decoded) * 1e3}
+        if compute_us:
+            self.metrics.draft_transport_seconds.observe(max(0.0, round_trip - drafter))
 
     @staticmethod
     def _send_ahead(s: _Stream, sid: str, start: int, feats: torch.Tensor, rows_per_message: int) -> None:

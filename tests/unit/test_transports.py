@@ -151,6 +151,11 @@ def test_stream_client_equals_inprocess_drafter(parts, served, colocated):
         assert client.region_devices == ({1: "cpu", 2: "cpu"} if colocated else {})
         assert (client.stats["region_tensors"] > 0) == colocated
         assert client.stats["region_trees"] == (client.stats["steps"] if colocated else 0)
+        # the drafter reported its compute time, so the client can tell it from the transport's cost
+        t = client.last_step_ms
+        assert 0 < t["drafter"] <= t["round_trip"] and t["transport"] == pytest.approx(t["round_trip"] - t["drafter"])
+        assert t["decode"] >= 0 and t["validate"] > 0
+        assert client.metrics.draft_transport_seconds._sum.get() > 0
         client.release("a")
         deadline = time.monotonic() + 5
         while service.info().active_sessions != 1 and time.monotonic() < deadline:

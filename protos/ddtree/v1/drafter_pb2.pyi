@@ -118,7 +118,7 @@ class DraftStreamResponse(_message.Message):
     def __init__(self, opened: _Optional[_Union[DrafterInfo, _Mapping]] = ..., trees: _Optional[_Union[DraftTrees, _Mapping]] = ...) -> None: ...
 
 class DraftTrees(_message.Message):
-    __slots__ = ("step_id", "session_ids", "n_nodes", "tokens", "parent", "depth", "first_child", "next_sibling", "logw", "errors")
+    __slots__ = ("step_id", "session_ids", "n_nodes", "tokens", "parent", "depth", "first_child", "next_sibling", "logw", "errors", "compute_us")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_IDS_FIELD_NUMBER: _ClassVar[int]
     N_NODES_FIELD_NUMBER: _ClassVar[int]
@@ -129,6 +129,7 @@ class DraftTrees(_message.Message):
     NEXT_SIBLING_FIELD_NUMBER: _ClassVar[int]
     LOGW_FIELD_NUMBER: _ClassVar[int]
     ERRORS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_US_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     session_ids: _containers.RepeatedScalarFieldContainer[str]
     n_nodes: _containers.RepeatedScalarFieldContainer[int]
@@ -139,7 +140,8 @@ class DraftTrees(_message.Message):
     next_sibling: _common_pb2.Tensor
     logw: _common_pb2.Tensor
     errors: _containers.RepeatedCompositeFieldContainer[SessionError]
-    def __init__(self, step_id: _Optional[int] = ..., session_ids: _Optional[_Iterable[str]] = ..., n_nodes: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., parent: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., depth: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., first_child: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., next_sibling: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., logw: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., errors: _Optional[_Iterable[_Union[SessionError, _Mapping]]] = ...) -> None: ...
+    compute_us: int
+    def __init__(self, step_id: _Optional[int] = ..., session_ids: _Optional[_Iterable[str]] = ..., n_nodes: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., parent: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., depth: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., first_child: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., next_sibling: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., logw: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., errors: _Optional[_Iterable[_Union[SessionError, _Mapping]]] = ..., compute_us: _Optional[int] = ...) -> None: ...
 
 class SessionError(_message.Message):
     __slots__ = ("session_id", "code", "message")
