@@ -5,7 +5,9 @@ Each Draft stream owns the context caches of its sessions (`drafter_service.draf
 verifier that disconnects leaves nothing behind and two verifiers never collide on session ids. This
 module is the gRPC edge: it reads the stream, hands each message to the stream's `DraftStream` on
 the one model thread (arrival order, so the event loop keeps answering health, reflection and Info
-while a step runs) and writes the answers. On drain, streams end after their current step.
+while a step runs) and writes the answers. On drain, streams end after their current step. A co-located
+verifier may move the stream's messages to a unix socket (`protos.control_socket`, fewer hops per
+step): a socket thread per stream then reads them and hands them to the same model thread.
 
 Observability: Info calls run in SERVER spans continuing the caller's W3C context; the long-lived Draft
 stream does not (it carries many requests: each session's draft span follows the traceparent in its
@@ -30,6 +32,7 @@ from opentelemetry import trace
 from drafter_service.api import DraftRequest
 from drafter_service.draft_stream import DraftStream, ProtocolError
 from drafter_service.drafter import Drafter
+from protos.control_socket import ControlClosed, ControlSocket
 from protos.ddtree.v1 import drafter_pb2, drafter_pb2_grpc
 from protos.serving import GrpcServer
 from protos.shared_region import SharedRegion
@@ -40,6 +43,8 @@ from verifier_service.session import MAX_BUDGET
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
+MID_STREAM = ("step", "context", "release")  # the message kinds after `open`
+Failure = tuple[grpc.StatusCode, str]  # how a control-socket stream ends with an error
 
 
 @dataclass(frozen=True)
@@ -67,11 +72,12 @@ class DrafterServerConfig:
 
 class DrafterService(drafter_pb2_grpc.DrafterServicer):
     def __init__(self, max_sessions: int, window: int, metrics: Metrics | None = None,
-                 tracer: trace.Tracer | None = None):
+                 tracer: trace.Tracer | None = None, max_message_bytes: int = 64 << 20):
         self.drafter: Drafter | None = None  # set by attach() once loaded
         self.model_name = ""
         self.target_hidden = 0
         self.max_sessions, self.window = max_sessions, window
+        self.max_message_bytes = max_message_bytes  # also the control socket's frame limit
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="drafter-model")  # all model work, in order
         self._streams: dict[int, DraftStream] = {}
         self._streams_lock = threading.Lock()  # opened on the event loop, closed on the model thread
@@ -145,49 +151,123 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"the first message of a Draft stream must be `open`, got {first.WhichOneof('kind')}")
         try:
-            st = self._open(first.open)
+            st, control = self._open(first.open)
         except ValueError as e:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
-        log.info("stream %d open (client %r, %d shared regions)", st.number, st.client_id, len(st.regions))
+        log.info("stream %d open (client %r, %d shared regions%s)", st.number, st.client_id, len(st.regions),
+                 ", control socket" if control else "")
         try:
             await context.write(drafter_pb2.DraftStreamResponse(opened=self.info()))
+            if control is not None:
+                failure = await self._serve_control(st, control, context)
+                if failure is not None:
+                    await context.abort(*failure)
+                return
             while (req := await self._read(context)) is not None:
                 kind = req.WhichOneof("kind")
-                if kind == "step":
-                    try:
-                        trees = await loop.run_in_executor(self._pool, st.step, req.step)
-                    except ProtocolError as e:
-                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-                    await context.write(drafter_pb2.DraftStreamResponse(trees=trees))
-                elif kind == "context":
-                    await loop.run_in_executor(self._pool, st.context, req.context)
-                elif kind == "release":
-                    await loop.run_in_executor(self._pool, st.release, list(req.release.session_ids))
-                else:
+                if kind not in MID_STREAM:
                     await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"unexpected `{kind}` mid-stream")
+                try:
+                    resp = await loop.run_in_executor(self._pool, self._handle, st, req)
+                except ProtocolError as e:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                if resp is not None:
+                    await context.write(resp)
         finally:
+            if control is not None:
+                control.close()
             # runs on cancellation too: queue the cleanup on the model thread without awaiting it
             try:
                 self._pool.submit(self._close, st)
             except RuntimeError:  # the pool is shut down: the process is exiting
                 pass
 
-    def _open(self, msg: drafter_pb2.OpenStream) -> DraftStream:
+    @staticmethod
+    def _handle(st: DraftStream, req: drafter_pb2.DraftStreamRequest) -> drafter_pb2.DraftStreamResponse | None:
+        """One mid-stream message, on the model thread -> the answer to send (steps only)."""
+        kind = req.WhichOneof("kind")
+        if kind == "step":
+            return drafter_pb2.DraftStreamResponse(trees=st.step(req.step))
+        if kind == "context":
+            st.context(req.context)
+        else:
+            st.release(list(req.release.session_ids))
+        return None
+
+    async def _serve_control(self, st: DraftStream, control: ControlSocket, context) -> Failure | None:
+        """Serve the stream's messages from its control socket until either side ends; -> the error to end
+        the gRPC stream with, if any. A message on the gRPC stream itself is a protocol error."""
+        loop = asyncio.get_running_loop()
+        finished: asyncio.Future = loop.create_future()
+
+        def run() -> None:
+            out = self._control_loop(st, control)
+            loop.call_soon_threadsafe(lambda: finished.done() or finished.set_result(out))
+
+        threading.Thread(target=run, name=f"drafter-control-{st.number}", daemon=True).start()
+        reader = asyncio.ensure_future(self._read(context))
+        try:
+            await asyncio.wait({finished, reader}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not reader.done():
+                reader.cancel()
+        if finished.done():
+            return finished.result()
+        control.close()  # the verifier ended the stream, or we drain: the socket thread stops
+        if reader.result() is not None:
+            return (grpc.StatusCode.FAILED_PRECONDITION,
+                    "with a control socket, the messages after `open` must travel over that socket")
+        return None
+
+    def _control_loop(self, st: DraftStream, control: ControlSocket) -> Failure | None:
+        """The socket thread: each message to the model thread in arrival order, each answer back."""
+        while True:
+            try:
+                req = control.recv(drafter_pb2.DraftStreamRequest)
+            except (ControlClosed, OSError):
+                return None  # the verifier closed it, or the gRPC side did
+            except ValueError as e:
+                return grpc.StatusCode.INVALID_ARGUMENT, f"control socket: {e}"
+            kind = req.WhichOneof("kind")
+            if kind not in MID_STREAM:
+                return grpc.StatusCode.FAILED_PRECONDITION, f"unexpected `{kind}` mid-stream"
+            try:
+                resp = self._pool.submit(self._handle, st, req).result()
+            except ProtocolError as e:
+                return grpc.StatusCode.INVALID_ARGUMENT, str(e)
+            except RuntimeError:  # the model thread is shut down: the process is exiting
+                return None
+            if resp is not None:
+                try:
+                    control.send(resp)
+                except OSError:
+                    return None
+
+    def _open(self, msg: drafter_pb2.OpenStream) -> tuple[DraftStream, ControlSocket | None]:
         regions: dict[int, SharedRegion] = {}
+        control = None
         try:
             for r in msg.regions:
                 if r.region_id in regions:
                     raise ValueError(f"shared region id {r.region_id} appears twice")
                 regions[r.region_id] = SharedRegion.attach(r)
+            if msg.control_socket:
+                try:
+                    control = ControlSocket.connect(msg.control_socket, self.max_message_bytes)
+                except OSError as e:
+                    raise ValueError(f"control socket: cannot connect to {msg.control_socket!r} ({e}); is "
+                                     "the drafter on the verifier's host, sharing its /dev/shm?") from None
+            st = DraftStream(next(self._numbers), msg.client_id, regions, self.drafter, self.feature_dim,
+                             metrics=self.metrics, tracer=self.tracer)
         except Exception:
             for r in regions.values():
                 r.close()
+            if control is not None:
+                control.close()
             raise
-        st = DraftStream(next(self._numbers), msg.client_id, regions, self.drafter, self.feature_dim,
-                         metrics=self.metrics, tracer=self.tracer)
         with self._streams_lock:
             self._streams[st.number] = st
-        return st
+        return st, control
 
     def _close(self, st: DraftStream) -> None:
         st.close()
@@ -224,7 +304,8 @@ def load_drafter_service(cfg: DrafterServerConfig, service: DrafterService, make
 
 async def serve(cfg: DrafterServerConfig, make_drafter=Drafter) -> int:
     service = DrafterService(cfg.max_sessions, cfg.draft_window,
-                            tracer=tracing.get_tracer() if tracing.is_configured() else None)
+                             tracer=tracing.get_tracer() if tracing.is_configured() else None,
+                             max_message_bytes=cfg.max_message_bytes)
     # the Draft stream lives as long as the verifier's connection: no span for it (see the module docstring)
     interceptor = TracingServerInterceptor(exclude_prefixes=(*DEFAULT_EXCLUDE, f"/{SERVICE_NAME}/Draft"))
     server = GrpcServer(cfg.listen, [SERVICE_NAME], cfg.max_message_bytes, cfg.grace_s, interceptors=[interceptor],

@@ -30,6 +30,7 @@ class StreamClientConfig:
     address: str
     colocated: bool = False  # tensors through shared regions instead of inline bytes
     region_device: str = "cpu"  # where the shared regions live (cuda:N -> CUDA IPC)
+    control_socket: bool = True  # co-located: the per-step messages over a unix socket (protos.control_socket)
     draft_timeout_s: float = 5.0  # one step's deadline
     connect_timeout_s: float = 5.0  # opening a stream (handshake included)
     max_message_bytes: int = 64 << 20

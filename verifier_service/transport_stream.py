@@ -4,6 +4,8 @@ One bidirectional `ddtree.v1.Drafter/Draft` stream is open at a time. Each engin
 `DraftStep` control message and waits for its trees, with a deadline. Tensors travel inline as
 bytes (`grpc`) or through two shared regions registered once when the stream opens
 (`colocated`: /dev/shm files on CPU, CUDA IPC allocations on GPU; see `protos.shared_region`).
+Co-located, the messages after `open` also leave gRPC for a unix socket (`protos.control_socket`):
+the engine thread writes each request and reads its answer itself, with no thread hand-offs.
 
 Faults never change the output, only the speed: when the stream breaks, the deadline passes or the
 drafter answers with something that does not decode, the affected sessions get a root-only tree
@@ -32,6 +34,7 @@ import torch
 from drafter_service.api import DraftRequest
 from kernels.tree_build import TreeBatch, tree_size
 from protos.codec import WireError, draft_request_to_pb, tensor_to_pb, trees_from_pb
+from protos.control_socket import ControlClosed, ControlListener, ControlSocket
 from protos.ddtree.v1 import drafter_pb2, drafter_pb2_grpc
 from protos.shared_region import RegionArena, SharedRegion
 from telemetry.metrics import Metrics
@@ -51,10 +54,12 @@ class DraftTimeout(StreamBroken):
 
 
 class _Stream:
-    """One open Draft call: a request queue feeding gRPC, a reader thread filling a response queue."""
+    """One open Draft call: a request queue feeding gRPC, a reader thread filling a response queue; once
+    `control` is set (after `opened`), messages go over that socket and answers are read from it."""
 
     def __init__(self, stub: drafter_pb2_grpc.DrafterStub, regions: dict[int, SharedRegion], on_broken):
         self.regions = regions
+        self.control: ControlSocket | None = None
         self.synced: set[str] = set()  # sessions whose context this drafter holds
         self.step_id = 0
         self.broken = False
@@ -83,9 +88,23 @@ class _Stream:
     def send(self, msg: drafter_pb2.DraftStreamRequest) -> None:
         if self.broken:
             raise self.error or StreamBroken("stream is closed")
-        self._requests.put(msg)
+        if self.control is None:
+            self._requests.put(msg)
+            return
+        try:
+            self.control.send(msg)
+        except (OSError, ValueError) as e:
+            raise StreamBroken(f"control socket: {e}") from None
 
     def recv(self, timeout: float) -> drafter_pb2.DraftStreamResponse:
+        if self.control is not None and not self.broken:
+            try:
+                return self.control.recv(drafter_pb2.DraftStreamResponse, timeout)
+            except TimeoutError:
+                raise DraftTimeout(f"no answer within {timeout:.2f} s") from None
+            except (ControlClosed, OSError, ValueError) as e:
+                # the gRPC reader may know why (the drafter aborted the stream): prefer its error
+                raise self.error or StreamBroken(f"control socket: {e}") from None
         try:
             item = self._responses.get(timeout=timeout)
         except queue.Empty:
@@ -97,6 +116,8 @@ class _Stream:
 
     def close(self) -> None:
         self.broken = True
+        if self.control is not None:
+            self.control.close()
         self.call.cancel()
         self._requests.put(None)
         for r in self.regions.values():
@@ -128,6 +149,7 @@ class DraftStreamClient:
         self.stats = {"steps": 0, "fallback_steps": 0, "reconnects": 0, "invalid_trees": 0, "region_tensors": 0,
                       "region_trees": 0}
         self.last_error = ""
+        self._use_control = cfg.colocated and cfg.control_socket
         # the last exchanged step, in ms: round_trip (request sent -> answer read), drafter (its compute_us),
         # transport (round_trip - drafter), decode (trees off the wire / out of the region), validate
         self.last_step_ms: dict[str, float] = {}
@@ -168,6 +190,12 @@ class DraftStreamClient:
         """Region id -> device of the open stream's shared regions ("cuda:0": CUDA IPC); {} without them."""
         s = self._stream
         return {} if s is None else {rid: str(r.device) for rid, r in s.regions.items()}
+
+    @property
+    def control_socket(self) -> bool:
+        """Whether the open stream's messages travel over a control socket (co-located)."""
+        s = self._stream
+        return s is not None and s.control is not None
 
     def close(self) -> None:
         self._closed.set()
@@ -218,13 +246,24 @@ class DraftStreamClient:
                                                            self._region_device),
                        RESPONSE_REGION: SharedRegion.create(RESPONSE_REGION, self.cfg.response_region_bytes,
                                                             self._region_device)}
+        listener = ControlListener(self.cfg.max_message_bytes) if self._use_control else None
         stream = _Stream(self._stub, regions, self._on_broken)
         try:
             stream.send(drafter_pb2.DraftStreamRequest(open=drafter_pb2.OpenStream(
-                client_id=self.cfg.client_id, regions=[r.to_pb() for r in regions.values()])))
-            resp = stream.recv(self.cfg.connect_timeout_s)
+                client_id=self.cfg.client_id, regions=[r.to_pb() for r in regions.values()],
+                control_socket=listener.path if listener else "")))
+            try:
+                resp = stream.recv(self.cfg.connect_timeout_s)
+            except StreamBroken as e:
+                if listener is not None and "control socket" in str(e):
+                    self._use_control = False  # e.g. another /dev/shm: messages stay on gRPC from now on
+                    log.warning("drafter %s cannot use a control socket (%s): using the gRPC stream",
+                                self.cfg.address, e)
+                raise
             if resp.WhichOneof("kind") != "opened":
                 raise StreamBroken(f"the drafter answered open with {resp.WhichOneof('kind')}")
+            if listener is not None:  # the drafter connected before answering
+                stream.control = listener.accept(self.cfg.connect_timeout_s)
             for r in regions.values():
                 r.unlink()  # the drafter has mapped them: nothing may outlive the two processes
             model = DrafterModel.from_pb(resp.opened)
@@ -235,6 +274,9 @@ class DraftStreamClient:
         except Exception:
             stream.close()
             raise
+        finally:
+            if listener is not None:
+                listener.close()
 
     def _on_broken(self, stream: _Stream, reason: str) -> None:
         with self._lock:

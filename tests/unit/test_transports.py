@@ -14,6 +14,7 @@ import copy
 import dataclasses
 import inspect
 import os
+import queue
 import subprocess
 import sys
 import threading
@@ -27,6 +28,7 @@ from drafter_service.api import DraftRequest
 from drafter_service.drafter import Drafter
 from drafter_service.server import DrafterService
 from kernels.tree_build import TreeBatch
+from protos.control_socket import ControlListener
 from protos.ddtree.v1 import drafter_pb2, drafter_pb2_grpc
 from protos.shared_region import (
     _REBUILD_ARGS,
@@ -36,6 +38,7 @@ from protos.shared_region import (
     local_cuda_index,
     shm_dir,
 )
+from verifier_service import transport_stream
 from verifier_service.transport import StreamClientConfig, is_local_address, resolve_transport
 from verifier_service.transport_stream import DraftStreamClient
 
@@ -149,6 +152,7 @@ def test_stream_client_equals_inprocess_drafter(parts, served, colocated):
         assert service.info().active_sessions == 2 and client.take_errors() == {}
         # the co-located stream really used its regions (context rows out, trees back), the grpc one none
         assert client.region_devices == ({1: "cpu", 2: "cpu"} if colocated else {})
+        assert client.control_socket == colocated  # co-located messages leave gRPC for a unix socket
         assert (client.stats["region_tensors"] > 0) == colocated
         assert client.stats["region_trees"] == (client.stats["steps"] if colocated else 0)
         # the drafter reported its compute time, so the client can tell it from the transport's cost
@@ -258,10 +262,11 @@ def test_timeout_falls_back_then_reconnects(parts, served):
         client.close()
 
 
-def test_drafter_down_then_back_resends_unacknowledged_context(parts):
+@pytest.mark.parametrize("colocated", [False, True])
+def test_drafter_down_then_back_resends_unacknowledged_context(parts, colocated):
     service = make_service(parts)
     srv = ServerThread(service)
-    client = client_for(srv.port, colocated=False)
+    client = client_for(srv.port, colocated=colocated)
     s0, s1, s2 = steps()
     try:
         client.draft(s0)
@@ -286,6 +291,81 @@ def test_drafter_down_then_back_resends_unacknowledged_context(parts):
     finally:
         client.close()
         srv.stop()
+
+
+def test_control_socket_unreachable_falls_back_to_grpc_messages(parts, served, monkeypatch):
+    """A drafter that cannot connect to the socket (another /dev/shm) fails the open with FAILED_PRECONDITION
+    naming it; the client opens again with its messages on the gRPC stream (regions still shared)."""
+    service, srv = served
+
+    class Elsewhere(ControlListener):
+        def __init__(self, *args, **kw):
+            super().__init__(*args, **kw)
+            self.real, self.path = self.path, "/nonexistent-dir/ddtree.sock"
+
+        def close(self):
+            self.path = self.real
+            super().close()
+
+    monkeypatch.setattr(transport_stream, "ControlListener", Elsewhere)
+    local = Drafter(*parts, max_sessions=8, window=64)
+    client = client_for(srv.port, colocated=True)
+    try:
+        assert "FAILED_PRECONDITION" in client.last_error and "control socket" in client.last_error
+        assert not client.control_socket and client.region_devices == {1: "cpu", 2: "cpu"}
+        for reqs in steps():
+            assert_same_trees(client.draft(reqs), local.draft(reqs))
+        assert client.stats["fallback_steps"] == 0 and client.stats["region_trees"] == 3
+    finally:
+        client.close()
+    assert not list(shm_dir().glob(f"ddtree-{os.getpid()}-*.sock"))
+
+
+@pytest.mark.parametrize("bad, code, words", [
+    ("garbage", grpc.StatusCode.INVALID_ARGUMENT, "does not parse"),
+    ("grpc_message", grpc.StatusCode.FAILED_PRECONDITION, "must travel over that socket"),
+    ("unknown_region", grpc.StatusCode.INVALID_ARGUMENT, "unknown response region 7"),
+    ("open_again", grpc.StatusCode.FAILED_PRECONDITION, "unexpected `open`"),
+    ("close", None, None),
+])
+def test_control_socket_protocol(served, bad, code, words):
+    """A raw verifier: what arrives on the control socket is checked like what arrives on gRPC, a protocol
+    error ends the gRPC stream with a status naming it, and closing the socket ends the stream cleanly."""
+    service, srv = served
+    listener = ControlListener(1 << 20)
+    requests: queue.Queue = queue.Queue()
+    with grpc.insecure_channel(f"127.0.0.1:{srv.port}") as ch:
+        call = drafter_pb2_grpc.DrafterStub(ch).Draft(iter(requests.get, None), timeout=30)
+        requests.put(drafter_pb2.DraftStreamRequest(open=drafter_pb2.OpenStream(client_id="raw",
+                                                                                control_socket=listener.path)))
+        assert next(call).WhichOneof("kind") == "opened"
+        sock = listener.accept(5)
+        listener.close()
+        # a good step first: answered on the socket, nothing on the gRPC stream
+        sock.send(drafter_pb2.DraftStreamRequest(step=drafter_pb2.DraftStep(step_id=1)))
+        assert sock.recv(drafter_pb2.DraftStreamResponse, timeout=10).trees.step_id == 1
+        if bad == "garbage":
+            sock.sock.sendall(b"\x03\x00\x00\x00\xff\xff\xff")
+        elif bad == "grpc_message":
+            requests.put(drafter_pb2.DraftStreamRequest(step=drafter_pb2.DraftStep(step_id=2)))
+        elif bad == "unknown_region":
+            sock.send(drafter_pb2.DraftStreamRequest(step=drafter_pb2.DraftStep(step_id=2, response_region_id=7)))
+        elif bad == "open_again":
+            sock.send(drafter_pb2.DraftStreamRequest(open=drafter_pb2.OpenStream(client_id="again")))
+        else:
+            sock.close()
+        if code is None:
+            assert list(call) == []  # the stream ended without an error
+        else:
+            with pytest.raises(grpc.RpcError) as e:
+                next(call)
+            assert e.value.code() == code and words in e.value.details()
+        requests.put(None)
+        sock.close()
+    deadline = time.monotonic() + 5
+    while service.info().streams and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert service.info().streams == 0
 
 
 def test_shared_region_is_shared_with_another_process():

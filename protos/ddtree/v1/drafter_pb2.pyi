@@ -20,12 +20,14 @@ class DraftStreamRequest(_message.Message):
     def __init__(self, open: _Optional[_Union[OpenStream, _Mapping]] = ..., step: _Optional[_Union[DraftStep, _Mapping]] = ..., release: _Optional[_Union[ReleaseSessions, _Mapping]] = ..., context: _Optional[_Union[SessionContext, _Mapping]] = ...) -> None: ...
 
 class OpenStream(_message.Message):
-    __slots__ = ("client_id", "regions")
+    __slots__ = ("client_id", "regions", "control_socket")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     REGIONS_FIELD_NUMBER: _ClassVar[int]
+    CONTROL_SOCKET_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     regions: _containers.RepeatedCompositeFieldContainer[SharedRegion]
-    def __init__(self, client_id: _Optional[str] = ..., regions: _Optional[_Iterable[_Union[SharedRegion, _Mapping]]] = ...) -> None: ...
+    control_socket: str
+    def __init__(self, client_id: _Optional[str] = ..., regions: _Optional[_Iterable[_Union[SharedRegion, _Mapping]]] = ..., control_socket: _Optional[str] = ...) -> None: ...
 
 class SharedRegion(_message.Message):
     __slots__ = ("region_id", "nbytes", "shm_path", "cuda")
