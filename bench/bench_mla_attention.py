@@ -12,8 +12,6 @@ already gathered into contiguous [B, 1, L+n, 576] tensors, a head start ours doe
                   fallback would need more than ~24 GB)
 `--chunk-rule balanced legacy` times each case under both KV chunk rules (same inputs, one record
 each, params.chunk_rule; params.chunks = KV chunks over all query rows, each one a CTA).
-`--share-p off on` times the kernel without and with its SHARE_P variant (S once per tile, P through a
-scratch; params.share_p), `--block-n 32 64` each key-tile size (params.block_n).
 Run from the repo root:  PYTHONPATH=. python bench/bench_mla_attention.py [--sweep] [--out FILE]
 """
 
@@ -91,8 +89,6 @@ def main():
     ap.add_argument("--flex-budget", type=float, default=FLEX_BUDGET_S, help="seconds of FlexAttention compiles")
     ap.add_argument("--chunk-rule", nargs="+", default=[DEFAULT_CHUNK_RULE], choices=sorted(CHUNK_RULES),
                     help="KV chunk rules to time, each case under each (peers run once per case)")
-    ap.add_argument("--share-p", nargs="+", default=["off"], choices=("off", "on"))
-    ap.add_argument("--block-n", nargs="+", type=int, default=[None])
     ap.add_argument("--batch", nargs="+", type=int, default=list(BATCH))
     ap.add_argument("--prefix", nargs="+", type=int, default=None, help=f"committed lengths (default {PREFIX})")
     ap.add_argument("--tree", nargs="+", type=int, default=list(TREE), help="tree sizes, <= 128 nodes")
@@ -120,17 +116,10 @@ def main():
                 floor_ms = max(nbytes / (ceil["copy_bw_GBps"] * 1e9), flops / (ceil["mm_tflops"] * 1e12)) * 1e3
                 out = torch.empty_like(args[0])
                 cfgs = [None] + (SWEEP if args_cli.sweep and n != 33 else [])
-                variants = [(r, c, sp, bn) for r in args_cli.chunk_rule for c in cfgs for sp in args_cli.share_p
-                            for bn in args_cli.block_n]
-                for rule, cfg, share, bn in variants:
+                for rule, cfg in [(r, c) for r in args_cli.chunk_rule for c in cfgs]:
                     kw = {} if cfg is None else dict(block_n=cfg[0], num_warps=cfg[1], num_stages=cfg[2], nch=cfg[3],
                                                      c_min=cfg[4])
-                    if bn is not None:
-                        kw["block_n"] = bn
-                    if share == "on":
-                        kw["share_p"] = True
                     knobs = {k: kw[k] for k in ("block_n", "nch", "c_min") if k in kw}
-                    first = (rule, share, bn) == (args_cli.chunk_rule[0], args_cli.share_p[0], args_cli.block_n[0])
                     chunks = sum(len(chunk_spans(L + int(d), rule, **knobs)) for d in depth.flatten().tolist())
                     fn = functools.partial(mla_attention_triton, *args, SCALE, out=out, chunk_rule=rule, **kw)
                     try:
@@ -140,7 +129,7 @@ def main():
                         print(f"B={B} L={L} n={n} rule={rule} cfg={cfg}: {exc!r}"[:300], flush=True)
                         continue
                     peers = {"triton_eager": eager}
-                    if cfg is None and first and not args_cli.no_peers:
+                    if cfg is None and rule == args_cli.chunk_rule[0] and not args_cli.no_peers:
                         qf, k, v = peer_inputs(args, B, L, n)
                         dense = torch.ones(B, n, L + n, dtype=torch.bool, device="cuda")
                         dense[:, :, L:] = anc
@@ -165,8 +154,7 @@ def main():
                     rec = dict(name="mla_attention" if cfg is None else "mla_attention_sweep",
                                params=dict(batch=B, prefix=L, tree=n, heads=H, latent=DL, rope=DR, page=PAGE,
                                            bytes=nbytes, flops=flops, timing="cuda_graph_replay",
-                                           config=kw or "default", chunk_rule=rule, chunks=chunks,
-                                           share_p=share == "on", block_n=kw.get("block_n", 32)),
+                                           config=kw or "default", chunk_rule=rule, chunks=chunks),
                                **info, ms=ms, floor_ms=floor_ms, ratio=floor_ms / ms, peers=peers, **ceil)
                     write_jsonl(args_cli.out, [rec])  # one line at a time: a cut-off run keeps what it measured
                     pe = "  ".join(f"{a}={b:.3f}" for a, b in peers.items() if isinstance(b, float))

@@ -30,15 +30,6 @@ Every tile goes through the same `_attend` code with a runtime mask, whichever l
 tree node at depth d, the AR step at L + d and a causal prefill row at L + d give the same bits.
 nc == 1: the kernel writes the output; else fp32 partials (m, l, O) per chunk, folded by
 `_mla_combine_kernel` in chunk order.
-
-SHARE_P (constexpr variant): Triton gives a dot whose result feeds another dot (S -> P -> PV, the
-flash-attention chain) all warps along M; with 64 query rows and 8 warps both warpgroups then compute
-the same S (53% extra MMA work, seen in the SASS). SHARE_P cuts the chain: S is two independent dots
-(latent + rope parts, summed in fp32), and P (in the value dtype) and the rescale factor alpha go through
-a per-program scratch (double-buffered by tile parity, one barrier per tile) to the PV dot. The scratch
-loads use offsets the compiler cannot prove contiguous (`wrap`, a runtime modulus), so the software
-pipeliner, which knows nothing of the barrier, cannot turn them into prefetches of the next tile. Same
-keys, same masks, same order; only the S sum's rounding differs from the chained dots.
 """
 
 from __future__ import annotations
@@ -87,15 +78,13 @@ def chunk_span(K, c, RULE: tl.constexpr, BLOCK_N: tl.constexpr, NCH: tl.constexp
 
 
 @triton.jit
-def _attend(q, qpe, m, l, o, kv_ptr, bt_row_ptr, stride_kv, idx, valid, qk_scale, sp_ptr, sa_ptr, it, wrap,
+def _attend(q, qpe, m, l, o, kv_ptr, bt_row_ptr, stride_kv, idx, valid, qk_scale,
             DL: tl.constexpr, DR: tl.constexpr, BDL: tl.constexpr, BDR: tl.constexpr,
-            PAGE: tl.constexpr, MASK_LOADS: tl.constexpr, PREC: tl.constexpr, SHARE_P: tl.constexpr):
+            PAGE: tl.constexpr, MASK_LOADS: tl.constexpr, PREC: tl.constexpr):
     """One KV tile (logical rows idx [BLOCK_N], seen where valid) folded into the running (m, l, o).
 
     MASK_LOADS only guards the loads (False where every lane is known valid); the arithmetic is the
-    same code either way, so a tile's result depends only on its keys and its mask. With SHARE_P, sp_ptr /
-    sa_ptr are this program's scratch ([2, BLOCK_M, BLOCK_N] value dtype, [2, BLOCK_M] fp32), `it` the
-    tile count so far (parity picks the buffer) and `wrap` = BLOCK_M * BLOCK_N at run time."""
+    same code either way, so a tile's result depends only on its keys and its mask."""
     dl = tl.arange(0, BDL)
     dr = tl.arange(0, BDR)
     if MASK_LOADS:
@@ -109,32 +98,16 @@ def _attend(q, qpe, m, l, o, kv_ptr, bt_row_ptr, stride_kv, idx, valid, qk_scale
     else:
         ckv = tl.load(row + dl[None, :], mask=(dl < DL)[None, :], other=0.0)
         kpe = tl.load(row + DL + dr[None, :], mask=(dr < DR)[None, :], other=0.0)
-    if SHARE_P:  # two independent dots: neither result feeds a dot (see the module docstring)
-        sc = tl.dot(q, tl.trans(ckv), input_precision=PREC) + tl.dot(qpe, tl.trans(kpe), input_precision=PREC)
-    else:
-        sc = tl.dot(q, tl.trans(ckv), input_precision=PREC)  # [BLOCK_M, BLOCK_N] fp32
-        sc = tl.dot(qpe, tl.trans(kpe), sc, input_precision=PREC)
+    sc = tl.dot(q, tl.trans(ckv), input_precision=PREC)  # [BLOCK_M, BLOCK_N] fp32
+    sc = tl.dot(qpe, tl.trans(kpe), sc, input_precision=PREC)
     sc = tl.where(valid[None, :], sc * qk_scale, float("-inf"))  # log2 domain; past p: -inf
     m_new = tl.maximum(m, tl.max(sc, 1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
     p = tl.exp2(sc - m_use[:, None])
     alpha = tl.exp2(m - m_use)
     l = tl.fma(l, alpha, tl.sum(p, 1))
-    if SHARE_P:
-        BLOCK_M: tl.constexpr = q.shape[0]
-        BLOCK_N: tl.constexpr = ckv.shape[0]
-        rm = tl.arange(0, BLOCK_M)
-        flat = rm[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-        buf = it % 2
-        tl.store(sp_ptr + buf * (BLOCK_M * BLOCK_N) + flat, p.to(ckv.dtype), cache_modifier=".cg")
-        tl.store(sa_ptr + buf * BLOCK_M + rm, alpha, cache_modifier=".cg")
-        tl.debug_barrier()  # every warp's P and alpha are in the scratch
-        p_mm = tl.load(sp_ptr + buf * (BLOCK_M * BLOCK_N) + flat % wrap, cache_modifier=".cg")
-        alpha_mm = tl.load(sa_ptr + buf * BLOCK_M + rm % wrap, cache_modifier=".cg")
-        o = tl.dot(p_mm, ckv, o * alpha_mm[:, None], input_precision=PREC)
-    else:
-        o = o * alpha[:, None]
-        o = tl.dot(p.to(ckv.dtype), ckv, o, input_precision=PREC)
+    o = o * alpha[:, None]
+    o = tl.dot(p.to(ckv.dtype), ckv, o, input_precision=PREC)
     return m_new, l, o
 
 
@@ -148,12 +121,11 @@ def _mla_fwd_kernel(
     out_ptr,  # out: [T, H, DL]
     po_ptr, pml_ptr,  # out: partials fp32 [tiles * GC, BLOCK_M, BDL], [tiles * GC, 2, BLOCK_M]
     nc_ptr,  # out: [tiles] int32 chunks of each query tile (read by the combine kernel)
-    sp_ptr, sa_ptr,  # SHARE_P scratch per program: [tiles * GC, 2, BLOCK_M, BLOCK_N], [tiles * GC, 2, BLOCK_M]
-    S, H, HT, GC, qk_scale, wrap,
+    S, H, HT, GC, qk_scale,
     stride_qt, stride_qh, stride_pt, stride_ph, stride_kv, stride_bt, stride_bits, stride_ot, stride_oh,
     DL: tl.constexpr, DR: tl.constexpr, BDL: tl.constexpr, BDR: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NCH: tl.constexpr, C_MIN: tl.constexpr, RULE: tl.constexpr,
-    S_PAD: tl.constexpr, TREE: tl.constexpr, NB: tl.constexpr, PREC: tl.constexpr, SHARE_P: tl.constexpr,
+    S_PAD: tl.constexpr, TREE: tl.constexpr, NB: tl.constexpr, PREC: tl.constexpr,
 ):
     pid_t = tl.program_id(0)  # query tile = (token, head block)
     pid_c = tl.program_id(1)  # chunk
@@ -177,10 +149,6 @@ def _mla_fwd_kernel(
     l = tl.zeros([BLOCK_M], tl.float32)
     o = tl.zeros([BLOCK_M, BDL], tl.float32)
     cols = tl.arange(0, BLOCK_N)
-    prog = (pid_t * GC + pid_c).to(tl.int64)
-    sp = sp_ptr + prog * (2 * BLOCK_M * BLOCK_N)
-    sa = sa_ptr + prog * (2 * BLOCK_M)
-    it = 0
     if TREE:
         ident = tl.minimum(end, L)  # positions < L are committed rows; later ones go through the bits
         rank = tl.cumsum(bit, 0) - 1  # [NB] depth of each ancestor (valid where bit is set)
@@ -190,9 +158,8 @@ def _mla_fwd_kernel(
     a_end = start + tl.maximum(ident - start, 0) // BLOCK_N * BLOCK_N
     for k0 in range(start, a_end, BLOCK_N):  # hot loop: whole tiles of logical row = position
         idx = k0 + cols
-        m, l, o = _attend(q, qpe, m, l, o, kv_ptr, bt_row, stride_kv, idx, idx < end, qk_scale, sp, sa, it, wrap,
-                          DL, DR, BDL, BDR, PAGE, False, PREC, SHARE_P)
-        it += 1
+        m, l, o = _attend(q, qpe, m, l, o, kv_ptr, bt_row, stride_kv, idx, idx < end, qk_scale,
+                          DL, DR, BDL, BDR, PAGE, False, PREC)
     for k0 in range(a_end, end, BLOCK_N):  # the rest: ragged end, tiles reaching into the tree part
         pos = k0 + cols
         idx = pos
@@ -201,9 +168,8 @@ def _mla_fwd_kernel(
             hit = (bit[None, :] != 0) & (rank[None, :] == e[:, None])  # [BLOCK_N, NB]
             anc = tl.sum(tl.where(hit, kk[None, :], 0), 1)  # new-row index of that ancestor
             idx = tl.where(e >= 0, L + anc, pos)
-        m, l, o = _attend(q, qpe, m, l, o, kv_ptr, bt_row, stride_kv, idx, pos < end, qk_scale, sp, sa, it, wrap,
-                          DL, DR, BDL, BDR, PAGE, True, PREC, SHARE_P)
-        it += 1
+        m, l, o = _attend(q, qpe, m, l, o, kv_ptr, bt_row, stride_kv, idx, pos < end, qk_scale,
+                          DL, DR, BDL, BDR, PAGE, True, PREC)
     if nc == 1:
         out = o / tl.where(l == 0.0, 1.0, l)[:, None]  # l == 0 only for a row that sees nothing
         tl.store(out_ptr + t * stride_ot + h[:, None] * stride_oh + dl[None, :],

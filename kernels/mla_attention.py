@@ -123,14 +123,13 @@ def mla_attention_ref(
 def mla_attention_triton(q_lat, q_pe, kv_cache, block_table, page_size, cu_q, prefix_lens, tree_bits,
                          sm_scale, *, out=None, block_n: int = _BLOCK_N, num_warps: int = 8,
                          num_stages: int = 2, nch: int = _NCH, c_min: int = _C_MIN,
-                         chunk_rule: str = DEFAULT_CHUNK_RULE, share_p: bool = False):
+                         chunk_rule: str = DEFAULT_CHUNK_RULE):
     """The Triton path on any device (tests call it on CPU under TRITON_INTERPRET=1).
 
     q_lat/q_pe are cast to the cache dtype; `out` ([T, H, Dl], optional) is written in place.
     The keywords are tuning knobs for benchmarks; `block_n`/`nch`/`c_min`/`chunk_rule` define the
     reduction order, so a deployment must keep them fixed (position alignment holds for any fixed
-    value; "legacy" is the previous chunk rule, kept for comparisons). `share_p` selects the SHARE_P
-    variant of `_mla_kernels` (S computed once per tile, P through a scratch)."""
+    value; "legacy" is the previous chunk rule, kept for comparisons)."""
     T, H, Dl = q_lat.shape
     Dr = q_pe.shape[-1]
     S = prefix_lens.shape[0]
@@ -165,20 +164,17 @@ def mla_attention_triton(q_lat, q_pe, kv_cache, block_table, page_size, cu_q, pr
     po = torch.empty(parts, block_m, bdl, dtype=torch.float32, device=q_lat.device)
     pml = torch.empty(parts, 2, block_m, dtype=torch.float32, device=q_lat.device)
     nc = torch.empty(tiles, dtype=torch.int32, device=q_lat.device)
-    progs = tiles * grid_c if share_p else 1
-    sp = torch.empty(progs, 2, block_m, block_n, dtype=kv_cache.dtype, device=q_lat.device)
-    sa = torch.empty(progs, 2, block_m, dtype=torch.float32, device=q_lat.device)
     bits = tree_bits if tree_bits is not None else prefix_lens  # dummy pointer when causal
     prec = "ieee" if kv_cache.dtype == torch.float32 else "tf32"
     s_pad = max(16, triton.next_power_of_2(S))
     _mla_fwd_kernel[(tiles, grid_c)](
-        q_lat, q_pe, kv_cache, block_table, cu_q, prefix_lens, bits, out, po, pml, nc, sp, sa,
-        S, H, ht, grid_c, sm_scale * _LOG2E, block_m * block_n,
+        q_lat, q_pe, kv_cache, block_table, cu_q, prefix_lens, bits, out, po, pml, nc,
+        S, H, ht, grid_c, sm_scale * _LOG2E,
         q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), kv_cache.stride(0),
         block_table.stride(0), bits.stride(0), out.stride(0), out.stride(1),
         DL=Dl, DR=Dr, BDL=bdl, BDR=bdr, PAGE=page_size, BLOCK_M=block_m, BLOCK_N=block_n, NCH=nch,
         C_MIN=c_min, RULE=rule, S_PAD=s_pad, TREE=tree_bits is not None,
-        NB=64 * (tree_bits.shape[1] if tree_bits is not None else 1), PREC=prec, SHARE_P=share_p,
+        NB=64 * (tree_bits.shape[1] if tree_bits is not None else 1), PREC=prec,
         num_warps=num_warps, num_stages=num_stages)
     if grid_c > 1:
         block_d = min(bdl, 128)

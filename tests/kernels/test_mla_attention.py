@@ -102,17 +102,6 @@ def test_mla_kernel_vs_reference(prefix, ns, tree, dtype):
 RULES = sorted(CHUNK_RULES)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("prefix,ns,tree", CASES)
-def test_mla_share_p_variant_vs_reference(prefix, ns, tree, dtype):
-    """SHARE_P (S once per tile, P and alpha through the scratch) against the reference; also with the
-    small knobs, so that rows cross several chunks and the scratch parity alternates over many tiles."""
-    args = make_batch(prefix, ns, 4, 32, 8, 16, dtype, tree, seed=sum(prefix) + len(ns))
-    for kw in ({}, dict(nch=4, c_min=32, block_n=16)):
-        out = run_kernel(args, 0.3, share_p=True, **kw)
-        assert_close(out, reference(args, 0.3), TOL[dtype], f"share_p {kw} prefix={prefix} ns={ns} tree={tree}")
-
-
 @pytest.mark.parametrize("chunk_rule", RULES)
 @pytest.mark.parametrize("nch,c_min,block_n", [(16, 32, 32), (4, 64, 16)])
 def test_mla_chunking_knobs(nch, c_min, block_n, chunk_rule):
@@ -231,11 +220,6 @@ def test_mla_tree_node_equals_ar_step_bitwise(prefix, ns, checked, H, Dl, Dr, pa
     check_alignment(prefix, ns, checked, H, Dl, Dr, page, torch.float32, words, 0.3, chunk_rule=chunk_rule, **kw)
 
 
-def test_mla_share_p_keeps_position_alignment():
-    """The SHARE_P variant is position aligned too (fp32, exact): same keys, masks and order per row."""
-    check_alignment(*ALIGN_CASES[1][:7], torch.float32, ALIGN_CASES[1][7], 0.3, share_p=True, **ALIGN_CASES[1][8])
-
-
 @pytest.mark.parametrize("chunk_rule", RULES)
 def test_mla_alignment_fp16_and_second_bit_word(chunk_rule):
     """fp16; nodes 64.. of a 66-node tree (their paths read the second bit word); paths up to p = 66:
@@ -319,18 +303,15 @@ SCALE = 192**-0.5 * (0.1 * torch.log(torch.tensor(64.0)).item() + 1) ** 2
     ([1024, 0, 4097, 33000], [9, 65, 1, 33], True),
     ([0, 300], [257, 64], False),
 ])
-@pytest.mark.parametrize("share_p", [False, True])
-def test_mla_kimi_shapes_bf16(prefix, ns, tree, share_p):
+def test_mla_kimi_shapes_bf16(prefix, ns, tree):
     args = make_batch(prefix, ns, KIMI["H"], KIMI["Dl"], KIMI["Dr"], KIMI["page"], torch.bfloat16, tree)
-    assert_close(run_kernel(args, SCALE, share_p=share_p), reference(args, SCALE), TOL[torch.bfloat16],
-                 f"Kimi {prefix} {ns} share_p={share_p}")
+    assert_close(run_kernel(args, SCALE), reference(args, SCALE), TOL[torch.bfloat16], f"Kimi {prefix} {ns}")
 
 
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("n_probe", [1, 9, 65])
-@pytest.mark.parametrize("share_p", [False, True])
-def test_mla_batch_invariance(n_probe, share_p):
+def test_mla_batch_invariance(n_probe):
     """A session alone and as session 23 of 64 others (mixed lengths): bitwise equal rows."""
     g = torch.Generator().manual_seed(n_probe)
     prefix = torch.randint(0, 3000, (64,), generator=g).tolist()
@@ -341,13 +322,13 @@ def test_mla_batch_invariance(n_probe, share_p):
     t0, t1 = int(cu[23]), int(cu[24])
     alone = (q[t0:t1], qpe[t0:t1], kv, bt[23:24], page, torch.tensor([0, t1 - t0], dtype=torch.int32, device=DEV),
              pre[23:24], bits[t0:t1])
-    out_big = run_kernel(big, SCALE, share_p=share_p)
-    out_alone = run_kernel(alone, SCALE, share_p=share_p)
+    out_big = run_kernel(big, SCALE)
+    out_alone = run_kernel(alone, SCALE)
     assert torch.equal(out_alone, out_big[t0:t1])
     # the tree's root alone (= the AR step at the same prefix) gives the root row bit for bit
     root = (q[t0:t0 + 1], qpe[t0:t0 + 1], kv, bt[23:24], page, torch.tensor([0, 1], dtype=torch.int32, device=DEV),
             pre[23:24], bits[t0:t0 + 1])
-    assert torch.equal(run_kernel(root, SCALE, share_p=share_p)[0], out_big[t0])
+    assert torch.equal(run_kernel(root, SCALE)[0], out_big[t0])
 
 
 @gpu
@@ -358,9 +339,8 @@ def test_mla_batch_invariance(n_probe, share_p):
     # one bit word (budgets <= 63); session 0 crosses p = 8192; session 1: 16 chunks of 64-65 tiles; prefix 0
     ([8180, 33000, 0], [40, 9, 20], [0, 1, 2], 1),
 ])
-@pytest.mark.parametrize("share_p", [False, True])
-def test_mla_tree_node_equals_ar_step_bitwise_bf16(prefix, ns, checked, words, share_p):
+def test_mla_tree_node_equals_ar_step_bitwise_bf16(prefix, ns, checked, words):
     """The position-alignment invariant at Kimi shapes in bf16: every node of the checked sessions
     equals the causal decode / AR step / prefill row at its position in the AR layout, bitwise."""
     check_alignment(prefix, ns, checked, KIMI["H"], KIMI["Dl"], KIMI["Dr"], KIMI["page"], torch.bfloat16, words,
-                    SCALE, share_p=share_p)
+                    SCALE)
