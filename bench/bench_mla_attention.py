@@ -12,6 +12,7 @@ already gathered into contiguous [B, 1, L+n, 576] tensors, a head start ours doe
                   fallback would need more than ~24 GB)
 `--chunk-rule balanced legacy` times each case under both KV chunk rules (same inputs, one record
 each, params.chunk_rule; params.chunks = KV chunks over all query rows, each one a CTA).
+`--block-n 32 64` times each key-tile size (params.block_n; a reduction-order knob like the chunk rule).
 Run from the repo root:  PYTHONPATH=. python bench/bench_mla_attention.py [--sweep] [--out FILE]
 """
 
@@ -25,7 +26,13 @@ import torch
 import torch.nn.functional as F
 
 from bench._common import bench_ms, env_info, graph_ms, measure_ceilings, write_jsonl
-from kernels.mla_attention import CHUNK_RULES, DEFAULT_CHUNK_RULE, chunk_spans, mla_attention_triton
+from kernels.mla_attention import (
+    CHUNK_RULES,
+    DEFAULT_BLOCK_N,
+    DEFAULT_CHUNK_RULE,
+    chunk_spans,
+    mla_attention_triton,
+)
 from kernels.tree_mask import ancestor_mask, pack_mask_bits
 
 H, DL, DR, PAGE = 64, 512, 64, 64
@@ -34,8 +41,9 @@ PREFIX = (1024, 4096, 32768)
 QUICK_PREFIX = (1000, 1024, 4000, 4096)  # on and off the 512-key grid of the legacy chunk rule
 TREE = (9, 33, 65)
 BATCH = (1, 16)
-SWEEP = [  # (block_n, num_warps, num_stages, nch, c_min) beside the default (32, 8, 2, 16, 512)
-    (32, 8, 2, 32, 256), (32, 8, 2, 16, 256), (32, 8, 2, 32, 128), (32, 8, 2, 64, 256)]
+SWEEP = [  # (block_n, num_warps, num_stages, nch, c_min) beside the default (see kernels.mla_attention)
+    (32, 8, 2, 16, 512), (64, 8, 2, 16, 512), (64, 8, 3, 16, 512), (128, 8, 1, 16, 512), (128, 8, 2, 16, 512),
+    (64, 8, 2, 32, 256)]
 # head dim 576 leaves Inductor's autotuner no valid default config (seen on the H200, 2026-11-30);
 # BLOCK_M must hold the whole GQA group of 64 query heads
 FLEX_OPTIONS = {"BLOCK_M": 64, "BLOCK_N": 16, "num_stages": 1, "num_warps": 4}
@@ -89,6 +97,7 @@ def main():
     ap.add_argument("--flex-budget", type=float, default=FLEX_BUDGET_S, help="seconds of FlexAttention compiles")
     ap.add_argument("--chunk-rule", nargs="+", default=[DEFAULT_CHUNK_RULE], choices=sorted(CHUNK_RULES),
                     help="KV chunk rules to time, each case under each (peers run once per case)")
+    ap.add_argument("--block-n", nargs="+", type=int, default=[None], help="key tile sizes (default: the kernel's)")
     ap.add_argument("--batch", nargs="+", type=int, default=list(BATCH))
     ap.add_argument("--prefix", nargs="+", type=int, default=None, help=f"committed lengths (default {PREFIX})")
     ap.add_argument("--tree", nargs="+", type=int, default=list(TREE), help="tree sizes, <= 128 nodes")
@@ -116,9 +125,11 @@ def main():
                 floor_ms = max(nbytes / (ceil["copy_bw_GBps"] * 1e9), flops / (ceil["mm_tflops"] * 1e12)) * 1e3
                 out = torch.empty_like(args[0])
                 cfgs = [None] + (SWEEP if args_cli.sweep and n != 33 else [])
-                for rule, cfg in [(r, c) for r in args_cli.chunk_rule for c in cfgs]:
+                for rule, cfg, bn in [(r, c, b) for r in args_cli.chunk_rule for c in cfgs for b in args_cli.block_n]:
                     kw = {} if cfg is None else dict(block_n=cfg[0], num_warps=cfg[1], num_stages=cfg[2], nch=cfg[3],
                                                      c_min=cfg[4])
+                    if bn is not None:
+                        kw["block_n"] = bn
                     knobs = {k: kw[k] for k in ("block_n", "nch", "c_min") if k in kw}
                     chunks = sum(len(chunk_spans(L + int(d), rule, **knobs)) for d in depth.flatten().tolist())
                     fn = functools.partial(mla_attention_triton, *args, SCALE, out=out, chunk_rule=rule, **kw)
@@ -129,7 +140,8 @@ def main():
                         print(f"B={B} L={L} n={n} rule={rule} cfg={cfg}: {exc!r}"[:300], flush=True)
                         continue
                     peers = {"triton_eager": eager}
-                    if cfg is None and rule == args_cli.chunk_rule[0] and not args_cli.no_peers:
+                    first = (rule, bn) == (args_cli.chunk_rule[0], args_cli.block_n[0])
+                    if cfg is None and first and not args_cli.no_peers:
                         qf, k, v = peer_inputs(args, B, L, n)
                         dense = torch.ones(B, n, L + n, dtype=torch.bool, device="cuda")
                         dense[:, :, L:] = anc
@@ -154,7 +166,8 @@ def main():
                     rec = dict(name="mla_attention" if cfg is None else "mla_attention_sweep",
                                params=dict(batch=B, prefix=L, tree=n, heads=H, latent=DL, rope=DR, page=PAGE,
                                            bytes=nbytes, flops=flops, timing="cuda_graph_replay",
-                                           config=kw or "default", chunk_rule=rule, chunks=chunks),
+                                           config=kw or "default", chunk_rule=rule, chunks=chunks,
+                                           block_n=kw.get("block_n", DEFAULT_BLOCK_N)),
                                **info, ms=ms, floor_ms=floor_ms, ratio=floor_ms / ms, peers=peers, **ceil)
                     write_jsonl(args_cli.out, [rec])  # one line at a time: a cut-off run keeps what it measured
                     pe = "  ".join(f"{a}={b:.3f}" for a, b in peers.items() if isinstance(b, float))

@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from kernels.mla_attention import (
-    _BLOCK_N,
     _C_MIN,
     _NCH,
     CHUNK_RULES,
+    DEFAULT_BLOCK_N,
     chunk_spans,
     max_chunks,
     mla_attention,
@@ -231,7 +231,7 @@ def test_mla_alignment_fp16_and_second_bit_word(chunk_rule):
 # ------------------------------------------- the chunk rules (pure Python: the kernel's chunk_span on ints)
 
 KNOBS = [  # block_n, nch, c_min
-    (_BLOCK_N, _NCH, _C_MIN), (16, 4, 32), (16, 4, 16), (16, 8, 64), (64, 16, 64), (32, 3, 96)]
+    (DEFAULT_BLOCK_N, _NCH, _C_MIN), (16, 4, 32), (16, 4, 16), (16, 8, 64), (64, 16, 64), (32, 3, 96)]
 
 
 def chunk_lengths(p: int, rule: str, block_n: int, nch: int, c_min: int) -> list[int]:
@@ -275,18 +275,27 @@ def test_chunk_rule_properties(block_n, nch, c_min, chunk_rule):
 
 
 def test_chunk_rule_examples():
-    """The default knobs at the benchmark's prefixes: legacy's one-key last chunks are gone, and the
-    chunk count never exceeds legacy's (never more partials)."""
-    assert chunk_spans(1024, "legacy") == [(0, 512), (512, 1024), (1024, 1025)]
+    """The default knobs at the benchmark's prefixes: legacy's one-key last chunks are gone, and with
+    32-key tiles the chunk count never exceeds legacy's (never more partials). With 64-key tiles (the
+    default) legacy rounds its chunk size up to 576 keys above 8192 keys and can have one chunk fewer."""
+    b32 = dict(block_n=32)
+    assert chunk_spans(1024, "legacy", **b32) == [(0, 512), (512, 1024), (1024, 1025)]
+    assert chunk_spans(1024, **b32) == [(0, 512), (512, 1025)]
+    assert [e - s for s, e in chunk_spans(4096 + 10, **b32)] == [512] * 7 + [523]
+    assert len(chunk_spans(4096 + 10, "legacy", **b32)) == 9
+    assert chunk_spans(8192, "legacy", **b32)[-1] == (8160, 8193)  # C = 544: a 33-key 16th chunk
+    assert chunk_spans(8192, **b32)[-1] == (7680, 8193)
+    assert [e - s for s, e in chunk_spans(32768 + 20, **b32)] == [2048] * 15 + [2069]
+    assert len(chunk_spans(766, **b32)) == 1 and len(chunk_spans(767, **b32)) == 2  # 1.5 C_MIN: rounds up
+    for p in range(0, 40000, 7):
+        assert len(chunk_spans(p, **b32)) <= len(chunk_spans(p, "legacy", **b32)), p
+    assert DEFAULT_BLOCK_N == 64
     assert chunk_spans(1024) == [(0, 512), (512, 1025)]
     assert [e - s for s, e in chunk_spans(4096 + 10)] == [512] * 7 + [523]
-    assert len(chunk_spans(4096 + 10, "legacy")) == 9
-    assert chunk_spans(8192, "legacy")[-1] == (8160, 8193)  # C = 544: a 33-key 16th chunk
-    assert chunk_spans(8192)[-1] == (7680, 8193)
+    assert chunk_spans(8192, "legacy")[-1] == (8064, 8193) and len(chunk_spans(8192, "legacy")) == 15
+    assert chunk_spans(8192)[-1] == (7680, 8193) and len(chunk_spans(8192)) == 16
     assert [e - s for s, e in chunk_spans(32768 + 20)] == [2048] * 15 + [2069]
-    assert len(chunk_spans(766)) == 1 and len(chunk_spans(767)) == 2  # 768 keys = 1.5 C_MIN: rounds up
-    for p in range(0, 40000, 7):
-        assert len(chunk_spans(p)) <= len(chunk_spans(p, "legacy")), p
+    assert len(chunk_spans(766)) == 1 and len(chunk_spans(767)) == 2
     with pytest.raises(ValueError):
         chunk_spans(5, "new")
 
