@@ -41,6 +41,8 @@ Weight layouts (`layout=` keyword of the launcher):
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -189,14 +191,35 @@ def unrepack_int4_moe(w13_packed, w13_scale, w2_packed, w2_scale, hidden: int):
 _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _default_programs(device: torch.device) -> int:
+    """Persistent grid size: 4 CTAs per SM (what fits at the default tiles and 3 stages); 4 on CPU."""
+    if device.type != "cuda":
+        return 4
+    return 4 * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def _int4_moe_triton(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, experts: range | None = None,
                      reduce_pairs=None, block_i: int = _BLOCK_I, block_d: int = _BLOCK_D, num_warps: int = 4,
-                     num_stages: int = 3, use_asm: bool = _USE_ASM, prescale: bool = _PRESCALE, swap: bool = _SWAP):
+                     num_stages: int = 3, use_asm: bool = _USE_ASM, prescale: bool = _PRESCALE, swap: bool = _SWAP,
+                     k_unroll: int = 1, persistent: bool | str = False, num_programs: int | None = None):
     T, D = x.shape
     topk = topk_ids.shape[1]
     E, two_i, _ = w13.shape
     inter = two_i // 2
     P = T * topk
+    if persistent not in (False, True, "w13", "w2"):
+        raise ValueError(f"int4_moe: persistent={persistent!r} (False, True, 'w13' or 'w2')")
+    pers13, pers2 = persistent in (True, "w13"), persistent in (True, "w2")
+    kb13, kb2 = w13.shape[2] // 32, w2.shape[2] // 32  # 256-column K blocks
+    if k_unroll < 1 or (pers13 and kb13 % k_unroll) or (pers2 and kb2 % k_unroll):
+        raise ValueError(f"int4_moe: k_unroll={k_unroll} (persistent: must divide the K blocks, {kb13} / {kb2})")
+    if num_programs is not None and (not persistent or num_programs < 1):
+        raise ValueError(f"int4_moe: num_programs={num_programs} needs persistent and >= 1")
     if out is None:
         out = torch.empty_like(x)
     elif out.shape != x.shape or out.dtype != x.dtype or out.stride(-1) != 1:
@@ -208,18 +231,24 @@ def _int4_moe_triton(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, experts
     nblk = bexp.shape[0]
     common = dict(BLOCK_M=_BLOCK_M, DTYPE=_TL_DTYPE[x.dtype], PREC="ieee" if x.dtype == torch.float32 else "tf32",
                   USE_ASM=use_asm and x.dtype == torch.bfloat16 and x.is_cuda,  # PTX: real GPU only
-                  PRESCALE=prescale, SWAP=swap,
-                  num_warps=num_warps, num_stages=num_stages)
+                  PRESCALE=prescale, SWAP=swap, K_UNROLL=k_unroll, num_warps=num_warps, num_stages=num_stages)
+
+    def grid(row_tiles: int, pers: bool):  # persistent: at most one program per (row tile, block), unused ones too
+        if pers:
+            return (min(row_tiles * nblk, num_programs or _default_programs(x.device)),)
+        return (row_tiles, nblk)
+
     a = torch.empty(P, inter, dtype=x.dtype, device=x.device)  # silu(gate) * up per pair
-    _moe_w13_kernel[(triton.cdiv(inter, block_i), nblk)](
-        x, w13, s13, a, sorted_pairs, bexp, P, D, inter, w13.shape[2] // 32,
+    _moe_w13_kernel[grid(triton.cdiv(inter, block_i), pers13)](
+        x, w13, s13, a, sorted_pairs, bexp, P, D, inter, kb13, nblk,
         x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), s13.stride(2), a.stride(0),
-        TOPK=topk, BLOCK_I=block_i, EVEN_K=D % _BLOCK_K == 0, EVEN_N=inter % block_i == 0, **common)
+        TOPK=topk, BLOCK_I=block_i, EVEN_K=D % _BLOCK_K == 0, EVEN_N=inter % block_i == 0, PERSISTENT=pers13,
+        **common)
     y = _pair_buffer(P, D, torch.float32, x.device, experts is not None)  # unweighted expert output per pair
-    _moe_w2_kernel[(triton.cdiv(D, block_d), nblk)](
-        a, w2, s2, y, sorted_pairs, bexp, P, inter, D, w2.shape[2] // 32,
+    _moe_w2_kernel[grid(triton.cdiv(D, block_d), pers2)](
+        a, w2, s2, y, sorted_pairs, bexp, P, inter, D, kb2, nblk,
         a.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), s2.stride(2), y.stride(0),
-        BLOCK_D=block_d, EVEN_K=inter % _BLOCK_K == 0, EVEN_N=D % block_d == 0, **common)
+        BLOCK_D=block_d, EVEN_K=inter % _BLOCK_K == 0, EVEN_N=D % block_d == 0, PERSISTENT=pers2, **common)
     if reduce_pairs is not None:
         reduce_pairs(y)  # expert parallel: every rank now holds every pair's row, bit for bit
     _moe_combine_kernel[(T, triton.cdiv(D, 1024))](
