@@ -41,8 +41,6 @@ Weight layouts (`layout=` keyword of the launcher):
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 import triton
@@ -191,22 +189,40 @@ def unrepack_int4_moe(w13_packed, w13_scale, w2_packed, w2_scale, hidden: int):
 _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+_RESIDENT: dict = {}  # (kernel, device, launch options) -> CTAs of the compiled kernel resident per SM
 
 
-def _default_programs(device: torch.device) -> int:
-    """Persistent grid size: 4 CTAs per SM (what fits at the default tiles and 3 stages); 4 on CPU."""
+def _resident_programs(kernel, args, options: dict, device: torch.device) -> int:
+    """Default persistent grid: SMs x CTAs of `kernel` that fit on one SM by registers and shared memory of
+    the compiled kernel (the occupancy rule of Triton's fused-softmax tutorial); 4 programs off CUDA."""
     if device.type != "cuda":
         return 4
-    return 4 * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    key = (kernel.fn.__name__, device.index, repr(sorted(options.items())))
+    if key not in _RESIDENT:
+        compiled = kernel.warmup(*args, grid=(1,), **options)
+        compiled._init_handles()
+        props = triton.runtime.driver.active.utils.get_device_properties(device.index)
+        by_regs = props["max_num_regs"] // max(1, compiled.n_regs * 32 * options["num_warps"])
+        by_smem = props["max_shared_mem"] // max(1, compiled.metadata.shared)
+        _RESIDENT[key] = props["multiprocessor_count"] * max(1, min(by_regs, by_smem))
+    return _RESIDENT[key]
+
+
+def _launch(kernel, row_tiles: int, nblk: int, persistent: bool, num_programs: int | None, args, options: dict):
+    """One program per (row tile, block), blocks of expert -1 exit at once; or persistent: a 1-D grid of
+    min(tiles, programs) programs that walk the used blocks' tiles (grid bound: unused blocks counted)."""
+    if not persistent:
+        kernel[(row_tiles, nblk)](*args, **options)
+        return
+    programs = num_programs or _resident_programs(kernel, args, options, args[0].device)
+    kernel[(min(row_tiles * nblk, programs),)](*args, **options)
 
 
 def _int4_moe_triton(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, experts: range | None = None,
                      reduce_pairs=None, block_i: int = _BLOCK_I, block_d: int = _BLOCK_D, num_warps: int = 4,
                      num_stages: int = 3, use_asm: bool = _USE_ASM, prescale: bool = _PRESCALE, swap: bool = _SWAP,
-                     k_unroll: int = 1, persistent: bool | str = False, num_programs: int | None = None):
+                     k_unroll: int = 1, persistent: bool | str = False, num_programs: int | None = None,
+                     maxnreg: int | None = None):
     T, D = x.shape
     topk = topk_ids.shape[1]
     E, two_i, _ = w13.shape
@@ -232,23 +248,19 @@ def _int4_moe_triton(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, experts
     common = dict(BLOCK_M=_BLOCK_M, DTYPE=_TL_DTYPE[x.dtype], PREC="ieee" if x.dtype == torch.float32 else "tf32",
                   USE_ASM=use_asm and x.dtype == torch.bfloat16 and x.is_cuda,  # PTX: real GPU only
                   PRESCALE=prescale, SWAP=swap, K_UNROLL=k_unroll, num_warps=num_warps, num_stages=num_stages)
-
-    def grid(row_tiles: int, pers: bool):  # persistent: at most one program per (row tile, block), unused ones too
-        if pers:
-            return (min(row_tiles * nblk, num_programs or _default_programs(x.device)),)
-        return (row_tiles, nblk)
-
+    if maxnreg is not None:
+        common["maxnreg"] = maxnreg  # ptxas register cap per thread (more CTAs per SM, or spills)
     a = torch.empty(P, inter, dtype=x.dtype, device=x.device)  # silu(gate) * up per pair
-    _moe_w13_kernel[grid(triton.cdiv(inter, block_i), pers13)](
+    _launch(_moe_w13_kernel, triton.cdiv(inter, block_i), nblk, pers13, num_programs, (
         x, w13, s13, a, sorted_pairs, bexp, P, D, inter, kb13, nblk,
-        x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), s13.stride(2), a.stride(0),
-        TOPK=topk, BLOCK_I=block_i, EVEN_K=D % _BLOCK_K == 0, EVEN_N=inter % block_i == 0, PERSISTENT=pers13,
-        **common)
+        x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), s13.stride(2), a.stride(0)),
+        dict(TOPK=topk, BLOCK_I=block_i, EVEN_K=D % _BLOCK_K == 0, EVEN_N=inter % block_i == 0, PERSISTENT=pers13,
+             **common))
     y = _pair_buffer(P, D, torch.float32, x.device, experts is not None)  # unweighted expert output per pair
-    _moe_w2_kernel[grid(triton.cdiv(D, block_d), pers2)](
+    _launch(_moe_w2_kernel, triton.cdiv(D, block_d), nblk, pers2, num_programs, (
         a, w2, s2, y, sorted_pairs, bexp, P, inter, D, kb2, nblk,
-        a.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), s2.stride(2), y.stride(0),
-        BLOCK_D=block_d, EVEN_K=inter % _BLOCK_K == 0, EVEN_N=D % block_d == 0, PERSISTENT=pers2, **common)
+        a.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), s2.stride(2), y.stride(0)),
+        dict(BLOCK_D=block_d, EVEN_K=inter % _BLOCK_K == 0, EVEN_N=D % block_d == 0, PERSISTENT=pers2, **common))
     if reduce_pairs is not None:
         reduce_pairs(y)  # expert parallel: every rank now holds every pair's row, bit for bit
     _moe_combine_kernel[(T, triton.cdiv(D, 1024))](
