@@ -331,14 +331,22 @@ def _moe_w13_kernel(
 def _w2_tile(e, pair, r, a_ptr, w_ptr, s_ptr, P, D, stride_ap, stride_we, stride_wn, stride_se,
              BLOCK_D: tl.constexpr):
     """w2 tile of expert e (int64), pairs `pair` [BLOCK_M], output rows r * BLOCK_D + [0, BLOCK_D):
-    (ok [BLOCK_M] real pairs, row, row_ok, w_ptrs, s_ptrs, x_ptrs) at K block 0 (no loads)."""
+    (ok [BLOCK_M] real pairs, row_ok [BLOCK_D], w_ptrs, s_ptrs, x_ptrs) at K block 0 (no loads)."""
     ok = pair < P
     row = r * BLOCK_D + tl.arange(0, BLOCK_D)
     row_ok = row < D
     w_ptrs = w_ptr + e * stride_we + row[:, None] * stride_wn + tl.arange(0, 32)[None, :]
     s_ptrs = s_ptr + e * stride_se + row
     x_ptrs = a_ptr + tl.where(ok, pair, 0)[None, :] * stride_ap + tl.arange(0, 32)[:, None]
-    return ok, row, row_ok, w_ptrs, s_ptrs, x_ptrs
+    return ok, row_ok, w_ptrs, s_ptrs, x_ptrs
+
+
+@triton.jit
+def _w2_store(acc, y_ptr, pair, ok, r, D, stride_yp, BLOCK_D: tl.constexpr):
+    # acc [BLOCK_D, BLOCK_M] -> y rows of the pairs, output rows r * BLOCK_D + .. (the rows are recomputed
+    # from r, not carried: in the persistent loop a carried [BLOCK_D] vector costs registers in every stage)
+    row = r * BLOCK_D + tl.arange(0, BLOCK_D)
+    tl.store(y_ptr + pair[None, :] * stride_yp + row[:, None], acc, mask=(row < D)[:, None] & ok[None, :])
 
 
 @triton.jit(do_not_specialize=["nblk"])
@@ -361,8 +369,8 @@ def _moe_w2_kernel(
         tile = pid - tl.num_programs(0)
         kb = num_kb - K_UNROLL
         pair = tl.full([BLOCK_M], 0, tl.int32)
-        ok, row, row_ok, w_ptrs, s_ptrs, x_ptrs = _w2_tile(0, pair, 0, a_ptr, w_ptr, s_ptr, P, D, stride_ap,
-                                                           stride_we, stride_wn, stride_se, BLOCK_D)
+        ok, row_ok, w_ptrs, s_ptrs, x_ptrs = _w2_tile(0, pair, 0, a_ptr, w_ptr, s_ptr, P, D, stride_ap, stride_we,
+                                                      stride_wn, stride_se, BLOCK_D)
         acc = _swap(tl.zeros([BLOCK_D, BLOCK_M], dtype=tl.float32), SWAP)
         for _ in range(0, tl.cdiv(n_tiles - pid, tl.num_programs(0)) * (num_kb // K_UNROLL)):
             kb = tl.where(kb == num_kb - K_UNROLL, 0, kb + K_UNROLL)
@@ -371,15 +379,13 @@ def _moe_w2_kernel(
                 b = tile // n_rt
                 e = tl.load(bexp_ptr + b).to(tl.int64)
                 pair = tl.load(pairs_ptr + b * BLOCK_M + tl.arange(0, BLOCK_M))
-                ok, row, row_ok, w_ptrs, s_ptrs, x_ptrs = _w2_tile(e, pair, tile % n_rt, a_ptr, w_ptr, s_ptr, P, D,
-                                                                   stride_ap, stride_we, stride_wn, stride_se,
-                                                                   BLOCK_D)
+                ok, row_ok, w_ptrs, s_ptrs, x_ptrs = _w2_tile(e, pair, tile % n_rt, a_ptr, w_ptr, s_ptr, P, D,
+                                                              stride_ap, stride_we, stride_wn, stride_se, BLOCK_D)
             acc, x_ptrs, w_ptrs, s_ptrs = _int4_ksteps(acc, x_ptrs, ok[None, :], kb, I, w_ptrs, row_ok, s_ptrs,
                                                        stride_sb, stride_sk, K_UNROLL, DTYPE, USE_ASM, PREC,
                                                        EVEN_K, EVEN_N, PRESCALE, SWAP)
             if kb == num_kb - K_UNROLL:
-                tl.store(y_ptr + pair[None, :] * stride_yp + row[:, None], _swap(acc, SWAP),
-                         mask=row_ok[:, None] & ok[None, :])
+                _w2_store(_swap(acc, SWAP), y_ptr, pair, ok, tile % n_rt, D, stride_yp, BLOCK_D)
                 acc = _swap(tl.zeros([BLOCK_D, BLOCK_M], dtype=tl.float32), SWAP)
     else:
         pid_n = tl.program_id(0)
@@ -388,12 +394,12 @@ def _moe_w2_kernel(
         if e < 0:
             return
         pair = tl.load(pairs_ptr + pid_b * BLOCK_M + tl.arange(0, BLOCK_M))
-        ok, row, row_ok, w_ptrs, s_ptrs, x_ptrs = _w2_tile(e.to(tl.int64), pair, pid_n, a_ptr, w_ptr, s_ptr, P, D,
-                                                           stride_ap, stride_we, stride_wn, stride_se, BLOCK_D)
+        ok, row_ok, w_ptrs, s_ptrs, x_ptrs = _w2_tile(e.to(tl.int64), pair, pid_n, a_ptr, w_ptr, s_ptr, P, D,
+                                                      stride_ap, stride_we, stride_wn, stride_se, BLOCK_D)
         acc = tl.zeros([BLOCK_D, BLOCK_M], dtype=tl.float32)
         acc = _int4_block_gemm(acc, x_ptrs, ok[None, :], I, w_ptrs, row_ok, s_ptrs, stride_sb, stride_sk, num_kb,
                                DTYPE, USE_ASM, PREC, EVEN_K, EVEN_N, PRESCALE, SWAP, K_UNROLL)
-        tl.store(y_ptr + pair[None, :] * stride_yp + row[:, None], acc, mask=row_ok[:, None] & ok[None, :])
+        _w2_store(acc, y_ptr, pair, ok, pid_n, D, stride_yp, BLOCK_D)
 
 
 @triton.jit

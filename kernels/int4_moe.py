@@ -189,7 +189,7 @@ def unrepack_int4_moe(w13_packed, w13_scale, w2_packed, w2_scale, hidden: int):
 _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
-_RESIDENT: dict = {}  # (kernel, device, launch options) -> CTAs of the compiled kernel resident per SM
+_RESIDENT: dict = {}  # (kernel name, device index, sorted launch options) -> default persistent grid size
 
 
 def _resident_programs(kernel, args, options: dict, device: torch.device) -> int:
@@ -197,7 +197,7 @@ def _resident_programs(kernel, args, options: dict, device: torch.device) -> int
     the compiled kernel (the occupancy rule of Triton's fused-softmax tutorial); 4 programs off CUDA."""
     if device.type != "cuda":
         return 4
-    key = (kernel.fn.__name__, device.index, repr(sorted(options.items())))
+    key = (kernel.fn.__name__, device.index, tuple(sorted(options.items())))
     if key not in _RESIDENT:
         compiled = kernel.warmup(*args, grid=(1,), **options)
         compiled._init_handles()
