@@ -11,7 +11,7 @@ Sweep (`--sweep`, records named `int4_moe_sweep`): the configurations in SWEEP, 
 the default launcher options, timed like the default on the same inputs (`params.variant`, `params.config`).
 Run from the repo root:  PYTHONPATH=. python bench/bench_int4_moe.py [--sweep] [--configs NAME ..]
                              [--tokens T ..] [--no-peers] [--out FILE]
-A short GPU sweep of the schedule variants (~1-2 min):  --no-peers --tokens 1 9 33 --configs schedule
+A short GPU sweep of the variants with the default's bits (~2 min):  --no-peers --tokens 1 9 33 --configs same_bits
 """
 
 from __future__ import annotations
@@ -34,10 +34,14 @@ SWEEP = {  # name -> overrides of the launcher defaults (block_i 32, block_d 64,
     "bi16_bd64": dict(block_i=16, block_d=64), "stages4": dict(num_stages=4), "exact_q": dict(prescale=False),
     "wgmma": dict(swap=False), "wgmma_exact_q": dict(swap=False, prescale=False),
     "bi64_bd128_w8": dict(block_i=64, block_d=128, num_warps=8), "portable_dequant": dict(use_asm=False),
-    # schedule variants (bitwise equal to the default): two K blocks per iteration; persistent grid
+    # same bits as without these options (other schedule or loads): k_unroll K blocks per iteration; scale_tile:
+    # a step's scales as one cp.async-able [rows, 8] load; persistent grid (default: SMs x resident CTAs); r128:
+    # maxnreg=128; p1/p2: 1/2 programs per SM
     "k_unroll2": dict(k_unroll=2),
     "k_unroll2_r128": dict(k_unroll=2, maxnreg=128),
-    "persistent": dict(persistent=True),  # programs: SMs x resident CTAs of the compiled kernel
+    "scale_tile": dict(scale_tile=True),
+    "scale_tile_k_unroll2": dict(scale_tile=True, k_unroll=2),
+    "persistent": dict(persistent=True),
     "persistent_w2": dict(persistent="w2"),
     "persistent_r128": dict(persistent=True, maxnreg=128),
     "persistent_p1": dict(persistent=True, programs_per_sm=1),
@@ -45,8 +49,12 @@ SWEEP = {  # name -> overrides of the launcher defaults (block_i 32, block_d 64,
     "persistent_k2": dict(persistent=True, k_unroll=2),
     "persistent_k2_r128": dict(persistent=True, k_unroll=2, maxnreg=128),
     "persistent_bd32": dict(persistent=True, block_d=32),  # w2 at T=1: 1792 tiles instead of 896
+    "scale_tile_persistent": dict(scale_tile=True, persistent=True),
+    "scale_tile_persistent_r128": dict(scale_tile=True, persistent=True, maxnreg=128),
+    "scale_tile_persistent_k2": dict(scale_tile=True, persistent=True, k_unroll=2),
+    "scale_tile_exact_q": dict(scale_tile=True, prescale=False),
 }
-CONFIG_GROUPS = {"schedule": [n for n in SWEEP if n.startswith(("k_unroll", "persistent"))]}  # --configs schedule
+CONFIG_GROUPS = {"same_bits": [n for n in SWEEP if n.startswith(("k_unroll", "scale_tile", "persistent"))]}
 
 
 def gpu_layout_weights(gen):
@@ -196,7 +204,7 @@ def main():
     write_jsonl(args.out, records)
     for (kernel, _, options), programs in _RESIDENT.items():  # default persistent grids: registers / smem bound
         shown = {k: v for k, v in options if k in ("BLOCK_I", "BLOCK_D", "K_UNROLL", "num_warps", "num_stages",
-                                                  "maxnreg", "PRESCALE", "SWAP")}
+                                                  "maxnreg", "PRESCALE", "SWAP", "SCALE_TILE")}
         print(f"persistent {kernel} {shown}: {programs} programs ({programs / sm_count():g} per SM)", flush=True)
 
 

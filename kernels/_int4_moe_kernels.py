@@ -81,17 +81,46 @@ def _sc(s_ptrs, w_ok, EVEN_N: tl.constexpr):
 
 
 @triton.jit
-def _dequant8_scaled(w, s_ptrs, stride_sk, w_ok, DTYPE: tl.constexpr, USE_ASM: tl.constexpr,
-                     EVEN_N: tl.constexpr):
-    """Like _dequant8 but each group already multiplied by its scale, rounded once to DTYPE."""
-    s0 = _sc(s_ptrs, w_ok, EVEN_N)[:, None]  # [ROWS, 1] scale of group k
-    s1 = _sc(s_ptrs + stride_sk, w_ok, EVEN_N)[:, None]
-    s2 = _sc(s_ptrs + 2 * stride_sk, w_ok, EVEN_N)[:, None]
-    s3 = _sc(s_ptrs + 3 * stride_sk, w_ok, EVEN_N)[:, None]
-    s4 = _sc(s_ptrs + 4 * stride_sk, w_ok, EVEN_N)[:, None]
-    s5 = _sc(s_ptrs + 5 * stride_sk, w_ok, EVEN_N)[:, None]
-    s6 = _sc(s_ptrs + 6 * stride_sk, w_ok, EVEN_N)[:, None]
-    s7 = _sc(s_ptrs + 7 * stride_sk, w_ok, EVEN_N)[:, None]
+def _scales8(s_ptrs, stride_sk, w_ok, EVEN_N: tl.constexpr, SCALE_TILE: tl.constexpr):
+    """The 8 groups' per-row scales [ROWS] of one K block (0 for rows past N).
+
+    Default: 8 loads of ROWS contiguous bf16, 2 bytes per thread, too narrow for cp.async, so the
+    software pipeliner leaves them in the loop as plain loads and every K step waits for them.
+    SCALE_TILE: one [ROWS, 8] load (16-byte vectors along the rows), which the pipeliner turns into a
+    cp.async prefetched with the weights, then split into the 8 groups in registers (same values).
+    """
+    if SCALE_TILE:
+        ptrs = s_ptrs[:, None] + tl.arange(0, 8)[None, :] * stride_sk  # [ROWS, 8], group k = 4a + 2b + c
+        if EVEN_N:
+            s = tl.load(ptrs)
+        else:
+            s = tl.load(ptrs, mask=w_ok[:, None], other=0.0)
+        s_a0, s_a1 = tl.split(tl.permute(tl.reshape(s, [s.shape[0], 2, 2, 2]), (0, 2, 3, 1)))  # [ROWS, b, c]
+        s_00, s_01 = tl.split(tl.permute(s_a0, (0, 2, 1)))  # [ROWS, c]
+        s_10, s_11 = tl.split(tl.permute(s_a1, (0, 2, 1)))
+        s0, s1 = tl.split(s_00)
+        s2, s3 = tl.split(s_01)
+        s4, s5 = tl.split(s_10)
+        s6, s7 = tl.split(s_11)
+        return s0, s1, s2, s3, s4, s5, s6, s7
+    else:
+        return (_sc(s_ptrs, w_ok, EVEN_N), _sc(s_ptrs + stride_sk, w_ok, EVEN_N),
+                _sc(s_ptrs + 2 * stride_sk, w_ok, EVEN_N), _sc(s_ptrs + 3 * stride_sk, w_ok, EVEN_N),
+                _sc(s_ptrs + 4 * stride_sk, w_ok, EVEN_N), _sc(s_ptrs + 5 * stride_sk, w_ok, EVEN_N),
+                _sc(s_ptrs + 6 * stride_sk, w_ok, EVEN_N), _sc(s_ptrs + 7 * stride_sk, w_ok, EVEN_N))
+
+
+@triton.jit
+def _dequant8_scaled(w, s0, s1, s2, s3, s4, s5, s6, s7, DTYPE: tl.constexpr, USE_ASM: tl.constexpr):
+    """Like _dequant8 but each group k already multiplied by its scale sk [ROWS], rounded once to DTYPE."""
+    s0 = s0[:, None]  # [ROWS, 1]
+    s1 = s1[:, None]
+    s2 = s2[:, None]
+    s3 = s3[:, None]
+    s4 = s4[:, None]
+    s5 = s5[:, None]
+    s6 = s6[:, None]
+    s7 = s7[:, None]
     if USE_ASM:
         return tl.inline_asm_elementwise(  # scales broadcast along the 32 words of a row
             _DEQUANT8_SCALED_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r",
@@ -141,7 +170,8 @@ def _scaled(p, s, SWAP: tl.constexpr):
 @triton.jit
 def _int4_kstep(acc, x_ptrs, x_ok, c, K, w_ptrs, w_ok, s_ptrs, stride_sk,
                 DTYPE: tl.constexpr, USE_ASM: tl.constexpr, PREC: tl.constexpr,
-                EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, PRESCALE: tl.constexpr, SWAP: tl.constexpr):
+                EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, PRESCALE: tl.constexpr, SWAP: tl.constexpr,
+                SCALE_TILE: tl.constexpr):
     """One 256-column block: acc += W[rows, block] @ X[:, block]^T, acc in MMA orientation (see _mma).
 
     Pointers at the block (w_ptrs [ROWS, 32] words, s_ptrs [ROWS] scales of group 0, x_ptrs [32, BLOCK_M]
@@ -159,8 +189,9 @@ def _int4_kstep(acc, x_ptrs, x_ok, c, K, w_ptrs, w_ok, s_ptrs, stride_sk,
     x5 = _xt(x_ptrs + 160, x_ok, c + 160, K, EVEN_K)
     x6 = _xt(x_ptrs + 192, x_ok, c + 192, K, EVEN_K)
     x7 = _xt(x_ptrs + 224, x_ok, c + 224, K, EVEN_K)
+    s0, s1, s2, s3, s4, s5, s6, s7 = _scales8(s_ptrs, stride_sk, w_ok, EVEN_N, SCALE_TILE)
     if PRESCALE:
-        q0, q1, q2, q3, q4, q5, q6, q7 = _dequant8_scaled(w, s_ptrs, stride_sk, w_ok, DTYPE, USE_ASM, EVEN_N)
+        q0, q1, q2, q3, q4, q5, q6, q7 = _dequant8_scaled(w, s0, s1, s2, s3, s4, s5, s6, s7, DTYPE, USE_ASM)
         acc = _mma(q0, x0, acc, PREC, SWAP)
         acc = _mma(q1, x1, acc, PREC, SWAP)
         acc = _mma(q2, x2, acc, PREC, SWAP)
@@ -171,27 +202,28 @@ def _int4_kstep(acc, x_ptrs, x_ok, c, K, w_ptrs, w_ok, s_ptrs, stride_sk,
         acc = _mma(q7, x7, acc, PREC, SWAP)
     else:
         q0, q1, q2, q3, q4, q5, q6, q7 = _dequant8(w, DTYPE, USE_ASM)
-        acc += _scaled(_mma(q0, x0, None, PREC, SWAP), _sc(s_ptrs, w_ok, EVEN_N), SWAP)
-        acc += _scaled(_mma(q1, x1, None, PREC, SWAP), _sc(s_ptrs + stride_sk, w_ok, EVEN_N), SWAP)
-        acc += _scaled(_mma(q2, x2, None, PREC, SWAP), _sc(s_ptrs + 2 * stride_sk, w_ok, EVEN_N), SWAP)
-        acc += _scaled(_mma(q3, x3, None, PREC, SWAP), _sc(s_ptrs + 3 * stride_sk, w_ok, EVEN_N), SWAP)
-        acc += _scaled(_mma(q4, x4, None, PREC, SWAP), _sc(s_ptrs + 4 * stride_sk, w_ok, EVEN_N), SWAP)
-        acc += _scaled(_mma(q5, x5, None, PREC, SWAP), _sc(s_ptrs + 5 * stride_sk, w_ok, EVEN_N), SWAP)
-        acc += _scaled(_mma(q6, x6, None, PREC, SWAP), _sc(s_ptrs + 6 * stride_sk, w_ok, EVEN_N), SWAP)
-        acc += _scaled(_mma(q7, x7, None, PREC, SWAP), _sc(s_ptrs + 7 * stride_sk, w_ok, EVEN_N), SWAP)
+        acc += _scaled(_mma(q0, x0, None, PREC, SWAP), s0, SWAP)
+        acc += _scaled(_mma(q1, x1, None, PREC, SWAP), s1, SWAP)
+        acc += _scaled(_mma(q2, x2, None, PREC, SWAP), s2, SWAP)
+        acc += _scaled(_mma(q3, x3, None, PREC, SWAP), s3, SWAP)
+        acc += _scaled(_mma(q4, x4, None, PREC, SWAP), s4, SWAP)
+        acc += _scaled(_mma(q5, x5, None, PREC, SWAP), s5, SWAP)
+        acc += _scaled(_mma(q6, x6, None, PREC, SWAP), s6, SWAP)
+        acc += _scaled(_mma(q7, x7, None, PREC, SWAP), s7, SWAP)
     return acc
 
 
 @triton.jit
 def _int4_ksteps(acc, x_ptrs, x_ok, kb, K, w_ptrs, w_ok, s_ptrs, stride_sb, stride_sk, STEPS: tl.constexpr,
                  DTYPE: tl.constexpr, USE_ASM: tl.constexpr, PREC: tl.constexpr,
-                 EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, PRESCALE: tl.constexpr, SWAP: tl.constexpr):
+                 EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, PRESCALE: tl.constexpr, SWAP: tl.constexpr,
+                 SCALE_TILE: tl.constexpr):
     """STEPS consecutive K blocks kb, kb + 1, ... (_int4_kstep each, unrolled); pointers in at block kb,
     returned advanced past the last one: (acc, x_ptrs, w_ptrs, s_ptrs)."""
     col = tl.arange(0, 32)[:, None]
     for u in tl.static_range(STEPS):
         acc = _int4_kstep(acc, x_ptrs, x_ok, (kb + u) * BLOCK_K + col, K, w_ptrs, w_ok, s_ptrs, stride_sk,
-                          DTYPE, USE_ASM, PREC, EVEN_K, EVEN_N, PRESCALE, SWAP)
+                          DTYPE, USE_ASM, PREC, EVEN_K, EVEN_N, PRESCALE, SWAP, SCALE_TILE)
         w_ptrs += 32
         x_ptrs += BLOCK_K
         s_ptrs += stride_sb
@@ -210,7 +242,8 @@ def _swap(acc, SWAP: tl.constexpr):
 @triton.jit
 def _int4_block_gemm(acc, x_ptrs, x_ok, K, w_ptrs, w_ok, s_ptrs, stride_sb, stride_sk, num_kb,
                      DTYPE: tl.constexpr, USE_ASM: tl.constexpr, PREC: tl.constexpr, EVEN_K: tl.constexpr,
-                     EVEN_N: tl.constexpr, PRESCALE: tl.constexpr, SWAP: tl.constexpr, K_UNROLL: tl.constexpr):
+                     EVEN_N: tl.constexpr, PRESCALE: tl.constexpr, SWAP: tl.constexpr, SCALE_TILE: tl.constexpr,
+                     K_UNROLL: tl.constexpr):
     """acc [ROWS, BLOCK_M] += W[rows, :K] @ X^T over the whole K extent, in a fixed order.
 
     x_ptrs [32, BLOCK_M]: column j of group 0 for each pair's activation row; x_ok [1, BLOCK_M]
@@ -229,11 +262,11 @@ def _int4_block_gemm(acc, x_ptrs, x_ok, K, w_ptrs, w_ok, s_ptrs, stride_sb, stri
             if u < kb0:
                 acc, x_ptrs, w_ptrs, s_ptrs = _int4_ksteps(acc, x_ptrs, x_ok, u, K, w_ptrs, w_ok, s_ptrs, stride_sb,
                                                            stride_sk, 1, DTYPE, USE_ASM, PREC, EVEN_K, EVEN_N,
-                                                           PRESCALE, SWAP)
+                                                           PRESCALE, SWAP, SCALE_TILE)
     for kb in range(kb0, num_kb, K_UNROLL):
         acc, x_ptrs, w_ptrs, s_ptrs = _int4_ksteps(acc, x_ptrs, x_ok, kb, K, w_ptrs, w_ok, s_ptrs, stride_sb,
                                                    stride_sk, K_UNROLL, DTYPE, USE_ASM, PREC, EVEN_K, EVEN_N,
-                                                   PRESCALE, SWAP)
+                                                   PRESCALE, SWAP, SCALE_TILE)
     return _swap(acc, SWAP)
 
 
@@ -284,7 +317,7 @@ def _moe_w13_kernel(
     TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr,
     DTYPE: tl.constexpr, USE_ASM: tl.constexpr, PREC: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, PRESCALE: tl.constexpr, SWAP: tl.constexpr,
-    K_UNROLL: tl.constexpr, PERSISTENT: tl.constexpr,
+    SCALE_TILE: tl.constexpr, K_UNROLL: tl.constexpr, PERSISTENT: tl.constexpr,
 ):
     if PERSISTENT:  # grid (programs,): tiles pid, pid + programs, ... in one flattened (tile, K block) loop
         pid = tl.program_id(0)
@@ -308,7 +341,7 @@ def _moe_w13_kernel(
                                                               BLOCK_I)
             acc, x_ptrs, w_ptrs, s_ptrs = _int4_ksteps(acc, x_ptrs, ok[None, :], kb, D, w_ptrs, row_ok, s_ptrs,
                                                        stride_sb, stride_sk, K_UNROLL, DTYPE, USE_ASM, PREC,
-                                                       EVEN_K, EVEN_N, PRESCALE, SWAP)
+                                                       EVEN_K, EVEN_N, PRESCALE, SWAP, SCALE_TILE)
             if kb == num_kb - K_UNROLL:
                 _w13_store(_swap(acc, SWAP), a_ptr, pair, ok, tile % n_rt, I, stride_ap, BLOCK_I, BLOCK_M)
                 acc = _swap(tl.zeros([2 * BLOCK_I, BLOCK_M], dtype=tl.float32), SWAP)
@@ -323,7 +356,7 @@ def _moe_w13_kernel(
                                                       stride_xt, stride_we, stride_wn, stride_se, TOPK, BLOCK_I)
         acc = tl.zeros([2 * BLOCK_I, BLOCK_M], dtype=tl.float32)
         acc = _int4_block_gemm(acc, x_ptrs, ok[None, :], D, w_ptrs, row_ok, s_ptrs, stride_sb, stride_sk, num_kb,
-                               DTYPE, USE_ASM, PREC, EVEN_K, EVEN_N, PRESCALE, SWAP, K_UNROLL)
+                               DTYPE, USE_ASM, PREC, EVEN_K, EVEN_N, PRESCALE, SWAP, SCALE_TILE, K_UNROLL)
         _w13_store(acc, a_ptr, pair, ok, pid_n, I, stride_ap, BLOCK_I, BLOCK_M)
 
 
@@ -360,7 +393,7 @@ def _moe_w2_kernel(
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     DTYPE: tl.constexpr, USE_ASM: tl.constexpr, PREC: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, PRESCALE: tl.constexpr, SWAP: tl.constexpr,
-    K_UNROLL: tl.constexpr, PERSISTENT: tl.constexpr,
+    SCALE_TILE: tl.constexpr, K_UNROLL: tl.constexpr, PERSISTENT: tl.constexpr,
 ):
     if PERSISTENT:  # as in _moe_w13_kernel
         pid = tl.program_id(0)
@@ -383,7 +416,7 @@ def _moe_w2_kernel(
                                                               stride_ap, stride_we, stride_wn, stride_se, BLOCK_D)
             acc, x_ptrs, w_ptrs, s_ptrs = _int4_ksteps(acc, x_ptrs, ok[None, :], kb, I, w_ptrs, row_ok, s_ptrs,
                                                        stride_sb, stride_sk, K_UNROLL, DTYPE, USE_ASM, PREC,
-                                                       EVEN_K, EVEN_N, PRESCALE, SWAP)
+                                                       EVEN_K, EVEN_N, PRESCALE, SWAP, SCALE_TILE)
             if kb == num_kb - K_UNROLL:
                 _w2_store(_swap(acc, SWAP), y_ptr, pair, ok, tile % n_rt, D, stride_yp, BLOCK_D)
                 acc = _swap(tl.zeros([BLOCK_D, BLOCK_M], dtype=tl.float32), SWAP)
@@ -398,7 +431,7 @@ def _moe_w2_kernel(
                                                       stride_ap, stride_we, stride_wn, stride_se, BLOCK_D)
         acc = tl.zeros([BLOCK_D, BLOCK_M], dtype=tl.float32)
         acc = _int4_block_gemm(acc, x_ptrs, ok[None, :], I, w_ptrs, row_ok, s_ptrs, stride_sb, stride_sk, num_kb,
-                               DTYPE, USE_ASM, PREC, EVEN_K, EVEN_N, PRESCALE, SWAP, K_UNROLL)
+                               DTYPE, USE_ASM, PREC, EVEN_K, EVEN_N, PRESCALE, SWAP, SCALE_TILE, K_UNROLL)
         _w2_store(acc, y_ptr, pair, ok, pid_n, D, stride_yp, BLOCK_D)
 
 

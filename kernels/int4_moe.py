@@ -221,8 +221,8 @@ def _launch(kernel, row_tiles: int, nblk: int, persistent: bool, num_programs: i
 def _int4_moe_triton(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, experts: range | None = None,
                      reduce_pairs=None, block_i: int = _BLOCK_I, block_d: int = _BLOCK_D, num_warps: int = 4,
                      num_stages: int = 3, use_asm: bool = _USE_ASM, prescale: bool = _PRESCALE, swap: bool = _SWAP,
-                     k_unroll: int = 1, persistent: bool | str = False, num_programs: int | None = None,
-                     maxnreg: int | None = None):
+                     scale_tile: bool = False, k_unroll: int = 1, persistent: bool | str = False,
+                     num_programs: int | None = None, maxnreg: int | None = None):
     T, D = x.shape
     topk = topk_ids.shape[1]
     E, two_i, _ = w13.shape
@@ -247,7 +247,8 @@ def _int4_moe_triton(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, experts
     nblk = bexp.shape[0]
     common = dict(BLOCK_M=_BLOCK_M, DTYPE=_TL_DTYPE[x.dtype], PREC="ieee" if x.dtype == torch.float32 else "tf32",
                   USE_ASM=use_asm and x.dtype == torch.bfloat16 and x.is_cuda,  # PTX: real GPU only
-                  PRESCALE=prescale, SWAP=swap, K_UNROLL=k_unroll, num_warps=num_warps, num_stages=num_stages)
+                  PRESCALE=prescale, SWAP=swap, SCALE_TILE=scale_tile, K_UNROLL=k_unroll,
+                  num_warps=num_warps, num_stages=num_stages)
     if maxnreg is not None:
         common["maxnreg"] = maxnreg  # ptxas register cap per thread (more CTAs per SM, or spills)
     a = torch.empty(P, inter, dtype=x.dtype, device=x.device)  # silu(gate) * up per pair

@@ -3,7 +3,8 @@
 CPU: the Triton kernels run under TRITON_INTERPRET=1 (tests/conftest.py) at small awkward shapes in
 fp32/fp16 (the interpreter has no bf16 dot). GPU (marked `gpu`): the same kernels at Kimi K2.6
 shapes in bf16, plus batch invariance (a token alone vs inside a batch of 64: bitwise equal).
-Schedule variants (persistent grid, k_unroll) must give the default kernel's bits, on CPU and GPU.
+Variants that change the schedule or the loads (persistent grid, k_unroll, scale_tile) must give their
+base configuration's bits, on CPU and GPU.
 Outputs are poisoned with NaN before every launch; NaN never passes.
 """
 
@@ -154,26 +155,28 @@ def test_int4_moe_variants(config):
         assert_close(out, int4_moe_ref(x.float(), ids, tw, *w), TOL[dtype], f"{config} {dtype}")
 
 
-# Options that only change the schedule, not the arithmetic: (base config, extra options, dtypes); the variant
-# must be bitwise equal to the base. persistent: a 1-D grid walking (block, row tile) tiles in one flattened
-# loop (4 programs by default on CPU); k_unroll: K blocks per loop iteration. In `schedule_case` w13 has 3 K
-# blocks and w2 2, so k_unroll=2 runs w13's first block before the loop and k_unroll=3 runs w2's.
-SCHEDULE_VARIANTS = [
+# Options that change how the work is scheduled or loaded, not the arithmetic: (base config, extra options,
+# dtypes); the variant must be bitwise equal to the base. persistent: a 1-D grid walking (block, row tile)
+# tiles in one flattened loop (4 programs by default on CPU); k_unroll: K blocks per loop iteration;
+# scale_tile: a step's scales as one [ROWS, 8] load. In `same_bits_case` w13 has 3 K blocks and w2 2, so
+# k_unroll=2 runs w13's first block before the loop and k_unroll=3 runs all of w2's that way.
+SAME_BITS_VARIANTS = [
     ({}, dict(k_unroll=2), "fp32 fp16"),
     ({}, dict(k_unroll=3), "fp32 fp16"),
+    ({}, dict(scale_tile=True), "fp32 fp16"),
     ({}, dict(persistent=True), "fp32 fp16"),
     ({}, dict(persistent=True, num_programs=1), "fp32 fp16"),  # one program walks every tile
-    ({}, dict(persistent="w2", k_unroll=2, num_programs=5), "fp32 fp16"),
+    ({}, dict(persistent="w2", k_unroll=2, num_programs=5, scale_tile=True), "fp32 fp16"),
     ({}, dict(persistent="w13", k_unroll=3, num_programs=1000), "fp32 fp16"),  # more programs than tiles
-    (dict(swap=False, prescale=False), dict(persistent=True, num_programs=3), "fp16"),
-    (dict(prescale=False), dict(persistent="w2", k_unroll=2), "fp16"),
+    (dict(swap=False, prescale=False), dict(persistent=True, num_programs=3, scale_tile=True), "fp16"),
+    (dict(prescale=False), dict(persistent="w2", k_unroll=2, scale_tile=True), "fp16"),
 ]
 _BIG = dict(block_i=128, block_d=256)  # few, large tiles: the interpreter's cost is per program and K block
 _DT = {"fp32": torch.float32, "fp16": torch.float16}
 
 
 @pytest.fixture(scope="module")
-def schedule_case():
+def same_bits_case():
     """K blocks: w13 3 (D 544 -> 768), w2 2 (I 352 -> 512), the last one partial; N not a multiple of the
     tiles (352 / 128, 544 / 256); expert 1 with 17 pairs (two blocks, the second 15 padding pairs), expert 3
     with none, unused blocks at the end. Outputs of each base config are cached per dtype."""
@@ -185,9 +188,9 @@ def schedule_case():
     return dict(w=w, wg=repack_int4_moe_for_gpu(*w), ids=ids, tw=tw, xs=xs, base={})
 
 
-@pytest.mark.parametrize("base,extra,dtypes", SCHEDULE_VARIANTS, ids=_cfg_id)
-def test_int4_moe_schedule_variants_bitwise(schedule_case, base, extra, dtypes):
-    c = schedule_case
+@pytest.mark.parametrize("base,extra,dtypes", SAME_BITS_VARIANTS, ids=_cfg_id)
+def test_int4_moe_same_bits_variants(same_bits_case, base, extra, dtypes):
+    c = same_bits_case
     for dtype in (_DT[d] for d in dtypes.split()):
         x = c["xs"][dtype]
         key = (dtype, _cfg_id(base))
@@ -199,7 +202,7 @@ def test_int4_moe_schedule_variants_bitwise(schedule_case, base, extra, dtypes):
         assert_bitwise(out, c["base"][key], f"{base} + {extra} {dtype}")
 
 
-def test_int4_moe_schedule_options_checked():
+def test_int4_moe_variant_options_checked():
     w = repack_int4_moe_for_gpu(*make_experts(2, 96, 160))  # one K block each side
     ids, tw = make_routing(2, 1, 2)
     x = torch.randn(2, 96, device=DEV)
@@ -278,11 +281,12 @@ def test_expert_slices_sum_to_the_full_kernel_bitwise(world):
     assert torch.equal(out.view(torch.int32), full.view(torch.int32))
 
 
-@pytest.mark.parametrize("config", [dict(persistent=True, num_programs=3), dict(k_unroll=2)], ids=_cfg_id)
-def test_expert_slice_schedule_variants_bitwise(config):
+@pytest.mark.parametrize("config", [dict(persistent=True, num_programs=3), dict(k_unroll=2, scale_tile=True)],
+                         ids=_cfg_id)
+def test_expert_slice_same_bits_variants(config):
     """A rank's launch over its expert slice leaves the same per-pair rows (-0.0 for the pairs of experts it
-    does not hold) with the schedule variants as with the default, bit for bit. One K block per projection:
-    persistent starts a tile at every step, k_unroll=2 runs the block before its (empty) loop."""
+    does not hold) with the variants of SAME_BITS_VARIANTS as with the default, bit for bit. One K block per
+    projection: persistent starts a tile at every step, k_unroll=2 runs the block before its (empty) loop."""
     from verifier_service.expert_parallel import expert_range
 
     T, k, E, D, inter = 5, 3, 7, 96, 160
@@ -342,30 +346,34 @@ def test_int4_moe_kimi_shapes_bf16(kimi_experts, T):
     assert_close(out, ref_by_expert(x, ids, tw, w), TOL[torch.bfloat16], f"Kimi T={T}")
 
 
-# schedule variants at Kimi shapes (D 7168 = 28 K blocks, I 2048 = 8): k_unroll=2 divides both
-KIMI_SCHEDULE_VARIANTS = [dict(k_unroll=2), dict(persistent=True), dict(persistent="w2"),
-                          dict(persistent=True, k_unroll=2), dict(persistent=True, num_programs=132),
-                          dict(persistent=True, maxnreg=128)]
+# SAME_BITS_VARIANTS at Kimi shapes (D 7168 = 28 K blocks, I 2048 = 8, so k_unroll=2 divides both): (base, extra)
+KIMI_SAME_BITS_VARIANTS = [
+    ({}, dict(k_unroll=2)), ({}, dict(scale_tile=True)), ({}, dict(persistent=True)), ({}, dict(persistent="w2")),
+    ({}, dict(persistent=True, k_unroll=2)), ({}, dict(persistent=True, num_programs=132)),
+    ({}, dict(persistent=True, maxnreg=128)), ({}, dict(scale_tile=True, k_unroll=2)),
+    ({}, dict(scale_tile=True, persistent=True)), (dict(prescale=False), dict(scale_tile=True)),
+]
 
 
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", KIMI_SCHEDULE_VARIANTS, ids=_cfg_id)
-def test_int4_moe_schedule_variants_kimi_bitwise(kimi_experts, config):
-    """bf16, PTX dequant: each schedule variant gives the default kernel's bits (T = 1, 9, 64; at 64 some
-    experts have several blocks)."""
+@pytest.mark.parametrize("base,extra", KIMI_SAME_BITS_VARIANTS, ids=_cfg_id)
+def test_int4_moe_same_bits_variants_kimi(kimi_experts, base, extra):
+    """bf16, PTX dequant: each variant gives its base's bits (T = 1, 9, 64; at 64 some experts have four
+    blocks)."""
     _, wg = kimi_experts
     for T in (1, 9, 64):
         ids, tw = make_routing(T, KIMI["k"], KIMI["E"], seed=100 + T)
         if T == 64:
-            ids[:, :3] = ids[0, :3]  # 64 pairs on each of three experts: four blocks each
+            ids[:, :3] = ids[0, :3]  # 64 pairs on each of three experts
         x = torch.randn(T, KIMI["D"], device="cuda").to(torch.bfloat16)
-        assert_bitwise(run_kernel(x, ids, tw, wg, **config), run_kernel(x, ids, tw, wg), f"{config} T={T}")
+        assert_bitwise(run_kernel(x, ids, tw, wg, **base, **extra), run_kernel(x, ids, tw, wg, **base),
+                       f"{base} + {extra} T={T}")
 
 
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", VARIANTS + KIMI_SCHEDULE_VARIANTS, ids=_cfg_id)
+@pytest.mark.parametrize("config", VARIANTS + [{**b, **e} for b, e in KIMI_SAME_BITS_VARIANTS], ids=_cfg_id)
 def test_int4_moe_batch_invariance(kimi_experts, config):
     """Token 37 computed alone and as row 37 of a batch of 64: bitwise equal (DESIGN 3.5)."""
     w, wg = kimi_experts
