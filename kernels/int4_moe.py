@@ -23,6 +23,8 @@ in `_moe_align`), elsewhere the reference. GPU path, all on device, no host sync
      fused in the epilogue -> a [T*k, I] in the activation dtype,
   3. w2 GEMM per (expert block, 64 output rows) -> y [T*k, D] fp32, one row per (token, slot),
   4. combine: out[t] = sum_s topk_w[t, s] * y[t*k + s] in slot order s = 0..k-1 (no atomics).
+Steps 2 and 3 have variants behind launcher options (persistent grid, K unroll, tiled scale loads; see
+`int4_moe_triton`), off by default, with the default's bits: benchmarks sweep them.
 Every reduction has a fixed order that does not depend on the other tokens of the launch, so a
 token's output is bitwise the same alone or inside any batch (DESIGN 3.5; tested on the GPU).
 Numerics of the default kernel: weights are dequantised to bf16(q * scale) (one rounding, what a
@@ -312,5 +314,9 @@ def int4_moe_triton(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_sc
 
     `out` ([T, D], x's dtype, optional) is written in place (tests poison it first); `config`
     overrides the tile sizes (block_i, block_d), num_warps, num_stages, use_asm, prescale, swap (benchmarks),
-    or passes `experts` / `reduce_pairs` (expert parallel, see `int4_moe`)."""
+    or passes `experts` / `reduce_pairs` (expert parallel, see `int4_moe`). Options with the same bits as
+    without them (`_int4_moe_kernels` doc): scale_tile (bool), k_unroll (K blocks per loop iteration),
+    persistent (True, or "w13" / "w2" for one GEMM only; k_unroll must divide its K blocks, 28 / 8 at
+    Kimi shapes), num_programs (persistent grid size; default SMs x the CTAs of the compiled kernel that
+    fit on an SM, 4 off CUDA), maxnreg (ptxas register cap, e.g. 128 to fit 4 CTAs of 4 warps per SM)."""
     return _int4_moe_triton(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale, out, **config)

@@ -171,15 +171,16 @@ SAME_BITS_VARIANTS = [
     (dict(swap=False, prescale=False), dict(persistent=True, num_programs=3, scale_tile=True), "fp16"),
     (dict(prescale=False), dict(persistent="w2", k_unroll=2, scale_tile=True), "fp16"),
 ]
-_BIG = dict(block_i=128, block_d=256)  # few, large tiles: the interpreter's cost is per program and K block
+# interpreter: few, large tiles (its cost is per program and K block); GPU: the default tiles (fast to compile)
+_BIG = {} if CUDA else dict(block_i=128, block_d=256)
 _DT = {"fp32": torch.float32, "fp16": torch.float16}
 
 
 @pytest.fixture(scope="module")
 def same_bits_case():
     """K blocks: w13 3 (D 544 -> 768), w2 2 (I 352 -> 512), the last one partial; N not a multiple of the
-    tiles (352 / 128, 544 / 256); expert 1 with 17 pairs (two blocks, the second 15 padding pairs), expert 3
-    with none, unused blocks at the end. Outputs of each base config are cached per dtype."""
+    tiles (interpreter 352 / 128, 544 / 256; GPU 544 / 64); expert 1 with 17 pairs (two blocks, the second
+    15 padding pairs), expert 3 with none, unused blocks at the end. Base outputs are cached per dtype."""
     T, E, D, inter = 17, 4, 544, 352
     w = make_experts(E, D, inter, seed=11)
     ids = torch.tensor([[1, 0]] * 15 + [[2, 1]] * 2, device=DEV)
