@@ -11,7 +11,8 @@ Sweep (`--sweep`, records named `int4_moe_sweep`): the configurations in SWEEP, 
 the default launcher options, timed like the default on the same inputs (`params.variant`, `params.config`).
 Run from the repo root:  PYTHONPATH=. python bench/bench_int4_moe.py [--sweep] [--configs NAME ..]
                              [--tokens T ..] [--no-peers] [--out FILE]
-A short GPU sweep of the variants with the default's bits (~2 min):  --no-peers --tokens 1 9 33 --configs same_bits
+Short sweeps of the variants with the default's bits, mostly compile time (~1 / ~2 min on an H200):
+  --no-peers --tokens 1 9 33 --configs same_bits_core      (or same_bits: 16 configurations)
 """
 
 from __future__ import annotations
@@ -54,7 +55,11 @@ SWEEP = {  # name -> overrides of the launcher defaults (block_i 32, block_d 64,
     "scale_tile_persistent_k2": dict(scale_tile=True, persistent=True, k_unroll=2),
     "scale_tile_exact_q": dict(scale_tile=True, prescale=False),
 }
-CONFIG_GROUPS = {"same_bits": [n for n in SWEEP if n.startswith(("k_unroll", "scale_tile", "persistent"))]}
+CONFIG_GROUPS = {  # --configs GROUP
+    "same_bits": [n for n in SWEEP if n.startswith(("k_unroll", "scale_tile", "persistent"))],
+    "same_bits_core": ["scale_tile", "k_unroll2", "scale_tile_k_unroll2", "persistent", "persistent_w2",
+                       "persistent_p2", "scale_tile_persistent", "scale_tile_persistent_r128"],
+}
 
 
 def gpu_layout_weights(gen):
@@ -167,7 +172,6 @@ def main():
         except Exception as exc:  # noqa: BLE001 - record why the peer is missing
             print(f"int4pack peer unavailable: {exc!r}", flush=True)
         print(f"peer weights ready in {time.time() - t0:.1f}s", flush=True)
-    records = []
     print(f"{'T':>4} {'experts':>7} {'ms':>8} {'floor':>8} {'ratio':>6} {'GB/s':>6}  peers (ms)", flush=True)
     for T in args.tokens:
         ids, tw = routing(T, gen)
@@ -197,11 +201,10 @@ def main():
                           timing="cuda_graph_replay", variant=name or "default", config=kw or "default")
             rec = dict(name="int4_moe" if name is None else "int4_moe_sweep", params=params,
                        **info, ms=ms, floor_ms=floor_ms, ratio=floor_ms / ms, peers=peers, **ceil)
-            records.append(rec)
+            write_jsonl(args.out, [rec])  # one line at a time: a run cut short keeps what it measured
             pe = "  ".join(f"{k}={v:.3f}" for k, v in peers.items())
             print(f"{T:>4} {touched:>7} {ms:8.4f} {floor_ms:8.4f} {floor_ms / ms:6.3f} {nbytes / ms / 1e6:6.0f}  "
                   f"{pe}  {name or ''}", flush=True)
-    write_jsonl(args.out, records)
     for (kernel, _, options), programs in _RESIDENT.items():  # default persistent grids: registers / smem bound
         shown = {k: v for k, v in options if k in ("BLOCK_I", "BLOCK_D", "K_UNROLL", "num_warps", "num_stages",
                                                   "maxnreg", "PRESCALE", "SWAP", "SCALE_TILE")}
