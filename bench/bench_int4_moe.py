@@ -7,7 +7,12 @@ plus x and out) / copy bandwidth measured in the same run. Peers, same run, same
   int4pack_loop   torch._weight_int4pack_mm (tinygemm, group 32) per touched expert
   triton_eager    our kernels launched eagerly (the headline `ms` replays them from a CUDA graph,
                   since at T=1 host launch overhead of the 4 launches would dominate)
-Run from the repo root:  PYTHONPATH=. python bench/bench_int4_moe.py [--sweep] [--out FILE]
+Sweep (`--sweep`, records named `int4_moe_sweep`): the configurations in SWEEP, each a dict of overrides of
+the default launcher options, timed like the default on the same inputs (`params.variant`, `params.config`).
+Run from the repo root:  PYTHONPATH=. python bench/bench_int4_moe.py [--sweep] [--configs NAME ..]
+                             [--tokens T ..] [--no-peers] [--out FILE]
+Short sweeps of the variants with the default's bits, mostly compile time (~1 / ~2 min on an H200):
+  --no-peers --tokens 1 9 33 --configs same_bits_core      (or same_bits: 16 configurations)
 """
 
 from __future__ import annotations
@@ -20,15 +25,41 @@ import torch
 import torch.nn.functional as F
 
 from bench._common import bench_ms, env_info, graph_ms, measure_ceilings, write_jsonl
-from kernels.int4_moe import int4_moe_triton
+from kernels.int4_moe import _RESIDENT, int4_moe_triton
 
 E, D, INTER, TOPK, G = 384, 7168, 2048, 8, 32
 TOKENS = (1, 9, 17, 33, 65, 129)
-SWEEP = [  # (block_i, block_d, num_warps, num_stages, use_asm, prescale, swap); default: (32, 64, 4, 3, T, T, T)
-    (16, 32, 4, 3, True, True, True), (32, 32, 4, 3, True, True, True), (16, 64, 4, 3, True, True, True),
-    (32, 64, 4, 4, True, True, True), (32, 64, 4, 3, True, False, True), (32, 64, 4, 3, True, True, False),
-    (32, 64, 4, 3, True, False, False), (64, 128, 8, 3, True, True, True), (32, 64, 4, 3, False, True, True),
-]
+SWEEP = {  # name -> overrides of the launcher defaults (block_i 32, block_d 64, 4 warps, 3 stages, PTX dequant,
+    # prescale, swap, k_unroll 1, one program per tile); programs_per_sm: num_programs = that x SMs
+    "bi16_bd32": dict(block_i=16, block_d=32), "bi32_bd32": dict(block_i=32, block_d=32),
+    "bi16_bd64": dict(block_i=16, block_d=64), "stages4": dict(num_stages=4), "exact_q": dict(prescale=False),
+    "wgmma": dict(swap=False), "wgmma_exact_q": dict(swap=False, prescale=False),
+    "bi64_bd128_w8": dict(block_i=64, block_d=128, num_warps=8), "portable_dequant": dict(use_asm=False),
+    # same bits as without these options (other schedule or loads): k_unroll K blocks per iteration; scale_tile:
+    # a step's scales as one cp.async-able [rows, 8] load; persistent grid (default: SMs x resident CTAs); r128:
+    # maxnreg=128; p1/p2: 1/2 programs per SM
+    "k_unroll2": dict(k_unroll=2),
+    "k_unroll2_r128": dict(k_unroll=2, maxnreg=128),
+    "scale_tile": dict(scale_tile=True),
+    "scale_tile_k_unroll2": dict(scale_tile=True, k_unroll=2),
+    "persistent": dict(persistent=True),
+    "persistent_w2": dict(persistent="w2"),
+    "persistent_r128": dict(persistent=True, maxnreg=128),
+    "persistent_p1": dict(persistent=True, programs_per_sm=1),
+    "persistent_p2": dict(persistent=True, programs_per_sm=2),
+    "persistent_k2": dict(persistent=True, k_unroll=2),
+    "persistent_k2_r128": dict(persistent=True, k_unroll=2, maxnreg=128),
+    "persistent_bd32": dict(persistent=True, block_d=32),  # w2 at T=1: 1792 tiles instead of 896
+    "scale_tile_persistent": dict(scale_tile=True, persistent=True),
+    "scale_tile_persistent_r128": dict(scale_tile=True, persistent=True, maxnreg=128),
+    "scale_tile_persistent_k2": dict(scale_tile=True, persistent=True, k_unroll=2),
+    "scale_tile_exact_q": dict(scale_tile=True, prescale=False),
+}
+CONFIG_GROUPS = {  # --configs GROUP
+    "same_bits": [n for n in SWEEP if n.startswith(("k_unroll", "scale_tile", "persistent"))],
+    "same_bits_core": ["scale_tile", "k_unroll2", "scale_tile_k_unroll2", "persistent", "persistent_w2",
+                       "persistent_p2", "scale_tile_persistent", "scale_tile_persistent_r128"],
+}
 
 
 def gpu_layout_weights(gen):
@@ -100,12 +131,30 @@ def make_int4pack(gen):
     return (*proj(2 * INTER, D), *proj(D, INTER))
 
 
+def sm_count() -> int:
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+
+
+def launcher_options(overrides: dict) -> dict:
+    """SWEEP entry -> int4_moe_triton keywords (programs_per_sm -> num_programs)."""
+    kw = dict(overrides)
+    if "programs_per_sm" in kw:
+        kw["num_programs"] = kw.pop("programs_per_sm") * sm_count()
+    return kw
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results/int4_moe.jsonl")
-    ap.add_argument("--sweep", action="store_true", help="also time the tile configurations in SWEEP")
+    ap.add_argument("--sweep", action="store_true", help="also time every configuration in SWEEP")
+    ap.add_argument("--configs", nargs="+", default=None, choices=sorted([*SWEEP, *CONFIG_GROUPS]), metavar="NAME",
+                    help="time these SWEEP configurations (or groups) besides the default (implies --sweep)")
+    ap.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS), help=f"token counts (default {TOKENS})")
     ap.add_argument("--no-peers", action="store_true")
     args = ap.parse_args()
+    names = [n for c in args.configs for n in CONFIG_GROUPS.get(c, [c])] if args.configs else []
+    if args.sweep and not names:
+        names = list(SWEEP)
     info = env_info()
     ceil = measure_ceilings()
     print(f"{info['gpu']}  copy {ceil['copy_bw_GBps']:.0f} GB/s  bf16 mm {ceil['mm_tflops']:.0f} TFLOP/s", flush=True)
@@ -123,42 +172,43 @@ def main():
         except Exception as exc:  # noqa: BLE001 - record why the peer is missing
             print(f"int4pack peer unavailable: {exc!r}", flush=True)
         print(f"peer weights ready in {time.time() - t0:.1f}s", flush=True)
-    records = []
     print(f"{'T':>4} {'experts':>7} {'ms':>8} {'floor':>8} {'ratio':>6} {'GB/s':>6}  peers (ms)", flush=True)
-    for T in TOKENS:
+    for T in args.tokens:
         ids, tw = routing(T, gen)
         x = torch.randn(T, D, generator=gen, device="cuda").to(torch.bfloat16)
         out = torch.empty_like(x)
         touched = int(ids.unique().numel())
         nbytes = touched * per_expert + 2 * x.numel() * x.element_size() + ids.numel() * 12
         floor_ms = nbytes / (ceil["copy_bw_GBps"] * 1e9) * 1e3
-        configs = [None] + (SWEEP if args.sweep else [])
-        for cfg in configs:
-            kw = {} if cfg is None else dict(block_i=cfg[0], block_d=cfg[1], num_warps=cfg[2], num_stages=cfg[3],
-                                             use_asm=cfg[4], prescale=cfg[5], swap=cfg[6])
+        for name in [None, *names]:
+            overrides = {} if name is None else SWEEP[name]
+            kw = launcher_options(overrides)
             fn = functools.partial(int4_moe_triton, x, ids, tw, *w, out=out, **kw)
             try:
                 ms = graph_ms(fn)
                 eager = bench_ms(fn)
             except Exception as exc:  # noqa: BLE001 - a config that does not compile is reported, not fatal
-                print(f"T={T} cfg={cfg}: {exc!r}"[:300], flush=True)
+                print(f"T={T} {name}: {exc!r}"[:300], flush=True)
                 continue
             peers = {"triton_eager": eager}
-            if cfg is None:
+            if name is None:
                 if "bf16" in peers_w:
                     peers["bf16_loop"] = bench_ms(functools.partial(bf16_loop, x, ids, tw, *peers_w["bf16"]))
                 if "int4pack" in peers_w:
                     peers["int4pack_loop"] = bench_ms(
                         functools.partial(int4pack_loop, x, ids, tw, *peers_w["int4pack"]))
-            rec = dict(name="int4_moe" if cfg is None else "int4_moe_sweep",
-                       params=dict(T=T, E=E, D=D, I=INTER, topk=TOPK, experts_touched=touched, bytes=nbytes,
-                                   timing="cuda_graph_replay", config=kw or "default"),
+            params = dict(T=T, E=E, D=D, I=INTER, topk=TOPK, experts_touched=touched, bytes=nbytes,
+                          timing="cuda_graph_replay", variant=name or "default", config=kw or "default")
+            rec = dict(name="int4_moe" if name is None else "int4_moe_sweep", params=params,
                        **info, ms=ms, floor_ms=floor_ms, ratio=floor_ms / ms, peers=peers, **ceil)
-            records.append(rec)
+            write_jsonl(args.out, [rec])  # one line at a time: a run cut short keeps what it measured
             pe = "  ".join(f"{k}={v:.3f}" for k, v in peers.items())
             print(f"{T:>4} {touched:>7} {ms:8.4f} {floor_ms:8.4f} {floor_ms / ms:6.3f} {nbytes / ms / 1e6:6.0f}  "
-                  f"{pe}  {kw or ''}", flush=True)
-    write_jsonl(args.out, records)
+                  f"{pe}  {name or ''}", flush=True)
+    for (kernel, _, options), programs in _RESIDENT.items():  # default persistent grids: registers / smem bound
+        shown = {k: v for k, v in options if k in ("BLOCK_I", "BLOCK_D", "K_UNROLL", "num_warps", "num_stages",
+                                                  "maxnreg", "PRESCALE", "SWAP", "SCALE_TILE")}
+        print(f"persistent {kernel} {shown}: {programs} programs ({programs / sm_count():g} per SM)", flush=True)
 
 
 if __name__ == "__main__":

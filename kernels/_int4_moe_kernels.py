@@ -5,17 +5,30 @@ of 256; within each 256-column block, word j of a row holds column 32k + j in ni
 of a [rows, 32]-word tile is exactly quantisation group k of the block):
   packed int32 [E, N, Kp/8]          scale [E, Kp/256, 8, N] (bf16, group-major so loads are rows)
 
-Each program owns one block of BLOCK_M pairs of one expert (see `_moe_align`) and a slice of
-output rows, and streams the whole K extent in 256-column steps (8 groups). Per group k the int4
-words are dequantised in registers (PTX prmt/lop3/bf16x2-FMA on the GPU, a portable fp32 path in
-the interpreter; both give identical values) and one MMA adds Q_k X_k^T. Variants (constexpr):
-  SWAP      pairs on the MMA's M side, acc [BLOCK_M, ROWS] (mma.sync; the default) or on the N side,
-            acc [ROWS, BLOCK_M] (wgmma with the weights as the register A operand: one MMA wait per
-            group, slower here)
-  PRESCALE  dequantise to bf16(q * s) and chain the 8 MMAs into one accumulator (default), or keep
-            q exact and fold each group product in with its fp32 scale.
+A tile is one block of BLOCK_M pairs of one expert (see `_moe_align`) times a slice of output rows;
+its program streams the whole K extent in 256-column steps (8 groups). Per group k the int4 words are
+dequantised in registers (`_int4_dequant`: PTX prmt/lop3/bf16x2-FMA on the GPU, a portable fp32 path
+in the interpreter; both give identical values) and one MMA adds Q_k X_k^T. Variants (constexpr):
+  SWAP        pairs on the MMA's M side, acc [BLOCK_M, ROWS] (mma.sync; the default) or on the N side,
+              acc [ROWS, BLOCK_M] (wgmma with the weights as the register A operand: one MMA wait per
+              group, slower here)
+  PRESCALE    dequantise to bf16(q * s) and chain the 8 MMAs into one accumulator (default), or keep
+              q exact and fold each group product in with its fp32 scale.
+Variants that change the schedule or the loads but not the arithmetic (bitwise equal to the same
+configuration without them; tested):
+  SCALE_TILE  a step's 8 x ROWS scales as one [ROWS, 8] load (16-byte vectors, cp.async, prefetched by
+              the software pipeliner with the weights) instead of 8 two-byte loads per thread that stay
+              synchronous in the loop (`_int4_dequant._scales8`)
+  K_UNROLL    K blocks per loop iteration (the first num_kb % K_UNROLL before the loop, one by one)
+  PERSISTENT  a 1-D grid of at most (SMs x resident CTAs) programs; program p takes tiles p, p + grid,
+              ... (tile = block * row tiles + row tile, over the used blocks only) in ONE loop over
+              (tile, K step) pairs, set-up under `kb == 0`, epilogue under `kb == last` (the pattern of
+              Triton's persistent-matmul tutorial), so the software pipeliner issues the next tile's
+              first loads while the current tile finishes, and there is no tail wave of short CTAs.
+              Needs num_kb % K_UNROLL == 0. Without it: grid (row tiles, blocks), one tile per program,
+              blocks of expert -1 exit at once.
 The K loop order is fixed (no split-K), so a pair's result does not depend on which other pairs
-share its block or the launch (batch invariance).
+share its block or the launch (batch invariance), in every variant.
 """
 
 from __future__ import annotations
@@ -23,90 +36,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kernels._int4_dequant import _dequant8, _dequant8_scaled, _scales8
+
 BLOCK_K = tl.constexpr(256)  # columns per K step: 8 groups of 32, one nibble position each
-
-
-def _dequant8_ptx(scaled: bool) -> str:
-    """PTX: eight bf16 values per int32 word, exactly (u - 8), optionally times a per-row scale.
-
-    Two words per call: prmt pairs each nibble position of both words in one bf16x2 register, OR
-    puts it in the mantissa of 128.0 (0x4300: bf16 128 + u exactly), one bf16x2 FMA subtracts 136
-    (Marlin's trick). Output k = nibble k ($0..$7), words in $8, $9; with `scaled`, scale k is the
-    bf16x2 $10+k and q * s is rounded once to bf16 (= the fp32 product rounded: it is exact in fp32).
-    """
-    lines = ["{", ".reg .b32 lo, hi, t, one, bias, nz;", "mov.b32 one, 0x3F803F80;", "mov.b32 bias, 0xC308C308;",
-             "mov.b32 nz, 0x80008000;", "prmt.b32 lo, $8, $9, 0x5410;", "prmt.b32 hi, $8, $9, 0x7632;"]
-    for k in range(8):
-        src = "lo" if k < 4 else "hi"
-        if k % 4:
-            lines.append(f"shr.u32 t, {src}, {4 * (k % 4)};")
-        lines.append(f"lop3.b32 t, {'t' if k % 4 else src}, 0x000F000F, 0x43004300, 0xEA;")
-        if scaled:
-            lines += ["fma.rn.bf16x2 t, t, one, bias;", f"fma.rn.bf16x2 ${k}, t, ${10 + k}, nz;"]
-        else:
-            lines.append(f"fma.rn.bf16x2 ${k}, t, one, bias;")
-    return "\n".join(lines + ["}"])
-
-
-_DEQUANT8_PTX = tl.constexpr(_dequant8_ptx(False))
-_DEQUANT8_SCALED_PTX = tl.constexpr(_dequant8_ptx(True))
-
-
-@triton.jit
-def _nibble(w, K: tl.constexpr):
-    # Portable exact dequant of nibble K to fp32: the bit pattern of 2^23 + u, minus 2^23 + 8.
-    u = (w >> (4 * K)) & 0xF
-    return (u | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
-
-
-@triton.jit
-def _dequant8(w, DTYPE: tl.constexpr, USE_ASM: tl.constexpr):
-    """[ROWS, 32] int32 -> eight [ROWS, 32] tensors of exact int4 values (group k = nibble k)."""
-    if USE_ASM:
-        return tl.inline_asm_elementwise(
-            _DEQUANT8_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [w], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=2)
-    else:
-        return (_nibble(w, 0).to(DTYPE), _nibble(w, 1).to(DTYPE), _nibble(w, 2).to(DTYPE),
-                _nibble(w, 3).to(DTYPE), _nibble(w, 4).to(DTYPE), _nibble(w, 5).to(DTYPE),
-                _nibble(w, 6).to(DTYPE), _nibble(w, 7).to(DTYPE))
-
-
-@triton.jit
-def _sc(s_ptrs, w_ok, EVEN_N: tl.constexpr):
-    # per-row scale [ROWS] of one group (0 for rows past N)
-    if EVEN_N:
-        return tl.load(s_ptrs)
-    else:
-        return tl.load(s_ptrs, mask=w_ok, other=0.0)
-
-
-@triton.jit
-def _dequant8_scaled(w, s_ptrs, stride_sk, w_ok, DTYPE: tl.constexpr, USE_ASM: tl.constexpr,
-                     EVEN_N: tl.constexpr):
-    """Like _dequant8 but each group already multiplied by its scale, rounded once to DTYPE."""
-    s0 = _sc(s_ptrs, w_ok, EVEN_N)[:, None]  # [ROWS, 1] scale of group k
-    s1 = _sc(s_ptrs + stride_sk, w_ok, EVEN_N)[:, None]
-    s2 = _sc(s_ptrs + 2 * stride_sk, w_ok, EVEN_N)[:, None]
-    s3 = _sc(s_ptrs + 3 * stride_sk, w_ok, EVEN_N)[:, None]
-    s4 = _sc(s_ptrs + 4 * stride_sk, w_ok, EVEN_N)[:, None]
-    s5 = _sc(s_ptrs + 5 * stride_sk, w_ok, EVEN_N)[:, None]
-    s6 = _sc(s_ptrs + 6 * stride_sk, w_ok, EVEN_N)[:, None]
-    s7 = _sc(s_ptrs + 7 * stride_sk, w_ok, EVEN_N)[:, None]
-    if USE_ASM:
-        return tl.inline_asm_elementwise(  # scales broadcast along the 32 words of a row
-            _DEQUANT8_SCALED_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r",
-            [w, tl.broadcast(s0, w)[0], tl.broadcast(s1, w)[0], tl.broadcast(s2, w)[0], tl.broadcast(s3, w)[0],
-             tl.broadcast(s4, w)[0], tl.broadcast(s5, w)[0], tl.broadcast(s6, w)[0], tl.broadcast(s7, w)[0]],
-            dtype=(tl.bfloat16,) * 8, is_pure=True, pack=2)
-    else:
-        return (_qs(w, 0, s0, DTYPE), _qs(w, 1, s1, DTYPE), _qs(w, 2, s2, DTYPE), _qs(w, 3, s3, DTYPE),
-                _qs(w, 4, s4, DTYPE), _qs(w, 5, s5, DTYPE), _qs(w, 6, s6, DTYPE), _qs(w, 7, s7, DTYPE))
-
-
-@triton.jit
-def _qs(w, K: tl.constexpr, s, DTYPE: tl.constexpr):
-    # q * s is exact in fp32 (4-bit x 8-bit mantissas): one rounding, to DTYPE, as in the PTX path
-    return (_nibble(w, K) * s.to(tl.float32)).to(DTYPE)
 
 
 @triton.jit
@@ -139,9 +71,82 @@ def _scaled(p, s, SWAP: tl.constexpr):
 
 
 @triton.jit
+def _int4_kstep(acc, x_ptrs, x_ok, c, K, w_ptrs, w_ok, s_ptrs, stride_sk,
+                DTYPE: tl.constexpr, USE_ASM: tl.constexpr, PREC: tl.constexpr,
+                EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, PRESCALE: tl.constexpr, SWAP: tl.constexpr,
+                SCALE_TILE: tl.constexpr):
+    """One 256-column block: acc += W[rows, block] @ X[:, block]^T, acc in MMA orientation (see _mma).
+
+    Pointers at the block (w_ptrs [ROWS, 32] words, s_ptrs [ROWS] scales of group 0, x_ptrs [32, BLOCK_M]
+    column j of group 0 per pair); c [32, 1] the block's first 32 column indices (masks past K).
+    """
+    if EVEN_N:
+        w = tl.load(w_ptrs)  # [ROWS, 32] int32: 128 contiguous bytes per row
+    else:
+        w = tl.load(w_ptrs, mask=w_ok[:, None], other=0)
+    x0 = _xt(x_ptrs, x_ok, c, K, EVEN_K)
+    x1 = _xt(x_ptrs + 32, x_ok, c + 32, K, EVEN_K)
+    x2 = _xt(x_ptrs + 64, x_ok, c + 64, K, EVEN_K)
+    x3 = _xt(x_ptrs + 96, x_ok, c + 96, K, EVEN_K)
+    x4 = _xt(x_ptrs + 128, x_ok, c + 128, K, EVEN_K)
+    x5 = _xt(x_ptrs + 160, x_ok, c + 160, K, EVEN_K)
+    x6 = _xt(x_ptrs + 192, x_ok, c + 192, K, EVEN_K)
+    x7 = _xt(x_ptrs + 224, x_ok, c + 224, K, EVEN_K)
+    s0, s1, s2, s3, s4, s5, s6, s7 = _scales8(s_ptrs, stride_sk, w_ok, EVEN_N, SCALE_TILE)
+    if PRESCALE:
+        q0, q1, q2, q3, q4, q5, q6, q7 = _dequant8_scaled(w, s0, s1, s2, s3, s4, s5, s6, s7, DTYPE, USE_ASM)
+        acc = _mma(q0, x0, acc, PREC, SWAP)
+        acc = _mma(q1, x1, acc, PREC, SWAP)
+        acc = _mma(q2, x2, acc, PREC, SWAP)
+        acc = _mma(q3, x3, acc, PREC, SWAP)
+        acc = _mma(q4, x4, acc, PREC, SWAP)
+        acc = _mma(q5, x5, acc, PREC, SWAP)
+        acc = _mma(q6, x6, acc, PREC, SWAP)
+        acc = _mma(q7, x7, acc, PREC, SWAP)
+    else:
+        q0, q1, q2, q3, q4, q5, q6, q7 = _dequant8(w, DTYPE, USE_ASM)
+        acc += _scaled(_mma(q0, x0, None, PREC, SWAP), s0, SWAP)
+        acc += _scaled(_mma(q1, x1, None, PREC, SWAP), s1, SWAP)
+        acc += _scaled(_mma(q2, x2, None, PREC, SWAP), s2, SWAP)
+        acc += _scaled(_mma(q3, x3, None, PREC, SWAP), s3, SWAP)
+        acc += _scaled(_mma(q4, x4, None, PREC, SWAP), s4, SWAP)
+        acc += _scaled(_mma(q5, x5, None, PREC, SWAP), s5, SWAP)
+        acc += _scaled(_mma(q6, x6, None, PREC, SWAP), s6, SWAP)
+        acc += _scaled(_mma(q7, x7, None, PREC, SWAP), s7, SWAP)
+    return acc
+
+
+@triton.jit
+def _int4_ksteps(acc, x_ptrs, x_ok, kb, K, w_ptrs, w_ok, s_ptrs, stride_sb, stride_sk, STEPS: tl.constexpr,
+                 DTYPE: tl.constexpr, USE_ASM: tl.constexpr, PREC: tl.constexpr,
+                 EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, PRESCALE: tl.constexpr, SWAP: tl.constexpr,
+                 SCALE_TILE: tl.constexpr):
+    """STEPS consecutive K blocks kb, kb + 1, ... (_int4_kstep each, unrolled); pointers in at block kb,
+    returned advanced past the last one: (acc, x_ptrs, w_ptrs, s_ptrs)."""
+    col = tl.arange(0, 32)[:, None]
+    for u in tl.static_range(STEPS):
+        acc = _int4_kstep(acc, x_ptrs, x_ok, (kb + u) * BLOCK_K + col, K, w_ptrs, w_ok, s_ptrs, stride_sk,
+                          DTYPE, USE_ASM, PREC, EVEN_K, EVEN_N, PRESCALE, SWAP, SCALE_TILE)
+        w_ptrs += 32
+        x_ptrs += BLOCK_K
+        s_ptrs += stride_sb
+    return acc, x_ptrs, w_ptrs, s_ptrs
+
+
+@triton.jit
+def _swap(acc, SWAP: tl.constexpr):
+    # [ROWS, BLOCK_M] <-> the MMA orientation of acc (transposed with SWAP, see _mma)
+    if SWAP:
+        return tl.trans(acc)
+    else:
+        return acc
+
+
+@triton.jit
 def _int4_block_gemm(acc, x_ptrs, x_ok, K, w_ptrs, w_ok, s_ptrs, stride_sb, stride_sk, num_kb,
-                     DTYPE: tl.constexpr, USE_ASM: tl.constexpr, PREC: tl.constexpr,
-                     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, PRESCALE: tl.constexpr, SWAP: tl.constexpr):
+                     DTYPE: tl.constexpr, USE_ASM: tl.constexpr, PREC: tl.constexpr, EVEN_K: tl.constexpr,
+                     EVEN_N: tl.constexpr, PRESCALE: tl.constexpr, SWAP: tl.constexpr, SCALE_TILE: tl.constexpr,
+                     K_UNROLL: tl.constexpr):
     """acc [ROWS, BLOCK_M] += W[rows, :K] @ X^T over the whole K extent, in a fixed order.
 
     x_ptrs [32, BLOCK_M]: column j of group 0 for each pair's activation row; x_ok [1, BLOCK_M]
@@ -149,118 +154,188 @@ def _int4_block_gemm(acc, x_ptrs, x_ok, K, w_ptrs, w_ok, s_ptrs, stride_sb, stri
     (bf16(q * s), as a bf16 dequant would) and the 8 group MMAs chain into acc; otherwise each group
     MMA runs on the exact q and is folded into acc with its fp32 scale (more exact, 8 MMA waits).
     SWAP computes the transposed product (see _mma); acc goes in and out as [ROWS, BLOCK_M].
+    K_UNROLL blocks per loop iteration; the first num_kb % K_UNROLL blocks go one by one before the
+    loop, so the blocks and the MMA chain are in the same order whatever K_UNROLL is (bitwise equal).
     """
-    if SWAP:
-        acc = tl.trans(acc)
-    col = tl.arange(0, 32)[:, None]
-    for kb in range(num_kb):
-        if EVEN_N:
-            w = tl.load(w_ptrs)  # [ROWS, 32] int32: 128 contiguous bytes per row
-        else:
-            w = tl.load(w_ptrs, mask=w_ok[:, None], other=0)
-        c = kb * BLOCK_K + col
-        x0 = _xt(x_ptrs, x_ok, c, K, EVEN_K)
-        x1 = _xt(x_ptrs + 32, x_ok, c + 32, K, EVEN_K)
-        x2 = _xt(x_ptrs + 64, x_ok, c + 64, K, EVEN_K)
-        x3 = _xt(x_ptrs + 96, x_ok, c + 96, K, EVEN_K)
-        x4 = _xt(x_ptrs + 128, x_ok, c + 128, K, EVEN_K)
-        x5 = _xt(x_ptrs + 160, x_ok, c + 160, K, EVEN_K)
-        x6 = _xt(x_ptrs + 192, x_ok, c + 192, K, EVEN_K)
-        x7 = _xt(x_ptrs + 224, x_ok, c + 224, K, EVEN_K)
-        if PRESCALE:
-            q0, q1, q2, q3, q4, q5, q6, q7 = _dequant8_scaled(w, s_ptrs, stride_sk, w_ok, DTYPE, USE_ASM, EVEN_N)
-            acc = _mma(q0, x0, acc, PREC, SWAP)
-            acc = _mma(q1, x1, acc, PREC, SWAP)
-            acc = _mma(q2, x2, acc, PREC, SWAP)
-            acc = _mma(q3, x3, acc, PREC, SWAP)
-            acc = _mma(q4, x4, acc, PREC, SWAP)
-            acc = _mma(q5, x5, acc, PREC, SWAP)
-            acc = _mma(q6, x6, acc, PREC, SWAP)
-            acc = _mma(q7, x7, acc, PREC, SWAP)
-        else:
-            q0, q1, q2, q3, q4, q5, q6, q7 = _dequant8(w, DTYPE, USE_ASM)
-            acc += _scaled(_mma(q0, x0, None, PREC, SWAP), _sc(s_ptrs, w_ok, EVEN_N), SWAP)
-            acc += _scaled(_mma(q1, x1, None, PREC, SWAP), _sc(s_ptrs + stride_sk, w_ok, EVEN_N), SWAP)
-            acc += _scaled(_mma(q2, x2, None, PREC, SWAP), _sc(s_ptrs + 2 * stride_sk, w_ok, EVEN_N), SWAP)
-            acc += _scaled(_mma(q3, x3, None, PREC, SWAP), _sc(s_ptrs + 3 * stride_sk, w_ok, EVEN_N), SWAP)
-            acc += _scaled(_mma(q4, x4, None, PREC, SWAP), _sc(s_ptrs + 4 * stride_sk, w_ok, EVEN_N), SWAP)
-            acc += _scaled(_mma(q5, x5, None, PREC, SWAP), _sc(s_ptrs + 5 * stride_sk, w_ok, EVEN_N), SWAP)
-            acc += _scaled(_mma(q6, x6, None, PREC, SWAP), _sc(s_ptrs + 6 * stride_sk, w_ok, EVEN_N), SWAP)
-            acc += _scaled(_mma(q7, x7, None, PREC, SWAP), _sc(s_ptrs + 7 * stride_sk, w_ok, EVEN_N), SWAP)
-        w_ptrs += 32
-        x_ptrs += BLOCK_K
-        s_ptrs += stride_sb
-    if SWAP:
-        acc = tl.trans(acc)
-    return acc
+    acc = _swap(acc, SWAP)
+    kb0 = 0
+    if K_UNROLL > 1:
+        kb0 = num_kb % K_UNROLL
+        for u in tl.static_range(K_UNROLL - 1):
+            if u < kb0:
+                acc, x_ptrs, w_ptrs, s_ptrs = _int4_ksteps(acc, x_ptrs, x_ok, u, K, w_ptrs, w_ok, s_ptrs, stride_sb,
+                                                           stride_sk, 1, DTYPE, USE_ASM, PREC, EVEN_K, EVEN_N,
+                                                           PRESCALE, SWAP, SCALE_TILE)
+    for kb in range(kb0, num_kb, K_UNROLL):
+        acc, x_ptrs, w_ptrs, s_ptrs = _int4_ksteps(acc, x_ptrs, x_ok, kb, K, w_ptrs, w_ok, s_ptrs, stride_sb,
+                                                   stride_sk, K_UNROLL, DTYPE, USE_ASM, PREC, EVEN_K, EVEN_N,
+                                                   PRESCALE, SWAP, SCALE_TILE)
+    return _swap(acc, SWAP)
 
 
 @triton.jit
+def _num_used_blocks(bexp_ptr, nblk):
+    # `_moe_align` numbers the used blocks 0..n-1 and marks the rest -1: n (one load per 1024 blocks)
+    n = 0
+    for start in tl.range(0, nblk, 1024, num_stages=1):
+        b = start + tl.arange(0, 1024)
+        n += tl.sum((tl.load(bexp_ptr + b, mask=b < nblk, other=-1) >= 0).to(tl.int32))
+    return n
+
+
+@triton.jit
+def _w13_tile(e, pair, r, x_ptr, w_ptr, s_ptr, P, I, stride_xt, stride_we, stride_wn, stride_se,
+              TOPK: tl.constexpr, BLOCK_I: tl.constexpr):
+    """w13 tile of expert e (int64), pairs `pair` [BLOCK_M], intermediate columns r * BLOCK_I + [0, BLOCK_I):
+    (ok [BLOCK_M] real pairs, row_ok [2 * BLOCK_I], w_ptrs, s_ptrs, x_ptrs) at K block 0 (no loads)."""
+    ok = pair < P
+    rr = tl.arange(0, 2 * BLOCK_I)
+    n = r * BLOCK_I + rr % BLOCK_I  # intermediate column of this row
+    row = n + (rr // BLOCK_I) * I  # rows 0..BLOCK_I-1: gate, BLOCK_I..: the matching up rows
+    row_ok = n < I
+    w_ptrs = w_ptr + e * stride_we + row[:, None] * stride_wn + tl.arange(0, 32)[None, :]
+    s_ptrs = s_ptr + e * stride_se + row
+    x_ptrs = x_ptr + (tl.where(ok, pair, 0) // TOPK)[None, :] * stride_xt + tl.arange(0, 32)[:, None]
+    return ok, row_ok, w_ptrs, s_ptrs, x_ptrs
+
+
+@triton.jit
+def _w13_store(acc, a_ptr, pair, ok, r, I, stride_ap, BLOCK_I: tl.constexpr, BLOCK_M: tl.constexpr):
+    # acc [2 * BLOCK_I, BLOCK_M] gate rows then up rows -> silu(gate) * up of intermediate columns r * BLOCK_I + ..
+    gate, up = tl.split(tl.permute(tl.reshape(acc, [2, BLOCK_I, BLOCK_M]), (1, 2, 0)))  # [BLOCK_I, BLOCK_M]
+    act = gate / (1.0 + tl.exp(-gate)) * up
+    n_out = r * BLOCK_I + tl.arange(0, BLOCK_I)
+    tl.store(a_ptr + pair[None, :] * stride_ap + n_out[:, None], act.to(a_ptr.dtype.element_ty),
+             mask=(n_out < I)[:, None] & ok[None, :])
+
+
+@triton.jit(do_not_specialize=["nblk"])
 def _moe_w13_kernel(
     x_ptr,  # [T, D] activations
     w_ptr, s_ptr,  # w13 GPU layout: int32 [E, 2I, Dp/8], scale [E, Dp/256, 8, 2I]
     a_ptr,  # out: [P, I] silu(gate) * up per pair, activation dtype
     pairs_ptr, bexp_ptr,  # from _moe_align
-    P, D, I, num_kb,
+    P, D, I, num_kb, nblk,  # nblk = len(bexp) (PERSISTENT only)
     stride_xt, stride_we, stride_wn, stride_se, stride_sb, stride_sk, stride_ap,
     TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr,
     DTYPE: tl.constexpr, USE_ASM: tl.constexpr, PREC: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, PRESCALE: tl.constexpr, SWAP: tl.constexpr,
+    SCALE_TILE: tl.constexpr, K_UNROLL: tl.constexpr, PERSISTENT: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
-    pid_b = tl.program_id(1)
-    e = tl.load(bexp_ptr + pid_b)
-    if e < 0:
-        return
-    e = e.to(tl.int64)
-    pair = tl.load(pairs_ptr + pid_b * BLOCK_M + tl.arange(0, BLOCK_M))  # [BLOCK_M]
-    ok = pair < P
-    r = tl.arange(0, 2 * BLOCK_I)
-    n = pid_n * BLOCK_I + r % BLOCK_I  # intermediate column of this row
-    row = n + (r // BLOCK_I) * I  # rows 0..BLOCK_I-1: gate, BLOCK_I..: the matching up rows
-    row_ok = n < I
-    w_ptrs = w_ptr + e * stride_we + row[:, None] * stride_wn + tl.arange(0, 32)[None, :]
-    s_ptrs = s_ptr + e * stride_se + row
-    x_ptrs = x_ptr + (tl.where(ok, pair, 0) // TOPK)[None, :] * stride_xt + tl.arange(0, 32)[:, None]
-    acc = tl.zeros([2 * BLOCK_I, BLOCK_M], dtype=tl.float32)
-    acc = _int4_block_gemm(acc, x_ptrs, ok[None, :], D, w_ptrs, row_ok, s_ptrs, stride_sb, stride_sk, num_kb,
-                           DTYPE, USE_ASM, PREC, EVEN_K, EVEN_N, PRESCALE, SWAP)
-    gate, up = tl.split(tl.permute(tl.reshape(acc, [2, BLOCK_I, BLOCK_M]), (1, 2, 0)))  # [BLOCK_I, BLOCK_M]
-    act = gate / (1.0 + tl.exp(-gate)) * up
-    n_out = pid_n * BLOCK_I + tl.arange(0, BLOCK_I)
-    tl.store(a_ptr + pair[None, :] * stride_ap + n_out[:, None], act.to(a_ptr.dtype.element_ty),
-             mask=(n_out < I)[:, None] & ok[None, :])
+    if PERSISTENT:  # grid (programs,): tiles pid, pid + programs, ... in one flattened (tile, K block) loop
+        pid = tl.program_id(0)
+        n_rt = tl.cdiv(I, BLOCK_I)  # row tiles per block; tile = block * n_rt + row tile
+        n_tiles = _num_used_blocks(bexp_ptr, nblk) * n_rt
+        tile = pid - tl.num_programs(0)
+        kb = num_kb - K_UNROLL
+        pair = tl.full([BLOCK_M], 0, tl.int32)  # placeholders until the first tile's (kb == 0) set-up
+        ok, row_ok, w_ptrs, s_ptrs, x_ptrs = _w13_tile(0, pair, 0, x_ptr, w_ptr, s_ptr, P, I, stride_xt,
+                                                      stride_we, stride_wn, stride_se, TOPK, BLOCK_I)
+        acc = _swap(tl.zeros([2 * BLOCK_I, BLOCK_M], dtype=tl.float32), SWAP)
+        for _ in range(0, tl.cdiv(n_tiles - pid, tl.num_programs(0)) * (num_kb // K_UNROLL)):
+            kb = tl.where(kb == num_kb - K_UNROLL, 0, kb + K_UNROLL)
+            if kb == 0:
+                tile += tl.num_programs(0)
+                b = tile // n_rt
+                e = tl.load(bexp_ptr + b).to(tl.int64)
+                pair = tl.load(pairs_ptr + b * BLOCK_M + tl.arange(0, BLOCK_M))
+                ok, row_ok, w_ptrs, s_ptrs, x_ptrs = _w13_tile(e, pair, tile % n_rt, x_ptr, w_ptr, s_ptr, P, I,
+                                                              stride_xt, stride_we, stride_wn, stride_se, TOPK,
+                                                              BLOCK_I)
+            acc, x_ptrs, w_ptrs, s_ptrs = _int4_ksteps(acc, x_ptrs, ok[None, :], kb, D, w_ptrs, row_ok, s_ptrs,
+                                                       stride_sb, stride_sk, K_UNROLL, DTYPE, USE_ASM, PREC,
+                                                       EVEN_K, EVEN_N, PRESCALE, SWAP, SCALE_TILE)
+            if kb == num_kb - K_UNROLL:
+                _w13_store(_swap(acc, SWAP), a_ptr, pair, ok, tile % n_rt, I, stride_ap, BLOCK_I, BLOCK_M)
+                acc = _swap(tl.zeros([2 * BLOCK_I, BLOCK_M], dtype=tl.float32), SWAP)
+    else:  # grid (row tiles, blocks): one tile per program
+        pid_n = tl.program_id(0)
+        pid_b = tl.program_id(1)
+        e = tl.load(bexp_ptr + pid_b)
+        if e < 0:
+            return
+        pair = tl.load(pairs_ptr + pid_b * BLOCK_M + tl.arange(0, BLOCK_M))  # [BLOCK_M]
+        ok, row_ok, w_ptrs, s_ptrs, x_ptrs = _w13_tile(e.to(tl.int64), pair, pid_n, x_ptr, w_ptr, s_ptr, P, I,
+                                                      stride_xt, stride_we, stride_wn, stride_se, TOPK, BLOCK_I)
+        acc = tl.zeros([2 * BLOCK_I, BLOCK_M], dtype=tl.float32)
+        acc = _int4_block_gemm(acc, x_ptrs, ok[None, :], D, w_ptrs, row_ok, s_ptrs, stride_sb, stride_sk, num_kb,
+                               DTYPE, USE_ASM, PREC, EVEN_K, EVEN_N, PRESCALE, SWAP, SCALE_TILE, K_UNROLL)
+        _w13_store(acc, a_ptr, pair, ok, pid_n, I, stride_ap, BLOCK_I, BLOCK_M)
 
 
 @triton.jit
+def _w2_tile(e, pair, r, a_ptr, w_ptr, s_ptr, P, D, stride_ap, stride_we, stride_wn, stride_se,
+             BLOCK_D: tl.constexpr):
+    """w2 tile of expert e (int64), pairs `pair` [BLOCK_M], output rows r * BLOCK_D + [0, BLOCK_D):
+    (ok [BLOCK_M] real pairs, row_ok [BLOCK_D], w_ptrs, s_ptrs, x_ptrs) at K block 0 (no loads)."""
+    ok = pair < P
+    row = r * BLOCK_D + tl.arange(0, BLOCK_D)
+    row_ok = row < D
+    w_ptrs = w_ptr + e * stride_we + row[:, None] * stride_wn + tl.arange(0, 32)[None, :]
+    s_ptrs = s_ptr + e * stride_se + row
+    x_ptrs = a_ptr + tl.where(ok, pair, 0)[None, :] * stride_ap + tl.arange(0, 32)[:, None]
+    return ok, row_ok, w_ptrs, s_ptrs, x_ptrs
+
+
+@triton.jit
+def _w2_store(acc, y_ptr, pair, ok, r, D, stride_yp, BLOCK_D: tl.constexpr):
+    # acc [BLOCK_D, BLOCK_M] -> y rows of the pairs, output rows r * BLOCK_D + .. (the rows are recomputed
+    # from r, not carried: in the persistent loop a carried [BLOCK_D] vector costs registers in every stage)
+    row = r * BLOCK_D + tl.arange(0, BLOCK_D)
+    tl.store(y_ptr + pair[None, :] * stride_yp + row[:, None], acc, mask=(row < D)[:, None] & ok[None, :])
+
+
+@triton.jit(do_not_specialize=["nblk"])
 def _moe_w2_kernel(
     a_ptr,  # [P, I] from _moe_w13_kernel
     w_ptr, s_ptr,  # w2 GPU layout: int32 [E, D, Ip/8], scale [E, Ip/256, 8, D]
     y_ptr,  # out: fp32 [P, D] unweighted expert output per pair
     pairs_ptr, bexp_ptr,
-    P, I, D, num_kb,
+    P, I, D, num_kb, nblk,  # nblk = len(bexp) (PERSISTENT only)
     stride_ap, stride_we, stride_wn, stride_se, stride_sb, stride_sk, stride_yp,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     DTYPE: tl.constexpr, USE_ASM: tl.constexpr, PREC: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, PRESCALE: tl.constexpr, SWAP: tl.constexpr,
+    SCALE_TILE: tl.constexpr, K_UNROLL: tl.constexpr, PERSISTENT: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
-    pid_b = tl.program_id(1)
-    e = tl.load(bexp_ptr + pid_b)
-    if e < 0:
-        return
-    e = e.to(tl.int64)
-    pair = tl.load(pairs_ptr + pid_b * BLOCK_M + tl.arange(0, BLOCK_M))
-    ok = pair < P
-    row = pid_n * BLOCK_D + tl.arange(0, BLOCK_D)
-    row_ok = row < D
-    w_ptrs = w_ptr + e * stride_we + row[:, None] * stride_wn + tl.arange(0, 32)[None, :]
-    s_ptrs = s_ptr + e * stride_se + row
-    x_ptrs = a_ptr + tl.where(ok, pair, 0)[None, :] * stride_ap + tl.arange(0, 32)[:, None]
-    acc = tl.zeros([BLOCK_D, BLOCK_M], dtype=tl.float32)
-    acc = _int4_block_gemm(acc, x_ptrs, ok[None, :], I, w_ptrs, row_ok, s_ptrs, stride_sb, stride_sk, num_kb,
-                           DTYPE, USE_ASM, PREC, EVEN_K, EVEN_N, PRESCALE, SWAP)
-    tl.store(y_ptr + pair[None, :] * stride_yp + row[:, None], acc, mask=row_ok[:, None] & ok[None, :])
+    if PERSISTENT:  # as in _moe_w13_kernel
+        pid = tl.program_id(0)
+        n_rt = tl.cdiv(D, BLOCK_D)
+        n_tiles = _num_used_blocks(bexp_ptr, nblk) * n_rt
+        tile = pid - tl.num_programs(0)
+        kb = num_kb - K_UNROLL
+        pair = tl.full([BLOCK_M], 0, tl.int32)
+        ok, row_ok, w_ptrs, s_ptrs, x_ptrs = _w2_tile(0, pair, 0, a_ptr, w_ptr, s_ptr, P, D, stride_ap, stride_we,
+                                                      stride_wn, stride_se, BLOCK_D)
+        acc = _swap(tl.zeros([BLOCK_D, BLOCK_M], dtype=tl.float32), SWAP)
+        for _ in range(0, tl.cdiv(n_tiles - pid, tl.num_programs(0)) * (num_kb // K_UNROLL)):
+            kb = tl.where(kb == num_kb - K_UNROLL, 0, kb + K_UNROLL)
+            if kb == 0:
+                tile += tl.num_programs(0)
+                b = tile // n_rt
+                e = tl.load(bexp_ptr + b).to(tl.int64)
+                pair = tl.load(pairs_ptr + b * BLOCK_M + tl.arange(0, BLOCK_M))
+                ok, row_ok, w_ptrs, s_ptrs, x_ptrs = _w2_tile(e, pair, tile % n_rt, a_ptr, w_ptr, s_ptr, P, D,
+                                                              stride_ap, stride_we, stride_wn, stride_se, BLOCK_D)
+            acc, x_ptrs, w_ptrs, s_ptrs = _int4_ksteps(acc, x_ptrs, ok[None, :], kb, I, w_ptrs, row_ok, s_ptrs,
+                                                       stride_sb, stride_sk, K_UNROLL, DTYPE, USE_ASM, PREC,
+                                                       EVEN_K, EVEN_N, PRESCALE, SWAP, SCALE_TILE)
+            if kb == num_kb - K_UNROLL:
+                _w2_store(_swap(acc, SWAP), y_ptr, pair, ok, tile % n_rt, D, stride_yp, BLOCK_D)
+                acc = _swap(tl.zeros([BLOCK_D, BLOCK_M], dtype=tl.float32), SWAP)
+    else:
+        pid_n = tl.program_id(0)
+        pid_b = tl.program_id(1)
+        e = tl.load(bexp_ptr + pid_b)
+        if e < 0:
+            return
+        pair = tl.load(pairs_ptr + pid_b * BLOCK_M + tl.arange(0, BLOCK_M))
+        ok, row_ok, w_ptrs, s_ptrs, x_ptrs = _w2_tile(e.to(tl.int64), pair, pid_n, a_ptr, w_ptr, s_ptr, P, D,
+                                                      stride_ap, stride_we, stride_wn, stride_se, BLOCK_D)
+        acc = tl.zeros([BLOCK_D, BLOCK_M], dtype=tl.float32)
+        acc = _int4_block_gemm(acc, x_ptrs, ok[None, :], I, w_ptrs, row_ok, s_ptrs, stride_sb, stride_sk, num_kb,
+                               DTYPE, USE_ASM, PREC, EVEN_K, EVEN_N, PRESCALE, SWAP, SCALE_TILE, K_UNROLL)
+        _w2_store(acc, y_ptr, pair, ok, pid_n, D, stride_yp, BLOCK_D)
 
 
 @triton.jit

@@ -23,6 +23,8 @@ in `_moe_align`), elsewhere the reference. GPU path, all on device, no host sync
      fused in the epilogue -> a [T*k, I] in the activation dtype,
   3. w2 GEMM per (expert block, 64 output rows) -> y [T*k, D] fp32, one row per (token, slot),
   4. combine: out[t] = sum_s topk_w[t, s] * y[t*k + s] in slot order s = 0..k-1 (no atomics).
+Steps 2 and 3 have variants behind launcher options (persistent grid, K unroll, tiled scale loads; see
+`int4_moe_triton`), off by default, with the default's bits: benchmarks sweep them.
 Every reduction has a fixed order that does not depend on the other tokens of the launch, so a
 token's output is bitwise the same alone or inside any batch (DESIGN 3.5; tested on the GPU).
 Numerics of the default kernel: weights are dequantised to bf16(q * scale) (one rounding, what a
@@ -189,14 +191,53 @@ def unrepack_int4_moe(w13_packed, w13_scale, w2_packed, w2_scale, hidden: int):
 _TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
+_RESIDENT: dict = {}  # (kernel name, device index, sorted launch options) -> default persistent grid size
+
+
+def _resident_programs(kernel, args, options: dict, device: torch.device) -> int:
+    """Default persistent grid: SMs x CTAs of `kernel` that fit on one SM by registers and shared memory of
+    the compiled kernel (the occupancy rule of Triton's fused-softmax tutorial); 4 programs off CUDA."""
+    if device.type != "cuda":
+        return 4
+    key = (kernel.fn.__name__, device.index, tuple(sorted(options.items())))
+    if key not in _RESIDENT:
+        compiled = kernel.warmup(*args, grid=(1,), **options)
+        compiled._init_handles()
+        props = triton.runtime.driver.active.utils.get_device_properties(device.index)
+        by_regs = props["max_num_regs"] // max(1, compiled.n_regs * 32 * options["num_warps"])
+        by_smem = props["max_shared_mem"] // max(1, compiled.metadata.shared)
+        _RESIDENT[key] = props["multiprocessor_count"] * max(1, min(by_regs, by_smem))
+    return _RESIDENT[key]
+
+
+def _launch(kernel, row_tiles: int, nblk: int, persistent: bool, num_programs: int | None, args, options: dict):
+    """One program per (row tile, block), blocks of expert -1 exit at once; or persistent: a 1-D grid of
+    min(tiles, programs) programs that walk the used blocks' tiles (grid bound: unused blocks counted)."""
+    if not persistent:
+        kernel[(row_tiles, nblk)](*args, **options)
+        return
+    programs = num_programs or _resident_programs(kernel, args, options, args[0].device)
+    kernel[(min(row_tiles * nblk, programs),)](*args, **options)
+
+
 def _int4_moe_triton(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, experts: range | None = None,
                      reduce_pairs=None, block_i: int = _BLOCK_I, block_d: int = _BLOCK_D, num_warps: int = 4,
-                     num_stages: int = 3, use_asm: bool = _USE_ASM, prescale: bool = _PRESCALE, swap: bool = _SWAP):
+                     num_stages: int = 3, use_asm: bool = _USE_ASM, prescale: bool = _PRESCALE, swap: bool = _SWAP,
+                     scale_tile: bool = False, k_unroll: int = 1, persistent: bool | str = False,
+                     num_programs: int | None = None, maxnreg: int | None = None):
     T, D = x.shape
     topk = topk_ids.shape[1]
     E, two_i, _ = w13.shape
     inter = two_i // 2
     P = T * topk
+    if persistent not in (False, True, "w13", "w2"):
+        raise ValueError(f"int4_moe: persistent={persistent!r} (False, True, 'w13' or 'w2')")
+    pers13, pers2 = persistent in (True, "w13"), persistent in (True, "w2")
+    kb13, kb2 = w13.shape[2] // 32, w2.shape[2] // 32  # 256-column K blocks
+    if k_unroll < 1 or (pers13 and kb13 % k_unroll) or (pers2 and kb2 % k_unroll):
+        raise ValueError(f"int4_moe: k_unroll={k_unroll} (persistent: must divide the K blocks, {kb13} / {kb2})")
+    if num_programs is not None and (not persistent or num_programs < 1):
+        raise ValueError(f"int4_moe: num_programs={num_programs} needs persistent and >= 1")
     if out is None:
         out = torch.empty_like(x)
     elif out.shape != x.shape or out.dtype != x.dtype or out.stride(-1) != 1:
@@ -208,18 +249,21 @@ def _int4_moe_triton(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, experts
     nblk = bexp.shape[0]
     common = dict(BLOCK_M=_BLOCK_M, DTYPE=_TL_DTYPE[x.dtype], PREC="ieee" if x.dtype == torch.float32 else "tf32",
                   USE_ASM=use_asm and x.dtype == torch.bfloat16 and x.is_cuda,  # PTX: real GPU only
-                  PRESCALE=prescale, SWAP=swap,
+                  PRESCALE=prescale, SWAP=swap, SCALE_TILE=scale_tile, K_UNROLL=k_unroll,
                   num_warps=num_warps, num_stages=num_stages)
+    if maxnreg is not None:
+        common["maxnreg"] = maxnreg  # ptxas register cap per thread (more CTAs per SM, or spills)
     a = torch.empty(P, inter, dtype=x.dtype, device=x.device)  # silu(gate) * up per pair
-    _moe_w13_kernel[(triton.cdiv(inter, block_i), nblk)](
-        x, w13, s13, a, sorted_pairs, bexp, P, D, inter, w13.shape[2] // 32,
-        x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), s13.stride(2), a.stride(0),
-        TOPK=topk, BLOCK_I=block_i, EVEN_K=D % _BLOCK_K == 0, EVEN_N=inter % block_i == 0, **common)
+    _launch(_moe_w13_kernel, triton.cdiv(inter, block_i), nblk, pers13, num_programs, (
+        x, w13, s13, a, sorted_pairs, bexp, P, D, inter, kb13, nblk,
+        x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), s13.stride(2), a.stride(0)),
+        dict(TOPK=topk, BLOCK_I=block_i, EVEN_K=D % _BLOCK_K == 0, EVEN_N=inter % block_i == 0, PERSISTENT=pers13,
+             **common))
     y = _pair_buffer(P, D, torch.float32, x.device, experts is not None)  # unweighted expert output per pair
-    _moe_w2_kernel[(triton.cdiv(D, block_d), nblk)](
-        a, w2, s2, y, sorted_pairs, bexp, P, inter, D, w2.shape[2] // 32,
-        a.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), s2.stride(2), y.stride(0),
-        BLOCK_D=block_d, EVEN_K=inter % _BLOCK_K == 0, EVEN_N=D % block_d == 0, **common)
+    _launch(_moe_w2_kernel, triton.cdiv(D, block_d), nblk, pers2, num_programs, (
+        a, w2, s2, y, sorted_pairs, bexp, P, inter, D, kb2, nblk,
+        a.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), s2.stride(2), y.stride(0)),
+        dict(BLOCK_D=block_d, EVEN_K=inter % _BLOCK_K == 0, EVEN_N=D % block_d == 0, PERSISTENT=pers2, **common))
     if reduce_pairs is not None:
         reduce_pairs(y)  # expert parallel: every rank now holds every pair's row, bit for bit
     _moe_combine_kernel[(T, triton.cdiv(D, 1024))](
@@ -270,5 +314,9 @@ def int4_moe_triton(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_sc
 
     `out` ([T, D], x's dtype, optional) is written in place (tests poison it first); `config`
     overrides the tile sizes (block_i, block_d), num_warps, num_stages, use_asm, prescale, swap (benchmarks),
-    or passes `experts` / `reduce_pairs` (expert parallel, see `int4_moe`)."""
+    or passes `experts` / `reduce_pairs` (expert parallel, see `int4_moe`). Options with the same bits as
+    without them (`_int4_moe_kernels` doc): scale_tile (bool), k_unroll (K blocks per loop iteration),
+    persistent (True, or "w13" / "w2" for one GEMM only; k_unroll must divide its K blocks, 28 / 8 at
+    Kimi shapes), num_programs (persistent grid size; default SMs x the CTAs of the compiled kernel that
+    fit on an SM, 4 off CUDA), maxnreg (ptxas register cap, e.g. 128 to fit 4 CTAs of 4 warps per SM)."""
     return _int4_moe_triton(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale, out, **config)

@@ -3,6 +3,8 @@
 CPU: the Triton kernels run under TRITON_INTERPRET=1 (tests/conftest.py) at small awkward shapes in
 fp32/fp16 (the interpreter has no bf16 dot). GPU (marked `gpu`): the same kernels at Kimi K2.6
 shapes in bf16, plus batch invariance (a token alone vs inside a batch of 64: bitwise equal).
+Variants that change the schedule or the loads (persistent grid, k_unroll, scale_tile) must give their
+base configuration's bits, on CPU and GPU.
 Outputs are poisoned with NaN before every launch; NaN never passes.
 """
 
@@ -57,6 +59,24 @@ def run_kernel(x, ids, w, weights_gpu, **config):
     return out
 
 
+def _cfg_id(config: dict | str) -> str:
+    if isinstance(config, str):
+        return config.replace(" ", "+")
+    return "-".join(f"{k}={v}" for k, v in config.items()) or "default"
+
+
+def assert_bitwise(out: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    """Same bits (-0.0 != 0.0), no NaN (outputs are poisoned with it); on failure name the first difference."""
+    assert out.shape == ref.shape and out.dtype == ref.dtype, (what, out.shape, ref.shape, out.dtype, ref.dtype)
+    assert not torch.isnan(out).any(), f"{what}: {int(torch.isnan(out).sum())} NaNs (elements never written?)"
+    bits = {2: torch.int16, 4: torch.int32}[out.element_size()]
+    diff = (out.view(bits) != ref.view(bits)).nonzero()
+    if len(diff):
+        i = tuple(int(v) for v in diff[0])
+        raise AssertionError(f"{what}: {len(diff)} elements differ; first at {i}: "
+                             f"{float(out[i])!r} vs {float(ref[i])!r}")
+
+
 # ---------------------------------------------------------------- grouping (moe_align)
 
 @pytest.mark.parametrize("T,k,E", [(1, 8, 384), (5, 3, 7), (40, 3, 4), (3, 2, 100), (17, 8, 64)])
@@ -76,6 +96,8 @@ def test_align_kernel_matches_torch(T, k, E):
             assert members.numel() == 0
         else:
             assert members.numel() > 0 and (ids.reshape(-1).cpu()[members] == e).all()
+    used = (be >= 0).cpu()  # the persistent kernels walk blocks 0..n_used-1: the used blocks come first
+    assert torch.equal(used, torch.arange(len(used)) < int(used.sum()))
 
 
 # ---------------------------------------------------------------- layout
@@ -122,7 +144,7 @@ VARIANTS = [dict(swap=s, prescale=p) for s in (False, True) for p in (False, Tru
     dict(swap=True, prescale=True, block_i=16, block_d=32), dict(swap=True, prescale=True, block_i=32, block_d=32)]
 
 
-@pytest.mark.parametrize("config", VARIANTS, ids=lambda c: "-".join(f"{k}{int(v)}" for k, v in c.items()))
+@pytest.mark.parametrize("config", VARIANTS, ids=_cfg_id)
 def test_int4_moe_variants(config):
     T, k, E, D, inter = 7, 3, 33, 96, 160
     w = make_experts(E, D, inter, seed=2)
@@ -131,6 +153,64 @@ def test_int4_moe_variants(config):
         x = torch.randn(T, D, generator=torch.Generator().manual_seed(5)).to(DEV, dtype)
         out = run_kernel(x, ids, tw, repack_int4_moe_for_gpu(*w), **config)
         assert_close(out, int4_moe_ref(x.float(), ids, tw, *w), TOL[dtype], f"{config} {dtype}")
+
+
+# Options that change how the work is scheduled or loaded, not the arithmetic: (base config, extra options,
+# dtypes); the variant must be bitwise equal to the base. persistent: a 1-D grid walking (block, row tile)
+# tiles in one flattened loop (4 programs by default on CPU); k_unroll: K blocks per loop iteration;
+# scale_tile: a step's scales as one [ROWS, 8] load. In `same_bits_case` w13 has 3 K blocks and w2 2, so
+# k_unroll=2 runs w13's first block before the loop and k_unroll=3 runs all of w2's that way.
+SAME_BITS_VARIANTS = [
+    ({}, dict(k_unroll=2), "fp32 fp16"),
+    ({}, dict(k_unroll=3), "fp32 fp16"),
+    ({}, dict(scale_tile=True), "fp32 fp16"),
+    ({}, dict(persistent=True), "fp32 fp16"),
+    ({}, dict(persistent=True, num_programs=1), "fp32 fp16"),  # one program walks every tile
+    ({}, dict(persistent="w2", k_unroll=2, num_programs=5, scale_tile=True), "fp32 fp16"),
+    ({}, dict(persistent="w13", k_unroll=3, num_programs=1000), "fp32 fp16"),  # more programs than tiles
+    (dict(swap=False, prescale=False), dict(persistent=True, num_programs=3, scale_tile=True), "fp16"),
+    (dict(prescale=False), dict(persistent="w2", k_unroll=2, scale_tile=True), "fp16"),
+]
+# interpreter: few, large tiles (its cost is per program and K block); GPU: the default tiles (fast to compile)
+_BIG = {} if CUDA else dict(block_i=128, block_d=256)
+_DT = {"fp32": torch.float32, "fp16": torch.float16}
+
+
+@pytest.fixture(scope="module")
+def same_bits_case():
+    """K blocks: w13 3 (D 544 -> 768), w2 2 (I 352 -> 512), the last one partial; N not a multiple of the
+    tiles (interpreter 352 / 128, 544 / 256; GPU 544 / 64); expert 1 with 17 pairs (two blocks, the second
+    15 padding pairs), expert 3 with none, unused blocks at the end. Base outputs are cached per dtype."""
+    T, E, D, inter = 17, 4, 544, 352
+    w = make_experts(E, D, inter, seed=11)
+    ids = torch.tensor([[1, 0]] * 15 + [[2, 1]] * 2, device=DEV)
+    tw = (torch.rand(T, 2, generator=torch.Generator().manual_seed(12)) + 0.1).to(DEV)
+    xs = {dt: torch.randn(T, D, generator=torch.Generator().manual_seed(13)).to(DEV, dt) for dt in DTYPES}
+    return dict(w=w, wg=repack_int4_moe_for_gpu(*w), ids=ids, tw=tw, xs=xs, base={})
+
+
+@pytest.mark.parametrize("base,extra,dtypes", SAME_BITS_VARIANTS, ids=_cfg_id)
+def test_int4_moe_same_bits_variants(same_bits_case, base, extra, dtypes):
+    c = same_bits_case
+    for dtype in (_DT[d] for d in dtypes.split()):
+        x = c["xs"][dtype]
+        key = (dtype, _cfg_id(base))
+        if key not in c["base"]:
+            c["base"][key] = run_kernel(x, c["ids"], c["tw"], c["wg"], **_BIG, **base)
+            assert_close(c["base"][key], int4_moe_ref(x.float(), c["ids"], c["tw"], *c["w"]), TOL[dtype],
+                         f"{base} {dtype}")
+        out = run_kernel(x, c["ids"], c["tw"], c["wg"], **_BIG, **base, **extra)
+        assert_bitwise(out, c["base"][key], f"{base} + {extra} {dtype}")
+
+
+def test_int4_moe_variant_options_checked():
+    w = repack_int4_moe_for_gpu(*make_experts(2, 96, 160))  # one K block each side
+    ids, tw = make_routing(2, 1, 2)
+    x = torch.randn(2, 96, device=DEV)
+    for bad in (dict(k_unroll=0), dict(persistent=True, k_unroll=2), dict(persistent="w2", k_unroll=2),
+                dict(num_programs=4), dict(persistent=True, num_programs=0), dict(persistent="w3")):
+        with pytest.raises(ValueError):
+            int4_moe_triton(x, ids, tw, *w, **bad)
 
 
 def test_int4_moe_exact_small_integers():
@@ -202,6 +282,27 @@ def test_expert_slices_sum_to_the_full_kernel_bitwise(world):
     assert torch.equal(out.view(torch.int32), full.view(torch.int32))
 
 
+@pytest.mark.parametrize("config", [dict(persistent=True, num_programs=3), dict(k_unroll=2, scale_tile=True)],
+                         ids=_cfg_id)
+def test_expert_slice_same_bits_variants(config):
+    """A rank's launch over its expert slice leaves the same per-pair rows (-0.0 for the pairs of experts it
+    does not hold) with the variants of SAME_BITS_VARIANTS as with the default, bit for bit. One K block per
+    projection: persistent starts a tile at every step, k_unroll=2 runs the block before its (empty) loop."""
+    from verifier_service.expert_parallel import expert_range
+
+    T, k, E, D, inter = 5, 3, 7, 96, 160
+    w = repack_int4_moe_for_gpu(*make_experts(E, D, inter, seed=9))
+    ids, tw = make_routing(T, k, E, seed=8)
+    x = torch.randn(T, D, generator=torch.Generator().manual_seed(2)).to(DEV)
+    rng = expert_range(E, 1, 3)
+    held = [t[rng.start:rng.stop] for t in w]
+    rows = []
+    for cfg in ({}, config):
+        run_kernel(x, ids, tw, held, experts=rng, reduce_pairs=lambda y: rows.append(y.clone()), **cfg)
+    assert_bitwise(rows[1], rows[0], f"pair rows, {config} vs default")
+    assert (rows[0].view(torch.int32) == torch.tensor(-0.0).view(torch.int32)).all(1).any()  # pairs not held
+
+
 # ---------------------------------------------------------------- GPU: Kimi K2.6 shapes
 
 KIMI = dict(E=384, D=7168, inter=2048, k=8)
@@ -246,9 +347,34 @@ def test_int4_moe_kimi_shapes_bf16(kimi_experts, T):
     assert_close(out, ref_by_expert(x, ids, tw, w), TOL[torch.bfloat16], f"Kimi T={T}")
 
 
+# SAME_BITS_VARIANTS at Kimi shapes (D 7168 = 28 K blocks, I 2048 = 8, so k_unroll=2 divides both): (base, extra)
+KIMI_SAME_BITS_VARIANTS = [
+    ({}, dict(k_unroll=2)), ({}, dict(scale_tile=True)), ({}, dict(persistent=True)), ({}, dict(persistent="w2")),
+    ({}, dict(persistent=True, k_unroll=2)), ({}, dict(persistent=True, num_programs=132)),
+    ({}, dict(persistent=True, maxnreg=128)), ({}, dict(scale_tile=True, k_unroll=2)),
+    ({}, dict(scale_tile=True, persistent=True)), (dict(prescale=False), dict(scale_tile=True)),
+]
+
+
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", VARIANTS, ids=lambda c: "-".join(f"{k}{int(v)}" for k, v in c.items()))
+@pytest.mark.parametrize("base,extra", KIMI_SAME_BITS_VARIANTS, ids=_cfg_id)
+def test_int4_moe_same_bits_variants_kimi(kimi_experts, base, extra):
+    """bf16, PTX dequant: each variant gives its base's bits (T = 1, 9, 64; at 64 some experts have four
+    blocks)."""
+    _, wg = kimi_experts
+    for T in (1, 9, 64):
+        ids, tw = make_routing(T, KIMI["k"], KIMI["E"], seed=100 + T)
+        if T == 64:
+            ids[:, :3] = ids[0, :3]  # 64 pairs on each of three experts
+        x = torch.randn(T, KIMI["D"], device="cuda").to(torch.bfloat16)
+        assert_bitwise(run_kernel(x, ids, tw, wg, **base, **extra), run_kernel(x, ids, tw, wg, **base),
+                       f"{base} + {extra} T={T}")
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", VARIANTS + [{**b, **e} for b, e in KIMI_SAME_BITS_VARIANTS], ids=_cfg_id)
 def test_int4_moe_batch_invariance(kimi_experts, config):
     """Token 37 computed alone and as row 37 of a batch of 64: bitwise equal (DESIGN 3.5)."""
     w, wg = kimi_experts
