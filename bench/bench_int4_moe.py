@@ -30,7 +30,7 @@ from kernels.int4_moe import _RESIDENT, int4_moe_triton
 E, D, INTER, TOPK, G = 384, 7168, 2048, 8, 32
 TOKENS = (1, 9, 17, 33, 65, 129)
 SWEEP = {  # name -> overrides of the launcher defaults (block_i 32, block_d 64, 4 warps, 3 stages, PTX dequant,
-    # prescale, swap, k_unroll 1, one program per tile); programs_per_sm: num_programs = that x SMs
+    # prescale, swap, scale_tile, k_unroll 1, one program per tile); programs_per_sm: num_programs = that x SMs
     "bi16_bd32": dict(block_i=16, block_d=32), "bi32_bd32": dict(block_i=32, block_d=32),
     "bi16_bd64": dict(block_i=16, block_d=64), "stages4": dict(num_stages=4), "exact_q": dict(prescale=False),
     "wgmma": dict(swap=False), "wgmma_exact_q": dict(swap=False, prescale=False),
@@ -54,9 +54,14 @@ SWEEP = {  # name -> overrides of the launcher defaults (block_i 32, block_d 64,
     "scale_tile_persistent_r128": dict(scale_tile=True, persistent=True, maxnreg=128),
     "scale_tile_persistent_k2": dict(scale_tile=True, persistent=True, k_unroll=2),
     "scale_tile_exact_q": dict(scale_tile=True, prescale=False),
+    # against the scale_tile default: the old 2-byte scale loads, and tiles / stages / registers again
+    "no_scale_tile": dict(scale_tile=False), "stages2": dict(num_stages=2), "r96": dict(maxnreg=96),
+    "stages4_r128": dict(num_stages=4, maxnreg=128),
 }
 CONFIG_GROUPS = {  # --configs GROUP
     "same_bits": [n for n in SWEEP if n.startswith(("k_unroll", "scale_tile", "persistent"))],
+    "tiles": ["no_scale_tile", "stages2", "stages4", "stages4_r128", "r96", "bi16_bd32", "bi32_bd32", "bi16_bd64",
+              "bi64_bd128_w8"],
     "same_bits_core": ["scale_tile", "k_unroll2", "scale_tile_k_unroll2", "persistent", "persistent_w2",
                        "persistent_p2", "scale_tile_persistent", "scale_tile_persistent_r128"],
 }

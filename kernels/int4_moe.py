@@ -146,6 +146,9 @@ _BLOCK_D = 64  # w2: output rows per program
 _USE_ASM = True  # bf16 on CUDA: PTX prmt/lop3 dequant (exact, same values as the portable path)
 _SWAP = True  # pairs on the MMA's M side (mma.sync, no wgmma waits) vs N side (wgmma, weights as A)
 _PRESCALE = True  # dequantise to bf16(q * scale) and chain the 8 group MMAs (vs exact q, fp32 scale per group)
+# a K step's 8 group scales as one [rows, 8] cp.async load, prefetched with the weights (same bits); H200:
+# T=1 0.102 -> 0.089 ms, T=9 0.656 -> 0.605, T=33 1.856 -> 1.724 (bench/results/int4_moe_same_bits.jsonl)
+_SCALE_TILE = True
 
 
 def _repack_proj(packed: torch.Tensor, scale: torch.Tensor):
@@ -223,7 +226,7 @@ def _launch(kernel, row_tiles: int, nblk: int, persistent: bool, num_programs: i
 def _int4_moe_triton(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, experts: range | None = None,
                      reduce_pairs=None, block_i: int = _BLOCK_I, block_d: int = _BLOCK_D, num_warps: int = 4,
                      num_stages: int = 3, use_asm: bool = _USE_ASM, prescale: bool = _PRESCALE, swap: bool = _SWAP,
-                     scale_tile: bool = False, k_unroll: int = 1, persistent: bool | str = False,
+                     scale_tile: bool = _SCALE_TILE, k_unroll: int = 1, persistent: bool | str = False,
                      num_programs: int | None = None, maxnreg: int | None = None):
     T, D = x.shape
     topk = topk_ids.shape[1]

@@ -163,13 +163,14 @@ def test_int4_moe_variants(config):
 SAME_BITS_VARIANTS = [
     ({}, dict(k_unroll=2), "fp32 fp16"),
     ({}, dict(k_unroll=3), "fp32 fp16"),
-    ({}, dict(scale_tile=True), "fp32 fp16"),
+    (dict(scale_tile=False), {}, "fp32 fp16"),  # the 2-byte scale loads vs the scale-tile default
     ({}, dict(persistent=True), "fp32 fp16"),
     ({}, dict(persistent=True, num_programs=1), "fp32 fp16"),  # one program walks every tile
-    ({}, dict(persistent="w2", k_unroll=2, num_programs=5, scale_tile=True), "fp32 fp16"),
+    (dict(scale_tile=False), dict(persistent="w2", k_unroll=2, num_programs=5, scale_tile=True), "fp32 fp16"),
     ({}, dict(persistent="w13", k_unroll=3, num_programs=1000), "fp32 fp16"),  # more programs than tiles
-    (dict(swap=False, prescale=False), dict(persistent=True, num_programs=3, scale_tile=True), "fp16"),
-    (dict(prescale=False), dict(persistent="w2", k_unroll=2, scale_tile=True), "fp16"),
+    (dict(swap=False, prescale=False, scale_tile=False), dict(persistent=True, num_programs=3, scale_tile=True),
+     "fp16"),
+    (dict(prescale=False, scale_tile=False), dict(persistent="w2", k_unroll=2, scale_tile=True), "fp16"),
 ]
 # interpreter: few, large tiles (its cost is per program and K block); GPU: the default tiles (fast to compile)
 _BIG = {} if CUDA else dict(block_i=128, block_d=256)
@@ -349,10 +350,10 @@ def test_int4_moe_kimi_shapes_bf16(kimi_experts, T):
 
 # SAME_BITS_VARIANTS at Kimi shapes (D 7168 = 28 K blocks, I 2048 = 8, so k_unroll=2 divides both): (base, extra)
 KIMI_SAME_BITS_VARIANTS = [
-    ({}, dict(k_unroll=2)), ({}, dict(scale_tile=True)), ({}, dict(persistent=True)), ({}, dict(persistent="w2")),
+    ({}, dict(k_unroll=2)), (dict(scale_tile=False), {}), ({}, dict(persistent=True)), ({}, dict(persistent="w2")),
     ({}, dict(persistent=True, k_unroll=2)), ({}, dict(persistent=True, num_programs=132)),
     ({}, dict(persistent=True, maxnreg=128)), ({}, dict(scale_tile=True, k_unroll=2)),
-    ({}, dict(scale_tile=True, persistent=True)), (dict(prescale=False), dict(scale_tile=True)),
+    ({}, dict(scale_tile=True, persistent=True)), (dict(prescale=False, scale_tile=False), dict(prescale=False)),
 ]
 
 
