@@ -200,7 +200,7 @@ def test_int4_moe_same_bits_variants(same_bits_case, base, extra, dtypes):
             c["base"][key] = run_kernel(x, c["ids"], c["tw"], c["wg"], **_BIG, **base)
             assert_close(c["base"][key], int4_moe_ref(x.float(), c["ids"], c["tw"], *c["w"]), TOL[dtype],
                          f"{base} {dtype}")
-        out = run_kernel(x, c["ids"], c["tw"], c["wg"], **_BIG, **base, **extra)
+        out = run_kernel(x, c["ids"], c["tw"], c["wg"], **_BIG, **{**base, **extra})  # extra overrides base
         assert_bitwise(out, c["base"][key], f"{base} + {extra} {dtype}")
 
 
@@ -369,7 +369,7 @@ def test_int4_moe_same_bits_variants_kimi(kimi_experts, base, extra):
         if T == 64:
             ids[:, :3] = ids[0, :3]  # 64 pairs on each of three experts
         x = torch.randn(T, KIMI["D"], device="cuda").to(torch.bfloat16)
-        assert_bitwise(run_kernel(x, ids, tw, wg, **base, **extra), run_kernel(x, ids, tw, wg, **base),
+        assert_bitwise(run_kernel(x, ids, tw, wg, **{**base, **extra}), run_kernel(x, ids, tw, wg, **base),
                        f"{base} + {extra} T={T}")
 
 
