@@ -1,14 +1,42 @@
 """Per-session context KV cache of the drafter, bounded by the draft window (DESIGN 2.2, 3.4).
 
-Per layer, a preallocated ring `[max_sessions, window, kv_heads, head_dim]` for K and V. Appending
+Per layer, a preallocated ring `[max_sessions + 1, window, kv_heads, head_dim]` for K and V. Appending
 n rows writes ring positions (count + i) % window; attention reads the first min(count, window)
 ring rows (the drafter's context attention is unmasked, so ring order does not matter). Rope is
 applied before the rows are stored, so they carry their absolute positions.
+
+Row `pad_row` (the last one) belongs to no session: padded requests of a CUDA-graph replay
+(`drafter_service.cuda_graphs`) point at it with context length 0, so it is read (and masked out) but
+never written.
+
+One step's appends for all sessions go through one plan (`plan`: the kept rows' cache row, ring slot
+and absolute position, computed on the host and uploaded as one index tensor) and one write (`write`:
+one scatter for K and one for V over all layers), so an append costs the same launches for 1 or 64
+sessions. Of an append of n > window rows only the last `window` are kept (the older ones would be
+overwritten within the same append anyway); they are the only ones the caller needs to project.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+from drafter_service.device_copy import int64_to_device
+
+
+@dataclass
+class AppendPlan:
+    """Where one batched append goes. Kept rows of every session, concatenated in plan order."""
+
+    sids: list[str]
+    counts: list[int]  # rows sent per session (n, may be 0)
+    skip: list[int]  # leading rows dropped per session (n - kept, > 0 only when n > window)
+    index: torch.Tensor  # [3, T] int64 on the cache's device: cache row, ring slot, absolute position
+
+    @property
+    def num_rows(self) -> int:
+        return self.index.shape[1]
 
 
 class DraftContextCache:
@@ -16,8 +44,12 @@ class DraftContextCache:
                  dtype: torch.dtype, device: torch.device | str):
         if window <= 0:
             raise ValueError(f"draft window must be positive, got {window}")
+        if max_sessions <= 0:
+            raise ValueError(f"max_sessions must be positive, got {max_sessions}")
         self.window = window
-        shape = (num_layers, max_sessions, window, kv_heads, head_dim)
+        self.max_sessions = max_sessions
+        self.pad_row = max_sessions  # owned by no session (padded graph requests read it, masked)
+        shape = (num_layers, max_sessions + 1, window, kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self._free = list(range(max_sessions - 1, -1, -1))
@@ -30,7 +62,7 @@ class DraftContextCache:
     def row(self, sid: str) -> int:
         if sid not in self._row:
             if not self._free:
-                raise RuntimeError(f"drafter context cache is full ({self.k.shape[1]} sessions)")
+                raise RuntimeError(f"drafter context cache is full ({self.max_sessions} sessions)")
             self._row[sid] = self._free.pop()
             self._count[sid] = 0
         return self._row[sid]
@@ -38,19 +70,34 @@ class DraftContextCache:
     def length(self, sid: str) -> int:
         return min(self._count.get(sid, 0), self.window)
 
-    def append(self, sid: str, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """kv: per layer (K, V) [n, kv_heads, head_dim] for n new context rows, in position order."""
-        row = self.row(sid)
-        n = kv[0][0].shape[0]
-        if n == 0:
-            return
-        keep = min(n, self.window)  # older rows would be overwritten within this append anyway
-        start = self._count[sid] + (n - keep)
-        ring = (torch.arange(keep, device=self.k.device) + start) % self.window
-        for layer, (k, v) in enumerate(kv):
-            self.k[layer, row, ring] = k[n - keep :].to(self.k.dtype)
-            self.v[layer, row, ring] = v[n - keep :].to(self.v.dtype)
-        self._count[sid] += n
+    def plan(self, sids: list[str], starts: list[int], counts: list[int]) -> AppendPlan:
+        """Plan appending counts[i] rows at absolute positions starts[i].. to session sids[i] (reserving a
+        cache row for a new session, also when it sends 0 rows). Session ids must be distinct."""
+        if len(set(sids)) != len(sids):
+            raise ValueError("a batched context append names a session twice")
+        if not len(sids) == len(starts) == len(counts):
+            raise ValueError(f"{len(sids)} sessions, {len(starts)} starts, {len(counts)} counts")
+        rows = [self.row(s) for s in sids]
+        keep = [min(n, self.window) for n in counts]
+        skip = [n - k for n, k in zip(counts, keep)]
+        keep_t = torch.tensor(keep, dtype=torch.int64)
+        seg = torch.repeat_interleave(torch.arange(len(sids)), keep_t)  # [T] session of each kept row
+        local = torch.arange(int(seg.numel())) - (torch.cumsum(keep_t, 0) - keep_t)[seg]  # index within its rows
+        ring0 = torch.tensor([self._count[s] + k for s, k in zip(sids, skip)], dtype=torch.int64)
+        pos0 = torch.tensor([p + k for p, k in zip(starts, skip)], dtype=torch.int64)
+        index = torch.stack((torch.tensor(rows, dtype=torch.int64)[seg], (ring0[seg] + local) % self.window,
+                             pos0[seg] + local))
+        return AppendPlan(list(sids), list(counts), skip, int64_to_device(index, self.k.device))
+
+    def write(self, plan: AppendPlan, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """kv: per layer (K, V) [T, kv_heads, head_dim] for the plan's T kept rows, in plan order. Ring slots
+        within a plan are distinct, so the scatter has no write-write race."""
+        if plan.num_rows:
+            rows, ring = plan.index[0], plan.index[1]
+            self.k[:, rows, ring] = torch.stack([k for k, _ in kv]).to(self.k.dtype)  # [layers, T, KV, hd]
+            self.v[:, rows, ring] = torch.stack([v for _, v in kv]).to(self.v.dtype)
+        for sid, n in zip(plan.sids, plan.counts):
+            self._count[sid] += n
 
     def release(self, sid: str) -> None:
         if sid in self._row:
