@@ -342,3 +342,18 @@ def test_gpu_ddtree_equals_ar_with_draft_graphs():
             assert (runner.stats["replays"] > r0) == on
     runner.enabled = True
     assert not runner.failed, runner.failed
+
+
+@pytest.mark.skipif(not (PAIR / "drafter" / "config.json").exists(), reason="models/kimi-mini missing")
+def test_launches_per_step_do_not_grow_with_sessions():
+    """bench/bench_draft_step.py's count (meta device, kimi-mini shapes): the eager step issues the same ops
+    at 1 and 32 sessions (the per-session context append is gone), and with graphs the host issues only the
+    context append, the upload, the replay and the copy out."""
+    from bench.bench_draft_step import count_launches
+    from drafter_service.config import DFlashConfig
+    from verifier_service.config import KimiConfig
+
+    cfg, tcfg = DFlashConfig.from_file(PAIR / "drafter"), KimiConfig.from_file(PAIR / "target")
+    one, many = count_launches(cfg, tcfg.hidden_size, 1), count_launches(cfg, tcfg.hidden_size, 32)
+    assert many["eager"] - one["eager"] <= 1 and many["graphs"] - one["graphs"] <= 1, (one, many)  # + the cat
+    assert many["graphs"] * 4 < many["eager"], many
