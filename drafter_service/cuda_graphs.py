@@ -15,7 +15,7 @@ GEMMs, rope and the MLP act on rows; attention reads request r's own cache row `
 its own block, masked by its own context length; the log-softmax and every step of `build_tree` (per-depth
 sort, beam, global sort, FCNS) work within one request's row. So a real request's result does not depend
 on the pad requests' values (tests/unit/test_draft_graphs.py: bitwise in fp32 on the CPU in padded-eager
-mode; graph replay == padded eager bitwise on the GPU). Its bits may depend on Rb through the GEMMs' kernel
+mode with the pad row poisoned with NaN; graph replay == padded eager bitwise on the GPU). Its bits may depend on Rb through the GEMMs' kernel
 choice, as the eager draft's already depend on R: drafts need not be batch invariant (the verifier decides
 what is accepted), only the verifier's forward does.
 
