@@ -9,8 +9,8 @@ the median over `--steps` steps of
 for `cuda_graphs` off (eager) and on (replays; the first steps capture, then are excluded by the warm-up).
 Peers in the same run: the eager step is the graphs' peer; `launches` is the number of device ops the
 step issues from the host, counted on the meta device (views, empties and metadata excluded; RMSNorm and
-SDPA counted as their one CUDA kernel each): the eager step's, and with graphs the context append's plus
-upload, replay and the copy out of the trees.
+SDPA counted as their one CUDA kernel each): the eager step's, and with graphs what the host still issues
+(feature and index uploads, two replays, the copy out of the trees).
 
   PYTHONPATH=. python bench/bench_draft_step.py [--pair models/kimi-mini] [--sessions 1 8 32]
       [--steps 30] [--out bench/results/draft_step.jsonl]
@@ -57,17 +57,33 @@ class Steps:
 
 
 class LaunchCount(TorchDispatchMode):
+    """Counts the device ops dispatched on meta tensors; `as_one_launch(fn)` wraps fn (a graph's body) so that
+    a call counts as one launch (its replay) and its ops as `in_graph`."""
+
     def __init__(self):
         super().__init__()
-        self.n = 0
+        self.n, self.in_graph, self._inside = 0, 0, False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         flat = torch.utils._pytree.tree_flatten((args, kwargs, out))[0]
         if (not func.is_view and func.overloadpacket.__name__ not in NOT_LAUNCHES
                 and any(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in flat)):
-            self.n += 1
+            if self._inside:
+                self.in_graph += 1
+            else:
+                self.n += 1
         return out
+
+    def as_one_launch(self, fn):
+        def replay(*a, **kw):
+            self.n += 1
+            self._inside = True
+            try:
+                return fn(*a, **kw)
+            finally:
+                self._inside = False
+        return replay
 
 
 class _OneKernelOps:
@@ -82,22 +98,30 @@ class _OneKernelOps:
 
 
 def count_launches(cfg: DFlashConfig, target_hidden: int, C: int) -> dict:
-    """Device ops issued per steady draft step (meta device: shapes only, no data)."""
+    """Device ops issued per steady draft step (meta device: shapes only, no data): eager, and with graphs
+    (the runner's padded path with each graph body counted as one replay; `in_graph`: the ops replayed)."""
     saved = rmsnorm.rms_norm, drafter_model.F
     rmsnorm.rms_norm, drafter_model.F = (lambda x, w, eps: x * w), _OneKernelOps()  # one kernel each on CUDA
+    out = {}
     try:
         model = DFlashDrafter(cfg, target_hidden).to("meta").eval()
         head = torch.empty(cfg.vocab_size, cfg.hidden_size, device="meta")
-        d = Drafter(model, head, head, max_sessions=max(C, 1), window=1024, cuda_graphs=False)
-        steps = Steps(C, cfg.num_taps * target_hidden, "meta", torch.float32)
-        d.draft(steps.next(PREFILL))
-        with LaunchCount() as eager:
-            d.draft(steps.next())
-        with LaunchCount() as append:
-            d.add_contexts([(r.session_id, r.ctx_start, r.ctx_features) for r in steps.next()])
+        for graphs in (False, True):
+            d = Drafter(model, head, head, max_sessions=max(C, 1), window=1024, cuda_graphs=graphs)
+            steps = Steps(C, cfg.num_taps * target_hidden, "meta", torch.float32)
+            d.draft(steps.next(PREFILL))
+            count = LaunchCount()
+            if graphs:
+                r = d.graphs
+                r._draft_body, r._append_body = count.as_one_launch(r._draft_body), count.as_one_launch(r._append_body)
+            with count:
+                d.draft(steps.next())
+            out["graphs" if graphs else "eager"] = count.n
+            if graphs:
+                out["in_graph"] = count.in_graph
     finally:
         rmsnorm.rms_norm, drafter_model.F = saved
-    return {"eager": eager.n, "graphs": append.n + 3, "in_graph": eager.n - append.n}
+    return out
 
 
 def time_steps(d: Drafter, steps: Steps, n: int) -> tuple[float, float]:
@@ -132,7 +156,7 @@ def main(argv=None) -> int:
     if args.launches_only:
         for C, n in launches.items():
             print(f"C={C:3d}  launches per draft step: eager {n['eager']}, with graphs {n['graphs']} "
-                  f"(+ {n['in_graph']} kernels inside the replayed graph)")
+                  f"(+ {n['in_graph']} kernels inside the two replayed graphs)")
         return 0
 
     from bench._common import env_info, write_jsonl

@@ -5,15 +5,16 @@ n rows writes ring positions (count + i) % window; attention reads the first min
 ring rows (the drafter's context attention is unmasked, so ring order does not matter). Rope is
 applied before the rows are stored, so they carry their absolute positions.
 
-Row `pad_row` (the last one) belongs to no session: padded requests of a CUDA-graph replay
-(`drafter_service.cuda_graphs`) point at it with context length 0, so it is read (and masked out) but
-never written.
+Row `pad_row` (the last one) belongs to no session. CUDA-graph replays (`drafter_service.cuda_graphs`)
+pad with it: padded draft requests read it with context length 0 (masked out), padded append rows write
+it (`pad_index`). So its contents are never seen by a session.
 
 One step's appends for all sessions go through one plan (`plan`: the kept rows' cache row, ring slot
-and absolute position, computed on the host and uploaded as one index tensor) and one write (`write`:
-one scatter for K and one for V over all layers), so an append costs the same launches for 1 or 64
-sessions. Of an append of n > window rows only the last `window` are kept (the older ones would be
-overwritten within the same append anyway); they are the only ones the caller needs to project.
+and absolute position, computed on the host as one index) and one scatter (`scatter`: one for K and one
+for V over all layers, device-only, so a graph can hold it), then `commit` advances the counts; an append
+costs the same launches for 1 or 64 sessions. Of an append of n > window rows only the last `window` are
+kept (the older ones would be overwritten within the same append anyway); they are the only ones the
+caller needs to project.
 """
 
 from __future__ import annotations
@@ -21,8 +22,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-from drafter_service.device_copy import int64_to_device
 
 
 @dataclass
@@ -32,11 +31,11 @@ class AppendPlan:
     sids: list[str]
     counts: list[int]  # rows sent per session (n, may be 0)
     skip: list[int]  # leading rows dropped per session (n - kept, > 0 only when n > window)
-    index: torch.Tensor  # [3, T] int64 on the cache's device: cache row, ring slot, absolute position
+    index: torch.Tensor  # [T, 3] int64 on the host: cache row, ring slot, absolute position
 
     @property
     def num_rows(self) -> int:
-        return self.index.shape[1]
+        return self.index.shape[0]
 
 
 class DraftContextCache:
@@ -86,16 +85,24 @@ class DraftContextCache:
         ring0 = torch.tensor([self._count[s] + k for s, k in zip(sids, skip)], dtype=torch.int64)
         pos0 = torch.tensor([p + k for p, k in zip(starts, skip)], dtype=torch.int64)
         index = torch.stack((torch.tensor(rows, dtype=torch.int64)[seg], (ring0[seg] + local) % self.window,
-                             pos0[seg] + local))
-        return AppendPlan(list(sids), list(counts), skip, int64_to_device(index, self.k.device))
+                             pos0[seg] + local), dim=1)
+        return AppendPlan(list(sids), list(counts), skip, index)
 
-    def write(self, plan: AppendPlan, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """kv: per layer (K, V) [T, kv_heads, head_dim] for the plan's T kept rows, in plan order. Ring slots
-        within a plan are distinct, so the scatter has no write-write race."""
-        if plan.num_rows:
-            rows, ring = plan.index[0], plan.index[1]
-            self.k[:, rows, ring] = torch.stack([k for k, _ in kv]).to(self.k.dtype)  # [layers, T, KV, hd]
-            self.v[:, rows, ring] = torch.stack([v for _, v in kv]).to(self.v.dtype)
+    def pad_index(self, n: int) -> torch.Tensor:
+        """[n, 3] host index of n pad rows: the pad row, ring slots 0, 1, ... (mod window), position 0."""
+        slots = torch.arange(n, dtype=torch.int64)
+        return torch.stack((torch.full_like(slots, self.pad_row), slots % self.window, torch.zeros_like(slots)), dim=1)
+
+    def scatter(self, index: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """index: [T, 3] int64 on the cache's device (a plan's, maybe padded); kv: per layer (K, V)
+        [T, kv_heads, head_dim] for those rows. Device ops only. A plan's ring slots are distinct (no
+        write-write race); pad rows may collide only within the pad row, which no session reads."""
+        rows, ring = index[:, 0], index[:, 1]
+        self.k[:, rows, ring] = torch.stack([k for k, _ in kv]).to(self.k.dtype)  # [layers, T, KV, hd]
+        self.v[:, rows, ring] = torch.stack([v for _, v in kv]).to(self.v.dtype)
+
+    def commit(self, plan: AppendPlan) -> None:
+        """The plan's rows are written: advance every session's count."""
         for sid, n in zip(plan.sids, plan.counts):
             self._count[sid] += n
 

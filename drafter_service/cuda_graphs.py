@@ -1,43 +1,52 @@
-"""The drafter's step in CUDA graphs: the DFlash block forward and the DDTree build (DESIGN 3.1, 3.4).
+"""The drafter's step in CUDA graphs: the context append, the DFlash block forward and the DDTree build
+(DESIGN 2.2, 3.1, 3.4).
 
 At small batches a draft step is all launch overhead (about 9 ms at 1 session, 45 ms at 32 on an H200 for
-kimi-mini, for a few ms of GPU work), so `DraftGraphRunner` replays `Drafter.logq` + `build_tree` from CUDA
-graphs. Graphs have fixed shapes and addresses, so a step is copied into the static input buffer of its
-bucket, `[4, Rb]` int64 (cache row, context length, root token, root position per request), and padded:
+kimi-mini, for a few ms of GPU work), so `DraftGraphRunner` replays both halves of a step from CUDA graphs:
+the context append (`context_kv` + the ring scatter) and the draft (`Drafter.logq` + `build_tree`). Graphs
+have fixed shapes and addresses, so each half is copied into static buffers and padded:
 
-  requests    R real ones, then pad requests up to the bucket Rb (`request_buckets`: 1, 2, 4, ..., the
-              powers of two below max_sessions, then max_sessions);
-  pad request cache row `DraftContextCache.pad_row` (owned by no session, never written), context length 0
-              (its whole window is masked out; its block rows keep the softmax finite), root token 0 at
-              position 0, and the same budget / top-k as the real ones.
-Pad requests are harmless because every op of the draft is row-local per request: embedding, norms,
-GEMMs, rope and the MLP act on rows; attention reads request r's own cache row `cache.k[:, rows[r]]` and
-its own block, masked by its own context length; the log-softmax and every step of `build_tree` (per-depth
-sort, beam, global sort, FCNS) work within one request's row. So a real request's result does not depend
-on the pad requests' values (tests/unit/test_draft_graphs.py: bitwise in fp32 on the CPU in padded-eager
-mode with the pad row poisoned with NaN; graph replay == padded eager bitwise on the GPU). Its bits may depend on Rb through the GEMMs' kernel
-choice, as the eager draft's already depend on R: drafts need not be batch invariant (the verifier decides
-what is accepted), only the verifier's forward does.
+  draft       per request bucket Rb (`pow2_buckets(max_sessions)`: 1, 2, 4, ..., max_sessions), an int64
+              [4, Rb] input (cache row, context length, root token, root position per request): R real
+              requests, then pad requests: cache row `DraftContextCache.pad_row` (owned by no session),
+              context length 0 (its window is masked out; its block rows keep the softmax finite), root
+              token 0 at position 0, and the same budget / top-k as the real ones;
+  append      per row bucket Tb (`pow2_buckets(max_context_rows)`), the first Tb rows of a static feature
+              buffer [max_context_rows, F] and of an int64 index [max_context_rows, 3] (cache row, ring slot,
+              position; `DraftContextCache.plan`): T real rows, then pad rows that write the pad row
+              (`DraftContextCache.pad_index`) from whatever features the buffer holds there.
+Padding is harmless because every op is row-local: embedding, norms, GEMMs, rope and the MLP act on rows;
+attention reads request r's own cache row `cache.k[:, rows[r]]` and its own block, masked by its own
+context length; the log-softmax and every step of `build_tree` (per-depth sort, beam, global sort, FCNS)
+work within one request's row; the scatter writes a real row only where its plan says, pad rows only into
+the pad row, which sessions never read. So a real result does not depend on the pad values
+(tests/unit/test_draft_graphs.py: bitwise in fp32 on the CPU in padded-eager mode with the pad row poisoned
+with NaN; graph replay == padded eager bitwise on the GPU). Its bits may depend on the bucket through the
+GEMMs' kernel choice, as the eager draft's depend on R: drafts need not be batch invariant (the verifier
+decides what is accepted), only the verifier's forward does.
 
-Keys are (Rb, budget, top-k): `build_tree` bakes the budget and top-k into its shapes and fills. A step
-whose requests do not share one (budget, top-k) runs one group per pair, each through its own graph (a
-replay is cheap, so a mixed step costs a few replays instead of a full eager step); the groups' trees are
-merged into one TreeBatch in request order, padded to the widest (the pad values of `build_tree`). At
-most `max_graphs` graphs are captured (budget and top-k come from clients): past that, new keys run eagerly
-(unpadded), logged once.
+Keys: (Rb, budget, top-k) for drafts (`build_tree` bakes budget and top-k into shapes and fills), ("context",
+Tb) for appends. A step whose requests do not share one (budget, top-k) runs one group per pair, each
+through its own graph (a replay is cheap, so a mixed step costs a few replays instead of a full eager step);
+the groups' trees are merged into one TreeBatch in request order, padded to the widest (`build_tree`'s pad
+values). At most `max_graphs` draft graphs are captured (budget and top-k come from clients): past that, new
+keys run eagerly (unpadded), logged once. Appends of more than max_context_rows rows (prefills) run eagerly.
 
-Outputs: the graph packs the six [Rb, M] tree arrays into one [6, Rb, M] int32 buffer (logw bit-cast), a
+Outputs: a draft graph packs the six [Rb, M] tree arrays into one [6, Rb, M] int32 buffer (logw bit-cast), a
 static buffer that the next replay of the key overwrites. `run` copies the real rows out with one copy
 (merging groups costs one copy each), so the TreeBatch it returns belongs to the caller: the engine and
 the drafter server consume trees within the step, but a caller may keep them (tests compare two drafts).
+An append graph writes the cache in place (its capture's warm-up run on a side stream already does the
+write; replaying it writes the same values again).
 
-What the draft derives from host values, and how each is capture-safe: R -> padded to Rb (part of the key);
-budget, top-k -> part of the key; context lengths, rows, roots and positions -> read on the device from the
-static buffer; the window W and the block size -> fixed by the cache and the model. Nothing in `Drafter.logq`
-or `build_tree` synchronises with the host (the rope table is moved to the model's device once, by the
+Host values and capture safety: R, T -> padded to buckets (part of the key); budget, top-k -> key; rows,
+lengths, roots, positions, ring slots -> read on the device from the static buffers; the window and the
+block size -> fixed by the cache and the model. Nothing in `Drafter.logq`, `context_kv`, the scatter or
+`build_tree` synchronises with the host (the rope table is moved to the model's device once, by the
 Drafter). A capture that fails is logged once, recorded in `failed`, and its key runs eagerly (unpadded)
-from then on; `stats` counts replays, captures, padded-eager runs and eager groups. Off CUDA there is
-nothing to capture: `capture=False` pads into the same buffers and runs eagerly (the CPU tests' mode).
+from then on; `stats` counts replays, captures, padded-eager runs and eager runs (`context_*` for appends).
+Off CUDA there is nothing to capture: `capture=False` pads into the same buffers and runs eagerly (the CPU
+tests' mode).
 """
 
 from __future__ import annotations
@@ -45,13 +54,13 @@ from __future__ import annotations
 import bisect
 import collections
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 import torch
 
 from drafter_service.api import DraftRequest
 from drafter_service.context_cache import DraftContextCache
-from drafter_service.device_copy import int64_to_device
+from drafter_service.device_copy import int64_to_device, rows_to_device
 from kernels.tree_build import TreeBatch, build_tree, tree_size
 
 log = logging.getLogger(__name__)
@@ -60,15 +69,15 @@ NEG_INF_BITS = int(torch.tensor(float("-inf"), dtype=torch.float32).view(torch.i
 MAX_GRAPHS = 64
 
 
-def request_buckets(max_requests: int) -> list[int]:
-    """Padded request counts: the powers of two below max_requests, then max_requests (1, 2, 4, ..., 32, 48)."""
-    if max_requests < 1:
-        raise ValueError(f"request_buckets: max_requests must be >= 1, got {max_requests}")
+def pow2_buckets(limit: int) -> list[int]:
+    """Padded sizes: the powers of two below limit, then limit (1, 2, 4, ..., 32, 48 for 48)."""
+    if limit < 1:
+        raise ValueError(f"pow2_buckets: limit must be >= 1, got {limit}")
     out = [1]
-    while out[-1] * 2 < max_requests:
+    while out[-1] * 2 < limit:
         out.append(out[-1] * 2)
-    if out[-1] != max_requests:
-        out.append(max_requests)
+    if out[-1] != limit:
+        out.append(limit)
     return out
 
 
@@ -84,28 +93,33 @@ def unpack_trees(packed: torch.Tensor, n_nodes: list[int]) -> TreeBatch:
 
 
 class DraftGraphRunner:
-    """Runs draft steps (block forward -> per-depth log-probs -> DDTree) from CUDA graphs keyed by
-    (padded requests, budget, top-k).
+    """Runs draft steps (block forward -> per-depth log-probs -> DDTree) and context appends from CUDA graphs.
 
     logq: (rows, ctx_len, roots, root_pos), each [Rb] int64 on the cache's device -> fp32 [Rb, L, V]
-    (`Drafter.logq`: device ops only); cache: the drafter's context cache (rows, lengths, the pad row);
-    depth: L = block_size - 1; vocab_size: V (top-k caps are min'd with it); capture: True = CUDA graphs
-    (the cache must be on CUDA), False = pad into the same buffers and run eagerly (CPU tests)."""
+    (`Drafter.logq`: device ops only); context_kv: (feats [T, F], positions [T]) -> per layer (K, V)
+    (`DFlashDrafter.context_kv`); cache: the drafter's context cache; depth: L = block_size - 1; vocab_size:
+    V (top-k caps are min'd with it); feature_dim F and dtype: the context features the model takes;
+    max_context_rows: the largest append replayed (larger ones run eagerly); capture: True = CUDA graphs (the
+    cache must be on CUDA), False = pad into the same buffers and run eagerly (CPU tests)."""
 
-    def __init__(self, logq: Callable[..., torch.Tensor], cache: DraftContextCache, depth: int, vocab_size: int,
+    def __init__(self, logq: Callable[..., torch.Tensor], context_kv: Callable, cache: DraftContextCache,
+                 depth: int, vocab_size: int, feature_dim: int, dtype: torch.dtype, max_context_rows: int,
                  capture: bool, max_graphs: int = MAX_GRAPHS):
         dev = cache.k.device
         if capture and dev.type != "cuda":
             raise ValueError("DraftGraphRunner: CUDA graphs need the context cache on a CUDA device")
-        self.logq, self.cache, self.depth, self.vocab_size = logq, cache, depth, vocab_size
+        self.logq, self.context_kv, self.cache, self.depth, self.vocab_size = logq, context_kv, cache, depth, vocab_size
         self.capture, self.max_graphs, self.device = capture, max_graphs, dev
-        self.buckets = request_buckets(cache.max_sessions)
+        self.buckets = pow2_buckets(cache.max_sessions)
+        self.row_buckets = pow2_buckets(max_context_rows)
         self.pad_column = [cache.pad_row, 0, 0, 0]  # row, context length, root token, root position
         pad = torch.tensor(self.pad_column, dtype=torch.int64, device=dev)[:, None]
-        self.inputs = {n: pad.expand(4, n).contiguous() for n in self.buckets}  # static inputs per bucket
-        self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.failed: dict[tuple[int, int, int], str] = {}  # key -> why its capture failed (runs eagerly)
-        self.stats: collections.Counter = collections.Counter()  # replays, captures, padded_eager, eager
+        self.inputs = {n: pad.expand(4, n).contiguous() for n in self.buckets}  # static draft inputs per bucket
+        self.ctx_feats = torch.zeros(self.row_buckets[-1], feature_dim, dtype=dtype, device=dev)  # static rows
+        self.ctx_index = cache.pad_index(self.row_buckets[-1]).to(dev)  # static [rows, 3]: row, ring slot, position
+        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor | None]] = {}
+        self.failed: dict[tuple, str] = {}  # key -> why its capture failed (runs eagerly)
+        self.stats: collections.Counter = collections.Counter()  # replays, captures, padded_eager, eager, context_*
         self.enabled = True
         self._mempool = None
         self._stream = None
@@ -116,6 +130,38 @@ class DraftGraphRunner:
         """The padded request count of a group of n_requests, None past the largest bucket."""
         i = bisect.bisect_left(self.buckets, n_requests)
         return self.buckets[i] if i < len(self.buckets) else None
+
+    def row_bucket(self, n_rows: int) -> int | None:
+        """The padded row count of an append of n_rows, None past the largest bucket."""
+        i = bisect.bisect_left(self.row_buckets, n_rows)
+        return self.row_buckets[i] if i < len(self.row_buckets) else None
+
+    @torch.no_grad()
+    def append(self, index: torch.Tensor, parts: list[torch.Tensor]) -> bool:
+        """Write context rows: index [T, 3] on the host (a `DraftContextCache.plan`'s), parts: the kept feature
+        rows in plan order (T in all). -> False when the append is not for the runner (disabled, too many
+        rows, a failed capture): the caller then appends eagerly. Counts are the caller's to commit."""
+        T = index.shape[0]
+        n = self.row_bucket(T)
+        key = ("context", n)
+        if not self.enabled or T == 0:
+            return False
+        if n is None or key in self.failed:
+            self.stats["context_eager"] += 1
+            return False
+        int64_to_device(torch.cat((index, self.cache.pad_index(n - T))), self.device, out=self.ctx_index[:n])
+        rows_to_device(parts, self.device, self.ctx_feats.dtype, out=self.ctx_feats[:T])
+        if not self.capture:
+            self.stats["context_padded_eager"] += 1
+            self._append_body(n)
+            return True
+        entry = self.graphs.get(key) or self._capture(key, lambda: self._append_body(n))
+        if entry is None:  # this capture failed just now
+            self.stats["context_eager"] += 1
+            return False
+        entry[0].replay()
+        self.stats["context_replays"] += 1
+        return True
 
     @torch.no_grad()
     def run(self, requests: list[DraftRequest]) -> TreeBatch | None:
@@ -141,20 +187,25 @@ class DraftGraphRunner:
         return unpack_trees(out, n_nodes)
 
     @torch.no_grad()
-    def warmup(self, budget: int, topk: int, buckets: Iterable[int] | None = None) -> list[tuple[int, int, int]]:
-        """Capture now the graphs of these request counts (default: every bucket) for one (budget, top-k), over
-        all-padding inputs (nothing is written). -> the keys that have a graph. A no-op in padded-eager mode."""
+    def warmup(self, budget: int, topk: int) -> list[tuple]:
+        """Capture now the draft graphs of every request bucket for one (budget, top-k) and the append graphs
+        of every row bucket, over all-padding inputs (only the pad row is written). -> the keys that have a
+        graph. A no-op in padded-eager mode."""
         if not self.capture or not self.enabled:
             return []
         keys = []
-        for n in sorted({b for b in (self.bucket(x) for x in (buckets or self.buckets)) if b is not None},
-                        reverse=True):  # largest first: later captures reuse its pool blocks
+        for n in reversed(self.buckets):  # largest first: later captures reuse its pool blocks
             key = (n, budget, topk)
-            if key not in self.graphs and key not in self.failed and len(self.graphs) < self.max_graphs:
+            if key not in self.graphs and key not in self.failed and self._draft_graphs() < self.max_graphs:
                 int64_to_device(self._columns([], n), self.device, out=self.inputs[n])  # all padding
-                self._capture(key)
-            if key in self.graphs:
-                keys.append(key)
+                self._capture(key, lambda n=n: self._draft_body(self.inputs[n], budget, topk))
+            keys += [key] if key in self.graphs else []
+        for n in reversed(self.row_buckets):
+            key = ("context", n)
+            if key not in self.graphs and key not in self.failed:
+                int64_to_device(self.cache.pad_index(n), self.device, out=self.ctx_index[:n])
+                self._capture(key, lambda n=n: self._append_body(n))
+            keys += [key] if key in self.graphs else []
         return keys
 
     def reset(self) -> None:
@@ -165,6 +216,9 @@ class DraftGraphRunner:
         self._mempool = None
 
     # --- internals ----------------------------------------------------------------------------------
+    def _draft_graphs(self) -> int:
+        return sum(1 for k in self.graphs if k[0] != "context")
+
     def _columns(self, requests: list[DraftRequest], n: int) -> list[list[int]]:
         """[4, n] host ints: the requests' (row, context length, root, root position), then pad columns."""
         cols = [[self.cache.row(r.session_id), self.cache.length(r.session_id), r.root_token, r.root_pos]
@@ -172,12 +226,17 @@ class DraftGraphRunner:
         cols += [self.pad_column] * (n - len(requests))
         return [list(c) for c in zip(*cols)]
 
-    def _body(self, inputs: torch.Tensor, budget: int, topk: int) -> torch.Tensor:
-        """What a graph holds: the forward and the tree build of inputs [4, n] -> packed trees [6, n, M]."""
+    def _draft_body(self, inputs: torch.Tensor, budget: int, topk: int) -> torch.Tensor:
+        """A draft graph: the forward and the tree build of inputs [4, n] -> packed trees [6, n, M]."""
         rows, ctx_len, roots, root_pos = inputs.unbind(0)
         logq = self.logq(rows, ctx_len, roots, root_pos)
         n = inputs.shape[1]
         return pack_trees(build_tree(logq, roots, [budget] * n, [topk] * n))
+
+    def _append_body(self, n: int) -> None:
+        """An append graph: project the first n static feature rows and scatter them by the static index."""
+        index = self.ctx_index[:n]
+        self.cache.scatter(index, self.context_kv(self.ctx_feats[:n], index[:, 2]))
 
     def _group(self, requests: list[DraftRequest], budget: int, topk: int) -> tuple[torch.Tensor, bool]:
         """One (budget, top-k) group -> (packed trees [6, >= R, M] with the real rows first, fresh: True when
@@ -186,34 +245,37 @@ class DraftGraphRunner:
         n = self.bucket(R)
         key = (n, budget, topk)
         if self.capture and key not in self.graphs:
-            if key not in self.failed and len(self.graphs) >= self.max_graphs:
+            full = self._draft_graphs() >= self.max_graphs
+            if full and key not in self.failed:
                 self._warn(f"CUDA graphs: {self.max_graphs} draft graphs captured already; new (requests, budget, "
                            "top-k) keys run eagerly")
-            if key in self.failed or len(self.graphs) >= self.max_graphs:
-                self.stats["eager"] += 1
-                return self._body(int64_to_device(self._columns(requests, R), self.device), budget, topk), True
+            if full or key in self.failed:
+                return self._eager(requests, budget, topk), True
         inputs = self.inputs[n]
         int64_to_device(self._columns(requests, n), self.device, out=inputs)
         if not self.capture:
             self.stats["padded_eager"] += 1
-            return self._body(inputs, budget, topk)[:, :R], True
-        entry = self.graphs.get(key) or self._capture(key)
+            return self._draft_body(inputs, budget, topk)[:, :R], True
+        entry = self.graphs.get(key) or self._capture(key, lambda: self._draft_body(inputs, budget, topk))
         if entry is None:  # this capture failed just now
-            self.stats["eager"] += 1
-            return self._body(int64_to_device(self._columns(requests, R), self.device), budget, topk), True
+            return self._eager(requests, budget, topk), True
         graph, packed = entry
         graph.replay()
         self.stats["replays"] += 1
         return packed[:, :R], False
+
+    def _eager(self, requests: list[DraftRequest], budget: int, topk: int) -> torch.Tensor:
+        self.stats["eager"] += 1
+        return self._draft_body(int64_to_device(self._columns(requests, len(requests)), self.device), budget, topk)
 
     def _warn(self, msg: str) -> None:
         if msg not in self._warned:
             self._warned.add(msg)
             log.warning(msg)
 
-    def _capture(self, key: tuple[int, int, int]):
-        """Warm up on a side stream, then capture the body over the static inputs (already loaded)."""
-        n, budget, topk = key
+    def _capture(self, key: tuple, body: Callable[[], torch.Tensor | None]):
+        """Run `body` once on a side stream (compiles the kernels; an append writes what its replay writes),
+        then capture it over the static buffers (already loaded) -> (graph, output) or None (logged)."""
         try:
             if self._mempool is None:
                 self._mempool = torch.cuda.graph_pool_handle()
@@ -221,15 +283,15 @@ class DraftGraphRunner:
                 self._stream = torch.cuda.Stream(self.device)
             self._stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(self._stream):
-                self._body(self.inputs[n], budget, topk)  # compiles the kernels (reads only)
+                body()
             torch.cuda.current_stream().wait_stream(self._stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._mempool, capture_error_mode="thread_local"):
-                out = self._body(self.inputs[n], budget, topk)
+                out = body()
         except Exception as exc:  # noqa: BLE001 - recorded; this key runs eagerly from now on
             self.failed[key] = f"{type(exc).__name__}: {exc}"[:500]
-            self._warn(f"CUDA graphs: capture of the draft step for {n} requests (budget {budget}, top-k {topk}) "
-                       f"failed, running it eagerly: {self.failed[key]}")
+            self._warn(f"CUDA graphs: capture of the drafter's {key} graph failed, running it eagerly: "
+                       f"{self.failed[key]}")
             self._mempool = None  # later captures start a fresh pool
             try:
                 torch.cuda.synchronize()

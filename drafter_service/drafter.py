@@ -4,8 +4,9 @@
 `context_kv` forward over the kept rows of every session and one ring scatter for K and one for V, so the
 cost in launches does not grow with the sessions), runs the block `[root, MASK x (B-1)]` for all requests
 in one forward, turns output slots 1..B-1 into per-depth log-probs and builds the DDTree
-(`kernels.tree_build`). With CUDA graphs (`cuda_graphs`, default on for a CUDA device) the forward and the
-tree build replay from `drafter_service.cuda_graphs.DraftGraphRunner`.
+(`kernels.tree_build`). With CUDA graphs (`cuda_graphs`, default on for a CUDA device) the append (up to
+max_sessions x block_size rows: a decode step's) and the forward + tree build replay from
+`drafter_service.cuda_graphs.DraftGraphRunner`.
 
 `draft_logq(requests)` is the one hook a different proposal source overrides (tests' oracle drafters); such
 a subclass drafts eagerly, since a graph would replay the model instead. `logq(rows, ctx_len, roots,
@@ -22,21 +23,11 @@ import torch
 from drafter_service.api import DraftRequest
 from drafter_service.context_cache import DraftContextCache
 from drafter_service.cuda_graphs import DraftGraphRunner
-from drafter_service.device_copy import int64_to_device
+from drafter_service.device_copy import int64_to_device, rows_to_device
 from drafter_service.model import DFlashDrafter
 from kernels.tree_build import TreeBatch, build_tree
 
 log = logging.getLogger(__name__)
-
-
-def _rows_on(parts: list[torch.Tensor], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """Concatenate feature rows [n_i, F] and move them: one concatenation and one copy when they share a
-    device and dtype (the usual case: all on the verifier's device, or all decoded from the wire)."""
-    if len(parts) == 1:
-        return parts[0].to(device, dtype)
-    if len({(p.device, p.dtype) for p in parts}) == 1:
-        return torch.cat(parts).to(device, dtype)
-    return torch.cat([p.to(device, dtype) for p in parts])
 
 
 class Drafter:
@@ -63,7 +54,8 @@ class Drafter:
             cuda_graphs = False
         self.graphs: DraftGraphRunner | None = None
         if cuda_graphs:
-            self.graphs = DraftGraphRunner(self.logq, self.cache, self.depth, self.cfg.vocab_size,
+            self.graphs = DraftGraphRunner(self.logq, model.context_kv, self.cache, self.depth, self.cfg.vocab_size,
+                                           model.fc.in_features, self.dtype, max_sessions * self.cfg.block_size,
                                            capture=self.device.type == "cuda")
 
     @property
@@ -83,8 +75,8 @@ class Drafter:
 
     @torch.no_grad()
     def warmup(self, budget: int, topk: int) -> int:
-        """Capture the draft graphs of every request bucket for one (budget, top-k) now (e.g. the serving
-        defaults, at server start) -> the number of graphs held for it (0 without CUDA graphs)."""
+        """Capture now the draft graphs of every request bucket for one (budget, top-k) (e.g. the serving
+        defaults, at server start) and the append graphs -> the number of graphs held (0 without CUDA graphs)."""
         return len(self.graphs.warmup(budget, topk)) if self.graphs is not None else 0
 
     @torch.no_grad()
@@ -96,14 +88,16 @@ class Drafter:
     @torch.no_grad()
     def add_contexts(self, appends: list[tuple[str, int, torch.Tensor]]) -> None:
         """(session id, start, feats) per session (distinct ids): one context_kv forward over the rows every
-        session keeps (its last `window`), one scatter of K and one of V into the ring cache."""
+        session keeps (its last `window`), one scatter of K and one of V into the ring cache; replayed from a
+        graph when the runner takes it."""
         plan = self.cache.plan([a[0] for a in appends], [a[1] for a in appends], [a[2].shape[0] for a in appends])
-        if plan.num_rows == 0:
-            self.cache.write(plan, [])
-            return
-        parts = [f[skip:] for (_, _, f), skip in zip(appends, plan.skip) if f.shape[0]]
-        feats = _rows_on(parts, self.device, self.dtype)
-        self.cache.write(plan, self.model.context_kv(feats, plan.index[2]))
+        if plan.num_rows:
+            parts = [f[skip:] for (_, _, f), skip in zip(appends, plan.skip) if f.shape[0]]
+            if self.graphs is None or not self.graphs.append(plan.index, parts):
+                index = int64_to_device(plan.index, self.device)
+                feats = rows_to_device(parts, self.device, self.dtype)
+                self.cache.scatter(index, self.model.context_kv(feats, index[:, 2]))
+        self.cache.commit(plan)
 
     def draft_logq(self, requests: list[DraftRequest]) -> torch.Tensor:
         """-> fp32 [R, B-1, V]: log q_i of the token at position root_pos + i, i = 1..B-1."""

@@ -199,10 +199,10 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
 
 # --- building and serving ------------------------------------------------------------------------------
 def load_drafter_service(cfg: DrafterServerConfig, service: DrafterService, make_drafter=Drafter) -> None:
-    """Load the drafter and the target's embed/lm_head, run one warm-up step, capture the draft graphs of
-    the default (budget, top-k) for every request bucket (with CUDA graphs; other keys are captured on first
-    use), attach to the service. `make_drafter` builds the engine object (a Drafter subclass may change the
-    proposal source)."""
+    """Load the drafter and the target's embed/lm_head, run one warm-up step, capture the context-append
+    graphs and the draft graphs of the default (budget, top-k) for every bucket (with CUDA graphs; other keys
+    are captured on first use), attach to the service. `make_drafter` builds the engine object (a Drafter
+    subclass may change the proposal source)."""
     from drafter_service.checkpoint import check_pair, load_drafter
     from drafter_service.config import DFlashConfig
     from drafter_service.target_head import load_target_head
@@ -225,7 +225,8 @@ def load_drafter_service(cfg: DrafterServerConfig, service: DrafterService, make
     drafter.release("warm-up")
     defaults = DecodeParams()
     if graphs := drafter.warmup(defaults.budget, defaults.topk):
-        log.info("captured %d draft graphs (budget %d, top-k %d)", graphs, defaults.budget, defaults.topk)
+        log.info("captured %d CUDA graphs (context appends; drafts at budget %d, top-k %d)", graphs,
+                 defaults.budget, defaults.topk)
     service.attach(drafter, Path(cfg.drafter_dir).name, tcfg.hidden_size)
 
 

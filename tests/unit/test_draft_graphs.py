@@ -5,12 +5,14 @@ graphs, run eagerly), fp32: a padded step's real rows equal the unpadded eager d
 all six tree arrays) with the pad row poisoned with NaN, for R = 1, 3, 5 and mixed context lengths (0 rows,
 a wrapped window); bitwise with row-invariant linears (`tests.helpers.row_invariant_linears`, independent of
 which GEMM kernel a row count picks), and trees equal / log-probs to fp32 rounding with stock GEMMs. Mixed
-(budget, top-k) steps run as groups and merge into what the eager batch builds; a failed capture or the
-graph cap falls back to eager; the TreeBatch a replay returns stays valid after later replays (a fake
-graph that overwrites its static output); greedy DDTree through the engine with the padded drafter equals
-AR token for token (an oracle behind the runner's `logq` hook for deep acceptance, and the real drafter).
-GPU (marked `gpu`; kimi-mini, bf16): graph replay == padded eager bitwise, warm-up captures write nothing,
-greedy DDTree == AR with draft graphs (and verify graphs) on, graphs really replayed.
+(budget, top-k) steps run as groups and merge into what the eager batch builds; a failed capture (drafts
+and appends) or the graph cap falls back to eager; the TreeBatch a replay returns stays valid after later
+replays (fake graphs that rerun their body at capture and replay); greedy DDTree through the engine with
+the padded drafter equals AR token for token (an oracle behind the runner's `logq` hook for deep
+acceptance, and the real drafter). (Padded appends: tests/unit/test_drafter_context_batch.py.)
+GPU (marked `gpu`; kimi-mini, bf16): graph replays (appends and drafts) == padded eager bitwise, warm-up
+captures write only the pad row, greedy DDTree == AR with draft graphs (and verify graphs) on, graphs
+really replayed.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import pytest
 import torch
 
 from drafter_service.api import DraftRequest
-from drafter_service.cuda_graphs import DraftGraphRunner, request_buckets
+from drafter_service.cuda_graphs import pow2_buckets
 from drafter_service.device_copy import int64_to_device
 from drafter_service.drafter import Drafter
 from kernels.tree_build import TreeBatch
@@ -76,13 +78,15 @@ def padded_logq(d: Drafter, reqs: list[DraftRequest]) -> torch.Tensor:
 
 
 # --- CPU: padded eager ------------------------------------------------------------------------------------
-def test_request_buckets():
-    assert request_buckets(1) == [1]
-    assert request_buckets(8) == [1, 2, 4, 8]
-    assert request_buckets(48) == [1, 2, 4, 8, 16, 32, 48]
-    assert request_buckets(64)[-2:] == [32, 64]
+def test_buckets():
+    assert pow2_buckets(1) == [1]
+    assert pow2_buckets(8) == [1, 2, 4, 8]
+    assert pow2_buckets(48) == [1, 2, 4, 8, 16, 32, 48]
+    assert pow2_buckets(64)[-2:] == [32, 64]
     with pytest.raises(ValueError):
-        request_buckets(0)
+        pow2_buckets(0)
+    padded, _ = pair(row_invariant=False, max_sessions=6)
+    assert padded.graphs.buckets == [1, 2, 4, 6] and padded.graphs.row_buckets[-1] == 6 * padded.cfg.block_size
 
 
 @pytest.mark.parametrize("R", [1, 3, 5])
@@ -91,7 +95,7 @@ def test_padded_eager_equals_eager_bitwise(R):
     F = padded.cfg.num_taps * 64
     reqs = requests(R, F, seed=R)
     got, want = padded.draft(reqs), eager.draft(reqs)
-    assert padded.graphs.stats == collections.Counter(padded_eager=1)
+    assert padded.graphs.stats == collections.Counter(padded_eager=1, context_padded_eager=R > 1 or CTX[0] > 0)
     assert_same_trees(got, want, f"R={R}")
     lq = padded_logq(padded, reqs)
     assert torch.isfinite(lq).all()
@@ -117,25 +121,23 @@ def test_mixed_budgets_run_as_groups_and_merge():
     budgets = ((16, 4), (4, 2), (16, 4), (64, 8), (1, 1), (16, 4))
     reqs = requests(7, padded.cfg.num_taps * 64, seed=3, budgets=budgets)
     got, want = padded.draft(reqs), eager.draft(reqs)
-    assert padded.graphs.stats == collections.Counter(padded_eager=4)
+    assert padded.graphs.stats["padded_eager"] == 4 and padded.graphs.stats["eager"] == 0
     assert_same_trees(got, want, "mixed")
     assert got.tokens.shape == (7, 65) and got.n_nodes == [17, 5, 17, 65, 2, 17, 17]
     assert torch.isneginf(got.logw[1, 5:]).all() and (got.parent[1, 5:] == -1).all()
 
 
 class FakeGraph:
-    """Graph semantics on the CPU: replay() recomputes the body into the same static output tensor."""
+    """Graph semantics on the CPU: the body runs at capture (as the side-stream warm-up does) and at every
+    replay, which overwrites the same static output tensor."""
 
-    def __init__(self, runner: DraftGraphRunner, key):
-        self.runner, self.key = runner, key
-        n, budget, topk = key
-        self.out = runner._body(runner.inputs[n], budget, topk)
-        self.replays = 0
+    def __init__(self, body):
+        self.body, self.out = body, body()
 
     def replay(self):
-        n, budget, topk = self.key
-        self.out.copy_(self.runner._body(self.runner.inputs[n], *self.key[1:]))
-        self.replays += 1
+        out = self.body()
+        if self.out is not None:
+            self.out.copy_(out)
 
 
 def test_replayed_trees_belong_to_the_caller_and_failures_fall_back(caplog):
@@ -144,12 +146,12 @@ def test_replayed_trees_belong_to_the_caller_and_failures_fall_back(caplog):
     r.capture = True  # the graph paths, with fake graphs (CPU)
     entered = []
 
-    def capture(key):
+    def capture(key, body):
         entered.append(key)
-        if key[1] == 4:  # budget 4: "fails"
+        if (key[0] != "context" and key[1] == 4) or key == ("context", 1):  # budget-4 drafts, 1-row appends fail
             r.failed[key] = "RuntimeError: simulated"
             return None
-        g = FakeGraph(r, key)
+        g = FakeGraph(body)
         r.graphs[key] = (g, g.out)
         r.stats["captures"] += 1
         return r.graphs[key]
@@ -161,7 +163,8 @@ def test_replayed_trees_belong_to_the_caller_and_failures_fall_back(caplog):
     a_copy = TreeBatch(**{f: getattr(a, f).clone() for f in TreeBatch._FIELDS}, n_nodes=list(a.n_nodes))
     second = requests(4, F, seed=6)  # same bucket (4) and key: the fake graph's output is overwritten
     b = padded.draft(second)
-    assert r.stats["replays"] == 2 and r.stats["captures"] == 1
+    assert r.stats["replays"] == 2 and r.stats["context_replays"] == 2 and r.stats["captures"] == 3
+    assert set(r.graphs) == {(4, 16, 4), ("context", 8), ("context", 32)}  # 0+1+5 and 0+1+5+12 kept rows
     assert_same_trees(a, a_copy, "an earlier TreeBatch changed after a later replay")
     assert_same_trees(a, eager.draft(first), "first")
     assert_same_trees(b, eager.draft(second), "second")
@@ -170,10 +173,11 @@ def test_replayed_trees_belong_to_the_caller_and_failures_fall_back(caplog):
     assert_same_trees(padded.draft(mixed), eager.draft(mixed), "mixed with a failed key")
     again = requests(2, F, seed=8, budgets=((4, 2),))
     assert_same_trees(padded.draft(again), eager.draft(again), "failed key again")
-    assert entered == [(4, 16, 4), (2, 4, 2)]  # a failed key is not tried again
+    assert [k for k in entered if k[0] != "context"] == [(4, 16, 4), (2, 4, 2)]  # a failed key is not retried
     assert r.stats["eager"] == 2 and (2, 4, 2) in r.failed and r.stats["replays"] == 3
+    assert ("context", 1) in r.failed and r.stats["context_eager"] == 1  # `again` appends 1 row, eagerly
 
-    r.max_graphs = len(r.graphs)  # the cap: a new key runs eagerly, logged once
+    r.max_graphs = len([k for k in r.graphs if k[0] != "context"])  # the cap: a new draft key runs eagerly
     with caplog.at_level(logging.WARNING, logger="drafter_service.cuda_graphs"):
         for seed in (9, 10):
             more = requests(1, F, seed=seed, budgets=((8, 3),))
@@ -275,8 +279,8 @@ def mini_drafters():
     model = load_drafter(PAIR / "drafter", tcfg, torch.bfloat16, "cuda")
     graphs = Drafter(model, embed, head, max_sessions=8, window=64)
     assert graphs.graphs is not None and graphs.graphs.capture  # on by default on CUDA
-    plain = Drafter(model, embed, head, max_sessions=8, window=64, cuda_graphs=False)
-    plain.graphs = DraftGraphRunner(plain.logq, plain.cache, plain.depth, plain.cfg.vocab_size, capture=False)
+    plain = Drafter(model, embed, head, max_sessions=8, window=64, cuda_graphs=True)
+    plain.graphs.capture = False  # padded eager on the GPU: the same buffers and shapes, no graphs
     return graphs, plain, tcfg.hidden_size
 
 
@@ -290,11 +294,15 @@ def test_gpu_draft_graph_replay_equals_padded_eager_bitwise(mini_drafters):
     runner = graphs.graphs
     for reqs in steps:
         reqs = [dataclasses.replace(r, ctx_features=r.ctx_features.to("cuda", torch.bfloat16)) for r in reqs]
-        r0 = runner.stats["replays"]
+        r0, c0 = runner.stats["replays"], runner.stats["context_replays"]
         got, want = graphs.draft(reqs), plain.draft(reqs)
         kept = TreeBatch(**{f: getattr(got, f).clone() for f in TreeBatch._FIELDS}, n_nodes=list(got.n_nodes))
         assert_same_trees(got, want, f"R={len(reqs)}")
+        real = slice(0, graphs.cache.pad_row)
+        assert torch.equal(graphs.cache.k[:, real], plain.cache.k[:, real]), "append replay != padded eager"
+        assert torch.equal(graphs.cache.v[:, real], plain.cache.v[:, real]), "append replay != padded eager"
         assert runner.stats["replays"] - r0 == len({(r.budget, r.topk) for r in reqs}), dict(runner.stats)
+        assert runner.stats["context_replays"] - c0 == 1, dict(runner.stats)
         assert_same_trees(graphs.draft([dataclasses.replace(r, ctx_features=r.ctx_features[:0]) for r in reqs]),
                           plain.draft([dataclasses.replace(r, ctx_features=r.ctx_features[:0]) for r in reqs]))
         assert_same_trees(got, kept, "a replay changed an earlier TreeBatch")
@@ -306,11 +314,13 @@ def test_gpu_draft_graph_replay_equals_padded_eager_bitwise(mini_drafters):
 
 
 @gpu_test
-def test_gpu_draft_warmup_writes_nothing(mini_drafters):
+def test_gpu_draft_warmup_writes_only_the_pad_row(mini_drafters):
     graphs, _, hidden = mini_drafters
-    k, v = graphs.cache.k.clone(), graphs.cache.v.clone()
-    assert graphs.warmup(16, 8) == len(graphs.graphs.buckets), graphs.graphs.failed
-    assert torch.equal(graphs.cache.k, k) and torch.equal(graphs.cache.v, v)
+    real = slice(0, graphs.cache.pad_row)
+    k, v = graphs.cache.k[:, real].clone(), graphs.cache.v[:, real].clone()
+    runner = graphs.graphs
+    assert graphs.warmup(16, 8) == len(runner.buckets) + len(runner.row_buckets), runner.failed
+    assert torch.equal(graphs.cache.k[:, real], k) and torch.equal(graphs.cache.v[:, real], v)
 
 
 @gpu_test
@@ -348,7 +358,7 @@ def test_gpu_ddtree_equals_ar_with_draft_graphs():
 def test_launches_per_step_do_not_grow_with_sessions():
     """bench/bench_draft_step.py's count (meta device, kimi-mini shapes): the eager step issues the same ops
     at 1 and 32 sessions (the per-session context append is gone), and with graphs the host issues only the
-    context append, the upload, the replay and the copy out."""
+    uploads of features and indices, two replays (append, draft) and the copy out of the trees."""
     from bench.bench_draft_step import count_launches
     from drafter_service.config import DFlashConfig
     from verifier_service.config import KimiConfig
@@ -356,4 +366,4 @@ def test_launches_per_step_do_not_grow_with_sessions():
     cfg, tcfg = DFlashConfig.from_file(PAIR / "drafter"), KimiConfig.from_file(PAIR / "target")
     one, many = count_launches(cfg, tcfg.hidden_size, 1), count_launches(cfg, tcfg.hidden_size, 32)
     assert many["eager"] - one["eager"] <= 1 and many["graphs"] - one["graphs"] <= 1, (one, many)  # + the cat
-    assert many["graphs"] * 4 < many["eager"], many
+    assert many["graphs"] <= 8 < 100 < many["eager"], many  # uploads, two replays, the copy out

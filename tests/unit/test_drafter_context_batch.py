@@ -1,6 +1,7 @@
 """The batched context append (`Drafter.add_contexts`: one `context_kv` forward over all sessions' kept rows,
 one ring scatter for K and one for V) writes exactly what the per-session path wrote (one forward and one
-ring write per layer per session, kept here as the reference), fp32 on the CPU.
+ring write per layer per session, kept here as the reference), fp32 on the CPU; also padded to a row bucket
+as the CUDA-graph runner does (`cuda_graphs=True` on the CPU: pad rows write only the pad row).
 
 Bitwise with row-invariant linears (`tests.helpers.row_invariant_linears`): torch's CPU GEMMs pick other
 kernels for 1, 2-4, ... rows, so with stock linears a row's last bits depend on how many rows share the call
@@ -76,17 +77,23 @@ def run_steps(drafter: Drafter, ref: PerSessionRing, seed: int = 0, release_afte
     return pos
 
 
+@pytest.mark.parametrize("graphs", [False, True])
 @pytest.mark.parametrize("release_after", [None, 2])
-def test_batched_append_equals_per_session_bitwise(release_after):
+def test_batched_append_equals_per_session_bitwise(release_after, graphs):
     model, embed, head = random_drafter(seed=3, row_invariant=True)
-    d = Drafter(model, embed, head, max_sessions=8, window=WINDOW, cuda_graphs=False)
+    d = Drafter(model, embed, head, max_sessions=8, window=WINDOW, cuda_graphs=graphs)
     ref = PerSessionRing(model, d.cache.k)
     pos = run_steps(d, ref, release_after=release_after)
-    assert torch.equal(d.cache.k, ref.k), (d.cache.k - ref.k).abs().max()
-    assert torch.equal(d.cache.v, ref.v), (d.cache.v - ref.v).abs().max()
+    real = slice(0, d.cache.pad_row)
+    assert torch.equal(d.cache.k[:, real], ref.k[:, real]), (d.cache.k[:, real] - ref.k[:, real]).abs().max()
+    assert torch.equal(d.cache.v[:, real], ref.v[:, real]), (d.cache.v[:, real] - ref.v[:, real]).abs().max()
     for sid, count in ref.count.items():
         assert d.cache.length(sid) == min(count, WINDOW) and pos[sid] == count
-    assert not d.cache.k[:, d.cache.pad_row].any(), "the pad row was written"
+    if graphs:  # every append fits a row bucket (8 sessions x block 8 = 64 rows): all went through the runner
+        assert d.graphs.stats["context_padded_eager"] == 5 + (release_after is not None)  # not the empty step
+        assert d.graphs.stats["context_eager"] == 0
+    else:
+        assert not d.cache.k[:, d.cache.pad_row].any(), "the pad row was written"
 
 
 def test_batched_append_matches_per_session_with_stock_linears():
