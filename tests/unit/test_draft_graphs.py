@@ -286,31 +286,42 @@ def mini_drafters():
 
 @gpu_test
 def test_gpu_draft_graph_replay_equals_padded_eager_bitwise(mini_drafters):
+    """Each case: a first step with long contexts (appends of more than 64 rows run eagerly, smaller ones
+    replay), then a decode-like step of 3 new rows per session (a replayed append, wrapping full windows);
+    trees and the sessions' cache rows bitwise equal to the padded-eager runner's, and an earlier TreeBatch
+    unchanged by later replays."""
     graphs, plain, hidden = mini_drafters
     F = graphs.cfg.num_taps * hidden
     ctx = [0, 1, 9, 100, 33, 64, 2, 17]
-    steps = [requests(R, F, seed=100 + R, ctx=ctx) for R in (1, 3, 5, 8)]
-    steps.append(requests(7, F, seed=99, ctx=ctx, budgets=((16, 8), (4, 2), (64, 8))))  # three groups
-    runner = graphs.graphs
-    for reqs in steps:
-        reqs = [dataclasses.replace(r, ctx_features=r.ctx_features.to("cuda", torch.bfloat16)) for r in reqs]
-        r0, c0 = runner.stats["replays"], runner.stats["context_replays"]
-        got, want = graphs.draft(reqs), plain.draft(reqs)
-        kept = TreeBatch(**{f: getattr(got, f).clone() for f in TreeBatch._FIELDS}, n_nodes=list(got.n_nodes))
-        assert_same_trees(got, want, f"R={len(reqs)}")
-        real = slice(0, graphs.cache.pad_row)
-        assert torch.equal(graphs.cache.k[:, real], plain.cache.k[:, real]), "append replay != padded eager"
-        assert torch.equal(graphs.cache.v[:, real], plain.cache.v[:, real]), "append replay != padded eager"
-        assert runner.stats["replays"] - r0 == len({(r.budget, r.topk) for r in reqs}), dict(runner.stats)
-        assert runner.stats["context_replays"] - c0 == 1, dict(runner.stats)
-        assert_same_trees(graphs.draft([dataclasses.replace(r, ctx_features=r.ctx_features[:0]) for r in reqs]),
-                          plain.draft([dataclasses.replace(r, ctx_features=r.ctx_features[:0]) for r in reqs]))
-        assert_same_trees(got, kept, "a replay changed an earlier TreeBatch")
-        for r in reqs:
+    cases = [requests(R, F, seed=100 + R, ctx=ctx) for R in (1, 3, 5, 8)]
+    cases.append(requests(7, F, seed=99, ctx=ctx, budgets=((16, 8), (4, 2), (64, 8))))  # three groups
+    runner, real = graphs.graphs, slice(0, graphs.cache.pad_row)
+    g = torch.Generator().manual_seed(0)
+    for first in cases:
+        nxt = [dataclasses.replace(r, ctx_start=r.root_pos, ctx_features=torch.randn(3, F, generator=g),
+                                   root_pos=r.root_pos + 3) for r in first]
+        trees = []
+        for reqs in (first, nxt):
+            reqs = [dataclasses.replace(r, ctx_features=r.ctx_features.to("cuda", torch.bfloat16)) for r in reqs]
+            r0, c0 = runner.stats["replays"], runner.stats["context_replays"]
+            got, want = graphs.draft(reqs), plain.draft(reqs)
+            assert_same_trees(got, want, f"R={len(reqs)}")
+            assert torch.equal(graphs.cache.k[:, real], plain.cache.k[:, real]), "append replay != padded eager"
+            assert torch.equal(graphs.cache.v[:, real], plain.cache.v[:, real]), "append replay != padded eager"
+            assert runner.stats["replays"] - r0 == len({(r.budget, r.topk) for r in reqs}), dict(runner.stats)
+            rows = sum(min(r.ctx_features.shape[0], graphs.cache.window) for r in reqs)
+            graphed = 0 < rows <= runner.row_buckets[-1]
+            assert runner.stats["context_replays"] - c0 == graphed, (rows, dict(runner.stats))
+            trees.append((got, TreeBatch(**{f: getattr(got, f).clone() for f in TreeBatch._FIELDS},
+                                         n_nodes=list(got.n_nodes))))
+        for got, copy in trees:
+            assert_same_trees(got, copy, "a replay changed an earlier TreeBatch")
+        for r in first:
             graphs.release(r.session_id)
             plain.release(r.session_id)
     assert not runner.failed, runner.failed
-    print("draft graphs", sorted(runner.graphs), dict(runner.stats))
+    assert runner.stats["context_replays"] >= len(cases)
+    print("drafter graphs", sorted(runner.graphs, key=str), dict(runner.stats))
 
 
 @gpu_test
