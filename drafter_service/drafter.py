@@ -31,7 +31,8 @@ log = logging.getLogger(__name__)
 
 
 class Drafter:
-    """cuda_graphs: the draft forward + tree build through CUDA graphs. None (the default): on for a CUDA
+    """cuda_graphs: the context append and the draft forward + tree build through CUDA graphs
+    (`drafter_service.cuda_graphs`). None (the default): on for a CUDA
     device, off otherwise (the one place this rule lives; builders pass their own switch through); True
     on a CPU drafter pads the steps the same way and runs them eagerly (what the graphs compute; tests)."""
 
