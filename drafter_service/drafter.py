@@ -32,9 +32,9 @@ log = logging.getLogger(__name__)
 
 class Drafter:
     """cuda_graphs: the context append and the draft forward + tree build through CUDA graphs
-    (`drafter_service.cuda_graphs`). None (the default): on for a CUDA
-    device, off otherwise (the one place this rule lives; builders pass their own switch through); True
-    on a CPU drafter pads the steps the same way and runs them eagerly (what the graphs compute; tests)."""
+    (`drafter_service.cuda_graphs`). None (the default): on for a CUDA device, off otherwise (the one place
+    this rule lives; builders pass their own switch through); True on a CPU drafter pads the steps the same
+    way and runs them eagerly (what the graphs compute; tests)."""
 
     def __init__(self, model: DFlashDrafter, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor,
                  max_sessions: int = 64, window: int = 2048, cuda_graphs: bool | None = None):
