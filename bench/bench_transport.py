@@ -84,10 +84,11 @@ def timed_step(engine) -> tuple[float, dict[str, list[int]]]:
     return time.perf_counter() - t0, out
 
 
-def start_drafter(pair, device, dtype, max_sessions) -> subprocess.Popen:
+def start_drafter(pair, device, dtype, max_sessions, graphs: bool) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "gateway.cli", "drafter", "serve", "--listen", "127.0.0.1:0",
                              "--target", str(pair / "target"), "--drafter", str(pair / "drafter"), "--device", device,
-                             "--dtype", dtype, "--max-sessions", str(max_sessions), "--log-level", "WARNING"],
+                             "--dtype", dtype, "--max-sessions", str(max_sessions), "--log-level", "WARNING",
+                             *([] if graphs else ["--no-cuda-graphs"])],
                             cwd=REPO, stdout=subprocess.PIPE, text=True)
 
 
@@ -126,7 +127,8 @@ def main() -> int:
                    help="stop measuring a concurrency early (after at least 5 rounds) once its share of this "
                         "many seconds is spent; the records say how many rounds were measured")
     p.add_argument("--cuda-graphs", choices=("on", "off"), default=None,
-                   help="verify forwards through CUDA graphs in every engine (default: on for cuda, as served)")
+                   help="verify forwards and draft steps through CUDA graphs in every engine and the drafter "
+                        "process (default: on for cuda, as served)")
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "transport.jsonl"))
     args = p.parse_args()
 
@@ -147,7 +149,7 @@ def main() -> int:
     device_name = gpu or platform.processor() or "cpu"
     rows, problems = [], []
     base: dict[int, float] = {}
-    proc = start_drafter(pair, args.device, dtype_name, 2 * max(args.concurrency) + 8)  # loads meanwhile
+    proc = start_drafter(pair, args.device, dtype_name, 2 * max(args.concurrency) + 8, graphs)  # loads meanwhile
     clients: dict[str, DraftStreamClient] = {}
     try:
         inproc = build_local_engine(pair / "target", pair / "drafter", dtype, args.device, ecfg)

@@ -3,6 +3,7 @@
 # (the device tool's output folder; bench/results/run when unset). Run from the repo root.
 # Extra benchmark flags: MOE_ARGS / MLA_ARGS (e.g. --sweep); section time limits: T_TESTS/T_MOE/T_MLA.
 # STEP=1 also runs the whole-verify-step benchmark (8 layers of K2.6, ~90 GB, ~2.5 min; STEP_ARGS, T_STEP).
+# DRAFT=1 also runs the draft-step benchmark (kimi-mini drafter, eager vs CUDA graphs; DRAFT_ARGS, T_DRAFT).
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 OUT=${OUT:-bench/results/run}
@@ -18,4 +19,8 @@ timeout "${T_MLA:-240}" python bench/bench_mla_attention.py --out "$OUT/mla_atte
 if [ "${STEP:-0}" = 1 ]; then
   timeout "${T_STEP:-240}" python bench/bench_verify_step.py --out "$OUT/verify_step.jsonl" $STEP_ARGS 2>&1 \
     | tee "$OUT/bench_verify_step.log"
+fi
+if [ "${DRAFT:-0}" = 1 ]; then
+  timeout "${T_DRAFT:-240}" python bench/bench_draft_step.py --out "$OUT/draft_step.jsonl" $DRAFT_ARGS 2>&1 \
+    | tee "$OUT/bench_draft_step.log"
 fi

@@ -1,31 +1,63 @@
 """The drafter engine: context updates, one batched DFlash pass per step, GPU tree construction.
 
-`draft(requests)` appends each session's new context, runs the block `[root, MASK x (B-1)]` for all
-requests in one forward, turns output slots 1..B-1 into per-depth log-probs and builds the DDTree
-(`kernels.tree_build`). `draft_logq` is the one hook a different proposal source overrides.
+`draft(requests)` appends all sessions' new context in one batched update (`add_contexts`: one
+`context_kv` forward over the kept rows of every session and one ring scatter for K and one for V, so the
+cost in launches does not grow with the sessions), runs the block `[root, MASK x (B-1)]` for all requests
+in one forward, turns output slots 1..B-1 into per-depth log-probs and builds the DDTree
+(`kernels.tree_build`). With CUDA graphs (`cuda_graphs`, default on for a CUDA device) the append (up to
+max_sessions x block_size rows: a decode step's) and the forward + tree build replay from
+`drafter_service.cuda_graphs.DraftGraphRunner`.
+
+`draft_logq(requests)` is the one hook a different proposal source overrides (tests' oracle drafters); such
+a subclass drafts eagerly, since a graph would replay the model instead. `logq(rows, ctx_len, roots,
+root_pos)` is the device-only part the graphs capture.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import logging
 
 import torch
 
 from drafter_service.api import DraftRequest
 from drafter_service.context_cache import DraftContextCache
+from drafter_service.cuda_graphs import DraftGraphRunner
+from drafter_service.device_copy import int64_to_device, rows_to_device
 from drafter_service.model import DFlashDrafter
 from kernels.tree_build import TreeBatch, build_tree
 
+log = logging.getLogger(__name__)
+
 
 class Drafter:
+    """cuda_graphs: the context append and the draft forward + tree build through CUDA graphs
+    (`drafter_service.cuda_graphs`). None (the default): on for a CUDA device, off otherwise (the one place
+    this rule lives; builders pass their own switch through); True on a CPU drafter pads the steps the same
+    way and runs them eagerly (what the graphs compute; tests)."""
+
     def __init__(self, model: DFlashDrafter, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor,
-                 max_sessions: int = 64, window: int = 2048):
+                 max_sessions: int = 64, window: int = 2048, cuda_graphs: bool | None = None):
         self.model = model
         self.cfg = model.cfg
         self.embed_weight = embed_weight  # [V, D] the target's embed_tokens
         self.lm_head_weight = lm_head_weight  # [V, D] the target's lm_head
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
+        if model.rope.inv_freq.device != self.device:  # else every rope call copies it (and blocks a capture)
+            model.rope = dataclasses.replace(model.rope, inv_freq=model.rope.inv_freq.to(self.device))
         self.cache = DraftContextCache(self.cfg.num_hidden_layers, max_sessions, window,
                                        self.cfg.num_key_value_heads, self.cfg.head_dim, self.dtype, self.device)
+        if cuda_graphs is None:
+            cuda_graphs = self.device.type == "cuda"
+        if cuda_graphs and type(self).draft_logq is not Drafter.draft_logq:
+            log.info("%s overrides draft_logq: drafting eagerly (no CUDA graphs)", type(self).__name__)
+            cuda_graphs = False
+        self.graphs: DraftGraphRunner | None = None
+        if cuda_graphs:
+            self.graphs = DraftGraphRunner(self.logq, model.context_kv, self.cache, self.depth, self.cfg.vocab_size,
+                                           model.fc.in_features, self.dtype, max_sessions * self.cfg.block_size,
+                                           capture=self.device.type == "cuda")
 
     @property
     def depth(self) -> int:
@@ -33,29 +65,57 @@ class Drafter:
 
     @torch.no_grad()
     def draft(self, requests: list[DraftRequest]) -> TreeBatch:
-        for r in requests:
-            self.add_context(r.session_id, r.ctx_start, r.ctx_features)
+        """Append each request's new context rows, then draft one tree per request (the caller owns it)."""
+        self.add_contexts([(r.session_id, r.ctx_start, r.ctx_features) for r in requests])
+        trees = self.graphs.run(requests) if self.graphs is not None else None
+        if trees is not None:
+            return trees
         logq = self.draft_logq(requests)
-        roots = torch.tensor([r.root_token for r in requests], dtype=torch.int64).to(self.device)
+        roots = int64_to_device([r.root_token for r in requests], self.device)
         return build_tree(logq, roots, [r.budget for r in requests], [r.topk for r in requests])
 
     @torch.no_grad()
+    def warmup(self, budget: int, topk: int) -> int:
+        """Capture now the draft graphs of every request bucket for one (budget, top-k) (e.g. the serving
+        defaults, at server start) and the append graphs -> the number of graphs held (0 without CUDA graphs)."""
+        return len(self.graphs.warmup(budget, topk)) if self.graphs is not None else 0
+
+    @torch.no_grad()
     def add_context(self, sid: str, start: int, feats: torch.Tensor) -> None:
-        self.cache.row(sid)
-        if feats.shape[0] == 0:
-            return
-        pos = torch.arange(start, start + feats.shape[0], device=self.device)
-        self.cache.append(sid, self.model.context_kv(feats.to(self.device, self.dtype), pos))
+        """feats [n, num_taps * D_target]: taps of session sid's committed tokens at positions start.. (n may be
+        0: the session gets its cache row)."""
+        self.add_contexts([(sid, start, feats)])
+
+    @torch.no_grad()
+    def add_contexts(self, appends: list[tuple[str, int, torch.Tensor]]) -> None:
+        """(session id, start, feats) per session (distinct ids): one context_kv forward over the rows every
+        session keeps (its last `window`), one scatter of K and one of V into the ring cache; replayed from a
+        graph when the runner takes it."""
+        plan = self.cache.plan([a[0] for a in appends], [a[1] for a in appends], [a[2].shape[0] for a in appends])
+        if plan.num_rows:
+            parts = [f[skip:] for (_, _, f), skip in zip(appends, plan.skip) if f.shape[0]]
+            if self.graphs is None or not self.graphs.append(plan.index, parts):
+                index = int64_to_device(plan.index, self.device)
+                feats = rows_to_device(parts, self.device, self.dtype)
+                self.cache.scatter(index, self.model.context_kv(feats, index[:, 2]))
+        self.cache.commit(plan)
 
     def draft_logq(self, requests: list[DraftRequest]) -> torch.Tensor:
         """-> fp32 [R, B-1, V]: log q_i of the token at position root_pos + i, i = 1..B-1."""
-        B = self.cfg.block_size
-        rows = torch.tensor([self.cache.row(r.session_id) for r in requests], device=self.device)
-        ctx_len = torch.tensor([self.cache.length(r.session_id) for r in requests], device=self.device)
-        block = torch.full((len(requests), B), self.cfg.mask_token_id, dtype=torch.int64)
-        block[:, 0] = torch.tensor([r.root_token for r in requests])
-        pos = torch.tensor([r.root_pos for r in requests])[:, None] + torch.arange(B)[None, :]
-        block, pos = block.to(self.device), pos.to(self.device)
+        cols = [(self.cache.row(r.session_id), self.cache.length(r.session_id), r.root_token, r.root_pos)
+                for r in requests]
+        columns = [list(c) for c in zip(*cols)] or [[], [], [], []]
+        rows, ctx_len, roots, root_pos = int64_to_device(columns, self.device).unbind(0)
+        return self.logq(rows, ctx_len, roots, root_pos)
+
+    def logq(self, rows: torch.Tensor, ctx_len: torch.Tensor, roots: torch.Tensor,
+             root_pos: torch.Tensor) -> torch.Tensor:
+        """rows, ctx_len, roots, root_pos: [R] int64 on the device (cache row, valid context rows, root token,
+        its position) -> fp32 [R, B-1, V] log-probs. Device ops only, row-local per request (capturable)."""
+        B, R = self.cfg.block_size, rows.shape[0]
+        block = torch.full((R, B), self.cfg.mask_token_id, dtype=torch.int64, device=self.device)
+        block[:, 0] = roots
+        pos = root_pos[:, None] + torch.arange(B, device=self.device)[None, :]
         embeds = torch.nn.functional.embedding(block, self.embed_weight).to(self.dtype)
         ctx_k = self.cache.k[:, rows]  # [layers, R, W, KV, hd]
         ctx_v = self.cache.v[:, rows]

@@ -39,7 +39,7 @@ from protos.shared_region import SharedRegion
 from telemetry import tracing
 from telemetry.grpc_tracing import DEFAULT_EXCLUDE, TracingServerInterceptor
 from telemetry.metrics import Metrics, parse_hostport, process_metrics
-from verifier_service.session import MAX_BUDGET
+from verifier_service.session import MAX_BUDGET, DecodeParams
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
@@ -59,6 +59,7 @@ class DrafterServerConfig:
     max_message_bytes: int = 64 << 20
     grace_s: float = 30.0
     metrics_listen: str | None = None  # HOST:PORT of the Prometheus endpoint; None = not served
+    cuda_graphs: bool | None = None  # draft steps through CUDA graphs; None = the Drafter's rule (on for CUDA)
 
     def __post_init__(self):
         if self.metrics_listen is not None:
@@ -278,8 +279,10 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
 
 # --- building and serving ------------------------------------------------------------------------------
 def load_drafter_service(cfg: DrafterServerConfig, service: DrafterService, make_drafter=Drafter) -> None:
-    """Load the drafter and the target's embed/lm_head, run one warm-up step, attach to the service.
-    `make_drafter` builds the engine object (a Drafter subclass may change the proposal source)."""
+    """Load the drafter and the target's embed/lm_head, run one warm-up step, capture the context-append
+    graphs and the draft graphs of the default (budget, top-k) for every bucket (with CUDA graphs; other keys
+    are captured on first use), attach to the service. `make_drafter` builds the engine object (a Drafter
+    subclass may change the proposal source)."""
     from drafter_service.checkpoint import check_pair, load_drafter
     from drafter_service.config import DFlashConfig
     from drafter_service.target_head import load_target_head
@@ -294,11 +297,16 @@ def load_drafter_service(cfg: DrafterServerConfig, service: DrafterService, make
     check_pair(DFlashConfig.from_file(cfg.drafter_dir), tcfg)  # before any weights move
     _, embed, head = load_target_head(cfg.target_dir, dtype, device, tcfg)
     model = load_drafter(cfg.drafter_dir, tcfg, dtype, device)
-    drafter = make_drafter(model, embed, head, max_sessions=cfg.max_sessions, window=cfg.draft_window)
+    drafter = make_drafter(model, embed, head, max_sessions=cfg.max_sessions, window=cfg.draft_window,
+                           cuda_graphs=cfg.cuda_graphs)
     F = model.cfg.num_taps * tcfg.hidden_size
     warm = DraftRequest("warm-up", 0, torch.zeros(1, F, dtype=dtype, device=device), 0, 1, 4, 2)
     drafter.draft([warm])
     drafter.release("warm-up")
+    defaults = DecodeParams()
+    if graphs := drafter.warmup(defaults.budget, defaults.topk):
+        log.info("captured %d CUDA graphs (context appends; drafts at budget %d, top-k %d)", graphs,
+                 defaults.budget, defaults.topk)
     service.attach(drafter, Path(cfg.drafter_dir).name, tcfg.hidden_size)
 
 

@@ -61,3 +61,40 @@ class OracleDrafter:
 
     def release(self, session_id: str) -> None:
         self.released.append(session_id)
+
+
+def row_invariant_linears(module: torch.nn.Module) -> torch.nn.Module:
+    """Make every nn.Linear of `module` compute each output row alone (broadcast multiply, then a sum over the
+    inputs), in place. torch's CPU GEMMs pick other kernels for 1, 2-4, ... rows, so a row's last bits depend
+    on how many rows share the call; with these, they do not, and a batched path can be checked bitwise
+    against a per-session one. Test-only (slow, memory [rows, out, in])."""
+
+    def forward(self, x):
+        y = (x[..., None, :] * self.weight).sum(-1)
+        return y if self.bias is None else y + self.bias
+
+    for m in module.modules():
+        if isinstance(m, torch.nn.Linear):
+            m.forward = forward.__get__(m)
+    return module
+
+
+def random_drafter(seed: int = 0, dtype: torch.dtype = torch.float32, row_invariant: bool = False):
+    """A tiny DFlash drafter (the `tiny` preset) with random weights, plus random target embed / lm_head:
+    (model, embed [V, D], lm_head [V, D]) on the CPU."""
+    from drafter_service.config import DFlashConfig
+    from drafter_service.model import DFlashDrafter
+    from verifier_service import presets
+
+    cfg = DFlashConfig.from_dict(presets.drafter_config("tiny"))
+    g = torch.Generator().manual_seed(seed)
+    model = DFlashDrafter(cfg, presets.TINY_TEXT["hidden_size"]).to(dtype)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g, dtype=dtype) * (0.3 if p.dim() > 1 else 0.1) + (p.dim() == 1))
+    V, D = cfg.vocab_size, cfg.hidden_size
+    embed = torch.randn(V, D, generator=g, dtype=dtype)
+    head = torch.randn(V, D, generator=g, dtype=dtype) * 0.2
+    if row_invariant:
+        row_invariant_linears(model)
+    return model.eval(), embed, head

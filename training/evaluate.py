@@ -8,7 +8,8 @@
   plain autoregressive decoding token for token;
 - throughput: generated tokens / wall time at concurrency C (C sessions decoded together), AR vs DDTree,
   after one identical warm-up run (kernels compiled, CUDA graphs captured); `--cuda-graphs on,off` measures
-  it with the verify forward replayed from CUDA graphs and eagerly in one run (params.cuda_graphs).
+  it with the verify forward and the draft step replayed from CUDA graphs and eagerly in one run
+  (params.cuda_graphs).
 Each measurement becomes one JSON line (name, params, device, commit, metrics) appended to --out.
 
   python -m training.evaluate --pair models/kimi-mini --data runs/data --out bench/results/demo_pair.jsonl
@@ -67,11 +68,15 @@ def acceptance_sweep(engine, prompts, budgets, topk: int, max_new: int) -> dict:
 
 
 def graph_stats(engine) -> dict:
-    """The CUDA-graph runner's counters (replays, captures, padded_eager, eager) and failed captures."""
-    g = getattr(engine, "graphs", None)
-    if g is None:
-        return {}
-    return {**dict(g.stats), "graphs": len(g.graphs), "failed": len(g.failed)}
+    """The CUDA-graph runners' counters (replays, captures, padded_eager, eager) and failed captures: the
+    verify forward's, then the in-process drafter's with a `draft_` prefix."""
+    out = {}
+    for prefix, g in (("", getattr(engine, "graphs", None)),
+                      ("draft_", getattr(getattr(engine, "drafter", None), "graphs", None))):
+        if g is not None:
+            out.update({f"{prefix}{k}": v for k, v in
+                        {**dict(g.stats), "graphs": len(g.graphs), "failed": len(g.failed)}.items()})
+    return out
 
 
 def throughput(engine, prompts, budget: int, topk: int, max_new: int, concurrency: int) -> dict:
@@ -148,8 +153,8 @@ def main(argv=None) -> int:
     ap.add_argument("--name", default="kimi-mini")
     ap.add_argument("--threads", type=int, default=1, help="CPU threads (1 avoids OpenMP stalls on a busy machine)")
     ap.add_argument("--cuda-graphs", default="auto",
-                    help="verify forwards through CUDA graphs: auto (on for cuda), on, off, or on,off to measure "
-                         "throughput both ways in one run (recorded as params.cuda_graphs)")
+                    help="verify forwards and draft steps through CUDA graphs: auto (on for cuda), on, off, or "
+                         "on,off to measure throughput both ways in one run (recorded as params.cuda_graphs)")
     ap.add_argument("--out", default="bench/results/demo_pair.jsonl")
     args = ap.parse_args(argv)
     modes = graph_modes(args.cuda_graphs, args.device)
@@ -181,8 +186,9 @@ def main(argv=None) -> int:
                                     cuda_graphs=any(modes))
 
         def use_graphs(on: bool) -> None:
-            if engine.graphs is not None:
-                engine.graphs.enabled = on
+            for g in (engine.graphs, engine.drafter.graphs):  # verify forward, draft step
+                if g is not None:
+                    g.enabled = on
 
         prompts = heldout_prompts(args.data, args.prompts, args.prompt_len)
         common = {"prompts": args.prompts, "prompt_len": args.prompt_len, "max_new_tokens": args.max_new,

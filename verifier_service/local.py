@@ -44,8 +44,10 @@ def build_local_engine(target_dir: str | Path, drafter_dir: str | Path | None, d
     (`verifier_service.batch_invariant`, attention stays `kernels.mla_attention`, position aligned: greedy
     DDTree == AR bit for bit; also "kernel"); "aligned" also swaps in the cross-check attention of
     `verifier_service.aligned_attention` (cost O(tokens x context): small models, checks); False keeps cuBLAS.
-    cuda_graphs: verify forwards through CUDA graphs (`verifier_service.cuda_graphs`); None keeps
-    engine_cfg.cuda_graphs, and where that is None too, turns them on for a CUDA device."""
+    cuda_graphs: verify forwards through CUDA graphs (`verifier_service.cuda_graphs`), and the in-process
+    drafter's steps too (`drafter_service.cuda_graphs`); None keeps engine_cfg.cuda_graphs, and where that is
+    None too, turns them on for a CUDA device. (An expert-parallel leader turns its verify graphs off; its
+    drafter, local to rank 0, keeps them.)"""
     if batch_invariant not in (True, False, "kernel", "aligned"):
         raise ValueError(f"batch_invariant must be True, False, 'kernel' or 'aligned', got {batch_invariant!r}")
     device = device or default_device()
@@ -71,7 +73,7 @@ def build_local_engine(target_dir: str | Path, drafter_dir: str | Path | None, d
     if drafter_dir is not None:
         dmodel = load_drafter(drafter_dir, tcfg, dtype, device)
         drafter = Drafter(dmodel, target.model.embed_tokens.weight, target.lm_head.weight,
-                          max_sessions=cfg.max_sessions, window=cfg.draft_window)
+                          max_sessions=cfg.max_sessions, window=cfg.draft_window, cuda_graphs=cfg.cuda_graphs)
         tap_layers = dmodel.cfg.target_layer_ids
     if leader is not None:
         return LeaderEngine(target, drafter, tap_layers, cfg, leader)

@@ -39,7 +39,7 @@ def add_parser(sub) -> None:
     p.add_argument("--threads", type=int, default=1,
                    help="CPU threads (default 1: the model is small, and more threads stall on a busy machine)")
     p.add_argument("--no-cuda-graphs", action="store_true",
-                   help="run verify forwards eagerly (default on CUDA: replayed from CUDA graphs)")
+                   help="run verify forwards and draft steps eagerly (default on CUDA: replayed from CUDA graphs)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
 

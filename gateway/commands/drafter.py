@@ -14,6 +14,8 @@ def add_parser(sub) -> None:
     add_server_flags(s)
     s.add_argument("--max-sessions", type=int, default=64, help="sessions with a context cache, all streams together")
     s.add_argument("--draft-window", type=int, default=2048, help="context rows kept per session")
+    s.add_argument("--no-cuda-graphs", action="store_true",
+                   help="run draft steps eagerly (default on CUDA: replayed from CUDA graphs)")
     s.set_defaults(func=run)
 
 
@@ -23,7 +25,8 @@ def config_from_args(args):
     return DrafterServerConfig(listen=args.listen, target_dir=args.target, drafter_dir=args.drafter,
                                device=args.device, dtype=args.dtype, max_sessions=args.max_sessions,
                                draft_window=args.draft_window, max_message_bytes=message_bytes(args),
-                               grace_s=args.grace_s, metrics_listen=args.metrics_listen)
+                               grace_s=args.grace_s, metrics_listen=args.metrics_listen,
+                               cuda_graphs=False if args.no_cuda_graphs else None)
 
 
 def run(args, make_drafter=None) -> int:

@@ -33,7 +33,8 @@ def add_parser(sub) -> None:
     g.add_argument("--dtype", default="float32")
     g.add_argument("--device", default=None)
     g.add_argument("--no-cuda-graphs", action="store_true",
-                   help="run verify forwards eagerly (default on CUDA: replayed from CUDA graphs; --target only)")
+                   help="run verify forwards and draft steps eagerly (default on CUDA: replayed from CUDA "
+                        "graphs; --target only)")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable; --server only)")
     g.add_argument("--timeout", type=float, default=None, help="deadline in seconds (--server only)")
     g.add_argument("--json", action="store_true")

@@ -1,0 +1,303 @@
+"""The drafter's step in CUDA graphs: the context append, the DFlash block forward and the DDTree build
+(DESIGN 2.2, 3.1, 3.4).
+
+At small batches a draft step is all launch overhead (about 9 ms at 1 session, 45 ms at 32 on an H200 for
+kimi-mini, for a few ms of GPU work), so `DraftGraphRunner` replays both halves of a step from CUDA graphs:
+the context append (`context_kv` + the ring scatter) and the draft (`Drafter.logq` + `build_tree`). Graphs
+have fixed shapes and addresses, so each half is copied into static buffers and padded:
+
+  draft       per request bucket Rb (`pow2_buckets(max_sessions)`: 1, 2, 4, ..., max_sessions), an int64
+              [4, Rb] input (cache row, context length, root token, root position per request): R real
+              requests, then pad requests: cache row `DraftContextCache.pad_row` (owned by no session),
+              context length 0 (its window is masked out; its block rows keep the softmax finite), root
+              token 0 at position 0, and the same budget / top-k as the real ones;
+  append      per row bucket Tb (`pow2_buckets(max_context_rows)`), the first Tb rows of a static feature
+              buffer [max_context_rows, F] and of an int64 index [max_context_rows, 3] (cache row, ring slot,
+              position; `DraftContextCache.plan`): T real rows, then pad rows that write the pad row
+              (`DraftContextCache.pad_index`) from whatever features the buffer holds there.
+Padding is harmless because every op is row-local: embedding, norms, GEMMs, rope and the MLP act on rows;
+attention reads request r's own cache row `cache.k[:, rows[r]]` and its own block, masked by its own
+context length; the log-softmax and every step of `build_tree` (per-depth sort, beam, global sort, FCNS)
+work within one request's row; the scatter writes a real row only where its plan says, pad rows only into
+the pad row, which sessions never read. So a real result does not depend on the pad values
+(tests/unit/test_draft_graphs.py: bitwise in fp32 on the CPU in padded-eager mode with the pad row poisoned
+with NaN; graph replay == padded eager bitwise on the GPU). Its bits may depend on the bucket through the
+GEMMs' kernel choice, as the eager draft's depend on R: drafts need not be batch invariant (the verifier
+decides what is accepted), only the verifier's forward does.
+
+Keys: (Rb, budget, top-k) for drafts (`build_tree` bakes budget and top-k into shapes and fills), ("context",
+Tb) for appends. A step whose requests do not share one (budget, top-k) runs one group per pair, each
+through its own graph (a replay is cheap, so a mixed step costs a few replays instead of a full eager step);
+the groups' trees are merged into one TreeBatch in request order, padded to the widest (`build_tree`'s pad
+values). At most `max_graphs` draft graphs are captured (budget and top-k come from clients): past that, new
+keys run eagerly (unpadded), logged once. Appends of more than max_context_rows rows (prefills) run eagerly.
+
+Outputs: a draft graph packs the six [Rb, M] tree arrays into one [6, Rb, M] int32 buffer (logw bit-cast), a
+static buffer that the next replay of the key overwrites. `run` copies the real rows out with one copy
+(merging groups costs one copy each), so the TreeBatch it returns belongs to the caller: the engine and
+the drafter server consume trees within the step, but a caller may keep them (tests compare two drafts).
+An append graph writes the cache in place (its capture's warm-up run on a side stream already does the
+write; replaying it writes the same values again).
+
+Host values and capture safety: R, T -> padded to buckets (part of the key); budget, top-k -> key; rows,
+lengths, roots, positions, ring slots -> read on the device from the static buffers; the window and the
+block size -> fixed by the cache and the model. Nothing in `Drafter.logq`, `context_kv`, the scatter or
+`build_tree` synchronises with the host (the rope table is moved to the model's device once, by the
+Drafter). A capture that fails is logged once, recorded in `failed`, and its key runs eagerly (unpadded)
+from then on; `stats` counts replays, captures, padded-eager runs and eager runs (`context_*` for appends).
+Off CUDA there is nothing to capture: `capture=False` pads into the same buffers and runs eagerly (the CPU
+tests' mode).
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import logging
+from collections.abc import Callable
+
+import torch
+
+from drafter_service.api import DraftRequest
+from drafter_service.context_cache import DraftContextCache
+from drafter_service.device_copy import int64_to_device, rows_to_device
+from kernels.tree_build import TreeBatch, build_tree, tree_size
+
+log = logging.getLogger(__name__)
+
+NEG_INF_BITS = int(torch.tensor(float("-inf"), dtype=torch.float32).view(torch.int32))  # logw padding, as int32
+MAX_GRAPHS = 64
+
+
+def pow2_buckets(limit: int) -> list[int]:
+    """Padded sizes: the powers of two below limit, then limit (1, 2, 4, ..., 32, 48 for 48)."""
+    if limit < 1:
+        raise ValueError(f"pow2_buckets: limit must be >= 1, got {limit}")
+    out = [1]
+    while out[-1] * 2 < limit:
+        out.append(out[-1] * 2)
+    if out[-1] != limit:
+        out.append(limit)
+    return out
+
+
+def pack_trees(t: TreeBatch) -> torch.Tensor:
+    """TreeBatch -> [6, R, M] int32 in TreeBatch._FIELDS order (logw bit-cast): one buffer, one copy out."""
+    return torch.stack([t.tokens, t.parent, t.depth, t.first_child, t.next_sibling, t.logw.view(torch.int32)])
+
+
+def unpack_trees(packed: torch.Tensor, n_nodes: list[int]) -> TreeBatch:
+    """[6, R, M] int32 -> TreeBatch whose arrays are views of `packed` (contiguous [R, M] each)."""
+    return TreeBatch(packed[0], packed[1], packed[2], packed[3], packed[4], packed[5].view(torch.float32),
+                     list(n_nodes))
+
+
+class DraftGraphRunner:
+    """Runs draft steps (block forward -> per-depth log-probs -> DDTree) and context appends from CUDA graphs.
+
+    logq: (rows, ctx_len, roots, root_pos), each [Rb] int64 on the cache's device -> fp32 [Rb, L, V]
+    (`Drafter.logq`: device ops only); context_kv: (feats [T, F], positions [T]) -> per layer (K, V)
+    (`DFlashDrafter.context_kv`); cache: the drafter's context cache; depth: L = block_size - 1; vocab_size:
+    V (top-k caps are min'd with it); feature_dim F and dtype: the context features the model takes;
+    max_context_rows: the largest append replayed (larger ones run eagerly); capture: True = CUDA graphs (the
+    cache must be on CUDA), False = pad into the same buffers and run eagerly (CPU tests)."""
+
+    def __init__(self, logq: Callable[..., torch.Tensor], context_kv: Callable, cache: DraftContextCache,
+                 depth: int, vocab_size: int, feature_dim: int, dtype: torch.dtype, max_context_rows: int,
+                 capture: bool, max_graphs: int = MAX_GRAPHS):
+        dev = cache.k.device
+        if capture and dev.type != "cuda":
+            raise ValueError("DraftGraphRunner: CUDA graphs need the context cache on a CUDA device")
+        self.logq, self.context_kv, self.cache, self.depth, self.vocab_size = logq, context_kv, cache, depth, vocab_size
+        self.capture, self.max_graphs, self.device = capture, max_graphs, dev
+        self.buckets = pow2_buckets(cache.max_sessions)
+        self.row_buckets = pow2_buckets(max_context_rows)
+        self.pad_column = [cache.pad_row, 0, 0, 0]  # row, context length, root token, root position
+        pad = torch.tensor(self.pad_column, dtype=torch.int64, device=dev)[:, None]
+        self.inputs = {n: pad.expand(4, n).contiguous() for n in self.buckets}  # static draft inputs per bucket
+        self.ctx_feats = torch.zeros(self.row_buckets[-1], feature_dim, dtype=dtype, device=dev)  # static rows
+        self.ctx_index = cache.pad_index(self.row_buckets[-1]).to(dev)  # static [rows, 3]: row, ring slot, position
+        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor | None]] = {}
+        self.failed: dict[tuple, str] = {}  # key -> why its capture failed (runs eagerly)
+        self.stats: collections.Counter = collections.Counter()  # replays, captures, padded_eager, eager, context_*
+        self.enabled = True
+        self._mempool = None
+        self._stream = None
+        self._warned: set[str] = set()
+
+    # --- public -------------------------------------------------------------------------------------
+    def bucket(self, n_requests: int) -> int | None:
+        """The padded request count of a group of n_requests, None past the largest bucket."""
+        i = bisect.bisect_left(self.buckets, n_requests)
+        return self.buckets[i] if i < len(self.buckets) else None
+
+    def row_bucket(self, n_rows: int) -> int | None:
+        """The padded row count of an append of n_rows, None past the largest bucket."""
+        i = bisect.bisect_left(self.row_buckets, n_rows)
+        return self.row_buckets[i] if i < len(self.row_buckets) else None
+
+    @torch.no_grad()
+    def append(self, index: torch.Tensor, parts: list[torch.Tensor]) -> bool:
+        """Write context rows: index [T, 3] on the host (a `DraftContextCache.plan`'s), parts: the kept feature
+        rows in plan order (T in all). -> False when the append is not for the runner (disabled, too many
+        rows, a failed capture): the caller then appends eagerly. Counts are the caller's to commit."""
+        T = index.shape[0]
+        n = self.row_bucket(T)
+        key = ("context", n)
+        if not self.enabled or T == 0:
+            return False
+        if n is None or key in self.failed:
+            self.stats["context_eager"] += 1
+            return False
+        int64_to_device(torch.cat((index, self.cache.pad_index(n - T))), self.device, out=self.ctx_index[:n])
+        rows_to_device(parts, self.device, self.ctx_feats.dtype, out=self.ctx_feats[:T])
+        if not self.capture:
+            self.stats["context_padded_eager"] += 1
+            self._append_body(n)
+            return True
+        entry = self.graphs.get(key) or self._capture(key, lambda: self._append_body(n))
+        if entry is None:  # this capture failed just now
+            self.stats["context_eager"] += 1
+            return False
+        entry[0].replay()
+        self.stats["context_replays"] += 1
+        return True
+
+    @torch.no_grad()
+    def run(self, requests: list[DraftRequest]) -> TreeBatch | None:
+        """Draft trees for requests whose context is already in the cache -> a TreeBatch the caller owns;
+        None when the step is not for the runner (disabled, no requests, more requests than sessions): the
+        caller then drafts eagerly."""
+        R = len(requests)
+        if not self.enabled or R == 0 or self.bucket(R) is None:
+            return None
+        groups: dict[tuple[int, int], list[int]] = {}
+        for i, r in enumerate(requests):
+            groups.setdefault((r.budget, r.topk), []).append(i)
+        n_nodes = [tree_size(r.budget, min(r.topk, self.vocab_size), self.depth) for r in requests]
+        parts = [(idx, *self._group([requests[i] for i in idx], budget, topk))
+                 for (budget, topk), idx in groups.items()]
+        if len(parts) == 1:
+            _, packed, fresh = parts[0]
+            return unpack_trees(packed if fresh else packed.clone(), n_nodes)
+        out = torch.full((6, R, max(n_nodes)), -1, dtype=torch.int32, device=self.device)
+        out[5] = NEG_INF_BITS
+        for idx, packed, _ in parts:
+            out[:, int64_to_device(idx, self.device), : packed.shape[2]] = packed
+        return unpack_trees(out, n_nodes)
+
+    @torch.no_grad()
+    def warmup(self, budget: int, topk: int) -> list[tuple]:
+        """Capture now the draft graphs of every request bucket for one (budget, top-k) and the append graphs
+        of every row bucket, over all-padding inputs (only the pad row is written). -> the keys that have a
+        graph. A no-op in padded-eager mode."""
+        if not self.capture or not self.enabled:
+            return []
+        keys = []
+        for n in reversed(self.buckets):  # largest first: later captures reuse its pool blocks
+            key = (n, budget, topk)
+            if key not in self.graphs and key not in self.failed and self._draft_graphs() < self.max_graphs:
+                int64_to_device(self._columns([], n), self.device, out=self.inputs[n])  # all padding
+                self._capture(key, lambda n=n: self._draft_body(self.inputs[n], budget, topk))
+            keys += [key] if key in self.graphs else []
+        for n in reversed(self.row_buckets):
+            key = ("context", n)
+            if key not in self.graphs and key not in self.failed:
+                int64_to_device(self.cache.pad_index(n), self.device, out=self.ctx_index[:n])
+                self._capture(key, lambda n=n: self._append_body(n))
+            keys += [key] if key in self.graphs else []
+        return keys
+
+    def reset(self) -> None:
+        """Drop every graph and failure record (after changing the drafter's methods or weights' storage)."""
+        self.graphs.clear()
+        self.failed.clear()
+        self._warned.clear()
+        self._mempool = None
+
+    # --- internals ----------------------------------------------------------------------------------
+    def _draft_graphs(self) -> int:
+        return sum(1 for k in self.graphs if k[0] != "context")
+
+    def _columns(self, requests: list[DraftRequest], n: int) -> list[list[int]]:
+        """[4, n] host ints: the requests' (row, context length, root, root position), then pad columns."""
+        cols = [[self.cache.row(r.session_id), self.cache.length(r.session_id), r.root_token, r.root_pos]
+                for r in requests]
+        cols += [self.pad_column] * (n - len(requests))
+        return [list(c) for c in zip(*cols)]
+
+    def _draft_body(self, inputs: torch.Tensor, budget: int, topk: int) -> torch.Tensor:
+        """A draft graph: the forward and the tree build of inputs [4, n] -> packed trees [6, n, M]."""
+        rows, ctx_len, roots, root_pos = inputs.unbind(0)
+        logq = self.logq(rows, ctx_len, roots, root_pos)
+        n = inputs.shape[1]
+        return pack_trees(build_tree(logq, roots, [budget] * n, [topk] * n))
+
+    def _append_body(self, n: int) -> None:
+        """An append graph: project the first n static feature rows and scatter them by the static index."""
+        index = self.ctx_index[:n]
+        self.cache.scatter(index, self.context_kv(self.ctx_feats[:n], index[:, 2]))
+
+    def _group(self, requests: list[DraftRequest], budget: int, topk: int) -> tuple[torch.Tensor, bool]:
+        """One (budget, top-k) group -> (packed trees [6, >= R, M] with the real rows first, fresh: True when
+        the tensor is not a graph's static output)."""
+        R = len(requests)
+        n = self.bucket(R)
+        key = (n, budget, topk)
+        if self.capture and key not in self.graphs:
+            full = self._draft_graphs() >= self.max_graphs
+            if full and key not in self.failed:
+                self._warn(f"CUDA graphs: {self.max_graphs} draft graphs captured already; new (requests, budget, "
+                           "top-k) keys run eagerly")
+            if full or key in self.failed:
+                return self._eager(requests, budget, topk), True
+        inputs = self.inputs[n]
+        int64_to_device(self._columns(requests, n), self.device, out=inputs)
+        if not self.capture:
+            self.stats["padded_eager"] += 1
+            return self._draft_body(inputs, budget, topk)[:, :R], True
+        entry = self.graphs.get(key) or self._capture(key, lambda: self._draft_body(inputs, budget, topk))
+        if entry is None:  # this capture failed just now
+            return self._eager(requests, budget, topk), True
+        graph, packed = entry
+        graph.replay()
+        self.stats["replays"] += 1
+        return packed[:, :R], False
+
+    def _eager(self, requests: list[DraftRequest], budget: int, topk: int) -> torch.Tensor:
+        self.stats["eager"] += 1
+        return self._draft_body(int64_to_device(self._columns(requests, len(requests)), self.device), budget, topk)
+
+    def _warn(self, msg: str) -> None:
+        if msg not in self._warned:
+            self._warned.add(msg)
+            log.warning(msg)
+
+    def _capture(self, key: tuple, body: Callable[[], torch.Tensor | None]):
+        """Run `body` once on a side stream (compiles the kernels; an append writes what its replay writes),
+        then capture it over the static buffers (already loaded) -> (graph, output) or None (logged)."""
+        try:
+            if self._mempool is None:
+                self._mempool = torch.cuda.graph_pool_handle()
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(self.device)
+            self._stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self._stream):
+                body()
+            torch.cuda.current_stream().wait_stream(self._stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._mempool, capture_error_mode="thread_local"):
+                out = body()
+        except Exception as exc:  # noqa: BLE001 - recorded; this key runs eagerly from now on
+            self.failed[key] = f"{type(exc).__name__}: {exc}"[:500]
+            self._warn(f"CUDA graphs: capture of the drafter's {key} graph failed, running it eagerly: "
+                       f"{self.failed[key]}")
+            self._mempool = None  # later captures start a fresh pool
+            try:
+                torch.cuda.synchronize()
+            except Exception:  # noqa: BLE001 - report the capture error, not this one
+                pass
+            return None
+        self.graphs[key] = (graph, out)
+        self.stats["captures"] += 1
+        return self.graphs[key]

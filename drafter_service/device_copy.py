@@ -1,0 +1,41 @@
+"""Host data -> device with as few copies as possible (the drafter's per-step index and feature uploads).
+
+A plain `torch.tensor(...).to("cuda")` copies from pageable memory, which makes the host wait for the
+stream (PyTorch synchronises after a blocking host-to-device copy): the GPU then idles while the host
+queues the next launches. Index uploads are staged in pinned memory and copied with `non_blocking=True`;
+PyTorch's caching host allocator keeps the pinned block alive until the copy has run, so the host
+buffer can be dropped right away. Feature rows (context taps) are concatenated where they live and moved
+with one copy.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def int64_to_device(values: list | torch.Tensor, device: torch.device, out: torch.Tensor | None = None
+                    ) -> torch.Tensor:
+    """values (nested lists of ints, or a CPU int tensor) -> int64 tensor on `device` with one copy; into
+    `out` (an int64 tensor of the same shape on `device`, e.g. a CUDA graph's static input) when given."""
+    host = values.to(torch.int64) if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.int64)
+    cuda = device.type == "cuda"
+    if cuda:
+        host = host.pin_memory()
+    if out is not None:
+        return out.copy_(host, non_blocking=cuda)
+    return host.to(device, non_blocking=cuda)
+
+
+def rows_to_device(parts: list[torch.Tensor], device: torch.device, dtype: torch.dtype,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """Concatenate row blocks [n_i, F] into one [sum n_i, F] tensor of `dtype` on `device` (into `out` when
+    given): one concatenation and one copy when the blocks share a device and dtype (the usual case: all on
+    the verifier's device, or all decoded from the wire), each block converted first otherwise. Values are
+    what `block.to(device, dtype)` gives."""
+    if out is not None and all(p.device == out.device and p.dtype == out.dtype for p in parts):
+        return torch.cat(parts, out=out)
+    if len({(p.device, p.dtype) for p in parts}) == 1:
+        x = parts[0] if len(parts) == 1 else torch.cat(parts)
+    else:
+        x = torch.cat([p.to(device, dtype) for p in parts])
+    return x.to(device, dtype) if out is None else out.copy_(x)
