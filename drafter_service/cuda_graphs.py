@@ -36,6 +36,10 @@ Outputs: a draft graph packs the six [Rb, M] tree arrays into one [6, Rb, M] int
 static buffer that the next replay of the key overwrites. `run` copies the real rows out with one copy
 (merging groups costs one copy each), so the TreeBatch it returns belongs to the caller: the engine and
 the drafter server consume trees within the step, but a caller may keep them (tests compare two drafts).
+All graphs share one memory pool, which is only safe for outputs read before any other graph replays (a
+graph captured earlier may keep its intermediates where a later one's output lives): so a mixed step
+copies each group's rows out right after that group's replay. (Reading them all after the last replay
+broke greedy DDTree == AR on the H200 when the groups replayed in another order than they were captured.)
 An append graph writes the cache in place (its capture's warm-up run on a side stream already does the
 write; replaying it writes the same values again).
 
@@ -175,14 +179,17 @@ class DraftGraphRunner:
         for i, r in enumerate(requests):
             groups.setdefault((r.budget, r.topk), []).append(i)
         n_nodes = [tree_size(r.budget, min(r.topk, self.vocab_size), self.depth) for r in requests]
-        parts = [(idx, *self._group([requests[i] for i in idx], budget, topk))
-                 for (budget, topk), idx in groups.items()]
-        if len(parts) == 1:
-            _, packed, fresh = parts[0]
+        if len(groups) == 1:
+            (budget, topk), = groups
+            packed, fresh = self._group(requests, budget, topk)
             return unpack_trees(packed if fresh else packed.clone(), n_nodes)
+        # Each group's trees are copied out right after its replay, before the next group's: the graphs share
+        # one memory pool, so a graph captured earlier than this one may hold its intermediates where this
+        # one's output lives, and groups replay in request order, not in capture order.
         out = torch.full((6, R, max(n_nodes)), -1, dtype=torch.int32, device=self.device)
         out[5] = NEG_INF_BITS
-        for idx, packed, _ in parts:
+        for (budget, topk), idx in groups.items():
+            packed, _ = self._group([requests[i] for i in idx], budget, topk)
             out[:, int64_to_device(idx, self.device), : packed.shape[2]] = packed
         return unpack_trees(out, n_nodes)
 
