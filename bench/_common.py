@@ -21,6 +21,10 @@ import triton.testing
 
 
 def commit() -> str:
+    """The commit the benchmark runs: $DDTREE_COMMIT when set (a copied working tree, e.g. on a lent GPU box,
+    may carry a stale .git), else git HEAD (+dirty when kernels/ or bench/ have uncommitted changes)."""
+    if os.environ.get("DDTREE_COMMIT"):
+        return os.environ["DDTREE_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "kernels", "bench"],
