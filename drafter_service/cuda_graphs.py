@@ -65,6 +65,7 @@ import torch
 from drafter_service.api import DraftRequest
 from drafter_service.context_cache import DraftContextCache
 from drafter_service.device_copy import int64_to_device, rows_to_device
+from kernels.graph_capture import GraphCapture
 from kernels.tree_build import TreeBatch, build_tree, tree_size
 
 log = logging.getLogger(__name__)
@@ -125,8 +126,7 @@ class DraftGraphRunner:
         self.failed: dict[tuple, str] = {}  # key -> why its capture failed (runs eagerly)
         self.stats: collections.Counter = collections.Counter()  # replays, captures, padded_eager, eager, context_*
         self.enabled = True
-        self._mempool = None
-        self._stream = None
+        self._capturer = GraphCapture(dev)
         self._warned: set[str] = set()
 
     # --- public -------------------------------------------------------------------------------------
@@ -220,7 +220,7 @@ class DraftGraphRunner:
         self.graphs.clear()
         self.failed.clear()
         self._warned.clear()
-        self._mempool = None
+        self._capturer.reset()
 
     # --- internals ----------------------------------------------------------------------------------
     def _draft_graphs(self) -> int:
@@ -284,27 +284,11 @@ class DraftGraphRunner:
         """Run `body` once on a side stream (compiles the kernels; an append writes what its replay writes),
         then capture it over the static buffers (already loaded) -> (graph, output) or None (logged)."""
         try:
-            if self._mempool is None:
-                self._mempool = torch.cuda.graph_pool_handle()
-            if self._stream is None:
-                self._stream = torch.cuda.Stream(self.device)
-            self._stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(self._stream):
-                body()
-            torch.cuda.current_stream().wait_stream(self._stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._mempool, capture_error_mode="thread_local"):
-                out = body()
+            self.graphs[key] = self._capturer.capture(body)
         except Exception as exc:  # noqa: BLE001 - recorded; this key runs eagerly from now on
             self.failed[key] = f"{type(exc).__name__}: {exc}"[:500]
             self._warn(f"CUDA graphs: capture of the drafter's {key} graph failed, running it eagerly: "
                        f"{self.failed[key]}")
-            self._mempool = None  # later captures start a fresh pool
-            try:
-                torch.cuda.synchronize()
-            except Exception:  # noqa: BLE001 - report the capture error, not this one
-                pass
             return None
-        self.graphs[key] = (graph, out)
         self.stats["captures"] += 1
         return self.graphs[key]

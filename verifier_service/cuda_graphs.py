@@ -56,6 +56,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from kernels.graph_capture import GraphCapture
 from verifier_service.forward_batch import ForwardBatch
 from verifier_service.kv_cache import KVPool
 
@@ -137,8 +138,7 @@ class GraphRunner:
         self.failed: dict[tuple[int, int], str] = {}  # key -> why its capture failed (runs eagerly)
         self.stats: collections.Counter = collections.Counter()  # replays, captures, padded_eager, eager
         self.enabled = True
-        self._mempool = None
-        self._stream = None
+        self._capturer = GraphCapture(pool.kv.device)
         self._warned: set[str] = set()
         self._blockers: list[str] | None = None  # capture_blockers(target), once (reset() forgets it)
 
@@ -203,7 +203,7 @@ class GraphRunner:
         self.failed.clear()
         self._warned.clear()
         self._blockers = None
-        self._mempool = None
+        self._capturer.reset()
 
     # --- internals ----------------------------------------------------------------------------------
     def _key(self, fb: ForwardBatch) -> tuple[int, int] | None:
@@ -279,27 +279,11 @@ class GraphRunner:
     def _capture(self, key: tuple[int, int]):
         """Warm up on a side stream, then capture the body over the static buffers (already loaded)."""
         try:
-            if self._mempool is None:
-                self._mempool = torch.cuda.graph_pool_handle()
-            if self._stream is None:
-                self._stream = torch.cuda.Stream(self.pool.kv.device)
-            self._stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(self._stream):
-                self._body(*key)  # compiles the kernels; writes exactly what the replay writes
-            torch.cuda.current_stream().wait_stream(self._stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._mempool, capture_error_mode="thread_local"):
-                out = self._body(*key)
+            self.graphs[key] = self._capturer.capture(lambda: self._body(*key))
         except Exception as exc:  # noqa: BLE001 - recorded; this bucket runs eagerly from now on
             self.failed[key] = f"{type(exc).__name__}: {exc}"[:500]
             self._warn(f"CUDA graphs: capture of {key[0]} tokens x {key[1]} mask words failed, running it "
                        f"eagerly: {self.failed[key]}")
-            self._mempool = None  # later captures start a fresh pool
-            try:
-                torch.cuda.synchronize()
-            except Exception:  # noqa: BLE001 - report the capture error, not this one
-                pass
             return None
-        self.graphs[key] = (graph, out)
         self.stats["captures"] += 1
         return self.graphs[key]
