@@ -203,7 +203,10 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
 
         def run() -> None:
             out = self._control_loop(st, control)
-            loop.call_soon_threadsafe(lambda: finished.done() or finished.set_result(out))
+            try:
+                loop.call_soon_threadsafe(lambda: finished.done() or finished.set_result(out))
+            except RuntimeError:  # the event loop is closed: the server is gone, nobody waits
+                pass
 
         threading.Thread(target=run, name=f"drafter-control-{st.number}", daemon=True).start()
         reader = asyncio.ensure_future(self._read(context))

@@ -246,9 +246,11 @@ class DraftStreamClient:
                                                            self._region_device),
                        RESPONSE_REGION: SharedRegion.create(RESPONSE_REGION, self.cfg.response_region_bytes,
                                                             self._region_device)}
-        listener = ControlListener(self.cfg.max_message_bytes) if self._use_control else None
         stream = _Stream(self._stub, regions, self._on_broken)
+        listener = None
         try:
+            if self._use_control:
+                listener = ControlListener(self.cfg.max_message_bytes)
             stream.send(drafter_pb2.DraftStreamRequest(open=drafter_pb2.OpenStream(
                 client_id=self.cfg.client_id, regions=[r.to_pb() for r in regions.values()],
                 control_socket=listener.path if listener else "")))
