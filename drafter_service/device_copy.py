@@ -18,6 +18,12 @@ def int64_to_device(values: list | torch.Tensor, device: torch.device, out: torc
     """values (nested lists of ints, or a CPU int tensor) -> int64 tensor on `device` with one copy; into
     `out` (an int64 tensor of the same shape on `device`, e.g. a CUDA graph's static input) when given."""
     host = values.to(torch.int64) if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.int64)
+    return host_to_device(host, device, out)
+
+
+def host_to_device(host: torch.Tensor, device: torch.device, out: torch.Tensor | None = None) -> torch.Tensor:
+    """A CPU tensor -> `device` (into `out` when given) with one copy that does not make the host wait:
+    staged in pinned memory when `device` is a GPU."""
     cuda = device.type == "cuda"
     if cuda:
         host = host.pin_memory()

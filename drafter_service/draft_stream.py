@@ -26,7 +26,7 @@ from drafter_service.drafter import Drafter
 from kernels.tree_build import TreeBatch
 from protos.codec import WireError, draft_request_from_pb, tensor_from_pb, trees_to_pb
 from protos.ddtree.v1 import drafter_pb2
-from protos.shared_region import RegionArena, SharedRegion
+from protos.shared_region import IpcEvent, RegionArena, SharedRegion
 from telemetry import tracing
 from telemetry.metrics import Metrics
 from verifier_service.session import MAX_BUDGET
@@ -60,6 +60,10 @@ class DraftStream:
     faults: dict[str, SessionFault] = field(default_factory=dict)  # from `context` messages, told at the next step
     metrics: Metrics = field(default_factory=Metrics)
     tracer: trace.Tracer | None = None  # None: tracing is off in this process (no draft spans)
+    # CUDA regions with IPC events (OpenStream.request_event): the verifier's, waited for before touching the
+    # regions, and ours, recorded after writing the trees (both None: wait for the GPU before answering)
+    request_event: IpcEvent | None = None
+    trees_event: IpcEvent | None = None
 
     def key(self, sid: str) -> str:
         return f"{self.number}/{sid}"
@@ -78,6 +82,7 @@ class DraftStream:
             self.forget(sid)
         for r in self.regions.values():
             r.close()
+        self.request_event = self.trees_event = None
 
     def _reserve(self, sid: str) -> str:
         key = self.key(sid)
@@ -167,6 +172,8 @@ class DraftStream:
     def step(self, step: drafter_pb2.DraftStep) -> drafter_pb2.DraftTrees:
         """Check every session's request, draft the valid ones in one batch, answer all of them."""
         t_start = time.perf_counter()
+        if self.request_event is not None:  # the verifier's writes into the request region come first
+            self.request_event.wait()
         arena = None
         if step.HasField("response_region_id"):
             region = self.regions.get(step.response_region_id)
@@ -205,7 +212,7 @@ class DraftStream:
         if trees is None:
             z = torch.empty(0, 1, dtype=torch.int32)
             trees = TreeBatch(z, z, z, z, z, torch.empty(0, 1), [])
-        msg = trees_to_pb(trees, ids, step.step_id, arena)
+        msg = trees_to_pb(trees, ids, step.step_id, arena, self.trees_event)
         msg.errors.extend(errors)
         msg.compute_us = max(1, round((time.perf_counter() - t_start) * 1e6))
         return msg

@@ -4,10 +4,13 @@ DFlash pass per step, FCNS trees back (DESIGN 3.1, 5).
 Each Draft stream owns the context caches of its sessions (`drafter_service.draft_stream`), so a
 verifier that disconnects leaves nothing behind and two verifiers never collide on session ids. This
 module is the gRPC edge: it reads the stream, hands each message to the stream's `DraftStream` on
-the one model thread (arrival order, so the event loop keeps answering health, reflection and Info
+the model thread (arrival order, so the event loop keeps answering health, reflection and Info
 while a step runs) and writes the answers. On drain, streams end after their current step. A co-located
 verifier may move the stream's messages to a unix socket (`protos.control_socket`, fewer hops per
-step): a socket thread per stream then reads them and hands them to the same model thread.
+step): a socket thread per stream then reads and runs them itself; all model work holds one lock. With CUDA
+regions the verifier may also offer an IPC event (`OpenStream.request_event`): the stream then hands the
+regions over stream-ordered (`protos.shared_region.IpcEvent`) and answers a step as soon as its work is
+queued on the GPU, without waiting for it.
 
 Observability: Info calls run in SERVER spans continuing the caller's W3C context; the long-lived Draft
 stream does not (it carries many requests: each session's draft span follows the traceparent in its
@@ -35,7 +38,7 @@ from drafter_service.drafter import Drafter
 from protos.control_socket import ControlClosed, ControlSocket
 from protos.ddtree.v1 import drafter_pb2, drafter_pb2_grpc
 from protos.serving import GrpcServer
-from protos.shared_region import SharedRegion
+from protos.shared_region import IpcEvent, SharedRegion
 from telemetry import tracing
 from telemetry.grpc_tracing import DEFAULT_EXCLUDE, TracingServerInterceptor
 from telemetry.metrics import Metrics, parse_hostport, process_metrics
@@ -79,7 +82,11 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         self.target_hidden = 0
         self.max_sessions, self.window = max_sessions, window
         self.max_message_bytes = max_message_bytes  # also the control socket's frame limit
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="drafter-model")  # all model work, in order
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="drafter-model")  # gRPC messages' model work, in order
+        # all model work holds this lock: the pool's thread and the control-socket threads (which run their
+        # stream's messages themselves: no hand-off to another thread and back on each step)
+        self._model_lock = threading.Lock()
+        self._closed = False
         self._streams: dict[int, DraftStream] = {}
         self._streams_lock = threading.Lock()  # opened on the event loop, closed on the model thread
         self._numbers = itertools.count(1)
@@ -100,6 +107,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         self._drain.set()
 
     def close(self) -> None:
+        self._closed = True
         self._pool.shutdown(wait=True)
 
     def active_sessions(self) -> int:
@@ -158,7 +166,10 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         log.info("stream %d open (client %r, %d shared regions%s)", st.number, st.client_id, len(st.regions),
                  ", control socket" if control else "")
         try:
-            await context.write(drafter_pb2.DraftStreamResponse(opened=self.info()))
+            opened = self.info()
+            if st.trees_event is not None:
+                opened.trees_event = st.trees_event.handle
+            await context.write(drafter_pb2.DraftStreamResponse(opened=opened))
             if control is not None:
                 failure = await self._serve_control(st, control, context)
                 if failure is not None:
@@ -183,16 +194,16 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
             except RuntimeError:  # the pool is shut down: the process is exiting
                 pass
 
-    @staticmethod
-    def _handle(st: DraftStream, req: drafter_pb2.DraftStreamRequest) -> drafter_pb2.DraftStreamResponse | None:
-        """One mid-stream message, on the model thread -> the answer to send (steps only)."""
+    def _handle(self, st: DraftStream, req: drafter_pb2.DraftStreamRequest) -> drafter_pb2.DraftStreamResponse | None:
+        """One mid-stream message, under the model lock -> the answer to send (steps only)."""
         kind = req.WhichOneof("kind")
-        if kind == "step":
-            return drafter_pb2.DraftStreamResponse(trees=st.step(req.step))
-        if kind == "context":
-            st.context(req.context)
-        else:
-            st.release(list(req.release.session_ids))
+        with self._model_lock, torch.no_grad():
+            if kind == "step":
+                return drafter_pb2.DraftStreamResponse(trees=st.step(req.step))
+            if kind == "context":
+                st.context(req.context)
+            else:
+                st.release(list(req.release.session_ids))
         return None
 
     async def _serve_control(self, st: DraftStream, control: ControlSocket, context) -> Failure | None:
@@ -224,7 +235,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         return None
 
     def _control_loop(self, st: DraftStream, control: ControlSocket) -> Failure | None:
-        """The socket thread: each message to the model thread in arrival order, each answer back."""
+        """The socket thread: each message handled here in arrival order (under the model lock), each answer back."""
         while True:
             try:
                 req = control.recv(drafter_pb2.DraftStreamRequest)
@@ -235,12 +246,12 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
             kind = req.WhichOneof("kind")
             if kind not in MID_STREAM:
                 return grpc.StatusCode.FAILED_PRECONDITION, f"unexpected `{kind}` mid-stream"
+            if self._closed:  # the process is exiting
+                return None
             try:
-                resp = self._pool.submit(self._handle, st, req).result()
+                resp = self._handle(st, req)
             except ProtocolError as e:
                 return grpc.StatusCode.INVALID_ARGUMENT, str(e)
-            except RuntimeError:  # the model thread is shut down: the process is exiting
-                return None
             if resp is not None:
                 try:
                     control.send(resp)
@@ -263,6 +274,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
                                      "the drafter on the verifier's host, sharing its /dev/shm?") from None
             st = DraftStream(next(self._numbers), msg.client_id, regions, self.drafter, self.feature_dim,
                              metrics=self.metrics, tracer=self.tracer)
+            st.request_event, st.trees_event = self._events(msg, regions)
         except Exception:
             for r in regions.values():
                 r.close()
@@ -273,8 +285,24 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
             self._streams[st.number] = st
         return st, control
 
+    @staticmethod
+    def _events(msg: drafter_pb2.OpenStream, regions: dict[int, SharedRegion]) -> tuple[IpcEvent | None,
+                                                                                          IpcEvent | None]:
+        """(the verifier's request event, our trees event) when it sent one and the regions are on a GPU; a
+        handle that does not open is logged and the stream goes on with host-synchronised hand-overs."""
+        gpus = {r.device for r in regions.values() if r.device.type == "cuda"}
+        if not msg.request_event or len(gpus) != 1:
+            return None, None
+        (device,) = gpus
+        try:
+            return IpcEvent.open(msg.request_event, device), IpcEvent.create(device)
+        except ValueError as e:
+            log.warning("stream from %r: %s; waiting for the GPU before each answer instead", msg.client_id, e)
+            return None, None
+
     def _close(self, st: DraftStream) -> None:
-        st.close()
+        with self._model_lock:
+            st.close()
         with self._streams_lock:
             self._streams.pop(st.number, None)
         log.info("stream %d closed", st.number)

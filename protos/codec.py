@@ -19,7 +19,7 @@ import torch
 from drafter_service.api import DraftRequest
 from kernels.tree_build import TreeBatch
 from protos.ddtree.v1 import common_pb2, drafter_pb2
-from protos.shared_region import RegionArena, SharedRegion
+from protos.shared_region import IpcEvent, RegionArena, SharedRegion
 
 if sys.byteorder != "little":  # the wire is little-endian and tensors are sent as their memory
     raise ImportError("protos.codec supports little-endian hosts only")
@@ -126,8 +126,10 @@ def draft_request_from_pb(msg: drafter_pb2.SessionDraftRequest, regions: Mapping
 
 
 # --- draft trees (drafter -> verifier) ---------------------------------------------------------------
-def trees_to_pb(trees: TreeBatch, session_ids: list[str], step_id: int,
-                arena: RegionArena | None = None) -> drafter_pb2.DraftTrees:
+def trees_to_pb(trees: TreeBatch, session_ids: list[str], step_id: int, arena: RegionArena | None = None,
+                event: IpcEvent | None = None) -> drafter_pb2.DraftTrees:
+    """Encode; with an arena the tensors go into its region, handed over before this returns: by recording
+    `event` (stream-ordered, `after_event` set) when given, else by waiting for the GPU."""
     if len(session_ids) != trees.tokens.shape[0]:
         raise ValueError(f"{len(session_ids)} session ids for {trees.tokens.shape[0]} trees")
     msg = drafter_pb2.DraftTrees(step_id=step_id, session_ids=session_ids, n_nodes=trees.n_nodes)
@@ -136,16 +138,18 @@ def trees_to_pb(trees: TreeBatch, session_ids: list[str], step_id: int,
     for f, t, where in zip(TREE_FIELDS, fields, places):
         tensor_to_pb(t, getattr(msg, f), where=where)
     if arena is not None:
-        arena.sync()
+        arena.hand_over(event)
+        msg.after_event = event is not None and any(p is not None for p in places)
     return msg
 
 
 def trees_from_pb(msg: drafter_pb2.DraftTrees,
                   regions: Mapping[int, SharedRegion] | None = None) -> tuple[list[str], TreeBatch]:
     """Decode the batch structure: six [R, M] tensors of the right dtypes, R session ids and node
-    counts, in this host's memory. The trees' contents are checked by `verifier_service.tree_validation`
-    (on the host: it reads them there anyway). Fields in a shared region are copied out with one
-    copy per region (one device-to-host copy for a CUDA region), before the peer reuses it."""
+    counts. Inline fields are host tensors; fields in a shared region are copied out on the region's
+    device (one copy per region, on the current stream: the peer may reuse the region once this
+    process hands it back), so trees from a CUDA region never visit the host. The trees' contents
+    are checked by `verifier_service.tree_validation`."""
     ids = list(msg.session_ids)
     R = len(ids)
     if len(msg.n_nodes) != R:
@@ -177,7 +181,7 @@ def trees_from_pb(msg: drafter_pb2.DraftTrees,
     for rid, fields in in_region.items():  # one copy of the span covering the region's fields
         lo = min(off for _, off, _ in fields)
         hi = max(off + n for _, off, n in fields)
-        host = regions[rid].view(lo, hi - lo).to("cpu", copy=True)
+        mine = regions[rid].view(lo, hi - lo).clone()
         for f, off, n in fields:
-            arrays[f] = host[off - lo : off - lo + n].view(TREE_DTYPES[f]).view(shapes[f])
+            arrays[f] = mine[off - lo : off - lo + n].view(TREE_DTYPES[f]).view(shapes[f])
     return ids, TreeBatch(**{f: arrays[f] for f in TREE_FIELDS}, n_nodes=[int(n) for n in msg.n_nodes])

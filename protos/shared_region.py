@@ -20,6 +20,9 @@ in a region by a `RegionArena` (a bump allocator reset every message) and the me
   its current stream on the region's GPU (`RegionArena.sync`): its writes into the regions are
   complete and so are its reads of what the peer wrote last, so the peer may read and then
   overwrite. Both sides use their current stream for every region access.
+  With IPC events (`IpcEvent`, negotiated when the stream opens) the hand-over is stream-ordered
+  instead: the sender records its event on its stream and sends at once; the receiver makes its
+  stream wait for the sender's event before it touches the regions. Neither host waits for a GPU.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ _REBUILD_ARGS = ("tensor_cls", "tensor_size", "tensor_stride", "tensor_offset", 
 # CUDA regions created by this process, by (IPC handle, offset): attaching one here returns the tensor itself
 _OWN_CUDA: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _OWN_LOCK = threading.Lock()
+_OWN_EVENTS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # IPC events created here, by handle
 
 
 def shm_dir() -> Path:
@@ -175,6 +179,46 @@ class SharedRegion:
         self.buf = torch.empty(0, dtype=torch.uint8)
 
 
+class IpcEvent:
+    """A CUDA event shared with the peer process (cudaIpcGetEventHandle): the process that created it
+    records it after its work on the regions, the peer's stream waits for it. Opened in the process
+    that created it (an in-process drafter server, tests) it is the creator's own event."""
+
+    def __init__(self, event: torch.cuda.Event, device: torch.device, handle: bytes):
+        self.event, self.device, self.handle = event, device, handle
+
+    @classmethod
+    def create(cls, device: torch.device) -> IpcEvent:
+        with torch.cuda.device(device):
+            event = torch.cuda.Event(interprocess=True)
+            handle = bytes(event.ipc_handle())
+        with _OWN_LOCK:
+            _OWN_EVENTS[handle] = event
+        return cls(event, device, handle)
+
+    @classmethod
+    def open(cls, handle: bytes, device: torch.device) -> IpcEvent:
+        """The peer's event on this process's `device` (the regions' GPU); ValueError when it cannot be opened."""
+        handle = bytes(handle)
+        with _OWN_LOCK:
+            own = _OWN_EVENTS.get(handle)
+        if own is not None:
+            return cls(own, device, handle)
+        try:
+            event = torch.cuda.Event.from_ipc_handle(device, handle)
+        except (RuntimeError, TypeError) as e:
+            raise ValueError(f"cannot open the peer's CUDA IPC event on {device} ({e})") from e
+        return cls(event, device, handle)
+
+    def record(self) -> None:
+        """After this process's work on the regions, on its current stream."""
+        self.event.record(torch.cuda.current_stream(self.device))
+
+    def wait(self) -> None:
+        """This process's current stream waits (on the GPU) for the peer's last record."""
+        torch.cuda.current_stream(self.device).wait_event(self.event)
+
+
 def _export_cuda(buf: torch.Tensor) -> drafter_pb2.CudaIpcHandle:
     """The IPC handle of a CUDA tensor's allocation, as proto fields (torch's reduce_tensor, which also
     arms its IPC ref-counting and records the event the peer waits for when it opens the handle)."""
@@ -292,6 +336,14 @@ class RegionArena:
         self.cursor = start
         self.placed += len(ts)
         return out
+
+    def hand_over(self, event: IpcEvent | None) -> None:
+        """Before the control message leaves: record `event` (stream-ordered hand-over) when this arena's
+        work ran on the event's GPU only, else wait for the GPU (`sync`)."""
+        if event is not None and self._devices <= {event.device}:
+            event.record()
+        else:
+            self.sync()
 
     def sync(self) -> None:
         """Before the control message leaves: wait until this process's work on the region's GPU is

@@ -265,7 +265,9 @@ class Engine:
         cu = [0, *itertools.accumulate(n)]
         local = torch.arange(M, device=dev)[None, :]
         fb = ForwardBatch(
-            tokens=tok.view(-1)[gather],
+            # a tree refused by the device checks has token -1 past its root (never accepted, see
+            # verifier_service.tree_verdicts): the forward embeds a real id there, acceptance compares -1
+            tokens=tok.view(-1)[gather].clamp(min=0),
             positions=(committed[:, None] + depth).view(-1)[gather],
             write_slots=self.kv.slots(rows, committed[:, None] + local).view(-1)[gather],
             cu_q=torch.tensor(cu, dtype=torch.int32, device=dev),

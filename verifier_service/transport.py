@@ -29,8 +29,9 @@ TRANSPORTS = ("inprocess", "colocated", "grpc")
 class StreamClientConfig:
     address: str
     colocated: bool = False  # tensors through shared regions instead of inline bytes
-    region_device: str = "cpu"  # where the shared regions live (cuda:N -> CUDA IPC)
+    region_device: str = "cpu"  # the engine's device: trees are delivered there, shared regions live there
     control_socket: bool = True  # co-located: the per-step messages over a unix socket (protos.control_socket)
+    ipc_events: bool = True  # co-located on a GPU: hand the regions over with CUDA IPC events, no host waits
     draft_timeout_s: float = 5.0  # one step's deadline
     connect_timeout_s: float = 5.0  # opening a stream (handshake included)
     max_message_bytes: int = 64 << 20

@@ -5,7 +5,14 @@ One bidirectional `ddtree.v1.Drafter/Draft` stream is open at a time. Each engin
 bytes (`grpc`) or through two shared regions registered once when the stream opens
 (`colocated`: /dev/shm files on CPU, CUDA IPC allocations on GPU; see `protos.shared_region`).
 Co-located, the messages after `open` also leave gRPC for a unix socket (`protos.control_socket`):
-the engine thread writes each request and reads its answer itself, with no thread hand-offs.
+the engine thread writes each request and reads its answer itself, with no thread hand-offs. With CUDA
+regions the two sides also exchange IPC events when the stream opens (`protos.shared_region.IpcEvent`):
+each hand-over of the regions is then an event on the GPU instead of a host wait, so neither process
+waits for its GPU to send a message, and trees never leave the GPU.
+
+Trees are checked where they arrive (`verifier_service.tree_verdicts`): node counts on the host, the
+rest by one kernel on the engine's device whose verdicts are read after the step (`take_errors`); a
+tree that fails is verified as one that cannot be accepted past its root.
 
 Faults never change the output, only the speed: when the stream breaks, the deadline passes or the
 drafter answers with something that does not decode, the affected sessions get a root-only tree
@@ -32,14 +39,15 @@ import grpc
 import torch
 
 from drafter_service.api import DraftRequest
+from drafter_service.device_copy import host_to_device
 from kernels.tree_build import TreeBatch, tree_size
 from protos.codec import WireError, draft_request_to_pb, tensor_to_pb, trees_from_pb
 from protos.control_socket import ControlClosed, ControlListener, ControlSocket
 from protos.ddtree.v1 import drafter_pb2, drafter_pb2_grpc
-from protos.shared_region import RegionArena, SharedRegion
+from protos.shared_region import IpcEvent, RegionArena, SharedRegion
 from telemetry.metrics import Metrics
 from verifier_service.transport import DrafterModel, StreamClientConfig
-from verifier_service.tree_validation import validate_trees
+from verifier_service.tree_verdicts import TreeChecker
 
 log = logging.getLogger(__name__)
 REQUEST_REGION, RESPONSE_REGION = 1, 2
@@ -60,6 +68,9 @@ class _Stream:
     def __init__(self, stub: drafter_pb2_grpc.DrafterStub, regions: dict[int, SharedRegion], on_broken):
         self.regions = regions
         self.control: ControlSocket | None = None
+        # CUDA regions: ours, recorded after our work on the regions; the drafter's, waited for before reading
+        self.request_event: IpcEvent | None = None
+        self.trees_event: IpcEvent | None = None
         self.synced: set[str] = set()  # sessions whose context this drafter holds
         self.step_id = 0
         self.broken = False
@@ -122,6 +133,7 @@ class _Stream:
         self._requests.put(None)
         for r in self.regions.values():
             r.close()
+        self.request_event = self.trees_event = None
 
 
 class DraftStreamClient:
@@ -144,19 +156,23 @@ class DraftStreamClient:
         self._ready = threading.Event()
         self._pending: dict[str, tuple[int, list[torch.Tensor]]] = {}  # sid -> (start, unacknowledged rows)
         self._errors: dict[str, str] = {}
+        self._checker: TreeChecker | None = None  # once the drafter's model is known
         # region_tensors: tensors this client placed in a shared region; region_trees: steps whose trees
         # came back through one (both stay 0 for grpc, and for a co-located stream that fell back to bytes)
+        # event_steps: steps whose regions were handed over by CUDA IPC events (no host wait on either side)
         self.stats = {"steps": 0, "fallback_steps": 0, "reconnects": 0, "invalid_trees": 0, "region_tensors": 0,
-                      "region_trees": 0}
+                      "region_trees": 0, "event_steps": 0}
         self.last_error = ""
         self._use_control = cfg.colocated and cfg.control_socket
+        self._use_events = cfg.colocated and cfg.ipc_events
         # the last exchanged step, in ms: round_trip (request sent -> answer read), drafter (its compute_us),
         # transport (round_trip - drafter), decode (trees off the wire / out of the region), validate
         self.last_step_ms: dict[str, float] = {}
-        self._region_device = torch.device(cfg.region_device)
-        if cfg.colocated and self._region_device.type == "cuda" and self._region_device.index is None:
+        # the engine's device: the regions live there (co-located) and the trees are delivered there
+        self._device = torch.device(cfg.region_device)
+        if self._device.type == "cuda" and self._device.index is None:
             # this (the engine's) thread's GPU: the connect thread that allocates the regions would use cuda:0
-            self._region_device = torch.device("cuda", torch.cuda.current_device())
+            self._device = torch.device("cuda", torch.cuda.current_device())
         self._thread = threading.Thread(target=self._connector, name="draft-stream-connect", daemon=True)
 
     # --- lifecycle ---------------------------------------------------------------------------------
@@ -190,6 +206,12 @@ class DraftStreamClient:
         """Region id -> device of the open stream's shared regions ("cuda:0": CUDA IPC); {} without them."""
         s = self._stream
         return {} if s is None else {rid: str(r.device) for rid, r in s.regions.items()}
+
+    @property
+    def ipc_events(self) -> bool:
+        """Whether the open stream hands its CUDA regions over with IPC events (no host waits)."""
+        s = self._stream
+        return s is not None and s.trees_event is not None
 
     @property
     def control_socket(self) -> bool:
@@ -238,22 +260,25 @@ class DraftStreamClient:
     def _open(self) -> _Stream:
         regions = {}
         if self.cfg.colocated:
-            if self._region_device.type == "cuda":
+            if self._device.type == "cuda":
                 # regions of earlier streams whose drafter has let go of them (torch keeps an exported
                 # allocation until its peer does, then frees it on demand): free them before allocating
                 torch.cuda.ipc_collect()
             regions = {REQUEST_REGION: SharedRegion.create(REQUEST_REGION, self.cfg.request_region_bytes,
-                                                           self._region_device),
+                                                           self._device),
                        RESPONSE_REGION: SharedRegion.create(RESPONSE_REGION, self.cfg.response_region_bytes,
-                                                            self._region_device)}
+                                                            self._device)}
         stream = _Stream(self._stub, regions, self._on_broken)
+        if self._use_events and self._device.type == "cuda":
+            stream.request_event = IpcEvent.create(self._device)
         listener = None
         try:
             if self._use_control:
                 listener = ControlListener(self.cfg.max_message_bytes)
             stream.send(drafter_pb2.DraftStreamRequest(open=drafter_pb2.OpenStream(
                 client_id=self.cfg.client_id, regions=[r.to_pb() for r in regions.values()],
-                control_socket=listener.path if listener else "")))
+                control_socket=listener.path if listener else "",
+                request_event=stream.request_event.handle if stream.request_event else b"")))
             try:
                 resp = stream.recv(self.cfg.connect_timeout_s)
             except StreamBroken as e:
@@ -266,12 +291,22 @@ class DraftStreamClient:
                 raise StreamBroken(f"the drafter answered open with {resp.WhichOneof('kind')}")
             if listener is not None:  # the drafter connected before answering
                 stream.control = listener.accept(self.cfg.connect_timeout_s)
+            if stream.request_event is not None and resp.opened.trees_event:
+                try:
+                    stream.trees_event = IpcEvent.open(resp.opened.trees_event, self._device)
+                except ValueError as e:  # the drafter would not wait for its GPU: this stream cannot be used
+                    self._use_events = False  # the next stream goes without events
+                    raise StreamBroken(f"the drafter's trees event: {e}") from None
+            else:
+                stream.request_event = None  # the drafter waits for its GPU: so do we
             for r in regions.values():
                 r.unlink()  # the drafter has mapped them: nothing may outlive the two processes
             model = DrafterModel.from_pb(resp.opened)
             if self.model is not None and not self.model.same_shape(model):
                 raise StreamBroken(f"the drafter changed: was {self.model}, now {model}; refusing it")
-            self.model = self.model or model
+            if self.model is None:
+                self.model = model
+                self._checker = TreeChecker(model.vocab_size, model.block_size - 1)
             return stream
         except Exception:
             stream.close()
@@ -309,11 +344,25 @@ class DraftStreamClient:
                 pass  # the drafter drops the stream's contexts itself
 
     def take_errors(self) -> dict[str, str]:
-        """Sessions whose tree failed validation since the last call: sid -> message."""
+        """Sessions whose tree failed validation since the last call: sid -> message. Reads the verdicts
+        of the device checks: call it after the step's results have been read back (no wait then)."""
+        self._collect_verdicts()
         errs, self._errors = self._errors, {}
         return errs
 
+    def _collect_verdicts(self) -> None:
+        if self._checker is None:
+            return
+        bad = self._checker.verdicts()
+        for sid, problem in bad.items():
+            self._errors[sid] = f"the drafter sent an invalid tree: {problem}"
+            log.warning("session %s: invalid tree from the drafter: %s", sid, problem)
+        if bad:
+            self.stats["invalid_trees"] += len(bad)
+            self.metrics.record_fallback("invalid_tree", len(bad))
+
     def draft(self, requests: list[DraftRequest]) -> TreeBatch:
+        self._collect_verdicts()  # the last step's, read back by now (no-op after take_errors)
         for r in requests:
             self._queue_rows(r)
         self.stats["steps"] += 1
@@ -331,12 +380,8 @@ class DraftStreamClient:
             self.metrics.record_fallback("timeout" if isinstance(e, DraftTimeout) else "stream_broken", len(requests))
             self._on_broken(s, str(e))
             return self._assemble(requests)
-        if len(good) < len(requests):
-            invalid = len(answered) - len(good)
-            if invalid:
-                self.metrics.record_fallback("invalid_tree", invalid)
-            if errors:
-                self.metrics.record_fallback("not_ready", len(errors))
+        if errors:
+            self.metrics.record_fallback("not_ready", len(errors))
         for sid in answered:  # a tree came back (valid or not): this drafter holds the rows now
             self._pending.pop(sid, None)
             s.synced.add(sid)
@@ -391,7 +436,8 @@ class DraftStreamClient:
         places = arena.place_many([q.ctx_features for q in sent]) if arena is not None else [None] * len(sent)
         step.sessions.extend(draft_request_to_pb(q, where=w) for q, w in zip(sent, places))
         if arena is not None:
-            arena.sync()  # the features are in the region, and our reads of the last trees are done
+            # the features are in the region, and our reads of the last trees are done: hand it over
+            arena.hand_over(s.request_event)
             self.stats["region_tensors"] += arena.placed
             step.response_region_id = RESPONSE_REGION
         t_sent = time.perf_counter()
@@ -404,8 +450,12 @@ class DraftStreamClient:
             if resp.WhichOneof("kind") != "trees" or resp.trees.step_id > s.step_id:
                 raise WireError(f"unexpected answer to step {s.step_id}: {resp.WhichOneof('kind')}")
         t_answer = time.perf_counter()
-        ids, trees = trees_from_pb(resp.trees, s.regions)  # on this host: validation reads them here
-        t_decoded = time.perf_counter()
+        if resp.trees.after_event:
+            if s.trees_event is None:
+                raise WireError(f"step {s.step_id}: the answer waits for an event this stream does not have")
+            s.trees_event.wait()  # our stream: the drafter's writes into the response region come first
+            self.stats["event_steps"] += 1
+        ids, trees = trees_from_pb(resp.trees, s.regions)
         if resp.trees.tokens.WhichOneof("storage") == "region":
             self.stats["region_trees"] += 1
         errors = {e.session_id: f"{_code_name(e.code)}: {e.message}" for e in resp.trees.errors}
@@ -417,26 +467,25 @@ class DraftStreamClient:
             log.info("drafter could not draft for %s: %s (autoregressive step)", sid, msg)
         if not ids:
             return ids, None, set(), errors
+        trees = _to_device(trees, self._device)
+        t_decoded = time.perf_counter()
         by_id = {r.session_id: r for r in requests}
-        problems = validate_trees(trees, [by_id[i].root_token for i in ids],
-                                  [tree_size(by_id[i].budget, by_id[i].topk, self.depth) for i in ids],
-                                  self.model.vocab_size, self.depth)
+        trees, refused = self._checker.check(ids, trees, [by_id[i].root_token for i in ids],
+                                             [tree_size(by_id[i].budget, by_id[i].topk, self.depth) for i in ids])
         self._time_step(resp.trees.compute_us, t_sent, t_answer, t_decoded)
-        good = set()
-        for sid, problem in zip(ids, problems):
-            if problem is not None:
-                self.stats["invalid_trees"] += 1
-                self._errors[sid] = f"the drafter sent an invalid tree: {problem}"
-                log.warning("session %s: invalid tree from the drafter: %s", sid, problem)
-            else:
-                good.add(sid)
-        return ids, trees, good, errors
+        for sid, problem in refused.items():
+            self.stats["invalid_trees"] += 1
+            self._errors[sid] = f"the drafter sent an invalid tree: {problem}"
+            log.warning("session %s: invalid tree from the drafter: %s", sid, problem)
+        if refused:
+            self.metrics.record_fallback("invalid_tree", len(refused))
+        return ids, trees, set(ids) - set(refused), errors
 
     def _time_step(self, compute_us: int, t_sent: float, t_answer: float, t_decoded: float) -> None:
         round_trip, drafter = t_answer - t_sent, compute_us * 1e-6
         self.last_step_ms = {"round_trip": round_trip * 1e3, "drafter": drafter * 1e3,
                              "transport": (round_trip - drafter) * 1e3, "decode": (t_decoded - t_answer) * 1e3,
-                             "validate": (time.perf_counter() - t_decoded) * 1e3}
+                             "check": (time.perf_counter() - t_decoded) * 1e3}
         if compute_us:
             self.metrics.draft_transport_seconds.observe(max(0.0, round_trip - drafter))
 
@@ -475,6 +524,16 @@ class DraftStreamClient:
             for f in TreeBatch._FIELDS:
                 out[f][at, :w] = getattr(trees, f)[take, :w].to(out[f].dtype)
         return TreeBatch(**out, n_nodes=n)
+
+
+def _to_device(trees: TreeBatch, device: torch.device) -> TreeBatch:
+    """Trees decoded from bytes (host) -> `device` with one copy, from pinned memory on a GPU (no host wait).
+    Trees already there (from a region on it) are returned as they are."""
+    if trees.tokens.device == device:
+        return trees
+    packed = torch.stack([getattr(trees, f).view(torch.int32) for f in TreeBatch._FIELDS])  # logw's bits too
+    moved = host_to_device(packed, device)
+    return TreeBatch(*(moved[i] for i in range(5)), moved[5].view(torch.float32), n_nodes=list(trees.n_nodes))
 
 
 def _code_name(value: int) -> str:

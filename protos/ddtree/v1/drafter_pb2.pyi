@@ -20,14 +20,16 @@ class DraftStreamRequest(_message.Message):
     def __init__(self, open: _Optional[_Union[OpenStream, _Mapping]] = ..., step: _Optional[_Union[DraftStep, _Mapping]] = ..., release: _Optional[_Union[ReleaseSessions, _Mapping]] = ..., context: _Optional[_Union[SessionContext, _Mapping]] = ...) -> None: ...
 
 class OpenStream(_message.Message):
-    __slots__ = ("client_id", "regions", "control_socket")
+    __slots__ = ("client_id", "regions", "control_socket", "request_event")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     REGIONS_FIELD_NUMBER: _ClassVar[int]
     CONTROL_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_EVENT_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     regions: _containers.RepeatedCompositeFieldContainer[SharedRegion]
     control_socket: str
-    def __init__(self, client_id: _Optional[str] = ..., regions: _Optional[_Iterable[_Union[SharedRegion, _Mapping]]] = ..., control_socket: _Optional[str] = ...) -> None: ...
+    request_event: bytes
+    def __init__(self, client_id: _Optional[str] = ..., regions: _Optional[_Iterable[_Union[SharedRegion, _Mapping]]] = ..., control_socket: _Optional[str] = ..., request_event: _Optional[bytes] = ...) -> None: ...
 
 class SharedRegion(_message.Message):
     __slots__ = ("region_id", "nbytes", "shm_path", "cuda")
@@ -120,7 +122,7 @@ class DraftStreamResponse(_message.Message):
     def __init__(self, opened: _Optional[_Union[DrafterInfo, _Mapping]] = ..., trees: _Optional[_Union[DraftTrees, _Mapping]] = ...) -> None: ...
 
 class DraftTrees(_message.Message):
-    __slots__ = ("step_id", "session_ids", "n_nodes", "tokens", "parent", "depth", "first_child", "next_sibling", "logw", "errors", "compute_us")
+    __slots__ = ("step_id", "session_ids", "n_nodes", "tokens", "parent", "depth", "first_child", "next_sibling", "logw", "errors", "compute_us", "after_event")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_IDS_FIELD_NUMBER: _ClassVar[int]
     N_NODES_FIELD_NUMBER: _ClassVar[int]
@@ -132,6 +134,7 @@ class DraftTrees(_message.Message):
     LOGW_FIELD_NUMBER: _ClassVar[int]
     ERRORS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_US_FIELD_NUMBER: _ClassVar[int]
+    AFTER_EVENT_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     session_ids: _containers.RepeatedScalarFieldContainer[str]
     n_nodes: _containers.RepeatedScalarFieldContainer[int]
@@ -143,7 +146,8 @@ class DraftTrees(_message.Message):
     logw: _common_pb2.Tensor
     errors: _containers.RepeatedCompositeFieldContainer[SessionError]
     compute_us: int
-    def __init__(self, step_id: _Optional[int] = ..., session_ids: _Optional[_Iterable[str]] = ..., n_nodes: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., parent: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., depth: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., first_child: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., next_sibling: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., logw: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., errors: _Optional[_Iterable[_Union[SessionError, _Mapping]]] = ..., compute_us: _Optional[int] = ...) -> None: ...
+    after_event: bool
+    def __init__(self, step_id: _Optional[int] = ..., session_ids: _Optional[_Iterable[str]] = ..., n_nodes: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., parent: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., depth: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., first_child: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., next_sibling: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., logw: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., errors: _Optional[_Iterable[_Union[SessionError, _Mapping]]] = ..., compute_us: _Optional[int] = ..., after_event: _Optional[bool] = ...) -> None: ...
 
 class SessionError(_message.Message):
     __slots__ = ("session_id", "code", "message")
@@ -160,7 +164,7 @@ class DrafterInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DrafterInfo(_message.Message):
-    __slots__ = ("model", "vocab_size", "block_size", "target_layer_ids", "target_hidden_size", "max_budget", "max_sessions", "active_sessions", "draft_window", "streams", "device", "dtype")
+    __slots__ = ("model", "vocab_size", "block_size", "target_layer_ids", "target_hidden_size", "max_budget", "max_sessions", "active_sessions", "draft_window", "streams", "device", "dtype", "trees_event")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -173,6 +177,7 @@ class DrafterInfo(_message.Message):
     STREAMS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    TREES_EVENT_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     block_size: int
@@ -185,4 +190,5 @@ class DrafterInfo(_message.Message):
     streams: int
     device: str
     dtype: str
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., target_hidden_size: _Optional[int] = ..., max_budget: _Optional[int] = ..., max_sessions: _Optional[int] = ..., active_sessions: _Optional[int] = ..., draft_window: _Optional[int] = ..., streams: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ...) -> None: ...
+    trees_event: bytes
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., target_hidden_size: _Optional[int] = ..., max_budget: _Optional[int] = ..., max_sessions: _Optional[int] = ..., active_sessions: _Optional[int] = ..., draft_window: _Optional[int] = ..., streams: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., trees_event: _Optional[bytes] = ...) -> None: ...

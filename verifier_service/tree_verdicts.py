@@ -1,0 +1,90 @@
+"""Checking received draft trees where they live, without making the host wait for the GPU.
+
+Trees from another process are untrusted (`verifier_service.tree_validation` lists the rules). The
+host checks what it knows without reading a tensor (node counts against the session's budget, the
+array width); everything else runs as one kernel on the trees' device (`kernels.tree_check`), queued
+on the stream like the verify step that follows. A tree that fails is replaced in that same launch
+by one whose nodes past the root carry token -1: the verify step runs over them, can never accept
+them (a posterior token is never -1) and so takes an autoregressive step for that session, exactly
+what a root-only tree would give. Which trees failed is read later (`verdicts`), once the step's own
+host read has waited for the GPU anyway; the failing rows are then checked again on the host to say
+what is wrong with them.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from kernels.tree_check import CHECKS, check_trees
+
+from drafter_service.device_copy import int64_to_device
+from kernels.tree_build import TreeBatch
+from verifier_service.tree_validation import validate_trees
+
+log = logging.getLogger(__name__)
+MAX_COLUMNS = 256  # widest tree array the kernel takes (trees have at most MAX_BUDGET + 1 = 65 nodes)
+
+
+@dataclass
+class _Checked:
+    ids: list[str]
+    trees: TreeBatch  # as received (the sanitized copy went to the engine)
+    roots: list[int]
+    codes: torch.Tensor  # [R] int32 on the trees' device, 0 = valid
+    refused: set[str]  # told already (host checks)
+
+
+class TreeChecker:
+    """Checks batches of trees for one drafter model (vocabulary, depth); keeps the pending verdicts."""
+
+    def __init__(self, vocab_size: int, max_depth: int):
+        self.vocab_size, self.max_depth = vocab_size, max_depth
+        self._pending: list[_Checked] = []
+
+    def check(self, ids: list[str], trees: TreeBatch, roots: list[int], caps: list[int]
+              ) -> tuple[TreeBatch, dict[str, str]]:
+        """-> (the trees to verify, sessions refused on the host -> message). Host-refused rows (node count
+        outside 1..cap) must not be verified from this batch; every other row is safe to verify as returned,
+        its verdict read by `verdicts`."""
+        R, M = trees.tokens.shape
+        refused: dict[str, str] = {}
+        for sid, n, cap in zip(ids, trees.n_nodes, caps):
+            if not 1 <= n <= min(cap, M):
+                refused[sid] = f"n_nodes {n} is outside 1..{min(cap, M)} (budget allows {cap} nodes, arrays have {M})"
+        if M > MAX_COLUMNS:  # cannot be a valid tree: no row is verified from this batch
+            return trees, {sid: refused.get(sid, f"trees have {M} columns, more than any budget allows")
+                           for sid in ids}
+        if R == 0:
+            return trees, refused
+        dev = trees.tokens.device
+        host = int64_to_device([[min(max(n, 0), M) for n in trees.n_nodes], roots], dev).to(torch.int32)
+        codes, tokens, parent, depth = check_trees(trees.tokens, trees.parent, trees.depth, trees.first_child,
+                                                   trees.next_sibling, trees.logw, host[0], host[1],
+                                                   self.vocab_size, self.max_depth)
+        self._pending.append(_Checked(list(ids), trees, list(roots), codes, set(refused)))
+        safe = TreeBatch(tokens, parent, depth, trees.first_child, trees.next_sibling, trees.logw,
+                         list(trees.n_nodes))
+        return safe, refused
+
+    def verdicts(self) -> dict[str, str]:
+        """Sessions whose tree failed a device check, over every batch checked since the last call ->
+        what is wrong. Reads the codes: waits for the checks' GPU work (done when the verify step that
+        used the trees has been read back)."""
+        out: dict[str, str] = {}
+        pending, self._pending = self._pending, []
+        for c in pending:
+            for r, code in enumerate(c.codes.tolist()):
+                if code and c.ids[r] not in c.refused:
+                    out[c.ids[r]] = self._describe(c, r, code)
+        return out
+
+    def _describe(self, c: _Checked, r: int, code: int) -> str:
+        row = TreeBatch(**{f: getattr(c.trees, f)[r : r + 1].cpu() for f in TreeBatch._FIELDS},
+                        n_nodes=[c.trees.n_nodes[r]])
+        message = validate_trees(row, [c.roots[r]], [row.tokens.shape[1]], self.vocab_size, self.max_depth)[0]
+        if message is None:  # the kernel and the host rules disagree: still refuse it, and say so
+            log.error("tree check %r failed on the device but the host finds the tree valid", CHECKS[code - 1])
+            message = f"check {CHECKS[code - 1]!r} failed"
+        return message
