@@ -6,15 +6,16 @@
 For each transport the same engine (target in this process) runs C sessions at one budget; the
 drafter is the in-process `Drafter` (inprocess) or a `ddtree drafter serve` process on loopback
 (same device) reached through the stream client with shared regions (colocated: /dev/shm on CPU,
-CUDA IPC on GPU) or inline bytes (grpc). All engines share one target (batch-invariant on CUDA, as
-`build_local_engine` builds it) and step in interleaved rounds, so that load from other processes
-falls on all of them alike. Checked: every session's tokens equal the in-process engine's (greedy:
-a transport must not change a token), and every round's tokens too (the drafter runs the same model
+CUDA IPC on GPU, handed over with CUDA IPC events; colocated_sync, GPU only: the same without events,
+each side waiting for its GPU before a message) or inline bytes (grpc). All engines share one target
+(batch-invariant on CUDA, as `build_local_engine` builds it) and step in interleaved rounds, so that
+load from other processes falls on all of them alike. Checked: every session's tokens equal the
+in-process engine's (greedy: a transport must not change a token), and every round's tokens too (the drafter runs the same model
 on the same device, so the trees must be the same, which is also what makes the timings comparable).
 On CUDA each timed step is bracketed by torch.cuda.synchronize(). Reported: median and p90 verify-step
 time, median time inside `draft()`, the ratio and overhead against in-process at the same C, and for the
 remote transports the medians of the stream client's per-step phases (`breakdown_ms`: round trip, the
-drafter's own compute as it reports it, transport = the difference, decode, validate). Output:
+drafter's own compute as it reports it, transport = the difference, decode, check). Output:
 a table on stdout and JSON lines appended to bench/results/transport.jsonl. Exit status 1 (after
 writing the records, flagged with `problems`) when a check fails, a step fell back to autoregressive,
 or the co-located stream did not use its shared regions on the requested device.
@@ -156,9 +157,11 @@ def main() -> int:
         vocab = inproc.target.cfg.vocab_size
         addr = wait_serving(proc)
         engines = {"inprocess": inproc}
-        for transport in ("colocated", "grpc"):
-            client = DraftStreamClient(StreamClientConfig(addr, colocated=transport == "colocated",
+        # on a GPU also the co-located stream without IPC events (each side waits for its GPU per message)
+        for transport in ("colocated", "colocated_sync", "grpc") if cuda else ("colocated", "grpc"):
+            client = DraftStreamClient(StreamClientConfig(addr, colocated=transport != "grpc",
                                                           region_device=args.device, draft_timeout_s=60,
+                                                          ipc_events=transport == "colocated",
                                                           client_id=f"bench-{transport}"))
             client.start()
             model = client.wait_ready(timeout=120)
@@ -204,7 +207,7 @@ def main() -> int:
                     print(f"C={conc}: time budget spent after {k + 1 - args.warmup} measured rounds", flush=True)
                     break
             # lossless: every session's tokens so far are a prefix of the in-process engine's, or extend them
-            wrong = [(t, sid) for t in ("colocated", "grpc") for sid, ref in emitted["inprocess"].items()
+            wrong = [(t, sid) for t in clients for sid, ref in emitted["inprocess"].items()
                      if (got := emitted[t].get(sid, []))[: len(ref)] != ref[: len(got)]]
             if wrong:
                 problems.append(f"C={conc}: outputs differ from in-process: {wrong[:4]}")
@@ -216,8 +219,10 @@ def main() -> int:
                 if d["fallback_steps"] or d["invalid_trees"]:
                     problems.append(f"C={conc} {t}: {d['fallback_steps']} autoregressive fallback steps, "
                                     f"{d['invalid_trees']} invalid trees ({c.last_error})")
-                if t == "colocated" and (d["region_tensors"] == 0 or d["region_trees"] != d["steps"]):
-                    problems.append(f"C={conc} colocated: shared regions not used for every step ({d})")
+                if t != "grpc" and (d["region_tensors"] == 0 or d["region_trees"] != d["steps"]):
+                    problems.append(f"C={conc} {t}: shared regions not used for every step ({d})")
+                if t == "colocated" and cuda and d["event_steps"] != d["steps"]:
+                    problems.append(f"C={conc} colocated: IPC events not used for every step ({d})")
             for t, e in engines.items():
                 for i in range(conc):
                     e.release(f"b{i}")
@@ -238,7 +243,8 @@ def main() -> int:
                                    "breakdown_ms": {key: round(statistics.median(p[key] for p in phases[t]), 3)
                                                     for key in (phases[t][0] if phases.get(t) else ())}},
                        "outputs_identical": not wrong, "steps_identical": not diverged,
-                       "regions": regions if t == "colocated" else {},
+                       "regions": clients[t].region_devices if t in clients else {},
+                       "ipc_events": t in clients and clients[t].ipc_events,
                        "malloc_pinned": "MALLOC_MMAP_THRESHOLD_" in os.environ,
                        "time": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
                        "note": "drafter in a separate process on loopback, same device; engines share one target "

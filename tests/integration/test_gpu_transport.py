@@ -7,7 +7,8 @@ transport (CUDA IPC regions) and through grpc (bytes). Greedy output must be the
 token for token, over several sessions: a concurrent wave, then a second wave with other parameters
 on the same stream after the first released its sessions. No step may fall back to autoregressive,
 and the co-located stream must have used its CUDA regions both ways (regions on the GPU, context
-rows placed there, every step's trees read back from there): no silent fallback to bytes. Closing
+rows placed there, every step's trees read back from there, every hand-over an IPC event): no silent
+fallback to bytes or to host waits. Closing
 the clients ends the streams: the drafter frees every session and mapping.
 """
 
@@ -88,10 +89,11 @@ def test_split_drafter_on_the_gpu_equals_in_process(setup, reference, transport)
         stats = client.stats
         assert stats["steps"] > 0 and stats["fallback_steps"] == 0 and stats["invalid_trees"] == 0, stats
         assert stats["reconnects"] == 0, stats
-        if transport == "colocated":  # CUDA IPC, both ways, every step
+        if transport == "colocated":  # CUDA IPC, both ways, every step, handed over by IPC events
             devices = client.region_devices
             assert devices and all(d.startswith("cuda") for d in devices.values()), devices
             assert stats["region_tensors"] > 0 and stats["region_trees"] == stats["steps"], stats
+            assert client.ipc_events and stats["event_steps"] == stats["steps"], stats
         else:
             assert client.region_devices == {} and stats["region_tensors"] == stats["region_trees"] == 0, stats
         assert drafter_info(setup["address"]).streams == 1

@@ -543,7 +543,8 @@ def test_cuda_regions_with_an_in_process_drafter(parts):
             reqs = [dataclasses.replace(r, ctx_features=r.ctx_features.cuda()) for r in reqs]
             assert_same_trees(client.draft(reqs), local.draft(reqs))
         assert client.stats["fallback_steps"] == 0 and client.stats["region_tensors"] > 0
-        assert client.stats["region_trees"] == client.stats["steps"] == 3
+        assert client.stats["region_trees"] == client.stats["steps"] == client.stats["event_steps"] == 3
+        assert client.ipc_events  # one process: each side's IPC event is the other's own object
     finally:
         client.close()
         srv.stop()
