@@ -3,22 +3,22 @@
     python bench/bench_transport.py [--pair models/kimi-mini] [--device cpu|cuda] [--concurrency 1 32]
                                     [--steps 30] [--warmup 5] [--time-budget-s S]
 
-For each transport the same engine (target in this process) runs C sessions at one budget; the
-drafter is the in-process `Drafter` (inprocess) or a `ddtree drafter serve` process on loopback
-(same device) reached through the stream client with shared regions (colocated: /dev/shm on CPU,
-CUDA IPC on GPU, handed over with CUDA IPC events; colocated_sync, GPU only: the same without events,
-each side waiting for its GPU before a message) or inline bytes (grpc). All engines share one target
-(batch-invariant on CUDA, as `build_local_engine` builds it) and step in interleaved rounds, so that
-load from other processes falls on all of them alike. Checked: every session's tokens equal the
-in-process engine's (greedy: a transport must not change a token), and every round's tokens too (the drafter runs the same model
-on the same device, so the trees must be the same, which is also what makes the timings comparable).
-On CUDA each timed step is bracketed by torch.cuda.synchronize(). Reported: median and p90 verify-step
-time, median time inside `draft()`, the ratio and overhead against in-process at the same C, and for the
-remote transports the medians of the stream client's per-step phases (`breakdown_ms`: round trip, the
-drafter's own compute as it reports it, transport = the difference, decode, check). Output:
-a table on stdout and JSON lines appended to bench/results/transport.jsonl. Exit status 1 (after
-writing the records, flagged with `problems`) when a check fails, a step fell back to autoregressive,
-or the co-located stream did not use its shared regions on the requested device.
+For each transport the same engine (target in this process) runs C sessions at one budget; the drafter
+is the in-process `Drafter` (inprocess) or a `ddtree drafter serve` process on loopback (same device)
+reached through the stream client with shared regions (colocated: /dev/shm on CPU, CUDA IPC on GPU,
+handed over with CUDA IPC events; colocated_sync, GPU only: the same without events, each side waiting
+for its GPU before a message) or inline bytes (grpc). All engines share one target (batch-invariant on
+CUDA, as `build_local_engine` builds it) and step in interleaved rounds, so that load from other
+processes falls on all of them alike. Checked: every session's tokens equal the in-process engine's
+(greedy: a transport must not change a token), and every round's tokens too (the drafter runs the same
+model on the same device, so the trees must be the same, which is also what makes the timings
+comparable). On CUDA each timed step is bracketed by torch.cuda.synchronize(). Reported: median and p90
+verify-step time, median time inside `draft()`, the ratio and overhead against in-process at the same C,
+and for the remote transports the medians of the stream client's per-step phases (`breakdown_ms`: round
+trip, the drafter's own compute as it reports it, transport = the difference, decode, check). Output: a
+table on stdout and JSON lines appended to bench/results/transport.jsonl. Exit status 1 (after writing
+the records, flagged with `problems`) when a check fails, a step fell back to autoregressive, or the co-
+located stream did not use its shared regions on the requested device.
 
 On CPU, pin glibc's allocator for the whole run (both processes inherit it):
     MALLOC_MMAP_THRESHOLD_=1073741824 MALLOC_TRIM_THRESHOLD_=4294967296 OMP_NUM_THREADS=1 python bench/...
