@@ -13,9 +13,13 @@ logw no larger than its parent's; siblings carry distinct tokens; first_child / 
 equal the ones `parent` implies (smallest child; smallest later sibling); padding columns hold
 -1 (logw -inf). Vectorised over [R, M] in numpy on the host copy the decoder made (a torch op costs
 microseconds of dispatch each, ~0.6 ms per step for these ~60 ops); messages are built for failing rows.
+`check_codes` reports the same per-node rules as numbers, the host twin of `kernels.tree_check.check_trees`
+(which runs them on the device without a host sync).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 
@@ -38,19 +42,13 @@ def _expected_fcns(par: np.ndarray, nonroot: np.ndarray) -> tuple[np.ndarray, np
     return fc, ns
 
 
-def validate_trees(trees: TreeBatch, roots: list[int], max_nodes: list[int], vocab_size: int,
-                   max_depth: int) -> list[str | None]:
-    """One entry per row: None if the tree is valid, else what is wrong with it."""
-    R, M = trees.tokens.shape
-    if len(roots) != R or len(max_nodes) != R or len(trees.n_nodes) != R:
-        raise ValueError(f"validate_trees: {R} trees, {len(roots)} roots, {len(max_nodes)} limits, "
-                         f"{len(trees.n_nodes)} node counts")
-    errors: list[str | None] = [None] * R
-    for r, (n, cap) in enumerate(zip(trees.n_nodes, max_nodes)):
-        if not 1 <= n <= min(cap, M):
-            errors[r] = f"n_nodes {n} is outside 1..{min(cap, M)} (budget allows {cap} nodes, arrays have {M})"
-    if M == 0:
-        return errors
+def _checks(trees: TreeBatch, roots: list[int], vocab_size: int,
+            max_depth: int) -> list[tuple[str, np.ndarray, Callable[[int, int], str]]]:
+    """The per-node rules, shared by `validate_trees` and `check_codes` (arrays with M >= 1 columns).
+
+    Names and order are kernels.tree_check.CHECKS, so the host and the device kernel agree on which rule
+    a row breaks first."""
+    M = trees.tokens.shape[1]
     # numpy on the host copy: a handful of [R, M] / [R, M, M] ops, each far cheaper than a torch call
     tok, par, dep, fc, ns = (getattr(trees, f).cpu().numpy().astype(np.int64) for f in _INT_FIELDS)
     lw = trees.logw.cpu().float().numpy()
@@ -70,36 +68,65 @@ def validate_trees(trees: TreeBatch, roots: list[int], max_nodes: list[int], voc
         finite = np.isfinite(lw)
         lw_up = par_ok & (lw > lw_par)
         pad_lw = lw != -np.inf
-    # (bad nodes [R, M], message(r, i)) in the order they are reported; the first failing check wins
-    checks = [
-        (first_col & (tok != roots_t), lambda r, i: f"root token {tok[r, 0]} is not the session's root "
-                                                    f"token {roots[r]}"),
-        (first_col & ((par != -1) | (dep != 0)),
+    # (name, bad nodes [R, M], message(r, i)) in the order they are reported; the first failing check wins
+    return [
+        ("root_token", first_col & (tok != roots_t), lambda r, i: f"root token {tok[r, 0]} is not the session's "
+                                                                  f"root token {roots[r]}"),
+        ("root_node", first_col & ((par != -1) | (dep != 0)),
          lambda r, i: f"node 0 must be the root (parent -1, depth 0), got parent {par[r, 0]} depth {dep[r, 0]}"),
-        (first_col & (lw != 0), lambda r, i: f"root logw must be 0, got {lw[r, 0]}"),
-        (nonroot & ~par_ok, lambda r, i: f"node {i} has parent {par[r, i]}, which is not an earlier node "
-                                         "(a tree has one root and parents precede children)"),
-        (par_ok & (dep != dep_par + 1),
+        ("root_logw", first_col & (lw != 0), lambda r, i: f"root logw must be 0, got {lw[r, 0]}"),
+        ("parent_order", nonroot & ~par_ok, lambda r, i: f"node {i} has parent {par[r, i]}, which is not an earlier "
+                                                         "node (a tree has one root and parents precede children)"),
+        ("depth_step", par_ok & (dep != dep_par + 1),
          lambda r, i: f"node {i} has depth {dep[r, i]} but its parent {par[r, i]} has depth {dep[r, par[r, i]]}"),
-        (valid & (dep > max_depth), lambda r, i: f"node {i} has depth {dep[r, i]} > the drafter's {max_depth}"),
-        (valid & ((tok < 0) | (tok >= vocab_size)),
+        ("max_depth", valid & (dep > max_depth),
+         lambda r, i: f"node {i} has depth {dep[r, i]} > the drafter's {max_depth}"),
+        ("vocab", valid & ((tok < 0) | (tok >= vocab_size)),
          lambda r, i: f"node {i} has token id {tok[r, i]} outside the vocabulary [0, {vocab_size})"),
-        (valid & ~finite, lambda r, i: f"node {i} has a non-finite logw {lw[r, i]}"),
-        (lw_up, lambda r, i: f"node {i} has logw {lw[r, i]} above its parent's {lw[r, par[r, i]]}"),
-        (dup_sib & par_ok, lambda r, i: f"node {i} repeats the token {tok[r, i]} of a sibling "
-                                        f"under parent {par[r, i]}"),
-        (valid & (fc != exp_fc), lambda r, i: f"node {i} has first_child {fc[r, i]}, but parent implies "
-                                              f"{exp_fc[r, i]}"),
-        (valid & (ns != exp_ns), lambda r, i: f"node {i} has next_sibling {ns[r, i]}, but parent implies "
-                                              f"{exp_ns[r, i]}"),
-        (~valid & ((tok != -1) | (par != -1) | (dep != -1) | (fc != -1) | (ns != -1) | pad_lw),
+        ("logw_finite", valid & ~finite, lambda r, i: f"node {i} has a non-finite logw {lw[r, i]}"),
+        ("logw_rises", lw_up, lambda r, i: f"node {i} has logw {lw[r, i]} above its parent's {lw[r, par[r, i]]}"),
+        ("dup_sibling", dup_sib & par_ok, lambda r, i: f"node {i} repeats the token {tok[r, i]} of a sibling "
+                                                       f"under parent {par[r, i]}"),
+        ("first_child", valid & (fc != exp_fc), lambda r, i: f"node {i} has first_child {fc[r, i]}, but parent "
+                                                             f"implies {exp_fc[r, i]}"),
+        ("next_sibling", valid & (ns != exp_ns), lambda r, i: f"node {i} has next_sibling {ns[r, i]}, but parent "
+                                                              f"implies {exp_ns[r, i]}"),
+        ("padding", ~valid & ((tok != -1) | (par != -1) | (dep != -1) | (fc != -1) | (ns != -1) | pad_lw),
          lambda r, i: f"padding column {i} (n_nodes {trees.n_nodes[r]}) is not -1 / -inf"),
     ]
-    bad = np.stack([b for b, _ in checks], 1)  # [R, C, M]
+
+
+def validate_trees(trees: TreeBatch, roots: list[int], max_nodes: list[int], vocab_size: int,
+                   max_depth: int) -> list[str | None]:
+    """One entry per row: None if the tree is valid, else what is wrong with it."""
+    R, M = trees.tokens.shape
+    if len(roots) != R or len(max_nodes) != R or len(trees.n_nodes) != R:
+        raise ValueError(f"validate_trees: {R} trees, {len(roots)} roots, {len(max_nodes)} limits, "
+                         f"{len(trees.n_nodes)} node counts")
+    errors: list[str | None] = [None] * R
+    for r, (n, cap) in enumerate(zip(trees.n_nodes, max_nodes)):
+        if not 1 <= n <= min(cap, M):
+            errors[r] = f"n_nodes {n} is outside 1..{min(cap, M)} (budget allows {cap} nodes, arrays have {M})"
+    if M == 0:
+        return errors
+    checks = _checks(trees, roots, vocab_size, max_depth)
+    bad = np.stack([b for _, b, _ in checks], 1)  # [R, C, M]
     any_bad = bad.any(-1)  # [R, C]
     first_node = bad.argmax(-1)  # [R, C]
     for r in np.flatnonzero(any_bad.any(-1)).tolist():
         if errors[r] is None:
             c = int(np.argmax(any_bad[r]))
-            errors[r] = checks[c][1](r, int(first_node[r, c]))
+            errors[r] = checks[c][2](r, int(first_node[r, c]))
     return errors
+
+
+def check_codes(trees: TreeBatch, roots: list[int], vocab_size: int, max_depth: int) -> list[int]:
+    """Per row: 0 if every per-node rule holds, else 1 + the index in kernels.tree_check.CHECKS of the first
+    one broken (the host twin of `check_trees`; n_nodes is clamped to [0, M], its range is not checked here)."""
+    R, M = trees.tokens.shape
+    if len(roots) != R or len(trees.n_nodes) != R:
+        raise ValueError(f"check_codes: {R} trees, {len(roots)} roots, {len(trees.n_nodes)} node counts")
+    if M == 0:
+        return [0] * R
+    any_bad = np.stack([b.any(-1) for _, b, _ in _checks(trees, roots, vocab_size, max_depth)], 1)  # [R, C]
+    return np.where(any_bad.any(-1), any_bad.argmax(-1) + 1, 0).tolist()
