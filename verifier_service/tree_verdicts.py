@@ -17,14 +17,13 @@ import logging
 from dataclasses import dataclass
 
 import torch
-from kernels.tree_check import CHECKS, check_trees
 
 from drafter_service.device_copy import int64_to_device
 from kernels.tree_build import TreeBatch
+from kernels.tree_check import CHECKS, MAX_NODES, check_trees
 from verifier_service.tree_validation import validate_trees
 
 log = logging.getLogger(__name__)
-MAX_COLUMNS = 256  # widest tree array the kernel takes (trees have at most MAX_BUDGET + 1 = 65 nodes)
 
 
 @dataclass
@@ -53,13 +52,13 @@ class TreeChecker:
         for sid, n, cap in zip(ids, trees.n_nodes, caps):
             if not 1 <= n <= min(cap, M):
                 refused[sid] = f"n_nodes {n} is outside 1..{min(cap, M)} (budget allows {cap} nodes, arrays have {M})"
-        if M > MAX_COLUMNS:  # cannot be a valid tree: no row is verified from this batch
+        if M > MAX_NODES:  # cannot be a valid tree: no row is verified from this batch
             return trees, {sid: refused.get(sid, f"trees have {M} columns, more than any budget allows")
                            for sid in ids}
         if R == 0:
             return trees, refused
         dev = trees.tokens.device
-        host = int64_to_device([[min(max(n, 0), M) for n in trees.n_nodes], roots], dev).to(torch.int32)
+        host = int64_to_device([[min(max(n, 0), M) for n in trees.n_nodes], roots], dev)
         codes, tokens, parent, depth = check_trees(trees.tokens, trees.parent, trees.depth, trees.first_child,
                                                    trees.next_sibling, trees.logw, host[0], host[1],
                                                    self.vocab_size, self.max_depth)

@@ -156,6 +156,7 @@ def test_stream_client_equals_inprocess_drafter(parts, served, colocated):
         # the co-located stream really used its regions (context rows out, trees back), the grpc one none
         assert client.region_devices == ({1: "cpu", 2: "cpu"} if colocated else {})
         assert client.control_socket == colocated  # co-located messages leave gRPC for a unix socket
+        assert not client.ipc_events and client.stats["event_steps"] == 0  # CPU regions: no CUDA IPC events
         assert (client.stats["region_tensors"] > 0) == colocated
         assert client.stats["region_trees"] == (client.stats["steps"] if colocated else 0)
         # the drafter reported its compute time, so the client can tell it from the transport's cost
