@@ -150,7 +150,8 @@ def main() -> int:
     device_name = gpu or platform.processor() or "cpu"
     rows, problems = [], []
     base: dict[int, float] = {}
-    proc = start_drafter(pair, args.device, dtype_name, 2 * max(args.concurrency) + 8, graphs)  # loads meanwhile
+    n_streams = 3 if cuda else 2  # colocated (+ colocated_sync on a GPU) + grpc, each with all its sessions
+    proc = start_drafter(pair, args.device, dtype_name, n_streams * max(args.concurrency) + 8, graphs)  # loads now
     clients: dict[str, DraftStreamClient] = {}
     try:
         inproc = build_local_engine(pair / "target", pair / "drafter", dtype, args.device, ecfg)
