@@ -195,11 +195,11 @@ def check_trees(tokens: Tensor, parent: Tensor, depth: Tensor, first_child: Tens
                                      vocab_size, max_depth)
     if impl != "triton":
         raise ValueError(f"impl must be auto, triton or torch, got {impl!r}")
-    dev = tokens.device
-    codes = torch.zeros(R, dtype=torch.int32, device=dev)
-    outs = [torch.empty(R, M, dtype=torch.int32, device=dev) for _ in range(3)]
+    # one allocation for all four outputs (each launch's host cost counts: this runs every draft step)
+    buf = torch.empty(R * (3 * M + 1), dtype=torch.int32, device=tokens.device)
+    codes, outs = buf[:R], buf[R:].view(3, R, M).unbind(0)
     if R == 0 or M == 0:
-        return codes, *outs
+        return codes.zero_(), *outs
     block = triton.next_power_of_2(max(M, 2))
     strides = [s for t in (tokens, parent, depth, first_child, next_sibling, logw) for s in t.stride()]
     _tree_check_kernel[(R,)](tokens, parent, depth, first_child, next_sibling, logw, n_nodes, roots, codes, *outs,

@@ -133,7 +133,7 @@ def trees_to_pb(trees: TreeBatch, session_ids: list[str], step_id: int, arena: R
     if len(session_ids) != trees.tokens.shape[0]:
         raise ValueError(f"{len(session_ids)} session ids for {trees.tokens.shape[0]} trees")
     msg = drafter_pb2.DraftTrees(step_id=step_id, session_ids=session_ids, n_nodes=trees.n_nodes)
-    fields = [getattr(trees, f).to(TREE_DTYPES[f]) for f in TREE_FIELDS]
+    fields = [t if (t := getattr(trees, f)).dtype == TREE_DTYPES[f] else t.to(TREE_DTYPES[f]) for f in TREE_FIELDS]
     places = arena.place_many(fields) if arena is not None else [None] * len(fields)  # 4-byte dtypes: one copy
     for f, t, where in zip(TREE_FIELDS, fields, places):
         tensor_to_pb(t, getattr(msg, f), where=where)
@@ -182,6 +182,13 @@ def trees_from_pb(msg: drafter_pb2.DraftTrees,
         lo = min(off for _, off, _ in fields)
         hi = max(off + n for _, off, n in fields)
         mine = regions[rid].view(lo, hi - lo).clone()
+        if len(fields) == len(TREE_FIELDS) and [(f, off - lo) for f, off, _ in fields] == \
+                [(f, i * R * M * 4) for i, f in enumerate(TREE_FIELDS)]:
+            # the usual layout (`trees_to_pb`): six 4-byte [R, M] fields back to back, as one [6, R, M] tensor
+            rows = mine.view(torch.int32).view(len(TREE_FIELDS), R, M)
+            arrays.update(zip(TREE_FIELDS, rows.unbind(0)))
+            arrays["logw"] = arrays["logw"].view(torch.float32)
+            continue
         for f, off, n in fields:
             arrays[f] = mine[off - lo : off - lo + n].view(TREE_DTYPES[f]).view(shapes[f])
     return ids, TreeBatch(**{f: arrays[f] for f in TREE_FIELDS}, n_nodes=[int(n) for n in msg.n_nodes])

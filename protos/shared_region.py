@@ -327,8 +327,14 @@ class RegionArena:
         start = -(-self.cursor // ALIGN) * ALIGN
         if start + sum(sizes) > self.region.nbytes:
             return [self.place(t) for t in ts]  # the ones that fit still go through the region
-        torch.cat([t.detach().reshape(-1).view(torch.uint8) for t in ts],
-                  out=self.region.buf[start : start + sum(sizes)])  # on the current stream
+        dst = self.region.buf[start : start + sum(sizes)]
+        if all(t.shape == ts[0].shape for t in ts) and ts[0].element_size() in (2, 4, 8):
+            # one shape (a batch's tree fields): one stack, no per-tensor flattening (fewer host ops)
+            word = {2: torch.int16, 4: torch.int32, 8: torch.int64}[ts[0].element_size()]
+            torch.stack([t.detach() if t.dtype == word else t.detach().view(word) for t in ts],
+                        out=dst.view(word).view(len(ts), *ts[0].shape))  # on the current stream
+        else:
+            torch.cat([t.detach().reshape(-1).view(torch.uint8) for t in ts], out=dst)  # on the current stream
         out = []
         for n in sizes:  # same element size: every offset stays aligned to it
             out.append(common_pb2.RegionSlice(region_id=self.region.region_id, offset=start))

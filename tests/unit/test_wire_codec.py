@@ -126,6 +126,20 @@ def test_trees_roundtrip(region, through_region):
         assert torch.equal(getattr(back, f), getattr(tb, f)), f
 
 
+def test_trees_in_a_region_in_another_layout(region):
+    """A peer may place the fields anywhere in the region (here one by one, in reverse order, and one inline):
+    the decoder reads them where the message says, not where `trees_to_pb` would have put them."""
+    tb = trees()
+    arena = RegionArena(region)
+    msg = trees_to_pb(tb, ["a", "b", "c"], 2)
+    for f in reversed(TreeBatch._FIELDS[1:]):
+        tensor_to_pb(getattr(tb, f), getattr(msg, f), arena)
+    assert msg.logw.WhichOneof("storage") == "region" and msg.tokens.WhichOneof("storage") == "data"
+    ids, back = trees_from_pb(msg, {7: region})
+    for f in TreeBatch._FIELDS:
+        assert torch.equal(getattr(back, f), getattr(tb, f)), f
+
+
 @pytest.mark.parametrize("mutate, words", [
     (lambda m: m.ClearField("logw"), "logw is missing"),
     (lambda m: tensor_to_pb(torch.zeros(3, 17, dtype=torch.int64), m.tokens), "dtype"),
