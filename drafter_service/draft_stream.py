@@ -82,6 +82,9 @@ class DraftStream:
             self.forget(sid)
         for r in self.regions.values():
             r.close()
+        for e in (self.request_event, self.trees_event):
+            if e is not None:
+                e.close()
         self.request_event = self.trees_event = None
 
     def _reserve(self, sid: str) -> str:

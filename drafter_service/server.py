@@ -191,8 +191,8 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
             # runs on cancellation too: queue the cleanup on the model thread without awaiting it
             try:
                 self._pool.submit(self._close, st)
-            except RuntimeError:  # the pool is shut down: the process is exiting
-                pass
+            except RuntimeError:  # the pool is shut down (the process is exiting): release it here
+                self._close(st)
 
     def _handle(self, st: DraftStream, req: drafter_pb2.DraftStreamRequest) -> drafter_pb2.DraftStreamResponse | None:
         """One mid-stream message, under the model lock -> the answer to send (steps only)."""

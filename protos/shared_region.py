@@ -47,7 +47,7 @@ _REBUILD_ARGS = ("tensor_cls", "tensor_size", "tensor_stride", "tensor_offset", 
 # CUDA regions created by this process, by (IPC handle, offset): attaching one here returns the tensor itself
 _OWN_CUDA: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _OWN_LOCK = threading.Lock()
-_OWN_EVENTS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # IPC events created here, by handle
+_OWN_EVENTS: dict[bytes, torch.cuda.Event] = {}  # IPC events created here and not closed yet, by handle
 
 
 def shm_dir() -> Path:
@@ -184,8 +184,8 @@ class IpcEvent:
     records it after its work on the regions, the peer's stream waits for it. Opened in the process
     that created it (an in-process drafter server, tests) it is the creator's own event."""
 
-    def __init__(self, event: torch.cuda.Event, device: torch.device, handle: bytes):
-        self.event, self.device, self.handle = event, device, handle
+    def __init__(self, event: torch.cuda.Event, device: torch.device, handle: bytes, owner: bool):
+        self.event, self.device, self.handle, self.owner = event, device, handle, owner
 
     @classmethod
     def create(cls, device: torch.device) -> IpcEvent:
@@ -194,7 +194,7 @@ class IpcEvent:
             handle = bytes(event.ipc_handle())
         with _OWN_LOCK:
             _OWN_EVENTS[handle] = event
-        return cls(event, device, handle)
+        return cls(event, device, handle, owner=True)
 
     @classmethod
     def open(cls, handle: bytes, device: torch.device) -> IpcEvent:
@@ -203,12 +203,12 @@ class IpcEvent:
         with _OWN_LOCK:
             own = _OWN_EVENTS.get(handle)
         if own is not None:
-            return cls(own, device, handle)
+            return cls(own, device, handle, owner=False)
         try:
             event = torch.cuda.Event.from_ipc_handle(device, handle)
         except (RuntimeError, TypeError) as e:
             raise ValueError(f"cannot open the peer's CUDA IPC event on {device} ({e})") from e
-        return cls(event, device, handle)
+        return cls(event, device, handle, owner=False)
 
     def record(self) -> None:
         """After this process's work on the regions, on its current stream."""
@@ -217,6 +217,14 @@ class IpcEvent:
     def wait(self) -> None:
         """This process's current stream waits (on the GPU) for the peer's last record."""
         torch.cuda.current_stream(self.device).wait_event(self.event)
+
+    def close(self) -> None:
+        """Drop this side's reference (the creator also unregisters it) when the stream ends: events are
+        released while the stream's owner runs, never left to the interpreter's final garbage collection."""
+        if self.owner:
+            with _OWN_LOCK:
+                _OWN_EVENTS.pop(self.handle, None)
+        self.event = None
 
 
 def _export_cuda(buf: torch.Tensor) -> drafter_pb2.CudaIpcHandle:

@@ -133,6 +133,9 @@ class _Stream:
         self._requests.put(None)
         for r in self.regions.values():
             r.close()
+        for e in (self.request_event, self.trees_event):
+            if e is not None:
+                e.close()
         self.request_event = self.trees_event = None
 
 
