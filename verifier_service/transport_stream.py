@@ -454,9 +454,10 @@ class DraftStreamClient:
                 raise WireError(f"unexpected answer to step {s.step_id}: {resp.WhichOneof('kind')}")
         t_answer = time.perf_counter()
         if resp.trees.after_event:
-            if s.trees_event is None:
-                raise WireError(f"step {s.step_id}: the answer waits for an event this stream does not have")
-            s.trees_event.wait()  # our stream: the drafter's writes into the response region come first
+            event = s.trees_event  # once: another thread may close the stream meanwhile
+            if event is None or event.event is None:
+                raise StreamBroken(f"step {s.step_id}: the answer waits for an event this stream does not have")
+            event.wait()  # our stream: the drafter's writes into the response region come first
             self.stats["event_steps"] += 1
         ids, trees = trees_from_pb(resp.trees, s.regions)
         if resp.trees.tokens.WhichOneof("storage") == "region":

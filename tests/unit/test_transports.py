@@ -266,6 +266,31 @@ def test_timeout_falls_back_then_reconnects(parts, served):
         client.close()
 
 
+def test_answer_waiting_for_an_event_the_stream_lacks_is_refused(served, monkeypatch):
+    """A drafter that says its trees are ready only after an IPC event, on a stream that negotiated none (CPU
+    regions), cannot be read safely: the step goes on autoregressively and the stream is dropped."""
+    import drafter_service.draft_stream as ds
+
+    encode = ds.trees_to_pb
+
+    def claims_event(*args, **kw):
+        msg = encode(*args, **kw)
+        msg.after_event = True
+        return msg
+
+    monkeypatch.setattr(ds, "trees_to_pb", claims_event)
+    _, srv = served
+    client = client_for(srv.port, colocated=True)
+    try:
+        reqs = steps()[0]
+        got = client.draft(reqs)
+        assert all(root_only(got, r, q.root_token) for r, q in enumerate(reqs))
+        assert client.stats["fallback_steps"] == 1 and client.stats["event_steps"] == 0
+        assert "event this stream does not have" in client.last_error
+    finally:
+        client.close()
+
+
 @pytest.mark.parametrize("colocated", [False, True])
 def test_drafter_down_then_back_resends_unacknowledged_context(parts, colocated):
     service = make_service(parts)
