@@ -89,48 +89,51 @@ def check_trees_reference(tokens: Tensor, parent: Tensor, depth: Tensor, first_c
     return codes, tok_out, par_out, dep_out
 
 
-@triton.jit
-def _tree_check_kernel(tok_ptr, par_ptr, dep_ptr, fc_ptr, ns_ptr, lw_ptr, n_ptr, root_ptr,
-                       codes_ptr, tok_out_ptr, par_out_ptr, dep_out_ptr,  # outputs: [R] and [R, M] contiguous
-                       stride_tok_r, stride_tok_m, stride_par_r, stride_par_m, stride_dep_r, stride_dep_m,
-                       stride_fc_r, stride_fc_m, stride_ns_r, stride_ns_m, stride_lw_r, stride_lw_m,
-                       stride_n, stride_root, M, vocab_size, max_depth, BLOCK: tl.constexpr):
+@triton.jit(do_not_specialize=["R", "M", "vocab_size", "max_depth"])  # no recompiles as R and M vary
+def _tree_check_kernel(trees_ptr, n_ptr, root_ptr, out_ptr, R, M, vocab_size, max_depth, BLOCK: tl.constexpr):
     """One program per tree row: every rule of CHECKS over the row's M <= BLOCK nodes, then the sanitized row.
 
-    Node vectors are [BLOCK]; the sibling and first-child / next-sibling rules compare all node pairs as
-    [BLOCK, BLOCK] (rows i loaded as [BLOCK, 1], columns j as [1, BLOCK]). Node values are widened to int64
-    like numpy's (depth 2^31 - 1 plus one must not wrap); the pairwise compares are equality and order only
-    and stay int32. Float compares follow IEEE like numpy's (NaN > x is False, NaN != x is True)."""
+    trees: [6, R, M] int32 contiguous (tokens, parent, depth, first_child, next_sibling, logw's bits); n, root:
+    [R] int64; out: [R] codes then [3, R, M] (tokens, parent, depth), int32. Few arguments on purpose: this
+    runs every draft step and Triton's launch cost grows with them. Node vectors are [BLOCK]; the sibling and
+    first-child / next-sibling rules compare all node pairs as [BLOCK, BLOCK] (rows i loaded as [BLOCK, 1],
+    columns j as [1, BLOCK]). Node values are widened to int64 like numpy's (depth 2^31 - 1 plus one must not
+    wrap); the pairwise compares are equality and order only and stay int32. Float compares follow IEEE like
+    numpy's (NaN > x is False, NaN != x is True)."""
     r = tl.program_id(0).to(tl.int64)
     neg_inf = float("-inf")
     i = tl.arange(0, BLOCK)  # [BLOCK] node index
     inb = i < M
-    n = tl.load(n_ptr + r * stride_n).to(tl.int64)
+    field = R * M  # elements per field
+    row = trees_ptr + r * M
+    tok_ptr, par_ptr, dep_ptr = row, row + field, row + 2 * field
+    fc_ptr, ns_ptr, lw_ptr = row + 3 * field, row + 4 * field, row + 5 * field
+    n = tl.load(n_ptr + r).to(tl.int64)
     n = tl.minimum(tl.maximum(n, 0), M)  # any count: the checks only look inside the row
-    root = tl.load(root_ptr + r * stride_root).to(tl.int64)
-    tok = tl.load(tok_ptr + r * stride_tok_r + i * stride_tok_m, mask=inb, other=-1).to(tl.int64)
-    par = tl.load(par_ptr + r * stride_par_r + i * stride_par_m, mask=inb, other=-1).to(tl.int64)
-    dep = tl.load(dep_ptr + r * stride_dep_r + i * stride_dep_m, mask=inb, other=-1).to(tl.int64)
-    fc = tl.load(fc_ptr + r * stride_fc_r + i * stride_fc_m, mask=inb, other=-1).to(tl.int64)
-    ns = tl.load(ns_ptr + r * stride_ns_r + i * stride_ns_m, mask=inb, other=-1).to(tl.int64)
-    lw = tl.load(lw_ptr + r * stride_lw_r + i * stride_lw_m, mask=inb, other=neg_inf)
+    root = tl.load(root_ptr + r).to(tl.int64)
+    tok = tl.load(tok_ptr + i, mask=inb, other=-1).to(tl.int64)
+    par = tl.load(par_ptr + i, mask=inb, other=-1).to(tl.int64)
+    dep = tl.load(dep_ptr + i, mask=inb, other=-1).to(tl.int64)
+    fc = tl.load(fc_ptr + i, mask=inb, other=-1).to(tl.int64)
+    ns = tl.load(ns_ptr + i, mask=inb, other=-1).to(tl.int64)
+    lw = tl.load(lw_ptr + i, mask=inb, other=-8388608).to(tl.float32, bitcast=True)  # -inf's bits as padding
     valid = i < n
     nonroot = valid & (i >= 1)
     par_ok = nonroot & (par >= 0) & (par < i)
     parc = tl.minimum(tl.maximum(par, 0), M - 1)  # gather index, in bounds for any parent value
-    dep_par = tl.load(dep_ptr + r * stride_dep_r + parc * stride_dep_m, mask=inb, other=-1).to(tl.int64)
-    lw_par = tl.load(lw_ptr + r * stride_lw_r + parc * stride_lw_m, mask=inb, other=neg_inf)
+    dep_par = tl.load(dep_ptr + parc, mask=inb, other=-1).to(tl.int64)
+    lw_par = tl.load(lw_ptr + parc, mask=inb, other=-8388608).to(tl.float32, bitcast=True)
 
     # pairwise rules: node i along axis 0, node j along axis 1 (the row loaded again as [1, BLOCK])
     ii = i[:, None]
     jj = i[None, :]
     # kept in int32 (only compared for equality and order): half the registers of the [BLOCK, BLOCK] work
-    par_j = tl.load(par_ptr + r * stride_par_r + jj * stride_par_m, mask=jj < M, other=-1)
-    tok_j = tl.load(tok_ptr + r * stride_tok_r + jj * stride_tok_m, mask=jj < M, other=-1)
+    par_j = tl.load(par_ptr + jj, mask=jj < M, other=-1)
+    tok_j = tl.load(tok_ptr + jj, mask=jj < M, other=-1)
     ok_j = (jj < n) & (jj >= 1) & (par_j >= 0) & (par_j < jj)
     p_j = tl.where(ok_j, par_j, -1)  # [1, BLOCK]
-    par_i = tl.load(par_ptr + r * stride_par_r + ii * stride_par_m, mask=ii < M, other=-1)
-    tok_i = tl.load(tok_ptr + r * stride_tok_r + ii * stride_tok_m, mask=ii < M, other=-1)
+    par_i = tl.load(par_ptr + ii, mask=ii < M, other=-1)
+    tok_i = tl.load(tok_ptr + ii, mask=ii < M, other=-1)
     ok_i = (ii < n) & (ii >= 1) & (par_i >= 0) & (par_i < ii)
     same_par = ok_i & ok_j & (par_i == p_j)  # [BLOCK, BLOCK]
     child = ok_j & (p_j == ii)  # [p, c]: c is a child of p
@@ -159,16 +162,17 @@ def _tree_check_kernel(tok_ptr, par_ptr, dep_ptr, fc_ptr, ns_ptr, lw_ptr, n_ptr,
     code = tl.where(tl.max((inb & col0 & (lw != 0.0)).to(tl.int32), 0) > 0, 3, code)
     code = tl.where(tl.max((inb & col0 & ((par != -1) | (dep != 0))).to(tl.int32), 0) > 0, 2, code)
     code = tl.where(tl.max((inb & col0 & (tok != root)).to(tl.int32), 0) > 0, 1, code)
-    tl.store(codes_ptr + r, code)
+    tl.store(out_ptr + r, code)
 
     # sanitized row: unchanged if valid; else the root alone, other nodes unacceptable (token -1 under it)
     ok = code == 0
     tok_out = tl.where(ok, tok, tl.where(col0, root, -1))
     par_out = tl.where(ok, par, tl.where(col0, -1, tl.where(valid, 0, -1)))
     dep_out = tl.where(ok, dep, tl.where(col0, 0, tl.where(valid, 1, -1)))
-    tl.store(tok_out_ptr + r * M + i, tok_out.to(tl.int32), mask=inb)
-    tl.store(par_out_ptr + r * M + i, par_out.to(tl.int32), mask=inb)
-    tl.store(dep_out_ptr + r * M + i, dep_out.to(tl.int32), mask=inb)
+    out_row = out_ptr + R + r * M
+    tl.store(out_row + i, tok_out.to(tl.int32), mask=inb)
+    tl.store(out_row + field + i, par_out.to(tl.int32), mask=inb)
+    tl.store(out_row + 2 * field + i, dep_out.to(tl.int32), mask=inb)
 
 
 def check_trees(tokens: Tensor, parent: Tensor, depth: Tensor, first_child: Tensor, next_sibling: Tensor,
@@ -201,8 +205,8 @@ def check_trees(tokens: Tensor, parent: Tensor, depth: Tensor, first_child: Tens
     if R == 0 or M == 0:
         return codes.zero_(), *outs
     block = triton.next_power_of_2(max(M, 2))
-    strides = [s for t in (tokens, parent, depth, first_child, next_sibling, logw) for s in t.stride()]
-    _tree_check_kernel[(R,)](tokens, parent, depth, first_child, next_sibling, logw, n_nodes, roots, codes, *outs,
-                             *strides, n_nodes.stride(0), roots.stride(0), M, vocab_size, max_depth, BLOCK=block,
-                             num_warps=4 if block <= 64 else 8)
+    # one [6, R, M] int32 input (a copy: the usual trees are views of such a buffer already, one op either way)
+    packed = torch.stack([tokens, parent, depth, first_child, next_sibling, logw.view(torch.int32)])
+    _tree_check_kernel[(R,)](packed, n_nodes.to(torch.int64), roots.to(torch.int64), buf, R, M, vocab_size,
+                             max_depth, BLOCK=block, num_warps=4 if block <= 64 else 8)
     return codes, *outs

@@ -35,6 +35,7 @@ MAX_DIMS = 8
 TREE_FIELDS = TreeBatch._FIELDS  # tokens, parent, depth, first_child, next_sibling, logw
 TREE_DTYPES = {"tokens": torch.int32, "parent": torch.int32, "depth": torch.int32, "first_child": torch.int32,
                "next_sibling": torch.int32, "logw": torch.float32}
+_TREE_PB_DTYPES = tuple(DTYPE_TO_PB[TREE_DTYPES[f]] for f in TREE_FIELDS)
 
 
 class WireError(ValueError):
@@ -134,13 +135,45 @@ def trees_to_pb(trees: TreeBatch, session_ids: list[str], step_id: int, arena: R
         raise ValueError(f"{len(session_ids)} session ids for {trees.tokens.shape[0]} trees")
     msg = drafter_pb2.DraftTrees(step_id=step_id, session_ids=session_ids, n_nodes=trees.n_nodes)
     fields = [t if (t := getattr(trees, f)).dtype == TREE_DTYPES[f] else t.to(TREE_DTYPES[f]) for f in TREE_FIELDS]
-    places = arena.place_many(fields) if arena is not None else [None] * len(fields)  # 4-byte dtypes: one copy
-    for f, t, where in zip(TREE_FIELDS, fields, places):
-        tensor_to_pb(t, getattr(msg, f), where=where)
+    start = arena.place_stacked(fields) if arena is not None else None
+    in_region = start is not None
+    if in_region:  # the usual layout (`_packed_trees` reads it back): set the six messages directly
+        shape, step, rid = list(fields[0].shape), fields[0].numel() * 4, arena.region.region_id
+        for i, (f, code) in enumerate(zip(TREE_FIELDS, _TREE_PB_DTYPES)):
+            m = getattr(msg, f)
+            m.dtype, m.region.region_id, m.region.offset = code, rid, start + i * step
+            m.shape.extend(shape)
+    else:
+        places = arena.place_many(fields) if arena is not None else [None] * len(fields)
+        for f, t, where in zip(TREE_FIELDS, fields, places):
+            tensor_to_pb(t, getattr(msg, f), where=where)
+        in_region = any(p is not None for p in places)
     if arena is not None:
         arena.hand_over(event)
-        msg.after_event = event is not None and any(p is not None for p in places)
+        msg.after_event = event is not None and in_region
     return msg
+
+
+def _packed_trees(msg: drafter_pb2.DraftTrees, R: int, regions: Mapping[int, SharedRegion] | None
+                  ) -> TreeBatch | None:
+    """The usual layout (`trees_to_pb` with an arena): six 4-byte [R, M] fields back to back in one region, in
+    TREE_FIELDS order -> the batch as views of one copy, with as few message reads and tensor ops as possible
+    (this runs every draft step). None when the message is laid out otherwise (the general decoder checks it)."""
+    ms = [getattr(msg, f) for f in TREE_FIELDS]
+    if any(m.WhichOneof("storage") != "region" for m in ms) or tuple(m.dtype for m in ms) != _TREE_PB_DTYPES:
+        return None
+    shape = tuple(ms[0].shape)
+    if len(shape) != 2 or shape[0] != R or any(tuple(m.shape) != shape for m in ms[1:]):
+        return None
+    rid, start = ms[0].region.region_id, ms[0].region.offset
+    step = R * shape[1] * 4
+    if any(m.region.region_id != rid or m.region.offset != start + i * step for i, m in enumerate(ms)):
+        return None
+    region = (regions or {}).get(rid)
+    if region is None or start % 4 or start + 6 * step > region.nbytes:
+        return None  # the general decoder says what is wrong
+    rows = region.view(start, 6 * step).clone().view(torch.int32).view(6, R, shape[1]).unbind(0)
+    return TreeBatch(*rows[:5], rows[5].view(torch.float32), n_nodes=[int(n) for n in msg.n_nodes])
 
 
 def trees_from_pb(msg: drafter_pb2.DraftTrees,
@@ -156,6 +189,9 @@ def trees_from_pb(msg: drafter_pb2.DraftTrees,
         raise WireError(f"trees: {len(msg.n_nodes)} n_nodes for {R} session ids")
     if len(set(ids)) != R:
         raise WireError("trees: duplicate session ids")
+    packed = _packed_trees(msg, R, regions)
+    if packed is not None:
+        return ids, packed
     arrays: dict[str, torch.Tensor] = {}
     shapes: dict[str, list[int]] = {}
     in_region: dict[int, list[tuple[str, int, int]]] = {}  # region id -> (field, offset, nbytes)
@@ -182,13 +218,6 @@ def trees_from_pb(msg: drafter_pb2.DraftTrees,
         lo = min(off for _, off, _ in fields)
         hi = max(off + n for _, off, n in fields)
         mine = regions[rid].view(lo, hi - lo).clone()
-        if len(fields) == len(TREE_FIELDS) and [(f, off - lo) for f, off, _ in fields] == \
-                [(f, i * R * M * 4) for i, f in enumerate(TREE_FIELDS)]:
-            # the usual layout (`trees_to_pb`): six 4-byte [R, M] fields back to back, as one [6, R, M] tensor
-            rows = mine.view(torch.int32).view(len(TREE_FIELDS), R, M)
-            arrays.update(zip(TREE_FIELDS, rows.unbind(0)))
-            arrays["logw"] = arrays["logw"].view(torch.float32)
-            continue
         for f, off, n in fields:
             arrays[f] = mine[off - lo : off - lo + n].view(TREE_DTYPES[f]).view(shapes[f])
     return ids, TreeBatch(**{f: arrays[f] for f in TREE_FIELDS}, n_nodes=[int(n) for n in msg.n_nodes])

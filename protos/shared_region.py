@@ -328,28 +328,47 @@ class RegionArena:
     def place_many(self, ts: list[torch.Tensor]) -> list[common_pb2.RegionSlice | None]:
         """place() each of ts; when they all live on the region's device and share an element size,
         back to back with one copy (one kernel on a GPU instead of one per tensor)."""
-        if len(ts) < 2 or any(t.device != self.region.device or t.element_size() != ts[0].element_size()
-                              for t in ts):
+        start = self.place_stacked(ts)
+        if start is None and (len(ts) < 2 or any(t.device != self.region.device or
+                                                 t.element_size() != ts[0].element_size() for t in ts)):
             return [self.place(t) for t in ts]
-        sizes = [t.numel() * t.element_size() for t in ts]
-        start = -(-self.cursor // ALIGN) * ALIGN
-        if start + sum(sizes) > self.region.nbytes:
-            return [self.place(t) for t in ts]  # the ones that fit still go through the region
-        dst = self.region.buf[start : start + sum(sizes)]
-        if all(t.shape == ts[0].shape for t in ts) and ts[0].element_size() in (2, 4, 8):
-            # one shape (a batch's tree fields): one stack, no per-tensor flattening (fewer host ops)
-            word = {2: torch.int16, 4: torch.int32, 8: torch.int64}[ts[0].element_size()]
-            torch.stack([t.detach() if t.dtype == word else t.detach().view(word) for t in ts],
-                        out=dst.view(word).view(len(ts), *ts[0].shape))  # on the current stream
+        if start is None:
+            sizes = [t.numel() * t.element_size() for t in ts]
+            start = -(-self.cursor // ALIGN) * ALIGN
+            if start + sum(sizes) > self.region.nbytes:
+                return [self.place(t) for t in ts]  # the ones that fit still go through the region
+            torch.cat([t.detach().reshape(-1).view(torch.uint8) for t in ts],
+                      out=self.region.buf[start : start + sum(sizes)])  # on the current stream
+            self.cursor = start + sum(sizes)
+            self.placed += len(ts)
         else:
-            torch.cat([t.detach().reshape(-1).view(torch.uint8) for t in ts], out=dst)  # on the current stream
+            sizes = [ts[0].numel() * ts[0].element_size()] * len(ts)
         out = []
         for n in sizes:  # same element size: every offset stays aligned to it
             out.append(common_pb2.RegionSlice(region_id=self.region.region_id, offset=start))
             start += n
-        self.cursor = start
-        self.placed += len(ts)
         return out
+
+    def place_stacked(self, ts: list[torch.Tensor]) -> int | None:
+        """Tensors of one shape and one 2-, 4- or 8-byte element size, on the region's device, back to back as
+        one [len(ts), *shape] block with one stack (a batch's tree fields) -> the block's offset; None (nothing
+        placed) when they do not qualify or do not fit."""
+        t0 = ts[0] if ts else None
+        if t0 is None or t0.element_size() not in (2, 4, 8) or t0.device != self.region.device:
+            return None
+        size = t0.element_size()
+        if any(t.shape != t0.shape or t.element_size() != size or t.device != t0.device for t in ts[1:]):
+            return None
+        nbytes = len(ts) * t0.numel() * size
+        start = -(-self.cursor // ALIGN) * ALIGN
+        if start + nbytes > self.region.nbytes:
+            return None
+        word = {2: torch.int16, 4: torch.int32, 8: torch.int64}[size]
+        torch.stack([t.detach() if t.dtype == word else t.detach().view(word) for t in ts],
+                    out=self.region.buf[start : start + nbytes].view(word).view(len(ts), *t0.shape))  # current stream
+        self.cursor = start + nbytes
+        self.placed += len(ts)
+        return start
 
     def hand_over(self, event: IpcEvent | None) -> None:
         """Before the control message leaves: record `event` (stream-ordered hand-over) when this arena's
