@@ -34,6 +34,7 @@ from verifier_service.session import MAX_BUDGET
 log = logging.getLogger(__name__)
 MAX_POSITION = 1 << 31
 MAX_SESSION_ID = 256
+EVENT_TIMEOUT_S = 10.0  # the verifier's writes into the request region (a copy) take microseconds
 BAD = grpc.StatusCode.INVALID_ARGUMENT
 
 
@@ -171,12 +172,17 @@ class DraftStream:
             self.forget(sid)
             self.faults[sid] = f
 
+    def await_request(self, step: drafter_pb2.DraftStep) -> None:
+        """With IPC events: poll until the verifier's writes into the request region are done (outside the
+        model lock: a dead verifier's event must not stall the other streams); ProtocolError if it never is."""
+        if self.request_event is not None and not self.request_event.wait_host(EVENT_TIMEOUT_S):
+            raise ProtocolError(f"step {step.step_id}: the verifier's request event did not complete within "
+                                f"{EVENT_TIMEOUT_S:.0f} s (has the verifier died?)")
+
     @torch.no_grad()
     def step(self, step: drafter_pb2.DraftStep) -> drafter_pb2.DraftTrees:
         """Check every session's request, draft the valid ones in one batch, answer all of them."""
         t_start = time.perf_counter()
-        if self.request_event is not None:  # the verifier's writes into the request region come first
-            self.request_event.wait()
         arena = None
         if step.HasField("response_region_id"):
             region = self.regions.get(step.response_region_id)

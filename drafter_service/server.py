@@ -197,6 +197,8 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
     def _handle(self, st: DraftStream, req: drafter_pb2.DraftStreamRequest) -> drafter_pb2.DraftStreamResponse | None:
         """One mid-stream message, under the model lock -> the answer to send (steps only)."""
         kind = req.WhichOneof("kind")
+        if kind == "step":
+            st.await_request(req.step)
         with self._model_lock, torch.no_grad():
             if kind == "step":
                 return drafter_pb2.DraftStreamResponse(trees=st.step(req.step))

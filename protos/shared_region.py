@@ -20,9 +20,11 @@ in a region by a `RegionArena` (a bump allocator reset every message) and the me
   its current stream on the region's GPU (`RegionArena.sync`): its writes into the regions are
   complete and so are its reads of what the peer wrote last, so the peer may read and then
   overwrite. Both sides use their current stream for every region access.
-  With IPC events (`IpcEvent`, negotiated when the stream opens) the hand-over is stream-ordered
-  instead: the sender records its event on its stream and sends at once; the receiver makes its
-  stream wait for the sender's event before it touches the regions. Neither host waits for a GPU.
+  With IPC events (`IpcEvent`, negotiated when the stream opens) the sender records its event on
+  its stream and sends at once, without waiting for its GPU; the receiver polls that event on the
+  host (bounded by its deadline) before it touches the regions, so the sender's host work after the
+  record (encoding, the socket, the receiver's decoding) overlaps the sender's GPU work. The wait is
+  never put on the receiver's stream: a stream waiting on a dead peer's event never resumes.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import inspect
 import os
 import tempfile
 import threading
+import time
 import uuid
 import weakref
 from pathlib import Path
@@ -214,9 +217,20 @@ class IpcEvent:
         """After this process's work on the regions, on its current stream."""
         self.event.record(torch.cuda.current_stream(self.device))
 
-    def wait(self) -> None:
-        """This process's current stream waits (on the GPU) for the peer's last record."""
-        torch.cuda.current_stream(self.device).wait_event(self.event)
+    def wait_host(self, timeout_s: float) -> bool:
+        """Poll until the peer's last record has completed -> True, or False after `timeout_s`. Never a
+        GPU-side wait (`cudaStreamWaitEvent`): a stream waiting on a peer's event stays blocked for good when
+        the peer dies before its work completes (measured on an H200: still waiting 20 s after the kill), and
+        one verifier must not be able to wedge a drafter's GPU, nor a drafter a verifier's."""
+        deadline = time.monotonic() + timeout_s
+        try:
+            while not self.event.query():
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(0)  # let the process's other threads run between polls
+        except RuntimeError:  # the peer is gone and its event with it
+            return False
+        return True
 
     def close(self) -> None:
         """Drop this side's reference (the creator also unregisters it) when the stream ends: events are

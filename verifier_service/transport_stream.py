@@ -7,8 +7,9 @@ bytes (`grpc`) or through two shared regions registered once when the stream ope
 Co-located, the messages after `open` also leave gRPC for a unix socket (`protos.control_socket`):
 the engine thread writes each request and reads its answer itself, with no thread hand-offs. With CUDA
 regions the two sides also exchange IPC events when the stream opens (`protos.shared_region.IpcEvent`):
-each hand-over of the regions is then an event on the GPU instead of a host wait, so neither process
-waits for its GPU to send a message, and trees never leave the GPU.
+neither process then waits for its GPU before sending; the receiver polls the sender's event (bounded by
+the step deadline) before touching the regions, so encoding, the socket and decoding overlap the
+sender's GPU work. Trees from a CUDA region never leave the GPU.
 
 Trees are checked where they arrive (`verifier_service.tree_verdicts`): node counts on the host, the
 rest by one kernel on the engine's device whose verdicts are read after the step (`take_errors`); a
@@ -457,7 +458,8 @@ class DraftStreamClient:
             event = s.trees_event  # once: another thread may close the stream meanwhile
             if event is None or event.event is None:
                 raise StreamBroken(f"step {s.step_id}: the answer waits for an event this stream does not have")
-            event.wait()  # our stream: the drafter's writes into the response region come first
+            if not event.wait_host(max(0.0, deadline - time.monotonic())):  # the drafter's writes are done
+                raise DraftTimeout(f"step {s.step_id}: the drafter's trees event did not complete in time")
             self.stats["event_steps"] += 1
         ids, trees = trees_from_pb(resp.trees, s.regions)
         if resp.trees.tokens.WhichOneof("storage") == "region":

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -32,6 +33,7 @@ from protos.control_socket import ControlListener
 from protos.ddtree.v1 import drafter_pb2, drafter_pb2_grpc
 from protos.shared_region import (
     _REBUILD_ARGS,
+    IpcEvent,
     RegionArena,
     SharedRegion,
     _rebuild_arg_names,
@@ -549,6 +551,42 @@ def test_cuda_ipc_region_is_shared_with_another_process(hide_others):
         assert region.buf[:4].tolist() == [2, 3, 4, 5]
     finally:
         region.close()
+
+
+CHILD_EVENT = """
+import sys, time, torch
+from protos.shared_region import IpcEvent
+ev = IpcEvent.create(torch.device("cuda", 0))
+torch.cuda._sleep(int(sys.argv[1]))  # a long kernel before the record: the event completes after it
+ev.record()
+sys.stdout.write(ev.handle.hex() + "\\n")
+sys.stdout.flush()
+time.sleep(60)
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC needs a GPU")
+def test_ipc_event_of_a_killed_peer_times_out_without_wedging_our_stream():
+    """A peer records its event after work that will never finish (it is killed mid-kernel): polling it gives
+    up at the deadline, and nothing was queued on our stream, which keeps running (a GPU-side wait on that
+    event would block it for good)."""
+    child = subprocess.Popen([sys.executable, "-c", CHILD_EVENT, str(20_000_000_000)], stdout=subprocess.PIPE,
+                             text=True, cwd=str(Path(__file__).resolve().parents[2]))
+    try:
+        handle = bytes.fromhex(child.stdout.readline().strip())
+        event = IpcEvent.open(handle, torch.device("cuda", 0))
+        assert not event.wait_host(0.2)  # the child's kernel is still running
+        child.kill()
+        child.wait(30)
+        t0 = time.monotonic()
+        assert not event.wait_host(1.0) and time.monotonic() - t0 >= 0.9
+        x = torch.zeros(1, device="cuda")
+        x.add_(1)
+        torch.cuda.current_stream().synchronize()  # returns: our stream never waited on the dead peer
+        assert x.item() == 1.0
+    finally:
+        child.kill()
 
 
 @pytest.mark.gpu
