@@ -11,10 +11,10 @@ Rules (DESIGN 3.1): 1 <= n_nodes <= min(tree_size(budget, topk, depth), M); node
 0 <= parent < i, depth = depth(parent) + 1 <= max depth, a token id in the vocabulary, a finite
 logw no larger than its parent's; siblings carry distinct tokens; first_child / next_sibling
 equal the ones `parent` implies (smallest child; smallest later sibling); padding columns hold
--1 (logw -inf). Vectorised over [R, M] in numpy on the host copy the decoder made (a torch op costs
-microseconds of dispatch each, ~0.6 ms per step for these ~60 ops); messages are built for failing rows.
-`check_codes` reports the same per-node rules as numbers, the host twin of `kernels.tree_check.check_trees`
-(which runs them on the device without a host sync).
+-1 (logw -inf). Vectorised over [R, M] in numpy on host copies; messages are built for failing rows.
+`check_codes` reports the same per-node rules as numbers, the host twin of `kernels.tree_check.check_trees`.
+The stream client checks every step's trees on the device with that kernel (no host copy, no host
+sync, `verifier_service.tree_verdicts`) and comes here only for the rows it refused, to say why.
 """
 
 from __future__ import annotations
