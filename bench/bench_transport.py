@@ -13,12 +13,14 @@ processes falls on all of them alike. Checked: every session's tokens equal the 
 (greedy: a transport must not change a token), and every round's tokens too (the drafter runs the same
 model on the same device, so the trees must be the same, which is also what makes the timings
 comparable). On CUDA each timed step is bracketed by torch.cuda.synchronize(). Reported: median and p90
-verify-step time, median time inside `draft()`, the ratio and overhead against in-process at the same C,
-and for the remote transports the medians of the stream client's per-step phases (`breakdown_ms`: round
-trip, the drafter's own compute as it reports it, transport = the difference, decode, check). Output: a
-table on stdout and JSON lines appended to bench/results/transport.jsonl. Exit status 1 (after writing
-the records, flagged with `problems`) when a check fails, a step fell back to autoregressive, or the co-
-located stream did not use its shared regions on the requested device.
+verify-step time, median time from asking the drafter to having the trees (`Engine.draft_ns`; for a
+remote drafter the engine prepares the batch layout in between), the ratio and overhead against
+in-process at the same C, and for the remote transports the medians of the stream client's per-step
+phases (`breakdown_ms`: round trip, the drafter's own compute as it reports it, transport = the
+difference, decode, check). Output: a table on stdout and JSON lines appended to
+bench/results/transport.jsonl. Exit status 1 (after writing the records, flagged with `problems`) when a
+check fails, a step fell back to autoregressive, or the co- located stream did not use its shared
+regions on the requested device.
 
 On CPU, pin glibc's allocator for the whole run (both processes inherit it):
     MALLOC_MMAP_THRESHOLD_=1073741824 MALLOC_TRIM_THRESHOLD_=4294967296 OMP_NUM_THREADS=1 python bench/...
@@ -48,21 +50,6 @@ sys.path.insert(0, str(REPO))
 from bench._common import commit  # noqa: E402
 
 TRANSPORTS = ("inprocess", "colocated", "grpc")
-
-
-def timed_draft(client):
-    """Wrap client.draft to record its wall time per call."""
-    times = []
-    inner = client.draft
-
-    def draft(requests):
-        t0 = time.perf_counter()
-        out = inner(requests)
-        times.append(time.perf_counter() - t0)
-        return out
-
-    client.draft = draft
-    return times
 
 
 def admit(engine, conc, budget, vocab) -> None:
@@ -174,7 +161,7 @@ def main() -> int:
               f"setup {time.monotonic() - t_start:.1f} s", flush=True)
         if not regions or any(torch.device(d).type != torch.device(args.device).type for d in regions.values()):
             problems.append(f"co-located regions {regions} are not on {args.device}")
-        draft_times = {t: timed_draft(e.drafter) for t, e in engines.items()}
+        draft_times: dict[str, list[float]] = {t: [] for t in engines}  # engine.draft_ns: drafter asked -> trees
         share = None if args.time_budget_s is None else args.time_budget_s / len(args.concurrency)
         for conc in args.concurrency:
             times: dict[str, list[float]] = {t: [] for t in engines}
@@ -186,14 +173,13 @@ def main() -> int:
                 admit(e, conc, args.budget, vocab)
             t_conc = time.monotonic()
             for k in range(args.warmup + args.steps):
-                if k == args.warmup:
-                    for t in engines:
-                        draft_times[t].clear()
                 outs = {}
                 for t, e in engines.items():
                     dt, outs[t] = timed_step(e)
                     if k >= args.warmup:
                         times[t].append(dt)
+                        if e.draft_ns is not None:
+                            draft_times[t].append((e.draft_ns[1] - e.draft_ns[0]) * 1e-9)
                         if t in clients and clients[t].last_step_ms:
                             phases[t].append(clients[t].last_step_ms)
                 for t, out in outs.items():

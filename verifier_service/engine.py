@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -44,6 +45,21 @@ class DraftClient(Protocol):
     def draft(self, requests: list[DraftRequest]) -> TreeBatch: ...
 
     def release(self, session_id: str) -> None: ...
+
+
+@dataclass
+class _StepLayout:
+    """A verify batch's tree-independent tensors for given node counts (`Engine._layout`)."""
+
+    n: list[int]
+    gather: torch.Tensor  # flat node <- [S, M] padded index
+    rows: torch.Tensor
+    committed: torch.Tensor
+    cu_q: torch.Tensor
+    write_slots: torch.Tensor
+    block_table: torch.Tensor
+    n_t: torch.Tensor  # [S] node counts
+    starts: torch.Tensor  # [S] each session's first flat node (cu[:-1])
 
 
 @dataclass(frozen=True)
@@ -211,23 +227,33 @@ class Engine:
         compact_kv(self.kv.kv, src, dst)
 
     # --- one verify step ---------------------------------------------------------------------------
-    def _trees(self, active: list[Session]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int], int]:
-        """Padded per-session trees [S, M] (tokens, parent, depth), node counts, max depth."""
+    def _draft_begin(self, active: list[Session]) -> tuple[list[int], Callable[[], TreeBatch] | None]:
+        """Ask the drafter for one tree per drafting session -> (their indices in `active`, a function that
+        returns the trees). A drafter with `draft_begin` (another process) starts working now and the engine
+        prepares the rest of the step meanwhile; an in-process drafter drafts when the function is called."""
         drafting = [i for i, s in enumerate(active) if self.drafter is not None and s.params.budget > 0]
+        if not drafting:
+            return drafting, None
+        reqs = []
+        for i in drafting:
+            s = active[i]
+            start, feats = s.take_pending()
+            if feats is None:
+                feats = torch.zeros(0, 0, device=self.device, dtype=self.dtype)
+            reqs.append(DraftRequest(s.sid, start, feats, s.root, s.committed, s.params.budget, s.params.topk,
+                                     s.traceparent))
+        self.draft_ns = (time.time_ns(), 0)
+        begin = getattr(self.drafter, "draft_begin", None)
+        return drafting, (begin(reqs) if begin is not None else lambda: self.drafter.draft(reqs))
+
+    def _trees(self, active: list[Session], drafting: list[int], trees_of: Callable[[], TreeBatch] | None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int], int]:
+        """Padded per-session trees [S, M] (tokens, parent, depth), node counts, max depth."""
         n = [1] * len(active)
         trees = None
-        if drafting:
-            reqs = []
-            for i in drafting:
-                s = active[i]
-                start, feats = s.take_pending()
-                if feats is None:
-                    feats = torch.zeros(0, 0, device=self.device, dtype=self.dtype)
-                reqs.append(DraftRequest(s.sid, start, feats, s.root, s.committed, s.params.budget, s.params.topk,
-                                         s.traceparent))
-            t0 = time.time_ns()
-            trees = self.drafter.draft(reqs)
-            self.draft_ns = (t0, time.time_ns())
+        if trees_of is not None:
+            trees = trees_of()
+            self.draft_ns = (self.draft_ns[0], time.time_ns())
             for j, i in enumerate(drafting):
                 n[i] = trees.n_nodes[j]
         S, M = len(active), max(n)
@@ -247,6 +273,20 @@ class Engine:
             max_depth = self.drafter.depth
         return tok, parent, depth, n, max_depth
 
+    def _layout(self, active: list[Session], n: list[int]) -> _StepLayout:
+        """The parts of the verify batch that depend on the node counts only, not on the trees."""
+        dev = self.device
+        S, M = len(active), max(n)
+        rows = torch.tensor([s.row for s in active], device=dev)
+        committed = torch.tensor([s.committed for s in active], device=dev)
+        cu = [0, *itertools.accumulate(n)]
+        local = torch.arange(M, device=dev)[None, :]
+        gather = torch.tensor([s * M + j for s in range(S) for j in range(n[s])], device=dev)  # flat <- padded
+        return _StepLayout(list(n), gather, rows, committed, cu_q=torch.tensor(cu, dtype=torch.int32, device=dev),
+                           write_slots=self.kv.slots(rows, committed[:, None] + local).view(-1)[gather],
+                           block_table=self.kv.block_table[rows], n_t=torch.tensor(n, device=dev),
+                           starts=torch.tensor(cu[:-1], device=dev))
+
     @torch.no_grad()
     def step(self) -> dict[str, list[int]]:
         """Run one verify step over all running sessions; returns the tokens each one emitted."""
@@ -256,31 +296,28 @@ class Engine:
             return {}
         for s in active:
             self.kv.ensure(s.row, s.committed + self.tree_nodes(s.params))
-        tok, parent, depth, n, max_depth = self._trees(active)
+        drafting, trees_of = self._draft_begin(active)
+        # while a remote drafter works: the batch layout for full trees (what a drafter sends unless it fails)
+        planned = self._layout(active, [self.tree_nodes(s.params) for s in active])
+        tok, parent, depth, n, max_depth = self._trees(active, drafting, trees_of)
+        lay = planned if n == planned.n else self._layout(active, n)
         S, M = tok.shape
         dev = self.device
-        gather = torch.tensor([s * M + j for s in range(S) for j in range(n[s])], device=dev)  # flat <- padded
-        rows = torch.tensor([s.row for s in active], device=dev)
-        committed = torch.tensor([s.committed for s in active], device=dev)
-        cu = [0, *itertools.accumulate(n)]
-        local = torch.arange(M, device=dev)[None, :]
+        gather, rows, committed = lay.gather, lay.rows, lay.committed
         fb = ForwardBatch(
             # a tree refused by the device checks has token -1 past its root (never accepted, see
             # verifier_service.tree_verdicts): the forward embeds a real id there, acceptance compares -1
             tokens=tok.view(-1)[gather].clamp(min=0),
             positions=(committed[:, None] + depth).view(-1)[gather],
-            write_slots=self.kv.slots(rows, committed[:, None] + local).view(-1)[gather],
-            cu_q=torch.tensor(cu, dtype=torch.int32, device=dev),
-            prefix_lens=committed.to(torch.int32),
-            block_table=self.kv.block_table[rows], page_size=self.kv.page_size,
+            write_slots=lay.write_slots, cu_q=lay.cu_q, prefix_lens=committed.to(torch.int32),
+            block_table=lay.block_table, page_size=self.kv.page_size,
             tree_bits=pack_mask_bits(ancestor_mask(parent)).view(S * M, -1)[gather])
         hidden, taps, logits = self._verify_forward(fb)
         posterior = torch.full((S * M,), -1, dtype=torch.int64, device=dev)
         # node at position p predicts p + 1; nodes at one depth share (seed, p + 1) and so the noise
         sampled = any(not s.params.sampling.greedy for s in active)
         posterior[gather] = self.sampler.posterior(logits, rows[gather // M], fb.positions + 1, sampled)
-        n_t = torch.tensor(n, device=dev)
-        res = accept_greedy(tok, parent, n_t, posterior.view(S, M), max_depth)
+        res = accept_greedy(tok, parent, lay.n_t, posterior.view(S, M), max_depth)
         path = res.path.long()  # [S, D+1] node indices, -1 padded
 
         # commit: move the accepted rows down to committed + depth (all layers at once)
@@ -290,8 +327,7 @@ class Engine:
         src = torch.where(live, self.kv.slots(rows, committed[:, None] + src_rel.long()), scratch)
         dst = torch.where(live, self.kv.slots(rows, committed[:, None] + dst_rel.long()), scratch)
         self.compact(src.view(-1), dst.view(-1))
-        cu_t = torch.tensor(cu[:-1], device=dev)
-        path_taps = taps[(cu_t[:, None] + path.clamp(min=0)).view(-1)].view(S, path.shape[1], -1)
+        path_taps = taps[(lay.starts[:, None] + path.clamp(min=0)).view(-1)].view(S, path.shape[1], -1)
         path_tokens = tok.gather(1, path.clamp(min=0))
 
         # the step's one host read (the tree depth is for the per-depth acceptance metrics)

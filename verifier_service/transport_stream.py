@@ -33,7 +33,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from collections.abc import Set as AbstractSet
 
 import grpc
@@ -366,6 +366,11 @@ class DraftStreamClient:
             self.metrics.record_fallback("invalid_tree", len(bad))
 
     def draft(self, requests: list[DraftRequest]) -> TreeBatch:
+        return self.draft_begin(requests)()
+
+    def draft_begin(self, requests: list[DraftRequest]) -> Callable[[], TreeBatch]:
+        """Send the step's requests and return at once -> a function that waits for the trees (the engine
+        prepares the tree-independent part of its verify step in between, while the drafter works)."""
         self._collect_verdicts()  # the last step's, read back by now (no-op after take_errors)
         for r in requests:
             self._queue_rows(r)
@@ -374,15 +379,19 @@ class DraftStreamClient:
         if s is None or s.broken:
             self.stats["fallback_steps"] += 1
             self.metrics.record_fallback("unavailable", len(requests))
-            return self._assemble(requests)
+            return lambda: self._assemble(requests)
         try:
-            answered, trees, good, errors = self._exchange(s, requests)
+            t_sent, deadline = self._send_step(s, requests)
         except Exception as e:  # noqa: BLE001 - whatever went wrong on the wire, this step goes on without trees
-            if not isinstance(e, (StreamBroken, WireError)):
-                log.exception("draft step failed")
-            self.stats["fallback_steps"] += 1
-            self.metrics.record_fallback("timeout" if isinstance(e, DraftTimeout) else "stream_broken", len(requests))
-            self._on_broken(s, str(e))
+            self._step_failed(s, e, len(requests))
+            return lambda: self._assemble(requests)
+        return lambda: self._draft_end(s, requests, t_sent, deadline)
+
+    def _draft_end(self, s: _Stream, requests: list[DraftRequest], t_sent: float, deadline: float) -> TreeBatch:
+        try:
+            answered, trees, good, errors = self._receive_step(s, requests, t_sent, deadline)
+        except Exception as e:  # noqa: BLE001 - whatever went wrong on the wire, this step goes on without trees
+            self._step_failed(s, e, len(requests))
             return self._assemble(requests)
         if errors:
             self.metrics.record_fallback("not_ready", len(errors))
@@ -392,6 +401,13 @@ class DraftStreamClient:
         for sid in errors:
             s.synced.discard(sid)  # the drafter dropped its context; rows stay pending for a resend
         return self._assemble(requests, answered, trees, good)
+
+    def _step_failed(self, s: _Stream, e: Exception, sessions: int) -> None:
+        if not isinstance(e, (StreamBroken, WireError)):
+            log.exception("draft step failed")
+        self.stats["fallback_steps"] += 1
+        self.metrics.record_fallback("timeout" if isinstance(e, DraftTimeout) else "stream_broken", sessions)
+        self._on_broken(s, str(e))
 
     # --- internals -------------------------------------------------------------------------------
     def _queue_rows(self, r: DraftRequest) -> None:
@@ -413,10 +429,8 @@ class DraftStreamClient:
             start += cut
         self._pending[r.session_id] = (start, chunks)
 
-    def _exchange(self, s: _Stream, requests: list[DraftRequest]
-                  ) -> tuple[list[str], TreeBatch | None, set[str], dict[str, str]]:
-        """One step on the stream -> (sessions that got a tree, the decoded trees in that order, the
-        sessions whose tree is valid, drafter-side errors)."""
+    def _send_step(self, s: _Stream, requests: list[DraftRequest]) -> tuple[float, float]:
+        """Send one step's requests -> (when it left, perf_counter; its deadline, monotonic)."""
         s.step_id += 1
         step = drafter_pb2.DraftStep(step_id=s.step_id)
         arena = RegionArena(s.regions[REQUEST_REGION]) if s.regions else None
@@ -446,7 +460,12 @@ class DraftStreamClient:
             step.response_region_id = RESPONSE_REGION
         t_sent = time.perf_counter()
         s.send(drafter_pb2.DraftStreamRequest(step=step))
-        deadline = time.monotonic() + self.cfg.draft_timeout_s
+        return t_sent, time.monotonic() + self.cfg.draft_timeout_s
+
+    def _receive_step(self, s: _Stream, requests: list[DraftRequest], t_sent: float, deadline: float
+                      ) -> tuple[list[str], TreeBatch | None, set[str], dict[str, str]]:
+        """The step's answer -> (sessions that got a tree, the decoded trees in that order, the sessions whose
+        tree may be verified, drafter-side errors)."""
         while True:
             resp = s.recv(max(0.0, deadline - time.monotonic()))
             if resp.WhichOneof("kind") == "trees" and resp.trees.step_id == s.step_id:

@@ -201,7 +201,10 @@ def test_draft_stream_spans_counters_and_client_fallbacks(parts, mem):  # noqa: 
                                          tr.DDTREE_BATCH_SESSIONS: 3, tr.GEN_AI_CONVERSATION_ID: "a"}
         assert val(dm, "ddtree_draft_requests_total", status="ok") == 3 and val(dm, "ddtree_draft_seconds_count") == 1
         assert val(dm, "ddtree_draft_sessions") == 3 == service.active_sessions()
-        assert val(cm, "ddtree_drafter_fallbacks_total", reason="invalid_tree") == 1  # "bad" came back corrupt
+        # "bad" came back corrupt: counted when the step's verdicts are read (as the scheduler does after a step)
+        assert val(cm, "ddtree_drafter_fallbacks_total", reason="invalid_tree") == 0
+        assert list(client.take_errors()) == ["bad"]
+        assert val(cm, "ddtree_drafter_fallbacks_total", reason="invalid_tree") == 1
 
         refused = [DraftRequest("x", 0, feats(5, 1, F=7), 18, 5, 16, 4)]  # wrong feature width
         assert client.draft(refused).n_nodes == [1]
