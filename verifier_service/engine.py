@@ -2,7 +2,8 @@
 
 Each step (DESIGN 3):
   1. ask the drafter for one tree per drafting session (sending the taps it has not seen yet);
-     autoregressive sessions (budget 0, or no drafter) contribute their root alone;
+     autoregressive sessions (budget 0, or no drafter) contribute their root alone; while a drafter in
+     another process works, lay out the tree-independent part of the batch (slots, block tables, offsets);
   2. run the target once over the flat batch of all nodes (positions start + depth, ancestor masks
      derived here from `parent`, never taken from the wire), through `forward`; with
      `EngineConfig.cuda_graphs` this forward and the logits replay from CUDA graphs padded to a token
@@ -38,7 +39,9 @@ from verifier_service.session import MAX_BUDGET, DecodeParams, Session
 
 
 class DraftClient(Protocol):
-    """What the engine needs from a drafter, whatever the transport."""
+    """What the engine needs from a drafter, whatever the transport. A client may also offer
+    `draft_begin(requests) -> (() -> TreeBatch)`: send now, wait for the trees when called (a drafter in
+    another process); the engine then lays out the verify batch in between."""
 
     depth: int  # tree depth L = block_size - 1
 
