@@ -36,6 +36,7 @@ import threading
 import time
 import uuid
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -217,15 +218,16 @@ class IpcEvent:
         """After this process's work on the regions, on its current stream."""
         self.event.record(torch.cuda.current_stream(self.device))
 
-    def wait_host(self, timeout_s: float) -> bool:
+    def wait_host(self, timeout_s: float, abort: Callable[[], bool] | None = None) -> bool:
         """Poll until the peer's last record has completed -> True, or False after `timeout_s`. Never a
         GPU-side wait (`cudaStreamWaitEvent`): a stream waiting on a peer's event stays blocked for good when
         the peer dies before its work completes (measured on an H200: still waiting 20 s after the kill), and
-        one verifier must not be able to wedge a drafter's GPU, nor a drafter a verifier's."""
+        one verifier must not be able to wedge a drafter's GPU, nor a drafter a verifier's.
+        `abort` (checked between polls) ends the wait early with False, e.g. once the peer's stream broke."""
         deadline = time.monotonic() + timeout_s
         try:
             while not self.event.query():
-                if time.monotonic() > deadline:
+                if time.monotonic() > deadline or (abort is not None and abort()):
                     return False
                 time.sleep(0)  # let the process's other threads run between polls
         except RuntimeError:  # the peer is gone and its event with it

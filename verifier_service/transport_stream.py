@@ -477,7 +477,8 @@ class DraftStreamClient:
             event = s.trees_event  # once: another thread may close the stream meanwhile
             if event is None or event.event is None:
                 raise StreamBroken(f"step {s.step_id}: the answer waits for an event this stream does not have")
-            if not event.wait_host(max(0.0, deadline - time.monotonic())):  # the drafter's writes are done
+            # the drafter's writes are done; a drafter that dies meanwhile breaks the stream: stop polling then
+            if not event.wait_host(max(0.0, deadline - time.monotonic()), abort=lambda: s.broken):
                 raise DraftTimeout(f"step {s.step_id}: the drafter's trees event did not complete in time")
             self.stats["event_steps"] += 1
         ids, trees = trees_from_pb(resp.trees, s.regions)

@@ -553,6 +553,33 @@ def test_cuda_ipc_region_is_shared_with_another_process(hide_others):
         region.close()
 
 
+class _FakeEvent:
+    """query() answers from a script: False until `ready_after` polls, or raises like a vanished peer's event."""
+
+    def __init__(self, ready_after=None, fail=False):
+        self.polls, self.ready_after, self.fail = 0, ready_after, fail
+
+    def query(self):
+        self.polls += 1
+        if self.fail:
+            raise RuntimeError("CUDA error: invalid resource handle")
+        return self.ready_after is not None and self.polls > self.ready_after
+
+
+def test_ipc_event_host_wait_completes_times_out_aborts_and_survives_a_vanished_peer():
+    """`IpcEvent.wait_host` (the only way either side waits for the other's event) without a GPU: the poll
+    loop's four outcomes."""
+    def wait(fake, timeout_s=5.0, abort=None):
+        return IpcEvent(fake, torch.device("cpu"), b"h", owner=False).wait_host(timeout_s, abort)
+
+    assert wait(_FakeEvent(ready_after=3)) is True
+    t0 = time.monotonic()
+    assert wait(_FakeEvent(), timeout_s=0.05) is False and 0.05 <= time.monotonic() - t0 < 2
+    calls = []
+    assert wait(_FakeEvent(), abort=lambda: calls.append(1) or len(calls) >= 3) is False and len(calls) == 3
+    assert wait(_FakeEvent(fail=True)) is False
+
+
 CHILD_EVENT = """
 import sys, time, torch
 from protos.shared_region import IpcEvent
