@@ -108,3 +108,50 @@ def test_eos_and_max_new_tokens(tiny_target64, ar_out):
     s = eng.add(PROMPTS[0], DecodeParams(max_new_tokens=10, budget=16, topk=2), sid="r0")
     eng.run_until_done()
     assert s.output == ar_out[0][:10] and s.finish_reason == "length"
+
+
+class _SplitDrafter(OracleDrafter):
+    """Like a drafter in another process (`draft_begin`: the engine lays out its batch before the trees come
+    back), whose trees differ from what the engine planned for: some sessions get a prefix of their tree
+    (fewer nodes than the budget allows), some a tree the device checks refused (token -1 past the root)."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.step = 0
+        self.cut = self.refused = 0
+
+    def draft_begin(self, requests):
+        self.step += 1
+        trees = self.draft(requests)
+
+        def trees_of():
+            for j in range(len(requests)):
+                n = trees.n_nodes[j]
+                kind = (self.step + j) % 3
+                if kind == 0 and n > 2:  # a valid prefix: parents precede children
+                    k = n // 2
+                    for f in ("tokens", "parent", "depth", "first_child", "next_sibling"):
+                        getattr(trees, f)[j, k:] = -1
+                    trees.logw[j, k:] = float("-inf")
+                    trees.n_nodes[j] = k
+                    self.cut += 1
+                elif kind == 1 and n > 1:
+                    trees.tokens[j, 1:n], trees.parent[j, 1:n], trees.depth[j, 1:n] = -1, 0, 1
+                    self.refused += 1
+            return trees
+
+        return trees_of
+
+
+def test_trees_other_than_planned_are_exact(tiny_target64, ar_out):
+    """The engine plans its batch for full trees while the drafter works; smaller trees and refused trees
+    (verified as autoregressive steps) make it lay the batch out again, and the output is still AR's."""
+    ref = {f"r{i}": p + o for i, (p, o) in enumerate(zip(PROMPTS, ar_out))}
+    drafter = _SplitDrafter(ref, tiny_target64.cfg.vocab_size, 8, seed=11)
+    eng = Engine(tiny_target64, drafter, (), EngineConfig(page_size=8, num_pages=512, max_sessions=8))
+    params = [DecodeParams(NEW, 16, 4), DecodeParams(NEW, 0), DecodeParams(NEW, 8, 2), DecodeParams(NEW, 32, 4)]
+    sessions = [eng.add(p, q, sid=f"r{i}") for i, (p, q) in enumerate(zip(PROMPTS, params))]
+    eng.run_until_done()
+    assert [s.output for s in sessions] == ar_out
+    assert drafter.cut > 5 and drafter.refused > 5
+    assert max(a for s in sessions for a in s.accepted_per_step) >= 3  # full and cut trees still accepted deep
