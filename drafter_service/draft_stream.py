@@ -61,7 +61,7 @@ class DraftStream:
     faults: dict[str, SessionFault] = field(default_factory=dict)  # from `context` messages, told at the next step
     metrics: Metrics = field(default_factory=Metrics)
     tracer: trace.Tracer | None = None  # None: tracing is off in this process (no draft spans)
-    # CUDA regions with IPC events (OpenStream.request_event): the verifier's, waited for before touching the
+    # CUDA regions with IPC events (OpenStream.request_event): the verifier's, polled before touching the
     # regions, and ours, recorded after writing the trees (both None: wait for the GPU before answering)
     request_event: IpcEvent | None = None
     trees_event: IpcEvent | None = None

@@ -8,9 +8,9 @@ the model thread (arrival order, so the event loop keeps answering health, refle
 while a step runs) and writes the answers. On drain, streams end after their current step. A co-located
 verifier may move the stream's messages to a unix socket (`protos.control_socket`, fewer hops per
 step): a socket thread per stream then reads and runs them itself; all model work holds one lock. With CUDA
-regions the verifier may also offer an IPC event (`OpenStream.request_event`): the stream then hands the
-regions over stream-ordered (`protos.shared_region.IpcEvent`) and answers a step as soon as its work is
-queued on the GPU, without waiting for it.
+regions the verifier may also offer an IPC event (`OpenStream.request_event`): the stream then answers a
+step as soon as its work is queued on the GPU, recording an event of its own for the verifier to poll, and
+polls the verifier's before it touches the regions (`protos.shared_region.IpcEvent`).
 
 Observability: Info calls run in SERVER spans continuing the caller's W3C context; the long-lived Draft
 stream does not (it carries many requests: each session's draft span follows the traceparent in its

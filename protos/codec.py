@@ -130,7 +130,7 @@ def draft_request_from_pb(msg: drafter_pb2.SessionDraftRequest, regions: Mapping
 def trees_to_pb(trees: TreeBatch, session_ids: list[str], step_id: int, arena: RegionArena | None = None,
                 event: IpcEvent | None = None) -> drafter_pb2.DraftTrees:
     """Encode; with an arena the tensors go into its region, handed over before this returns: by recording
-    `event` (stream-ordered, `after_event` set) when given, else by waiting for the GPU."""
+    `event` (the peer polls it; `after_event` set) when given, else by waiting for the GPU."""
     if len(session_ids) != trees.tokens.shape[0]:
         raise ValueError(f"{len(session_ids)} session ids for {trees.tokens.shape[0]} trees")
     msg = drafter_pb2.DraftTrees(step_id=step_id, session_ids=session_ids, n_nodes=trees.n_nodes)

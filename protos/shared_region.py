@@ -387,7 +387,7 @@ class RegionArena:
         return start
 
     def hand_over(self, event: IpcEvent | None) -> None:
-        """Before the control message leaves: record `event` (stream-ordered hand-over) when this arena's
+        """Before the control message leaves: record `event` (the peer polls it) when this arena's
         work ran on the event's GPU only, else wait for the GPU (`sync`)."""
         if event is not None and self._devices <= {event.device}:
             event.record()
