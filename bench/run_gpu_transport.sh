@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device call for the co-located transport on the GPU (about 3 minutes): the CUDA IPC tests (tests
 # marked gpu in test_transports.py, test_shared_region.py and test_gpu_transport.py), then
-# bench_transport.py at C=1 and C=32 on cuda. Logs and JSONL go to $OUT (bench/results/run when unset); run from the repo
-# root. Section time limits: T_TESTS / T_BENCH (seconds); extra bench flags: BENCH_ARGS.
+# bench_transport.py at C=1 and C=32 on cuda. Logs and JSONL go to $OUT (bench/results/run when unset);
+# run from the repo root. Section time limits: T_TESTS / T_BENCH (seconds); extra bench flags: BENCH_ARGS.
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-bench/results/run}
