@@ -65,7 +65,7 @@ import torch
 from drafter_service.api import DraftRequest
 from drafter_service.context_cache import DraftContextCache
 from drafter_service.device_copy import int64_to_device, rows_to_device
-from kernels.graph_capture import GraphCapture
+from kernels.graph_capture import GraphCapture, warn_once
 from kernels.tree_build import TreeBatch, build_tree, tree_size
 
 log = logging.getLogger(__name__)
@@ -276,19 +276,12 @@ class DraftGraphRunner:
         return self._draft_body(int64_to_device(self._columns(requests, len(requests)), self.device), budget, topk)
 
     def _warn(self, msg: str) -> None:
-        if msg not in self._warned:
-            self._warned.add(msg)
-            log.warning(msg)
+        warn_once(log, self._warned, msg)
 
     def _capture(self, key: tuple, body: Callable[[], torch.Tensor | None]):
         """Run `body` once on a side stream (compiles the kernels; an append writes what its replay writes),
         then capture it over the static buffers (already loaded) -> (graph, output) or None (logged)."""
-        try:
-            self.graphs[key] = self._capturer.capture(body)
-        except Exception as exc:  # noqa: BLE001 - recorded; this key runs eagerly from now on
-            self.failed[key] = f"{type(exc).__name__}: {exc}"[:500]
-            self._warn(f"CUDA graphs: capture of the drafter's {key} graph failed, running it eagerly: "
-                       f"{self.failed[key]}")
-            return None
-        self.stats["captures"] += 1
-        return self.graphs[key]
+        entry = self._capturer.capture_or_record(key, body, self.graphs, self.failed, self._warn,
+                                                 f"the drafter's {key} graph")
+        self.stats["captures"] += entry is not None
+        return entry

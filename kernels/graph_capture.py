@@ -5,13 +5,14 @@ what a replay writes), then records it into a new `torch.cuda.CUDAGraph` over th
 has loaded, returning (graph, body's output). All graphs of one `GraphCapture` share one memory pool, which
 is only safe while each graph's outputs are read before any other graph of the pool replays (a graph
 captured earlier may keep its intermediates where a later one's output lives). A failed capture raises
-after starting a fresh pool for later captures and synchronising the device, so the caller can record the
-failure and run that shape eagerly.
+after starting a fresh pool for later captures and synchronising the device; `capture_or_record` records
+such a failure for the caller (that key then runs eagerly), and `warn_once` keeps the runners' logs short.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
@@ -45,6 +46,25 @@ class GraphCapture:
             raise
         return graph, out
 
+    def capture_or_record(self, key: Hashable, body: Callable[[], Any], graphs: dict, failed: dict[Any, str],
+                          warn: Callable[[str], None], what: str) -> tuple[torch.cuda.CUDAGraph, Any] | None:
+        """capture(body) into graphs[key] -> that entry; when the capture fails, the reason goes to failed[key],
+        `warn` is told ("capture of <what> failed, running it eagerly") and None comes back."""
+        try:
+            graphs[key] = self.capture(body)
+        except Exception as exc:  # noqa: BLE001 - recorded; this key runs eagerly from now on
+            failed[key] = f"{type(exc).__name__}: {exc}"[:500]
+            warn(f"CUDA graphs: capture of {what} failed, running it eagerly: {failed[key]}")
+            return None
+        return graphs[key]
+
     def reset(self) -> None:
         """Forget the pool (after the caller dropped its graphs): later captures start a fresh one."""
         self._mempool = None
+
+
+def warn_once(log: logging.Logger, warned: set[str], msg: str) -> None:
+    """Log `msg` as a warning the first time it comes (`warned` holds the ones said)."""
+    if msg not in warned:
+        warned.add(msg)
+        log.warning(msg)

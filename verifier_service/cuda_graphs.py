@@ -56,7 +56,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from kernels.graph_capture import GraphCapture
+from kernels.graph_capture import GraphCapture, warn_once
 from verifier_service.forward_batch import ForwardBatch
 from verifier_service.kv_cache import KVPool
 
@@ -272,18 +272,11 @@ class GraphRunner:
         return bool(reasons)
 
     def _warn(self, msg: str) -> None:
-        if msg not in self._warned:
-            self._warned.add(msg)
-            log.warning(msg)
+        warn_once(log, self._warned, msg)
 
     def _capture(self, key: tuple[int, int]):
         """Warm up on a side stream, then capture the body over the static buffers (already loaded)."""
-        try:
-            self.graphs[key] = self._capturer.capture(lambda: self._body(*key))
-        except Exception as exc:  # noqa: BLE001 - recorded; this bucket runs eagerly from now on
-            self.failed[key] = f"{type(exc).__name__}: {exc}"[:500]
-            self._warn(f"CUDA graphs: capture of {key[0]} tokens x {key[1]} mask words failed, running it "
-                       f"eagerly: {self.failed[key]}")
-            return None
-        self.stats["captures"] += 1
-        return self.graphs[key]
+        entry = self._capturer.capture_or_record(key, lambda: self._body(*key), self.graphs, self.failed,
+                                                 self._warn, f"{key[0]} tokens x {key[1]} mask words")
+        self.stats["captures"] += entry is not None
+        return entry
