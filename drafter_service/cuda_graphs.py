@@ -86,17 +86,6 @@ def pow2_buckets(limit: int) -> list[int]:
     return out
 
 
-def pack_trees(t: TreeBatch) -> torch.Tensor:
-    """TreeBatch -> [6, R, M] int32 in TreeBatch._FIELDS order (logw bit-cast): one buffer, one copy out."""
-    return torch.stack([t.tokens, t.parent, t.depth, t.first_child, t.next_sibling, t.logw.view(torch.int32)])
-
-
-def unpack_trees(packed: torch.Tensor, n_nodes: list[int]) -> TreeBatch:
-    """[6, R, M] int32 -> TreeBatch whose arrays are views of `packed` (contiguous [R, M] each)."""
-    return TreeBatch(packed[0], packed[1], packed[2], packed[3], packed[4], packed[5].view(torch.float32),
-                     list(n_nodes))
-
-
 class DraftGraphRunner:
     """Runs draft steps (block forward -> per-depth log-probs -> DDTree) and context appends from CUDA graphs.
 
@@ -182,7 +171,7 @@ class DraftGraphRunner:
         if len(groups) == 1:
             (budget, topk), = groups
             packed, fresh = self._group(requests, budget, topk)
-            return unpack_trees(packed if fresh else packed.clone(), n_nodes)
+            return TreeBatch.from_packed(packed if fresh else packed.clone(), n_nodes)
         # Each group's trees are copied out right after its replay, before the next group's: the graphs share
         # one memory pool, so a graph captured earlier than this one may hold its intermediates where this
         # one's output lives, and groups replay in request order, not in capture order.
@@ -191,7 +180,7 @@ class DraftGraphRunner:
         for (budget, topk), idx in groups.items():
             packed, _ = self._group([requests[i] for i in idx], budget, topk)
             out[:, int64_to_device(idx, self.device), : packed.shape[2]] = packed
-        return unpack_trees(out, n_nodes)
+        return TreeBatch.from_packed(out, n_nodes)
 
     @torch.no_grad()
     def warmup(self, budget: int, topk: int) -> list[tuple]:
@@ -238,7 +227,7 @@ class DraftGraphRunner:
         rows, ctx_len, roots, root_pos = inputs.unbind(0)
         logq = self.logq(rows, ctx_len, roots, root_pos)
         n = inputs.shape[1]
-        return pack_trees(build_tree(logq, roots, [budget] * n, [topk] * n))
+        return build_tree(logq, roots, [budget] * n, [topk] * n).pack()
 
     def _append_body(self, n: int) -> None:
         """An append graph: project the first n static feature rows and scatter them by the static index."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import heapq
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -49,10 +49,28 @@ class TreeBatch:
     next_sibling: Tensor  # [R, M] int32, smallest later index with the same parent, -1 = none
     logw: Tensor  # [R, M] float32, cumulative log-weight (0 at the root), -inf = padding
     n_nodes: list[int]  # host ints, per request, from tree_size (no sync needed)
+    # [6, R, M] int32 whose rows are the six arrays above (logw's float32 bits last) when they are views of one
+    # buffer (`from_packed`): the per-step wire and check paths then move one tensor instead of six
+    packed: Tensor | None = field(default=None, repr=False, compare=False)
 
     _FIELDS = ("tokens", "parent", "depth", "first_child", "next_sibling", "logw")
 
+    @classmethod
+    def from_packed(cls, packed: Tensor, n_nodes: list[int]) -> TreeBatch:
+        """[6, R, M] int32 (TreeBatch._FIELDS order, logw bit-cast) -> a batch whose arrays are views of it."""
+        return cls(packed[0], packed[1], packed[2], packed[3], packed[4], packed[5].view(torch.float32),
+                   list(n_nodes), packed)
+
+    def pack(self) -> Tensor:
+        """[6, R, M] int32 in _FIELDS order (logw bit-cast): `packed` itself when set, else one stacked copy."""
+        if self.packed is not None:
+            return self.packed
+        return torch.stack([self.tokens, self.parent, self.depth, self.first_child, self.next_sibling,
+                            self.logw.view(torch.int32)])
+
     def to(self, device: torch.device | str) -> TreeBatch:
+        if self.packed is not None:
+            return TreeBatch.from_packed(self.packed.to(device), self.n_nodes)
         moved = {f: getattr(self, f).to(device) for f in self._FIELDS}
         return TreeBatch(**moved, n_nodes=list(self.n_nodes))
 

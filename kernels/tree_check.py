@@ -187,26 +187,62 @@ def check_trees(tokens: Tensor, parent: Tensor, depth: Tensor, first_child: Tens
     root (roots[r], parent -1, depth 0), nodes 1..n-1 as (token -1, parent 0, depth 1), padding -1, so
     no draft node of a bad tree can be accepted. impl: auto (Triton on CUDA, the reference elsewhere),
     triton (on CPU needs TRITON_INTERPRET=1) or torch. No host reads: stream-ordered, graph-capturable.
+    `check_packed` takes the six arrays as one [6, R, M] buffer (no stacking copy).
     """
     _check_args(tokens, parent, depth, first_child, next_sibling, logw, n_nodes, roots)
-    R, M = tokens.shape
-    if M > MAX_NODES:
-        raise ValueError(f"check_trees: {M} nodes per tree, at most {MAX_NODES}")
-    if impl == "auto":
-        impl = "triton" if tokens.is_cuda else "torch"
+    impl = _impl(impl, tokens)
     if impl == "torch":
+        _max_nodes(tokens.shape[1])
         return check_trees_reference(tokens, parent, depth, first_child, next_sibling, logw, n_nodes, roots,
                                      vocab_size, max_depth)
-    if impl != "triton":
+    # one [6, R, M] int32 input for the kernel (few arguments: its launch cost counts every draft step)
+    packed = torch.stack([tokens, parent, depth, first_child, next_sibling, logw.view(torch.int32)])
+    return _launch(packed, n_nodes, roots, vocab_size, max_depth)
+
+
+def check_packed(packed: Tensor, n_nodes: Tensor, roots: Tensor, vocab_size: int, max_depth: int,
+                 impl: str = "auto") -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """check_trees over `TreeBatch.packed`: [6, R, M] int32 contiguous (TreeBatch._FIELDS order, logw's float32
+    bits last), n_nodes and roots [R] on its device; same results."""
+    if packed.dim() != 3 or packed.shape[0] != 6 or packed.dtype != torch.int32 or not packed.is_contiguous():
+        raise ValueError(f"packed trees must be [6, R, M] int32 contiguous, got {tuple(packed.shape)} "
+                         f"{packed.dtype}{'' if packed.is_contiguous() else ' (not contiguous)'}")
+    R = packed.shape[1]
+    for name, t in (("n_nodes", n_nodes), ("roots", roots)):
+        if t.shape != (R,) or t.dtype not in (torch.int32, torch.int64) or t.device != packed.device:
+            raise ValueError(f"{name} must be [{R}] int32 or int64 on {packed.device}, got {tuple(t.shape)} "
+                             f"{t.dtype} on {t.device}")
+    if _impl(impl, packed) == "torch":
+        _max_nodes(packed.shape[2])
+        return check_trees_reference(*packed[:5], packed[5].view(torch.float32), n_nodes, roots, vocab_size,
+                                     max_depth)
+    return _launch(packed, n_nodes, roots, vocab_size, max_depth)
+
+
+def _impl(impl: str, t: Tensor) -> str:
+    if impl == "auto":
+        return "triton" if t.is_cuda else "torch"
+    if impl not in ("triton", "torch"):
         raise ValueError(f"impl must be auto, triton or torch, got {impl!r}")
+    return impl
+
+
+def _max_nodes(M: int) -> None:
+    if M > MAX_NODES:
+        raise ValueError(f"check_trees: {M} nodes per tree, at most {MAX_NODES}")
+
+
+def _launch(packed: Tensor, n_nodes: Tensor, roots: Tensor, vocab_size: int, max_depth: int
+            ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The kernel over a [6, R, M] int32 contiguous input."""
+    _, R, M = packed.shape
+    _max_nodes(M)
     # one allocation for all four outputs (each launch's host cost counts: this runs every draft step)
-    buf = torch.empty(R * (3 * M + 1), dtype=torch.int32, device=tokens.device)
+    buf = torch.empty(R * (3 * M + 1), dtype=torch.int32, device=packed.device)
     codes, outs = buf[:R], buf[R:].view(3, R, M).unbind(0)
     if R == 0 or M == 0:
         return codes.zero_(), *outs
     block = triton.next_power_of_2(max(M, 2))
-    # one [6, R, M] int32 input (a copy: the usual trees are views of such a buffer already, one op either way)
-    packed = torch.stack([tokens, parent, depth, first_child, next_sibling, logw.view(torch.int32)])
     _tree_check_kernel[(R,)](packed, n_nodes.to(torch.int64), roots.to(torch.int64), buf, R, M, vocab_size,
                              max_depth, BLOCK=block, num_warps=4 if block <= 64 else 8)
     return codes, *outs

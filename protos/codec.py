@@ -134,8 +134,12 @@ def trees_to_pb(trees: TreeBatch, session_ids: list[str], step_id: int, arena: R
     if len(session_ids) != trees.tokens.shape[0]:
         raise ValueError(f"{len(session_ids)} session ids for {trees.tokens.shape[0]} trees")
     msg = drafter_pb2.DraftTrees(step_id=step_id, session_ids=session_ids, n_nodes=trees.n_nodes)
+    packed, start = trees.packed, None
+    if arena is not None and packed is not None and packed.dtype == torch.int32:
+        start = arena.place_block(packed)  # the graphed drafter's trees: one buffer, one copy
     fields = [t if (t := getattr(trees, f)).dtype == TREE_DTYPES[f] else t.to(TREE_DTYPES[f]) for f in TREE_FIELDS]
-    start = arena.place_stacked(fields) if arena is not None else None
+    if start is None and arena is not None:
+        start = arena.place_stacked(fields)
     in_region = start is not None
     if in_region:  # the usual layout (`_packed_trees` reads it back): set the six messages directly
         shape, step, rid = list(fields[0].shape), fields[0].numel() * 4, arena.region.region_id
@@ -172,8 +176,8 @@ def _packed_trees(msg: drafter_pb2.DraftTrees, R: int, regions: Mapping[int, Sha
     region = (regions or {}).get(rid)
     if region is None or start % 4 or start + 6 * step > region.nbytes:
         return None  # the general decoder says what is wrong
-    rows = region.view(start, 6 * step).clone().view(torch.int32).view(6, R, shape[1]).unbind(0)
-    return TreeBatch(*rows[:5], rows[5].view(torch.float32), n_nodes=[int(n) for n in msg.n_nodes])
+    return TreeBatch.from_packed(region.view(start, 6 * step).view(torch.int32).view(6, R, shape[1]).clone(),
+                                 list(msg.n_nodes))
 
 
 def trees_from_pb(msg: drafter_pb2.DraftTrees,

@@ -365,6 +365,18 @@ class RegionArena:
             start += n
         return out
 
+    def place_block(self, t: torch.Tensor) -> int | None:
+        """A contiguous tensor on the region's device, copied in as it is (one op) -> its offset; None (nothing
+        placed) when it is elsewhere or does not fit."""
+        nbytes = t.numel() * t.element_size()
+        start = -(-self.cursor // ALIGN) * ALIGN
+        if t.device != self.region.device or not t.is_contiguous() or start + nbytes > self.region.nbytes:
+            return None
+        self.region.buf[start : start + nbytes].view(t.dtype).view(t.shape).copy_(t)  # on the current stream
+        self.cursor = start + nbytes
+        self.placed += 1
+        return start
+
     def place_stacked(self, ts: list[torch.Tensor]) -> int | None:
         """Tensors of one shape and one 2-, 4- or 8-byte element size, on the region's device, back to back as
         one [len(ts), *shape] block with one stack (a batch's tree fields) -> the block's offset; None (nothing

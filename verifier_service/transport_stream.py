@@ -557,9 +557,7 @@ def _to_device(trees: TreeBatch, device: torch.device) -> TreeBatch:
     Trees already there (from a region on it) are returned as they are."""
     if trees.tokens.device == device:
         return trees
-    packed = torch.stack([getattr(trees, f).view(torch.int32) for f in TreeBatch._FIELDS])  # logw's bits too
-    moved = host_to_device(packed, device)
-    return TreeBatch(*(moved[i] for i in range(5)), moved[5].view(torch.float32), n_nodes=list(trees.n_nodes))
+    return TreeBatch.from_packed(host_to_device(trees.pack(), device), trees.n_nodes)
 
 
 def _code_name(value: int) -> str:

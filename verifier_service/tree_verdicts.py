@@ -20,7 +20,7 @@ import torch
 
 from drafter_service.device_copy import int64_to_device
 from kernels.tree_build import TreeBatch
-from kernels.tree_check import CHECKS, MAX_NODES, check_trees
+from kernels.tree_check import CHECKS, MAX_NODES, check_packed
 from verifier_service.tree_validation import validate_trees
 
 log = logging.getLogger(__name__)
@@ -59,9 +59,7 @@ class TreeChecker:
             return trees, refused
         dev = trees.tokens.device
         host = int64_to_device([[min(max(n, 0), M) for n in trees.n_nodes], roots], dev)
-        codes, tokens, parent, depth = check_trees(trees.tokens, trees.parent, trees.depth, trees.first_child,
-                                                   trees.next_sibling, trees.logw, host[0], host[1],
-                                                   self.vocab_size, self.max_depth)
+        codes, tokens, parent, depth = check_packed(trees.pack(), host[0], host[1], self.vocab_size, self.max_depth)
         self._pending.append(_Checked(list(ids), trees, list(roots), codes, set(refused)))
         safe = TreeBatch(tokens, parent, depth, trees.first_child, trees.next_sibling, trees.logw,
                          list(trees.n_nodes))

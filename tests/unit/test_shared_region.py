@@ -80,6 +80,11 @@ def test_region_arena_packs_tensors_back_to_back():
         assert first is not None and first.offset == 0 and second is None  # the first alone still fits
         mixed = arena.place_many([torch.ones(2, dtype=torch.float64), torch.ones(2, dtype=torch.int32)])
         assert [m.offset for m in mixed] == [2432, 2496]  # different element sizes: one by one, 64-byte aligned
+        block = torch.arange(24, dtype=torch.int32).view(2, 3, 4)  # place_block: as it is, aligned, one copy
+        assert arena.place_block(block) == 2560 and arena.cursor == 2656
+        assert torch.equal(region.view(2560, 96).view(torch.int32).view(2, 3, 4), block)
+        assert arena.place_block(block.transpose(1, 2)) is None  # not contiguous
+        assert arena.place_block(torch.ones(400, dtype=torch.int32)) is None and arena.cursor == 2656  # too big
     finally:
         region.close()
 

@@ -14,7 +14,7 @@ import torch
 
 from kernels.graph_capture import GraphCapture
 from kernels.tree_build import TreeBatch, build_tree
-from kernels.tree_check import CHECKS, check_trees, check_trees_reference
+from kernels.tree_check import CHECKS, check_packed, check_trees, check_trees_reference
 from tests.unit.test_tree_validation import CASES, ROOTS, L, V, make
 from verifier_service.tree_validation import _checks, check_codes
 
@@ -71,6 +71,11 @@ def run_all(tb: TreeBatch, roots: list[int], vocab: int, max_depth: int) -> list
     for name, k, r, e in zip(("tokens", "parent", "depth"), kern[1:], ref[1:], expected_outputs(args, host)):
         assert_rows_equal(k, r, f"kernel vs reference {name}")
         assert_rows_equal(k, e, f"kernel vs rule {name}")
+    packed = TreeBatch(*args[:6], list(tb.n_nodes)).pack()  # the same trees as one [6, R, M] buffer
+    for impl in ("triton", "torch"):
+        for name, k, p in zip(("codes", "tokens", "parent", "depth"), kern,
+                              check_packed(packed, args[6], args[7], vocab, max_depth, impl=impl)):
+            assert_rows_equal(p, k, f"check_packed ({impl}) vs check_trees {name}")
     for a, b in zip(args, before):  # bitwise, so NaN logw compare equal
         assert torch.equal(a.view(torch.int32) if a.is_floating_point() else a,
                            b.view(torch.int32) if b.is_floating_point() else b)
@@ -246,6 +251,15 @@ def test_bad_arguments():
         check_trees(*args[:6], args[6][:2], args[7], V, L)
     with pytest.raises(ValueError, match="impl"):
         check_trees(*args, V, L, impl="cuda")
+    packed = TreeBatch(*args[:6], list(tb.n_nodes)).pack()
+    with pytest.raises(ValueError, match=r"\[6, R, M\] int32 contiguous"):
+        check_packed(packed[:5], *args[6:], V, L)
+    with pytest.raises(ValueError, match="not contiguous"):
+        check_packed(packed.transpose(1, 2), *args[6:], V, L)
+    with pytest.raises(ValueError, match="roots must be"):
+        check_packed(packed, args[6], args[7][:1], V, L)
+    with pytest.raises(ValueError, match="at most 256"):
+        check_packed(torch.full((6, 2, 257), -1, dtype=torch.int32), args[6][:2], args[7][:2], V, L)
 
 
 def test_auto_on_cpu_is_the_reference():

@@ -126,6 +126,27 @@ def test_trees_roundtrip(region, through_region):
         assert torch.equal(getattr(back, f), getattr(tb, f)), f
 
 
+@pytest.mark.parametrize("through_region", [False, True])
+def test_packed_trees_roundtrip(region, through_region):
+    """A batch held as one [6, R, M] buffer (the graphed drafter's) goes into the region with one copy and comes
+    back as one buffer again: the decoded batch's arrays are views of its `packed` (one tensor to check)."""
+    tb = trees()
+    packed = TreeBatch.from_packed(tb.pack().clone(), tb.n_nodes)
+    assert packed.packed is not None and packed.tokens.data_ptr() == packed.packed.data_ptr()
+    assert torch.equal(packed.logw, tb.logw) and packed.pack() is packed.packed
+    arena = RegionArena(region) if through_region else None
+    msg = trees_to_pb(packed, ["a", "b", "c"], 5, arena)
+    if through_region:
+        assert arena.placed == 1 and msg.tokens.WhichOneof("storage") == "region"
+    ids, back = trees_from_pb(msg, {7: region})
+    assert ids == ["a", "b", "c"] and back.n_nodes == tb.n_nodes
+    for f in TreeBatch._FIELDS:
+        assert torch.equal(getattr(back, f), getattr(tb, f)), f
+    if through_region:  # one copy out of the region, not views of it (the peer reuses it next step)
+        assert back.packed is not None and back.packed.data_ptr() != region.buf.data_ptr()
+        assert torch.equal(back.pack(), tb.pack())
+
+
 def test_trees_in_a_region_in_another_layout(region):
     """A peer may place the fields anywhere in the region (here one by one, in reverse order, and one inline):
     the decoder reads them where the message says, not where `trees_to_pb` would have put them."""
