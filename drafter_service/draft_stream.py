@@ -118,8 +118,10 @@ class DraftStream:
         if not 0 < len(sid) <= MAX_SESSION_ID:
             raise SessionFault(BAD, f"session id must have 1..{MAX_SESSION_ID} characters")
 
-    def _request(self, m: drafter_pb2.SessionDraftRequest, seen: set[str]) -> DraftRequest:
-        """One session's step request -> DraftRequest keyed for this stream, or SessionFault."""
+    def _request(self, m: drafter_pb2.SessionDraftRequest, seen: set[str], rows: torch.Tensor | None
+                 ) -> DraftRequest:
+        """One session's step request -> DraftRequest keyed for this stream, or SessionFault. rows: the
+        session's part of DraftStep.ctx_features when the step carries them (None: in its message)."""
         sid = m.session_id
         self._check_id(sid)
         if sid in seen:
@@ -136,10 +138,13 @@ class DraftStream:
             raise SessionFault(BAD, f"root token {m.root_token} is outside the vocabulary [0, {V})")
         if not 0 <= m.root_pos < MAX_POSITION:
             raise SessionFault(BAD, f"root position {m.root_pos} is outside [0, 2**31)")
-        try:
-            r = draft_request_from_pb(m, self.regions, copy=False)
-        except WireError as e:
-            raise SessionFault(BAD, str(e)) from None
+        if rows is not None:
+            r = DraftRequest(sid, m.ctx_start, rows, m.root_token, m.root_pos, m.budget, m.topk, m.traceparent)
+        else:
+            try:
+                r = draft_request_from_pb(m, self.regions, copy=False)
+            except WireError as e:
+                raise SessionFault(BAD, str(e)) from None
         n = r.ctx_features.shape[0]
         expected = self.sessions.get(sid)
         if n:
@@ -179,6 +184,25 @@ class DraftStream:
             raise ProtocolError(f"step {step.step_id}: the verifier's request event did not complete within "
                                 f"{EVENT_TIMEOUT_S:.0f} s (has the verifier died?)")
 
+    def _step_rows(self, step: drafter_pb2.DraftStep) -> tuple[torch.Tensor, ...] | None:
+        """DraftStep.ctx_features split into the sessions' rows (views, one op), None when the sessions carry
+        their own; ProtocolError when the step's rows and the sessions' counts do not add up."""
+        if not step.HasField("ctx_features"):
+            if any(m.ctx_rows for m in step.sessions):
+                raise ProtocolError(f"step {step.step_id}: sessions give ctx_rows but the step has no ctx_features")
+            return None
+        try:
+            feats = tensor_from_pb(step.ctx_features, f"step {step.step_id}: ctx_features", self.regions, copy=False)
+        except WireError as e:
+            raise ProtocolError(str(e)) from None
+        counts = [m.ctx_rows for m in step.sessions]
+        if feats.dim() != 2 or feats.shape[0] != sum(counts):
+            raise ProtocolError(f"step {step.step_id}: ctx_features {list(feats.shape)} must be [rows, features] "
+                                f"with rows = the sessions' ctx_rows, {sum(counts)} in all")
+        if any(m.HasField("ctx_features") for m in step.sessions):
+            raise ProtocolError(f"step {step.step_id}: with step ctx_features no session carries its own")
+        return feats.split(counts)
+
     @torch.no_grad()
     def step(self, step: drafter_pb2.DraftStep) -> drafter_pb2.DraftTrees:
         """Check every session's request, draft the valid ones in one batch, answer all of them."""
@@ -190,9 +214,10 @@ class DraftStream:
                 raise ProtocolError(f"step {step.step_id}: unknown response region {step.response_region_id}")
             arena = RegionArena(region)
         reqs, ids, errors, seen = [], [], [], set()
-        for m in step.sessions:
+        rows = self._step_rows(step)
+        for i, m in enumerate(step.sessions):
             try:
-                reqs.append(self._request(m, seen))
+                reqs.append(self._request(m, seen, None if rows is None else rows[i]))
                 ids.append(m.session_id)
             except SessionFault as f:
                 errors.append(drafter_pb2.SessionError(session_id=m.session_id, code=f.code.value[0],

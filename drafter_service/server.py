@@ -127,7 +127,8 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
             target_layer_ids=list(d.cfg.target_layer_ids), target_hidden_size=self.target_hidden,
             max_budget=MAX_BUDGET, max_sessions=self.max_sessions,
             active_sessions=sum(len(s.sessions) for s in streams), draft_window=self.window,
-            streams=len(streams), device=str(d.device), dtype=str(d.dtype).removeprefix("torch."))
+            streams=len(streams), device=str(d.device), dtype=str(d.dtype).removeprefix("torch."),
+            step_features=True)
 
     async def Info(self, request, context):
         return self.info()

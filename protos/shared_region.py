@@ -349,14 +349,10 @@ class RegionArena:
                                                  t.element_size() != ts[0].element_size() for t in ts)):
             return [self.place(t) for t in ts]
         if start is None:
-            sizes = [t.numel() * t.element_size() for t in ts]
-            start = -(-self.cursor // ALIGN) * ALIGN
-            if start + sum(sizes) > self.region.nbytes:
+            start = self._cat(ts)
+            if start is None:
                 return [self.place(t) for t in ts]  # the ones that fit still go through the region
-            torch.cat([t.detach().reshape(-1).view(torch.uint8) for t in ts],
-                      out=self.region.buf[start : start + sum(sizes)])  # on the current stream
-            self.cursor = start + sum(sizes)
-            self.placed += len(ts)
+            sizes = [t.numel() * t.element_size() for t in ts]
         else:
             sizes = [ts[0].numel() * ts[0].element_size()] * len(ts)
         out = []
@@ -364,6 +360,28 @@ class RegionArena:
             out.append(common_pb2.RegionSlice(region_id=self.region.region_id, offset=start))
             start += n
         return out
+
+    def place_rows(self, ts: list[torch.Tensor]) -> int | None:
+        """Row blocks [n_i, *rest] of one dtype and row shape on the region's device, back to back with one
+        concatenation -> the offset of the [sum n_i, *rest] block; None (nothing placed) when they do not
+        qualify or do not fit."""
+        t0 = ts[0] if ts else None
+        if t0 is None or t0.dim() == 0 or any(t.dtype != t0.dtype or t.shape[1:] != t0.shape[1:] or
+                                              t.device != self.region.device for t in ts):
+            return None
+        return self._cat(ts)
+
+    def _cat(self, ts: list[torch.Tensor]) -> int | None:
+        """ts (on the region's device, one element size) back to back from the next aligned offset, one op."""
+        nbytes = sum(t.numel() * t.element_size() for t in ts)
+        start = -(-self.cursor // ALIGN) * ALIGN
+        if start + nbytes > self.region.nbytes:
+            return None
+        torch.cat([t.detach().reshape(-1).view(torch.uint8) for t in ts],
+                  out=self.region.buf[start : start + nbytes])  # on the current stream
+        self.cursor = start + nbytes
+        self.placed += len(ts)
+        return start
 
     def place_block(self, t: torch.Tensor) -> int | None:
         """A contiguous tensor on the region's device, copied in as it is (one op) -> its offset; None (nothing

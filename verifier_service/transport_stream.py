@@ -42,7 +42,7 @@ import torch
 from drafter_service.api import DraftRequest
 from drafter_service.device_copy import host_to_device
 from kernels.tree_build import TreeBatch, tree_size
-from protos.codec import WireError, draft_request_to_pb, tensor_to_pb, trees_from_pb
+from protos.codec import DTYPE_TO_PB, WireError, draft_request_to_pb, tensor_to_pb, trees_from_pb
 from protos.control_socket import ControlClosed, ControlListener, ControlSocket
 from protos.ddtree.v1 import drafter_pb2, drafter_pb2_grpc
 from protos.shared_region import IpcEvent, RegionArena, SharedRegion
@@ -73,6 +73,7 @@ class _Stream:
         self.request_event: IpcEvent | None = None
         self.trees_event: IpcEvent | None = None
         self.synced: set[str] = set()  # sessions whose context this drafter holds
+        self.step_features = False  # the drafter reads a step's rows from DraftStep.ctx_features (one tensor)
         self.step_id = 0
         self.broken = False
         self.error: StreamBroken | None = None
@@ -293,6 +294,7 @@ class DraftStreamClient:
                 raise
             if resp.WhichOneof("kind") != "opened":
                 raise StreamBroken(f"the drafter answered open with {resp.WhichOneof('kind')}")
+            stream.step_features = resp.opened.step_features
             if listener is not None:  # the drafter connected before answering
                 stream.control = listener.accept(self.cfg.connect_timeout_s)
             if stream.request_event is not None and resp.opened.trees_event:
@@ -450,9 +452,12 @@ class DraftStreamClient:
             room -= keep * row_bytes
             sent.append(DraftRequest(r.session_id, start, feats, r.root_token, r.root_pos, r.budget, r.topk,
                                      r.traceparent))
-        # every session's rows into the region with one copy where they can (inline bytes otherwise)
-        places = arena.place_many([q.ctx_features for q in sent]) if arena is not None else [None] * len(sent)
-        step.sessions.extend(draft_request_to_pb(q, where=w) for q, w in zip(sent, places))
+        feats = [q.ctx_features for q in sent]
+        if s.step_features and len({(f.dtype, f.shape[1:], f.device) for f in feats}) == 1:
+            self._step_rows(step, sent, arena)  # every session's rows as one tensor: one region slice or blob
+        else:  # one tensor per session (rows that do not stack: the drafter refuses the odd ones, not the step)
+            places = arena.place_many([q.ctx_features for q in sent]) if arena is not None else [None] * len(sent)
+            step.sessions.extend(draft_request_to_pb(q, where=w) for q, w in zip(sent, places))
         if arena is not None:
             # the features are in the region, and our reads of the last trees are done: hand it over
             arena.hand_over(s.request_event)
@@ -461,6 +466,22 @@ class DraftStreamClient:
         t_sent = time.perf_counter()
         s.send(drafter_pb2.DraftStreamRequest(step=step))
         return t_sent, time.monotonic() + self.cfg.draft_timeout_s
+
+    @staticmethod
+    def _step_rows(step: drafter_pb2.DraftStep, sent: list[DraftRequest], arena: RegionArena | None) -> None:
+        """Fill `step` with the sessions' requests and their rows (one dtype and width, on one device) back to
+        back in DraftStep.ctx_features."""
+        feats = [q.ctx_features for q in sent]
+        start = arena.place_rows(feats) if arena is not None else None  # one concatenation into the region
+        if start is None:  # inline bytes (or a region without room): one blob
+            tensor_to_pb(feats[0] if len(feats) == 1 else torch.cat(feats), step.ctx_features)
+        else:
+            m = step.ctx_features
+            m.dtype, m.region.region_id, m.region.offset = DTYPE_TO_PB[feats[0].dtype], arena.region.region_id, start
+            m.shape.extend([sum(f.shape[0] for f in feats), *feats[0].shape[1:]])
+        step.sessions.extend(drafter_pb2.SessionDraftRequest(
+            session_id=q.session_id, ctx_start=q.ctx_start, root_token=q.root_token, root_pos=q.root_pos,
+            budget=q.budget, topk=q.topk, traceparent=q.traceparent, ctx_rows=f.shape[0]) for q, f in zip(sent, feats))
 
     def _receive_step(self, s: _Stream, requests: list[DraftRequest], t_sent: float, deadline: float
                       ) -> tuple[list[str], TreeBatch | None, set[str], dict[str, str]]:

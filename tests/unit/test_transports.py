@@ -26,6 +26,7 @@ from drafter_service.api import DraftRequest
 from drafter_service.drafter import Drafter
 from drafter_service.server import DrafterService
 from kernels.tree_build import TreeBatch
+from protos.codec import tensor_to_pb
 from protos.control_socket import ControlListener
 from protos.ddtree.v1 import drafter_pb2, drafter_pb2_grpc
 from protos.shared_region import (
@@ -134,12 +135,28 @@ def root_only(tb: TreeBatch, r: int, root: int) -> bool:
     return int(tb.tokens[r, 0]) == root and all(t == -1 for t in tb.tokens[r, 1:n].tolist())
 
 
+@pytest.mark.parametrize("step_features", [True, False])
 @pytest.mark.parametrize("colocated", [False, True])
-def test_stream_client_equals_inprocess_drafter(parts, served, colocated):
+def test_stream_client_equals_inprocess_drafter(parts, served, colocated, step_features, monkeypatch):
+    """step_features False: a drafter that does not announce DrafterInfo.step_features gets every session's
+    rows in its own message (the form older drafters read); True: one tensor of rows per step."""
     service, srv = served
+    if not step_features:
+        info = service.info
+
+        def older_info():
+            i = info()
+            i.step_features = False
+            return i
+
+        monkeypatch.setattr(service, "info", older_info)
+    sent = []
+    send = transport_stream._Stream.send
+    monkeypatch.setattr(transport_stream._Stream, "send", lambda self, msg: (sent.append(msg), send(self, msg))[1])
     local = Drafter(*parts, max_sessions=8, window=64)
     client = client_for(srv.port, colocated)
     try:
+        assert client._stream.step_features == step_features
         # the drafter mapped the regions, so their files are gone already: a killed process leaves nothing
         assert list(shm_dir().glob(f"ddtree-{os.getpid()}-*")) == []
         assert client.depth == local.depth and client.model.target_layer_ids == tuple(local.cfg.target_layer_ids)
@@ -152,6 +169,15 @@ def test_stream_client_equals_inprocess_drafter(parts, served, colocated):
         assert not client.ipc_events and client.stats["event_steps"] == 0  # CPU regions: no CUDA IPC events
         assert (client.stats["region_tensors"] > 0) == colocated
         assert client.stats["region_trees"] == (client.stats["steps"] if colocated else 0)
+        step_msgs = [m.step for m in sent if m.WhichOneof("kind") == "step"]
+        assert len(step_msgs) == 3 and all(len(m.sessions) == 2 for m in step_msgs)
+        for m, reqs in zip(step_msgs, steps()):  # the rows travelled in the announced form
+            assert m.HasField("ctx_features") == step_features
+            assert [q.ctx_rows for q in m.sessions] == ([r.ctx_features.shape[0] for r in reqs] if step_features
+                                                        else [0, 0])
+            assert all(q.HasField("ctx_features") != step_features for q in m.sessions)
+            where = m.ctx_features if step_features else m.sessions[0].ctx_features
+            assert where.WhichOneof("storage") == ("region" if colocated else "data")
         # the drafter reported its compute time, so the client can tell it from the transport's cost
         t = client.last_step_ms
         assert 0 < t["drafter"] <= t["round_trip"] and t["transport"] == pytest.approx(t["round_trip"] - t["drafter"])
@@ -348,6 +374,9 @@ def test_control_socket_unreachable_falls_back_to_grpc_messages(parts, served, m
     ("grpc_message", grpc.StatusCode.FAILED_PRECONDITION, "must travel over that socket"),
     ("unknown_region", grpc.StatusCode.INVALID_ARGUMENT, "unknown response region 7"),
     ("open_again", grpc.StatusCode.FAILED_PRECONDITION, "unexpected `open`"),
+    ("rows_mismatch", grpc.StatusCode.INVALID_ARGUMENT, "the sessions' ctx_rows, 2 in all"),
+    ("rows_without_step_features", grpc.StatusCode.INVALID_ARGUMENT, "no ctx_features"),
+    ("rows_twice", grpc.StatusCode.INVALID_ARGUMENT, "no session carries its own"),
     ("close", None, None),
 ])
 def test_control_socket_protocol(served, bad, code, words):
@@ -372,6 +401,15 @@ def test_control_socket_protocol(served, bad, code, words):
             requests.put(drafter_pb2.DraftStreamRequest(step=drafter_pb2.DraftStep(step_id=2)))
         elif bad == "unknown_region":
             sock.send(drafter_pb2.DraftStreamRequest(step=drafter_pb2.DraftStep(step_id=2, response_region_id=7)))
+        elif bad.startswith("rows"):  # DraftStep.ctx_features and the sessions' ctx_rows must add up
+            step = drafter_pb2.DraftStep(step_id=2, sessions=[
+                drafter_pb2.SessionDraftRequest(session_id="x", ctx_start=0, root_token=1, root_pos=2, budget=4,
+                                                topk=2, ctx_rows=2)])
+            if bad != "rows_without_step_features":
+                tensor_to_pb(torch.zeros(3 if bad == "rows_mismatch" else 2, 128), step.ctx_features)
+            if bad == "rows_twice":
+                tensor_to_pb(torch.zeros(2, 128), step.sessions[0].ctx_features)
+            sock.send(drafter_pb2.DraftStreamRequest(step=step))
         elif bad == "open_again":
             sock.send(drafter_pb2.DraftStreamRequest(open=drafter_pb2.OpenStream(client_id="again")))
         else:

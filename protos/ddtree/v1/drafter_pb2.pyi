@@ -68,17 +68,19 @@ class CudaIpcHandle(_message.Message):
     def __init__(self, device: _Optional[int] = ..., handle: _Optional[bytes] = ..., storage_size_bytes: _Optional[int] = ..., storage_offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ..., tensor_offset: _Optional[int] = ..., device_uuid: _Optional[str] = ...) -> None: ...
 
 class DraftStep(_message.Message):
-    __slots__ = ("step_id", "sessions", "response_region_id")
+    __slots__ = ("step_id", "sessions", "response_region_id", "ctx_features")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_REGION_ID_FIELD_NUMBER: _ClassVar[int]
+    CTX_FEATURES_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     sessions: _containers.RepeatedCompositeFieldContainer[SessionDraftRequest]
     response_region_id: int
-    def __init__(self, step_id: _Optional[int] = ..., sessions: _Optional[_Iterable[_Union[SessionDraftRequest, _Mapping]]] = ..., response_region_id: _Optional[int] = ...) -> None: ...
+    ctx_features: _common_pb2.Tensor
+    def __init__(self, step_id: _Optional[int] = ..., sessions: _Optional[_Iterable[_Union[SessionDraftRequest, _Mapping]]] = ..., response_region_id: _Optional[int] = ..., ctx_features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class SessionDraftRequest(_message.Message):
-    __slots__ = ("session_id", "ctx_start", "ctx_features", "root_token", "root_pos", "budget", "topk", "traceparent")
+    __slots__ = ("session_id", "ctx_start", "ctx_features", "root_token", "root_pos", "budget", "topk", "traceparent", "ctx_rows")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     CTX_START_FIELD_NUMBER: _ClassVar[int]
     CTX_FEATURES_FIELD_NUMBER: _ClassVar[int]
@@ -87,6 +89,7 @@ class SessionDraftRequest(_message.Message):
     BUDGET_FIELD_NUMBER: _ClassVar[int]
     TOPK_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    CTX_ROWS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     ctx_start: int
     ctx_features: _common_pb2.Tensor
@@ -95,7 +98,8 @@ class SessionDraftRequest(_message.Message):
     budget: int
     topk: int
     traceparent: str
-    def __init__(self, session_id: _Optional[str] = ..., ctx_start: _Optional[int] = ..., ctx_features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., root_token: _Optional[int] = ..., root_pos: _Optional[int] = ..., budget: _Optional[int] = ..., topk: _Optional[int] = ..., traceparent: _Optional[str] = ...) -> None: ...
+    ctx_rows: int
+    def __init__(self, session_id: _Optional[str] = ..., ctx_start: _Optional[int] = ..., ctx_features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., root_token: _Optional[int] = ..., root_pos: _Optional[int] = ..., budget: _Optional[int] = ..., topk: _Optional[int] = ..., traceparent: _Optional[str] = ..., ctx_rows: _Optional[int] = ...) -> None: ...
 
 class SessionContext(_message.Message):
     __slots__ = ("session_id", "ctx_start", "ctx_features")
@@ -164,7 +168,7 @@ class DrafterInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DrafterInfo(_message.Message):
-    __slots__ = ("model", "vocab_size", "block_size", "target_layer_ids", "target_hidden_size", "max_budget", "max_sessions", "active_sessions", "draft_window", "streams", "device", "dtype", "trees_event")
+    __slots__ = ("model", "vocab_size", "block_size", "target_layer_ids", "target_hidden_size", "max_budget", "max_sessions", "active_sessions", "draft_window", "streams", "device", "dtype", "trees_event", "step_features")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -178,6 +182,7 @@ class DrafterInfo(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     TREES_EVENT_FIELD_NUMBER: _ClassVar[int]
+    STEP_FEATURES_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     block_size: int
@@ -191,4 +196,5 @@ class DrafterInfo(_message.Message):
     device: str
     dtype: str
     trees_event: bytes
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., target_hidden_size: _Optional[int] = ..., max_budget: _Optional[int] = ..., max_sessions: _Optional[int] = ..., active_sessions: _Optional[int] = ..., draft_window: _Optional[int] = ..., streams: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., trees_event: _Optional[bytes] = ...) -> None: ...
+    step_features: bool
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., target_hidden_size: _Optional[int] = ..., max_budget: _Optional[int] = ..., max_sessions: _Optional[int] = ..., active_sessions: _Optional[int] = ..., draft_window: _Optional[int] = ..., streams: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., trees_event: _Optional[bytes] = ..., step_features: _Optional[bool] = ...) -> None: ...
