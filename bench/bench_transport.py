@@ -72,10 +72,11 @@ def timed_step(engine) -> tuple[float, dict[str, list[int]]]:
     return time.perf_counter() - t0, out
 
 
-def start_drafter(pair, device, dtype, max_sessions, graphs: bool) -> subprocess.Popen:
+def start_drafter(pair, device, dtype, max_sessions, graphs: bool, spin_ms: float) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "gateway.cli", "drafter", "serve", "--listen", "127.0.0.1:0",
                              "--target", str(pair / "target"), "--drafter", str(pair / "drafter"), "--device", device,
                              "--dtype", dtype, "--max-sessions", str(max_sessions), "--log-level", "WARNING",
+                             "--control-spin-ms", str(spin_ms),
                              *([] if graphs else ["--no-cuda-graphs"])],
                             cwd=REPO, stdout=subprocess.PIPE, text=True)
 
@@ -117,6 +118,8 @@ def main() -> int:
     p.add_argument("--cuda-graphs", choices=("on", "off"), default=None,
                    help="verify forwards and draft steps through CUDA graphs in every engine and the drafter "
                         "process (default: on for cuda, as served)")
+    p.add_argument("--control-spin-ms", type=float, default=0.0,
+                   help="co-located streams: both ends poll their control socket this long before sleeping")
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "transport.jsonl"))
     args = p.parse_args()
 
@@ -138,7 +141,8 @@ def main() -> int:
     rows, problems = [], []
     base: dict[int, float] = {}
     n_streams = 3 if cuda else 2  # colocated (+ colocated_sync on a GPU) + grpc, each with all its sessions
-    proc = start_drafter(pair, args.device, dtype_name, n_streams * max(args.concurrency) + 8, graphs)  # loads now
+    proc = start_drafter(pair, args.device, dtype_name, n_streams * max(args.concurrency) + 8, graphs,
+                         args.control_spin_ms)  # loads now
     clients: dict[str, DraftStreamClient] = {}
     try:
         inproc = build_local_engine(pair / "target", pair / "drafter", dtype, args.device, ecfg)
@@ -150,6 +154,7 @@ def main() -> int:
             client = DraftStreamClient(StreamClientConfig(addr, colocated=transport != "grpc",
                                                           region_device=args.device, draft_timeout_s=60,
                                                           ipc_events=transport == "colocated",
+                                                          control_spin_s=args.control_spin_ms / 1e3,
                                                           client_id=f"bench-{transport}"))
             client.start()
             model = client.wait_ready(timeout=120)
@@ -219,7 +224,7 @@ def main() -> int:
                 row = {"name": "transport/step",
                        "params": {"transport": t, "concurrency": conc, "device": args.device, "budget": args.budget,
                                   "topk": 8, "pair": pair.name, "steps": n, "warmup": args.warmup,
-                                  "cuda_graphs": graphs},
+                                  "cuda_graphs": graphs, "control_spin_ms": args.control_spin_ms},
                        "device": device_name, "gpu": gpu, "dtype": dtype_name, "commit": commit(),
                        "torch": torch.__version__, "versions": versions(),
                        "ms": round(step, 4), "ratio": round(step / base[conc], 4),

@@ -63,6 +63,7 @@ class DrafterServerConfig:
     grace_s: float = 30.0
     metrics_listen: str | None = None  # HOST:PORT of the Prometheus endpoint; None = not served
     cuda_graphs: bool | None = None  # draft steps through CUDA graphs; None = the Drafter's rule (on for CUDA)
+    control_spin_ms: float = 0.0  # control sockets: poll this long for the next step before sleeping
 
     def __post_init__(self):
         if self.metrics_listen is not None:
@@ -72,16 +73,19 @@ class DrafterServerConfig:
                 raise ValueError(f"drafter server: {f} must be positive, got {getattr(self, f)}")
         if self.grace_s < 0:
             raise ValueError(f"drafter server: grace period must be >= 0, got {self.grace_s}")
+        if self.control_spin_ms < 0:
+            raise ValueError(f"drafter server: control_spin_ms must be >= 0, got {self.control_spin_ms}")
 
 
 class DrafterService(drafter_pb2_grpc.DrafterServicer):
     def __init__(self, max_sessions: int, window: int, metrics: Metrics | None = None,
-                 tracer: trace.Tracer | None = None, max_message_bytes: int = 64 << 20):
+                 tracer: trace.Tracer | None = None, max_message_bytes: int = 64 << 20, control_spin_s: float = 0.0):
         self.drafter: Drafter | None = None  # set by attach() once loaded
         self.model_name = ""
         self.target_hidden = 0
         self.max_sessions, self.window = max_sessions, window
         self.max_message_bytes = max_message_bytes  # also the control socket's frame limit
+        self.control_spin_s = control_spin_s  # ControlSocket.spin_s of every stream's socket
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="drafter-model")  # gRPC messages' model work, in order
         # all model work holds this lock: the pool's thread and the control-socket threads (which run their
         # stream's messages themselves: no hand-off to another thread and back on each step)
@@ -271,7 +275,8 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
                 regions[r.region_id] = SharedRegion.attach(r)
             if msg.control_socket:
                 try:
-                    control = ControlSocket.connect(msg.control_socket, self.max_message_bytes)
+                    control = ControlSocket.connect(msg.control_socket, self.max_message_bytes,
+                                                    spin_s=self.control_spin_s)
                 except OSError as e:
                     raise ValueError(f"control socket: cannot connect to {msg.control_socket!r} ({e}); is "
                                      "the drafter on the verifier's host, sharing its /dev/shm?") from None
@@ -347,7 +352,7 @@ def load_drafter_service(cfg: DrafterServerConfig, service: DrafterService, make
 async def serve(cfg: DrafterServerConfig, make_drafter=Drafter) -> int:
     service = DrafterService(cfg.max_sessions, cfg.draft_window,
                              tracer=tracing.get_tracer() if tracing.is_configured() else None,
-                             max_message_bytes=cfg.max_message_bytes)
+                             max_message_bytes=cfg.max_message_bytes, control_spin_s=cfg.control_spin_ms / 1e3)
     # the Draft stream lives as long as the verifier's connection: no span for it (see the module docstring)
     interceptor = TracingServerInterceptor(exclude_prefixes=(*DEFAULT_EXCLUDE, f"/{SERVICE_NAME}/Draft"))
     server = GrpcServer(cfg.listen, [SERVICE_NAME], cfg.max_message_bytes, cfg.grace_s, interceptors=[interceptor],

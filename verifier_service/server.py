@@ -66,6 +66,7 @@ class VerifierServerConfig:
     max_session_len: int = 8192
     draft_window: int = 2048
     draft_timeout_s: float = 5.0
+    control_spin_ms: float = 0.0  # co-located: poll the control socket this long for the drafter's answer
     max_message_bytes: int = 64 << 20
     grace_s: float = 30.0
     metrics_listen: str | None = None  # HOST:PORT of the Prometheus endpoint; None = not served
@@ -83,6 +84,8 @@ class VerifierServerConfig:
                   "max_message_bytes"):
             if getattr(self, f) <= 0:
                 raise ValueError(f"verifier server: {f} must be positive, got {getattr(self, f)}")
+        if self.control_spin_ms < 0:
+            raise ValueError(f"verifier server: control_spin_ms must be >= 0, got {self.control_spin_ms}")
         if self.grace_s < 0:
             raise ValueError(f"verifier server: grace period must be >= 0, got {self.grace_s}")
 
@@ -265,6 +268,7 @@ def build_engine(cfg: VerifierServerConfig, stop: threading.Event, metrics: Metr
         client = DraftStreamClient(StreamClientConfig(
             cfg.drafter_address, colocated=cfg.transport == "colocated", region_device=device,
             draft_timeout_s=cfg.draft_timeout_s, max_message_bytes=cfg.max_message_bytes, window=cfg.draft_window,
+            control_spin_s=cfg.control_spin_ms / 1e3,
             client_id=f"verifier@{cfg.listen}"), metrics=metrics)
         client.start()  # connects in the background while the target loads
         try:

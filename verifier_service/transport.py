@@ -32,6 +32,7 @@ class StreamClientConfig:
     region_device: str = "cpu"  # the engine's device: trees are delivered there, shared regions live there
     control_socket: bool = True  # co-located: the per-step messages over a unix socket (protos.control_socket)
     ipc_events: bool = True  # co-located on a GPU: hand the regions over with CUDA IPC events, no host waits
+    control_spin_s: float = 0.0  # control socket: poll this long for the answer before sleeping (ControlSocket)
     draft_timeout_s: float = 5.0  # one step's deadline
     connect_timeout_s: float = 5.0  # opening a stream (handshake included)
     max_message_bytes: int = 64 << 20
@@ -47,6 +48,8 @@ class StreamClientConfig:
                   "response_region_bytes", "retry_min_s", "retry_max_s"):
             if getattr(self, f) <= 0:
                 raise ValueError(f"stream client: {f} must be positive, got {getattr(self, f)}")
+        if self.control_spin_s < 0:
+            raise ValueError(f"stream client: control_spin_s must be >= 0, got {self.control_spin_s}")
         if not self.address:
             raise ValueError("stream client: the drafter address is empty")
 

@@ -296,7 +296,7 @@ class DraftStreamClient:
                 raise StreamBroken(f"the drafter answered open with {resp.WhichOneof('kind')}")
             stream.step_features = resp.opened.step_features
             if listener is not None:  # the drafter connected before answering
-                stream.control = listener.accept(self.cfg.connect_timeout_s)
+                stream.control = listener.accept(self.cfg.connect_timeout_s, self.cfg.control_spin_s)
             if stream.request_event is not None and resp.opened.trees_event:
                 try:
                     stream.trees_event = IpcEvent.open(resp.opened.trees_event, self._device)

@@ -26,7 +26,8 @@ def config_from_args(args):
                                device=args.device, dtype=args.dtype, max_sessions=args.max_sessions,
                                draft_window=args.draft_window, max_message_bytes=message_bytes(args),
                                grace_s=args.grace_s, metrics_listen=args.metrics_listen,
-                               cuda_graphs=False if args.no_cuda_graphs else None)
+                               cuda_graphs=False if args.no_cuda_graphs else None,
+                               control_spin_ms=args.control_spin_ms)
 
 
 def run(args, make_drafter=None) -> int:

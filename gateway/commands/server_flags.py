@@ -15,6 +15,9 @@ def add_server_flags(p) -> None:
     p.add_argument("--max-message-mb", type=int, default=64, help="largest gRPC message, MiB")
     p.add_argument("--grace-s", type=float, default=30.0, help="on SIGTERM, seconds in-flight calls get to finish")
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--control-spin-ms", type=float, default=0.0,
+                   help="co-located streams: how long the control socket's reader polls for the next message "
+                        "before it sleeps (keeps its core awake for the hand-over; costs that core while polling)")
     p.add_argument("--metrics-listen", default=None, help="HOST:PORT to serve Prometheus metrics on (port 0 = any "
                                                           "free port; announced as a `metrics_listening` JSON line)")
 

@@ -75,7 +75,7 @@ def run(args) -> int:
         listen=args.listen, target_dir=args.target, transport=transport, drafter_address=args.drafter_address,
         drafter_dir=args.drafter, device=device, dtype=args.dtype, max_sessions=args.max_sessions,
         kv_pages=args.kv_pages, page_size=args.page_size, max_session_len=args.max_session_len,
-        draft_window=args.draft_window, draft_timeout_s=args.draft_timeout_s,
+        draft_window=args.draft_window, draft_timeout_s=args.draft_timeout_s, control_spin_ms=args.control_spin_ms,
         max_message_bytes=message_bytes(args), grace_s=args.grace_s, metrics_listen=args.metrics_listen, dist=dist,
         cuda_graphs=False if args.no_cuda_graphs else None)
     if dist is None:

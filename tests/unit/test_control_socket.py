@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import stat
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -14,11 +15,13 @@ from protos.control_socket import ControlClosed, ControlListener, ControlSocket
 from protos.ddtree.v1 import drafter_pb2
 
 
-@pytest.fixture
-def pair():
+@pytest.fixture(params=[0.0, 0.3], ids=["blocking", "spinning"])
+def pair(request):
+    """Both ends; "spinning": each polls up to 0.3 s for a frame before it blocks (ControlSocket.spin_s)."""
     listener = ControlListener(max_frame_bytes=1 << 16)
-    client = ControlSocket.connect(listener.path, 1 << 16)
-    server = listener.accept(5)
+    client = ControlSocket.connect(listener.path, 1 << 16, spin_s=request.param)
+    server = listener.accept(5, spin_s=request.param)
+    assert client.spin_s == server.spin_s == request.param
     mode = stat.S_IMODE(os.stat(listener.path).st_mode)
     listener.close()
     yield client, server, mode, listener.path
@@ -47,8 +50,15 @@ def test_frames_round_trip_in_order(pair):
 
 def test_timeout_end_and_concurrent_senders(pair):
     client, server, _, _ = pair
-    with pytest.raises(TimeoutError):
-        server.recv(drafter_pb2.DraftStreamRequest, timeout=0.05)
+    for timeout in (0.05, 0.5):  # within the spin, and past it (then blocking for the rest)
+        t0 = time.perf_counter()
+        with pytest.raises(TimeoutError):
+            server.recv(drafter_pb2.DraftStreamRequest, timeout=timeout)
+        assert timeout <= time.perf_counter() - t0 < timeout + 1.0
+    threading.Timer(0.1, lambda: client.send(step(7))).start()  # arrives while the reader polls or sleeps
+    assert server.recv(drafter_pb2.DraftStreamRequest, timeout=5).step.step_id == 7
+    threading.Timer(0.5, lambda: client.send(step(8))).start()  # past the spin: the blocking read gets it
+    assert server.recv(drafter_pb2.DraftStreamRequest, timeout=5).step.step_id == 8
     threads = [threading.Thread(target=lambda k=k: [client.send(step(100 * k + j)) for j in range(50)])
                for k in range(4)]
     for t in threads:
