@@ -58,8 +58,8 @@ class TreeBatch:
     @classmethod
     def from_packed(cls, packed: Tensor, n_nodes: list[int]) -> TreeBatch:
         """[6, R, M] int32 (TreeBatch._FIELDS order, logw bit-cast) -> a batch whose arrays are views of it."""
-        return cls(packed[0], packed[1], packed[2], packed[3], packed[4], packed[5].view(torch.float32),
-                   list(n_nodes), packed)
+        rows = packed.unbind(0)  # one op for the six views (this runs on every draft step's path)
+        return cls(*rows[:5], rows[5].view(torch.float32), list(n_nodes), packed)
 
     def pack(self) -> Tensor:
         """[6, R, M] int32 in _FIELDS order (logw bit-cast): `packed` itself when set, else one stacked copy."""

@@ -387,11 +387,15 @@ class DraftStreamClient:
         except Exception as e:  # noqa: BLE001 - whatever went wrong on the wire, this step goes on without trees
             self._step_failed(s, e, len(requests))
             return lambda: self._assemble(requests)
-        return lambda: self._draft_end(s, requests, t_sent, deadline)
+        # while the drafter works: each tree's node count (full trees) and root, uploaded for the checks
+        caps = [tree_size(r.budget, r.topk, self.depth) for r in requests]
+        self._checker.expect([r.session_id for r in requests], [r.root_token for r in requests], caps, self._device)
+        return lambda: self._draft_end(s, requests, caps, t_sent, deadline)
 
-    def _draft_end(self, s: _Stream, requests: list[DraftRequest], t_sent: float, deadline: float) -> TreeBatch:
+    def _draft_end(self, s: _Stream, requests: list[DraftRequest], caps: list[int], t_sent: float, deadline: float
+                   ) -> TreeBatch:
         try:
-            answered, trees, good, errors = self._receive_step(s, requests, t_sent, deadline)
+            answered, trees, good, errors = self._receive_step(s, requests, caps, t_sent, deadline)
         except Exception as e:  # noqa: BLE001 - whatever went wrong on the wire, this step goes on without trees
             self._step_failed(s, e, len(requests))
             return self._assemble(requests)
@@ -483,8 +487,8 @@ class DraftStreamClient:
             session_id=q.session_id, ctx_start=q.ctx_start, root_token=q.root_token, root_pos=q.root_pos,
             budget=q.budget, topk=q.topk, traceparent=q.traceparent, ctx_rows=f.shape[0]) for q, f in zip(sent, feats))
 
-    def _receive_step(self, s: _Stream, requests: list[DraftRequest], t_sent: float, deadline: float
-                      ) -> tuple[list[str], TreeBatch | None, set[str], dict[str, str]]:
+    def _receive_step(self, s: _Stream, requests: list[DraftRequest], caps: list[int], t_sent: float,
+                      deadline: float) -> tuple[list[str], TreeBatch | None, set[str], dict[str, str]]:
         """The step's answer -> (sessions that got a tree, the decoded trees in that order, the sessions whose
         tree may be verified, drafter-side errors)."""
         while True:
@@ -516,9 +520,8 @@ class DraftStreamClient:
             return ids, None, set(), errors
         trees = _to_device(trees, self._device)
         t_decoded = time.perf_counter()
-        by_id = {r.session_id: r for r in requests}
-        trees, refused = self._checker.check(ids, trees, [by_id[i].root_token for i in ids],
-                                             [tree_size(by_id[i].budget, by_id[i].topk, self.depth) for i in ids])
+        by_id = {r.session_id: (r.root_token, cap) for r, cap in zip(requests, caps)}
+        trees, refused = self._checker.check(ids, trees, [by_id[i][0] for i in ids], [by_id[i][1] for i in ids])
         self._time_step(resp.trees.compute_us, t_sent, t_answer, t_decoded)
         for sid, problem in refused.items():
             self.stats["invalid_trees"] += 1

@@ -41,6 +41,13 @@ class TreeChecker:
     def __init__(self, vocab_size: int, max_depth: int):
         self.vocab_size, self.max_depth = vocab_size, max_depth
         self._pending: list[_Checked] = []
+        self._expected: tuple[list[str], list[int], list[int], torch.Tensor] | None = None
+
+    def expect(self, ids: list[str], roots: list[int], caps: list[int], device: torch.device) -> None:
+        """Upload the next batch's node counts and roots ahead of it (while the drafter works): `check` then
+        uses them when the trees come back for exactly these sessions with full trees (node count = cap, the
+        usual answer), instead of uploading them on the step's critical path."""
+        self._expected = (list(ids), list(caps), list(roots), int64_to_device([caps, roots], device))
 
     def check(self, ids: list[str], trees: TreeBatch, roots: list[int], caps: list[int]
               ) -> tuple[TreeBatch, dict[str, str]]:
@@ -58,8 +65,14 @@ class TreeChecker:
         if R == 0:
             return trees, refused
         dev = trees.tokens.device
-        host = int64_to_device([[min(max(n, 0), M) for n in trees.n_nodes], roots], dev)
-        codes, tokens, parent, depth = check_packed(trees.pack(), host[0], host[1], self.vocab_size, self.max_depth)
+        expected, self._expected = self._expected, None
+        if expected is not None and expected[0] == ids and expected[1] == trees.n_nodes and expected[2] == roots \
+                and max(expected[1]) <= M and expected[3].device == dev:
+            counts = expected[3]  # uploaded while the drafter worked
+        else:
+            counts = int64_to_device([[min(max(n, 0), M) for n in trees.n_nodes], roots], dev)
+        codes, tokens, parent, depth = check_packed(trees.pack(), counts[0], counts[1], self.vocab_size,
+                                                    self.max_depth)
         self._pending.append(_Checked(list(ids), trees, list(roots), codes, set(refused)))
         safe = TreeBatch(tokens, parent, depth, trees.first_child, trees.next_sibling, trees.logw,
                          list(trees.n_nodes))

@@ -69,3 +69,50 @@ def test_arrays_wider_than_any_tree_refuse_the_batch():
     tb = TreeBatch(z, z, z, z, z, torch.full((2, 300), float("-inf")), [1, 1])
     _, refused = TreeChecker(V, L).check(["a", "b"], tb, [1, 2], [17, 17])
     assert set(refused) == {"a", "b"} and "300 columns" in refused["a"]
+
+
+def test_counts_uploaded_ahead_are_used_only_for_the_batch_they_describe(monkeypatch):
+    """expect() uploads node counts and roots while the drafter works; check() uses them only when the answer is
+    those sessions, in that order, with those roots and full trees: otherwise it uploads the real counts, so
+    the verdicts never depend on the guess (a stale count would misjudge the padding rule)."""
+    from verifier_service import tree_verdicts
+
+    uploads = []
+    real = tree_verdicts.int64_to_device
+    monkeypatch.setattr(tree_verdicts, "int64_to_device", lambda v, d: (uploads.append(v), real(v, d))[1])
+
+    def run(expect_ids, expect_roots, mutate=None):
+        tb = batch()
+        if mutate is not None:
+            mutate(tb)
+        checker = TreeChecker(V, L)
+        checker.expect(expect_ids, expect_roots, caps(), torch.device("cpu"))
+        uploads.clear()
+        safe, refused = checker.check(IDS, tb, ROOTS, caps())
+        return len(uploads), safe, refused, checker.verdicts()
+
+    def baseline(mutate=None):
+        tb = batch()
+        if mutate is not None:
+            mutate(tb)
+        checker = TreeChecker(V, L)
+        safe, refused = checker.check(IDS, tb, ROOTS, caps())
+        return safe, refused, checker.verdicts()
+
+    def one_short(tb):  # row 1 answered with one node fewer than its cap (a valid-looking count, not the guess)
+        tb.n_nodes[1] -= 1
+
+    def bad_vocab(tb):
+        tb.tokens[2, 3] = V
+
+    cases = [(IDS, ROOTS, None, 0), (IDS, ROOTS, bad_vocab, 0),  # the guess holds: nothing uploaded now
+             (IDS[::-1], ROOTS[::-1], None, 1), (IDS, [4, 5, 7, 9], None, 1), (IDS, ROOTS, one_short, 1)]
+    for ids, roots, mutate, n_uploads in cases:
+        got_uploads, safe, refused, verdicts = run(ids, roots, mutate)
+        want = baseline(mutate)
+        assert got_uploads == n_uploads, (ids, roots, mutate)
+        assert (refused, verdicts) == want[1:], (ids, roots, mutate)
+        for f in ("tokens", "parent", "depth"):
+            assert torch.equal(getattr(safe, f), getattr(want[0], f)), f
+    # judged against the count it really has (by the guess, the full tree, it would have passed)
+    assert "count" in run(IDS, ROOTS, one_short)[3] and "count" not in baseline()[2]
