@@ -118,11 +118,15 @@ def main() -> int:
     p.add_argument("--cuda-graphs", choices=("on", "off"), default=None,
                    help="verify forwards and draft steps through CUDA graphs in every engine and the drafter "
                         "process (default: on for cuda, as served)")
+    p.add_argument("--gc-freeze", action=argparse.BooleanOptionalAction, default=True,
+                   help="freeze the heap after the warm-up rounds, as `ddtree ... serve` does once warmed up "
+                        "(the drafter process always does)")
     p.add_argument("--control-spin-ms", type=float, default=0.0,
                    help="co-located streams: both ends poll their control socket this long before sleeping")
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "transport.jsonl"))
     args = p.parse_args()
 
+    from protos.serving import freeze_startup_heap
     from verifier_service.engine import Engine, EngineConfig
     from verifier_service.local import DTYPES, build_local_engine
     from verifier_service.transport import StreamClientConfig
@@ -179,6 +183,8 @@ def main() -> int:
             t_conc = time.monotonic()
             for k in range(args.warmup + args.steps):
                 outs = {}
+                if k == args.warmup and args.gc_freeze:
+                    freeze_startup_heap()  # as the servers do once warmed up (GrpcServer.set_serving)
                 for t, e in engines.items():
                     dt, outs[t] = timed_step(e)
                     if k >= args.warmup:
@@ -224,7 +230,8 @@ def main() -> int:
                 row = {"name": "transport/step",
                        "params": {"transport": t, "concurrency": conc, "device": args.device, "budget": args.budget,
                                   "topk": 8, "pair": pair.name, "steps": n, "warmup": args.warmup,
-                                  "cuda_graphs": graphs, "control_spin_ms": args.control_spin_ms},
+                                  "cuda_graphs": graphs, "control_spin_ms": args.control_spin_ms,
+                                  "gc_freeze": args.gc_freeze},
                        "device": device_name, "gpu": gpu, "dtype": dtype_name, "commit": commit(),
                        "torch": torch.__version__, "versions": versions(),
                        "ms": round(step, 4), "ratio": round(step / base[conc], 4),
