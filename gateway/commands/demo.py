@@ -75,6 +75,7 @@ def run(args) -> int:
     import torch
 
     from gateway.tokenizer import Tokenizer
+    from protos.serving import freeze_startup_heap
     from verifier_service.engine import EngineConfig
     from verifier_service.local import build_local_engine
     from verifier_service.session import DecodeParams
@@ -104,6 +105,7 @@ def run(args) -> int:
                                 cuda_graphs=False if args.no_cuda_graphs else None)
     eos = engine.target.cfg.eos_ids
     _decode(engine, prompt[-8:], DecodeParams(max_new_tokens=2, budget=args.budget, topk=args.topk))  # warm-up
+    freeze_startup_heap()  # as the servers do once warmed up: no collection walks the model during the runs
     ar, t_ar = _decode(engine, prompt, DecodeParams(max_new_tokens=args.max_new_tokens, budget=0, eos_ids=eos))
     dd, t_dd = _decode(engine, prompt, DecodeParams(max_new_tokens=args.max_new_tokens, budget=args.budget,
                                                     topk=args.topk, eos_ids=eos))

@@ -54,6 +54,7 @@ def run(args) -> int:
     if args.stop or args.timeout is not None:
         raise ValueError("--stop and --timeout apply to --server (the gateway owns stop strings and deadlines)")
     from gateway.tokenizer import Tokenizer
+    from protos.serving import freeze_startup_heap
     from verifier_service.config import KimiConfig
     from verifier_service.local import DTYPES, build_local_engine
     from verifier_service.sampling_params import SamplingParams
@@ -84,6 +85,7 @@ def run(args) -> int:
         raise ValueError("--budget > 0 needs --drafter (use --budget 0 for plain autoregressive decoding)")
     engine = build_local_engine(args.target, drafter_dir, DTYPES[args.dtype], args.device,
                                 block_size=args.block_size, cuda_graphs=False if args.no_cuda_graphs else None)
+    freeze_startup_heap()  # as the servers do: no collection walks the model during the run
     t0 = time.perf_counter()
     s = engine.add(prompt, params)
     engine.run_until_done()
