@@ -158,7 +158,7 @@ def trees_to_pb(trees: TreeBatch, session_ids: list[str], step_id: int, arena: R
     return msg
 
 
-def _packed_trees(msg: drafter_pb2.DraftTrees, R: int, regions: Mapping[int, SharedRegion] | None
+def _packed_trees(msg: drafter_pb2.DraftTrees, R: int, regions: Mapping[int, SharedRegion] | None, copy: bool
                   ) -> TreeBatch | None:
     """The usual layout (`trees_to_pb` with an arena): six 4-byte [R, M] fields back to back in one region, in
     TREE_FIELDS order -> the batch as views of one copy, with as few message reads and tensor ops as possible
@@ -176,24 +176,25 @@ def _packed_trees(msg: drafter_pb2.DraftTrees, R: int, regions: Mapping[int, Sha
     region = (regions or {}).get(rid)
     if region is None or start % 4 or start + 6 * step > region.nbytes:
         return None  # the general decoder says what is wrong
-    return TreeBatch.from_packed(region.view(start, 6 * step).view(torch.int32).view(6, R, shape[1]).clone(),
-                                 list(msg.n_nodes))
+    packed = region.view(start, 6 * step).view(torch.int32).view(6, R, shape[1])
+    return TreeBatch.from_packed(packed.clone() if copy else packed, list(msg.n_nodes))
 
 
-def trees_from_pb(msg: drafter_pb2.DraftTrees,
-                  regions: Mapping[int, SharedRegion] | None = None) -> tuple[list[str], TreeBatch]:
+def trees_from_pb(msg: drafter_pb2.DraftTrees, regions: Mapping[int, SharedRegion] | None = None,
+                  copy: bool = True) -> tuple[list[str], TreeBatch]:
     """Decode the batch structure: six [R, M] tensors of the right dtypes, R session ids and node
     counts. Inline fields are host tensors; fields in a shared region are copied out on the region's
     device (one copy per region, on the current stream: the peer may reuse the region once this
-    process hands it back), so trees from a CUDA region never visit the host. The trees' contents
-    are checked by `verifier_service.tree_validation`."""
+    process hands it back), so trees from a CUDA region never visit the host. copy=False: trees laid out
+    as `trees_to_pb` lays them out come back as a view of the region instead (`TreeBatch.packed`; valid
+    until the region is handed back). The trees' contents are checked by `verifier_service.tree_validation`."""
     ids = list(msg.session_ids)
     R = len(ids)
     if len(msg.n_nodes) != R:
         raise WireError(f"trees: {len(msg.n_nodes)} n_nodes for {R} session ids")
     if len(set(ids)) != R:
         raise WireError("trees: duplicate session ids")
-    packed = _packed_trees(msg, R, regions)
+    packed = _packed_trees(msg, R, regions, copy)
     if packed is not None:
         return ids, packed
     arrays: dict[str, torch.Tensor] = {}

@@ -33,6 +33,7 @@ class StreamClientConfig:
     control_socket: bool = True  # co-located: the per-step messages over a unix socket (protos.control_socket)
     ipc_events: bool = True  # co-located on a GPU: hand the regions over with CUDA IPC events, no host waits
     control_spin_s: float = 0.0  # control socket: poll this long for the answer before sleeping (ControlSocket)
+    check_graphs: bool = True  # on a GPU: the tree check of region trees replayed from CUDA graphs
     draft_timeout_s: float = 5.0  # one step's deadline
     connect_timeout_s: float = 5.0  # opening a stream (handshake included)
     max_message_bytes: int = 64 << 20

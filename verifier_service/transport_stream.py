@@ -48,6 +48,7 @@ from protos.ddtree.v1 import drafter_pb2, drafter_pb2_grpc
 from protos.shared_region import IpcEvent, RegionArena, SharedRegion
 from telemetry.metrics import Metrics
 from verifier_service.transport import DrafterModel, StreamClientConfig
+from verifier_service.tree_check_graphs import CheckGraphs
 from verifier_service.tree_verdicts import TreeChecker
 
 log = logging.getLogger(__name__)
@@ -312,7 +313,11 @@ class DraftStreamClient:
                 raise StreamBroken(f"the drafter changed: was {self.model}, now {model}; refusing it")
             if self.model is None:
                 self.model = model
-                self._checker = TreeChecker(model.vocab_size, model.block_size - 1)
+                graphs = CheckGraphs(self._device, model.vocab_size, model.block_size - 1) \
+                    if self.cfg.check_graphs and self._device.type == "cuda" else None
+                self._checker = TreeChecker(model.vocab_size, model.block_size - 1, graphs)
+            elif self._checker.graphs is not None:
+                self._checker.graphs.clear()  # they read the old stream's region
             return stream
         except Exception:
             stream.close()
@@ -506,7 +511,9 @@ class DraftStreamClient:
             if not event.wait_host(max(0.0, deadline - time.monotonic()), abort=lambda: s.broken):
                 raise DraftTimeout(f"step {s.step_id}: the drafter's trees event did not complete in time")
             self.stats["event_steps"] += 1
-        ids, trees = trees_from_pb(resp.trees, s.regions)
+        # a view of the response region, no copy: the drafter writes there again only after our next request,
+        # sent once this step's work on the trees is done; what is verified is the check's own output
+        ids, trees = trees_from_pb(resp.trees, s.regions, copy=False)
         if resp.trees.tokens.WhichOneof("storage") == "region":
             self.stats["region_trees"] += 1
         errors = {e.session_id: f"{_code_name(e.code)}: {e.message}" for e in resp.trees.errors}

@@ -8,7 +8,10 @@ by one whose nodes past the root carry token -1: the verify step runs over them,
 them (a posterior token is never -1) and so takes an autoregressive step for that session, exactly
 what a root-only tree would give. Which trees failed is read later (`verdicts`), once the step's own
 host read has waited for the GPU anyway; the failing rows are then checked again on the host to say
-what is wrong with them.
+what is wrong with them. The trees may be views of the peer's shared region (no copy): what is verified
+must be the check's own outputs (tokens, parent, depth, written by the kernel after checking them), never
+the region, which a faulty peer could rewrite after the check; the region's other fields are only read to
+describe a failure.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch
 from drafter_service.device_copy import int64_to_device
 from kernels.tree_build import TreeBatch
 from kernels.tree_check import CHECKS, MAX_NODES, check_packed
+from verifier_service.tree_check_graphs import CheckGraphs
 from verifier_service.tree_validation import validate_trees
 
 log = logging.getLogger(__name__)
@@ -38,8 +42,11 @@ class _Checked:
 class TreeChecker:
     """Checks batches of trees for one drafter model (vocabulary, depth); keeps the pending verdicts."""
 
-    def __init__(self, vocab_size: int, max_depth: int):
+    def __init__(self, vocab_size: int, max_depth: int, graphs: CheckGraphs | None = None):
+        """graphs: replay the check from CUDA graphs where the trees come from one place every step (the
+        co-located stream's region), `verifier_service.tree_check_graphs`; None: launch it every step."""
         self.vocab_size, self.max_depth = vocab_size, max_depth
+        self.graphs = graphs
         self._pending: list[_Checked] = []
         self._expected: tuple[list[str], list[int], list[int], torch.Tensor] | None = None
 
@@ -47,7 +54,8 @@ class TreeChecker:
         """Upload the next batch's node counts and roots ahead of it (while the drafter works): `check` then
         uses them when the trees come back for exactly these sessions with full trees (node count = cap, the
         usual answer), instead of uploading them on the step's critical path."""
-        self._expected = (list(ids), list(caps), list(roots), int64_to_device([caps, roots], device))
+        out = self.graphs.counts(len(ids)) if self.graphs is not None and device == self.graphs.device else None
+        self._expected = (list(ids), list(caps), list(roots), int64_to_device([caps, roots], device, out))
 
     def check(self, ids: list[str], trees: TreeBatch, roots: list[int], caps: list[int]
               ) -> tuple[TreeBatch, dict[str, str]]:
@@ -71,8 +79,11 @@ class TreeChecker:
             counts = expected[3]  # uploaded while the drafter worked
         else:
             counts = int64_to_device([[min(max(n, 0), M) for n in trees.n_nodes], roots], dev)
-        codes, tokens, parent, depth = check_packed(trees.pack(), counts[0], counts[1], self.vocab_size,
-                                                    self.max_depth)
+        packed = trees.pack()
+        out = self.graphs.run(packed, counts) if self.graphs is not None else None
+        if out is None:
+            out = check_packed(packed, counts[0], counts[1], self.vocab_size, self.max_depth)
+        codes, tokens, parent, depth = out
         self._pending.append(_Checked(list(ids), trees, list(roots), codes, set(refused)))
         safe = TreeBatch(tokens, parent, depth, trees.first_child, trees.next_sibling, trees.logw,
                          list(trees.n_nodes))

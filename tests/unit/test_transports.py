@@ -448,6 +448,8 @@ def test_cuda_regions_with_an_in_process_drafter(parts):
         assert client.stats["fallback_steps"] == 0 and client.stats["region_tensors"] > 0
         assert client.stats["region_trees"] == client.stats["steps"] == client.stats["event_steps"] == 3
         assert client.ipc_events  # one process: each side's IPC event is the other's own object
+        # the trees came back to one place in the region every step: their check replayed from one CUDA graph
+        assert client._checker.graphs.stats == {"replays": 3, "captures": 1}
     finally:
         client.close()
         srv.stop()

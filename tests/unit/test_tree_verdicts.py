@@ -7,6 +7,7 @@ device check: verified as root plus unacceptable nodes, reported by `verdicts` w
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kernels.tree_build import TreeBatch, build_tree, tree_size
@@ -79,7 +80,8 @@ def test_counts_uploaded_ahead_are_used_only_for_the_batch_they_describe(monkeyp
 
     uploads = []
     real = tree_verdicts.int64_to_device
-    monkeypatch.setattr(tree_verdicts, "int64_to_device", lambda v, d: (uploads.append(v), real(v, d))[1])
+    monkeypatch.setattr(tree_verdicts, "int64_to_device",
+                        lambda v, d, out=None: (uploads.append(v), real(v, d, out))[1])
 
     def run(expect_ids, expect_roots, mutate=None):
         tb = batch()
@@ -116,3 +118,61 @@ def test_counts_uploaded_ahead_are_used_only_for_the_batch_they_describe(monkeyp
             assert torch.equal(getattr(safe, f), getattr(want[0], f)), f
     # judged against the count it really has (by the guess, the full tree, it would have passed)
     assert "count" in run(IDS, ROOTS, one_short)[3] and "count" not in baseline()[2]
+
+
+def test_check_graphs_only_take_the_static_counts_on_their_device():
+    """CheckGraphs.run declines (-> the eager launch) unless the counts are its static buffer for that batch size
+    and the trees live on its device; expect() fills that buffer. (Replays themselves need a GPU: below.)"""
+    from verifier_service.tree_check_graphs import CheckGraphs
+
+    graphs = CheckGraphs(torch.device("cpu"), V, L)
+    checker = TreeChecker(V, L, graphs)
+    checker.expect(IDS, ROOTS, caps(), torch.device("cpu"))
+    static = graphs.counts(4)
+    assert static.tolist() == [caps(), ROOTS] and graphs.counts(4) is static
+    packed = batch().pack()
+    assert graphs.run(packed, static.clone()) is None  # not the static buffer
+    assert graphs.run(packed[:, :3].contiguous(), graphs.counts(4)) is None  # another batch size
+    meta = CheckGraphs(torch.device("meta"), V, L)
+    assert meta.run(packed, meta.counts(4)) is None and graphs.stats == {"replays": 0, "captures": 0}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_check_graphs_replay_gives_the_eager_checks_results():
+    """Trees written step after step into one buffer (as the drafter writes the response region), counts uploaded
+    ahead: the graphed checker replays one graph per (buffer, R, M) and returns what the eager checker returns,
+    refusals and verdicts included; other counts or another buffer run eagerly or capture anew."""
+    from verifier_service.tree_check_graphs import CheckGraphs
+
+    dev = torch.device("cuda")
+    region = torch.empty(6 * 4 * 64, dtype=torch.int32, device=dev)
+    graphs = CheckGraphs(dev, V, L)
+    graphed, eager = TreeChecker(V, L, graphs), TreeChecker(V, L)
+    for step in range(6):
+        tb = batch()
+        if step % 2:  # break one row a different way each odd step (vocab, then siblings, then both)
+            if step in (1, 5):
+                tb.tokens[2, 3] = V
+            if step in (3, 5):
+                i, j = siblings(tb, 3)
+                tb.tokens[3, j] = tb.tokens[3, i]
+        M = tb.tokens.shape[1]
+        view = region[: 6 * 4 * M].view(6, 4, M)
+        view.copy_(tb.pack().to(dev))
+        in_region = TreeBatch.from_packed(view, tb.n_nodes)
+        graphed.expect(IDS, ROOTS, caps(), dev)
+        eager.expect(IDS, ROOTS, caps(), dev)
+        got, refused_g = graphed.check(IDS, in_region, ROOTS, caps())
+        want, refused_e = eager.check(IDS, TreeBatch.from_packed(view.clone(), tb.n_nodes), ROOTS, caps())
+        for f in ("tokens", "parent", "depth"):
+            assert torch.equal(getattr(got, f), getattr(want, f)), (step, f)
+        assert refused_g == refused_e and graphed.verdicts() == eager.verdicts()
+    assert graphs.stats == {"replays": 6, "captures": 1}
+    graphed.expect(IDS[:3], ROOTS[:3], caps()[:3], dev)  # a batch of 3: its own counts buffer and graph
+    part = TreeBatch.from_packed(region[: 6 * 3 * M].view(6, 3, M), batch().n_nodes[:3])
+    part.packed.copy_(batch().pack()[:, :3].to(dev))
+    graphed.check(IDS[:3], part, ROOTS[:3], caps()[:3])
+    assert graphs.stats == {"replays": 7, "captures": 2}
+    graphed.check(IDS, in_region, ROOTS, caps())  # no expect(): counts uploaded now, the eager launch
+    assert graphs.stats["replays"] == 7
