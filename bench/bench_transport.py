@@ -121,6 +121,8 @@ def main() -> int:
     p.add_argument("--gc-freeze", action=argparse.BooleanOptionalAction, default=True,
                    help="freeze the heap after the warm-up rounds, as `ddtree ... serve` does once warmed up "
                         "(the drafter process always does)")
+    p.add_argument("--check-graphs", action=argparse.BooleanOptionalAction, default=True,
+                   help="the stream clients replay the tree check from CUDA graphs (StreamClientConfig.check_graphs)")
     p.add_argument("--control-spin-ms", type=float, default=0.0,
                    help="co-located streams: both ends poll their control socket this long before sleeping")
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "transport.jsonl"))
@@ -159,6 +161,7 @@ def main() -> int:
                                                           region_device=args.device, draft_timeout_s=60,
                                                           ipc_events=transport == "colocated",
                                                           control_spin_s=args.control_spin_ms / 1e3,
+                                                          check_graphs=args.check_graphs,
                                                           client_id=f"bench-{transport}"))
             client.start()
             model = client.wait_ready(timeout=120)
@@ -231,7 +234,7 @@ def main() -> int:
                        "params": {"transport": t, "concurrency": conc, "device": args.device, "budget": args.budget,
                                   "topk": 8, "pair": pair.name, "steps": n, "warmup": args.warmup,
                                   "cuda_graphs": graphs, "control_spin_ms": args.control_spin_ms,
-                                  "gc_freeze": args.gc_freeze},
+                                  "gc_freeze": args.gc_freeze, "check_graphs": args.check_graphs},
                        "device": device_name, "gpu": gpu, "dtype": dtype_name, "commit": commit(),
                        "torch": torch.__version__, "versions": versions(),
                        "ms": round(step, 4), "ratio": round(step / base[conc], 4),

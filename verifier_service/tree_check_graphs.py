@@ -22,14 +22,27 @@ from kernels.tree_check import check_packed
 log = logging.getLogger(__name__)
 
 
+def indexed(device: torch.device | str) -> torch.device:
+    """"cuda" -> "cuda:<current>" (what a tensor's .device says), anything else as it is."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 class CheckGraphs:
-    def __init__(self, device: torch.device, vocab_size: int, max_depth: int, limit: int = 64):
+    def __init__(self, device: torch.device | str, vocab_size: int, max_depth: int, limit: int = 64):
+        device = indexed(device)
         self.device, self.vocab_size, self.max_depth, self.limit = device, vocab_size, max_depth, limit
         self._graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, tuple]] = {}
         self._failed: dict[tuple[int, int, int], str] = {}
         self._counts: dict[int, torch.Tensor] = {}  # R -> [2, R] int64: node counts, roots
         self._warned: set[str] = set()
         self.stats = {"replays": 0, "captures": 0}
+
+    def serves(self, device: torch.device | str) -> bool:
+        """Whether trees checked on `device` can replay these graphs."""
+        return indexed(device) == self.device
 
     def counts(self, R: int) -> torch.Tensor:
         """The static [2, R] int64 buffer (node counts, roots) the graphs of batch size R read."""

@@ -54,7 +54,8 @@ class TreeChecker:
         """Upload the next batch's node counts and roots ahead of it (while the drafter works): `check` then
         uses them when the trees come back for exactly these sessions with full trees (node count = cap, the
         usual answer), instead of uploading them on the step's critical path."""
-        out = self.graphs.counts(len(ids)) if self.graphs is not None and device == self.graphs.device else None
+        graphs = self.graphs
+        out = graphs.counts(len(ids)) if graphs is not None and graphs.serves(device) else None
         self._expected = (list(ids), list(caps), list(roots), int64_to_device([caps, roots], device, out))
 
     def check(self, ids: list[str], trees: TreeBatch, roots: list[int], caps: list[int]
