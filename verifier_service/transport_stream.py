@@ -514,7 +514,8 @@ class DraftStreamClient:
         # a view of the response region, no copy: the drafter writes there again only after our next request,
         # sent once this step's work on the trees is done; what is verified is the check's own output
         ids, trees = trees_from_pb(resp.trees, s.regions, copy=False)
-        if resp.trees.tokens.WhichOneof("storage") == "region":
+        in_region = resp.trees.tokens.WhichOneof("storage") == "region"
+        if in_region:
             self.stats["region_trees"] += 1
         errors = {e.session_id: f"{_code_name(e.code)}: {e.message}" for e in resp.trees.errors}
         asked = {r.session_id for r in requests}
@@ -528,7 +529,8 @@ class DraftStreamClient:
         trees = _to_device(trees, self._device)
         t_decoded = time.perf_counter()
         by_id = {r.session_id: (r.root_token, cap) for r, cap in zip(requests, caps)}
-        trees, refused = self._checker.check(ids, trees, [by_id[i][0] for i in ids], [by_id[i][1] for i in ids])
+        trees, refused = self._checker.check(ids, trees, [by_id[i][0] for i in ids], [by_id[i][1] for i in ids],
+                                             fixed=in_region)
         self._time_step(resp.trees.compute_us, t_sent, t_answer, t_decoded)
         for sid, problem in refused.items():
             self.stats["invalid_trees"] += 1

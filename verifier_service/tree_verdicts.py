@@ -58,11 +58,12 @@ class TreeChecker:
         out = graphs.counts(len(ids)) if graphs is not None and graphs.serves(device) else None
         self._expected = (list(ids), list(caps), list(roots), int64_to_device([caps, roots], device, out))
 
-    def check(self, ids: list[str], trees: TreeBatch, roots: list[int], caps: list[int]
+    def check(self, ids: list[str], trees: TreeBatch, roots: list[int], caps: list[int], fixed: bool = False
               ) -> tuple[TreeBatch, dict[str, str]]:
         """-> (the trees to verify, sessions refused on the host -> message). Host-refused rows (node count
         outside 1..cap) must not be verified from this batch; every other row is safe to verify as returned,
-        its verdict read by `verdicts`."""
+        its verdict read by `verdicts`. fixed: the trees live where the next batches will live too (a shared
+        region), so the check may replay a CUDA graph captured for that place."""
         R, M = trees.tokens.shape
         refused: dict[str, str] = {}
         for sid, n, cap in zip(ids, trees.n_nodes, caps):
@@ -81,7 +82,7 @@ class TreeChecker:
         else:
             counts = int64_to_device([[min(max(n, 0), M) for n in trees.n_nodes], roots], dev)
         packed = trees.pack()
-        out = self.graphs.run(packed, counts) if self.graphs is not None else None
+        out = self.graphs.run(packed, counts) if self.graphs is not None and fixed else None
         if out is None:
             out = check_packed(packed, counts[0], counts[1], self.vocab_size, self.max_depth)
         codes, tokens, parent, depth = out

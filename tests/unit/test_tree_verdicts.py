@@ -163,7 +163,7 @@ def test_gpu_check_graphs_replay_gives_the_eager_checks_results():
         in_region = TreeBatch.from_packed(view, tb.n_nodes)
         graphed.expect(IDS, ROOTS, caps(), dev)
         eager.expect(IDS, ROOTS, caps(), dev)
-        got, refused_g = graphed.check(IDS, in_region, ROOTS, caps())
+        got, refused_g = graphed.check(IDS, in_region, ROOTS, caps(), fixed=True)
         want, refused_e = eager.check(IDS, TreeBatch.from_packed(view.clone(), tb.n_nodes), ROOTS, caps())
         for f in ("tokens", "parent", "depth"):
             assert torch.equal(getattr(got, f), getattr(want, f)), (step, f)
@@ -172,7 +172,9 @@ def test_gpu_check_graphs_replay_gives_the_eager_checks_results():
     graphed.expect(IDS[:3], ROOTS[:3], caps()[:3], dev)  # a batch of 3: its own counts buffer and graph
     part = TreeBatch.from_packed(region[: 6 * 3 * M].view(6, 3, M), batch().n_nodes[:3])
     part.packed.copy_(batch().pack()[:, :3].to(dev))
-    graphed.check(IDS[:3], part, ROOTS[:3], caps()[:3])
+    graphed.check(IDS[:3], part, ROOTS[:3], caps()[:3], fixed=True)
     assert graphs.stats == {"replays": 7, "captures": 2}
-    graphed.check(IDS, in_region, ROOTS, caps())  # no expect(): counts uploaded now, the eager launch
+    graphed.check(IDS, in_region, ROOTS, caps(), fixed=True)  # no expect(): counts uploaded now, the eager launch
+    graphed.expect(IDS, ROOTS, caps(), dev)
+    graphed.check(IDS, in_region, ROOTS, caps())  # not fixed (trees from the wire, a new place each step): eager
     assert graphs.stats["replays"] == 7
