@@ -93,7 +93,7 @@ class Drafter:
         graph when the runner takes it."""
         plan = self.cache.plan([a[0] for a in appends], [a[1] for a in appends], [a[2].shape[0] for a in appends])
         if plan.num_rows:
-            parts = [f[skip:] for (_, _, f), skip in zip(appends, plan.skip) if f.shape[0]]
+            parts = [f[skip:] if skip else f for (_, _, f), skip in zip(appends, plan.skip) if f.shape[0]]
             if self.graphs is None or not self.graphs.append(plan.index, parts):
                 index = int64_to_device(plan.index, self.device)
                 feats = rows_to_device(parts, self.device, self.dtype)

@@ -453,7 +453,7 @@ class DraftStreamClient:
             if r.session_id not in s.synced and not chunks:
                 start = r.root_pos
             n = feats.shape[0]
-            row_bytes = feats[:1].numel() * feats.element_size()
+            row_bytes = (feats.numel() // n if n else 0) * feats.element_size()
             keep = n if n * row_bytes <= room else min(n, room // max(row_bytes, 1))
             if keep < n:  # a long prompt or a resent window: the older rows go ahead in context messages
                 self._send_ahead(s, r.session_id, start, feats[: n - keep], max(1, room // row_bytes))
