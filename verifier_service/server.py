@@ -71,7 +71,7 @@ class VerifierServerConfig:
     grace_s: float = 30.0
     metrics_listen: str | None = None  # HOST:PORT of the Prometheus endpoint; None = not served
     dist: DistConfig | None = None  # this rank's place in an expert-parallel group; None = one process
-    cuda_graphs: bool | None = None  # verify forwards through CUDA graphs; None = on for a CUDA device
+    cuda_graphs: bool | None = None  # verify forwards and tree checks through CUDA graphs; None = on for CUDA
 
     def __post_init__(self):
         if self.metrics_listen is not None:
@@ -268,7 +268,7 @@ def build_engine(cfg: VerifierServerConfig, stop: threading.Event, metrics: Metr
         client = DraftStreamClient(StreamClientConfig(
             cfg.drafter_address, colocated=cfg.transport == "colocated", region_device=device,
             draft_timeout_s=cfg.draft_timeout_s, max_message_bytes=cfg.max_message_bytes, window=cfg.draft_window,
-            control_spin_s=cfg.control_spin_ms / 1e3,
+            control_spin_s=cfg.control_spin_ms / 1e3, check_graphs=cfg.cuda_graphs is not False,
             client_id=f"verifier@{cfg.listen}"), metrics=metrics)
         client.start()  # connects in the background while the target loads
         try:

@@ -39,8 +39,8 @@ def add_parser(sub) -> None:
     s.add_argument("--dist-timeout-s", type=float, default=300.0,
                    help="under torchrun: a collective, or rank 0's silence, longer than this fails the group")
     s.add_argument("--no-cuda-graphs", action="store_true",
-                   help="run verify forwards eagerly, and with --transport inprocess draft steps too (default on "
-                        "CUDA: replayed from CUDA graphs)")
+                   help="run verify forwards and the checks of co-located trees eagerly, and with --transport "
+                        "inprocess draft steps too (default on CUDA: replayed from CUDA graphs)")
     s.set_defaults(func=run)
 
 
