@@ -511,8 +511,7 @@ class DraftStreamClient:
             if not event.wait_host(max(0.0, deadline - time.monotonic()), abort=lambda: s.broken):
                 raise DraftTimeout(f"step {s.step_id}: the drafter's trees event did not complete in time")
             self.stats["event_steps"] += 1
-        # a view of the response region, no copy: the drafter writes there again only after our next request,
-        # sent once this step's work on the trees is done; what is verified is the check's own output
+        # a view of the response region: the check copies it on the GPU and verifies its copy (tree_verdicts)
         ids, trees = trees_from_pb(resp.trees, s.regions, copy=False)
         in_region = resp.trees.tokens.WhichOneof("storage") == "region"
         if in_region:

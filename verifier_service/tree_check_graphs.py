@@ -52,9 +52,11 @@ class CheckGraphs:
         return buf
 
     def run(self, packed: torch.Tensor, counts: torch.Tensor) -> tuple | None:
-        """check_packed(packed, *counts) from this (address, shape)'s graph -> its outputs (codes, tokens, parent,
-        depth; static: valid until this graph replays again); None when it runs eagerly (the counts are not the
-        static buffer, `limit` graphs exist already, or its capture failed)."""
+        """check_packed(a copy of packed, *counts) from this (address, shape)'s graph -> its outputs (codes, tokens,
+        parent, depth; static: valid until this graph replays again); None when it runs eagerly (the counts are
+        not the static buffer, `limit` graphs exist already, or its capture failed). The graph first copies the
+        trees into memory of its own: the kernel reads a node more than once, and the peer's region is not
+        ours to trust between two reads."""
         R, M = packed.shape[1], packed.shape[2]
         if counts is not self._counts.get(R) or packed.device != self.device:
             return None
@@ -65,7 +67,7 @@ class CheckGraphs:
             if key in failed or len(graphs) >= self.limit:
                 return None
             entry = GraphCapture(self.device).capture_or_record(
-                key, lambda: check_packed(packed, counts[0], counts[1], self.vocab_size, self.max_depth),
+                key, lambda: check_packed(packed.clone(), counts[0], counts[1], self.vocab_size, self.max_depth),
                 graphs, failed, lambda msg: warn_once(log, self._warned, msg), f"the tree check {key[1:]}")
             if entry is None:
                 return None

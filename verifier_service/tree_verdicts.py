@@ -8,10 +8,11 @@ by one whose nodes past the root carry token -1: the verify step runs over them,
 them (a posterior token is never -1) and so takes an autoregressive step for that session, exactly
 what a root-only tree would give. Which trees failed is read later (`verdicts`), once the step's own
 host read has waited for the GPU anyway; the failing rows are then checked again on the host to say
-what is wrong with them. The trees may be views of the peer's shared region (no copy): what is verified
-must be the check's own outputs (tokens, parent, depth, written by the kernel after checking them), never
-the region, which a faulty peer could rewrite after the check; the region's other fields are only read to
-describe a failure.
+what is wrong with them. The trees may be views of the peer's shared region (`fixed`): they are copied
+on the GPU into the verifier's own memory and checked there (inside the check's CUDA graph when it has
+one: the kernel reads a node more than once), and what is verified is the check's output (tokens, parent,
+depth), never the region, which a faulty peer could rewrite at any time; the region's other fields are
+only read to describe a failure.
 """
 
 from __future__ import annotations
@@ -83,8 +84,9 @@ class TreeChecker:
             counts = int64_to_device([[min(max(n, 0), M) for n in trees.n_nodes], roots], dev)
         packed = trees.pack()
         out = self.graphs.run(packed, counts) if self.graphs is not None and fixed else None
-        if out is None:
-            out = check_packed(packed, counts[0], counts[1], self.vocab_size, self.max_depth)
+        if out is None:  # trees in the peer's region are checked in a copy of our own (see the module's note)
+            out = check_packed(packed.clone() if fixed else packed, counts[0], counts[1], self.vocab_size,
+                               self.max_depth)
         codes, tokens, parent, depth = out
         self._pending.append(_Checked(list(ids), trees, list(roots), codes, set(refused)))
         safe = TreeBatch(tokens, parent, depth, trees.first_child, trees.next_sibling, trees.logw,

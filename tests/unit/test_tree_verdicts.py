@@ -178,3 +178,18 @@ def test_gpu_check_graphs_replay_gives_the_eager_checks_results():
     graphed.expect(IDS, ROOTS, caps(), dev)
     graphed.check(IDS, in_region, ROOTS, caps())  # not fixed (trees from the wire, a new place each step): eager
     assert graphs.stats["replays"] == 7
+
+
+def test_trees_in_the_peers_region_are_checked_in_a_copy(monkeypatch):
+    """The kernel reads a node more than once, so trees in the peer's region (fixed=True) are checked in a copy
+    of the verifier's own (a peer writing meanwhile cannot make what is checked differ from what is verified);
+    trees the verifier owns already (from the wire) are checked where they are."""
+    from verifier_service import tree_verdicts
+
+    seen = []
+    real = tree_verdicts.check_packed
+    monkeypatch.setattr(tree_verdicts, "check_packed", lambda p, *a: (seen.append(p.data_ptr()), real(p, *a))[1])
+    region = batch().pack().contiguous()
+    for fixed in (True, False):
+        TreeChecker(V, L).check(IDS, TreeBatch.from_packed(region, batch().n_nodes), ROOTS, caps(), fixed=fixed)
+    assert seen[0] != region.data_ptr() and seen[1] == region.data_ptr()
