@@ -45,8 +45,9 @@ class ControlSocket:
 
     spin_s: how long `recv` polls for a frame, keeping its thread on the CPU, before it sleeps in the kernel.
     A thread that sleeps through the peer's work wakes on a core that has idled (deeper C-states, lower
-    clocks, cold caches) and runs the step's Python slowly; polling for the length of a step keeps the
-    hand-over as fast as the in-process call. Costs one core per receiving thread while it polls (0: never)."""
+    clocks, cold caches) and pays the kernel's wake-up; polling can shorten the hand-over where that is slow
+    (on the H200 host it bought nothing measurable: docs/performance.md). Costs one core per receiving thread
+    while it polls, and the GIL now and then (0: never poll)."""
 
     def __init__(self, sock: socket.socket, max_frame_bytes: int, spin_s: float = 0.0):
         self.sock = sock

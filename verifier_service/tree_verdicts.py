@@ -63,8 +63,9 @@ class TreeChecker:
               ) -> tuple[TreeBatch, dict[str, str]]:
         """-> (the trees to verify, sessions refused on the host -> message). Host-refused rows (node count
         outside 1..cap) must not be verified from this batch; every other row is safe to verify as returned,
-        its verdict read by `verdicts`. fixed: the trees live where the next batches will live too (a shared
-        region), so the check may replay a CUDA graph captured for that place."""
+        its verdict read by `verdicts`. fixed: the trees are a view of the peer's shared region, where the next
+        batches will live too: they are checked in a copy of our own, by a CUDA graph captured for that place
+        when there is one."""
         R, M = trees.tokens.shape
         refused: dict[str, str] = {}
         for sid, n, cap in zip(ids, trees.n_nodes, caps):
