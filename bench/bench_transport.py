@@ -1,7 +1,8 @@
 """Per-step cost of each verifier <-> drafter transport against the in-process drafter.
 
     python bench/bench_transport.py [--pair models/kimi-mini] [--device cpu|cuda] [--concurrency 1 32]
-                                    [--steps 30] [--warmup 5] [--time-budget-s S]
+                                    [--steps 30] [--warmup 5] [--time-budget-s S] [--no-gc-freeze]
+                                    [--no-check-graphs] [--control-spin-ms MS]
 
 For each transport the same engine (target in this process) runs C sessions at one budget; the drafter
 is the in-process `Drafter` (inprocess) or a `ddtree drafter serve` process on loopback (same device)
