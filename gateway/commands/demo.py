@@ -74,12 +74,14 @@ def _decode(engine, prompt: list[int], params) -> tuple[object, float]:
 def run(args) -> int:
     import torch
 
+    from gateway.commands.host_memory import tune_glibc_malloc
     from gateway.tokenizer import Tokenizer
     from protos.serving import freeze_startup_heap
     from verifier_service.engine import EngineConfig
     from verifier_service.local import build_local_engine
     from verifier_service.session import DecodeParams
 
+    tune_glibc_malloc()
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.budget < 1:

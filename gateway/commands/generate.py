@@ -53,6 +53,7 @@ def run(args) -> int:
         return run_remote(args)
     if args.stop or args.timeout is not None:
         raise ValueError("--stop and --timeout apply to --server (the gateway owns stop strings and deadlines)")
+    from gateway.commands.host_memory import tune_glibc_malloc
     from gateway.tokenizer import Tokenizer
     from protos.serving import freeze_startup_heap
     from verifier_service.config import KimiConfig
@@ -85,6 +86,7 @@ def run(args) -> int:
         raise ValueError("--budget > 0 needs --drafter (use --budget 0 for plain autoregressive decoding)")
     engine = build_local_engine(args.target, drafter_dir, DTYPES[args.dtype], args.device,
                                 block_size=args.block_size, cuda_graphs=False if args.no_cuda_graphs else None)
+    tune_glibc_malloc()
     freeze_startup_heap()  # as the servers do: no collection walks the model during the run
     t0 = time.perf_counter()
     s = engine.add(prompt, params)

@@ -29,12 +29,15 @@ def message_bytes(args) -> int:
 
 
 def run_server(serve, cfg, log_level: str, service_name: str | None = None) -> int:
-    """Logging, tracing from the OTEL_* environment (nothing is exported when unset; `service_name` is the
-    default OTEL service name), then the server until it stops."""
+    """glibc malloc settings for models on worker threads (`gateway.commands.host_memory`), logging, tracing
+    from the OTEL_* environment (nothing is exported when unset; `service_name` is the default OTEL service
+    name), then the server until it stops."""
     import os
 
+    from gateway.commands.host_memory import tune_glibc_malloc
     from protos.serving import setup_logging
 
+    tune_glibc_malloc()  # before the server's threads exist
     setup_logging(log_level)
     if service_name is not None:
         from telemetry.tracing import configure_tracing
