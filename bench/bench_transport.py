@@ -174,10 +174,10 @@ def main() -> int:
               f"setup {time.monotonic() - t_start:.1f} s", flush=True)
         if not regions or any(torch.device(d).type != torch.device(args.device).type for d in regions.values()):
             problems.append(f"co-located regions {regions} are not on {args.device}")
-        draft_times: dict[str, list[float]] = {t: [] for t in engines}  # engine.draft_ns: drafter asked -> trees
         share = None if args.time_budget_s is None else args.time_budget_s / len(args.concurrency)
         for conc in args.concurrency:
             times: dict[str, list[float]] = {t: [] for t in engines}
+            draft_times: dict[str, list[float]] = {t: [] for t in engines}  # engine.draft_ns: asked -> trees
             phases: dict[str, list[dict[str, float]]] = {t: [] for t in clients}  # the clients' last_step_ms
             diverged = 0  # rounds in which a transport emitted other tokens than in-process (other trees)
             emitted: dict[str, dict[str, list[int]]] = {t: {} for t in engines}
