@@ -25,6 +25,7 @@ from typing import Protocol
 import torch
 
 from drafter_service.api import DraftRequest
+from drafter_service.device_copy import int64_to_device
 from kernels.kv_compact import compact_kv, path_moves
 from kernels.tree_accept import accept_greedy
 from kernels.tree_build import TreeBatch, tree_size
@@ -264,11 +265,11 @@ class Engine:
         tok = torch.full((S, M), -1, dtype=torch.int64, device=dev)
         parent = torch.full((S, M), -1, dtype=torch.int64, device=dev)
         depth = torch.full((S, M), -1, dtype=torch.int64, device=dev)
-        tok[:, 0] = torch.tensor([s.root for s in active], dtype=torch.int64).to(dev)
+        tok[:, 0] = int64_to_device([s.root for s in active], dev)
         depth[:, 0] = 0
         max_depth = 0
         if trees is not None:
-            idx = torch.tensor(drafting, device=dev)
+            idx = int64_to_device(drafting, dev)
             mt = trees.tokens.shape[1]
             tok[idx, :mt] = trees.tokens[:, :M].to(dev, torch.int64)
             parent[idx, :mt] = trees.parent[:, :M].to(dev, torch.int64)
@@ -277,18 +278,18 @@ class Engine:
         return tok, parent, depth, n, max_depth
 
     def _layout(self, active: list[Session], n: list[int]) -> _StepLayout:
-        """The parts of the verify batch that depend on the node counts only, not on the trees."""
+        """The parts of the verify batch that depend on the node counts only, not on the trees. Its host values go
+        up with one pinned copy that does not make the host wait for the GPU."""
         dev = self.device
         S, M = len(active), max(n)
-        rows = torch.tensor([s.row for s in active], device=dev)
-        committed = torch.tensor([s.committed for s in active], device=dev)
         cu = [0, *itertools.accumulate(n)]
+        gather = [s * M + j for s in range(S) for j in range(n[s])]  # flat <- padded
+        host = [s.row for s in active] + [s.committed for s in active] + list(n) + cu + gather
+        rows, committed, n_t, cu_t, gather_t = int64_to_device(host, dev).split([S, S, S, S + 1, len(gather)])
         local = torch.arange(M, device=dev)[None, :]
-        gather = torch.tensor([s * M + j for s in range(S) for j in range(n[s])], device=dev)  # flat <- padded
-        return _StepLayout(list(n), gather, rows, committed, cu_q=torch.tensor(cu, dtype=torch.int32, device=dev),
-                           write_slots=self.kv.slots(rows, committed[:, None] + local).view(-1)[gather],
-                           block_table=self.kv.block_table[rows], n_t=torch.tensor(n, device=dev),
-                           starts=torch.tensor(cu[:-1], device=dev))
+        return _StepLayout(list(n), gather_t, rows, committed, cu_q=cu_t.to(torch.int32),
+                           write_slots=self.kv.slots(rows, committed[:, None] + local).view(-1)[gather_t],
+                           block_table=self.kv.block_table[rows], n_t=n_t, starts=cu_t[:-1])
 
     @torch.no_grad()
     def step(self) -> dict[str, list[int]]:
