@@ -185,8 +185,8 @@ class SharedRegion:
 
 class IpcEvent:
     """A CUDA event shared with the peer process (cudaIpcGetEventHandle): the process that created it
-    records it after its work on the regions, the peer's stream waits for it. Opened in the process
-    that created it (an in-process drafter server, tests) it is the creator's own event."""
+    records it after its work on the regions, the peer polls it on the host (`wait_host`). Opened in the
+    process that created it (an in-process drafter server, tests) it is the creator's own event."""
 
     def __init__(self, event: torch.cuda.Event, device: torch.device, handle: bytes, owner: bool):
         self.event, self.device, self.handle, self.owner = event, device, handle, owner
@@ -329,16 +329,14 @@ class RegionArena:
     def place(self, t: torch.Tensor) -> common_pb2.RegionSlice | None:
         """Copy t (any device) into the region; None when it does not fit (send it inline instead)."""
         nbytes = t.numel() * t.element_size()
-        start = -(-self.cursor // ALIGN) * ALIGN
-        if start + nbytes > self.region.nbytes:
+        start = self._claim(nbytes, 1)
+        if start is None:
             return None
         if nbytes:
             dst = self.region.buf[start : start + nbytes]
             dst.copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))  # on the current stream
             if t.device.type == "cuda":
                 self._devices.add(t.device)
-        self.cursor = start + nbytes
-        self.placed += 1
         return common_pb2.RegionSlice(region_id=self.region.region_id, offset=start)
 
     def place_many(self, ts: list[torch.Tensor]) -> list[common_pb2.RegionSlice | None]:
@@ -374,25 +372,21 @@ class RegionArena:
     def _cat(self, ts: list[torch.Tensor]) -> int | None:
         """ts (on the region's device, one element size) back to back from the next aligned offset, one op."""
         nbytes = sum(t.numel() * t.element_size() for t in ts)
-        start = -(-self.cursor // ALIGN) * ALIGN
-        if start + nbytes > self.region.nbytes:
-            return None
-        torch.cat([t.detach().reshape(-1).view(torch.uint8) for t in ts],
-                  out=self.region.buf[start : start + nbytes])  # on the current stream
-        self.cursor = start + nbytes
-        self.placed += len(ts)
+        start = self._claim(nbytes, len(ts))
+        if start is not None:
+            torch.cat([t.detach().reshape(-1).view(torch.uint8) for t in ts],
+                      out=self.region.buf[start : start + nbytes])  # on the current stream
         return start
 
     def place_block(self, t: torch.Tensor) -> int | None:
         """A contiguous tensor on the region's device, copied in as it is (one op) -> its offset; None (nothing
         placed) when it is elsewhere or does not fit."""
-        nbytes = t.numel() * t.element_size()
-        start = -(-self.cursor // ALIGN) * ALIGN
-        if t.device != self.region.device or not t.is_contiguous() or start + nbytes > self.region.nbytes:
+        if t.device != self.region.device or not t.is_contiguous():
             return None
-        self.region.buf[start : start + nbytes].view(t.dtype).view(t.shape).copy_(t)  # on the current stream
-        self.cursor = start + nbytes
-        self.placed += 1
+        nbytes = t.numel() * t.element_size()
+        start = self._claim(nbytes, 1)
+        if start is not None:
+            self.region.buf[start : start + nbytes].view(t.dtype).view(t.shape).copy_(t)  # on the current stream
         return start
 
     def place_stacked(self, ts: list[torch.Tensor]) -> int | None:
@@ -406,14 +400,22 @@ class RegionArena:
         if any(t.shape != t0.shape or t.element_size() != size or t.device != t0.device for t in ts[1:]):
             return None
         nbytes = len(ts) * t0.numel() * size
-        start = -(-self.cursor // ALIGN) * ALIGN
-        if start + nbytes > self.region.nbytes:
+        start = self._claim(nbytes, len(ts))
+        if start is None:
             return None
         word = {2: torch.int16, 4: torch.int32, 8: torch.int64}[size]
         torch.stack([t.detach() if t.dtype == word else t.detach().view(word) for t in ts],
                     out=self.region.buf[start : start + nbytes].view(word).view(len(ts), *t0.shape))  # current stream
+        return start
+
+    def _claim(self, nbytes: int, count: int) -> int | None:
+        """The next ALIGN-aligned offset with room for nbytes, taken for `count` tensors; None (nothing taken) when
+        the region has no room left."""
+        start = -(-self.cursor // ALIGN) * ALIGN
+        if start + nbytes > self.region.nbytes:
+            return None
         self.cursor = start + nbytes
-        self.placed += len(ts)
+        self.placed += count
         return start
 
     def hand_over(self, event: IpcEvent | None) -> None:
