@@ -13,6 +13,8 @@ already gathered into contiguous [B, 1, L+n, 576] tensors, a head start ours doe
 `--chunk-rule balanced legacy` times each case under both KV chunk rules (same inputs, one record
 each, params.chunk_rule; params.chunks = KV chunks over all query rows, each one a CTA).
 `--block-n 32 64` times each key-tile size (params.block_n; a reduction-order knob like the chunk rule).
+`--impl triton gluon` times each tile kernel on the same inputs (params.impl; gluon = the sm_90 kernel of
+`kernels/_mla_gluon.py`, which computes S once per tile).
 Run from the repo root:  PYTHONPATH=. python bench/bench_mla_attention.py [--sweep] [--out FILE]
 """
 
@@ -30,6 +32,8 @@ from kernels.mla_attention import (
     CHUNK_RULES,
     DEFAULT_BLOCK_N,
     DEFAULT_CHUNK_RULE,
+    DEFAULT_IMPL,
+    IMPLS,
     chunk_spans,
     mla_attention_triton,
 )
@@ -98,6 +102,7 @@ def main():
     ap.add_argument("--chunk-rule", nargs="+", default=[DEFAULT_CHUNK_RULE], choices=sorted(CHUNK_RULES),
                     help="KV chunk rules to time, each case under each (peers run once per case)")
     ap.add_argument("--block-n", nargs="+", type=int, default=[None], help="key tile sizes (default: the kernel's)")
+    ap.add_argument("--impl", nargs="+", default=[DEFAULT_IMPL], choices=IMPLS, help="tile kernels to time")
     ap.add_argument("--batch", nargs="+", type=int, default=list(BATCH))
     ap.add_argument("--prefix", nargs="+", type=int, default=None, help=f"committed lengths (default {PREFIX})")
     ap.add_argument("--tree", nargs="+", type=int, default=list(TREE), help="tree sizes, <= 128 nodes")
@@ -125,14 +130,17 @@ def main():
                 floor_ms = max(nbytes / (ceil["copy_bw_GBps"] * 1e9), flops / (ceil["mm_tflops"] * 1e12)) * 1e3
                 out = torch.empty_like(args[0])
                 cfgs = [None] + (SWEEP if args_cli.sweep and n != 33 else [])
-                for rule, cfg, bn in [(r, c, b) for r in args_cli.chunk_rule for c in cfgs for b in args_cli.block_n]:
+                combos = [(r, c, b, i) for r in args_cli.chunk_rule for c in cfgs for b in args_cli.block_n
+                          for i in args_cli.impl]
+                for rule, cfg, bn, impl in combos:
                     kw = {} if cfg is None else dict(block_n=cfg[0], num_warps=cfg[1], num_stages=cfg[2], nch=cfg[3],
                                                      c_min=cfg[4])
                     if bn is not None:
                         kw["block_n"] = bn
                     knobs = {k: kw[k] for k in ("block_n", "nch", "c_min") if k in kw}
                     chunks = sum(len(chunk_spans(L + int(d), rule, **knobs)) for d in depth.flatten().tolist())
-                    fn = functools.partial(mla_attention_triton, *args, SCALE, out=out, chunk_rule=rule, **kw)
+                    fn = functools.partial(mla_attention_triton, *args, SCALE, out=out, chunk_rule=rule, impl=impl,
+                                           **kw)
                     try:
                         ms = graph_ms(fn)
                         eager = bench_ms(fn)
@@ -140,7 +148,7 @@ def main():
                         print(f"B={B} L={L} n={n} rule={rule} cfg={cfg}: {exc!r}"[:300], flush=True)
                         continue
                     peers = {"triton_eager": eager}
-                    first = (rule, bn) == (args_cli.chunk_rule[0], args_cli.block_n[0])
+                    first = (rule, bn, impl) == (args_cli.chunk_rule[0], args_cli.block_n[0], args_cli.impl[0])
                     if cfg is None and first and not args_cli.no_peers:
                         qf, k, v = peer_inputs(args, B, L, n)
                         dense = torch.ones(B, n, L + n, dtype=torch.bool, device="cuda")
@@ -167,12 +175,12 @@ def main():
                                params=dict(batch=B, prefix=L, tree=n, heads=H, latent=DL, rope=DR, page=PAGE,
                                            bytes=nbytes, flops=flops, timing="cuda_graph_replay",
                                            config=kw or "default", chunk_rule=rule, chunks=chunks,
-                                           block_n=kw.get("block_n", DEFAULT_BLOCK_N)),
+                                           block_n=kw.get("block_n", DEFAULT_BLOCK_N), impl=impl),
                                **info, ms=ms, floor_ms=floor_ms, ratio=floor_ms / ms, peers=peers, **ceil)
                     write_jsonl(args_cli.out, [rec])  # one line at a time: a cut-off run keeps what it measured
                     pe = "  ".join(f"{a}={b:.3f}" for a, b in peers.items() if isinstance(b, float))
                     print(f"{B:>3} {L:>6} {n:>3} {rule:>8} {chunks:>6} {ms:8.4f} {floor_ms:8.4f} {floor_ms / ms:6.3f} "
-                          f"{flops / ms / 1e9:7.0f}  {pe}  {kw or ''}", flush=True)
+                          f"{flops / ms / 1e9:7.0f}  {impl}  {pe}  {kw or ''}", flush=True)
                 del args, out
                 torch.cuda.empty_cache()
 

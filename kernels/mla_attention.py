@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from kernels import _mla_gluon
 from kernels._mla_kernels import _mla_combine_kernel, _mla_fwd_kernel, chunk_span
 
 _BLOCK_M = 64  # largest query tile: the heads of one token (64 at Kimi)
@@ -40,6 +41,8 @@ _NCH = 16  # at most this many KV chunks per query row
 _C_MIN = 512  # base chunk size (keys) for rows of < NCH * C_MIN keys: bounds the partial traffic
 CHUNK_RULES = {"legacy": 0, "balanced": 1}  # `_mla_kernels.chunk_span`'s RULE
 DEFAULT_CHUNK_RULE = "balanced"
+IMPLS = ("triton", "gluon", "auto")  # tile kernel: `_mla_kernels` (any GPU, the interpreter) or `_mla_gluon` (sm_90)
+DEFAULT_IMPL = "triton"
 _LOG2E = 1.4426950408889634
 
 
@@ -85,6 +88,26 @@ def max_chunks(cap: int, chunk_rule: str = DEFAULT_CHUNK_RULE, block_n: int = DE
     return max(1, min(nch, triton.cdiv(cap, c_min)))
 
 
+def gluon_unsupported(q_lat, q_pe, kv_cache, block_n: int, num_warps: int) -> str | None:
+    """Why the Gluon tile kernel cannot run these inputs (None: it can): sm_90 only, the Kimi head
+    shapes (64-head tiles, latent 512 + rope 64), 64-key tiles, 16-bit data aligned for 16-byte copies."""
+    if not _mla_gluon.HAVE_GLUON:
+        return "this Triton has no Gluon"
+    if not kv_cache.is_cuda or torch.cuda.get_device_capability(kv_cache.device) != (9, 0):
+        return "the Gluon kernel needs an sm_90 GPU"
+    H, Dl, Dr = q_lat.shape[1], q_lat.shape[2], q_pe.shape[2]
+    if (Dl, Dr) != (_mla_gluon.GLUON_DL, _mla_gluon.GLUON_DR) or H % _mla_gluon.GLUON_BLOCK_M:
+        return f"the Gluon kernel needs latent {_mla_gluon.GLUON_DL} + rope {_mla_gluon.GLUON_DR} and a multiple of " \
+               f"{_mla_gluon.GLUON_BLOCK_M} heads (got {Dl} + {Dr}, {H} heads)"
+    if block_n != _mla_gluon.GLUON_BLOCK_N or num_warps != _mla_gluon.GLUON_WARPS:
+        return f"the Gluon kernel has {_mla_gluon.GLUON_BLOCK_N}-key tiles and {_mla_gluon.GLUON_WARPS} warps"
+    if kv_cache.dtype not in (torch.bfloat16, torch.float16):
+        return "the Gluon kernel needs a bf16 or fp16 cache"
+    if kv_cache.stride(0) % 8 or kv_cache.data_ptr() % 16:
+        return "the Gluon kernel needs cache rows aligned to 16 bytes"
+    return None
+
+
 def mla_attention_ref(
     q_lat: torch.Tensor,  # [T, H, Dl] queries already multiplied by W_UK
     q_pe: torch.Tensor,  # [T, H, Dr] rope applied
@@ -123,17 +146,26 @@ def mla_attention_ref(
 def mla_attention_triton(q_lat, q_pe, kv_cache, block_table, page_size, cu_q, prefix_lens, tree_bits,
                          sm_scale, *, out=None, block_n: int = DEFAULT_BLOCK_N, num_warps: int = 8,
                          num_stages: int = 2, nch: int = _NCH, c_min: int = _C_MIN,
-                         chunk_rule: str = DEFAULT_CHUNK_RULE):
+                         chunk_rule: str = DEFAULT_CHUNK_RULE, impl: str = DEFAULT_IMPL):
     """The Triton path on any device (tests call it on CPU under TRITON_INTERPRET=1).
 
     q_lat/q_pe are cast to the cache dtype; `out` ([T, H, Dl], optional) is written in place.
     The keywords are tuning knobs for benchmarks; `block_n`/`nch`/`c_min`/`chunk_rule` define the
     reduction order, so a deployment must keep them fixed (position alignment holds for any fixed
-    value; "legacy" is the previous chunk rule, kept for comparisons)."""
+    value; "legacy" is the previous chunk rule, kept for comparisons). `impl` picks the tile kernel:
+    "triton", "gluon" (`_mla_gluon`: sm_90, Kimi head shapes; ValueError elsewhere, with the reason)
+    or "auto" (gluon where it can run). The two give different bits, so it is fixed per deployment too."""
     T, H, Dl = q_lat.shape
     Dr = q_pe.shape[-1]
     S = prefix_lens.shape[0]
     rule = _rule_id(chunk_rule)
+    if impl not in IMPLS:
+        raise ValueError(f"mla_attention: impl {impl!r} is not one of {IMPLS}")
+    if impl != "triton":
+        why = gluon_unsupported(q_lat, q_pe, kv_cache, block_n, num_warps)
+        if why is not None and impl == "gluon":
+            raise ValueError(f"mla_attention: impl 'gluon': {why}")
+        impl = "triton" if why else "gluon"
     if block_n not in (16, 32, 64, 128) or c_min < block_n or c_min % block_n or nch < 1:
         raise ValueError("mla_attention: block_n must be 16, 32, 64 or 128 and divide c_min > 0; nch >= 1")
     q_lat = q_lat.to(kv_cache.dtype)
@@ -167,15 +199,21 @@ def mla_attention_triton(q_lat, q_pe, kv_cache, block_table, page_size, cu_q, pr
     bits = tree_bits if tree_bits is not None else prefix_lens  # dummy pointer when causal
     prec = "ieee" if kv_cache.dtype == torch.float32 else "tf32"
     s_pad = max(16, triton.next_power_of_2(S))
-    _mla_fwd_kernel[(tiles, grid_c)](
-        q_lat, q_pe, kv_cache, block_table, cu_q, prefix_lens, bits, out, po, pml, nc,
-        S, H, ht, grid_c, sm_scale * _LOG2E,
-        q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), kv_cache.stride(0),
-        block_table.stride(0), bits.stride(0), out.stride(0), out.stride(1),
-        DL=Dl, DR=Dr, BDL=bdl, BDR=bdr, PAGE=page_size, BLOCK_M=block_m, BLOCK_N=block_n, NCH=nch,
-        C_MIN=c_min, RULE=rule, S_PAD=s_pad, TREE=tree_bits is not None,
-        NB=64 * (tree_bits.shape[1] if tree_bits is not None else 1), PREC=prec,
-        num_warps=num_warps, num_stages=num_stages)
+    common = (q_lat, q_pe, kv_cache, block_table, cu_q, prefix_lens, bits, out, po, pml, nc,
+              S, H, ht, grid_c, sm_scale * _LOG2E,
+              q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), kv_cache.stride(0),
+              block_table.stride(0), bits.stride(0), out.stride(0), out.stride(1))
+    nb = 64 * (tree_bits.shape[1] if tree_bits is not None else 1)
+    if impl == "gluon":
+        _mla_gluon._mla_fwd_gluon_kernel[(tiles, grid_c)](
+            *common, DL=Dl, DR=Dr, PAGE=page_size, BLOCK_M=block_m, BLOCK_N=block_n, NCH=nch, C_MIN=c_min,
+            RULE=rule, S_PAD=s_pad, TREE=tree_bits is not None, NB=nb, STAGES=_mla_gluon.GLUON_STAGES,
+            num_warps=num_warps)
+    else:
+        _mla_fwd_kernel[(tiles, grid_c)](
+            *common, DL=Dl, DR=Dr, BDL=bdl, BDR=bdr, PAGE=page_size, BLOCK_M=block_m, BLOCK_N=block_n, NCH=nch,
+            C_MIN=c_min, RULE=rule, S_PAD=s_pad, TREE=tree_bits is not None, NB=nb, PREC=prec,
+            num_warps=num_warps, num_stages=num_stages)
     if grid_c > 1:
         block_d = min(bdl, 128)
         _mla_combine_kernel[(tiles, triton.cdiv(bdl, block_d))](

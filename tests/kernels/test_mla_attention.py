@@ -8,10 +8,17 @@ equals the causal decode, the 1-node-tree AR step and the causal prefill row at 
 cache holding the AR layout (prefix + its ancestors + itself). The chunk rules themselves (pure
 Python, the kernel's own `chunk_span` on host ints): no empty or short chunk, grid bound.
 GPU (marked `gpu`): 64 heads, 512 + 64, bf16, prefixes up to 33k, batch invariance (a session
-alone vs inside a batch of 64: bitwise equal) and the same position alignment in bf16.
+alone vs inside a batch of 64: bitwise equal) and the same position alignment in bf16, for both tile
+kernels (`impl` "triton" and the sm_90 Gluon kernel). On the CPU the Gluon kernel is compiled for
+sm_90 (no GPU needed) and its PTX is checked for S computed once per tile.
 """
 
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -133,6 +140,68 @@ def test_mla_launcher_dispatch():
     assert_close(mla_attention(*args, 0.3), reference(args, 0.3), TOL[torch.float32], "launcher")
     with pytest.raises(ValueError):
         mla_attention(args[0][:, :2], *args[1:], 0.3)
+
+
+@pytest.mark.skipif(CUDA, reason="the CPU side of the dispatch")
+def test_mla_impl_choice_off_hopper():
+    """impl="gluon" where it cannot run is refused with the reason; "auto" falls back to the Triton
+    kernel (same bits); an unknown impl is refused."""
+    args = make_batch([70], [5], 4, 32, 8, 16, torch.float32, True)
+    with pytest.raises(ValueError, match="sm_90|Gluon"):
+        run_kernel(args, 0.3, impl="gluon")
+    with pytest.raises(ValueError, match="impl"):
+        run_kernel(args, 0.3, impl="cuda")
+    assert torch.equal(run_kernel(args, 0.3, impl="auto"), run_kernel(args, 0.3, impl="triton"))
+
+
+_GLUON_PTX = """
+import json
+from triton.backends.compiler import GPUTarget
+from triton.compiler import compile
+from triton.experimental.gluon._runtime import GluonASTSource
+from kernels._mla_gluon import _mla_fwd_gluon_kernel
+out = {}
+for tree in (True, False):
+    sig = {n: "*bf16" for n in ("q_ptr", "qpe_ptr", "kv_ptr", "out_ptr")}
+    sig.update({"bt_ptr": "*i32", "cu_ptr": "*i32", "pre_ptr": "*i32", "bits_ptr": "*i64" if tree else "*i32",
+                "po_ptr": "*fp32", "pml_ptr": "*fp32", "nc_ptr": "*i32", "S": "i32", "H": "i32", "HT": "i32",
+                "GC": "i32", "qk_scale": "fp32"})
+    strides = ("stride_qt", "stride_qh", "stride_pt", "stride_ph", "stride_kv", "stride_bt", "stride_bits",
+               "stride_ot", "stride_oh")
+    sig.update({n: "i32" for n in strides})
+    cst = dict(DL=512, DR=64, PAGE=64, BLOCK_M=64, BLOCK_N=64, NCH=16, C_MIN=512, RULE=1, S_PAD=16, TREE=tree,
+               NB=128 if tree else 64, STAGES=2)
+    sig.update({k: "constexpr" for k in cst})
+    names = list(sig)
+    aligned = {(names.index(n),): [["tt.divisibility", 16]] for n in names
+               if n.endswith("_ptr") or (n in strides and n != "stride_bits")}
+    k = compile(GluonASTSource(fn=_mla_fwd_gluon_kernel, signature=sig, constexprs=cst, attrs=aligned),
+                target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+    ptx = k.asm["ptx"]
+    out[str(tree)] = {"wgmma": ptx.count("wgmma.mma_async"), "cp_async": ptx.count("cp.async.cg"),
+                      "shared": k.metadata.shared}
+print(json.dumps(out))
+"""
+
+
+def test_mla_gluon_kernel_compiles_for_sm90_with_s_once():
+    """The Gluon tile kernel compiled for sm_90 (PTX, no GPU; a subprocess, since this process may run
+    Triton in interpreter mode): per 64-key tile 36 wgmma for S = Q K^T (K = 576 in steps of 16, each
+    warpgroup its 32 keys: S once, not per warpgroup) and 4 for O += P V (64 keys in steps of 16, each
+    warpgroup its 256 value columns), 16-byte cp.async copies for the gathered KV rows, and shared memory
+    within the sm_90 limit (227 KB per block)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    res = subprocess.run([sys.executable, "-c", _GLUON_PTX], capture_output=True, text=True, env=env, timeout=300,
+                         cwd=root)
+    if res.returncode != 0:
+        err = res.stderr.lower()
+        if "no module named 'triton.experimental.gluon" in err or "backend" in err:
+            pytest.skip(f"this triton build cannot compile Gluon for sm_90: {res.stderr[-200:]}")
+        raise AssertionError(res.stderr[-3000:])
+    for tree, n in json.loads(res.stdout.strip().splitlines()[-1]).items():
+        assert n["wgmma"] == 40, f"tree={tree}: {n}"
+        assert n["cp_async"] > 0 and 0 < n["shared"] <= 232448, f"tree={tree}: {n}"
 
 
 # ------------------------------------------- position alignment: tree node == AR step at its position
@@ -303,24 +372,28 @@ def test_chunk_rule_examples():
 # ---------------------------------------------------------------- GPU: Kimi K2.6 shapes
 
 KIMI = dict(H=64, Dl=512, Dr=64, page=64)
+IMPLS_GPU = ["triton", "gluon"]
 SCALE = 192**-0.5 * (0.1 * torch.log(torch.tensor(64.0)).item() + 1) ** 2
 
 
 @gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("impl", IMPLS_GPU)
 @pytest.mark.parametrize("prefix,ns,tree", [
     ([1024, 0, 4097, 33000], [9, 65, 1, 33], True),
     ([0, 300], [257, 64], False),
 ])
-def test_mla_kimi_shapes_bf16(prefix, ns, tree):
+def test_mla_kimi_shapes_bf16(prefix, ns, tree, impl):
     args = make_batch(prefix, ns, KIMI["H"], KIMI["Dl"], KIMI["Dr"], KIMI["page"], torch.bfloat16, tree)
-    assert_close(run_kernel(args, SCALE), reference(args, SCALE), TOL[torch.bfloat16], f"Kimi {prefix} {ns}")
+    assert_close(run_kernel(args, SCALE, impl=impl), reference(args, SCALE), TOL[torch.bfloat16],
+                 f"Kimi {prefix} {ns} {impl}")
 
 
 @gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("impl", IMPLS_GPU)
 @pytest.mark.parametrize("n_probe", [1, 9, 65])
-def test_mla_batch_invariance(n_probe):
+def test_mla_batch_invariance(n_probe, impl):
     """A session alone and as session 23 of 64 others (mixed lengths): bitwise equal rows."""
     g = torch.Generator().manual_seed(n_probe)
     prefix = torch.randint(0, 3000, (64,), generator=g).tolist()
@@ -331,13 +404,13 @@ def test_mla_batch_invariance(n_probe):
     t0, t1 = int(cu[23]), int(cu[24])
     alone = (q[t0:t1], qpe[t0:t1], kv, bt[23:24], page, torch.tensor([0, t1 - t0], dtype=torch.int32, device=DEV),
              pre[23:24], bits[t0:t1])
-    out_big = run_kernel(big, SCALE)
-    out_alone = run_kernel(alone, SCALE)
+    out_big = run_kernel(big, SCALE, impl=impl)
+    out_alone = run_kernel(alone, SCALE, impl=impl)
     assert torch.equal(out_alone, out_big[t0:t1])
     # the tree's root alone (= the AR step at the same prefix) gives the root row bit for bit
     root = (q[t0:t0 + 1], qpe[t0:t0 + 1], kv, bt[23:24], page, torch.tensor([0, 1], dtype=torch.int32, device=DEV),
             pre[23:24], bits[t0:t0 + 1])
-    assert torch.equal(run_kernel(root, SCALE)[0], out_big[t0])
+    assert torch.equal(run_kernel(root, SCALE, impl=impl)[0], out_big[t0])
 
 
 @gpu
@@ -348,8 +421,9 @@ def test_mla_batch_invariance(n_probe):
     # one bit word (budgets <= 63); session 0 crosses p = 8192; session 1: 16 chunks of 64-65 tiles; prefix 0
     ([8180, 33000, 0], [40, 9, 20], [0, 1, 2], 1),
 ])
-def test_mla_tree_node_equals_ar_step_bitwise_bf16(prefix, ns, checked, words):
+@pytest.mark.parametrize("impl", IMPLS_GPU)
+def test_mla_tree_node_equals_ar_step_bitwise_bf16(prefix, ns, checked, words, impl):
     """The position-alignment invariant at Kimi shapes in bf16: every node of the checked sessions
     equals the causal decode / AR step / prefill row at its position in the AR layout, bitwise."""
     check_alignment(prefix, ns, checked, KIMI["H"], KIMI["Dl"], KIMI["Dr"], KIMI["page"], torch.bfloat16, words,
-                    SCALE)
+                    SCALE, impl=impl)

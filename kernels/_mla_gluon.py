@@ -1,0 +1,226 @@
+"""Gluon (Hopper) kernel of `kernels.mla_attention`: the split-KV absorbed MLA tile loop with S computed once.
+
+Same work unit, keys, chunks and partials as `_mla_kernels._mla_fwd_kernel` (read its docstring: a query
+tile is the 64 heads of one token, a chunk is a `chunk_span` of whole 64-key tiles at absolute positions,
+nc == 1 writes the output, else fp32 partials that `_mla_combine_kernel` folds in chunk order). What
+differs is how a tile is computed. In the Triton kernel the score GEMM S = q K^T, whose result feeds the
+PV GEMM, is laid out with all 8 warps along the 64 query rows, so both warpgroups compute the same S
+(53% extra tensor work). Here the layouts are explicit (Gluon):
+
+  S [64, 64]   = Q [64, 576] (shared) x K^T: wgmma with warps [4, 2], each warpgroup 32 of the keys
+  softmax      row max / sum across the two warpgroups (the compiler reduces through shared memory)
+  P -> shared  bf16 [64, 64], then O [64, 512] += P x V: wgmma with warps [4, 2], each warpgroup owns
+               256 of the 512 value columns (its half of the fp32 accumulator: 128 registers/thread)
+
+so every MMA is done once. KV tiles are gathered through the block table into a 2-stage shared ring
+with cp.async (rows may be paged or tree ancestors), the next tile's copies in flight while the current
+tile is computed. Every tile, hot or ragged, runs the same code with a runtime mask (masked rows are
+zero-filled and their scores are -inf), so the result of a row depends only on its position and keys:
+batch invariance and position alignment hold as in the Triton kernel. The two kernels do not give the
+same bits as each other (different MMA shapes); a deployment uses one (`mla_attention_triton(impl=)`).
+
+Fixed shapes: 64 heads per tile, latent 512 + rope 64, 64-key tiles, bf16 or fp16, 8 warps, sm_90.
+Shared memory: Q 72 KB + 2 x 72 KB KV stages + P 8 KB = 224 KB (one CTA per SM).
+"""
+
+from __future__ import annotations
+
+try:  # Gluon ships with Triton >= 3.5; without it the Triton kernel is the only path
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    # renamed in Triton 3.7+: async_copy_global_to_shared -> async_load (same arguments)
+    _cp_async = getattr(cp, "async_load", None) or cp.async_copy_global_to_shared
+    _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # renamed barrier() in Triton 3.7+
+    HAVE_GLUON = True
+except ImportError:  # pragma: no cover - depends on the installed Triton
+    HAVE_GLUON = False
+
+from kernels._mla_kernels import chunk_span
+
+GLUON_BLOCK_M = 64
+GLUON_BLOCK_N = 64
+GLUON_DL = 512
+GLUON_DR = 64
+GLUON_WARPS = 8
+GLUON_STAGES = 2
+
+if HAVE_GLUON:
+
+    @gluon.jit
+    def _session_of(t, cu_ptr, S, S_PAD: gl.constexpr, L1: gl.constexpr):
+        # sessions that end at or before token t = the session of t
+        offs = gl.arange(0, S_PAD, layout=L1)
+        hi = gl.load(cu_ptr + offs + 1, mask=offs < S, other=2147483647)
+        return gl.sum((hi <= t).to(gl.int32), 0)
+
+    @gluon.jit
+    def _tile_rows(k0, start, end, ident, L, bit, rank, bt_row, PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
+                   NB: gl.constexpr, TREE: gl.constexpr, LR: gl.constexpr, LB2: gl.constexpr):
+        """Physical pool rows [BLOCK_N] (layout LR) of the tile at positions k0.. and which of them count."""
+        pos = k0 + gl.arange(0, BLOCK_N, layout=LR)
+        valid = (pos >= start) & (pos < end)
+        idx = pos
+        if TREE:
+            if k0 + BLOCK_N > ident:  # the tile reaches into the tree part: ancestors by depth
+                e = pos - L
+                e2 = gl.convert_layout(e, gl.SliceLayout(1, LB2))
+                kk = gl.arange(0, NB, layout=gl.SliceLayout(0, LB2))
+                hit = (gl.expand_dims(bit, 0) != 0) & (gl.expand_dims(rank, 0) == gl.expand_dims(e2, 1))
+                anc = gl.sum(gl.where(hit, gl.expand_dims(kk, 0), 0), 1)
+                idx = gl.where(e >= 0, L + gl.convert_layout(anc, LR), pos)
+        page = gl.load(bt_row + idx // PAGE, mask=valid, other=0)
+        return (page.to(gl.int64) * PAGE + idx % PAGE), valid
+
+    @gluon.jit
+    def _issue_tile(kv_ptr, stride_kv, rows, valid, ckv_buf, kpe_buf, DL: gl.constexpr, DR: gl.constexpr,
+                    LKV: gl.constexpr, LPE: gl.constexpr):
+        # cp.async the tile's latent and rope columns into one stage; masked rows are zero-filled
+        r1 = gl.convert_layout(rows, gl.SliceLayout(1, LKV))
+        v1 = gl.convert_layout(valid, gl.SliceLayout(1, LKV))
+        c1 = gl.arange(0, DL, layout=gl.SliceLayout(0, LKV))
+        p1 = kv_ptr + gl.expand_dims(r1 * stride_kv, 1) + gl.expand_dims(c1, 0)
+        _cp_async(ckv_buf, p1, mask=gl.expand_dims(v1, 1) & gl.expand_dims(c1 < DL, 0))
+        r2 = gl.convert_layout(rows, gl.SliceLayout(1, LPE))
+        v2 = gl.convert_layout(valid, gl.SliceLayout(1, LPE))
+        c2 = gl.arange(0, DR, layout=gl.SliceLayout(0, LPE))
+        p2 = kv_ptr + gl.expand_dims(r2 * stride_kv, 1) + DL + gl.expand_dims(c2, 0)
+        _cp_async(kpe_buf, p2, mask=gl.expand_dims(v2, 1) & gl.expand_dims(c2 < DR, 0))
+
+    @gluon.jit
+    def _mla_fwd_gluon_kernel(
+        q_ptr, qpe_ptr, kv_ptr, bt_ptr, cu_ptr, pre_ptr, bits_ptr, out_ptr, po_ptr, pml_ptr, nc_ptr,
+        S, H, HT, GC, qk_scale,
+        stride_qt, stride_qh, stride_pt, stride_ph, stride_kv, stride_bt, stride_bits, stride_ot, stride_oh,
+        DL: gl.constexpr, DR: gl.constexpr, PAGE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+        NCH: gl.constexpr, C_MIN: gl.constexpr, RULE: gl.constexpr, S_PAD: gl.constexpr, TREE: gl.constexpr,
+        NB: gl.constexpr, STAGES: gl.constexpr,
+    ):
+        gl.static_assert(BLOCK_M == 64 and BLOCK_N == 64 and DL == 512 and DR == 64)
+        gl.static_assert(gl.num_warps() == 8)
+        # --- layouts ---
+        L1: gl.constexpr = gl.BlockedLayout([1], [32], [8], [0])
+        LB2: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [8, 1], [1, 0])  # [BLOCK_N, NB] tree lookups
+        LKV: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])  # [rows, 512]: 16-byte copies
+        LPE: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])  # [rows, 64]
+        S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                      instr_shape=[16, 32, 16])
+        O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                      instr_shape=[16, 256, 16])
+        dt: gl.constexpr = kv_ptr.dtype.element_ty
+        SH_KV: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, DL], dt)
+        SH_PE: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, DR], dt)
+        SH_P: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dt)
+
+        # --- which query row and chunk (as _mla_kernels._query_row) ---
+        pid_t = gl.program_id(0)
+        pid_c = gl.program_id(1)
+        t = pid_t // HT
+        hb = pid_t % HT
+        s = _session_of(t, cu_ptr, S, S_PAD, L1)
+        L = gl.load(pre_ptr + s)
+        kk = gl.arange(0, NB, layout=gl.SliceLayout(0, LB2))
+        if TREE:
+            w = gl.load(bits_ptr + t.to(gl.int64) * stride_bits + kk // 64)
+            bit = ((w >> (kk % 64).to(gl.int64)) & 1).to(gl.int32)
+            p = L + gl.sum(bit, 0) - 1
+            # depth of each ancestor (where bit is set) = set bits before it ([NB, NB] sum, once per program)
+            kr = gl.arange(0, NB, layout=gl.SliceLayout(1, LB2))
+            below = gl.expand_dims(kk, 0) < gl.expand_dims(kr, 1)
+            rank = gl.convert_layout(gl.sum(gl.where(below, gl.expand_dims(bit, 0), 0), 1), gl.SliceLayout(0, LB2))
+        else:
+            bit = gl.zeros([NB], gl.int32, layout=gl.SliceLayout(0, LB2))
+            rank = bit
+            p = L + t - gl.load(cu_ptr + s)
+        nc, start, end = chunk_span(p + 1, pid_c, RULE, BLOCK_N, NCH, C_MIN)
+        if pid_c == 0:
+            gl.store(nc_ptr + pid_t, nc)
+        if pid_c >= nc:
+            return
+        if TREE:
+            ident = gl.minimum(end, L)
+        else:
+            ident = end
+        bt_row = bt_ptr + s.to(gl.int64) * stride_bt
+        t64 = t.to(gl.int64)
+
+        # --- shared memory: Q once, a ring of KV stages, P ---
+        q_smem = gl.allocate_shared_memory(dt, [BLOCK_M, DL], SH_KV)
+        qpe_smem = gl.allocate_shared_memory(dt, [BLOCK_M, DR], SH_PE)
+        ckv_smem = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, DL], SH_KV)
+        kpe_smem = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, DR], SH_PE)
+        p_smem = gl.allocate_shared_memory(dt, [BLOCK_M, BLOCK_N], SH_P)
+
+        n_tiles = (end - start + BLOCK_N - 1) // BLOCK_N
+        rows, valid = _tile_rows(start, start, end, ident, L, bit, rank, bt_row, PAGE, BLOCK_N, NB, TREE, L1, LB2)
+        _issue_tile(kv_ptr, stride_kv, rows, valid, ckv_smem.index(0), kpe_smem.index(0), DL, DR, LKV, LPE)
+        cp.commit_group()
+
+        h1 = hb * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LKV))
+        c1 = gl.arange(0, DL, layout=gl.SliceLayout(0, LKV))
+        q = gl.load(q_ptr + t64 * stride_qt + gl.expand_dims(h1 * stride_qh, 1) + gl.expand_dims(c1, 0),
+                    mask=gl.expand_dims(h1 < H, 1) & gl.expand_dims(c1 < DL, 0), other=0.0)
+        q_smem.store(q.to(dt))
+        h2 = hb * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LPE))
+        c2 = gl.arange(0, DR, layout=gl.SliceLayout(0, LPE))
+        qpe = gl.load(qpe_ptr + t64 * stride_pt + gl.expand_dims(h2 * stride_ph, 1) + gl.expand_dims(c2, 0),
+                      mask=gl.expand_dims(h2 < H, 1) & gl.expand_dims(c2 < DR, 0), other=0.0)
+        qpe_smem.store(qpe.to(dt))
+
+        m = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_L))
+        li = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, S_L))
+        o = gl.zeros([BLOCK_M, DL], gl.float32, layout=O_L)
+        cols_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_L))
+        for j in range(n_tiles):
+            k0 = start + j * BLOCK_N
+            if j + 1 < n_tiles:  # next tile's copies in flight while this one is computed
+                rows, valid = _tile_rows(k0 + BLOCK_N, start, end, ident, L, bit, rank, bt_row, PAGE, BLOCK_N, NB,
+                                         TREE, L1, LB2)
+                _issue_tile(kv_ptr, stride_kv, rows, valid, ckv_smem.index((j + 1) % STAGES),
+                            kpe_smem.index((j + 1) % STAGES), DL, DR, LKV, LPE)
+            cp.commit_group()
+            cp.wait_group(1)
+            fence_async_shared()
+            _cta_barrier()
+            ckv = ckv_smem.index(j % STAGES)
+            kpe = kpe_smem.index(j % STAGES)
+            sc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=S_L)
+            sc = warpgroup_mma(q_smem, ckv.permute((1, 0)), sc, use_acc=False, is_async=True)
+            sc = warpgroup_mma(qpe_smem, kpe.permute((1, 0)), sc, is_async=True)
+            sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
+            pos = k0 + cols_s
+            sc = gl.where(gl.expand_dims(pos < end, 0), sc * qk_scale, float("-inf"))  # log2 domain
+            m_new = gl.maximum(m, gl.max(sc, 1))
+            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+            pr = gl.exp2(sc - gl.expand_dims(m_use, 1))
+            alpha = gl.exp2(m - m_use)
+            li = gl.fma(li, alpha, gl.sum(pr, 1))
+            m = m_new
+            p_smem.store(pr.to(dt))
+            fence_async_shared()
+            _cta_barrier()
+            o = o * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, O_L)), 1)
+            o = warpgroup_mma(p_smem, ckv, o, is_async=True)
+            o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
+            _cta_barrier()  # every warp is done with this stage and P before they are rewritten
+        cp.wait_group(0)
+
+        rm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, O_L))
+        dl = gl.arange(0, DL, layout=gl.SliceLayout(0, O_L))
+        if nc == 1:
+            lo = gl.convert_layout(li, gl.SliceLayout(1, O_L))
+            out = o / gl.expand_dims(gl.where(lo == 0.0, 1.0, lo), 1)  # l == 0 only for a row that sees nothing
+            h = hb * BLOCK_M + rm
+            gl.store(out_ptr + t64 * stride_ot + gl.expand_dims(h * stride_oh, 1) + gl.expand_dims(dl, 0),
+                     out.to(out_ptr.dtype.element_ty), mask=gl.expand_dims(h < H, 1) & gl.expand_dims(dl < DL, 0))
+        else:
+            part = (pid_t * GC + pid_c).to(gl.int64)
+            gl.store(po_ptr + part * (BLOCK_M * DL) + gl.expand_dims(rm * DL, 1) + gl.expand_dims(dl, 0), o)
+            rs = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, S_L))
+            gl.store(pml_ptr + part * (2 * BLOCK_M) + rs, m)
+            gl.store(pml_ptr + part * (2 * BLOCK_M) + BLOCK_M + rs, li)
