@@ -13,11 +13,12 @@ PV GEMM, is laid out with all 8 warps along the 64 query rows, so both warpgroup
                256 of the 512 value columns (its half of the fp32 accumulator: 128 registers/thread)
 
 so every MMA is done once. KV tiles are gathered through the block table into a 2-stage shared ring
-with cp.async (rows may be paged or tree ancestors), the next tile's copies in flight while the current
-tile is computed. Every tile, hot or ragged, runs the same code with a runtime mask (masked rows are
-zero-filled and their scores are -inf), so the result of a row depends only on its position and keys:
-batch invariance and position alignment hold as in the Triton kernel. The two kernels do not give the
-same bits as each other (different MMA shapes); a deployment uses one (`mla_attention_triton(impl=)`).
+with cp.async (rows may be paged or tree ancestors); per tile the PV product and the next tile's S go
+to the tensor cores back to back, the copies run one tile ahead and the block-table loads two. Every
+tile, hot or ragged, runs the same code with a runtime mask (masked rows are zero-filled and their
+scores are -inf), so the result of a row depends only on its position and keys: batch invariance and
+position alignment hold as in the Triton kernel. The two kernels do not give the same bits as each
+other (different MMA shapes); a deployment uses one (`mla_attention_triton(impl=)`).
 
 Fixed shapes: 64 heads per tile, latent 512 + rope 64, 64-key tiles, bf16 or fp16, 8 warps, sm_90.
 Shared memory: Q 72 KB + 2 x 72 KB KV stages + P 8 KB = 224 KB (one CTA per SM).
@@ -157,9 +158,18 @@ if HAVE_GLUON:
         p_smem = gl.allocate_shared_memory(dt, [BLOCK_M, BLOCK_N], SH_P)
 
         n_tiles = (end - start + BLOCK_N - 1) // BLOCK_N
+        # prologue: tiles 0 and 1 in flight, tile 2's pool rows looked up (used at the end of iteration 0)
         rows, valid = _tile_rows(start, start, end, ident, L, bit, rank, bt_row, PAGE, BLOCK_N, NB, TREE, L1, LB2)
         _issue_tile(kv_ptr, stride_kv, rows, valid, ckv_smem.index(0), kpe_smem.index(0), DL, DR, LKV, LPE)
         cp.commit_group()
+        if n_tiles > 1:
+            rows, valid = _tile_rows(start + BLOCK_N, start, end, ident, L, bit, rank, bt_row, PAGE, BLOCK_N, NB,
+                                     TREE, L1, LB2)
+            _issue_tile(kv_ptr, stride_kv, rows, valid, ckv_smem.index(1), kpe_smem.index(1), DL, DR, LKV, LPE)
+        cp.commit_group()
+        if n_tiles > 2:
+            rows, valid = _tile_rows(start + 2 * BLOCK_N, start, end, ident, L, bit, rank, bt_row, PAGE, BLOCK_N,
+                                     NB, TREE, L1, LB2)
 
         h1 = hb * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LKV))
         c1 = gl.arange(0, DL, layout=gl.SliceLayout(0, LKV))
@@ -176,24 +186,18 @@ if HAVE_GLUON:
         li = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, S_L))
         o = gl.zeros([BLOCK_M, DL], gl.float32, layout=O_L)
         cols_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_L))
+        cp.wait_group(1)  # tile 0 landed
+        fence_async_shared()
+        _cta_barrier()
+        sc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=S_L)
+        sc = warpgroup_mma(q_smem, ckv_smem.index(0).permute((1, 0)), sc, use_acc=False, is_async=True)
+        sc = warpgroup_mma(qpe_smem, kpe_smem.index(0).permute((1, 0)), sc, is_async=True)
+        sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
+        # iteration j: softmax of S_j, then O += P_j V_j and S_{j+1} = Q K_{j+1}^T back to back on the tensor
+        # cores (one wait for both); then tile j + 2's copies go into the freed stage and tile j + 3's pool rows
+        # are looked up, so neither the copies nor the block-table loads wait in line
         for j in range(n_tiles):
-            k0 = start + j * BLOCK_N
-            if j + 1 < n_tiles:  # next tile's copies in flight while this one is computed
-                rows, valid = _tile_rows(k0 + BLOCK_N, start, end, ident, L, bit, rank, bt_row, PAGE, BLOCK_N, NB,
-                                         TREE, L1, LB2)
-                _issue_tile(kv_ptr, stride_kv, rows, valid, ckv_smem.index((j + 1) % STAGES),
-                            kpe_smem.index((j + 1) % STAGES), DL, DR, LKV, LPE)
-            cp.commit_group()
-            cp.wait_group(1)
-            fence_async_shared()
-            _cta_barrier()
-            ckv = ckv_smem.index(j % STAGES)
-            kpe = kpe_smem.index(j % STAGES)
-            sc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=S_L)
-            sc = warpgroup_mma(q_smem, ckv.permute((1, 0)), sc, use_acc=False, is_async=True)
-            sc = warpgroup_mma(qpe_smem, kpe.permute((1, 0)), sc, is_async=True)
-            sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
-            pos = k0 + cols_s
+            pos = start + j * BLOCK_N + cols_s
             sc = gl.where(gl.expand_dims(pos < end, 0), sc * qk_scale, float("-inf"))  # log2 domain
             m_new = gl.maximum(m, gl.max(sc, 1))
             m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
@@ -205,9 +209,24 @@ if HAVE_GLUON:
             fence_async_shared()
             _cta_barrier()
             o = o * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, O_L)), 1)
-            o = warpgroup_mma(p_smem, ckv, o, is_async=True)
+            o = warpgroup_mma(p_smem, ckv_smem.index(j % STAGES), o, is_async=True)
+            if j + 1 < n_tiles:
+                cp.wait_group(0)  # tile j + 1 landed (the only group in flight)
+                fence_async_shared()
+                _cta_barrier()
+                nxt = (j + 1) % STAGES
+                sc = warpgroup_mma(q_smem, ckv_smem.index(nxt).permute((1, 0)), sc, use_acc=False, is_async=True)
+                sc = warpgroup_mma(qpe_smem, kpe_smem.index(nxt).permute((1, 0)), sc, is_async=True)
+                sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))  # (an async result cannot leave the if)
             o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
-            _cta_barrier()  # every warp is done with this stage and P before they are rewritten
+            _cta_barrier()  # every warp is done with stage j and P before they are rewritten
+            if j + 2 < n_tiles:
+                _issue_tile(kv_ptr, stride_kv, rows, valid, ckv_smem.index(j % STAGES), kpe_smem.index(j % STAGES),
+                            DL, DR, LKV, LPE)
+            cp.commit_group()
+            if j + 3 < n_tiles:
+                rows, valid = _tile_rows(start + (j + 3) * BLOCK_N, start, end, ident, L, bit, rank, bt_row, PAGE,
+                                         BLOCK_N, NB, TREE, L1, LB2)
         cp.wait_group(0)
 
         rm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, O_L))
