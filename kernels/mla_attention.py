@@ -146,7 +146,7 @@ def mla_attention_ref(
 def mla_attention_triton(q_lat, q_pe, kv_cache, block_table, page_size, cu_q, prefix_lens, tree_bits,
                          sm_scale, *, out=None, block_n: int = DEFAULT_BLOCK_N, num_warps: int = 8,
                          num_stages: int = 2, nch: int = _NCH, c_min: int = _C_MIN,
-                         chunk_rule: str = DEFAULT_CHUNK_RULE, impl: str = DEFAULT_IMPL):
+                         chunk_rule: str = DEFAULT_CHUNK_RULE, impl: str | None = None):
     """The Triton path on any device (tests call it on CPU under TRITON_INTERPRET=1).
 
     q_lat/q_pe are cast to the cache dtype; `out` ([T, H, Dl], optional) is written in place.
@@ -154,11 +154,13 @@ def mla_attention_triton(q_lat, q_pe, kv_cache, block_table, page_size, cu_q, pr
     reduction order, so a deployment must keep them fixed (position alignment holds for any fixed
     value; "legacy" is the previous chunk rule, kept for comparisons). `impl` picks the tile kernel:
     "triton", "gluon" (`_mla_gluon`: sm_90, Kimi head shapes; ValueError elsewhere, with the reason)
-    or "auto" (gluon where it can run). The two give different bits, so it is fixed per deployment too."""
+    or "auto" (gluon where it can run); None: the module's `DEFAULT_IMPL`, read at each call. The two
+    give different bits, so it is fixed per deployment too."""
     T, H, Dl = q_lat.shape
     Dr = q_pe.shape[-1]
     S = prefix_lens.shape[0]
     rule = _rule_id(chunk_rule)
+    impl = DEFAULT_IMPL if impl is None else impl
     if impl not in IMPLS:
         raise ValueError(f"mla_attention: impl {impl!r} is not one of {IMPLS}")
     if impl != "triton":
