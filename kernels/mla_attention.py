@@ -9,8 +9,10 @@ tokens whose latent KV rows were already written at logical cache indices
 Scores: (q_lat . c_kv + q_pe . k_pe) * sm_scale; output is the latent-space value p . c_kv
 ([T, H, kv_lora_rank]); the caller applies W_UV and o_proj.
 
-`mla_attention_ref` is the definition of correctness. `mla_attention` is the launcher: Triton
-kernels on CUDA (`_mla_kernels`), the reference elsewhere. The kernels are position aligned: a
+`mla_attention_ref` is the definition of correctness. `mla_attention` is the launcher: GPU kernels
+on CUDA, the reference elsewhere. Two tile kernels share the work split, the chunks and the combine:
+`_mla_gluon` (sm_90 with the Kimi head shapes: S computed once per tile, the default there) and
+`_mla_kernels` (any GPU and the interpreter); `impl` / `DEFAULT_IMPL` pick one. The kernels are position aligned: a
 query at absolute position p (L + depth for a tree node, L + j for a causal row) reduces over its
 keys at positions 0..p (committed rows, then its ancestors by depth, then itself) in an order that
 depends only on p: split-KV chunks of whole tiles (`chunk_spans`; the default "balanced" rule
@@ -42,7 +44,7 @@ _C_MIN = 512  # base chunk size (keys) for rows of < NCH * C_MIN keys: bounds th
 CHUNK_RULES = {"legacy": 0, "balanced": 1}  # `_mla_kernels.chunk_span`'s RULE
 DEFAULT_CHUNK_RULE = "balanced"
 IMPLS = ("triton", "gluon", "auto")  # tile kernel: `_mla_kernels` (any GPU, the interpreter) or `_mla_gluon` (sm_90)
-DEFAULT_IMPL = "triton"
+DEFAULT_IMPL = "auto"  # Gluon where it runs (H200, Kimi shapes: 1.6x the Triton kernel), else Triton
 _LOG2E = 1.4426950408889634
 
 

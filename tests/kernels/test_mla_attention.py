@@ -189,7 +189,8 @@ def test_mla_gluon_kernel_compiles_for_sm90_with_s_once():
     """The Gluon tile kernel compiled for sm_90 (PTX, no GPU; a subprocess, since this process may run
     Triton in interpreter mode): S = Q K^T as 36 m64n32k16 wgmma per site (K = 576 in steps of 16, each
     warpgroup its 32 of the 64 keys: S once, not per warpgroup; two sites, the first tile's and the loop's)
-    and O += P V as 4 m64n256k16 (64 keys in steps of 16, each warpgroup its 256 value columns), no other
+    and O += P V as 4 m64n256k16 per site (64 keys in steps of 16, each warpgroup its 256 value columns;
+    two sites, the loop's and the last tile's), no other
     MMA shape, 16-byte cp.async copies for the gathered KV rows, and shared memory within the sm_90 limit
     (227 KB per block)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -202,7 +203,7 @@ def test_mla_gluon_kernel_compiles_for_sm90_with_s_once():
             pytest.skip(f"this triton build cannot compile Gluon for sm_90: {res.stderr[-200:]}")
         raise AssertionError(res.stderr[-3000:])
     for tree, n in json.loads(res.stdout.strip().splitlines()[-1]).items():
-        assert n["s"] == 2 * 36 and n["pv"] == 4 and n["wgmma"] == n["s"] + n["pv"], f"tree={tree}: {n}"
+        assert n["s"] == 2 * 36 and n["pv"] == 2 * 4 and n["wgmma"] == n["s"] + n["pv"], f"tree={tree}: {n}"
         assert n["cp_async"] > 0 and 0 < n["shared"] <= 232448, f"tree={tree}: {n}"
 
 
@@ -381,12 +382,14 @@ SCALE = 192**-0.5 * (0.1 * torch.log(torch.tensor(64.0)).item() + 1) ** 2
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("impl", IMPLS_GPU)
-@pytest.mark.parametrize("prefix,ns,tree", [
-    ([1024, 0, 4097, 33000], [9, 65, 1, 33], True),
-    ([0, 300], [257, 64], False),
+@pytest.mark.parametrize("prefix,ns,tree,page", [
+    ([1024, 0, 4097, 33000], [9, 65, 1, 33], True, 64),
+    ([0, 300], [257, 64], False, 64),
+    ([70, 2047, 5000], [2, 65, 17], True, 16),  # the serving page size: a 64-key tile spans 4 pages
+    ([13, 1500], [90, 31], False, 16),
 ])
-def test_mla_kimi_shapes_bf16(prefix, ns, tree, impl):
-    args = make_batch(prefix, ns, KIMI["H"], KIMI["Dl"], KIMI["Dr"], KIMI["page"], torch.bfloat16, tree)
+def test_mla_kimi_shapes_bf16(prefix, ns, tree, page, impl):
+    args = make_batch(prefix, ns, KIMI["H"], KIMI["Dl"], KIMI["Dr"], page, torch.bfloat16, tree)
     assert_close(run_kernel(args, SCALE, impl=impl), reference(args, SCALE), TOL[torch.bfloat16],
                  f"Kimi {prefix} {ns} {impl}")
 
