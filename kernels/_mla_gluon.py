@@ -13,9 +13,8 @@ PV GEMM, is laid out with all 8 warps along the 64 query rows, so both warpgroup
                256 of the 512 value columns (its half of the fp32 accumulator: 128 registers/thread)
 
 so every MMA is done once. KV tiles are gathered through the block table into a 2-stage shared ring
-with cp.async (rows may be paged or tree ancestors); per tile the next tile's S and this tile's PV go
-to the tensor cores back to back and the next tile's softmax runs while PV does (FlashAttention-3's
-intra-warpgroup overlap), the copies run one tile ahead and the block-table loads two. Every
+with cp.async (rows may be paged or tree ancestors); per tile the PV product and the next tile's S go
+to the tensor cores back to back, the copies run one tile ahead and the block-table loads two. Every
 tile, hot or ragged, runs the same code with a runtime mask (masked rows are zero-filled and their
 scores are -inf), so the result of a row depends only on its position and keys: batch invariance and
 position alignment hold as in the Triton kernel. The two kernels do not give the same bits as each
@@ -205,28 +204,26 @@ if HAVE_GLUON:
         sc = warpgroup_mma(q_smem, ckv_smem.index(0).permute((1, 0)), sc, use_acc=False, is_async=True)
         sc = warpgroup_mma(qpe_smem, kpe_smem.index(0).permute((1, 0)), sc, is_async=True)
         sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
-        m, li, pr, alpha = _softmax_tile(sc, m, li, start + cols_s, end, qk_scale)
-        p_smem.store(pr.to(dt))
-        fence_async_shared()
-        _cta_barrier()
-        # iteration j (P_j in shared memory, O rescaled for it): S_{j+1} = Q K_{j+1}^T, then O += P_j V_j, issued
-        # in that order so that waiting for S_{j+1} leaves PV_j running while the softmax of S_{j+1} is computed;
-        # then tile j + 2's copies go into the freed stage and tile j + 3's pool rows are looked up, so neither
-        # the copies nor the block-table loads wait in line. The last tile's PV comes after the loop.
-        for j in range(n_tiles - 1):
-            cp.wait_group(0)  # tile j + 1 landed (the only group in flight)
-            fence_async_shared()
-            _cta_barrier()
-            nxt = (j + 1) % STAGES
-            sc = warpgroup_mma(q_smem, ckv_smem.index(nxt).permute((1, 0)), sc, use_acc=False, is_async=True)
-            sc = warpgroup_mma(qpe_smem, kpe_smem.index(nxt).permute((1, 0)), sc, is_async=True)
-            o = warpgroup_mma(p_smem, ckv_smem.index(j % STAGES), o, is_async=True)
-            sc = warpgroup_mma_wait(num_outstanding=1, deps=(sc,))
-            m, li, pr, alpha = _softmax_tile(sc, m, li, start + (j + 1) * BLOCK_N + cols_s, end, qk_scale)
-            o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
-            _cta_barrier()  # every warp is done with stage j and P_j before they are rewritten
+        # iteration j: softmax of S_j, then O += P_j V_j and S_{j+1} = Q K_{j+1}^T back to back on the tensor
+        # cores (one wait for both); then tile j + 2's copies go into the freed stage and tile j + 3's pool rows
+        # are looked up, so neither the copies nor the block-table loads wait in line
+        for j in range(n_tiles):
+            m, li, pr, alpha = _softmax_tile(sc, m, li, start + j * BLOCK_N + cols_s, end, qk_scale)
             p_smem.store(pr.to(dt))
             fence_async_shared()
+            _cta_barrier()
+            o = o * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, O_L)), 1)
+            o = warpgroup_mma(p_smem, ckv_smem.index(j % STAGES), o, is_async=True)
+            if j + 1 < n_tiles:
+                cp.wait_group(0)  # tile j + 1 landed (the only group in flight)
+                fence_async_shared()
+                _cta_barrier()
+                nxt = (j + 1) % STAGES
+                sc = warpgroup_mma(q_smem, ckv_smem.index(nxt).permute((1, 0)), sc, use_acc=False, is_async=True)
+                sc = warpgroup_mma(qpe_smem, kpe_smem.index(nxt).permute((1, 0)), sc, is_async=True)
+                sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))  # (an async result cannot leave the if)
+            o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
+            _cta_barrier()  # every warp is done with stage j and P before they are rewritten
             if j + 2 < n_tiles:
                 _issue_tile(kv_ptr, stride_kv, rows, valid, ckv_smem.index(j % STAGES), kpe_smem.index(j % STAGES),
                             DL, DR, LKV, LPE)
@@ -234,10 +231,6 @@ if HAVE_GLUON:
             if j + 3 < n_tiles:
                 rows, valid = _tile_rows(start + (j + 3) * BLOCK_N, start, end, ident, L, bit, rank, bt_row, PAGE,
                                          BLOCK_N, NB, TREE, L1, LB2)
-            o = o * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, O_L)), 1)
-        _cta_barrier()  # the last P stored by every warp (inside the loop the next barrier does this)
-        o = warpgroup_mma(p_smem, ckv_smem.index((n_tiles - 1) % STAGES), o, is_async=True)
-        o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
         cp.wait_group(0)
 
         rm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, O_L))
