@@ -31,6 +31,8 @@ without it the result is still the reference's, only not aligned.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 
@@ -90,12 +92,17 @@ def max_chunks(cap: int, chunk_rule: str = DEFAULT_CHUNK_RULE, block_n: int = DE
     return max(1, min(nch, triton.cdiv(cap, c_min)))
 
 
+@functools.cache
+def _capability(index: int | None) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)  # asked once per device: the launcher runs every layer
+
+
 def gluon_unsupported(q_lat, q_pe, kv_cache, block_n: int, num_warps: int) -> str | None:
     """Why the Gluon tile kernel cannot run these inputs (None: it can): sm_90 only, the Kimi head
     shapes (64-head tiles, latent 512 + rope 64), 64-key tiles, 16-bit data aligned for 16-byte copies."""
     if not _mla_gluon.HAVE_GLUON:
         return "this Triton has no Gluon"
-    if not kv_cache.is_cuda or torch.cuda.get_device_capability(kv_cache.device) != (9, 0):
+    if not kv_cache.is_cuda or _capability(kv_cache.device.index) != (9, 0):
         return "the Gluon kernel needs an sm_90 GPU"
     H, Dl, Dr = q_lat.shape[1], q_lat.shape[2], q_pe.shape[2]
     if (Dl, Dr) != (_mla_gluon.GLUON_DL, _mla_gluon.GLUON_DR) or H % _mla_gluon.GLUON_BLOCK_M:
