@@ -1,0 +1,53 @@
+"""A few launches of one kernel at benchmark inputs, to run under Nsight Compute (`ncu`).
+
+  ncu --clock-control none --kernel-name regex:_moe_w --launch-skip 2 --launch-count 2 \\
+      --section SpeedOfLight --section WarpStateStats --section SchedulerStats \\
+      python bench/ncu_workload.py moe 9
+  ncu --clock-control none --kernel-name regex:gluon --launch-skip 2 --launch-count 1 --section SpeedOfLight \\
+      python bench/ncu_workload.py mla 16 4096 33 [gluon|triton]
+
+moe T: `int4_moe_triton` on the INT4 MoE benchmark's random layer with T tokens (bench_int4_moe.py).
+mla B L n [impl]: `mla_attention_triton` on the MLA benchmark's case (B sessions, prefix L, n-node trees).
+Each runs its launcher three times (the first compiles), so skip two launches per kernel.
+Run from the repo root with PYTHONPATH=. on a CUDA machine.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+
+def moe(T: int) -> None:
+    from bench.bench_int4_moe import D, gpu_layout_weights, routing
+    from kernels.int4_moe import int4_moe_triton
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w = gpu_layout_weights(gen)
+    ids, tw = routing(T, gen)
+    x = torch.randn(T, D, generator=gen, device="cuda").to(torch.bfloat16)
+    out = torch.empty_like(x)
+    for _ in range(3):
+        int4_moe_triton(x, ids, tw, *w, out=out)
+
+
+def mla(B: int, L: int, n: int, impl: str = "gluon") -> None:
+    from bench.bench_mla_attention import SCALE, make_case
+    from kernels.mla_attention import mla_attention_triton
+
+    args, _, _ = make_case(B, L, n, torch.Generator().manual_seed(0), torch.Generator(device="cuda").manual_seed(0))
+    out = torch.empty_like(args[0])
+    for _ in range(3):
+        mla_attention_triton(*args, SCALE, out=out, impl=impl)
+
+
+if __name__ == "__main__":
+    kind, *rest = sys.argv[1:]
+    if kind == "moe":
+        moe(int(rest[0]))
+    elif kind == "mla":
+        mla(*(int(v) for v in rest[:3]), *rest[3:])
+    else:
+        raise SystemExit("usage: ncu_workload.py moe T | mla B L n [impl]")
+    torch.cuda.synchronize()
