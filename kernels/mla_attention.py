@@ -97,24 +97,48 @@ def _capability(index: int | None) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)  # asked once per device: the launcher runs every layer
 
 
+def _gluon_unsupported_shape(device: torch.device, heads: int, latent: int, rope: int, dtype: torch.dtype,
+                             block_n: int = DEFAULT_BLOCK_N, num_warps: int = 8) -> str | None:
+    if not _mla_gluon.HAVE_GLUON:
+        return "this Triton has no Gluon"
+    if device.type != "cuda" or _capability(device.index) != (9, 0):
+        return "the Gluon kernel needs an sm_90 GPU"
+    if (latent, rope) != (_mla_gluon.GLUON_DL, _mla_gluon.GLUON_DR) or heads % _mla_gluon.GLUON_BLOCK_M:
+        return f"the Gluon kernel needs latent {_mla_gluon.GLUON_DL} + rope {_mla_gluon.GLUON_DR} and a multiple of " \
+               f"{_mla_gluon.GLUON_BLOCK_M} heads (got {latent} + {rope}, {heads} heads)"
+    if block_n != _mla_gluon.GLUON_BLOCK_N or num_warps != _mla_gluon.GLUON_WARPS:
+        return f"the Gluon kernel has {_mla_gluon.GLUON_BLOCK_N}-key tiles and {_mla_gluon.GLUON_WARPS} warps"
+    if dtype not in (torch.bfloat16, torch.float16):
+        return "the Gluon kernel needs a bf16 or fp16 cache"
+    return None
+
+
 def gluon_unsupported(q_lat, q_pe, kv_cache, block_n: int, num_warps: int) -> str | None:
     """Why the Gluon tile kernel cannot run these inputs (None: it can): sm_90 only, the Kimi head
     shapes (64-head tiles, latent 512 + rope 64), 64-key tiles, 16-bit data aligned for 16-byte copies."""
-    if not _mla_gluon.HAVE_GLUON:
-        return "this Triton has no Gluon"
-    if not kv_cache.is_cuda or _capability(kv_cache.device.index) != (9, 0):
-        return "the Gluon kernel needs an sm_90 GPU"
-    H, Dl, Dr = q_lat.shape[1], q_lat.shape[2], q_pe.shape[2]
-    if (Dl, Dr) != (_mla_gluon.GLUON_DL, _mla_gluon.GLUON_DR) or H % _mla_gluon.GLUON_BLOCK_M:
-        return f"the Gluon kernel needs latent {_mla_gluon.GLUON_DL} + rope {_mla_gluon.GLUON_DR} and a multiple of " \
-               f"{_mla_gluon.GLUON_BLOCK_M} heads (got {Dl} + {Dr}, {H} heads)"
-    if block_n != _mla_gluon.GLUON_BLOCK_N or num_warps != _mla_gluon.GLUON_WARPS:
-        return f"the Gluon kernel has {_mla_gluon.GLUON_BLOCK_N}-key tiles and {_mla_gluon.GLUON_WARPS} warps"
-    if kv_cache.dtype not in (torch.bfloat16, torch.float16):
-        return "the Gluon kernel needs a bf16 or fp16 cache"
-    if kv_cache.stride(0) % 8 or kv_cache.data_ptr() % 16:
+    why = _gluon_unsupported_shape(kv_cache.device, q_lat.shape[1], q_lat.shape[2], q_pe.shape[2], kv_cache.dtype,
+                                   block_n, num_warps)
+    if why is None and (kv_cache.stride(0) % 8 or kv_cache.data_ptr() % 16):
         return "the Gluon kernel needs cache rows aligned to 16 bytes"
-    return None
+    return why
+
+
+def configure(impl: str, device, heads: int, latent: int, rope: int, dtype: torch.dtype) -> str:
+    """Fix the tile kernel of a deployment: set `DEFAULT_IMPL` (every later launch that does not pass
+    `impl` uses it) and return what it runs for this device and model: "gluon", "triton" or "reference"
+    (not CUDA: `mla_attention` runs the torch reference). ValueError, with the reason, for "gluon" where it
+    cannot run, so a server refuses the flag at start rather than failing requests."""
+    global DEFAULT_IMPL
+    if impl not in IMPLS:
+        raise ValueError(f"mla kernel {impl!r} is not one of {IMPLS}")
+    device = torch.device(device)
+    why = _gluon_unsupported_shape(device, heads, latent, rope, dtype)
+    if impl == "gluon" and why is not None:
+        raise ValueError(f"mla kernel 'gluon': {why}")
+    DEFAULT_IMPL = impl
+    if device.type != "cuda":
+        return "reference"
+    return "triton" if impl == "triton" or why is not None else "gluon"
 
 
 def mla_attention_ref(

@@ -32,6 +32,7 @@ import grpc
 import torch
 from opentelemetry import trace
 
+from kernels import mla_attention
 from protos.ddtree.v1 import verifier_pb2, verifier_pb2_grpc
 from protos.serving import GrpcServer
 from protos.verifier_codec import event_to_pb, params_from_pb
@@ -72,12 +73,15 @@ class VerifierServerConfig:
     metrics_listen: str | None = None  # HOST:PORT of the Prometheus endpoint; None = not served
     dist: DistConfig | None = None  # this rank's place in an expert-parallel group; None = one process
     cuda_graphs: bool | None = None  # verify forwards and tree checks through CUDA graphs; None = on for CUDA
+    mla_kernel: str = "auto"  # MLA tile kernel (`kernels.mla_attention.IMPLS`): auto = Gluon where it runs
 
     def __post_init__(self):
         if self.metrics_listen is not None:
             parse_hostport(self.metrics_listen)  # ValueError naming the expected form
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
+        if self.mla_kernel not in mla_attention.IMPLS:
+            raise ValueError(f"mla_kernel must be one of {mla_attention.IMPLS}, got {self.mla_kernel!r}")
         if (self.transport == "inprocess") != (self.drafter_dir is not None and self.drafter_address is None):
             raise ValueError("inprocess takes a drafter folder; colocated and grpc take a drafter address")
         for f in ("max_sessions", "kv_pages", "page_size", "max_session_len", "draft_window", "draft_timeout_s",
@@ -100,6 +104,7 @@ class Loaded:
     eos_ids: tuple[int, ...]
     block_size: int
     client: object | None  # DraftStreamClient for colocated / grpc
+    mla_kernel: str = ""  # what the target's attention runs: gluon, triton or reference
 
 
 class VerifierService(verifier_pb2_grpc.VerifierServicer):
@@ -214,6 +219,7 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
                                                                       snap.running_sessions)
         msg.drafter_connected = ld.client.connected if ld.client is not None else eng.drafter is not None
         msg.device, msg.dtype = str(eng.device), str(eng.dtype).removeprefix("torch.")
+        msg.mla_kernel = ld.mla_kernel
         return msg
 
 
@@ -242,6 +248,15 @@ def _engine_config(cfg: VerifierServerConfig, device: str) -> EngineConfig:
                         max_session_len=cfg.max_session_len, draft_window=cfg.draft_window, cuda_graphs=graphs)
 
 
+def _configure_mla(cfg: VerifierServerConfig, tcfg, device: str, dtype: torch.dtype) -> str:
+    """Fix the MLA tile kernel before any forward (every rank of a group the same: the replicated
+    attention must agree bit for bit); ValueError at start for a kernel that cannot run here."""
+    kernel = mla_attention.configure(cfg.mla_kernel, device, tcfg.num_attention_heads, tcfg.kv_lora_rank,
+                                     tcfg.qk_rope_head_dim, dtype)
+    log.info("MLA attention: %s kernel (--mla-kernel %s)", kernel, cfg.mla_kernel)
+    return kernel
+
+
 def build_engine(cfg: VerifierServerConfig, stop: threading.Event, metrics: Metrics | None = None,
                  on_group_failure=None) -> Loaded:
     """Load the target, wire the drafter through the configured transport, warm up; blocking.
@@ -257,6 +272,7 @@ def build_engine(cfg: VerifierServerConfig, stop: threading.Event, metrics: Metr
     device, dtype = _device_dtype(cfg)
     ecfg = _engine_config(cfg, device)
     tcfg = KimiConfig.from_file(cfg.target_dir)
+    mla_kernel = _configure_mla(cfg, tcfg, device, dtype)
     leader = None
     if cfg.dist is not None:
         leader = Leader(init_groups(cfg.dist), on_failure=on_group_failure)
@@ -296,7 +312,7 @@ def build_engine(cfg: VerifierServerConfig, stop: threading.Event, metrics: Metr
     scheduler = Scheduler(engine, client.take_errors if client is not None else None,
                           TurnTelemetry(metrics, transport=cfg.transport))
     scheduler.start()
-    return Loaded(scheduler, engine, Path(cfg.target_dir).name, tcfg.eos_ids, block, client)
+    return Loaded(scheduler, engine, Path(cfg.target_dir).name, tcfg.eos_ids, block, client, mla_kernel)
 
 
 async def serve(cfg: VerifierServerConfig) -> int:
@@ -366,6 +382,7 @@ def follow(cfg: VerifierServerConfig) -> int:
     import signal
 
     from verifier_service.batch_invariant import make_batch_invariant
+    from verifier_service.config import KimiConfig
     from verifier_service.distributed import Follower, GroupError, init_groups, load_rank_target
 
     if cfg.dist is None or cfg.dist.rank == 0:
@@ -375,6 +392,7 @@ def follow(cfg: VerifierServerConfig) -> int:
         signal.signal(sig, lambda n, _f: log.info("rank %d: %s; waiting for rank 0 to drain and stop the group",
                                                   rank, signal.Signals(n).name))
     device, dtype = _device_dtype(cfg)
+    _configure_mla(cfg, KimiConfig.from_file(cfg.target_dir), device, dtype)
     groups = init_groups(cfg.dist)
     try:
         target = load_rank_target(groups, cfg.target_dir, dtype, device)

@@ -17,6 +17,7 @@ from gateway.commands.server_flags import add_server_flags, message_bytes, run_s
 
 
 def add_parser(sub) -> None:
+    from kernels.mla_attention import IMPLS
     from verifier_service.transport import TRANSPORTS
 
     p = sub.add_parser("verifier", help="the verifier service")
@@ -41,6 +42,10 @@ def add_parser(sub) -> None:
     s.add_argument("--no-cuda-graphs", action="store_true",
                    help="run verify forwards and the checks of co-located trees eagerly, and with --transport "
                         "inprocess draft steps too (default on CUDA: replayed from CUDA graphs)")
+    s.add_argument("--mla-kernel", choices=IMPLS, default="auto",
+                   help="MLA attention tile kernel: gluon (sm_90 with Kimi head shapes; refused at start "
+                        "elsewhere), triton (any GPU), auto (gluon where it runs; the default). The two give "
+                        "different bits: every rank and every restart of a deployment should use the same")
     s.set_defaults(func=run)
 
 
@@ -77,7 +82,7 @@ def run(args) -> int:
         kv_pages=args.kv_pages, page_size=args.page_size, max_session_len=args.max_session_len,
         draft_window=args.draft_window, draft_timeout_s=args.draft_timeout_s, control_spin_ms=args.control_spin_ms,
         max_message_bytes=message_bytes(args), grace_s=args.grace_s, metrics_listen=args.metrics_listen, dist=dist,
-        cuda_graphs=False if args.no_cuda_graphs else None)
+        cuda_graphs=False if args.no_cuda_graphs else None, mla_kernel=args.mla_kernel)
     if dist is None:
         return run_server(serve, cfg, args.log_level, "ddtree-verifier")
     try:

@@ -236,6 +236,19 @@ def test_inprocess_transport_server(pair, reference):
         assert {m.stats.tree_size for _, msgs in results for m in msgs[1:]} == {TREE}
         info = verifier_info(addr)
         assert info.transport == "inprocess" and info.drafter_connected and info.block_size == 8
+        assert info.mla_kernel == "reference"  # CPU: the torch reference, whatever --mla-kernel says
+    finally:
+        v.stop()
+
+
+def test_gluon_mla_kernel_refused_at_start_where_it_cannot_run(pair):
+    """`--mla-kernel gluon` on a machine without an sm_90 GPU (here: CPU) stops the server before it
+    serves, saying why, instead of failing requests later."""
+    v = Service("verifier-gluon", verifier_argv(pair, "127.0.0.1:0", None, "--transport", "inprocess",
+                                                "--drafter", str(pair[1]), "--mla-kernel", "gluon"))
+    try:
+        with pytest.raises(RuntimeError, match="sm_90"):
+            v.wait_for("serving")
     finally:
         v.stop()
 

@@ -154,6 +154,27 @@ def test_mla_impl_choice_off_hopper():
     assert torch.equal(run_kernel(args, 0.3, impl="auto"), run_kernel(args, 0.3, impl="triton"))
 
 
+def test_mla_configure_fixes_the_deployment_kernel(monkeypatch):
+    """`configure` sets DEFAULT_IMPL (read by every later launch) and says what runs: off CUDA the
+    reference; "gluon" where it cannot run is refused with the reason; an unknown name is refused."""
+    from kernels import mla_attention as mla
+
+    monkeypatch.setattr(mla, "DEFAULT_IMPL", mla.DEFAULT_IMPL)  # restored after the test
+    assert mla.configure("triton", "cpu", 64, 512, 64, torch.bfloat16) == "reference"
+    assert mla.DEFAULT_IMPL == "triton"
+    assert mla.configure("auto", "cpu", 8, 512, 64, torch.float32) == "reference" and mla.DEFAULT_IMPL == "auto"
+    with pytest.raises(ValueError, match="sm_90"):
+        mla.configure("gluon", "cpu", 64, 512, 64, torch.bfloat16)
+    assert mla.DEFAULT_IMPL == "auto"  # unchanged by the refusal
+    with pytest.raises(ValueError, match="one of"):
+        mla.configure("flash", "cpu", 64, 512, 64, torch.bfloat16)
+    if CUDA:
+        return
+    args = make_batch([70], [5], 4, 32, 8, 16, torch.float32, True)
+    mla.configure("triton", "cpu", 4, 32, 8, torch.float32)
+    assert torch.equal(run_kernel(args, 0.3), run_kernel(args, 0.3, impl="triton"))  # impl=None reads it
+
+
 _GLUON_PTX = """
 import json
 from triton.backends.compiler import GPUTarget

@@ -105,7 +105,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class VerifierInfo(_message.Message):
-    __slots__ = ("model", "vocab_size", "eos_token_ids", "block_size", "max_budget", "page_size", "kv_pages_total", "kv_pages_free", "max_sessions", "open_sessions", "running_sessions", "max_session_len", "transport", "drafter_address", "drafter_connected", "device", "dtype")
+    __slots__ = ("model", "vocab_size", "eos_token_ids", "block_size", "max_budget", "page_size", "kv_pages_total", "kv_pages_free", "max_sessions", "open_sessions", "running_sessions", "max_session_len", "transport", "drafter_address", "drafter_connected", "device", "dtype", "mla_kernel")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -123,6 +123,7 @@ class VerifierInfo(_message.Message):
     DRAFTER_CONNECTED_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    MLA_KERNEL_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -140,4 +141,5 @@ class VerifierInfo(_message.Message):
     drafter_connected: bool
     device: str
     dtype: str
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., max_budget: _Optional[int] = ..., page_size: _Optional[int] = ..., kv_pages_total: _Optional[int] = ..., kv_pages_free: _Optional[int] = ..., max_sessions: _Optional[int] = ..., open_sessions: _Optional[int] = ..., running_sessions: _Optional[int] = ..., max_session_len: _Optional[int] = ..., transport: _Optional[str] = ..., drafter_address: _Optional[str] = ..., drafter_connected: _Optional[bool] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ...) -> None: ...
+    mla_kernel: str
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., max_budget: _Optional[int] = ..., page_size: _Optional[int] = ..., kv_pages_total: _Optional[int] = ..., kv_pages_free: _Optional[int] = ..., max_sessions: _Optional[int] = ..., open_sessions: _Optional[int] = ..., running_sessions: _Optional[int] = ..., max_session_len: _Optional[int] = ..., transport: _Optional[str] = ..., drafter_address: _Optional[str] = ..., drafter_connected: _Optional[bool] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., mla_kernel: _Optional[str] = ...) -> None: ...
