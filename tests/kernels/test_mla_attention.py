@@ -417,6 +417,17 @@ def test_mla_kimi_shapes_bf16(prefix, ns, tree, page, impl):
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("impl", IMPLS_GPU)
+def test_mla_fp16_and_two_head_tiles(impl):
+    """fp16 cache and 128 heads (two 64-head tiles per token), tree and causal, against the reference."""
+    for tree, prefix, ns in ((True, [700, 9000], [33, 9]), (False, [5, 1200], [40, 3])):
+        args = make_batch(prefix, ns, 128, KIMI["Dl"], KIMI["Dr"], 16, torch.float16, tree, seed=3)
+        assert_close(run_kernel(args, SCALE, impl=impl), reference(args, SCALE), TOL[torch.float16],
+                     f"fp16 128 heads tree={tree} {impl}")
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", IMPLS_GPU)
 @pytest.mark.parametrize("n_probe", [1, 9, 65])
 def test_mla_batch_invariance(n_probe, impl):
     """A session alone and as session 23 of 64 others (mixed lengths): bitwise equal rows."""
