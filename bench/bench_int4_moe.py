@@ -57,11 +57,14 @@ SWEEP = {  # name -> overrides of the launcher defaults (block_i 32, block_d 64,
     # against the scale_tile default: the old 2-byte scale loads, and tiles / stages / registers again
     "no_scale_tile": dict(scale_tile=False), "stages2": dict(num_stages=2), "r96": dict(maxnreg=96),
     "stages4_r128": dict(num_stages=4, maxnreg=128),
+    # pairs per expert block (same bits; the default follows the pair count, `kernels.int4_moe.block_m_for`)
+    "bm16": dict(block_m=16), "bm32": dict(block_m=32), "bm64": dict(block_m=64),
 }
 CONFIG_GROUPS = {  # --configs GROUP
     "same_bits": [n for n in SWEEP if n.startswith(("k_unroll", "scale_tile", "persistent"))],
     "tiles": ["no_scale_tile", "stages2", "stages4", "stages4_r128", "r96", "bi16_bd32", "bi32_bd32", "bi16_bd64",
               "bi64_bd128_w8"],
+    "block_m": ["bm16", "bm32", "bm64"],
     "same_bits_core": ["scale_tile", "k_unroll2", "scale_tile_k_unroll2", "persistent", "persistent_w2",
                        "persistent_p2", "scale_tile_persistent", "scale_tile_persistent_r128"],
 }

@@ -50,7 +50,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable without PYTHONPATH too
 
 from bench._common import bench_ms, commit, env_info, measure_ceilings, write_jsonl  # noqa: E402
-from kernels import mla_attention  # noqa: E402
+from kernels import int4_moe, mla_attention  # noqa: E402
 from kernels.tree_mask import ancestor_mask, pack_mask_bits  # noqa: E402
 from verifier_service import presets  # noqa: E402
 from verifier_service.batch_invariant import make_batch_invariant, remove_batch_invariance  # noqa: E402
@@ -386,7 +386,7 @@ def run_case(model, pool, cfg, case: dict, invariant: bool, ceil: dict, info: di
         bytes_per_layer=fl["bytes_per_layer"], flops_per_layer=fl["flops_per_layer"],
         bytes_floor_ms=fl["bytes_floor_ms"], flops_floor_ms=fl["flops_floor_ms"],
         dtype=str(pool.kv.dtype).removeprefix("torch."), build_s=state.get("build_s"),
-        mla_impl=mla_attention.DEFAULT_IMPL, **lm)
+        mla_impl=mla_attention.DEFAULT_IMPL, moe_block_m=int4_moe.DEFAULT_BLOCK_M or "auto", **lm)
     if args.profile and cuda:
         params["kernel_breakdown"] = state["breakdowns"][-1][2]
     if graph_err is not None:
@@ -434,6 +434,8 @@ def parse_args(argv=None):
     ap.add_argument("--profile", action="store_true",
                     help="also record GPU time per kernel (torch.profiler, eager calls) in params.kernel_breakdown")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--moe-block-m", type=int, choices=int4_moe.BLOCK_M_CHOICES, default=None,
+                    help="INT4 MoE pairs per expert block (default: by the launch's pair count)")
     ap.add_argument("--mla-impl", choices=mla_attention.IMPLS, default=None,
                     help=f"MLA tile kernel (default: mla_attention.DEFAULT_IMPL = {mla_attention.DEFAULT_IMPL})")
     args = ap.parse_args(argv)
@@ -462,6 +464,7 @@ def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     if args.mla_impl is not None:
         mla_attention.DEFAULT_IMPL = args.mla_impl  # read by the launcher at each call
+    int4_moe.DEFAULT_BLOCK_M = args.moe_block_m  # None: by the launch's pair count
     t_start = time.perf_counter()
     dev = args.device
     cuda = dev.startswith("cuda")

@@ -140,7 +140,22 @@ def int4_moe_ref(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale
 
 
 _BLOCK_K = 256  # K block of the GPU layout: 8 groups of 32 columns
-_BLOCK_M = 16  # pairs per expert block (the MMA's N side)
+# Pairs per expert block (the MMA's M side with `_SWAP`). Part of the schedule, not of the arithmetic: a
+# pair's output has the same bits in a block of 16, 32 or 64 (tested), so the size may follow the launch.
+# Each block streams its expert's weights once, so an expert with more pairs than a block holds reads them
+# again per block; bigger blocks cost compute lanes and registers (sm_90, Triton 3.6: 16 -> 96 registers,
+# 386 instructions per K step; 32 -> 122, 432; 64 -> 156-168 and 149 KB of shared memory, one CTA per SM).
+BLOCK_M_CHOICES = (16, 32, 64)
+DEFAULT_BLOCK_M: int | None = None  # None: `block_m_for` the launch's pair count
+_BIG_BLOCK_PAIRS = 2048  # from this many (token, expert) pairs on, 32-pair blocks
+
+
+def block_m_for(pairs: int) -> int:
+    """Pairs per expert block for a launch of `pairs` (token, expert) pairs: 16, or 32 from
+    `_BIG_BLOCK_PAIRS` on (many pairs per expert: each expert's weights streamed about half as often).
+    A function of the launch's shape only (host-known, CUDA-graph safe); the bits do not depend on it."""
+    return 32 if pairs >= _BIG_BLOCK_PAIRS else 16
+
 _BLOCK_I = 32  # w13: intermediate columns per program (32 gate + 32 up weight rows)
 _BLOCK_D = 64  # w2: output rows per program
 _USE_ASM = True  # bf16 on CUDA: PTX prmt/lop3 dequant (exact, same values as the portable path)
@@ -227,7 +242,7 @@ def _int4_moe_triton(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, experts
                      reduce_pairs=None, block_i: int = _BLOCK_I, block_d: int = _BLOCK_D, num_warps: int = 4,
                      num_stages: int = 3, use_asm: bool = _USE_ASM, prescale: bool = _PRESCALE, swap: bool = _SWAP,
                      scale_tile: bool = _SCALE_TILE, k_unroll: int = 1, persistent: bool | str = False,
-                     num_programs: int | None = None, maxnreg: int | None = None):
+                     num_programs: int | None = None, maxnreg: int | None = None, block_m: int | None = None):
     T, D = x.shape
     topk = topk_ids.shape[1]
     E, two_i, _ = w13.shape
@@ -235,6 +250,9 @@ def _int4_moe_triton(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, experts
     P = T * topk
     if persistent not in (False, True, "w13", "w2"):
         raise ValueError(f"int4_moe: persistent={persistent!r} (False, True, 'w13' or 'w2')")
+    block_m = block_m or DEFAULT_BLOCK_M or block_m_for(P)
+    if block_m not in BLOCK_M_CHOICES:
+        raise ValueError(f"int4_moe: block_m={block_m} (one of {BLOCK_M_CHOICES})")
     pers13, pers2 = persistent in (True, "w13"), persistent in (True, "w2")
     kb13, kb2 = w13.shape[2] // 32, w2.shape[2] // 32  # 256-column K blocks
     if k_unroll < 1 or (pers13 and kb13 % k_unroll) or (pers2 and kb2 % k_unroll):
@@ -248,9 +266,9 @@ def _int4_moe_triton(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, experts
     if T == 0:
         return out
     x = x.contiguous()
-    sorted_pairs, bexp = moe_align(_local_ids(topk_ids, experts, E), E, _BLOCK_M)  # experts not held: skipped
+    sorted_pairs, bexp = moe_align(_local_ids(topk_ids, experts, E), E, block_m)  # experts not held: skipped
     nblk = bexp.shape[0]
-    common = dict(BLOCK_M=_BLOCK_M, DTYPE=_TL_DTYPE[x.dtype], PREC="ieee" if x.dtype == torch.float32 else "tf32",
+    common = dict(BLOCK_M=block_m, DTYPE=_TL_DTYPE[x.dtype], PREC="ieee" if x.dtype == torch.float32 else "tf32",
                   USE_ASM=use_asm and x.dtype == torch.bfloat16 and x.is_cuda,  # PTX: real GPU only
                   PRESCALE=prescale, SWAP=swap, SCALE_TILE=scale_tile, K_UNROLL=k_unroll,
                   num_warps=num_warps, num_stages=num_stages)
@@ -321,5 +339,6 @@ def int4_moe_triton(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_sc
     without them (`_int4_moe_kernels` doc): scale_tile (bool), k_unroll (K blocks per loop iteration),
     persistent (True, or "w13" / "w2" for one GEMM only; k_unroll must divide its K blocks, 28 / 8 at
     Kimi shapes), num_programs (persistent grid size; default SMs x the CTAs of the compiled kernel that
-    fit on an SM, 4 off CUDA), maxnreg (ptxas register cap, e.g. 128 to fit 4 CTAs of 4 warps per SM)."""
+    fit on an SM, 4 off CUDA), maxnreg (ptxas register cap, e.g. 128 to fit 4 CTAs of 4 warps per SM),
+    block_m (pairs per expert block, one of BLOCK_M_CHOICES; default `DEFAULT_BLOCK_M` or `block_m_for`)."""
     return _int4_moe_triton(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale, out, **config)

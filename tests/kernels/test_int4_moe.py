@@ -171,6 +171,9 @@ SAME_BITS_VARIANTS = [
     (dict(swap=False, prescale=False, scale_tile=False), dict(persistent=True, num_programs=3, scale_tile=True),
      "fp16"),
     (dict(prescale=False, scale_tile=False), dict(persistent="w2", k_unroll=2, scale_tile=True), "fp16"),
+    (dict(block_m=16), dict(block_m=32), "fp32 fp16"),  # 17 pairs on expert 1: two blocks of 16, one of 32
+    (dict(block_m=16), dict(block_m=64), "fp32 fp16"),
+    (dict(block_m=16), dict(block_m=32, persistent=True, num_programs=3), "fp16"),
 ]
 # interpreter: few, large tiles (its cost is per program and K block); GPU: the default tiles (fast to compile)
 _BIG = {} if CUDA else dict(block_i=128, block_d=256)
@@ -209,9 +212,19 @@ def test_int4_moe_variant_options_checked():
     ids, tw = make_routing(2, 1, 2)
     x = torch.randn(2, 96, device=DEV)
     for bad in (dict(k_unroll=0), dict(persistent=True, k_unroll=2), dict(persistent="w2", k_unroll=2),
-                dict(num_programs=4), dict(persistent=True, num_programs=0), dict(persistent="w3")):
+                dict(num_programs=4), dict(persistent=True, num_programs=0), dict(persistent="w3"),
+                dict(block_m=8), dict(block_m=48)):
         with pytest.raises(ValueError):
             int4_moe_triton(x, ids, tw, *w, **bad)
+
+
+def test_block_m_follows_the_pair_count():
+    """The default block size is a function of the launch's pair count alone (host-known: graph-safe)."""
+    from kernels.int4_moe import _BIG_BLOCK_PAIRS, BLOCK_M_CHOICES, block_m_for
+
+    assert block_m_for(1) == block_m_for(_BIG_BLOCK_PAIRS - 1) == 16
+    assert block_m_for(_BIG_BLOCK_PAIRS) == block_m_for(10**6) == 32
+    assert {block_m_for(p) for p in range(1, 3 * _BIG_BLOCK_PAIRS, 97)} <= set(BLOCK_M_CHOICES)
 
 
 def test_int4_moe_exact_small_integers():
@@ -354,6 +367,8 @@ KIMI_SAME_BITS_VARIANTS = [
     ({}, dict(persistent=True, k_unroll=2)), ({}, dict(persistent=True, num_programs=132)),
     ({}, dict(persistent=True, maxnreg=128)), ({}, dict(scale_tile=True, k_unroll=2)),
     ({}, dict(scale_tile=True, persistent=True)), (dict(prescale=False, scale_tile=False), dict(prescale=False)),
+    (dict(block_m=16), dict(block_m=32)), (dict(block_m=16), dict(block_m=64)),
+    (dict(block_m=16), dict(block_m=32, persistent=True)),
 ]
 
 
@@ -391,3 +406,23 @@ def test_int4_moe_batch_invariance(kimi_experts, config):
     batch2 = run_kernel(x, ids2, tw, wg, **config)
     alone2 = run_kernel(x[37:38], ids2[37:38], tw[37:38], wg, **config)
     assert torch.equal(alone2[0], batch2[37])
+
+
+@gpu
+@pytest.mark.gpu
+def test_int4_moe_batch_invariance_across_block_sizes(kimi_experts):
+    """With the default block size (16 pairs for a lone token, 32 from `_BIG_BLOCK_PAIRS` pairs on), rows of
+    a 300-token launch (2400 pairs) equal the same tokens computed alone and in a 9-token launch, bit for bit."""
+    from kernels.int4_moe import block_m_for
+
+    _, wg = kimi_experts
+    T = 300
+    assert block_m_for(T * KIMI["k"]) != block_m_for(9 * KIMI["k"])  # the two launches use different blocks
+    ids, tw = make_routing(T, KIMI["k"], KIMI["E"], seed=21)
+    ids[:40, :4] = ids[0, :4]  # 40+ pairs on four experts: several 32-pair blocks
+    x = torch.randn(T, KIMI["D"], device="cuda").to(torch.bfloat16)
+    batch = run_kernel(x, ids, tw, wg)
+    for r in (0, 17, 299):
+        assert torch.equal(run_kernel(x[r:r + 1], ids[r:r + 1], tw[r:r + 1], wg)[0], batch[r]), r
+    assert torch.equal(run_kernel(x[:9], ids[:9], tw[:9], wg), batch[:9])
+
