@@ -57,7 +57,7 @@ SWEEP = {  # name -> overrides of the launcher defaults (block_i 32, block_d 64,
     # against the scale_tile default: the old 2-byte scale loads, and tiles / stages / registers again
     "no_scale_tile": dict(scale_tile=False), "stages2": dict(num_stages=2), "r96": dict(maxnreg=96),
     "stages4_r128": dict(num_stages=4, maxnreg=128),
-    # pairs per expert block (same bits; the default follows the pair count, `kernels.int4_moe.block_m_for`)
+    # pairs per expert block (same bits; default 16, see `kernels.int4_moe.BLOCK_M_CHOICES`)
     "bm16": dict(block_m=16), "bm32": dict(block_m=32), "bm64": dict(block_m=64),
 }
 CONFIG_GROUPS = {  # --configs GROUP

@@ -141,20 +141,15 @@ def int4_moe_ref(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale
 
 _BLOCK_K = 256  # K block of the GPU layout: 8 groups of 32 columns
 # Pairs per expert block (the MMA's M side with `_SWAP`). Part of the schedule, not of the arithmetic: a
-# pair's output has the same bits in a block of 16, 32 or 64 (tested), so the size may follow the launch.
-# Each block streams its expert's weights once, so an expert with more pairs than a block holds reads them
-# again per block; bigger blocks cost compute lanes and registers (sm_90, Triton 3.6: 16 -> 96 registers,
-# 386 instructions per K step; 32 -> 122, 432; 64 -> 156-168 and 149 KB of shared memory, one CTA per SM).
+# pair's output has the same bits in a block of 16, 32 or 64 (tested), so it is a launcher option. Each block
+# streams its expert's weights once; bigger blocks read an expert with many pairs fewer times but cost
+# compute lanes, registers and CTAs per SM (sm_90, Triton 3.6: 16 -> 96 registers, 386 instructions per K
+# step; 32 -> 122, 432; 64 -> 156-168 and 149 KB of shared memory). Measured on the H200 (2026-11-30,
+# bench/results/int4_moe_block_m.jsonl), 32 lost at every T with uniform routing, also at T = 264 / 528
+# (3.51 -> 4.44 / 4.00 -> 4.69 ms: second blocks of an expert mostly hit L2), and tied in the verify step's
+# correlated routing (16 sessions x 33 nodes: 5.13 vs 5.07 ms/layer; x 9 nodes: 2.13 vs 2.41): 16 stays.
 BLOCK_M_CHOICES = (16, 32, 64)
-DEFAULT_BLOCK_M: int | None = None  # None: `block_m_for` the launch's pair count
-_BIG_BLOCK_PAIRS = 2048  # from this many (token, expert) pairs on, 32-pair blocks
-
-
-def block_m_for(pairs: int) -> int:
-    """Pairs per expert block for a launch of `pairs` (token, expert) pairs: 16, or 32 from
-    `_BIG_BLOCK_PAIRS` on (many pairs per expert: each expert's weights streamed about half as often).
-    A function of the launch's shape only (host-known, CUDA-graph safe); the bits do not depend on it."""
-    return 32 if pairs >= _BIG_BLOCK_PAIRS else 16
+DEFAULT_BLOCK_M = 16
 
 _BLOCK_I = 32  # w13: intermediate columns per program (32 gate + 32 up weight rows)
 _BLOCK_D = 64  # w2: output rows per program
@@ -250,7 +245,7 @@ def _int4_moe_triton(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, experts
     P = T * topk
     if persistent not in (False, True, "w13", "w2"):
         raise ValueError(f"int4_moe: persistent={persistent!r} (False, True, 'w13' or 'w2')")
-    block_m = block_m or DEFAULT_BLOCK_M or block_m_for(P)
+    block_m = block_m or DEFAULT_BLOCK_M
     if block_m not in BLOCK_M_CHOICES:
         raise ValueError(f"int4_moe: block_m={block_m} (one of {BLOCK_M_CHOICES})")
     pers13, pers2 = persistent in (True, "w13"), persistent in (True, "w2")
@@ -340,5 +335,5 @@ def int4_moe_triton(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_sc
     persistent (True, or "w13" / "w2" for one GEMM only; k_unroll must divide its K blocks, 28 / 8 at
     Kimi shapes), num_programs (persistent grid size; default SMs x the CTAs of the compiled kernel that
     fit on an SM, 4 off CUDA), maxnreg (ptxas register cap, e.g. 128 to fit 4 CTAs of 4 warps per SM),
-    block_m (pairs per expert block, one of BLOCK_M_CHOICES; default `DEFAULT_BLOCK_M` or `block_m_for`)."""
+    block_m (pairs per expert block, one of BLOCK_M_CHOICES; default `DEFAULT_BLOCK_M`)."""
     return _int4_moe_triton(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale, out, **config)
