@@ -104,7 +104,7 @@ class Loaded:
     eos_ids: tuple[int, ...]
     block_size: int
     client: object | None  # DraftStreamClient for colocated / grpc
-    mla_kernel: str = ""  # what the target's attention runs: gluon, triton or reference
+    mla_kernel: str  # what the target's attention runs: gluon, triton or reference
 
 
 class VerifierService(verifier_pb2_grpc.VerifierServicer):
