@@ -59,12 +59,16 @@ SWEEP = {  # name -> overrides of the launcher defaults (block_i 32, block_d 64,
     "stages4_r128": dict(num_stages=4, maxnreg=128),
     # pairs per expert block (same bits; default 16, see `kernels.int4_moe.BLOCK_M_CHOICES`)
     "bm16": dict(block_m=16), "bm32": dict(block_m=32), "bm64": dict(block_m=64),
+    # the zero point by an MMA on group sums (other bits): one FMA per two weights less, one launch more
+    "zp": dict(zp_mma=True), "zp_r96": dict(zp_mma=True, maxnreg=96), "zp_stages4": dict(zp_mma=True, num_stages=4),
+    "zp_stages2": dict(zp_mma=True, num_stages=2), "zp_bm32": dict(zp_mma=True, block_m=32),
 }
 CONFIG_GROUPS = {  # --configs GROUP
     "same_bits": [n for n in SWEEP if n.startswith(("k_unroll", "scale_tile", "persistent"))],
     "tiles": ["no_scale_tile", "stages2", "stages4", "stages4_r128", "r96", "bi16_bd32", "bi32_bd32", "bi16_bd64",
               "bi64_bd128_w8"],
     "block_m": ["bm16", "bm32", "bm64"],
+    "zp": ["zp", "zp_r96", "zp_stages4", "zp_stages2", "zp_bm32"],
     "same_bits_core": ["scale_tile", "k_unroll2", "scale_tile_k_unroll2", "persistent", "persistent_w2",
                        "persistent_p2", "scale_tile_persistent", "scale_tile_persistent_r128"],
 }

@@ -386,7 +386,8 @@ def run_case(model, pool, cfg, case: dict, invariant: bool, ceil: dict, info: di
         bytes_per_layer=fl["bytes_per_layer"], flops_per_layer=fl["flops_per_layer"],
         bytes_floor_ms=fl["bytes_floor_ms"], flops_floor_ms=fl["flops_floor_ms"],
         dtype=str(pool.kv.dtype).removeprefix("torch."), build_s=state.get("build_s"),
-        mla_impl=mla_attention.DEFAULT_IMPL, moe_block_m=int4_moe.DEFAULT_BLOCK_M, **lm)
+        mla_impl=mla_attention.DEFAULT_IMPL, moe_block_m=int4_moe.DEFAULT_BLOCK_M,
+        moe_zp_mma=int4_moe.DEFAULT_ZP_MMA, **lm)
     if args.profile and cuda:
         params["kernel_breakdown"] = state["breakdowns"][-1][2]
     if graph_err is not None:
@@ -436,6 +437,8 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--moe-block-m", type=int, choices=int4_moe.BLOCK_M_CHOICES, default=None,
                     help="INT4 MoE pairs per expert block (default: kernels.int4_moe.DEFAULT_BLOCK_M)")
+    ap.add_argument("--moe-zp-mma", choices=("on", "off"), default=None,
+                    help="INT4 MoE zero point by an MMA on group sums (default: kernels.int4_moe.DEFAULT_ZP_MMA)")
     ap.add_argument("--mla-impl", choices=mla_attention.IMPLS, default=None,
                     help=f"MLA tile kernel (default: mla_attention.DEFAULT_IMPL = {mla_attention.DEFAULT_IMPL})")
     args = ap.parse_args(argv)
@@ -466,6 +469,8 @@ def main(argv=None) -> list[dict]:
         mla_attention.DEFAULT_IMPL = args.mla_impl  # read by the launcher at each call
     if args.moe_block_m is not None:
         int4_moe.DEFAULT_BLOCK_M = args.moe_block_m
+    if args.moe_zp_mma is not None:
+        int4_moe.DEFAULT_ZP_MMA = args.moe_zp_mma == "on"
     t_start = time.perf_counter()
     dev = args.device
     cuda = dev.startswith("cuda")

@@ -16,6 +16,12 @@ in the interpreter; both give identical values) and one MMA adds Q_k X_k^T. Vari
               q exact and fold each group product in with its fp32 scale.
 Variants that change the schedule or the loads but not the arithmetic (bitwise equal to the same
 configuration without them; tested):
+  ZP_MMA      the zero point out of the dequant: weights bf16(u * s) of the raw nibble u = q + 8 (one FMA per two
+              weights instead of two, `_int4_dequant._dequant8_zp`), and per K step one more MMA adds
+              sum_g (-8 s_g) * (sum of x over group g), with the group sums (times -8, split into bf16 hi + lo,
+              exact to ~2^-17) precomputed per activation row: by `_group_sums_kernel` for x, in the w13
+              epilogue for `a`. Other bits than without it (bf16(u * s) is rounded at other magnitudes than
+              bf16(q * s)); needs PRESCALE.
   SCALE_TILE  a step's 8 x ROWS scales as one [ROWS, 8] load (16-byte vectors, cp.async, prefetched by
               the software pipeliner with the weights) instead of 8 two-byte loads per thread that stay
               synchronous in the loop (`_int4_dequant._scales8`)
@@ -36,9 +42,48 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels._int4_dequant import _dequant8, _dequant8_scaled, _scales8
+from kernels._int4_dequant import _dequant8, _dequant8_scaled, _dequant8_zp, _scales8
 
 BLOCK_K = tl.constexpr(256)  # columns per K step: 8 groups of 32, one nibble position each
+ZP_COLS = tl.constexpr(16)  # per K step and activation row: -8 x the 8 group sums, bf16 hi then lo
+
+
+@triton.jit
+def _halve(v, H: tl.constexpr):
+    # [A, 2H, B] -> [A, H, B]: element i + element i + H
+    a, b = tl.split(tl.permute(tl.reshape(v, [v.shape[0], 2, H, v.shape[2]]), (0, 2, 3, 1)))
+    return a + b
+
+
+@triton.jit
+def _tree_sum32(v):
+    """[A, 32, B] fp32 -> [A, B]: halves added level by level, so the order of the additions is the code's, not
+    the layout's (a tl.sum reduces in an order that follows the layout, which differs between kernel variants)."""
+    v = _halve(_halve(_halve(_halve(_halve(v, 16), 8), 4), 2), 1)
+    return tl.reshape(v, [v.shape[0], v.shape[2]])
+
+
+@triton.jit
+def _store_zp_sums(xs_ptrs, sums, mask):
+    # sums [A, B] fp32 group sums -> -8 * sums as bf16-or-DTYPE hi at xs_ptrs, lo at xs_ptrs + 8
+    v = sums * -8.0
+    hi = v.to(xs_ptrs.dtype.element_ty)
+    tl.store(xs_ptrs, hi, mask=mask)
+    tl.store(xs_ptrs + 8, (v - hi.to(tl.float32)).to(xs_ptrs.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _group_sums_kernel(x_ptr, xs_ptr, K, G, stride_xt, stride_xs, BLOCK_G: tl.constexpr):
+    """xs [rows, (Kp / 256) * ZP_COLS]: for each 256-column block of a row of x, -8 x the sums of its 8 groups
+    of 32 columns (zero past K), hi (index g) then lo (8 + g); G = Kp / 32 groups. One program per
+    (row, BLOCK_G groups)."""
+    r = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
+    col = g[:, None] * 32 + tl.arange(0, 32)[None, :]
+    x = tl.load(x_ptr + r * stride_xt + col, mask=col < K, other=0.0).to(tl.float32)
+    sums = _tree_sum32(tl.reshape(x, [BLOCK_G, 32, 1]))  # [BLOCK_G, 1]
+    off = (g // 8) * ZP_COLS + g % 8
+    _store_zp_sums(xs_ptr + r * stride_xs + off[:, None], sums, (g < G)[:, None])
 
 
 @triton.jit
@@ -74,11 +119,12 @@ def _scaled(p, s, SWAP: tl.constexpr):
 def _int4_kstep(acc, x_ptrs, x_ok, c, K, w_ptrs, w_ok, s_ptrs, stride_sk,
                 DTYPE: tl.constexpr, USE_ASM: tl.constexpr, PREC: tl.constexpr,
                 EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, PRESCALE: tl.constexpr, SWAP: tl.constexpr,
-                SCALE_TILE: tl.constexpr):
+                SCALE_TILE: tl.constexpr, ZP: tl.constexpr):
     """One 256-column block: acc += W[rows, block] @ X[:, block]^T, acc in MMA orientation (see _mma).
 
     Pointers at the block (w_ptrs [ROWS, 32] words, s_ptrs [ROWS] scales of group 0, x_ptrs [32, BLOCK_M]
-    column j of group 0 per pair); c [32, 1] the block's first 32 column indices (masks past K).
+    column j of group 0 per pair); c [32, 1] the block's first 32 column indices (masks past K). ZP: weights
+    without their zero point (`_zp_correction` adds it after the last block).
     """
     if EVEN_N:
         w = tl.load(w_ptrs)  # [ROWS, 32] int32: 128 contiguous bytes per row
@@ -94,7 +140,10 @@ def _int4_kstep(acc, x_ptrs, x_ok, c, K, w_ptrs, w_ok, s_ptrs, stride_sk,
     x7 = _xt(x_ptrs + 224, x_ok, c + 224, K, EVEN_K)
     s0, s1, s2, s3, s4, s5, s6, s7 = _scales8(s_ptrs, stride_sk, w_ok, EVEN_N, SCALE_TILE)
     if PRESCALE:
-        q0, q1, q2, q3, q4, q5, q6, q7 = _dequant8_scaled(w, s0, s1, s2, s3, s4, s5, s6, s7, DTYPE, USE_ASM)
+        if ZP:
+            q0, q1, q2, q3, q4, q5, q6, q7 = _dequant8_zp(w, s0, s1, s2, s3, s4, s5, s6, s7, DTYPE, USE_ASM)
+        else:
+            q0, q1, q2, q3, q4, q5, q6, q7 = _dequant8_scaled(w, s0, s1, s2, s3, s4, s5, s6, s7, DTYPE, USE_ASM)
         acc = _mma(q0, x0, acc, PREC, SWAP)
         acc = _mma(q1, x1, acc, PREC, SWAP)
         acc = _mma(q2, x2, acc, PREC, SWAP)
@@ -120,17 +169,38 @@ def _int4_kstep(acc, x_ptrs, x_ok, c, K, w_ptrs, w_ok, s_ptrs, stride_sk,
 def _int4_ksteps(acc, x_ptrs, x_ok, kb, K, w_ptrs, w_ok, s_ptrs, stride_sb, stride_sk, STEPS: tl.constexpr,
                  DTYPE: tl.constexpr, USE_ASM: tl.constexpr, PREC: tl.constexpr,
                  EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, PRESCALE: tl.constexpr, SWAP: tl.constexpr,
-                 SCALE_TILE: tl.constexpr):
+                 SCALE_TILE: tl.constexpr, ZP: tl.constexpr):
     """STEPS consecutive K blocks kb, kb + 1, ... (_int4_kstep each, unrolled); pointers in at block kb,
     returned advanced past the last one: (acc, x_ptrs, w_ptrs, s_ptrs)."""
     col = tl.arange(0, 32)[:, None]
     for u in tl.static_range(STEPS):
         acc = _int4_kstep(acc, x_ptrs, x_ok, (kb + u) * BLOCK_K + col, K, w_ptrs, w_ok, s_ptrs, stride_sk,
-                          DTYPE, USE_ASM, PREC, EVEN_K, EVEN_N, PRESCALE, SWAP, SCALE_TILE)
+                          DTYPE, USE_ASM, PREC, EVEN_K, EVEN_N, PRESCALE, SWAP, SCALE_TILE, ZP)
         w_ptrs += 32
         x_ptrs += BLOCK_K
         s_ptrs += stride_sb
     return acc, x_ptrs, w_ptrs, s_ptrs
+
+
+ZP_BLOCKS = tl.constexpr(4)  # K blocks per MMA of the zero-point correction (k = 4 x ZP_COLS = 64)
+
+
+@triton.jit
+def _zp_correction(acc, zs_ptrs, x_ok, s_ptrs, w_ok, stride_sb, stride_sk, num_kb, DTYPE: tl.constexpr,
+                   PREC: tl.constexpr, SWAP: tl.constexpr):
+    """ZP_MMA, after the K loop: acc (MMA orientation) += sum over every group G of s[row, G] * (-8 sum of x over
+    G), hi and lo, as MMAs of ZP_BLOCKS K blocks each ([ROWS, 64] scales x [64, BLOCK_M] sums) in block order.
+    zs_ptrs [1, BLOCK_M] each pair's row of sums, s_ptrs [ROWS] at K block 0. Outside the K loop, so the loop keeps its
+    registers and its pipeline; the scales are read a second time (L2: the loop just streamed them)."""
+    cols = tl.arange(0, ZP_BLOCKS * ZP_COLS)
+    blk = cols // ZP_COLS
+    s_off = (blk * stride_sb + (cols % 8) * stride_sk)[None, :]
+    for kb in range(0, num_kb, ZP_BLOCKS):
+        ok = kb + blk < num_kb
+        cs = tl.load(s_ptrs[:, None] + kb * stride_sb + s_off, mask=w_ok[:, None] & ok[None, :], other=0.0)
+        zs = tl.load(zs_ptrs + kb * ZP_COLS + cols[:, None], mask=x_ok & ok[:, None], other=0.0)
+        acc = _mma(cs.to(DTYPE), zs, acc, PREC, SWAP)
+    return acc
 
 
 @triton.jit
@@ -143,10 +213,10 @@ def _swap(acc, SWAP: tl.constexpr):
 
 
 @triton.jit
-def _int4_block_gemm(acc, x_ptrs, x_ok, K, w_ptrs, w_ok, s_ptrs, stride_sb, stride_sk, num_kb,
+def _int4_block_gemm(acc, x_ptrs, x_ok, K, w_ptrs, w_ok, s_ptrs, stride_sb, stride_sk, zs_ptrs, num_kb,
                      DTYPE: tl.constexpr, USE_ASM: tl.constexpr, PREC: tl.constexpr, EVEN_K: tl.constexpr,
                      EVEN_N: tl.constexpr, PRESCALE: tl.constexpr, SWAP: tl.constexpr, SCALE_TILE: tl.constexpr,
-                     K_UNROLL: tl.constexpr):
+                     K_UNROLL: tl.constexpr, ZP: tl.constexpr):
     """acc [ROWS, BLOCK_M] += W[rows, :K] @ X^T over the whole K extent, in a fixed order.
 
     x_ptrs [32, BLOCK_M]: column j of group 0 for each pair's activation row; x_ok [1, BLOCK_M]
@@ -163,13 +233,16 @@ def _int4_block_gemm(acc, x_ptrs, x_ok, K, w_ptrs, w_ok, s_ptrs, stride_sb, stri
         kb0 = num_kb % K_UNROLL
         for u in tl.static_range(K_UNROLL - 1):
             if u < kb0:
-                acc, x_ptrs, w_ptrs, s_ptrs = _int4_ksteps(acc, x_ptrs, x_ok, u, K, w_ptrs, w_ok, s_ptrs, stride_sb,
-                                                           stride_sk, 1, DTYPE, USE_ASM, PREC, EVEN_K, EVEN_N,
-                                                           PRESCALE, SWAP, SCALE_TILE)
+                acc, x_ptrs, w_ptrs, s_ptrs = _int4_ksteps(
+                    acc, x_ptrs, x_ok, u, K, w_ptrs, w_ok, s_ptrs, stride_sb, stride_sk, 1, DTYPE, USE_ASM,
+                    PREC, EVEN_K, EVEN_N, PRESCALE, SWAP, SCALE_TILE, ZP)
     for kb in range(kb0, num_kb, K_UNROLL):
-        acc, x_ptrs, w_ptrs, s_ptrs = _int4_ksteps(acc, x_ptrs, x_ok, kb, K, w_ptrs, w_ok, s_ptrs, stride_sb,
-                                                   stride_sk, K_UNROLL, DTYPE, USE_ASM, PREC, EVEN_K, EVEN_N,
-                                                   PRESCALE, SWAP, SCALE_TILE)
+        acc, x_ptrs, w_ptrs, s_ptrs = _int4_ksteps(
+            acc, x_ptrs, x_ok, kb, K, w_ptrs, w_ok, s_ptrs, stride_sb, stride_sk, K_UNROLL, DTYPE, USE_ASM,
+            PREC, EVEN_K, EVEN_N, PRESCALE, SWAP, SCALE_TILE, ZP)
+    if ZP:
+        acc = _zp_correction(acc, zs_ptrs, x_ok, s_ptrs - num_kb * stride_sb, w_ok, stride_sb, stride_sk, num_kb,
+                             DTYPE, PREC, SWAP)
     return _swap(acc, SWAP)
 
 
@@ -184,10 +257,10 @@ def _num_used_blocks(bexp_ptr, nblk):
 
 
 @triton.jit
-def _w13_tile(e, pair, r, x_ptr, w_ptr, s_ptr, P, I, stride_xt, stride_we, stride_wn, stride_se,
+def _w13_tile(e, pair, r, x_ptr, w_ptr, s_ptr, xs_ptr, P, I, stride_xt, stride_we, stride_wn, stride_se, stride_xs,
               TOPK: tl.constexpr, BLOCK_I: tl.constexpr):
     """w13 tile of expert e (int64), pairs `pair` [BLOCK_M], intermediate columns r * BLOCK_I + [0, BLOCK_I):
-    (ok [BLOCK_M] real pairs, row_ok [2 * BLOCK_I], w_ptrs, s_ptrs, x_ptrs) at K block 0 (no loads)."""
+    (ok [BLOCK_M] real pairs, row_ok [2 * BLOCK_I], w_ptrs, s_ptrs, x_ptrs, zs_ptrs) at K block 0 (no loads)."""
     ok = pair < P
     rr = tl.arange(0, 2 * BLOCK_I)
     n = r * BLOCK_I + rr % BLOCK_I  # intermediate column of this row
@@ -195,18 +268,29 @@ def _w13_tile(e, pair, r, x_ptr, w_ptr, s_ptr, P, I, stride_xt, stride_we, strid
     row_ok = n < I
     w_ptrs = w_ptr + e * stride_we + row[:, None] * stride_wn + tl.arange(0, 32)[None, :]
     s_ptrs = s_ptr + e * stride_se + row
-    x_ptrs = x_ptr + (tl.where(ok, pair, 0) // TOPK)[None, :] * stride_xt + tl.arange(0, 32)[:, None]
-    return ok, row_ok, w_ptrs, s_ptrs, x_ptrs
+    tok = (tl.where(ok, pair, 0) // TOPK)[None, :]
+    x_ptrs = x_ptr + tok * stride_xt + tl.arange(0, 32)[:, None]
+    zs_ptrs = xs_ptr + tok * stride_xs
+    return ok, row_ok, w_ptrs, s_ptrs, x_ptrs, zs_ptrs
 
 
 @triton.jit
-def _w13_store(acc, a_ptr, pair, ok, r, I, stride_ap, BLOCK_I: tl.constexpr, BLOCK_M: tl.constexpr):
-    # acc [2 * BLOCK_I, BLOCK_M] gate rows then up rows -> silu(gate) * up of intermediate columns r * BLOCK_I + ..
+def _w13_store(acc, a_ptr, pair, ok, r, I, stride_ap, as_ptr, stride_as, BLOCK_I: tl.constexpr,
+               BLOCK_M: tl.constexpr, ZP: tl.constexpr):
+    """acc [2 * BLOCK_I, BLOCK_M] gate rows then up rows -> silu(gate) * up of intermediate columns r * BLOCK_I + ..
+    ZP: also the w2 kernel's group sums of those columns as stored (BLOCK_I % 32 == 0: whole groups; columns
+    past I are 0) into as_ptr [P, (Ip / 256) * ZP_COLS]."""
     gate, up = tl.split(tl.permute(tl.reshape(acc, [2, BLOCK_I, BLOCK_M]), (1, 2, 0)))  # [BLOCK_I, BLOCK_M]
-    act = gate / (1.0 + tl.exp(-gate)) * up
+    act = (gate / (1.0 + tl.exp(-gate)) * up).to(a_ptr.dtype.element_ty)
     n_out = r * BLOCK_I + tl.arange(0, BLOCK_I)
-    tl.store(a_ptr + pair[None, :] * stride_ap + n_out[:, None], act.to(a_ptr.dtype.element_ty),
-             mask=(n_out < I)[:, None] & ok[None, :])
+    tl.store(a_ptr + pair[None, :] * stride_ap + n_out[:, None], act, mask=(n_out < I)[:, None] & ok[None, :])
+    if ZP:
+        NG: tl.constexpr = BLOCK_I // 32
+        act = tl.where((n_out < I)[:, None], act.to(tl.float32), 0.0)
+        sums = _tree_sum32(tl.reshape(act, [NG, 32, BLOCK_M]))  # [NG, BLOCK_M]
+        g = r * NG + tl.arange(0, NG)
+        off = (g // 8) * ZP_COLS + g % 8
+        _store_zp_sums(as_ptr + pair[None, :] * stride_as + off[:, None], sums, ok[None, :])
 
 
 @triton.jit(do_not_specialize=["nblk"])
@@ -215,12 +299,13 @@ def _moe_w13_kernel(
     w_ptr, s_ptr,  # w13 GPU layout: int32 [E, 2I, Dp/8], scale [E, Dp/256, 8, 2I]
     a_ptr,  # out: [P, I] silu(gate) * up per pair, activation dtype
     pairs_ptr, bexp_ptr,  # from _moe_align
+    xs_ptr, as_ptr,  # ZP_MMA: x's group sums [T, ...] (in), a's [P, ...] (out); see _group_sums_kernel
     P, D, I, num_kb, nblk,  # nblk = len(bexp) (PERSISTENT only)
-    stride_xt, stride_we, stride_wn, stride_se, stride_sb, stride_sk, stride_ap,
+    stride_xt, stride_we, stride_wn, stride_se, stride_sb, stride_sk, stride_ap, stride_xs, stride_as,
     TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr,
     DTYPE: tl.constexpr, USE_ASM: tl.constexpr, PREC: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, PRESCALE: tl.constexpr, SWAP: tl.constexpr,
-    SCALE_TILE: tl.constexpr, K_UNROLL: tl.constexpr, PERSISTENT: tl.constexpr,
+    SCALE_TILE: tl.constexpr, K_UNROLL: tl.constexpr, PERSISTENT: tl.constexpr, ZP_MMA: tl.constexpr,
 ):
     if PERSISTENT:  # grid (programs,): tiles pid, pid + programs, ... in one flattened (tile, K block) loop
         pid = tl.program_id(0)
@@ -229,8 +314,9 @@ def _moe_w13_kernel(
         tile = pid - tl.num_programs(0)
         kb = num_kb - K_UNROLL
         pair = tl.full([BLOCK_M], 0, tl.int32)  # placeholders until the first tile's (kb == 0) set-up
-        ok, row_ok, w_ptrs, s_ptrs, x_ptrs = _w13_tile(0, pair, 0, x_ptr, w_ptr, s_ptr, P, I, stride_xt,
-                                                      stride_we, stride_wn, stride_se, TOPK, BLOCK_I)
+        ok, row_ok, w_ptrs, s_ptrs, x_ptrs, zs_ptrs = _w13_tile(0, pair, 0, x_ptr, w_ptr, s_ptr, xs_ptr, P, I,
+                                                               stride_xt, stride_we, stride_wn, stride_se, stride_xs,
+                                                               TOPK, BLOCK_I)
         acc = _swap(tl.zeros([2 * BLOCK_I, BLOCK_M], dtype=tl.float32), SWAP)
         for _ in range(0, tl.cdiv(n_tiles - pid, tl.num_programs(0)) * (num_kb // K_UNROLL)):
             kb = tl.where(kb == num_kb - K_UNROLL, 0, kb + K_UNROLL)
@@ -239,14 +325,18 @@ def _moe_w13_kernel(
                 b = tile // n_rt
                 e = tl.load(bexp_ptr + b).to(tl.int64)
                 pair = tl.load(pairs_ptr + b * BLOCK_M + tl.arange(0, BLOCK_M))
-                ok, row_ok, w_ptrs, s_ptrs, x_ptrs = _w13_tile(e, pair, tile % n_rt, x_ptr, w_ptr, s_ptr, P, I,
-                                                              stride_xt, stride_we, stride_wn, stride_se, TOPK,
-                                                              BLOCK_I)
-            acc, x_ptrs, w_ptrs, s_ptrs = _int4_ksteps(acc, x_ptrs, ok[None, :], kb, D, w_ptrs, row_ok, s_ptrs,
-                                                       stride_sb, stride_sk, K_UNROLL, DTYPE, USE_ASM, PREC,
-                                                       EVEN_K, EVEN_N, PRESCALE, SWAP, SCALE_TILE)
+                ok, row_ok, w_ptrs, s_ptrs, x_ptrs, zs_ptrs = _w13_tile(
+                    e, pair, tile % n_rt, x_ptr, w_ptr, s_ptr, xs_ptr, P, I, stride_xt, stride_we, stride_wn,
+                    stride_se, stride_xs, TOPK, BLOCK_I)
+            acc, x_ptrs, w_ptrs, s_ptrs = _int4_ksteps(
+                acc, x_ptrs, ok[None, :], kb, D, w_ptrs, row_ok, s_ptrs, stride_sb, stride_sk, K_UNROLL,
+                DTYPE, USE_ASM, PREC, EVEN_K, EVEN_N, PRESCALE, SWAP, SCALE_TILE, ZP_MMA)
             if kb == num_kb - K_UNROLL:
-                _w13_store(_swap(acc, SWAP), a_ptr, pair, ok, tile % n_rt, I, stride_ap, BLOCK_I, BLOCK_M)
+                if ZP_MMA:
+                    acc = _zp_correction(acc, zs_ptrs, ok[None, :], s_ptrs - num_kb * stride_sb, row_ok, stride_sb,
+                                         stride_sk, num_kb, DTYPE, PREC, SWAP)
+                _w13_store(_swap(acc, SWAP), a_ptr, pair, ok, tile % n_rt, I, stride_ap, as_ptr, stride_as, BLOCK_I,
+                           BLOCK_M, ZP_MMA)
                 acc = _swap(tl.zeros([2 * BLOCK_I, BLOCK_M], dtype=tl.float32), SWAP)
     else:  # grid (row tiles, blocks): one tile per program
         pid_n = tl.program_id(0)
@@ -255,26 +345,29 @@ def _moe_w13_kernel(
         if e < 0:
             return
         pair = tl.load(pairs_ptr + pid_b * BLOCK_M + tl.arange(0, BLOCK_M))  # [BLOCK_M]
-        ok, row_ok, w_ptrs, s_ptrs, x_ptrs = _w13_tile(e.to(tl.int64), pair, pid_n, x_ptr, w_ptr, s_ptr, P, I,
-                                                      stride_xt, stride_we, stride_wn, stride_se, TOPK, BLOCK_I)
+        ok, row_ok, w_ptrs, s_ptrs, x_ptrs, zs_ptrs = _w13_tile(
+            e.to(tl.int64), pair, pid_n, x_ptr, w_ptr, s_ptr, xs_ptr, P, I, stride_xt, stride_we, stride_wn,
+            stride_se, stride_xs, TOPK, BLOCK_I)
         acc = tl.zeros([2 * BLOCK_I, BLOCK_M], dtype=tl.float32)
-        acc = _int4_block_gemm(acc, x_ptrs, ok[None, :], D, w_ptrs, row_ok, s_ptrs, stride_sb, stride_sk, num_kb,
-                               DTYPE, USE_ASM, PREC, EVEN_K, EVEN_N, PRESCALE, SWAP, SCALE_TILE, K_UNROLL)
-        _w13_store(acc, a_ptr, pair, ok, pid_n, I, stride_ap, BLOCK_I, BLOCK_M)
+        acc = _int4_block_gemm(acc, x_ptrs, ok[None, :], D, w_ptrs, row_ok, s_ptrs, stride_sb, stride_sk, zs_ptrs,
+                               num_kb, DTYPE, USE_ASM, PREC, EVEN_K, EVEN_N, PRESCALE, SWAP, SCALE_TILE, K_UNROLL,
+                               ZP_MMA)
+        _w13_store(acc, a_ptr, pair, ok, pid_n, I, stride_ap, as_ptr, stride_as, BLOCK_I, BLOCK_M, ZP_MMA)
 
 
 @triton.jit
-def _w2_tile(e, pair, r, a_ptr, w_ptr, s_ptr, P, D, stride_ap, stride_we, stride_wn, stride_se,
+def _w2_tile(e, pair, r, a_ptr, w_ptr, s_ptr, as_ptr, P, D, stride_ap, stride_we, stride_wn, stride_se, stride_as,
              BLOCK_D: tl.constexpr):
     """w2 tile of expert e (int64), pairs `pair` [BLOCK_M], output rows r * BLOCK_D + [0, BLOCK_D):
-    (ok [BLOCK_M] real pairs, row_ok [BLOCK_D], w_ptrs, s_ptrs, x_ptrs) at K block 0 (no loads)."""
+    (ok [BLOCK_M] real pairs, row_ok [BLOCK_D], w_ptrs, s_ptrs, x_ptrs, zs_ptrs) at K block 0 (no loads)."""
     ok = pair < P
     row = r * BLOCK_D + tl.arange(0, BLOCK_D)
     row_ok = row < D
     w_ptrs = w_ptr + e * stride_we + row[:, None] * stride_wn + tl.arange(0, 32)[None, :]
     s_ptrs = s_ptr + e * stride_se + row
     x_ptrs = a_ptr + tl.where(ok, pair, 0)[None, :] * stride_ap + tl.arange(0, 32)[:, None]
-    return ok, row_ok, w_ptrs, s_ptrs, x_ptrs
+    zs_ptrs = as_ptr + tl.where(ok, pair, 0)[None, :] * stride_as
+    return ok, row_ok, w_ptrs, s_ptrs, x_ptrs, zs_ptrs
 
 
 @triton.jit
@@ -291,12 +384,13 @@ def _moe_w2_kernel(
     w_ptr, s_ptr,  # w2 GPU layout: int32 [E, D, Ip/8], scale [E, Ip/256, 8, D]
     y_ptr,  # out: fp32 [P, D] unweighted expert output per pair
     pairs_ptr, bexp_ptr,
+    as_ptr,  # ZP_MMA: a's group sums from _moe_w13_kernel
     P, I, D, num_kb, nblk,  # nblk = len(bexp) (PERSISTENT only)
-    stride_ap, stride_we, stride_wn, stride_se, stride_sb, stride_sk, stride_yp,
+    stride_ap, stride_we, stride_wn, stride_se, stride_sb, stride_sk, stride_yp, stride_as,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     DTYPE: tl.constexpr, USE_ASM: tl.constexpr, PREC: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, PRESCALE: tl.constexpr, SWAP: tl.constexpr,
-    SCALE_TILE: tl.constexpr, K_UNROLL: tl.constexpr, PERSISTENT: tl.constexpr,
+    SCALE_TILE: tl.constexpr, K_UNROLL: tl.constexpr, PERSISTENT: tl.constexpr, ZP_MMA: tl.constexpr,
 ):
     if PERSISTENT:  # as in _moe_w13_kernel
         pid = tl.program_id(0)
@@ -305,8 +399,9 @@ def _moe_w2_kernel(
         tile = pid - tl.num_programs(0)
         kb = num_kb - K_UNROLL
         pair = tl.full([BLOCK_M], 0, tl.int32)
-        ok, row_ok, w_ptrs, s_ptrs, x_ptrs = _w2_tile(0, pair, 0, a_ptr, w_ptr, s_ptr, P, D, stride_ap, stride_we,
-                                                      stride_wn, stride_se, BLOCK_D)
+        ok, row_ok, w_ptrs, s_ptrs, x_ptrs, zs_ptrs = _w2_tile(0, pair, 0, a_ptr, w_ptr, s_ptr, as_ptr, P, D,
+                                                              stride_ap, stride_we, stride_wn, stride_se, stride_as,
+                                                              BLOCK_D)
         acc = _swap(tl.zeros([BLOCK_D, BLOCK_M], dtype=tl.float32), SWAP)
         for _ in range(0, tl.cdiv(n_tiles - pid, tl.num_programs(0)) * (num_kb // K_UNROLL)):
             kb = tl.where(kb == num_kb - K_UNROLL, 0, kb + K_UNROLL)
@@ -315,12 +410,16 @@ def _moe_w2_kernel(
                 b = tile // n_rt
                 e = tl.load(bexp_ptr + b).to(tl.int64)
                 pair = tl.load(pairs_ptr + b * BLOCK_M + tl.arange(0, BLOCK_M))
-                ok, row_ok, w_ptrs, s_ptrs, x_ptrs = _w2_tile(e, pair, tile % n_rt, a_ptr, w_ptr, s_ptr, P, D,
-                                                              stride_ap, stride_we, stride_wn, stride_se, BLOCK_D)
-            acc, x_ptrs, w_ptrs, s_ptrs = _int4_ksteps(acc, x_ptrs, ok[None, :], kb, I, w_ptrs, row_ok, s_ptrs,
-                                                       stride_sb, stride_sk, K_UNROLL, DTYPE, USE_ASM, PREC,
-                                                       EVEN_K, EVEN_N, PRESCALE, SWAP, SCALE_TILE)
+                ok, row_ok, w_ptrs, s_ptrs, x_ptrs, zs_ptrs = _w2_tile(
+                    e, pair, tile % n_rt, a_ptr, w_ptr, s_ptr, as_ptr, P, D, stride_ap, stride_we, stride_wn,
+                    stride_se, stride_as, BLOCK_D)
+            acc, x_ptrs, w_ptrs, s_ptrs = _int4_ksteps(
+                acc, x_ptrs, ok[None, :], kb, I, w_ptrs, row_ok, s_ptrs, stride_sb, stride_sk, K_UNROLL,
+                DTYPE, USE_ASM, PREC, EVEN_K, EVEN_N, PRESCALE, SWAP, SCALE_TILE, ZP_MMA)
             if kb == num_kb - K_UNROLL:
+                if ZP_MMA:
+                    acc = _zp_correction(acc, zs_ptrs, ok[None, :], s_ptrs - num_kb * stride_sb, row_ok, stride_sb,
+                                         stride_sk, num_kb, DTYPE, PREC, SWAP)
                 _w2_store(_swap(acc, SWAP), y_ptr, pair, ok, tile % n_rt, D, stride_yp, BLOCK_D)
                 acc = _swap(tl.zeros([BLOCK_D, BLOCK_M], dtype=tl.float32), SWAP)
     else:
@@ -330,11 +429,13 @@ def _moe_w2_kernel(
         if e < 0:
             return
         pair = tl.load(pairs_ptr + pid_b * BLOCK_M + tl.arange(0, BLOCK_M))
-        ok, row_ok, w_ptrs, s_ptrs, x_ptrs = _w2_tile(e.to(tl.int64), pair, pid_n, a_ptr, w_ptr, s_ptr, P, D,
-                                                      stride_ap, stride_we, stride_wn, stride_se, BLOCK_D)
+        ok, row_ok, w_ptrs, s_ptrs, x_ptrs, zs_ptrs = _w2_tile(
+            e.to(tl.int64), pair, pid_n, a_ptr, w_ptr, s_ptr, as_ptr, P, D, stride_ap, stride_we, stride_wn,
+            stride_se, stride_as, BLOCK_D)
         acc = tl.zeros([BLOCK_D, BLOCK_M], dtype=tl.float32)
-        acc = _int4_block_gemm(acc, x_ptrs, ok[None, :], I, w_ptrs, row_ok, s_ptrs, stride_sb, stride_sk, num_kb,
-                               DTYPE, USE_ASM, PREC, EVEN_K, EVEN_N, PRESCALE, SWAP, SCALE_TILE, K_UNROLL)
+        acc = _int4_block_gemm(acc, x_ptrs, ok[None, :], I, w_ptrs, row_ok, s_ptrs, stride_sb, stride_sk, zs_ptrs,
+                               num_kb, DTYPE, USE_ASM, PREC, EVEN_K, EVEN_N, PRESCALE, SWAP, SCALE_TILE, K_UNROLL,
+                               ZP_MMA)
         _w2_store(acc, y_ptr, pair, ok, pid_n, D, stride_yp, BLOCK_D)
 
 

@@ -48,7 +48,13 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels._int4_moe_kernels import _moe_combine_kernel, _moe_w2_kernel, _moe_w13_kernel
+from kernels._int4_moe_kernels import (
+    ZP_COLS,
+    _group_sums_kernel,
+    _moe_combine_kernel,
+    _moe_w2_kernel,
+    _moe_w13_kernel,
+)
 from kernels._moe_align import moe_align
 from kernels.int4_pack import PACK_FACTOR, dequantize_int4
 
@@ -159,6 +165,10 @@ _PRESCALE = True  # dequantise to bf16(q * scale) and chain the 8 group MMAs (vs
 # a K step's 8 group scales as one [rows, 8] cp.async load, prefetched with the weights (same bits); H200:
 # T=1 0.102 -> 0.089 ms, T=9 0.656 -> 0.605, T=33 1.856 -> 1.724 (bench/results/int4_moe_same_bits.jsonl)
 _SCALE_TILE = True
+# the zero point out of the dequant (`_int4_moe_kernels` doc, ZP_MMA): one bf16x2 FMA per two weights instead of
+# two, plus MMAs on precomputed group sums after the K loop (one more launch, for x's sums). Other bits. Read at
+# each call (benchmarks flip it).
+DEFAULT_ZP_MMA = False
 
 
 def _repack_proj(packed: torch.Tensor, scale: torch.Tensor):
@@ -233,11 +243,28 @@ def _launch(kernel, row_tiles: int, nblk: int, persistent: bool, num_programs: i
     kernel[(min(row_tiles * nblk, programs),)](*args, **options)
 
 
+def _zp_sums(x: torch.Tensor, P: int, kb13: int, kb2: int, inter: int, block_i: int, zp_mma: bool):
+    """ZP_MMA's group-sum buffers: x's (filled here, one launch) and a's (filled by the w13 epilogue; zeroed
+    first only where the w13 tiles do not reach I's padded width); without zp_mma, x twice (never read)."""
+    if not zp_mma:
+        return x, x
+    T, D = x.shape
+    groups = kb13 * 8
+    xs = torch.empty(T, kb13 * ZP_COLS, dtype=x.dtype, device=x.device)
+    block_g = min(256, triton.next_power_of_2(groups))
+    _group_sums_kernel[(T, triton.cdiv(groups, block_g))](x, xs, D, groups, x.stride(0), xs.stride(0),
+                                                          BLOCK_G=block_g, num_warps=4)
+    covered = triton.cdiv(inter, block_i) * block_i >= kb2 * _BLOCK_K
+    a_sums = (torch.empty if covered else torch.zeros)(P, kb2 * ZP_COLS, dtype=x.dtype, device=x.device)
+    return xs, a_sums
+
+
 def _int4_moe_triton(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, experts: range | None = None,
                      reduce_pairs=None, block_i: int = _BLOCK_I, block_d: int = _BLOCK_D, num_warps: int = 4,
                      num_stages: int = 3, use_asm: bool = _USE_ASM, prescale: bool = _PRESCALE, swap: bool = _SWAP,
                      scale_tile: bool = _SCALE_TILE, k_unroll: int = 1, persistent: bool | str = False,
-                     num_programs: int | None = None, maxnreg: int | None = None, block_m: int | None = None):
+                     num_programs: int | None = None, maxnreg: int | None = None, block_m: int | None = None,
+                     zp_mma: bool | None = None):
     T, D = x.shape
     topk = topk_ids.shape[1]
     E, two_i, _ = w13.shape
@@ -246,6 +273,7 @@ def _int4_moe_triton(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, experts
     if persistent not in (False, True, "w13", "w2"):
         raise ValueError(f"int4_moe: persistent={persistent!r} (False, True, 'w13' or 'w2')")
     block_m = block_m or DEFAULT_BLOCK_M
+    zp_mma = DEFAULT_ZP_MMA if zp_mma is None else zp_mma
     if block_m not in BLOCK_M_CHOICES:
         raise ValueError(f"int4_moe: block_m={block_m} (one of {BLOCK_M_CHOICES})")
     pers13, pers2 = persistent in (True, "w13"), persistent in (True, "w2")
@@ -254,6 +282,9 @@ def _int4_moe_triton(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, experts
         raise ValueError(f"int4_moe: k_unroll={k_unroll} (persistent: must divide the K blocks, {kb13} / {kb2})")
     if num_programs is not None and (not persistent or num_programs < 1):
         raise ValueError(f"int4_moe: num_programs={num_programs} needs persistent and >= 1")
+    if zp_mma and (not prescale or block_i % 32):
+        raise ValueError(f"int4_moe: zp_mma needs prescale and block_i a multiple of 32 (got prescale={prescale}, "
+                         f"block_i={block_i})")
     if out is None:
         out = torch.empty_like(x)
     elif out.shape != x.shape or out.dtype != x.dtype or out.stride(-1) != 1:
@@ -265,20 +296,23 @@ def _int4_moe_triton(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, experts
     nblk = bexp.shape[0]
     common = dict(BLOCK_M=block_m, DTYPE=_TL_DTYPE[x.dtype], PREC="ieee" if x.dtype == torch.float32 else "tf32",
                   USE_ASM=use_asm and x.dtype == torch.bfloat16 and x.is_cuda,  # PTX: real GPU only
-                  PRESCALE=prescale, SWAP=swap, SCALE_TILE=scale_tile, K_UNROLL=k_unroll,
+                  PRESCALE=prescale, SWAP=swap, SCALE_TILE=scale_tile, K_UNROLL=k_unroll, ZP_MMA=zp_mma,
                   num_warps=num_warps, num_stages=num_stages)
     if maxnreg is not None:
         common["maxnreg"] = maxnreg  # ptxas register cap per thread (more CTAs per SM, or spills)
     a = torch.empty(P, inter, dtype=x.dtype, device=x.device)  # silu(gate) * up per pair
+    xs, a_sums = _zp_sums(x, P, kb13, kb2, inter, block_i, zp_mma)
     _launch(_moe_w13_kernel, triton.cdiv(inter, block_i), nblk, pers13, num_programs, (
-        x, w13, s13, a, sorted_pairs, bexp, P, D, inter, kb13, nblk,
-        x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), s13.stride(2), a.stride(0)),
+        x, w13, s13, a, sorted_pairs, bexp, xs, a_sums, P, D, inter, kb13, nblk,
+        x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), s13.stride(2), a.stride(0),
+        xs.stride(0), a_sums.stride(0)),
         dict(TOPK=topk, BLOCK_I=block_i, EVEN_K=D % _BLOCK_K == 0, EVEN_N=inter % block_i == 0, PERSISTENT=pers13,
              **common))
     y = _pair_buffer(P, D, torch.float32, x.device, experts is not None)  # unweighted expert output per pair
     _launch(_moe_w2_kernel, triton.cdiv(D, block_d), nblk, pers2, num_programs, (
-        a, w2, s2, y, sorted_pairs, bexp, P, inter, D, kb2, nblk,
-        a.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), s2.stride(2), y.stride(0)),
+        a, w2, s2, y, sorted_pairs, bexp, a_sums, P, inter, D, kb2, nblk,
+        a.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), s2.stride(2), y.stride(0),
+        a_sums.stride(0)),
         dict(BLOCK_D=block_d, EVEN_K=inter % _BLOCK_K == 0, EVEN_N=D % block_d == 0, PERSISTENT=pers2, **common))
     if reduce_pairs is not None:
         reduce_pairs(y)  # expert parallel: every rank now holds every pair's row, bit for bit
@@ -335,5 +369,6 @@ def int4_moe_triton(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_sc
     persistent (True, or "w13" / "w2" for one GEMM only; k_unroll must divide its K blocks, 28 / 8 at
     Kimi shapes), num_programs (persistent grid size; default SMs x the CTAs of the compiled kernel that
     fit on an SM, 4 off CUDA), maxnreg (ptxas register cap, e.g. 128 to fit 4 CTAs of 4 warps per SM),
-    block_m (pairs per expert block, one of BLOCK_M_CHOICES; default `DEFAULT_BLOCK_M`)."""
+    block_m (pairs per expert block, one of BLOCK_M_CHOICES; default `DEFAULT_BLOCK_M`). Other arithmetic:
+    zp_mma (the zero point by an MMA on group sums, see `_int4_moe_kernels`; needs prescale, block_i % 32 == 0)."""
     return _int4_moe_triton(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale, out, **config)

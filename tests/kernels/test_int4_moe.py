@@ -141,7 +141,9 @@ def test_int4_moe_kernel_vs_reference(T, k, E, D, inter, dtype):
 # the kernel variants the benchmarks sweep (MMA orientation, where the scale is applied, tiles)
 VARIANTS = [dict(swap=s, prescale=p) for s in (False, True) for p in (False, True)] + [
     dict(swap=True, prescale=True, block_i=64, block_d=128, num_warps=8),
-    dict(swap=True, prescale=True, block_i=16, block_d=32), dict(swap=True, prescale=True, block_i=32, block_d=32)]
+    dict(swap=True, prescale=True, block_i=16, block_d=32), dict(swap=True, prescale=True, block_i=32, block_d=32),
+    # the zero point by an MMA on group sums (other arithmetic than the default: against the reference)
+    dict(zp_mma=True), dict(zp_mma=True, swap=False), dict(zp_mma=True, block_i=64, block_d=128, num_warps=8)]
 
 
 @pytest.mark.parametrize("config", VARIANTS, ids=_cfg_id)
@@ -174,6 +176,11 @@ SAME_BITS_VARIANTS = [
     (dict(block_m=16), dict(block_m=32), "fp32 fp16"),  # 17 pairs on expert 1: two blocks of 16, one of 32
     (dict(block_m=16), dict(block_m=64), "fp32 fp16"),
     (dict(block_m=16), dict(block_m=32, persistent=True, num_programs=3), "fp16"),
+    # zp_mma: its own bits, kept by the same schedule options (the correction runs after the K loop in every one)
+    (dict(zp_mma=True), dict(k_unroll=2), "fp32 fp16"),
+    (dict(zp_mma=True), dict(persistent=True, num_programs=3), "fp32 fp16"),
+    (dict(zp_mma=True, scale_tile=False), dict(persistent="w2", k_unroll=2, scale_tile=True), "fp16"),
+    (dict(zp_mma=True), dict(block_m=32), "fp16"),
 ]
 # interpreter: few, large tiles (its cost is per program and K block); GPU: the default tiles (fast to compile)
 _BIG = {} if CUDA else dict(block_i=128, block_d=256)
@@ -213,13 +220,15 @@ def test_int4_moe_variant_options_checked():
     x = torch.randn(2, 96, device=DEV)
     for bad in (dict(k_unroll=0), dict(persistent=True, k_unroll=2), dict(persistent="w2", k_unroll=2),
                 dict(num_programs=4), dict(persistent=True, num_programs=0), dict(persistent="w3"),
-                dict(block_m=8), dict(block_m=48)):
+                dict(block_m=8), dict(block_m=48), dict(zp_mma=True, prescale=False), dict(zp_mma=True, block_i=16)):
         with pytest.raises(ValueError):
             int4_moe_triton(x, ids, tw, *w, **bad)
 
 
-def test_int4_moe_exact_small_integers():
-    """Hand-built: integer activations and power-of-two scales make fp32 sums exact."""
+@pytest.mark.parametrize("zp_mma", [False, True])
+def test_int4_moe_exact_small_integers(zp_mma):
+    """Hand-built: integer activations and power-of-two scales make fp32 sums exact (with zp_mma too: u * s,
+    the group sums and their products are exact)."""
     E, D, inter, T = 2, 256, 64, 2
     g = torch.Generator().manual_seed(5)
     q13 = torch.randint(-2, 3, (E * 2 * inter, D), generator=g, dtype=torch.int8)
@@ -231,9 +240,29 @@ def test_int4_moe_exact_small_integers():
     x = torch.randint(-3, 4, (T, D), generator=g).float().to(DEV)
     ids = torch.tensor([[1, 0], [0, 1]], device=DEV)
     tw = torch.tensor([[0.5, 0.25], [1.0, 2.0]], device=DEV)
-    out = run_kernel(x, ids, tw, repack_int4_moe_for_gpu(*w))
+    out = run_kernel(x, ids, tw, repack_int4_moe_for_gpu(*w), zp_mma=zp_mma)
     ref = int4_moe_ref(x, ids, tw, *w)
     assert_close(out, ref, 1e-6, "exact small integers")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_zp_group_sums(dtype):
+    """x's group sums for zp_mma: per 256-column block, -8 x the sums of its 8 groups of 32 columns (zero past
+    K) as hi (8) then lo (8) in x's dtype, hi + lo within 2^-16 of the fp32 sum; rows do not see each other."""
+    from kernels.int4_moe import _zp_sums
+
+    T, D = 3, 300  # 2 K blocks, the second partial (groups 9 and 10 partly / not at all in x)
+    x = (torch.randn(T, D, generator=torch.Generator().manual_seed(9)) * 3).to(DEV, dtype)
+    xs, a_sums = _zp_sums(x, 5, 2, 1, 160, 32, True)
+    assert xs.shape == (T, 32) and xs.dtype == dtype and a_sums.shape == (5, 16)
+    ref = -8 * torch.nn.functional.pad(x.double(), (0, 512 - D)).view(T, 2, 8, 32).sum(-1)  # [T, block, group]
+    got = xs.view(T, 2, 2, 8).double()  # [T, block, hi/lo, group]
+    hi, both = got[:, :, 0], got[:, :, 0] + got[:, :, 1]
+    assert torch.equal(hi, ref.to(dtype).double()) or (hi - ref).abs().max() <= ref.abs().max() * 2 ** -8
+    assert (both - ref).abs().max() <= ref.abs().max() * 2 ** -16
+    assert torch.equal(got[:, 1, :, 3:], torch.zeros_like(got[:, 1, :, 3:]))  # groups past K
+    one, _ = _zp_sums(x[1:2].clone(), 5, 2, 1, 160, 32, True)
+    assert torch.equal(one[0], xs[1])
 
 
 def test_launcher_dispatch_and_layouts():
@@ -343,13 +372,16 @@ def ref_by_expert(x, ids, tw, w):
 
 @gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("zp_mma", [False, True])
 @pytest.mark.parametrize("T", [1, 9, 64])
-def test_int4_moe_kimi_shapes_bf16(kimi_experts, T):
+def test_int4_moe_kimi_shapes_bf16(kimi_experts, T, zp_mma):
     w, wg = kimi_experts
     ids, tw = make_routing(T, KIMI["k"], KIMI["E"], seed=T)
     x = torch.randn(T, KIMI["D"], device="cuda").to(torch.bfloat16)
-    out = run_kernel(x, ids, tw, wg)
-    assert_close(out, ref_by_expert(x, ids, tw, w), TOL[torch.bfloat16], f"Kimi T={T}")
+    out = run_kernel(x, ids, tw, wg, zp_mma=zp_mma)
+    ref = ref_by_expert(x, ids, tw, w)
+    assert_close(out, ref, TOL[torch.bfloat16], f"Kimi T={T} zp_mma={zp_mma}")
+    print(f"Kimi T={T} zp_mma={zp_mma}: relative error {float((out.float() - ref).norm() / ref.norm()):.2e}")
 
 
 # SAME_BITS_VARIANTS at Kimi shapes (D 7168 = 28 K blocks, I 2048 = 8, so k_unroll=2 divides both): (base, extra)
@@ -360,6 +392,8 @@ KIMI_SAME_BITS_VARIANTS = [
     ({}, dict(scale_tile=True, persistent=True)), (dict(prescale=False, scale_tile=False), dict(prescale=False)),
     (dict(block_m=16), dict(block_m=32)), (dict(block_m=16), dict(block_m=64)),
     (dict(block_m=16), dict(block_m=32, persistent=True)),
+    (dict(zp_mma=True), dict(persistent=True)), (dict(zp_mma=True), dict(k_unroll=2)),
+    (dict(zp_mma=True), dict(block_m=32)), (dict(zp_mma=True), dict(maxnreg=96)),
 ]
 
 
