@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from bench._common import bench_ms, env_info, graph_ms, measure_ceilings, write_jsonl
-from kernels.int4_moe import _RESIDENT, int4_moe_triton
+from kernels.int4_moe import _RESIDENT, int4_moe_triton, tile_int4_moe_weights
 
 E, D, INTER, TOPK, G = 384, 7168, 2048, 8, 32
 TOKENS = (1, 9, 17, 33, 65, 129)
@@ -62,6 +62,11 @@ SWEEP = {  # name -> overrides of the launcher defaults (block_i 32, block_d 64,
     # the zero point by an MMA on group sums (other bits): one FMA per two weights less, one launch more
     "zp": dict(zp_mma=True), "zp_r96": dict(zp_mma=True, maxnreg=96), "zp_stages4": dict(zp_mma=True, num_stages=4),
     "zp_stages2": dict(zp_mma=True, num_stages=2), "zp_bm32": dict(zp_mma=True, block_m=32),
+    # the tiled weight layout (`tile_int4_moe_weights`, same bits): each program streams one contiguous range
+    "tiled": dict(tiled=True), "tiled_stages4": dict(tiled=True, num_stages=4),
+    "tiled_stages2": dict(tiled=True, num_stages=2), "tiled_persistent": dict(tiled=True, persistent=True),
+    "tiled_zp": dict(tiled=True, zp_mma=True), "tiled_bd128": dict(tiled=(32, 128)),
+    "tiled_bi64": dict(tiled=(64, 64)), "tiled_bd32": dict(tiled=(32, 32)),
 }
 CONFIG_GROUPS = {  # --configs GROUP
     "same_bits": [n for n in SWEEP if n.startswith(("k_unroll", "scale_tile", "persistent"))],
@@ -69,6 +74,8 @@ CONFIG_GROUPS = {  # --configs GROUP
               "bi64_bd128_w8"],
     "block_m": ["bm16", "bm32", "bm64"],
     "zp": ["zp", "zp_r96", "zp_stages4", "zp_stages2", "zp_bm32"],
+    "tiled": ["tiled", "tiled_stages4", "tiled_stages2", "tiled_persistent", "tiled_zp", "tiled_bd128", "tiled_bi64",
+              "tiled_bd32"],
     "same_bits_core": ["scale_tile", "k_unroll2", "scale_tile_k_unroll2", "persistent", "persistent_w2",
                        "persistent_p2", "scale_tile_persistent", "scale_tile_persistent_r128"],
 }
@@ -148,11 +155,26 @@ def sm_count() -> int:
 
 
 def launcher_options(overrides: dict) -> dict:
-    """SWEEP entry -> int4_moe_triton keywords (programs_per_sm -> num_programs)."""
-    kw = dict(overrides)
+    """SWEEP entry -> int4_moe_triton keywords (programs_per_sm -> num_programs; `tiled` is the weights' business,
+    see `weights_for`)."""
+    kw = {k: v for k, v in overrides.items() if k != "tiled"}
     if "programs_per_sm" in kw:
         kw["num_programs"] = kw.pop("programs_per_sm") * sm_count()
     return kw
+
+
+@functools.cache
+def _tiled(w, tiles):
+    return tile_int4_moe_weights(*w, block_i=tiles[0], block_d=tiles[1])
+
+
+def weights_for(w, overrides: dict):
+    """The "gpu" layout weights, or (SWEEP `tiled`: True = the default tiles, or (block_i, block_d)) the same words
+    in the tiled layout, made once per tile shape (another 9.5 GB each)."""
+    tiles = overrides.get("tiled")
+    if not tiles:
+        return w
+    return _tiled(w, (32, 64) if tiles is True else tuple(tiles))
 
 
 def main():
@@ -171,7 +193,7 @@ def main():
     ceil = measure_ceilings()
     print(f"{info['gpu']}  copy {ceil['copy_bw_GBps']:.0f} GB/s  bf16 mm {ceil['mm_tflops']:.0f} TFLOP/s", flush=True)
     gen = torch.Generator(device="cuda").manual_seed(0)
-    w = gpu_layout_weights(gen)
+    w = tuple(gpu_layout_weights(gen))
     per_expert = sum(t[0].numel() * t.element_size() for t in w)
     peers_w = {}
     if not args.no_peers:
@@ -195,7 +217,7 @@ def main():
         for name in [None, *names]:
             overrides = {} if name is None else SWEEP[name]
             kw = launcher_options(overrides)
-            fn = functools.partial(int4_moe_triton, x, ids, tw, *w, out=out, **kw)
+            fn = functools.partial(int4_moe_triton, x, ids, tw, *weights_for(w, overrides), out=out, **kw)
             try:
                 ms = graph_ms(fn)
                 eager = bench_ms(fn)
@@ -210,7 +232,8 @@ def main():
                     peers["int4pack_loop"] = bench_ms(
                         functools.partial(int4pack_loop, x, ids, tw, *peers_w["int4pack"]))
             params = dict(T=T, E=E, D=D, I=INTER, topk=TOPK, experts_touched=touched, bytes=nbytes,
-                          timing="cuda_graph_replay", variant=name or "default", config=kw or "default")
+                          timing="cuda_graph_replay", variant=name or "default",
+                          config={**kw, **{k: v for k, v in overrides.items() if k == "tiled"}} or "default")
             rec = dict(name="int4_moe" if name is None else "int4_moe_sweep", params=params,
                        **info, ms=ms, floor_ms=floor_ms, ratio=floor_ms / ms, peers=peers, **ceil)
             write_jsonl(args.out, [rec])  # one line at a time: a run cut short keeps what it measured

@@ -14,14 +14,17 @@ in the interpreter; both give identical values) and one MMA adds Q_k X_k^T. Vari
               group, slower here)
   PRESCALE    dequantise to bf16(q * s) and chain the 8 MMAs into one accumulator (default), or keep
               q exact and fold each group product in with its fp32 scale.
-Variants that change the schedule or the loads but not the arithmetic (bitwise equal to the same
-configuration without them; tested):
   ZP_MMA      the zero point out of the dequant: weights bf16(u * s) of the raw nibble u = q + 8 (one FMA per two
               weights instead of two, `_int4_dequant._dequant8_zp`), and per K step one more MMA adds
               sum_g (-8 s_g) * (sum of x over group g), with the group sums (times -8, split into bf16 hi + lo,
               exact to ~2^-17) precomputed per activation row: by `_group_sums_kernel` for x, in the w13
               epilogue for `a`. Other bits than without it (bf16(u * s) is rounded at other magnitudes than
               bf16(q * s)); needs PRESCALE.
+Variants that change the schedule or the loads but not the arithmetic (bitwise equal to the same
+configuration without them; tested):
+  TILED       the weights in the tiled layout (`int4_moe.tile_int4_moe_weights`): each program's rows of one K
+              block are one contiguous 8 KB run, and its K blocks follow each other, so a program streams one
+              contiguous range instead of ROWS rows of 128 bytes far apart (DRAM page locality); addresses only
   SCALE_TILE  a step's 8 x ROWS scales as one [ROWS, 8] load (16-byte vectors, cp.async, prefetched by
               the software pipeliner with the weights) instead of 8 two-byte loads per thread that stay
               synchronous in the loop (`_int4_dequant._scales8`)
@@ -169,14 +172,17 @@ def _int4_kstep(acc, x_ptrs, x_ok, c, K, w_ptrs, w_ok, s_ptrs, stride_sk,
 def _int4_ksteps(acc, x_ptrs, x_ok, kb, K, w_ptrs, w_ok, s_ptrs, stride_sb, stride_sk, STEPS: tl.constexpr,
                  DTYPE: tl.constexpr, USE_ASM: tl.constexpr, PREC: tl.constexpr,
                  EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, PRESCALE: tl.constexpr, SWAP: tl.constexpr,
-                 SCALE_TILE: tl.constexpr, ZP: tl.constexpr):
+                 SCALE_TILE: tl.constexpr, ZP: tl.constexpr, TILED: tl.constexpr):
     """STEPS consecutive K blocks kb, kb + 1, ... (_int4_kstep each, unrolled); pointers in at block kb,
     returned advanced past the last one: (acc, x_ptrs, w_ptrs, s_ptrs)."""
     col = tl.arange(0, 32)[:, None]
     for u in tl.static_range(STEPS):
         acc = _int4_kstep(acc, x_ptrs, x_ok, (kb + u) * BLOCK_K + col, K, w_ptrs, w_ok, s_ptrs, stride_sk,
                           DTYPE, USE_ASM, PREC, EVEN_K, EVEN_N, PRESCALE, SWAP, SCALE_TILE, ZP)
-        w_ptrs += 32
+        if TILED:  # the next block of the tile's rows is the next ROWS x 32 words
+            w_ptrs += 32 * w_ptrs.shape[0]
+        else:
+            w_ptrs += 32
         x_ptrs += BLOCK_K
         s_ptrs += stride_sb
     return acc, x_ptrs, w_ptrs, s_ptrs
@@ -216,7 +222,7 @@ def _swap(acc, SWAP: tl.constexpr):
 def _int4_block_gemm(acc, x_ptrs, x_ok, K, w_ptrs, w_ok, s_ptrs, stride_sb, stride_sk, zs_ptrs, num_kb,
                      DTYPE: tl.constexpr, USE_ASM: tl.constexpr, PREC: tl.constexpr, EVEN_K: tl.constexpr,
                      EVEN_N: tl.constexpr, PRESCALE: tl.constexpr, SWAP: tl.constexpr, SCALE_TILE: tl.constexpr,
-                     K_UNROLL: tl.constexpr, ZP: tl.constexpr):
+                     K_UNROLL: tl.constexpr, ZP: tl.constexpr, TILED: tl.constexpr):
     """acc [ROWS, BLOCK_M] += W[rows, :K] @ X^T over the whole K extent, in a fixed order.
 
     x_ptrs [32, BLOCK_M]: column j of group 0 for each pair's activation row; x_ok [1, BLOCK_M]
@@ -235,11 +241,11 @@ def _int4_block_gemm(acc, x_ptrs, x_ok, K, w_ptrs, w_ok, s_ptrs, stride_sb, stri
             if u < kb0:
                 acc, x_ptrs, w_ptrs, s_ptrs = _int4_ksteps(
                     acc, x_ptrs, x_ok, u, K, w_ptrs, w_ok, s_ptrs, stride_sb, stride_sk, 1, DTYPE, USE_ASM,
-                    PREC, EVEN_K, EVEN_N, PRESCALE, SWAP, SCALE_TILE, ZP)
+                    PREC, EVEN_K, EVEN_N, PRESCALE, SWAP, SCALE_TILE, ZP, TILED)
     for kb in range(kb0, num_kb, K_UNROLL):
         acc, x_ptrs, w_ptrs, s_ptrs = _int4_ksteps(
             acc, x_ptrs, x_ok, kb, K, w_ptrs, w_ok, s_ptrs, stride_sb, stride_sk, K_UNROLL, DTYPE, USE_ASM,
-            PREC, EVEN_K, EVEN_N, PRESCALE, SWAP, SCALE_TILE, ZP)
+            PREC, EVEN_K, EVEN_N, PRESCALE, SWAP, SCALE_TILE, ZP, TILED)
     if ZP:
         acc = _zp_correction(acc, zs_ptrs, x_ok, s_ptrs - num_kb * stride_sb, w_ok, stride_sb, stride_sk, num_kb,
                              DTYPE, PREC, SWAP)
@@ -257,8 +263,8 @@ def _num_used_blocks(bexp_ptr, nblk):
 
 
 @triton.jit
-def _w13_tile(e, pair, r, x_ptr, w_ptr, s_ptr, xs_ptr, P, I, stride_xt, stride_we, stride_wn, stride_se, stride_xs,
-              TOPK: tl.constexpr, BLOCK_I: tl.constexpr):
+def _w13_tile(e, pair, r, x_ptr, w_ptr, s_ptr, xs_ptr, P, I, num_kb, stride_xt, stride_we, stride_wn, stride_se,
+              stride_xs, TOPK: tl.constexpr, BLOCK_I: tl.constexpr, TILED: tl.constexpr):
     """w13 tile of expert e (int64), pairs `pair` [BLOCK_M], intermediate columns r * BLOCK_I + [0, BLOCK_I):
     (ok [BLOCK_M] real pairs, row_ok [2 * BLOCK_I], w_ptrs, s_ptrs, x_ptrs, zs_ptrs) at K block 0 (no loads)."""
     ok = pair < P
@@ -266,7 +272,11 @@ def _w13_tile(e, pair, r, x_ptr, w_ptr, s_ptr, xs_ptr, P, I, stride_xt, stride_w
     n = r * BLOCK_I + rr % BLOCK_I  # intermediate column of this row
     row = n + (rr // BLOCK_I) * I  # rows 0..BLOCK_I-1: gate, BLOCK_I..: the matching up rows
     row_ok = n < I
-    w_ptrs = w_ptr + e * stride_we + row[:, None] * stride_wn + tl.arange(0, 32)[None, :]
+    if TILED:  # tile r's K blocks one after another, each its 2 * BLOCK_I rows x 32 words (gate rows, up rows)
+        w_off = tl.cast(r, tl.int64) * (num_kb * 2 * BLOCK_I * 32) + rr * 32
+    else:
+        w_off = row * stride_wn
+    w_ptrs = w_ptr + e * stride_we + w_off[:, None] + tl.arange(0, 32)[None, :]
     s_ptrs = s_ptr + e * stride_se + row
     tok = (tl.where(ok, pair, 0) // TOPK)[None, :]
     x_ptrs = x_ptr + tok * stride_xt + tl.arange(0, 32)[:, None]
@@ -306,6 +316,7 @@ def _moe_w13_kernel(
     DTYPE: tl.constexpr, USE_ASM: tl.constexpr, PREC: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, PRESCALE: tl.constexpr, SWAP: tl.constexpr,
     SCALE_TILE: tl.constexpr, K_UNROLL: tl.constexpr, PERSISTENT: tl.constexpr, ZP_MMA: tl.constexpr,
+    TILED: tl.constexpr,
 ):
     if PERSISTENT:  # grid (programs,): tiles pid, pid + programs, ... in one flattened (tile, K block) loop
         pid = tl.program_id(0)
@@ -315,8 +326,8 @@ def _moe_w13_kernel(
         kb = num_kb - K_UNROLL
         pair = tl.full([BLOCK_M], 0, tl.int32)  # placeholders until the first tile's (kb == 0) set-up
         ok, row_ok, w_ptrs, s_ptrs, x_ptrs, zs_ptrs = _w13_tile(0, pair, 0, x_ptr, w_ptr, s_ptr, xs_ptr, P, I,
-                                                               stride_xt, stride_we, stride_wn, stride_se, stride_xs,
-                                                               TOPK, BLOCK_I)
+                                                               num_kb, stride_xt, stride_we, stride_wn, stride_se,
+                                                               stride_xs, TOPK, BLOCK_I, TILED)
         acc = _swap(tl.zeros([2 * BLOCK_I, BLOCK_M], dtype=tl.float32), SWAP)
         for _ in range(0, tl.cdiv(n_tiles - pid, tl.num_programs(0)) * (num_kb // K_UNROLL)):
             kb = tl.where(kb == num_kb - K_UNROLL, 0, kb + K_UNROLL)
@@ -326,11 +337,11 @@ def _moe_w13_kernel(
                 e = tl.load(bexp_ptr + b).to(tl.int64)
                 pair = tl.load(pairs_ptr + b * BLOCK_M + tl.arange(0, BLOCK_M))
                 ok, row_ok, w_ptrs, s_ptrs, x_ptrs, zs_ptrs = _w13_tile(
-                    e, pair, tile % n_rt, x_ptr, w_ptr, s_ptr, xs_ptr, P, I, stride_xt, stride_we, stride_wn,
-                    stride_se, stride_xs, TOPK, BLOCK_I)
+                    e, pair, tile % n_rt, x_ptr, w_ptr, s_ptr, xs_ptr, P, I, num_kb, stride_xt, stride_we,
+                    stride_wn, stride_se, stride_xs, TOPK, BLOCK_I, TILED)
             acc, x_ptrs, w_ptrs, s_ptrs = _int4_ksteps(
                 acc, x_ptrs, ok[None, :], kb, D, w_ptrs, row_ok, s_ptrs, stride_sb, stride_sk, K_UNROLL,
-                DTYPE, USE_ASM, PREC, EVEN_K, EVEN_N, PRESCALE, SWAP, SCALE_TILE, ZP_MMA)
+                DTYPE, USE_ASM, PREC, EVEN_K, EVEN_N, PRESCALE, SWAP, SCALE_TILE, ZP_MMA, TILED)
             if kb == num_kb - K_UNROLL:
                 if ZP_MMA:
                     acc = _zp_correction(acc, zs_ptrs, ok[None, :], s_ptrs - num_kb * stride_sb, row_ok, stride_sb,
@@ -346,24 +357,28 @@ def _moe_w13_kernel(
             return
         pair = tl.load(pairs_ptr + pid_b * BLOCK_M + tl.arange(0, BLOCK_M))  # [BLOCK_M]
         ok, row_ok, w_ptrs, s_ptrs, x_ptrs, zs_ptrs = _w13_tile(
-            e.to(tl.int64), pair, pid_n, x_ptr, w_ptr, s_ptr, xs_ptr, P, I, stride_xt, stride_we, stride_wn,
-            stride_se, stride_xs, TOPK, BLOCK_I)
+            e.to(tl.int64), pair, pid_n, x_ptr, w_ptr, s_ptr, xs_ptr, P, I, num_kb, stride_xt, stride_we,
+            stride_wn, stride_se, stride_xs, TOPK, BLOCK_I, TILED)
         acc = tl.zeros([2 * BLOCK_I, BLOCK_M], dtype=tl.float32)
         acc = _int4_block_gemm(acc, x_ptrs, ok[None, :], D, w_ptrs, row_ok, s_ptrs, stride_sb, stride_sk, zs_ptrs,
                                num_kb, DTYPE, USE_ASM, PREC, EVEN_K, EVEN_N, PRESCALE, SWAP, SCALE_TILE, K_UNROLL,
-                               ZP_MMA)
+                               ZP_MMA, TILED)
         _w13_store(acc, a_ptr, pair, ok, pid_n, I, stride_ap, as_ptr, stride_as, BLOCK_I, BLOCK_M, ZP_MMA)
 
 
 @triton.jit
-def _w2_tile(e, pair, r, a_ptr, w_ptr, s_ptr, as_ptr, P, D, stride_ap, stride_we, stride_wn, stride_se, stride_as,
-             BLOCK_D: tl.constexpr):
+def _w2_tile(e, pair, r, a_ptr, w_ptr, s_ptr, as_ptr, P, D, num_kb, stride_ap, stride_we, stride_wn, stride_se,
+             stride_as, BLOCK_D: tl.constexpr, TILED: tl.constexpr):
     """w2 tile of expert e (int64), pairs `pair` [BLOCK_M], output rows r * BLOCK_D + [0, BLOCK_D):
     (ok [BLOCK_M] real pairs, row_ok [BLOCK_D], w_ptrs, s_ptrs, x_ptrs, zs_ptrs) at K block 0 (no loads)."""
     ok = pair < P
     row = r * BLOCK_D + tl.arange(0, BLOCK_D)
     row_ok = row < D
-    w_ptrs = w_ptr + e * stride_we + row[:, None] * stride_wn + tl.arange(0, 32)[None, :]
+    if TILED:  # as in _w13_tile: tile r's K blocks of BLOCK_D rows x 32 words, one after another
+        w_off = tl.cast(r, tl.int64) * (num_kb * BLOCK_D * 32) + tl.arange(0, BLOCK_D) * 32
+    else:
+        w_off = row * stride_wn
+    w_ptrs = w_ptr + e * stride_we + w_off[:, None] + tl.arange(0, 32)[None, :]
     s_ptrs = s_ptr + e * stride_se + row
     x_ptrs = a_ptr + tl.where(ok, pair, 0)[None, :] * stride_ap + tl.arange(0, 32)[:, None]
     zs_ptrs = as_ptr + tl.where(ok, pair, 0)[None, :] * stride_as
@@ -391,6 +406,7 @@ def _moe_w2_kernel(
     DTYPE: tl.constexpr, USE_ASM: tl.constexpr, PREC: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, PRESCALE: tl.constexpr, SWAP: tl.constexpr,
     SCALE_TILE: tl.constexpr, K_UNROLL: tl.constexpr, PERSISTENT: tl.constexpr, ZP_MMA: tl.constexpr,
+    TILED: tl.constexpr,
 ):
     if PERSISTENT:  # as in _moe_w13_kernel
         pid = tl.program_id(0)
@@ -400,8 +416,8 @@ def _moe_w2_kernel(
         kb = num_kb - K_UNROLL
         pair = tl.full([BLOCK_M], 0, tl.int32)
         ok, row_ok, w_ptrs, s_ptrs, x_ptrs, zs_ptrs = _w2_tile(0, pair, 0, a_ptr, w_ptr, s_ptr, as_ptr, P, D,
-                                                              stride_ap, stride_we, stride_wn, stride_se, stride_as,
-                                                              BLOCK_D)
+                                                              num_kb, stride_ap, stride_we, stride_wn, stride_se,
+                                                              stride_as, BLOCK_D, TILED)
         acc = _swap(tl.zeros([BLOCK_D, BLOCK_M], dtype=tl.float32), SWAP)
         for _ in range(0, tl.cdiv(n_tiles - pid, tl.num_programs(0)) * (num_kb // K_UNROLL)):
             kb = tl.where(kb == num_kb - K_UNROLL, 0, kb + K_UNROLL)
@@ -411,11 +427,11 @@ def _moe_w2_kernel(
                 e = tl.load(bexp_ptr + b).to(tl.int64)
                 pair = tl.load(pairs_ptr + b * BLOCK_M + tl.arange(0, BLOCK_M))
                 ok, row_ok, w_ptrs, s_ptrs, x_ptrs, zs_ptrs = _w2_tile(
-                    e, pair, tile % n_rt, a_ptr, w_ptr, s_ptr, as_ptr, P, D, stride_ap, stride_we, stride_wn,
-                    stride_se, stride_as, BLOCK_D)
+                    e, pair, tile % n_rt, a_ptr, w_ptr, s_ptr, as_ptr, P, D, num_kb, stride_ap, stride_we,
+                    stride_wn, stride_se, stride_as, BLOCK_D, TILED)
             acc, x_ptrs, w_ptrs, s_ptrs = _int4_ksteps(
                 acc, x_ptrs, ok[None, :], kb, I, w_ptrs, row_ok, s_ptrs, stride_sb, stride_sk, K_UNROLL,
-                DTYPE, USE_ASM, PREC, EVEN_K, EVEN_N, PRESCALE, SWAP, SCALE_TILE, ZP_MMA)
+                DTYPE, USE_ASM, PREC, EVEN_K, EVEN_N, PRESCALE, SWAP, SCALE_TILE, ZP_MMA, TILED)
             if kb == num_kb - K_UNROLL:
                 if ZP_MMA:
                     acc = _zp_correction(acc, zs_ptrs, ok[None, :], s_ptrs - num_kb * stride_sb, row_ok, stride_sb,
@@ -430,12 +446,12 @@ def _moe_w2_kernel(
             return
         pair = tl.load(pairs_ptr + pid_b * BLOCK_M + tl.arange(0, BLOCK_M))
         ok, row_ok, w_ptrs, s_ptrs, x_ptrs, zs_ptrs = _w2_tile(
-            e.to(tl.int64), pair, pid_n, a_ptr, w_ptr, s_ptr, as_ptr, P, D, stride_ap, stride_we, stride_wn,
-            stride_se, stride_as, BLOCK_D)
+            e.to(tl.int64), pair, pid_n, a_ptr, w_ptr, s_ptr, as_ptr, P, D, num_kb, stride_ap, stride_we,
+            stride_wn, stride_se, stride_as, BLOCK_D, TILED)
         acc = tl.zeros([BLOCK_D, BLOCK_M], dtype=tl.float32)
         acc = _int4_block_gemm(acc, x_ptrs, ok[None, :], I, w_ptrs, row_ok, s_ptrs, stride_sb, stride_sk, zs_ptrs,
                                num_kb, DTYPE, USE_ASM, PREC, EVEN_K, EVEN_N, PRESCALE, SWAP, SCALE_TILE, K_UNROLL,
-                               ZP_MMA)
+                               ZP_MMA, TILED)
         _w2_store(acc, y_ptr, pair, ok, pid_n, D, stride_yp, BLOCK_D)
 
 

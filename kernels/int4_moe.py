@@ -205,6 +205,23 @@ def repack_int4_moe_for_gpu(w13_packed, w13_scale, w2_packed, w2_scale):
     return (*_repack_proj(w13_packed, w13_scale), *_repack_proj(w2_packed, w2_scale))
 
 
+def tile_int4_moe_weights(w13, s13, w2, s2, block_i: int = _BLOCK_I, block_d: int = _BLOCK_D):
+    """"gpu" layout -> the same words regrouped per kernel tile (scales unchanged), run once at load:
+      w13 int32 [E, cdiv(I, block_i), Dp/256, 2 * block_i, 32]  (tile r, K block, its gate rows then up rows)
+      w2  int32 [E, cdiv(D, block_d), Ip/256, block_d, 32]
+    so a program of the GEMMs (block_i / block_d rows) reads one contiguous run per K block, its blocks one after
+    another. Rows past I / D are zero words (never stored). The launcher reads the tile sizes off the shapes."""
+    E, two_i, k8 = w13.shape
+    inter, D = two_i // 2, w2.shape[1]
+    ni, nd = -(-inter // block_i), -(-D // block_d)
+    g = w13.view(E, 2, inter, k8 // 32, 32)
+    g = F.pad(g, (0, 0, 0, 0, 0, ni * block_i - inter)).view(E, 2, ni, block_i, k8 // 32, 32)
+    w13t = g.permute(0, 2, 4, 1, 3, 5).reshape(E, ni, k8 // 32, 2 * block_i, 32).contiguous()
+    d = F.pad(w2.view(E, D, -1, 32), (0, 0, 0, 0, 0, nd * block_d - D)).view(E, nd, block_d, -1, 32)
+    w2t = d.permute(0, 1, 3, 2, 4).contiguous()
+    return w13t, s13, w2t, s2
+
+
 def unrepack_int4_moe(w13_packed, w13_scale, w2_packed, w2_scale, hidden: int):
     """Inverse of `repack_int4_moe_for_gpu` (needs the true hidden size D; I = w13 rows / 2)."""
     inter = w13_packed.shape[1] // 2
@@ -267,8 +284,17 @@ def _int4_moe_triton(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, experts
                      zp_mma: bool | None = None):
     T, D = x.shape
     topk = topk_ids.shape[1]
-    E, two_i, _ = w13.shape
-    inter = two_i // 2
+    tiled = w13.dim() == 5  # tile_int4_moe_weights: the tile sizes are the layout's
+    if tiled:
+        if (block_i, block_d) not in ((_BLOCK_I, _BLOCK_D), (w13.shape[3] // 2, w2.shape[3])):
+            raise ValueError(f"int4_moe: tiled weights are for block_i={w13.shape[3] // 2}, block_d={w2.shape[3]}")
+        block_i, block_d = w13.shape[3] // 2, w2.shape[3]
+        E, inter = w13.shape[0], s13.shape[-1] // 2
+        kb13, kb2 = w13.shape[2], w2.shape[2]
+    else:
+        E, two_i, _ = w13.shape
+        inter = two_i // 2
+        kb13, kb2 = w13.shape[2] // 32, w2.shape[2] // 32  # 256-column K blocks
     P = T * topk
     if persistent not in (False, True, "w13", "w2"):
         raise ValueError(f"int4_moe: persistent={persistent!r} (False, True, 'w13' or 'w2')")
@@ -277,7 +303,6 @@ def _int4_moe_triton(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, experts
     if block_m not in BLOCK_M_CHOICES:
         raise ValueError(f"int4_moe: block_m={block_m} (one of {BLOCK_M_CHOICES})")
     pers13, pers2 = persistent in (True, "w13"), persistent in (True, "w2")
-    kb13, kb2 = w13.shape[2] // 32, w2.shape[2] // 32  # 256-column K blocks
     if k_unroll < 1 or (pers13 and kb13 % k_unroll) or (pers2 and kb2 % k_unroll):
         raise ValueError(f"int4_moe: k_unroll={k_unroll} (persistent: must divide the K blocks, {kb13} / {kb2})")
     if num_programs is not None and (not persistent or num_programs < 1):
@@ -296,7 +321,7 @@ def _int4_moe_triton(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, experts
     nblk = bexp.shape[0]
     common = dict(BLOCK_M=block_m, DTYPE=_TL_DTYPE[x.dtype], PREC="ieee" if x.dtype == torch.float32 else "tf32",
                   USE_ASM=use_asm and x.dtype == torch.bfloat16 and x.is_cuda,  # PTX: real GPU only
-                  PRESCALE=prescale, SWAP=swap, SCALE_TILE=scale_tile, K_UNROLL=k_unroll, ZP_MMA=zp_mma,
+                  PRESCALE=prescale, SWAP=swap, SCALE_TILE=scale_tile, K_UNROLL=k_unroll, ZP_MMA=zp_mma, TILED=tiled,
                   num_warps=num_warps, num_stages=num_stages)
     if maxnreg is not None:
         common["maxnreg"] = maxnreg  # ptxas register cap per thread (more CTAs per SM, or spills)
@@ -304,14 +329,14 @@ def _int4_moe_triton(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, experts
     xs, a_sums = _zp_sums(x, P, kb13, kb2, inter, block_i, zp_mma)
     _launch(_moe_w13_kernel, triton.cdiv(inter, block_i), nblk, pers13, num_programs, (
         x, w13, s13, a, sorted_pairs, bexp, xs, a_sums, P, D, inter, kb13, nblk,
-        x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), s13.stride(2), a.stride(0),
+        x.stride(0), w13.stride(0), w13.stride(-2), s13.stride(0), s13.stride(1), s13.stride(2), a.stride(0),
         xs.stride(0), a_sums.stride(0)),
         dict(TOPK=topk, BLOCK_I=block_i, EVEN_K=D % _BLOCK_K == 0, EVEN_N=inter % block_i == 0, PERSISTENT=pers13,
              **common))
     y = _pair_buffer(P, D, torch.float32, x.device, experts is not None)  # unweighted expert output per pair
     _launch(_moe_w2_kernel, triton.cdiv(D, block_d), nblk, pers2, num_programs, (
         a, w2, s2, y, sorted_pairs, bexp, a_sums, P, inter, D, kb2, nblk,
-        a.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), s2.stride(2), y.stride(0),
+        a.stride(0), w2.stride(0), w2.stride(-2), s2.stride(0), s2.stride(1), s2.stride(2), y.stride(0),
         a_sums.stride(0)),
         dict(BLOCK_D=block_d, EVEN_K=inter % _BLOCK_K == 0, EVEN_N=D % block_d == 0, PERSISTENT=pers2, **common))
     if reduce_pairs is not None:

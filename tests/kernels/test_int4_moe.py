@@ -19,6 +19,7 @@ from kernels.int4_moe import (
     int4_moe_ref,
     int4_moe_triton,
     repack_int4_moe_for_gpu,
+    tile_int4_moe_weights,
     unrepack_int4_moe,
 )
 from kernels.int4_pack import dequantize_int4, pack_int4
@@ -214,6 +215,37 @@ def test_int4_moe_same_bits_variants(same_bits_case, base, extra, dtypes):
         assert_bitwise(out, c["base"][key], f"{base} + {extra} {dtype}")
 
 
+# the tiled weight layout against the "gpu" layout with the same tiles: only addresses change, so the bits do not
+TILED_CASES = [((32, 64), {}), ((32, 64), dict(persistent=True, num_programs=3)), ((32, 64), dict(zp_mma=True)),
+               ((64, 128), dict(k_unroll=2)), ((32, 32), dict(block_m=32))]
+
+
+@pytest.mark.parametrize("tiles,config", TILED_CASES, ids=[f"{t[0]}x{t[1]}-{_cfg_id(c)}" for t, c in TILED_CASES])
+def test_int4_moe_tiled_layout_same_bits(same_bits_case, tiles, config):
+    c = same_bits_case
+    bi, bd = tiles
+    wt = tile_int4_moe_weights(*c["wg"], block_i=bi, block_d=bd)
+    assert wt[0].shape == (4, -(-352 // bi), 3, 2 * bi, 32) and wt[2].shape == (4, -(-544 // bd), 2, bd, 32)
+    x = c["xs"][torch.float16]
+    base = run_kernel(x, c["ids"], c["tw"], c["wg"], block_i=bi, block_d=bd, **config)
+    assert_bitwise(run_kernel(x, c["ids"], c["tw"], wt, **config), base, f"tiled {tiles} {config}")
+    with pytest.raises(ValueError, match="tiled weights"):
+        run_kernel(x, c["ids"], c["tw"], wt, block_i=2 * bi, block_d=bd)
+
+
+def test_tiled_layout_words():
+    """Word (tile r, K block b, tile row j, word w) of the tiled w13 is gate row r*bi + j (j < bi) or up row
+    I + r*bi + j - bi of the "gpu" layout, word 32 b + w; rows past I are zero; w2 likewise with its rows."""
+    w13 = torch.randint(-2**31, 2**31 - 1, (2, 2 * 40, 64), dtype=torch.int32)  # I = 40, Dp = 512
+    w2 = torch.randint(-2**31, 2**31 - 1, (2, 70, 32), dtype=torch.int32)  # D = 70, Ip = 256
+    t13, _, t2, _ = tile_int4_moe_weights(w13, None, w2, None, block_i=16, block_d=32)
+    assert t13.shape == (2, 3, 2, 32, 32) and t2.shape == (2, 3, 1, 32, 32)
+    assert torch.equal(t13[1, 1, 1, 3], w13[1, 16 + 3, 32:64])  # gate row 19
+    assert torch.equal(t13[1, 1, 1, 16 + 3], w13[1, 40 + 19, 32:64])  # up row 19
+    assert torch.equal(t13[0, 2, 0, 8:16], torch.zeros(8, 32, dtype=torch.int32))  # gate rows 40..47 do not exist
+    assert torch.equal(t2[1, 2, 0, 5], w2[1, 69, :]) and not t2[1, 2, 0, 6:].any()
+
+
 def test_int4_moe_variant_options_checked():
     w = repack_int4_moe_for_gpu(*make_experts(2, 96, 160))  # one K block each side
     ids, tw = make_routing(2, 1, 2)
@@ -395,6 +427,25 @@ KIMI_SAME_BITS_VARIANTS = [
     (dict(zp_mma=True), dict(persistent=True)), (dict(zp_mma=True), dict(k_unroll=2)),
     (dict(zp_mma=True), dict(block_m=32)), (dict(zp_mma=True), dict(maxnreg=96)),
 ]
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [{}, dict(persistent=True), dict(num_stages=4)], ids=_cfg_id)
+def test_int4_moe_tiled_layout_kimi(kimi_experts, config):
+    """bf16, PTX dequant, Kimi shapes: the tiled layout gives the "gpu" layout's bits (T = 1, 9, 64 with crowded
+    experts), and a token alone equals its row in a batch of 64."""
+    _, wg = kimi_experts
+    wt = tile_int4_moe_weights(*wg)
+    for T in (1, 9, 64):
+        ids, tw = make_routing(T, KIMI["k"], KIMI["E"], seed=200 + T)
+        if T == 64:
+            ids[:, :3] = ids[0, :3]
+        x = torch.randn(T, KIMI["D"], device="cuda").to(torch.bfloat16)
+        tiled = run_kernel(x, ids, tw, wt, **config)
+        assert_bitwise(tiled, run_kernel(x, ids, tw, wg, **config), f"tiled {config} T={T}")
+        if T == 64:
+            assert torch.equal(run_kernel(x[37:38], ids[37:38], tw[37:38], wt, **config)[0], tiled[37])
 
 
 @gpu
