@@ -67,6 +67,12 @@ SWEEP = {  # name -> overrides of the launcher defaults (block_i 32, block_d 64,
     "tiled_stages2": dict(tiled=True, num_stages=2), "tiled_persistent": dict(tiled=True, persistent=True),
     "tiled_zp": dict(tiled=True, zp_mma=True), "tiled_bd128": dict(tiled=(32, 128)),
     "tiled_bi64": dict(tiled=(64, 64)), "tiled_bd32": dict(tiled=(32, 32)),
+    # independent MMA accumulator chains per K step (other bits): shorter mma.sync dependency chains
+    "chains2": dict(acc_chains=2), "chains4": dict(acc_chains=4), "chains2_r96": dict(acc_chains=2, maxnreg=96),
+    "chains4_r96": dict(acc_chains=4, maxnreg=96), "chains2_r128": dict(acc_chains=2, maxnreg=128),
+    "chains2_tiled": dict(acc_chains=2, tiled=True), "chains2_stages4": dict(acc_chains=2, num_stages=4),
+    "chains2_bd128": dict(acc_chains=2, block_d=128), "chains2_w8": dict(acc_chains=2, block_i=64, block_d=128,
+                                                                       num_warps=8),
 }
 CONFIG_GROUPS = {  # --configs GROUP
     "same_bits": [n for n in SWEEP if n.startswith(("k_unroll", "scale_tile", "persistent"))],
@@ -74,6 +80,8 @@ CONFIG_GROUPS = {  # --configs GROUP
               "bi64_bd128_w8"],
     "block_m": ["bm16", "bm32", "bm64"],
     "zp": ["zp", "zp_r96", "zp_stages4", "zp_stages2", "zp_bm32"],
+    "chains": ["chains2", "chains4", "chains2_r96", "chains4_r96", "chains2_tiled", "chains2_stages4",
+               "chains2_bd128", "chains2_w8"],
     "tiled": ["tiled", "tiled_stages4", "tiled_stages2", "tiled_persistent", "tiled_zp", "tiled_bd128", "tiled_bi64",
               "tiled_bd32"],
     "same_bits_core": ["scale_tile", "k_unroll2", "scale_tile_k_unroll2", "persistent", "persistent_w2",

@@ -14,6 +14,8 @@ in the interpreter; both give identical values) and one MMA adds Q_k X_k^T. Vari
               group, slower here)
   PRESCALE    dequantise to bf16(q * s) and chain the 8 MMAs into one accumulator (default), or keep
               q exact and fold each group product in with its fp32 scale.
+  ACC_CHAINS  1, 2 or 4 independent MMA accumulator chains per K step (PRESCALE; the partial sums are added at
+              the end of the step in a fixed order): shorter dependency chains of mma.sync, other bits than 1
   ZP_MMA      the zero point out of the dequant: weights bf16(u * s) of the raw nibble u = q + 8 (one FMA per two
               weights instead of two, `_int4_dequant._dequant8_zp`), and per K step one more MMA adds
               sum_g (-8 s_g) * (sum of x over group g), with the group sums (times -8, split into bf16 hi + lo,
@@ -122,7 +124,7 @@ def _scaled(p, s, SWAP: tl.constexpr):
 def _int4_kstep(acc, x_ptrs, x_ok, c, K, w_ptrs, w_ok, s_ptrs, stride_sk,
                 DTYPE: tl.constexpr, USE_ASM: tl.constexpr, PREC: tl.constexpr,
                 EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, PRESCALE: tl.constexpr, SWAP: tl.constexpr,
-                SCALE_TILE: tl.constexpr, ZP: tl.constexpr):
+                SCALE_TILE: tl.constexpr, ZP: tl.constexpr, CHAINS: tl.constexpr):
     """One 256-column block: acc += W[rows, block] @ X[:, block]^T, acc in MMA orientation (see _mma).
 
     Pointers at the block (w_ptrs [ROWS, 32] words, s_ptrs [ROWS] scales of group 0, x_ptrs [32, BLOCK_M]
@@ -147,14 +149,33 @@ def _int4_kstep(acc, x_ptrs, x_ok, c, K, w_ptrs, w_ok, s_ptrs, stride_sk,
             q0, q1, q2, q3, q4, q5, q6, q7 = _dequant8_zp(w, s0, s1, s2, s3, s4, s5, s6, s7, DTYPE, USE_ASM)
         else:
             q0, q1, q2, q3, q4, q5, q6, q7 = _dequant8_scaled(w, s0, s1, s2, s3, s4, s5, s6, s7, DTYPE, USE_ASM)
-        acc = _mma(q0, x0, acc, PREC, SWAP)
-        acc = _mma(q1, x1, acc, PREC, SWAP)
-        acc = _mma(q2, x2, acc, PREC, SWAP)
-        acc = _mma(q3, x3, acc, PREC, SWAP)
-        acc = _mma(q4, x4, acc, PREC, SWAP)
-        acc = _mma(q5, x5, acc, PREC, SWAP)
-        acc = _mma(q6, x6, acc, PREC, SWAP)
-        acc = _mma(q7, x7, acc, PREC, SWAP)
+        if CHAINS == 1:  # one accumulator: 8 groups x K / 16 MMAs in one dependency chain per step
+            acc = _mma(q0, x0, acc, PREC, SWAP)
+            acc = _mma(q1, x1, acc, PREC, SWAP)
+            acc = _mma(q2, x2, acc, PREC, SWAP)
+            acc = _mma(q3, x3, acc, PREC, SWAP)
+            acc = _mma(q4, x4, acc, PREC, SWAP)
+            acc = _mma(q5, x5, acc, PREC, SWAP)
+            acc = _mma(q6, x6, acc, PREC, SWAP)
+            acc = _mma(q7, x7, acc, PREC, SWAP)
+        elif CHAINS == 2:  # even / odd groups in two independent chains, added at the end of the step
+            b = _mma(q1, x1, None, PREC, SWAP)
+            acc = _mma(q0, x0, acc, PREC, SWAP)
+            b = _mma(q3, x3, b, PREC, SWAP)
+            acc = _mma(q2, x2, acc, PREC, SWAP)
+            b = _mma(q5, x5, b, PREC, SWAP)
+            acc = _mma(q4, x4, acc, PREC, SWAP)
+            b = _mma(q7, x7, b, PREC, SWAP)
+            acc = _mma(q6, x6, acc, PREC, SWAP) + b
+        else:  # four chains (groups k, k + 4), added pairwise
+            b = _mma(q1, x1, None, PREC, SWAP)
+            c = _mma(q2, x2, None, PREC, SWAP)
+            d = _mma(q3, x3, None, PREC, SWAP)
+            acc = _mma(q0, x0, acc, PREC, SWAP)
+            b = _mma(q5, x5, b, PREC, SWAP)
+            c = _mma(q6, x6, c, PREC, SWAP)
+            d = _mma(q7, x7, d, PREC, SWAP)
+            acc = _mma(q4, x4, acc, PREC, SWAP) + (b + (c + d))
     else:
         q0, q1, q2, q3, q4, q5, q6, q7 = _dequant8(w, DTYPE, USE_ASM)
         acc += _scaled(_mma(q0, x0, None, PREC, SWAP), s0, SWAP)
@@ -172,13 +193,13 @@ def _int4_kstep(acc, x_ptrs, x_ok, c, K, w_ptrs, w_ok, s_ptrs, stride_sk,
 def _int4_ksteps(acc, x_ptrs, x_ok, kb, K, w_ptrs, w_ok, s_ptrs, stride_sb, stride_sk, STEPS: tl.constexpr,
                  DTYPE: tl.constexpr, USE_ASM: tl.constexpr, PREC: tl.constexpr,
                  EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, PRESCALE: tl.constexpr, SWAP: tl.constexpr,
-                 SCALE_TILE: tl.constexpr, ZP: tl.constexpr, TILED: tl.constexpr):
+                 SCALE_TILE: tl.constexpr, ZP: tl.constexpr, TILED: tl.constexpr, CHAINS: tl.constexpr):
     """STEPS consecutive K blocks kb, kb + 1, ... (_int4_kstep each, unrolled); pointers in at block kb,
     returned advanced past the last one: (acc, x_ptrs, w_ptrs, s_ptrs)."""
     col = tl.arange(0, 32)[:, None]
     for u in tl.static_range(STEPS):
         acc = _int4_kstep(acc, x_ptrs, x_ok, (kb + u) * BLOCK_K + col, K, w_ptrs, w_ok, s_ptrs, stride_sk,
-                          DTYPE, USE_ASM, PREC, EVEN_K, EVEN_N, PRESCALE, SWAP, SCALE_TILE, ZP)
+                          DTYPE, USE_ASM, PREC, EVEN_K, EVEN_N, PRESCALE, SWAP, SCALE_TILE, ZP, CHAINS)
         if TILED:  # the next block of the tile's rows is the next ROWS x 32 words
             w_ptrs += 32 * w_ptrs.shape[0]
         else:
@@ -222,7 +243,7 @@ def _swap(acc, SWAP: tl.constexpr):
 def _int4_block_gemm(acc, x_ptrs, x_ok, K, w_ptrs, w_ok, s_ptrs, stride_sb, stride_sk, zs_ptrs, num_kb,
                      DTYPE: tl.constexpr, USE_ASM: tl.constexpr, PREC: tl.constexpr, EVEN_K: tl.constexpr,
                      EVEN_N: tl.constexpr, PRESCALE: tl.constexpr, SWAP: tl.constexpr, SCALE_TILE: tl.constexpr,
-                     K_UNROLL: tl.constexpr, ZP: tl.constexpr, TILED: tl.constexpr):
+                     K_UNROLL: tl.constexpr, ZP: tl.constexpr, TILED: tl.constexpr, CHAINS: tl.constexpr):
     """acc [ROWS, BLOCK_M] += W[rows, :K] @ X^T over the whole K extent, in a fixed order.
 
     x_ptrs [32, BLOCK_M]: column j of group 0 for each pair's activation row; x_ok [1, BLOCK_M]
@@ -241,11 +262,11 @@ def _int4_block_gemm(acc, x_ptrs, x_ok, K, w_ptrs, w_ok, s_ptrs, stride_sb, stri
             if u < kb0:
                 acc, x_ptrs, w_ptrs, s_ptrs = _int4_ksteps(
                     acc, x_ptrs, x_ok, u, K, w_ptrs, w_ok, s_ptrs, stride_sb, stride_sk, 1, DTYPE, USE_ASM,
-                    PREC, EVEN_K, EVEN_N, PRESCALE, SWAP, SCALE_TILE, ZP, TILED)
+                    PREC, EVEN_K, EVEN_N, PRESCALE, SWAP, SCALE_TILE, ZP, TILED, CHAINS)
     for kb in range(kb0, num_kb, K_UNROLL):
         acc, x_ptrs, w_ptrs, s_ptrs = _int4_ksteps(
             acc, x_ptrs, x_ok, kb, K, w_ptrs, w_ok, s_ptrs, stride_sb, stride_sk, K_UNROLL, DTYPE, USE_ASM,
-            PREC, EVEN_K, EVEN_N, PRESCALE, SWAP, SCALE_TILE, ZP, TILED)
+            PREC, EVEN_K, EVEN_N, PRESCALE, SWAP, SCALE_TILE, ZP, TILED, CHAINS)
     if ZP:
         acc = _zp_correction(acc, zs_ptrs, x_ok, s_ptrs - num_kb * stride_sb, w_ok, stride_sb, stride_sk, num_kb,
                              DTYPE, PREC, SWAP)
@@ -316,7 +337,7 @@ def _moe_w13_kernel(
     DTYPE: tl.constexpr, USE_ASM: tl.constexpr, PREC: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, PRESCALE: tl.constexpr, SWAP: tl.constexpr,
     SCALE_TILE: tl.constexpr, K_UNROLL: tl.constexpr, PERSISTENT: tl.constexpr, ZP_MMA: tl.constexpr,
-    TILED: tl.constexpr,
+    TILED: tl.constexpr, ACC_CHAINS: tl.constexpr,
 ):
     if PERSISTENT:  # grid (programs,): tiles pid, pid + programs, ... in one flattened (tile, K block) loop
         pid = tl.program_id(0)
@@ -341,7 +362,7 @@ def _moe_w13_kernel(
                     stride_wn, stride_se, stride_xs, TOPK, BLOCK_I, TILED)
             acc, x_ptrs, w_ptrs, s_ptrs = _int4_ksteps(
                 acc, x_ptrs, ok[None, :], kb, D, w_ptrs, row_ok, s_ptrs, stride_sb, stride_sk, K_UNROLL,
-                DTYPE, USE_ASM, PREC, EVEN_K, EVEN_N, PRESCALE, SWAP, SCALE_TILE, ZP_MMA, TILED)
+                DTYPE, USE_ASM, PREC, EVEN_K, EVEN_N, PRESCALE, SWAP, SCALE_TILE, ZP_MMA, TILED, ACC_CHAINS)
             if kb == num_kb - K_UNROLL:
                 if ZP_MMA:
                     acc = _zp_correction(acc, zs_ptrs, ok[None, :], s_ptrs - num_kb * stride_sb, row_ok, stride_sb,
@@ -362,7 +383,7 @@ def _moe_w13_kernel(
         acc = tl.zeros([2 * BLOCK_I, BLOCK_M], dtype=tl.float32)
         acc = _int4_block_gemm(acc, x_ptrs, ok[None, :], D, w_ptrs, row_ok, s_ptrs, stride_sb, stride_sk, zs_ptrs,
                                num_kb, DTYPE, USE_ASM, PREC, EVEN_K, EVEN_N, PRESCALE, SWAP, SCALE_TILE, K_UNROLL,
-                               ZP_MMA, TILED)
+                               ZP_MMA, TILED, ACC_CHAINS)
         _w13_store(acc, a_ptr, pair, ok, pid_n, I, stride_ap, as_ptr, stride_as, BLOCK_I, BLOCK_M, ZP_MMA)
 
 
@@ -406,7 +427,7 @@ def _moe_w2_kernel(
     DTYPE: tl.constexpr, USE_ASM: tl.constexpr, PREC: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, PRESCALE: tl.constexpr, SWAP: tl.constexpr,
     SCALE_TILE: tl.constexpr, K_UNROLL: tl.constexpr, PERSISTENT: tl.constexpr, ZP_MMA: tl.constexpr,
-    TILED: tl.constexpr,
+    TILED: tl.constexpr, ACC_CHAINS: tl.constexpr,
 ):
     if PERSISTENT:  # as in _moe_w13_kernel
         pid = tl.program_id(0)
@@ -431,7 +452,7 @@ def _moe_w2_kernel(
                     stride_wn, stride_se, stride_as, BLOCK_D, TILED)
             acc, x_ptrs, w_ptrs, s_ptrs = _int4_ksteps(
                 acc, x_ptrs, ok[None, :], kb, I, w_ptrs, row_ok, s_ptrs, stride_sb, stride_sk, K_UNROLL,
-                DTYPE, USE_ASM, PREC, EVEN_K, EVEN_N, PRESCALE, SWAP, SCALE_TILE, ZP_MMA, TILED)
+                DTYPE, USE_ASM, PREC, EVEN_K, EVEN_N, PRESCALE, SWAP, SCALE_TILE, ZP_MMA, TILED, ACC_CHAINS)
             if kb == num_kb - K_UNROLL:
                 if ZP_MMA:
                     acc = _zp_correction(acc, zs_ptrs, ok[None, :], s_ptrs - num_kb * stride_sb, row_ok, stride_sb,
@@ -451,7 +472,7 @@ def _moe_w2_kernel(
         acc = tl.zeros([BLOCK_D, BLOCK_M], dtype=tl.float32)
         acc = _int4_block_gemm(acc, x_ptrs, ok[None, :], I, w_ptrs, row_ok, s_ptrs, stride_sb, stride_sk, zs_ptrs,
                                num_kb, DTYPE, USE_ASM, PREC, EVEN_K, EVEN_N, PRESCALE, SWAP, SCALE_TILE, K_UNROLL,
-                               ZP_MMA, TILED)
+                               ZP_MMA, TILED, ACC_CHAINS)
         _w2_store(acc, y_ptr, pair, ok, pid_n, D, stride_yp, BLOCK_D)
 
 

@@ -169,6 +169,8 @@ _SCALE_TILE = True
 # two, plus MMAs on precomputed group sums after the K loop (one more launch, for x's sums). Other bits. Read at
 # each call (benchmarks flip it).
 DEFAULT_ZP_MMA = False
+# independent MMA accumulator chains per K step (`_int4_moe_kernels` doc, ACC_CHAINS; other bits). Read at each call.
+DEFAULT_ACC_CHAINS = 1
 
 
 def _repack_proj(packed: torch.Tensor, scale: torch.Tensor):
@@ -281,7 +283,7 @@ def _int4_moe_triton(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, experts
                      num_stages: int = 3, use_asm: bool = _USE_ASM, prescale: bool = _PRESCALE, swap: bool = _SWAP,
                      scale_tile: bool = _SCALE_TILE, k_unroll: int = 1, persistent: bool | str = False,
                      num_programs: int | None = None, maxnreg: int | None = None, block_m: int | None = None,
-                     zp_mma: bool | None = None):
+                     zp_mma: bool | None = None, acc_chains: int | None = None):
     T, D = x.shape
     topk = topk_ids.shape[1]
     tiled = w13.dim() == 5  # tile_int4_moe_weights: the tile sizes are the layout's
@@ -300,6 +302,9 @@ def _int4_moe_triton(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, experts
         raise ValueError(f"int4_moe: persistent={persistent!r} (False, True, 'w13' or 'w2')")
     block_m = block_m or DEFAULT_BLOCK_M
     zp_mma = DEFAULT_ZP_MMA if zp_mma is None else zp_mma
+    acc_chains = DEFAULT_ACC_CHAINS if acc_chains is None else acc_chains
+    if acc_chains not in (1, 2, 4) or (acc_chains > 1 and not prescale):
+        raise ValueError(f"int4_moe: acc_chains={acc_chains} (1, 2 or 4; more than 1 needs prescale)")
     if block_m not in BLOCK_M_CHOICES:
         raise ValueError(f"int4_moe: block_m={block_m} (one of {BLOCK_M_CHOICES})")
     pers13, pers2 = persistent in (True, "w13"), persistent in (True, "w2")
@@ -322,6 +327,7 @@ def _int4_moe_triton(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, experts
     common = dict(BLOCK_M=block_m, DTYPE=_TL_DTYPE[x.dtype], PREC="ieee" if x.dtype == torch.float32 else "tf32",
                   USE_ASM=use_asm and x.dtype == torch.bfloat16 and x.is_cuda,  # PTX: real GPU only
                   PRESCALE=prescale, SWAP=swap, SCALE_TILE=scale_tile, K_UNROLL=k_unroll, ZP_MMA=zp_mma, TILED=tiled,
+                  ACC_CHAINS=acc_chains,
                   num_warps=num_warps, num_stages=num_stages)
     if maxnreg is not None:
         common["maxnreg"] = maxnreg  # ptxas register cap per thread (more CTAs per SM, or spills)

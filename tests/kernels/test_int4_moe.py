@@ -144,7 +144,9 @@ VARIANTS = [dict(swap=s, prescale=p) for s in (False, True) for p in (False, Tru
     dict(swap=True, prescale=True, block_i=64, block_d=128, num_warps=8),
     dict(swap=True, prescale=True, block_i=16, block_d=32), dict(swap=True, prescale=True, block_i=32, block_d=32),
     # the zero point by an MMA on group sums (other arithmetic than the default: against the reference)
-    dict(zp_mma=True), dict(zp_mma=True, swap=False), dict(zp_mma=True, block_i=64, block_d=128, num_warps=8)]
+    dict(zp_mma=True), dict(zp_mma=True, swap=False), dict(zp_mma=True, block_i=64, block_d=128, num_warps=8),
+    # independent accumulator chains per K step (other summation order)
+    dict(acc_chains=2), dict(acc_chains=4), dict(acc_chains=2, swap=False), dict(acc_chains=4, zp_mma=True)]
 
 
 @pytest.mark.parametrize("config", VARIANTS, ids=_cfg_id)
@@ -182,6 +184,8 @@ SAME_BITS_VARIANTS = [
     (dict(zp_mma=True), dict(persistent=True, num_programs=3), "fp32 fp16"),
     (dict(zp_mma=True, scale_tile=False), dict(persistent="w2", k_unroll=2, scale_tile=True), "fp16"),
     (dict(zp_mma=True), dict(block_m=32), "fp16"),
+    (dict(acc_chains=2), dict(k_unroll=2, persistent="w2", num_programs=3), "fp32 fp16"),
+    (dict(acc_chains=4), dict(block_m=32, persistent="w13"), "fp16"),
 ]
 # interpreter: few, large tiles (its cost is per program and K block); GPU: the default tiles (fast to compile)
 _BIG = {} if CUDA else dict(block_i=128, block_d=256)
@@ -252,7 +256,8 @@ def test_int4_moe_variant_options_checked():
     x = torch.randn(2, 96, device=DEV)
     for bad in (dict(k_unroll=0), dict(persistent=True, k_unroll=2), dict(persistent="w2", k_unroll=2),
                 dict(num_programs=4), dict(persistent=True, num_programs=0), dict(persistent="w3"),
-                dict(block_m=8), dict(block_m=48), dict(zp_mma=True, prescale=False), dict(zp_mma=True, block_i=16)):
+                dict(block_m=8), dict(block_m=48), dict(zp_mma=True, prescale=False), dict(zp_mma=True, block_i=16),
+                dict(acc_chains=3), dict(acc_chains=2, prescale=False)):
         with pytest.raises(ValueError):
             int4_moe_triton(x, ids, tw, *w, **bad)
 
@@ -404,16 +409,16 @@ def ref_by_expert(x, ids, tw, w):
 
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("zp_mma", [False, True])
+@pytest.mark.parametrize("config", [{}, dict(zp_mma=True), dict(acc_chains=2), dict(acc_chains=4)], ids=_cfg_id)
 @pytest.mark.parametrize("T", [1, 9, 64])
-def test_int4_moe_kimi_shapes_bf16(kimi_experts, T, zp_mma):
+def test_int4_moe_kimi_shapes_bf16(kimi_experts, T, config):
     w, wg = kimi_experts
     ids, tw = make_routing(T, KIMI["k"], KIMI["E"], seed=T)
     x = torch.randn(T, KIMI["D"], device="cuda").to(torch.bfloat16)
-    out = run_kernel(x, ids, tw, wg, zp_mma=zp_mma)
+    out = run_kernel(x, ids, tw, wg, **config)
     ref = ref_by_expert(x, ids, tw, w)
-    assert_close(out, ref, TOL[torch.bfloat16], f"Kimi T={T} zp_mma={zp_mma}")
-    print(f"Kimi T={T} zp_mma={zp_mma}: relative error {float((out.float() - ref).norm() / ref.norm()):.2e}")
+    assert_close(out, ref, TOL[torch.bfloat16], f"Kimi T={T} {config}")
+    print(f"Kimi T={T} {config}: relative error {float((out.float() - ref).norm() / ref.norm()):.2e}")
 
 
 # SAME_BITS_VARIANTS at Kimi shapes (D 7168 = 28 K blocks, I 2048 = 8, so k_unroll=2 divides both): (base, extra)
@@ -426,12 +431,14 @@ KIMI_SAME_BITS_VARIANTS = [
     (dict(block_m=16), dict(block_m=32, persistent=True)),
     (dict(zp_mma=True), dict(persistent=True)), (dict(zp_mma=True), dict(k_unroll=2)),
     (dict(zp_mma=True), dict(block_m=32)), (dict(zp_mma=True), dict(maxnreg=96)),
+    (dict(acc_chains=2), dict(persistent=True)), (dict(acc_chains=2), dict(maxnreg=96)),
+    (dict(acc_chains=4), dict(k_unroll=2)), (dict(acc_chains=2), dict(block_m=32)),
 ]
 
 
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [{}, dict(persistent=True), dict(num_stages=4)], ids=_cfg_id)
+@pytest.mark.parametrize("config", [{}, dict(persistent=True), dict(num_stages=4), dict(acc_chains=2)], ids=_cfg_id)
 def test_int4_moe_tiled_layout_kimi(kimi_experts, config):
     """bf16, PTX dequant, Kimi shapes: the tiled layout gives the "gpu" layout's bits (T = 1, 9, 64 with crowded
     experts), and a token alone equals its row in a batch of 64."""
