@@ -129,13 +129,21 @@ def target_config(preset: str, layers: int | None = None, layout: str = "kimi_k2
             "use_unified_vision_chunk": True, "video_placeholder": "<|kimi_k25_video_placeholder|>"}
 
 
+def truncated_tap_ids(ids: list[int], target_layers: int) -> list[int]:
+    """The drafter's taps of a target truncated to `target_layers` layers: the ids that still exist, then the
+    deepest unused layers, min(len(ids), target_layers) distinct ids in all, ascending (a drafter config needs
+    distinct taps, so a target with fewer layers than taps gets one tap per layer: a narrower `fc`)."""
+    kept = [i for i in ids if i < target_layers]
+    extra = [i for i in range(target_layers - 1, -1, -1) if i not in kept]
+    return sorted(kept + extra[: min(len(ids), target_layers) - len(kept)])
+
+
 def drafter_config(preset: str, target_layers: int | None = None) -> dict:
     d = copy.deepcopy({"tiny": TINY_DRAFTER, "kimi-k2.6": KIMI_K26_DRAFTER}[preset])
     if target_layers is not None:
         d["num_target_layers"] = target_layers
-        n = d["num_hidden_layers"]
-        d["dflash_config"]["target_layer_ids"] = [min(i, target_layers - 1) for i in
-                                                  d["dflash_config"]["target_layer_ids"]][:n]
+        d["dflash_config"]["target_layer_ids"] = truncated_tap_ids(d["dflash_config"]["target_layer_ids"],
+                                                                   target_layers)
     return d
 
 

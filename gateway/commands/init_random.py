@@ -3,9 +3,10 @@
 `--preset kimi-k2.6 --layers L` writes the real K2.6 shapes and names truncated to L target layers
 (layer 0 is dense, so L >= 2 holds at least one MoE layer of 384 INT4 experts, ~9.5 GB); tensors are
 generated lazily shard by shard, so host memory stays around one 128 MB chunk. The drafter keeps its
-layer count and taps the truncated target at clamped layer ids. `tiny` has exactly the same names and
-packing at toy sizes (and a byte-level tokenizer). `--layout` picks the Kimi K2.5/K2.6 (default),
-Kimi K2 or DeepSeek-V3 folder layout.
+layer count and taps the truncated target at the ids that still exist plus its deepest other layers
+(`presets.truncated_tap_ids`; one tap per layer when the target has fewer layers than taps). `tiny` has
+exactly the same names and packing at toy sizes (and a byte-level tokenizer). `--layout` picks the Kimi
+K2.5/K2.6 (default), Kimi K2 or DeepSeek-V3 folder layout.
 """
 
 from __future__ import annotations

@@ -88,3 +88,16 @@ def test_fast_dense_has_the_requested_scale(shape, std):
     assert w.shape == shape and torch.isfinite(w).all()
     assert 0.5 * std < w.std().item() < 2 * std
     assert abs(w.mean().item()) < 0.05 * std and (w > 0).float().mean().item() == pytest.approx(0.5, abs=0.02)
+
+
+@pytest.mark.parametrize("layers,taps", [(2, [0, 1]), (5, [0, 1, 2, 3, 4]), (8, [1, 3, 4, 5, 6, 7]),
+                                         (30, [1, 12, 24, 27, 28, 29]), (61, [1, 12, 24, 35, 47, 58])])
+def test_kimi_drafter_taps_of_a_truncated_target(layers, taps):
+    """A truncated kimi-k2.6 target keeps a valid drafter: distinct taps that exist (the deepest layer among them),
+    one per layer when the target has fewer layers than the drafter's six taps."""
+    from drafter_service.config import DFlashConfig
+
+    d = presets.drafter_config("kimi-k2.6", layers)
+    assert d["dflash_config"]["target_layer_ids"] == taps
+    cfg = DFlashConfig.from_dict(d)
+    assert cfg.target_layer_ids == tuple(taps) and cfg.num_target_layers == layers
