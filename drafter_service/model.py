@@ -49,12 +49,15 @@ class DFlashAttention(nn.Module):
         W = ctx_k.shape[1]
         valid = torch.arange(W + B, device=x.device)[None, :] < ctx_len[:, None]
         valid[:, W:] = True  # block rows always visible (bidirectional)
-        groups = c.num_attention_heads // c.num_key_value_heads
-        k = k.repeat_interleave(groups, dim=2).transpose(1, 2)  # [R, H, W+B, hd]
-        v = v.repeat_interleave(groups, dim=2).transpose(1, 2)
+        # GQA without copying K/V per query head: the `groups` heads that share KV head j (heads j * groups + g)
+        # become groups * B query rows of one attention over KV head j (a row's result only depends on its own
+        # query and the keys; the mask is per key). Repeating K/V to H heads copied W+B rows per head and layer.
+        KV, groups = c.num_key_value_heads, c.num_attention_heads // c.num_key_value_heads
+        qg = q.view(R, B, KV, groups, c.head_dim).permute(0, 2, 3, 1, 4).reshape(R, KV, groups * B, c.head_dim)
         mask = valid[:, None, None, :]  # [R, 1, 1, W+B]
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.to(q.dtype), v.to(q.dtype), attn_mask=mask)
-        return self.o_proj(o.transpose(1, 2).reshape(R, B, -1))
+        o = F.scaled_dot_product_attention(qg, k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
+                                           attn_mask=mask)  # [R, KV, groups * B, hd]
+        return self.o_proj(o.view(R, KV, groups, B, c.head_dim).permute(0, 3, 1, 2, 4).reshape(R, B, -1))
 
 
 class DFlashLayer(nn.Module):

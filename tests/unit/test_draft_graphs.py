@@ -376,5 +376,6 @@ def test_launches_per_step_do_not_grow_with_sessions():
 
     cfg, tcfg = DFlashConfig.from_file(PAIR / "drafter"), KimiConfig.from_file(PAIR / "target")
     one, many = count_launches(cfg, tcfg.hidden_size, 1), count_launches(cfg, tcfg.hidden_size, 32)
-    assert many["eager"] - one["eager"] <= 1 and many["graphs"] - one["graphs"] <= 1, (one, many)  # + the cat
+    # + the cat, + the copy of the block's rows 1.. before the lm_head (a view for one request)
+    assert many["eager"] - one["eager"] <= 2 and many["graphs"] - one["graphs"] <= 1, (one, many)
     assert many["graphs"] <= 8 < 100 < many["eager"], many  # uploads, two replays, the copy out
