@@ -37,7 +37,7 @@ from drafter_service.draft_stream import DraftStream, ProtocolError
 from drafter_service.drafter import Drafter
 from protos.control_socket import ControlClosed, ControlSocket
 from protos.ddtree.v1 import drafter_pb2, drafter_pb2_grpc
-from protos.serving import GrpcServer
+from protos.serving import GrpcServer, cancel_quietly
 from protos.shared_region import IpcEvent, SharedRegion
 from telemetry import tracing
 from telemetry.grpc_tracing import DEFAULT_EXCLUDE, TracingServerInterceptor
@@ -145,10 +145,10 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         try:
             await asyncio.wait({read, drain}, return_when=asyncio.FIRST_COMPLETED)
         finally:  # also when this handler is cancelled: leave no task behind
-            drain.cancel()
+            cancel_quietly(drain)
             got = read.done()
             if not got:
-                read.cancel()
+                cancel_quietly(read)
         if not got:
             return None  # draining
         msg = read.result()
@@ -232,7 +232,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
             await asyncio.wait({finished, reader}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             if not reader.done():
-                reader.cancel()
+                cancel_quietly(reader)
         if finished.done():
             return finished.result()
         control.close()  # the verifier ended the stream, or we drain: the socket thread stops

@@ -104,6 +104,19 @@ class GrpcServer:
         announce("stopped", self.address)
 
 
+def cancel_quietly(task: asyncio.Future) -> None:
+    """Cancel a task whose outcome nobody will read. A task can still end with an exception after cancel() (a
+    read of a stream whose RPC has just finished raises UsageError before the cancellation lands); retrieving it
+    keeps asyncio from logging "Task exception was never retrieved" when the task is collected."""
+    task.cancel()
+    task.add_done_callback(_retrieve)
+
+
+def _retrieve(task: asyncio.Future) -> None:
+    if not task.cancelled():
+        task.exception()
+
+
 def freeze_startup_heap() -> None:
     """Collect once, then move every object alive now (modules, the model's modules and parameters, compiled
     kernels and graphs: ~300k objects in a verifier) to the interpreter's permanent generation (gc.freeze).
