@@ -168,14 +168,14 @@ def _int4_kstep(acc, x_ptrs, x_ok, c, K, w_ptrs, w_ok, s_ptrs, stride_sk,
             b = _mma(q7, x7, b, PREC, SWAP)
             acc = _mma(q6, x6, acc, PREC, SWAP) + b
         else:  # four chains (groups k, k + 4), added pairwise
-            b = _mma(q1, x1, None, PREC, SWAP)
-            c = _mma(q2, x2, None, PREC, SWAP)
-            d = _mma(q3, x3, None, PREC, SWAP)
+            b1 = _mma(q1, x1, None, PREC, SWAP)
+            b2 = _mma(q2, x2, None, PREC, SWAP)
+            b3 = _mma(q3, x3, None, PREC, SWAP)
             acc = _mma(q0, x0, acc, PREC, SWAP)
-            b = _mma(q5, x5, b, PREC, SWAP)
-            c = _mma(q6, x6, c, PREC, SWAP)
-            d = _mma(q7, x7, d, PREC, SWAP)
-            acc = _mma(q4, x4, acc, PREC, SWAP) + (b + (c + d))
+            b1 = _mma(q5, x5, b1, PREC, SWAP)
+            b2 = _mma(q6, x6, b2, PREC, SWAP)
+            b3 = _mma(q7, x7, b3, PREC, SWAP)
+            acc = _mma(q4, x4, acc, PREC, SWAP) + (b1 + (b2 + b3))
     else:
         q0, q1, q2, q3, q4, q5, q6, q7 = _dequant8(w, DTYPE, USE_ASM)
         acc += _scaled(_mma(q0, x0, None, PREC, SWAP), s0, SWAP)
