@@ -39,6 +39,8 @@ Weight layouts (`layout=` keyword of the launcher):
                 column 32k + j in nibble k (so nibble k of a 32-word tile is quantisation group k);
                 scales group-major: w13_scale [E, Dp/256, 8, 2I], w2_scale [E, Ip/256, 8, D].
                 `unrepack_int4_moe` inverts it bit for bit.
+`tile_int4_moe_weights` regroups the "gpu" words per kernel tile (5-D, same bits; a benchmark option of
+`int4_moe_triton`, not a `layout=` of `int4_moe`).
 """
 
 from __future__ import annotations
@@ -366,6 +368,9 @@ def int4_moe(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale, *,
     if layout not in ("checkpoint", "gpu"):
         raise ValueError(f"int4_moe: unknown layout {layout!r}")
     T, D = x.shape
+    if w13_packed.dim() != 3 or w2_packed.dim() != 3:
+        raise ValueError(f"int4_moe: packed weights must be 3-D [E, N, K/8] in the {layout} layout, got "
+                         f"{tuple(w13_packed.shape)} / {tuple(w2_packed.shape)} (tiled weights: int4_moe_triton)")
     E, two_i, kw = w13_packed.shape
     kp = -(-D // _BLOCK_K) * _BLOCK_K if layout == "gpu" else D
     ip = -(-(two_i // 2) // _BLOCK_K) * _BLOCK_K if layout == "gpu" else two_i // 2
@@ -400,6 +405,9 @@ def int4_moe_triton(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_sc
     persistent (True, or "w13" / "w2" for one GEMM only; k_unroll must divide its K blocks, 28 / 8 at
     Kimi shapes), num_programs (persistent grid size; default SMs x the CTAs of the compiled kernel that
     fit on an SM, 4 off CUDA), maxnreg (ptxas register cap, e.g. 128 to fit 4 CTAs of 4 warps per SM),
-    block_m (pairs per expert block, one of BLOCK_M_CHOICES; default `DEFAULT_BLOCK_M`). Other arithmetic:
-    zp_mma (the zero point by an MMA on group sums, see `_int4_moe_kernels`; needs prescale, block_i % 32 == 0)."""
+    block_m (pairs per expert block, one of BLOCK_M_CHOICES; default `DEFAULT_BLOCK_M`); weights from
+    `tile_int4_moe_weights` (5-D: their tile sizes replace block_i / block_d). Other arithmetic (other bits):
+    zp_mma (the zero point by an MMA on group sums, see `_int4_moe_kernels`; needs prescale, block_i % 32 == 0),
+    acc_chains (1, 2 or 4 independent MMA accumulator chains per K step; more than 1 needs prescale); defaults
+    `DEFAULT_ZP_MMA` / `DEFAULT_ACC_CHAINS`, read at each call."""
     return _int4_moe_triton(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale, out, **config)

@@ -235,6 +235,8 @@ def test_int4_moe_tiled_layout_same_bits(same_bits_case, tiles, config):
     assert_bitwise(run_kernel(x, c["ids"], c["tw"], wt, **config), base, f"tiled {tiles} {config}")
     with pytest.raises(ValueError, match="tiled weights"):
         run_kernel(x, c["ids"], c["tw"], wt, block_i=2 * bi, block_d=bd)
+    with pytest.raises(ValueError, match="3-D"):  # the public launcher takes the "gpu" layout, not the tiles
+        int4_moe(x, c["ids"], c["tw"], *wt, layout="gpu")
 
 
 def test_tiled_layout_words():
