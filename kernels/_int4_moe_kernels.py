@@ -17,11 +17,12 @@ in the interpreter; both give identical values) and one MMA adds Q_k X_k^T. Vari
   ACC_CHAINS  1, 2 or 4 independent MMA accumulator chains per K step (PRESCALE; the partial sums are added at
               the end of the step in a fixed order): shorter dependency chains of mma.sync, other bits than 1
   ZP_MMA      the zero point out of the dequant: weights bf16(u * s) of the raw nibble u = q + 8 (one FMA per two
-              weights instead of two, `_int4_dequant._dequant8_zp`), and per K step one more MMA adds
-              sum_g (-8 s_g) * (sum of x over group g), with the group sums (times -8, split into bf16 hi + lo,
-              exact to ~2^-17) precomputed per activation row: by `_group_sums_kernel` for x, in the w13
-              epilogue for `a`. Other bits than without it (bf16(u * s) is rounded at other magnitudes than
-              bf16(q * s)); needs PRESCALE.
+              weights instead of two, `_int4_dequant._dequant8_zp`); after the K loop `_zp_correction` adds
+              sum_g (-8 s_g) * (sum of x over group g) by MMAs of 4 K blocks each, with the group sums (times
+              -8, split into bf16 hi + lo, exact to ~2^-17) precomputed per activation row: by
+              `_group_sums_kernel` for x, in the w13 epilogue for `a`. Other bits than without it (bf16(u * s)
+              is rounded at other magnitudes than bf16(q * s)); needs PRESCALE. Measured 10-13% slower on the
+              H200 (docs/performance.md), kept as an option.
 Variants that change the schedule or the loads but not the arithmetic (bitwise equal to the same
 configuration without them; tested):
   TILED       the weights in the tiled layout (`int4_moe.tile_int4_moe_weights`): each program's rows of one K
