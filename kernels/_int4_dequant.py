@@ -50,17 +50,16 @@ _DEQUANT8_ZP_PTX = tl.constexpr(_dequant8_ptx(True, zp=True))
 
 
 @triton.jit
-def _nibble(w, K: tl.constexpr):
-    # Portable exact dequant of nibble K to fp32: the bit pattern of 2^23 + u, minus 2^23 + 8.
+def _raw_nibble(w, K: tl.constexpr):
+    # nibble K as fp32 u in [0, 15] (q + 8), exactly: the bit pattern of 2^23 + u, minus 2^23
     u = (w >> (4 * K)) & 0xF
-    return (u | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+    return (u | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
 
 
 @triton.jit
-def _raw_nibble(w, K: tl.constexpr):
-    # nibble K as fp32 u in [0, 15] (q + 8), exactly
-    u = (w >> (4 * K)) & 0xF
-    return (u | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+def _nibble(w, K: tl.constexpr):
+    # Portable exact dequant of nibble K to fp32: q = u - 8 (every step exact)
+    return _raw_nibble(w, K) - 8.0
 
 
 @triton.jit
