@@ -7,8 +7,10 @@
 For each transport the same engine (target in this process) runs C sessions at one budget; the drafter
 is the in-process `Drafter` (inprocess) or a `ddtree drafter serve` process on loopback (same device)
 reached through the stream client with shared regions (colocated: /dev/shm on CPU, CUDA IPC on GPU,
-handed over with CUDA IPC events; colocated_sync, GPU only: the same without events, each side waiting
-for its GPU before a message) or inline bytes (grpc). All engines share one target (batch-invariant on
+the trees handed over by the verifier's doorbell its stream waits on, the requests by a CUDA IPC event;
+GPU only: colocated_events, the same with the drafter's IPC event polled on the verifier's host instead of
+the doorbell, and colocated_sync, without events, each side waiting for its GPU before a message) or
+inline bytes (grpc). All engines share one target (batch-invariant on
 CUDA, as `build_local_engine` builds it) and step in interleaved rounds, so that load from other
 processes falls on all of them alike. Checked: every session's tokens equal the in-process engine's
 (greedy: a transport must not change a token), and every round's tokens too (the drafter runs the same
@@ -147,7 +149,7 @@ def main() -> int:
     device_name = gpu or platform.processor() or "cpu"
     rows, problems = [], []
     base: dict[int, float] = {}
-    n_streams = 3 if cuda else 2  # colocated (+ colocated_sync on a GPU) + grpc, each with all its sessions
+    n_streams = 4 if cuda else 2  # colocated (+ colocated_events, colocated_sync on a GPU) + grpc, all sessions each
     proc = start_drafter(pair, args.device, dtype_name, n_streams * max(args.concurrency) + 8, graphs,
                          args.control_spin_ms)  # loads now
     clients: dict[str, DraftStreamClient] = {}
@@ -156,11 +158,14 @@ def main() -> int:
         vocab = inproc.target.cfg.vocab_size
         addr = wait_serving(proc)
         engines = {"inprocess": inproc}
-        # on a GPU also the co-located stream without IPC events (each side waits for its GPU per message)
-        for transport in ("colocated", "colocated_sync", "grpc") if cuda else ("colocated", "grpc"):
+        # on a GPU also the co-located stream without the trees doorbell (the verifier polls the drafter's IPC
+        # event on its host) and without IPC events (each side waits for its GPU before each message)
+        remote = ("colocated", "colocated_events", "colocated_sync", "grpc") if cuda else ("colocated", "grpc")
+        for transport in remote:
             client = DraftStreamClient(StreamClientConfig(addr, colocated=transport != "grpc",
                                                           region_device=args.device, draft_timeout_s=60,
-                                                          ipc_events=transport == "colocated",
+                                                          ipc_events=transport in ("colocated", "colocated_events"),
+                                                          doorbell=transport == "colocated",
                                                           control_spin_s=args.control_spin_ms / 1e3,
                                                           check_graphs=args.check_graphs,
                                                           client_id=f"bench-{transport}"))
@@ -223,8 +228,9 @@ def main() -> int:
                                     f"{d['invalid_trees']} invalid trees ({c.last_error})")
                 if t != "grpc" and (d["region_tensors"] == 0 or d["region_trees"] != d["steps"]):
                     problems.append(f"C={conc} {t}: shared regions not used for every step ({d})")
-                if t == "colocated" and cuda and d["event_steps"] != d["steps"]:
-                    problems.append(f"C={conc} colocated: IPC events not used for every step ({d})")
+                handed = {"colocated": "doorbell_steps", "colocated_events": "event_steps"}.get(t) if cuda else None
+                if handed and d[handed] != d["steps"]:
+                    problems.append(f"C={conc} {t}: {handed} is not every step ({d})")
             for t, e in engines.items():
                 for i in range(conc):
                     e.release(f"b{i}")
@@ -248,6 +254,7 @@ def main() -> int:
                        "outputs_identical": not wrong, "steps_identical": not diverged,
                        "regions": clients[t].region_devices if t in clients else {},
                        "ipc_events": t in clients and clients[t].ipc_events,
+                       "doorbell": t in clients and clients[t].doorbell,
                        "malloc_pinned": "MALLOC_MMAP_THRESHOLD_" in os.environ,
                        "time": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
                        "note": "drafter in a separate process on loopback, same device; engines share one target "

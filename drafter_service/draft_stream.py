@@ -26,6 +26,7 @@ from drafter_service.drafter import Drafter
 from kernels.tree_build import TreeBatch
 from protos.codec import WireError, draft_request_from_pb, tensor_from_pb, trees_to_pb
 from protos.ddtree.v1 import drafter_pb2
+from protos.doorbell import Doorbell
 from protos.shared_region import IpcEvent, RegionArena, SharedRegion
 from telemetry import tracing
 from telemetry.metrics import Metrics
@@ -65,6 +66,8 @@ class DraftStream:
     # regions, and ours, recorded after writing the trees (both None: wait for the GPU before answering)
     request_event: IpcEvent | None = None
     trees_event: IpcEvent | None = None
+    # OpenStream.doorbell_region_id taken: rung after each step's writes instead of recording trees_event
+    doorbell: Doorbell | None = None
 
     def key(self, sid: str) -> str:
         return f"{self.number}/{sid}"
@@ -86,7 +89,7 @@ class DraftStream:
         for e in (self.request_event, self.trees_event):
             if e is not None:
                 e.close()
-        self.request_event = self.trees_event = None
+        self.request_event = self.trees_event = self.doorbell = None
 
     def _reserve(self, sid: str) -> str:
         key = self.key(sid)
@@ -246,10 +249,19 @@ class DraftStream:
         if trees is None:
             z = torch.empty(0, 1, dtype=torch.int32)
             trees = TreeBatch(z, z, z, z, z, torch.empty(0, 1), [])
-        msg = trees_to_pb(trees, ids, step.step_id, arena, self.trees_event)
+        msg = trees_to_pb(trees, ids, step.step_id, arena, self.trees_event, self._bell(step, arena))
         msg.errors.extend(errors)
         msg.compute_us = max(1, round((time.perf_counter() - t_start) * 1e6))
         return msg
+
+    def _bell(self, step: drafter_pb2.DraftStep, arena: RegionArena | None) -> tuple[Doorbell, int] | None:
+        """(the doorbell, the value to ring) when the step asks for one; ProtocolError when it cannot be rung."""
+        if not step.HasField("doorbell_value"):
+            return None
+        if self.doorbell is None or arena is None:
+            raise ProtocolError(f"step {step.step_id}: doorbell_value without "
+                                f"{'a doorbell on this stream' if self.doorbell is None else 'a response region'}")
+        return self.doorbell, step.doorbell_value
 
     # --- telemetry -----------------------------------------------------------------------------------
     def _count(self, ok: int, errors: list[drafter_pb2.SessionError]) -> None:

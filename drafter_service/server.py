@@ -10,7 +10,9 @@ verifier may move the stream's messages to a unix socket (`protos.control_socket
 step): a socket thread per stream then reads and runs them itself; all model work holds one lock. With CUDA
 regions the verifier may also offer an IPC event (`OpenStream.request_event`): the stream then answers a
 step as soon as its work is queued on the GPU, recording an event of its own for the verifier to poll, and
-polls the verifier's before it touches the regions (`protos.shared_region.IpcEvent`).
+polls the verifier's before it touches the regions (`protos.shared_region.IpcEvent`). With the verifier's
+trees doorbell (`OpenStream.doorbell_region_id`, `protos.doorbell`) the stream rings it on the GPU after its
+writes instead of recording its trees event.
 
 Observability: Info calls run in SERVER spans continuing the caller's W3C context; the long-lived Draft
 stream does not (it carries many requests: each session's draft span follows the traceparent in its
@@ -37,6 +39,7 @@ from drafter_service.draft_stream import DraftStream, ProtocolError
 from drafter_service.drafter import Drafter
 from protos.control_socket import ControlClosed, ControlSocket
 from protos.ddtree.v1 import drafter_pb2, drafter_pb2_grpc
+from protos.doorbell import Doorbell, supported
 from protos.serving import GrpcServer, cancel_quietly
 from protos.shared_region import IpcEvent, SharedRegion
 from telemetry import tracing
@@ -174,6 +177,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
             opened = self.info()
             if st.trees_event is not None:
                 opened.trees_event = st.trees_event.handle
+            opened.trees_doorbell = st.doorbell is not None
             await context.write(drafter_pb2.DraftStreamResponse(opened=opened))
             if control is not None:
                 failure = await self._serve_control(st, control, context)
@@ -283,6 +287,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
             st = DraftStream(next(self._numbers), msg.client_id, regions, self.drafter, self.feature_dim,
                              metrics=self.metrics, tracer=self.tracer)
             st.request_event, st.trees_event = self._events(msg, regions)
+            st.doorbell = self._doorbell(msg, regions, st.request_event)
         except Exception:
             for r in regions.values():
                 r.close()
@@ -307,6 +312,20 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         except ValueError as e:
             log.warning("stream from %r: %s; waiting for the GPU before each answer instead", msg.client_id, e)
             return None, None
+
+    @staticmethod
+    def _doorbell(msg: drafter_pb2.OpenStream, regions: dict[int, SharedRegion], request_event: IpcEvent | None
+                  ) -> Doorbell | None:
+        """The verifier's trees doorbell (OpenStream.doorbell_region_id) when offered with events and this
+        process can ring it; ValueError for an id that names no region of the stream."""
+        if not msg.HasField("doorbell_region_id"):
+            return None
+        region = regions.get(msg.doorbell_region_id)
+        if region is None:
+            raise ValueError(f"doorbell region {msg.doorbell_region_id} is not one of the stream's regions")
+        if request_event is None or region.device != request_event.device or not supported(region.device):
+            return None  # the verifier then waits for our trees event, or for our answer
+        return Doorbell(region.buf)
 
     def _close(self, st: DraftStream) -> None:
         with self._model_lock:

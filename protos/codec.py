@@ -19,6 +19,7 @@ import torch
 from drafter_service.api import DraftRequest
 from kernels.tree_build import TreeBatch
 from protos.ddtree.v1 import common_pb2, drafter_pb2
+from protos.doorbell import Doorbell
 from protos.shared_region import IpcEvent, RegionArena, SharedRegion
 
 if sys.byteorder != "little":  # the wire is little-endian and tensors are sent as their memory
@@ -128,9 +129,10 @@ def draft_request_from_pb(msg: drafter_pb2.SessionDraftRequest, regions: Mapping
 
 # --- draft trees (drafter -> verifier) ---------------------------------------------------------------
 def trees_to_pb(trees: TreeBatch, session_ids: list[str], step_id: int, arena: RegionArena | None = None,
-                event: IpcEvent | None = None) -> drafter_pb2.DraftTrees:
-    """Encode; with an arena the tensors go into its region, handed over before this returns: by recording
-    `event` (the peer polls it; `after_event` set) when given, else by waiting for the GPU."""
+                event: IpcEvent | None = None, bell: tuple[Doorbell, int] | None = None) -> drafter_pb2.DraftTrees:
+    """Encode; with an arena the tensors go into its region, handed over before this returns: by ringing
+    `bell` = (the peer's doorbell, the step's value) on the GPU after the writes (`doorbell_value` set) when
+    given, else by recording `event` (the peer polls it; `after_event` set), else by waiting for the GPU."""
     if len(session_ids) != trees.tokens.shape[0]:
         raise ValueError(f"{len(session_ids)} session ids for {trees.tokens.shape[0]} trees")
     msg = drafter_pb2.DraftTrees(step_id=step_id, session_ids=session_ids, n_nodes=trees.n_nodes)
@@ -152,7 +154,10 @@ def trees_to_pb(trees: TreeBatch, session_ids: list[str], step_id: int, arena: R
         for f, t, where in zip(TREE_FIELDS, fields, places):
             tensor_to_pb(t, getattr(msg, f), where=where)
         in_region = any(p is not None for p in places)
-    if arena is not None:
+    if arena is not None and bell is not None:
+        arena.ring(*bell)
+        msg.doorbell_value = bell[1]
+    elif arena is not None:
         arena.hand_over(event)
         msg.after_event = event is not None and in_region
     return msg

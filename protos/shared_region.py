@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 
 from protos.ddtree.v1 import common_pb2, drafter_pb2
+from protos.doorbell import Doorbell
 
 ALIGN = 64  # byte alignment of every slice (covers every dtype's itemsize)
 # what torch.multiprocessing.reductions.rebuild_cuda_tensor takes (torch 2.x), matched by name
@@ -425,6 +426,13 @@ class RegionArena:
             event.record()
         else:
             self.sync()
+
+    def ring(self, bell: Doorbell, value: int) -> None:
+        """Before the control message leaves: ring the peer's doorbell with `value` on the GPU, after this
+        arena's writes (work on another GPU is waited for first)."""
+        if not self._devices <= {bell.device}:
+            self.sync()
+        bell.ring(value)
 
     def sync(self) -> None:
         """Before the control message leaves: wait until this process's work on the region's GPU is

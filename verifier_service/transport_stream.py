@@ -9,7 +9,11 @@ the engine thread writes each request and reads its answer itself, with no threa
 regions the two sides also exchange IPC events when the stream opens (`protos.shared_region.IpcEvent`):
 neither process then waits for its GPU before sending; the receiver polls the sender's event (bounded by
 the step deadline) before touching the regions, so encoding, the socket and decoding overlap the
-sender's GPU work. Trees from a CUDA region never leave the GPU.
+sender's GPU work. With the verifier's trees doorbell (`protos.doorbell`, `OpenStream.doorbell_region_id`)
+the verifier does not poll at all: the drafter's stream rings a counter in the verifier's GPU memory after its
+writes, and the verifier queues a wait for it on its own stream, then its whole verify step behind it, while
+the drafter's GPU still works; `verifier_service.doorbell_watch` releases that wait if the drafter never rings.
+Trees from a CUDA region never leave the GPU.
 
 Trees are checked where they arrive (`verifier_service.tree_verdicts`): node counts on the host, the
 rest by one kernel on the engine's device whose verdicts are read after the step (`take_errors`); a
@@ -45,14 +49,16 @@ from kernels.tree_build import TreeBatch, tree_size
 from protos.codec import DTYPE_TO_PB, WireError, draft_request_to_pb, tensor_to_pb, trees_from_pb
 from protos.control_socket import ControlClosed, ControlListener, ControlSocket
 from protos.ddtree.v1 import drafter_pb2, drafter_pb2_grpc
+from protos.doorbell import NBYTES, Doorbell, supported
 from protos.shared_region import IpcEvent, RegionArena, SharedRegion
 from telemetry.metrics import Metrics
+from verifier_service.doorbell_watch import DoorbellWatch
 from verifier_service.transport import DrafterModel, StreamClientConfig
 from verifier_service.tree_check_graphs import CheckGraphs
 from verifier_service.tree_verdicts import TreeChecker
 
 log = logging.getLogger(__name__)
-REQUEST_REGION, RESPONSE_REGION = 1, 2
+REQUEST_REGION, RESPONSE_REGION, DOORBELL_REGION = 1, 2, 3
 
 
 class StreamBroken(Exception):
@@ -73,6 +79,9 @@ class _Stream:
         # CUDA regions: ours, recorded after our work on the regions; the drafter's, waited for before reading
         self.request_event: IpcEvent | None = None
         self.trees_event: IpcEvent | None = None
+        self.doorbell = False  # the drafter rings the client's trees doorbell after each step's writes
+        self.bell_value = 0  # the value the step in flight rings
+        self.released = threading.Event()  # the doorbell watch released a wait of this stream (trees unreliable)
         self.synced: set[str] = set()  # sessions whose context this drafter holds
         self.step_features = False  # the drafter reads a step's rows from DraftStep.ctx_features (one tensor)
         self.step_id = 0
@@ -167,10 +176,14 @@ class DraftStreamClient:
         # came back through one (both stay 0 for grpc, and for a co-located stream that fell back to bytes)
         # event_steps: steps whose regions were handed over by CUDA IPC events (no host wait on either side)
         self.stats = {"steps": 0, "fallback_steps": 0, "reconnects": 0, "invalid_trees": 0, "region_tensors": 0,
-                      "region_trees": 0, "event_steps": 0}
+                      "region_trees": 0, "event_steps": 0, "doorbell_steps": 0, "doorbell_timeouts": 0}
         self.last_error = ""
         self._use_control = cfg.colocated and cfg.control_socket
         self._use_events = cfg.colocated and cfg.ipc_events
+        self._use_doorbell = self._use_events and cfg.doorbell
+        self._watch: DoorbellWatch | None = None  # with the doorbell (made by the first stream that offers it)
+        self._bell_region: SharedRegion | None = None
+        self._bell_value = 0  # increases across streams: a dead stream's late ring never satisfies a newer wait
         # the last exchanged step, in ms: round_trip (request sent -> answer read), drafter (its compute_us),
         # transport (round_trip - drafter), decode (trees off the wire / out of the region), validate
         self.last_step_ms: dict[str, float] = {}
@@ -220,6 +233,12 @@ class DraftStreamClient:
         return s is not None and s.trees_event is not None
 
     @property
+    def doorbell(self) -> bool:
+        """Whether the open stream's answers ring the trees doorbell (the verifier waits on its GPU)."""
+        s = self._stream
+        return s is not None and s.doorbell
+
+    @property
     def control_socket(self) -> bool:
         """Whether the open stream's messages travel over a control socket (co-located)."""
         s = self._stream
@@ -230,6 +249,8 @@ class DraftStreamClient:
         self._wake.set()
         self._drop("client closed")
         self._channel.close()
+        if self._watch is not None:
+            self._watch.close()
 
     def _connector(self) -> None:
         delay = self.cfg.retry_min_s
@@ -277,14 +298,16 @@ class DraftStreamClient:
         stream = _Stream(self._stub, regions, self._on_broken)
         if self._use_events and self._device.type == "cuda":
             stream.request_event = IpcEvent.create(self._device)
+        bell = self._doorbell_region() if stream.request_event is not None else None
         listener = None
         try:
             if self._use_control:
                 listener = ControlListener(self.cfg.max_message_bytes)
             stream.send(drafter_pb2.DraftStreamRequest(open=drafter_pb2.OpenStream(
-                client_id=self.cfg.client_id, regions=[r.to_pb() for r in regions.values()],
+                client_id=self.cfg.client_id, regions=[r.to_pb() for r in (*regions.values(), *filter(None, [bell]))],
                 control_socket=listener.path if listener else "",
-                request_event=stream.request_event.handle if stream.request_event else b"")))
+                request_event=stream.request_event.handle if stream.request_event else b"",
+                doorbell_region_id=bell.region_id if bell is not None else None)))
             try:
                 resp = stream.recv(self.cfg.connect_timeout_s)
             except StreamBroken as e:
@@ -306,6 +329,7 @@ class DraftStreamClient:
                     raise StreamBroken(f"the drafter's trees event: {e}") from None
             else:
                 stream.request_event = None  # the drafter waits for its GPU: so do we
+            stream.doorbell = bell is not None and stream.request_event is not None and resp.opened.trees_doorbell
             for r in regions.values():
                 r.unlink()  # the drafter has mapped them: nothing may outlive the two processes
             model = DrafterModel.from_pb(resp.opened)
@@ -326,7 +350,27 @@ class DraftStreamClient:
             if listener is not None:
                 listener.close()
 
+    def _doorbell_region(self) -> SharedRegion | None:
+        """The trees doorbell's region (made once, offered to every stream; its counter only grows), or None
+        when the client does not use one or this process cannot wait on one."""
+        if not self._use_doorbell or not supported(self._device):
+            return None
+        if self._watch is None:
+            region = SharedRegion.create(DOORBELL_REGION, NBYTES, self._device)
+            region.buf.zero_()
+            torch.cuda.current_stream(self._device).synchronize()  # zero before any peer can map it
+            self._bell_region = region
+            self._watch = DoorbellWatch(Doorbell(region.buf), self._bell_expired)
+        return self._bell_region
+
+    def _bell_expired(self, stream: _Stream) -> None:
+        """The watch released a step the drafter never rang for (it died, or hangs): drop that stream."""
+        self.stats["doorbell_timeouts"] += 1
+        self._on_broken(stream, "the drafter did not ring its trees doorbell within the step's deadline")
+
     def _on_broken(self, stream: _Stream, reason: str) -> None:
+        if self._watch is not None:
+            self._watch.release(stream)  # its step in flight reads what is in the region: nothing waits for more
         with self._lock:
             if self._stream is not stream:
                 return
@@ -379,6 +423,8 @@ class DraftStreamClient:
         """Send the step's requests and return at once -> a function that waits for the trees (the engine
         prepares the tree-independent part of its verify step in between, while the drafter works)."""
         self._collect_verdicts()  # the last step's, read back by now (no-op after take_errors)
+        if self._watch is not None:
+            self._watch.disarm()  # the last step was read back: its doorbell wait is behind us
         for r in requests:
             self._queue_rows(r)
         self.stats["steps"] += 1
@@ -472,6 +518,9 @@ class DraftStreamClient:
             arena.hand_over(s.request_event)
             self.stats["region_tensors"] += arena.placed
             step.response_region_id = RESPONSE_REGION
+        if s.doorbell:
+            self._bell_value += 1
+            s.bell_value = step.doorbell_value = self._bell_value
         t_sent = time.perf_counter()
         s.send(drafter_pb2.DraftStreamRequest(step=step))
         return t_sent, time.monotonic() + self.cfg.draft_timeout_s
@@ -503,7 +552,16 @@ class DraftStreamClient:
             if resp.WhichOneof("kind") != "trees" or resp.trees.step_id > s.step_id:
                 raise WireError(f"unexpected answer to step {s.step_id}: {resp.WhichOneof('kind')}")
         t_answer = time.perf_counter()
-        if resp.trees.after_event:
+        if s.doorbell:
+            if not resp.trees.HasField("doorbell_value") or resp.trees.doorbell_value != s.bell_value:
+                got = resp.trees.doorbell_value if resp.trees.HasField("doorbell_value") else "none"
+                raise WireError(f"step {s.step_id}: the answer rings doorbell value {got}, expected {s.bell_value}")
+            # our stream waits for the drafter's ring; everything after it (the check's copy of the trees, the
+            # verify step) is queued now, while the drafter's GPU works; the watch keeps the step's deadline
+            self._watch.bell.wait(s.bell_value)
+            self._watch.arm(s, s.bell_value, deadline, s.released)
+            self.stats["doorbell_steps"] += 1
+        elif resp.trees.after_event:
             event = s.trees_event  # once: another thread may close the stream meanwhile
             if event is None or event.event is None:
                 raise StreamBroken(f"step {s.step_id}: the answer waits for an event this stream does not have")
@@ -529,7 +587,7 @@ class DraftStreamClient:
         t_decoded = time.perf_counter()
         by_id = {r.session_id: (r.root_token, cap) for r, cap in zip(requests, caps)}
         trees, refused = self._checker.check(ids, trees, [by_id[i][0] for i in ids], [by_id[i][1] for i in ids],
-                                             fixed=in_region)
+                                             fixed=in_region, void=s.released if s.doorbell else None)
         self._time_step(resp.trees.compute_us, t_sent, t_answer, t_decoded)
         for sid, problem in refused.items():
             self.stats["invalid_trees"] += 1

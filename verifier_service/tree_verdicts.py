@@ -18,6 +18,7 @@ only read to describe a failure.
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +39,7 @@ class _Checked:
     roots: list[int]
     codes: torch.Tensor  # [R] int32 on the trees' device, 0 = valid
     refused: set[str]  # told already (host checks)
+    void: threading.Event | None  # set: the trees were read before their writer finished; no verdicts
 
 
 class TreeChecker:
@@ -59,13 +61,15 @@ class TreeChecker:
         out = graphs.counts(len(ids)) if graphs is not None and graphs.serves(device) else None
         self._expected = (list(ids), list(caps), list(roots), int64_to_device([caps, roots], device, out))
 
-    def check(self, ids: list[str], trees: TreeBatch, roots: list[int], caps: list[int], fixed: bool = False
-              ) -> tuple[TreeBatch, dict[str, str]]:
+    def check(self, ids: list[str], trees: TreeBatch, roots: list[int], caps: list[int], fixed: bool = False,
+              void: threading.Event | None = None) -> tuple[TreeBatch, dict[str, str]]:
         """-> (the trees to verify, sessions refused on the host -> message). Host-refused rows (node count
         outside 1..cap) must not be verified from this batch; every other row is safe to verify as returned,
         its verdict read by `verdicts`. fixed: the trees are a view of the peer's shared region, where the next
         batches will live too: they are checked in a copy of our own, by a CUDA graph captured for that place
-        when there is one."""
+        when there is one. void: once set (before the trees are read back), this batch's verdicts are dropped: its
+        trees were released to the verify step before the peer had written them (a doorbell the peer never rang),
+        so their failures are the transport's, not the peer's, and fail no session."""
         R, M = trees.tokens.shape
         refused: dict[str, str] = {}
         for sid, n, cap in zip(ids, trees.n_nodes, caps):
@@ -89,7 +93,7 @@ class TreeChecker:
             out = check_packed(packed.clone() if fixed else packed, counts[0], counts[1], self.vocab_size,
                                self.max_depth)
         codes, tokens, parent, depth = out
-        self._pending.append(_Checked(list(ids), trees, list(roots), codes, set(refused)))
+        self._pending.append(_Checked(list(ids), trees, list(roots), codes, set(refused), void))
         safe = TreeBatch(tokens, parent, depth, trees.first_child, trees.next_sibling, trees.logw,
                          list(trees.n_nodes))
         return safe, refused
@@ -101,6 +105,8 @@ class TreeChecker:
         out: dict[str, str] = {}
         pending, self._pending = self._pending, []
         for c in pending:
+            if c.void is not None and c.void.is_set():
+                continue
             for r, code in enumerate(c.codes.tolist()):
                 if code and c.ids[r] not in c.refused:
                     out[c.ids[r]] = self._describe(c, r, code)

@@ -7,8 +7,9 @@ transport (CUDA IPC regions) and through grpc (bytes). Greedy output must be the
 token for token, over several sessions: a concurrent wave, then a second wave with other parameters
 on the same stream after the first released its sessions. No step may fall back to autoregressive,
 and the co-located stream must have used its CUDA regions both ways (regions on the GPU, context
-rows placed there, every step's trees read back from there, every hand-over an IPC event): no silent
-fallback to bytes or to host waits. Closing
+rows placed there, every step's trees read back from there, every answer handed over by the trees doorbell
+our stream waits on, or by an IPC event with the doorbell off): no silent fallback to bytes or to host waits.
+Closing
 the clients ends the streams: the drafter frees every session and mapping.
 """
 
@@ -71,7 +72,7 @@ def reference(setup):
     return run(setup["engine"], setup["prompts"])
 
 
-@pytest.mark.parametrize("transport", ["colocated", "grpc"])
+@pytest.mark.parametrize("transport", ["colocated", "colocated_events", "grpc"])
 def test_split_drafter_on_the_gpu_equals_in_process(setup, reference, transport):
     from verifier_service.engine import Engine
     from verifier_service.transport import StreamClientConfig
@@ -79,8 +80,9 @@ def test_split_drafter_on_the_gpu_equals_in_process(setup, reference, transport)
 
     info = drafter_info(setup["address"])
     assert info.device.startswith("cuda") and info.dtype == "bfloat16"
-    client = DraftStreamClient(StreamClientConfig(setup["address"], colocated=transport == "colocated",
-                                                  region_device="cuda", draft_timeout_s=30))
+    colocated = transport.startswith("colocated")
+    client = DraftStreamClient(StreamClientConfig(setup["address"], colocated=colocated, region_device="cuda",
+                                                  draft_timeout_s=30, doorbell=transport == "colocated"))
     client.start()
     try:
         model = client.wait_ready(timeout=60)
@@ -89,11 +91,12 @@ def test_split_drafter_on_the_gpu_equals_in_process(setup, reference, transport)
         stats = client.stats
         assert stats["steps"] > 0 and stats["fallback_steps"] == 0 and stats["invalid_trees"] == 0, stats
         assert stats["reconnects"] == 0, stats
-        if transport == "colocated":  # CUDA IPC, both ways, every step, handed over by IPC events
+        if colocated:  # CUDA IPC, both ways, every step, handed over by the doorbell or by IPC events
             devices = client.region_devices
             assert devices and all(d.startswith("cuda") for d in devices.values()), devices
             assert stats["region_tensors"] > 0 and stats["region_trees"] == stats["steps"], stats
-            assert client.ipc_events and stats["event_steps"] == stats["steps"], stats
+            handed = "doorbell_steps" if transport == "colocated" else "event_steps"
+            assert client.ipc_events and stats[handed] == stats["steps"] and not stats["doorbell_timeouts"], stats
         else:
             assert client.region_devices == {} and stats["region_tensors"] == stats["region_trees"] == 0, stats
         assert drafter_info(setup["address"]).streams == 1

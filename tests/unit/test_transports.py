@@ -428,28 +428,70 @@ def test_control_socket_protocol(served, bad, code, words):
     assert service.info().streams == 0
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC needs a GPU")
-def test_cuda_regions_with_an_in_process_drafter(parts):
-    """Drafter and verifier in one process on the GPU: the regions are CUDA allocations that the
-    server side takes as they are (a process cannot open its own IPC handle); trees equal the
-    in-process drafter's and travel through the regions."""
+def cuda_parts(parts):
     model, embed, head = copy.deepcopy(parts[0]).to("cuda"), parts[1].to("cuda"), parts[2].to("cuda")
     service = DrafterService(max_sessions=8, window=64)
     service.attach(Drafter(model, embed, head, max_sessions=8, window=64), "tiny", embed.shape[1])
+    return service, Drafter(model, embed, head, max_sessions=8, window=64)
+
+
+def cuda_steps():
+    return [[dataclasses.replace(r, ctx_features=r.ctx_features.cuda()) for r in reqs] for reqs in steps()]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC needs a GPU")
+@pytest.mark.parametrize("doorbell", [True, False])
+def test_cuda_regions_with_an_in_process_drafter(parts, doorbell):
+    """Drafter and verifier in one process on the GPU: the regions are CUDA allocations that the
+    server side takes as they are (a process cannot open its own IPC handle); trees equal the
+    in-process drafter's and travel through the regions, handed over by the trees doorbell (our stream
+    waits for the drafter's ring) or, without it, by IPC events."""
+    service, local = cuda_parts(parts)
     srv = ServerThread(service)
-    local = Drafter(model, embed, head, max_sessions=8, window=64)
-    client = client_for(srv.port, colocated=True, region_device="cuda")
+    client = client_for(srv.port, colocated=True, region_device="cuda", doorbell=doorbell)
     try:
         assert set(client.region_devices.values()) == {"cuda:0"}
-        for reqs in steps():
-            reqs = [dataclasses.replace(r, ctx_features=r.ctx_features.cuda()) for r in reqs]
+        for reqs in cuda_steps():
             assert_same_trees(client.draft(reqs), local.draft(reqs))
         assert client.stats["fallback_steps"] == 0 and client.stats["region_tensors"] > 0
-        assert client.stats["region_trees"] == client.stats["steps"] == client.stats["event_steps"] == 3
-        assert client.ipc_events  # one process: each side's IPC event is the other's own object
+        handed = client.stats["doorbell_steps" if doorbell else "event_steps"]
+        assert client.stats["region_trees"] == client.stats["steps"] == handed == 3, client.stats
+        assert client.stats["event_steps" if doorbell else "doorbell_steps"] == 0, client.stats
+        assert client.ipc_events and client.doorbell == doorbell  # one process: each side's event is the other's
         # the trees came back to one place in the region every step: their check replayed from one CUDA graph
         assert client._checker.graphs.stats == {"replays": 3, "captures": 1}
+    finally:
+        client.close()
+        srv.stop()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC needs a GPU")
+def test_a_drafter_that_never_rings_costs_one_deadline_and_no_session(parts, monkeypatch):
+    """The drafter answers with its doorbell value but its ring never comes (a drafter that died between
+    its answer and its GPU work): the verifier's stream is released at the step's deadline by the watch,
+    the stream is dropped and reconnects, and no session is failed for what the region held meanwhile."""
+    from protos.shared_region import RegionArena
+
+    monkeypatch.setattr(RegionArena, "ring", lambda self, bell, value: None)
+    service, _ = cuda_parts(parts)
+    srv = ServerThread(service)
+    client = client_for(srv.port, colocated=True, region_device="cuda", draft_timeout_s=0.5)
+    try:
+        assert client.doorbell
+        reqs = cuda_steps()[0]
+        t0 = time.monotonic()
+        trees = client.draft(reqs)
+        torch.cuda.synchronize()  # blocked behind the wait until the watch releases it
+        assert time.monotonic() - t0 >= 0.45
+        assert trees.tokens.shape[0] == len(reqs)
+        assert client.stats["doorbell_timeouts"] == 1 and "did not ring" in client.last_error
+        assert client.take_errors() == {}
+        deadline = time.monotonic() + 20
+        while client.stats["reconnects"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert client.stats["reconnects"] == 1
     finally:
         client.close()
         srv.stop()

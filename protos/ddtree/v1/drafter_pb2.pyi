@@ -20,16 +20,18 @@ class DraftStreamRequest(_message.Message):
     def __init__(self, open: _Optional[_Union[OpenStream, _Mapping]] = ..., step: _Optional[_Union[DraftStep, _Mapping]] = ..., release: _Optional[_Union[ReleaseSessions, _Mapping]] = ..., context: _Optional[_Union[SessionContext, _Mapping]] = ...) -> None: ...
 
 class OpenStream(_message.Message):
-    __slots__ = ("client_id", "regions", "control_socket", "request_event")
+    __slots__ = ("client_id", "regions", "control_socket", "request_event", "doorbell_region_id")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     REGIONS_FIELD_NUMBER: _ClassVar[int]
     CONTROL_SOCKET_FIELD_NUMBER: _ClassVar[int]
     REQUEST_EVENT_FIELD_NUMBER: _ClassVar[int]
+    DOORBELL_REGION_ID_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     regions: _containers.RepeatedCompositeFieldContainer[SharedRegion]
     control_socket: str
     request_event: bytes
-    def __init__(self, client_id: _Optional[str] = ..., regions: _Optional[_Iterable[_Union[SharedRegion, _Mapping]]] = ..., control_socket: _Optional[str] = ..., request_event: _Optional[bytes] = ...) -> None: ...
+    doorbell_region_id: int
+    def __init__(self, client_id: _Optional[str] = ..., regions: _Optional[_Iterable[_Union[SharedRegion, _Mapping]]] = ..., control_socket: _Optional[str] = ..., request_event: _Optional[bytes] = ..., doorbell_region_id: _Optional[int] = ...) -> None: ...
 
 class SharedRegion(_message.Message):
     __slots__ = ("region_id", "nbytes", "shm_path", "cuda")
@@ -68,16 +70,18 @@ class CudaIpcHandle(_message.Message):
     def __init__(self, device: _Optional[int] = ..., handle: _Optional[bytes] = ..., storage_size_bytes: _Optional[int] = ..., storage_offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ..., tensor_offset: _Optional[int] = ..., device_uuid: _Optional[str] = ...) -> None: ...
 
 class DraftStep(_message.Message):
-    __slots__ = ("step_id", "sessions", "response_region_id", "ctx_features")
+    __slots__ = ("step_id", "sessions", "response_region_id", "ctx_features", "doorbell_value")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_REGION_ID_FIELD_NUMBER: _ClassVar[int]
     CTX_FEATURES_FIELD_NUMBER: _ClassVar[int]
+    DOORBELL_VALUE_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     sessions: _containers.RepeatedCompositeFieldContainer[SessionDraftRequest]
     response_region_id: int
     ctx_features: _common_pb2.Tensor
-    def __init__(self, step_id: _Optional[int] = ..., sessions: _Optional[_Iterable[_Union[SessionDraftRequest, _Mapping]]] = ..., response_region_id: _Optional[int] = ..., ctx_features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    doorbell_value: int
+    def __init__(self, step_id: _Optional[int] = ..., sessions: _Optional[_Iterable[_Union[SessionDraftRequest, _Mapping]]] = ..., response_region_id: _Optional[int] = ..., ctx_features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., doorbell_value: _Optional[int] = ...) -> None: ...
 
 class SessionDraftRequest(_message.Message):
     __slots__ = ("session_id", "ctx_start", "ctx_features", "root_token", "root_pos", "budget", "topk", "traceparent", "ctx_rows")
@@ -126,7 +130,7 @@ class DraftStreamResponse(_message.Message):
     def __init__(self, opened: _Optional[_Union[DrafterInfo, _Mapping]] = ..., trees: _Optional[_Union[DraftTrees, _Mapping]] = ...) -> None: ...
 
 class DraftTrees(_message.Message):
-    __slots__ = ("step_id", "session_ids", "n_nodes", "tokens", "parent", "depth", "first_child", "next_sibling", "logw", "errors", "compute_us", "after_event")
+    __slots__ = ("step_id", "session_ids", "n_nodes", "tokens", "parent", "depth", "first_child", "next_sibling", "logw", "errors", "compute_us", "after_event", "doorbell_value")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_IDS_FIELD_NUMBER: _ClassVar[int]
     N_NODES_FIELD_NUMBER: _ClassVar[int]
@@ -139,6 +143,7 @@ class DraftTrees(_message.Message):
     ERRORS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_US_FIELD_NUMBER: _ClassVar[int]
     AFTER_EVENT_FIELD_NUMBER: _ClassVar[int]
+    DOORBELL_VALUE_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     session_ids: _containers.RepeatedScalarFieldContainer[str]
     n_nodes: _containers.RepeatedScalarFieldContainer[int]
@@ -151,7 +156,8 @@ class DraftTrees(_message.Message):
     errors: _containers.RepeatedCompositeFieldContainer[SessionError]
     compute_us: int
     after_event: bool
-    def __init__(self, step_id: _Optional[int] = ..., session_ids: _Optional[_Iterable[str]] = ..., n_nodes: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., parent: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., depth: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., first_child: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., next_sibling: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., logw: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., errors: _Optional[_Iterable[_Union[SessionError, _Mapping]]] = ..., compute_us: _Optional[int] = ..., after_event: _Optional[bool] = ...) -> None: ...
+    doorbell_value: int
+    def __init__(self, step_id: _Optional[int] = ..., session_ids: _Optional[_Iterable[str]] = ..., n_nodes: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., parent: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., depth: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., first_child: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., next_sibling: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., logw: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., errors: _Optional[_Iterable[_Union[SessionError, _Mapping]]] = ..., compute_us: _Optional[int] = ..., after_event: _Optional[bool] = ..., doorbell_value: _Optional[int] = ...) -> None: ...
 
 class SessionError(_message.Message):
     __slots__ = ("session_id", "code", "message")
@@ -168,7 +174,7 @@ class DrafterInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DrafterInfo(_message.Message):
-    __slots__ = ("model", "vocab_size", "block_size", "target_layer_ids", "target_hidden_size", "max_budget", "max_sessions", "active_sessions", "draft_window", "streams", "device", "dtype", "trees_event", "step_features")
+    __slots__ = ("model", "vocab_size", "block_size", "target_layer_ids", "target_hidden_size", "max_budget", "max_sessions", "active_sessions", "draft_window", "streams", "device", "dtype", "trees_event", "step_features", "trees_doorbell")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -183,6 +189,7 @@ class DrafterInfo(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     TREES_EVENT_FIELD_NUMBER: _ClassVar[int]
     STEP_FEATURES_FIELD_NUMBER: _ClassVar[int]
+    TREES_DOORBELL_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     block_size: int
@@ -197,4 +204,5 @@ class DrafterInfo(_message.Message):
     dtype: str
     trees_event: bytes
     step_features: bool
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., target_hidden_size: _Optional[int] = ..., max_budget: _Optional[int] = ..., max_sessions: _Optional[int] = ..., active_sessions: _Optional[int] = ..., draft_window: _Optional[int] = ..., streams: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., trees_event: _Optional[bytes] = ..., step_features: _Optional[bool] = ...) -> None: ...
+    trees_doorbell: bool
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., target_hidden_size: _Optional[int] = ..., max_budget: _Optional[int] = ..., max_sessions: _Optional[int] = ..., active_sessions: _Optional[int] = ..., draft_window: _Optional[int] = ..., streams: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., trees_event: _Optional[bytes] = ..., step_features: _Optional[bool] = ..., trees_doorbell: _Optional[bool] = ...) -> None: ...

@@ -1,0 +1,208 @@
+"""The trees doorbell (`protos.doorbell`) and its deadline (`verifier_service.doorbell_watch`).
+
+On the GPU, across two processes: a stream waiting on the doorbell runs its later work only once the
+peer's stream has rung it, and sees what the peer wrote before ringing; a peer killed before it rings
+leaves our stream blocked until we release it ourselves, which the watch does at the deadline. Without
+a GPU: the watch's decisions (release at the deadline unless rung or disarmed, release at once when the
+stream breaks, mark the released step) and the verdicts of a released step being dropped.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels.tree_build import TreeBatch
+from protos.doorbell import Doorbell, supported
+from protos.shared_region import RegionArena, SharedRegion
+from verifier_service.doorbell_watch import DoorbellWatch
+from verifier_service.tree_verdicts import TreeChecker
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class _FakeBell:
+    """The counter on the host: what the watch needs of a Doorbell (read, release)."""
+
+    def __init__(self):
+        self.value, self.releases = 0, []
+
+    def read(self) -> int:
+        return self.value
+
+    def release(self, value: int) -> None:
+        self.releases.append(value)
+        self.value = max(self.value, value)
+
+
+def _watch():
+    expired = []
+    bell = _FakeBell()
+    return DoorbellWatch(bell, expired.append), bell, expired
+
+
+def _until(cond, timeout=5.0):
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < timeout, "timed out"
+        time.sleep(0.005)
+
+
+def test_watch_releases_an_unrung_wait_at_its_deadline_and_reports_it():
+    watch, bell, expired = _watch()
+    released = threading.Event()
+    owner = object()
+    try:
+        t0 = time.monotonic()
+        watch.arm(owner, 7, t0 + 0.15, released)
+        _until(lambda: expired)
+        assert time.monotonic() - t0 >= 0.15
+        assert bell.releases == [7] and released.is_set() and expired == [owner]
+        assert not watch.release(owner)  # nothing armed any more
+    finally:
+        watch.close()
+
+
+def test_watch_leaves_a_rung_or_disarmed_wait_alone():
+    watch, bell, expired = _watch()
+    try:
+        rung = threading.Event()
+        bell.value = 3  # the peer rang 3 (and so everything before it)
+        watch.arm("s", 3, time.monotonic() + 0.05, rung)
+        time.sleep(0.2)
+        assert not rung.is_set() and bell.releases == [] and expired == []
+        disarmed = threading.Event()
+        watch.arm("s", 4, time.monotonic() + 0.1, disarmed)
+        watch.disarm()  # the step was read back: the wait is behind us
+        time.sleep(0.25)
+        assert not disarmed.is_set() and bell.releases == [] and expired == []
+    finally:
+        watch.close()
+
+
+def test_watch_releases_at_once_for_a_broken_stream_and_on_close():
+    watch, bell, expired = _watch()
+    a, b = threading.Event(), threading.Event()
+    watch.arm("stream-1", 5, time.monotonic() + 60, a)
+    assert not watch.release("stream-2")  # another stream's break: not ours to release
+    assert watch.release("stream-1") and a.is_set() and bell.releases == [5]
+    watch.arm("stream-2", 6, time.monotonic() + 60, b)
+    watch.close()  # nothing stays blocked behind a closed client
+    assert b.is_set() and bell.releases == [5, 6] and expired == []
+
+
+def test_verdicts_of_a_released_step_are_dropped():
+    """A released step's trees were read before the drafter wrote them: failures there are not the drafter's
+    and must fail no session; the same failure in a step that was not released is reported."""
+    checker = TreeChecker(vocab_size=100, max_depth=4)
+
+    def bad_tree():
+        i32 = torch.int32
+        tokens = torch.tensor([[5, 1000]], dtype=i32)  # a token outside the vocabulary
+        return TreeBatch(tokens, torch.tensor([[-1, 0]], dtype=i32), torch.tensor([[0, 1]], dtype=i32),
+                         torch.tensor([[1, -1]], dtype=i32), torch.tensor([[-1, -1]], dtype=i32),
+                         torch.tensor([[0.0, -1.0]]), [2])
+
+    void = threading.Event()
+    checker.check(["a"], bad_tree(), [5], [2], void=void)
+    void.set()
+    checker.check(["b"], bad_tree(), [5], [2], void=threading.Event())
+    got = checker.verdicts()
+    assert set(got) == {"b"} and "vocab" in got["b"]
+
+
+def test_no_doorbell_without_a_gpu():
+    assert not supported(torch.device("cpu"))
+    with pytest.raises(ValueError, match="8 aligned bytes of GPU memory"):
+        Doorbell(torch.zeros(8, dtype=torch.uint8))
+
+
+CHILD_RING = """
+import sys, time, torch
+from protos.ddtree.v1 import drafter_pb2
+from protos.doorbell import Doorbell
+from protos.shared_region import SharedRegion
+bell_region, data = (SharedRegion.attach(drafter_pb2.SharedRegion.FromString(bytes.fromhex(h))) for h in sys.argv[1:3])
+cycles, value = int(sys.argv[3]), int(sys.argv[4])
+torch.cuda._sleep(cycles)  # a long kernel: the data and the ring come after it
+data.buf[:4].copy_(torch.arange(1, 5, dtype=torch.uint8, device=data.device))
+if value:
+    Doorbell(bell_region.buf).ring(value)
+print("queued", flush=True)
+torch.cuda.synchronize()
+time.sleep(60 if len(sys.argv) > 5 else 0)
+"""
+
+def _child(bell: SharedRegion, data: SharedRegion, cycles: int, value: int, linger: bool = False):
+    args = [bell.to_pb().SerializeToString().hex(), data.to_pb().SerializeToString().hex(), str(cycles), str(value)]
+    child = subprocess.Popen([sys.executable, "-c", CHILD_RING, *args, *(["linger"] if linger else [])],
+                             stdout=subprocess.PIPE, text=True, cwd=str(ROOT))
+    assert child.stdout.readline().strip() == "queued"
+    return child
+
+
+def _regions():
+    dev = torch.device("cuda", 0)
+    bell_region, data = SharedRegion.create(3, 8, dev), SharedRegion.create(1, 1 << 16, dev)
+    bell_region.buf.zero_()
+    data.buf.zero_()
+    RegionArena(data).sync()
+    return bell_region, data
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_wait_on_our_stream_runs_after_the_peer_rings_and_sees_its_writes():
+    assert supported(torch.device("cuda", 0))
+    bell_region, data = _regions()
+    bell, ours = Doorbell(bell_region.buf), torch.cuda.Stream()
+    try:
+        t0 = time.monotonic()
+        bell.wait(1, ours)  # queued: the host goes on at once
+        with torch.cuda.stream(ours):
+            seen = data.buf[:4].clone()
+        assert time.monotonic() - t0 < 0.5
+        child = _child(bell_region, data, 200_000_000, 1)  # ~0.1 s of sleep kernel, then data, then the ring
+        ours.synchronize()
+        assert seen.tolist() == [1, 2, 3, 4] and bell.read() == 1
+        child.wait(60)
+    finally:
+        data.close()
+        bell_region.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_peer_killed_before_it_rings_is_released_by_the_watch():
+    """The peer dies mid-kernel, before its ring: our stream stays blocked behind the wait (the peer will never
+    ring) until the watch's deadline, when the watch rings it itself and reports the stream; then our stream
+    runs on, and the GPU keeps serving us."""
+    bell_region, data = _regions()
+    bell, ours = Doorbell(bell_region.buf), torch.cuda.Stream()
+    expired, released = [], threading.Event()
+    watch = DoorbellWatch(bell, expired.append)
+    child = _child(bell_region, data, 20_000_000_000, 1, linger=True)  # ~10 s of sleep kernel before its ring
+    try:
+        bell.wait(1, ours)
+        with torch.cuda.stream(ours):
+            after = torch.ones(1, device="cuda") + 1
+        child.kill()
+        child.wait(30)
+        time.sleep(0.3)
+        assert not ours.query()  # blocked: the dead peer never rang
+        t0 = time.monotonic()
+        watch.arm("stream", 1, t0 + 0.5, released)
+        ours.synchronize()  # returns once the watch released the wait
+        assert time.monotonic() - t0 >= 0.45 and released.is_set() and expired == ["stream"]
+        assert after.item() == 2.0 and bell.read() == 1
+    finally:
+        child.kill()
+        watch.close()
+        data.close()
+        bell_region.close()

@@ -1,0 +1,88 @@
+"""The deadline of a step whose verify work waits on the GPU for the drafter's doorbell.
+
+With a trees doorbell (`protos.doorbell`) the verifier queues its step behind a GPU-side wait and its
+host then blocks in the step's read-back, with no deadline of its own. If the drafter never rings (it
+died mid-step, or hangs), this watch releases the wait at the step's deadline: it writes the value
+itself from a side stream and reports the stream as broken, so the step completes (with whatever
+trees the region holds, checked on the GPU and unable to change the output) and the client
+reconnects. A stream that breaks for another reason (its socket closed) is released at once.
+
+One step is in flight at a time: `arm` after queueing the wait, `disarm` once the engine has read the
+step back (the client's next step). The watch reads the counter before it acts, so a drafter that
+rang just in time is never taken for a dead one.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from protos.doorbell import Doorbell
+
+log = logging.getLogger(__name__)
+
+
+class DoorbellWatch:
+    def __init__(self, bell: Doorbell, on_expired: Callable[[object], None]):
+        """on_expired(owner): called on the watch's thread after it released an expired wait of `owner`."""
+        self.bell = bell
+        self._on_expired = on_expired
+        self._cv = threading.Condition()
+        # (owner, value, deadline on time.monotonic, the event set when the wait is released rather than rung)
+        self._armed: tuple[object, int, float, threading.Event] | None = None
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="doorbell-watch", daemon=True)
+        self._thread.start()
+
+    def arm(self, owner: object, value: int, deadline: float, released: threading.Event) -> None:
+        """Watch `owner`'s wait for `value` until `deadline`; `released` is set if the watch releases it
+        (before the release, so whoever reads the step back afterwards sees it)."""
+        with self._cv:
+            self._armed = (owner, value, deadline, released)
+            self._cv.notify()
+
+    def disarm(self) -> None:
+        with self._cv:
+            self._armed = None
+
+    def release(self, owner: object) -> bool:
+        """Release `owner`'s armed wait now (its stream broke) -> whether one was armed."""
+        with self._cv:
+            armed = self._armed
+            if armed is None or armed[0] is not owner:
+                return False
+            self._armed = None
+        armed[3].set()
+        self.bell.release(armed[1])
+        return True
+
+    def close(self) -> None:
+        """Stop the thread; an armed wait is released first (nothing is left blocked behind it)."""
+        with self._cv:
+            armed, self._armed, self._closed = self._armed, None, True
+            self._cv.notify()
+        if armed is not None:
+            armed[3].set()
+            self.bell.release(armed[1])
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._closed and (self._armed is None or time.monotonic() < self._armed[2]):
+                    self._cv.wait(None if self._armed is None else max(0.0, self._armed[2] - time.monotonic()))
+                if self._closed:
+                    return
+                owner, value, _, released = self._armed
+                self._armed = None
+            try:
+                if self.bell.read() - value >= 0:
+                    continue  # rung in time: the engine has not read its step back yet, that is all
+                released.set()
+                self.bell.release(value)
+            except Exception:  # noqa: BLE001 - the watch must outlive a failing GPU call
+                log.exception("releasing the trees doorbell failed")
+                continue
+            self._on_expired(owner)
