@@ -1,10 +1,11 @@
-"""A GPU doorbell: a 64-bit counter in GPU memory that one process's stream rings and another's waits for.
+"""A GPU doorbell: a 32-bit counter in GPU memory that one process's stream rings and another's waits for.
 
 The co-located stream's answer path (`verifier_service.transport_stream`). The drafter's stream writes
-the step's value into the counter after its writes of the trees (`ring`, cuStreamWriteValue64: a memory
+the step's value into the counter after its writes of the trees (`ring`, cuStreamWriteValue32: a memory
 fence, then the write, in stream order); the verifier queues a wait for that value on its own stream
-(`wait`, cuStreamWaitValue64, GEQ: a 64-bit cyclic comparison that never wraps in practice) and queues
-its whole verify step behind it without waiting on the host. The drafter's GPU work and the
+(`wait`, cuStreamWaitValue32 GEQ, a cyclic comparison: (int32)(counter - value) >= 0, so the counter may
+wrap, values in use are never 2^31 apart) and queues its whole verify step behind it without waiting on
+the host. The drafter's GPU work and the
 verifier's host work for the same step then overlap, as they do when both run in one process.
 
 Why not a wait on the peer's IPC event: a stream waiting on the event of a process killed before its
@@ -14,8 +15,11 @@ waiting side, so the waiter can always release itself: `release` writes the valu
 then reads from the region is whatever is there; the verifier checks every tree on the GPU and a
 verified tree never changes the output, so a release costs speed, never correctness.
 
-The CUDA driver's stream memory operations are reached through ctypes (torch does not expose them);
-`supported` says whether this process can use them (GPU present, driver entry points, device attribute).
+The CUDA driver's stream memory operations are reached through ctypes (torch does not expose them).
+32-bit ones: the v2 entry points have them on every platform, while the 64-bit ones depend on the device
+(an H200 with driver 580 reports no 64-bit support, and a 64-bit wait queued there did not wait).
+`supported` checks the behaviour itself once per device: a queued wait must hold its stream back until
+the ring.
 """
 
 from __future__ import annotations
@@ -23,63 +27,78 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import time
 
 import torch
 
 log = logging.getLogger(__name__)
-NBYTES = 8  # one little-endian uint64 at offset 0 of its region
-_WAIT_GEQ = 0  # CU_STREAM_WAIT_VALUE_GEQ: (int64_t)(*addr - value) >= 0
+NBYTES = 4  # one little-endian uint32 at offset 0 of its region
+_MASK = (1 << 32) - 1
+_WAIT_GEQ = 0  # CU_STREAM_WAIT_VALUE_GEQ: (int32_t)(*addr - value) >= 0
 _WRITE_DEFAULT = 0  # CU_STREAM_WRITE_VALUE_DEFAULT: a memory fence before the write
-_ATTR_64_BIT_MEM_OPS = 93  # CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS
+
+
+def reached(counter: int, value: int) -> bool:
+    """Whether a counter reading satisfies a wait for `value` (the GPU's cyclic comparison)."""
+    return (counter - value) & _MASK < 1 << 31
 
 
 @functools.cache
-def _driver() -> tuple[object, object, object] | None:
-    """(cuStreamWaitValue64, cuStreamWriteValue64, cuDeviceGetAttribute) from libcuda, or None."""
+def _driver() -> tuple[object, object] | None:
+    """(cuStreamWaitValue32_v2, cuStreamWriteValue32_v2) from libcuda, or None."""
     try:
         lib = ctypes.CDLL("libcuda.so.1")
     except OSError:
         return None
     fns = []
-    for name in ("cuStreamWaitValue64", "cuStreamWriteValue64"):
-        fn = getattr(lib, f"{name}_v2", None) or getattr(lib, name, None)
-        if fn is None:
+    for name in ("cuStreamWaitValue32_v2", "cuStreamWriteValue32_v2"):
+        fn = getattr(lib, name, None)
+        if fn is None:  # a driver older than CUDA 11.7: only the v1 calls, off unless the module enables them
             return None
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint]
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
         fn.restype = ctypes.c_int
         fns.append(fn)
-    attr = lib.cuDeviceGetAttribute
-    attr.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int]
-    attr.restype = ctypes.c_int
-    return fns[0], fns[1], attr
+    return fns[0], fns[1]
 
 
 @functools.cache
 def supported(device: torch.device) -> bool:
-    """Whether this process can ring and wait for doorbells on `device` (a CUDA device)."""
-    if device.type != "cuda" or not torch.cuda.is_available():
+    """Whether this process can ring and wait for doorbells on `device`: the driver has the calls, and a wait
+    queued on a stream really holds it until another stream rings (checked once, ~10 ms)."""
+    if device.type != "cuda" or not torch.cuda.is_available() or _driver() is None:
         return False
-    drv = _driver()
-    if drv is None:
+    try:
+        with torch.cuda.device(device):
+            waiter, ringer = torch.cuda.Stream(device), torch.cuda.Stream(device)
+            with torch.cuda.stream(waiter):
+                bell = Doorbell(torch.zeros(1, dtype=torch.int32, device=device))
+                zeroed = torch.cuda.Event()
+                zeroed.record(waiter)
+                bell.wait(1, waiter)
+                marker = torch.ones(1, dtype=torch.int32, device=device)  # a kernel behind the wait
+            time.sleep(0.005)
+            held = not waiter.query()
+            ringer.wait_event(zeroed)
+            bell.ring(1, ringer)
+            waiter.synchronize()
+            ok = held and int(marker.item()) == 1 and bell.read() == 1
+    except RuntimeError as e:
+        log.warning("GPU doorbells unavailable on %s: %s", device, e)
         return False
-    torch.cuda.init()  # the driver API needs the runtime's primary context
-    value = ctypes.c_int(0)
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if drv[2](ctypes.byref(value), _ATTR_64_BIT_MEM_OPS, index) != 0:
-        # the attribute is gone from newer drivers, where 64-bit stream memory operations are always there
-        return True
-    return value.value == 1
+    if not ok:
+        log.warning("GPU doorbells unavailable on %s: a queued wait did not hold its stream", device)
+    return ok
 
 
 class Doorbell:
-    """The counter: the first 8 bytes of `buf`, a CUDA tensor (the waiter's allocation, or the ringer's
+    """The counter: the first 4 bytes of `buf`, a CUDA tensor (the waiter's allocation, or the ringer's
     mapping of it)."""
 
     def __init__(self, buf: torch.Tensor):
-        if buf.device.type != "cuda" or buf.numel() * buf.element_size() < NBYTES or buf.data_ptr() % 8:
-            raise ValueError(f"a doorbell needs 8 aligned bytes of GPU memory, got {buf.numel()} "
+        if buf.device.type != "cuda" or buf.numel() * buf.element_size() < NBYTES or buf.data_ptr() % 4:
+            raise ValueError(f"a doorbell needs 4 aligned bytes of GPU memory, got {buf.numel()} "
                              f"{buf.dtype} on {buf.device}")
-        self.word = buf.view(torch.uint8)[:NBYTES].view(torch.int64)
+        self.word = buf.view(torch.uint8)[:NBYTES].view(torch.int32)
         self.device = buf.device
         self._side: torch.cuda.Stream | None = None
 
@@ -88,7 +107,7 @@ class Doorbell:
         if drv is None:
             raise RuntimeError("the CUDA driver's stream memory operations are not available")
         s = stream if stream is not None else torch.cuda.current_stream(self.device)
-        rc = drv[which](ctypes.c_void_p(s.cuda_stream), self.word.data_ptr(), value & (1 << 64) - 1, flags)
+        rc = drv[which](ctypes.c_void_p(s.cuda_stream), self.word.data_ptr(), value & _MASK, flags)
         if rc != 0:
             raise RuntimeError(f"CUDA driver error {rc} from a stream {'wait' if which == 0 else 'write'} "
                                f"on the doorbell")
@@ -110,10 +129,10 @@ class Doorbell:
             self.ring(value, self._side)
 
     def read(self) -> int:
-        """The counter now (a copy on a side stream: never behind a wait). For tests and diagnostics."""
+        """The counter now, as an unsigned value (a copy on a side stream: never behind a wait)."""
         with torch.cuda.device(self.device):
             if self._side is None:
                 self._side = torch.cuda.Stream(self.device)
             with torch.cuda.stream(self._side):
                 out = self.word.to("cpu", non_blocking=False)
-        return int(out.item())
+        return int(out.item()) & _MASK

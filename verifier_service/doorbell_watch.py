@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from protos.doorbell import Doorbell
+from protos.doorbell import Doorbell, reached
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ class DoorbellWatch:
                 owner, value, _, released = self._armed
                 self._armed = None
             try:
-                if self.bell.read() - value >= 0:
+                if reached(self.bell.read(), value):
                     continue  # rung in time: the engine has not read its step back yet, that is all
                 released.set()
                 self.bell.release(value)

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from kernels.tree_build import TreeBatch
-from protos.doorbell import Doorbell, supported
+from protos.doorbell import Doorbell, reached, supported
 from protos.shared_region import RegionArena, SharedRegion
 from verifier_service.doorbell_watch import DoorbellWatch
 from verifier_service.tree_verdicts import TreeChecker
@@ -117,9 +117,14 @@ def test_verdicts_of_a_released_step_are_dropped():
     assert set(got) == {"b"} and "vocab" in got["b"]
 
 
+def test_cyclic_comparison_of_counter_and_value():
+    assert reached(5, 5) and reached(6, 5) and not reached(4, 5)
+    assert reached(2, (1 << 32) - 3) and not reached((1 << 32) - 3, 2)  # across the wrap
+
+
 def test_no_doorbell_without_a_gpu():
     assert not supported(torch.device("cpu"))
-    with pytest.raises(ValueError, match="8 aligned bytes of GPU memory"):
+    with pytest.raises(ValueError, match="4 aligned bytes of GPU memory"):
         Doorbell(torch.zeros(8, dtype=torch.uint8))
 
 
