@@ -17,15 +17,19 @@ idles while the softmax runs (ncu: busy 29%). Here the roles are split, after Fl
                            tree ancestors) and gathers them with 16-byte cp.async into a 2-stage ring;
                            the copies arrive on the stage's `full` barrier when they land.
 
-The running max must stay sequential across tiles: the owner of tile j reads (m, l) after tile j - 1
-from shared memory (the other consumer published them), so per tile only one softmax is on the chain,
-and it runs while the other consumer's tensor work (its S_{j+1}, both PV_{j-1}) keeps the tensor pipe
-busy. Per own tile j a consumer does, in order:
+The running max must stay sequential across tiles: the owner of tile j starts from (m, l) after tile
+j - 1, which the other consumer published with P_{j-1}. Per own tile j a consumer does, in order:
 
-  wait P_{j-1} published; O *= alpha_{j-1}; issue O += P_{j-1} V_{j-1} (P from shared)
-  wait S_j (issued one own-tile earlier); softmax of S_j -> P_j, m, l, alpha_j
-  wait PV_{j-1}; release stage (j-1) % 2; publish P_j, m, l, alpha_j (the P buffer is free: see below)
-  O *= alpha_j; issue O += P_j V_j (P from registers); issue S_{j+2}; wait PV_j; release stage j % 2
+  wait P_{j-1} published; O *= alpha_{j-1}; O += P_{j-1} V_{j-1} (P from shared); release stage (j-1) % 2
+  wait tile j landed; S_j = Q K_j^T; softmax of S_j -> P_j, m, l, alpha_j; publish P_j, m, l, alpha_j
+  O *= alpha_j; O += P_j V_j (P from registers); release stage j % 2
+
+so while one consumer runs the softmax of tile j, the other's PV_{j-1} is on the tensor cores, and both
+PV_j run together. PV_{j-1} is waited for before tile j is: the stage of tile j - 1 is released as soon
+as both PV_{j-1} are done, so the load of tile j + 1 never waits on the arrival of tile j (with two
+stages, a tile's load can only start once the tile two before it is fully consumed). Each wgmma is
+waited for before control flow merges: an accumulator in flight across a branch or a loop edge gets
+copied, and ptxas then serialises every wgmma of the kernel (warning C7514).
 
 Synchronisation is mbarriers only (no CTA-wide barrier after the prologue):
   q_bar          count 32  the producer's lanes arrive (cp.async.mbarrier.arrive.noinc) when Q landed
@@ -33,9 +37,10 @@ Synchronisation is mbarriers only (no CTA-wide barrier after the prologue):
   empty[s]       count 2   each consumer arrives once it is done with the tile in stage s (S and PV);
                            the producer waits phase (j // 2 - 1) & 1 before refilling it with tile j
   p_bar          count 1   the owner of tile j arrives after publishing P_j and (m, l, alpha): phase j
-One P buffer and one (m, l, alpha) slot suffice because every write to them is made by the consumer
-that read the previous contents: P_{j+1} is written by the owner of j + 1, which is the consumer that
-read P_j (its PV_j has completed, wgmma wait, before it writes). No waiter can miss a phase either:
+One P buffer and one (m, l, alpha) slot suffice (there is no shared memory for two) because every write
+to them is made by the consumer that read the previous contents: P_{j+1} is written by the owner of
+j + 1, which is the consumer that read P_j (its PV_j has completed, wgmma wait, before it writes); the
+owner of j reads nothing of P_j from shared. No waiter can miss a phase either:
 p_bar's next phase needs the waiter's own tile, and a stage is refilled only after both consumers
 released it. Both consumers wait full[s] themselves before reading a stage (cp.async writes through
 the generic proxy, wgmma reads through the async proxy: fence after the wait).
@@ -48,8 +53,9 @@ position-aligned within this impl (not bitwise equal to "gluon" or "triton").
 
 Fixed shapes: 64 heads per tile, latent 512 + rope 64, 64-key tiles, bf16 or fp16, sm_90. Launch with
 num_warps=4 (consumer 0); workers add 4 + 1 warps (the compiler pads to 12 warps: 3 warpgroups), and
-setmaxnreg gives the consumers CONSUMER_REGS registers and the producer PRODUCER_REGS.
-Shared memory: Q 72 KB + 2 x 72 KB KV stages + P 8 KB + small tables and barriers (~226 KB; one CTA/SM).
+setmaxnreg gives consumer 1 CONSUMER_REGS registers, the producer's warpgroup PRODUCER_REGS and
+consumer 0 the rest. Shared memory: Q 72 KB + 2 x 72 KB KV stages + P 8 KB + tree rows, pool rows,
+(m, l, alpha), barriers: 226 KB of the 227 KB an sm_90 block may have (one CTA per SM).
 """
 
 from __future__ import annotations
@@ -64,7 +70,6 @@ if HAVE_GLUON:
         fence_async_shared,
         mbarrier,
         warpgroup_mma,
-        warpgroup_mma_init,
         warpgroup_mma_wait,
     )
 
@@ -74,8 +79,8 @@ from kernels._mla_kernels import chunk_span
 
 WS_WARPS = 4  # the launch's num_warps: consumer 0 (the default partition); consumer 1 and the producer are workers
 WS_STAGES = 2  # KV ring depth (3 stages of 72 KB do not fit beside Q)
-CONSUMER_REGS = 232  # setmaxnreg of each consumer warpgroup (12 warps x 32 lanes share 64K registers: <= 504 in all)
-PRODUCER_REGS = 40  # the producer warp's warpgroup
+CONSUMER_REGS = 224  # setmaxnreg of consumer 1 (consumer 0 gets the rest: 232); spill-free from 224 (ptxas)
+PRODUCER_REGS = 48  # the producer warp's warpgroup (12 warps x 32 lanes share 64K registers: 504 per lane in all)
 
 if HAVE_GLUON:
     _ROWS_KV = gl.constexpr(8)  # rows per cp.async batch of the latent part (bounds the producer's live pointers)
@@ -113,7 +118,7 @@ if HAVE_GLUON:
         LR: gl.constexpr = gl.BlockedLayout([BLOCK_N // 32], [32], [1], [0])  # [BLOCK_N] row lookups, one warp
         # Q first: the heads hb * BLOCK_M.. of token t (rows of q_lat / q_pe), its own barrier
         rows_smem.store(gl.arange(0, BLOCK_M, layout=LR))
-        _copy_rows(q_smem, qpe_smem, q_ptr + t64 * stride_qt + hb * BLOCK_M * stride_qh,
+        _copy_rows(q_smem.index(0), qpe_smem.index(0), q_ptr + t64 * stride_qt + hb * BLOCK_M * stride_qh,
                    qpe_ptr + t64 * stride_pt + hb * BLOCK_M * stride_ph, stride_qh, stride_ph, rows_smem,
                    H - hb * BLOCK_M, DL, DR, BLOCK_M)
         cp.mbarrier_arrive(q_bar, increment_count=False)
@@ -135,9 +140,14 @@ if HAVE_GLUON:
             _copy_rows(ckv_smem.index(st), kpe_smem.index(st), kv_ptr, kv_ptr + DL, stride_kv, stride_kv, rows_smem,
                        end - k0, DL, DR, BLOCK_N)
             cp.mbarrier_arrive(full.index(st), increment_count=False)  # each lane: when its copies have landed
-        cp.wait_group(0)
 
     # ----------------------------------------------------------------------------------------- consumers
+
+    @gluon.jit
+    def _opaque_zero(j):
+        """0, computed where the compilers cannot see it. Q's wgmma descriptors (36 x 64 bits) would otherwise
+        be hoisted out of the tile loop as invariants and spilled; indexing Q by this keeps them in the loop."""
+        return gl.inline_asm_elementwise("mov.b32 $0, 0;", "=r,r", [j], dtype=gl.int32, is_pure=True, pack=1)
 
     @gluon.jit
     def _take_other(j, o, p_smem, st_smem, ckv_smem, full, empty, p_bar, S_L: gl.constexpr, O_L: gl.constexpr,
@@ -167,9 +177,10 @@ if HAVE_GLUON:
         st = j % STAGES
         mbarrier.wait(full.index(st), (j // STAGES) & 1)
         fence_async_shared()  # cp.async wrote through the generic proxy; wgmma reads through the async proxy
-        sc = gl.zeros([BLOCK_N, BLOCK_N], gl.float32, layout=S_L)
-        sc = warpgroup_mma(q_smem, ckv_smem.index(st).permute((1, 0)), sc, use_acc=False, is_async=True)
-        sc = warpgroup_mma(qpe_smem, kpe_smem.index(st).permute((1, 0)), sc, is_async=True)
+        sc = gl.zeros([o.shape[0], BLOCK_N], gl.float32, layout=S_L)
+        z = _opaque_zero(j)
+        sc = warpgroup_mma(q_smem.index(z), ckv_smem.index(st).permute((1, 0)), sc, use_acc=False, is_async=True)
+        sc = warpgroup_mma(qpe_smem.index(z), kpe_smem.index(st).permute((1, 0)), sc, is_async=True)
         sc = warpgroup_mma_wait(0, deps=(sc,))
         cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_L))
         m, li, pr, alpha = _softmax_tile(sc, m, li, start + j * BLOCK_N + cols, end, qk_scale)
@@ -208,8 +219,7 @@ if HAVE_GLUON:
         if W == 0:  # tile 0 is ours and has no predecessor
             o, m, li = _own_tile(0, o, m, li, q_smem, qpe_smem, ckv_smem, kpe_smem, p_smem, st_smem, full, empty,
                                  p_bar, start, end, qk_scale, S_L, O_L, HALF, V_OFF, BLOCK_N, STAGES)
-        # The other consumer's PV_{j-1} goes first and its stage is released before we wait for tile j: the
-        # load of tile j + 1 (into that stage) then never waits on the arrival of tile j.
+        # the other consumer's tile j - 1 first: its stage is released before we wait for tile j (docstring)
         for j in range(2 - W, n_tiles, 2):
             o, m, li = _take_other(j - 1, o, p_smem, st_smem, ckv_smem, full, empty, p_bar, S_L, O_L, HALF, V_OFF,
                                    STAGES)
@@ -287,8 +297,8 @@ if HAVE_GLUON:
             ident = end
 
         # --- shared memory ---
-        q_smem = gl.allocate_shared_memory(dt, [BLOCK_M, DL], SH_KV)
-        qpe_smem = gl.allocate_shared_memory(dt, [BLOCK_M, DR], SH_PE)
+        q_smem = gl.allocate_shared_memory(dt, [1, BLOCK_M, DL], SH_KV)  # [1, ..]: see _opaque_zero
+        qpe_smem = gl.allocate_shared_memory(dt, [1, BLOCK_M, DR], SH_PE)
         ckv_smem = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, DL], SH_KV)
         kpe_smem = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, DR], SH_PE)
         p_smem = gl.allocate_shared_memory(dt, [BLOCK_M, BLOCK_N], SH_P)

@@ -1,8 +1,9 @@
 """The trees doorbell (`protos.doorbell`) and its deadline (`verifier_service.doorbell_watch`).
 
 On the GPU, across two processes: a stream waiting on the doorbell runs its later work only once the
-peer's stream has rung it, and sees what the peer wrote before ringing; a peer killed before it rings
-leaves our stream blocked until we release it ourselves, which the watch does at the deadline. Without
+peer's stream has rung it, and sees what the peer wrote before ringing; a peer that never rings (alive,
+then killed) leaves our stream blocked until we release it ourselves, which the watch does at the
+deadline. Without
 a GPU: the watch's decisions (release at the deadline unless rung or disarmed, release at once when the
 stream breaks, mark the released step) and the verdicts of a released step being dropped.
 """
@@ -184,23 +185,25 @@ def test_a_wait_on_our_stream_runs_after_the_peer_rings_and_sees_its_writes():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_a_peer_killed_before_it_rings_is_released_by_the_watch():
-    """The peer dies mid-kernel, before its ring: our stream stays blocked behind the wait (the peer will never
-    ring) until the watch's deadline, when the watch rings it itself and reports the stream; then our stream
-    runs on, and the GPU keeps serving us."""
+def test_a_peer_that_never_rings_is_released_by_the_watch():
+    """The peer queues its work but no ring (a drafter that hangs, then dies): our stream stays blocked behind
+    the wait, while the peer lives and after it was killed, until the watch's deadline, when the watch rings it
+    itself and reports the stream; then our stream runs on, and the GPU keeps serving us."""
     bell_region, data = _regions()
     bell, ours = Doorbell(bell_region.buf), torch.cuda.Stream()
     expired, released = [], threading.Event()
     watch = DoorbellWatch(bell, expired.append)
-    child = _child(bell_region, data, 20_000_000_000, 1, linger=True)  # ~10 s of sleep kernel before its ring
+    child = _child(bell_region, data, 100_000_000, 0, linger=True)  # its kernel, then nothing rings
     try:
         bell.wait(1, ours)
         with torch.cuda.stream(ours):
             after = torch.ones(1, device="cuda") + 1
+        time.sleep(0.3)
+        assert not ours.query()  # blocked while the peer lives and does not ring
         child.kill()
         child.wait(30)
         time.sleep(0.3)
-        assert not ours.query()  # blocked: the dead peer never rang
+        assert not ours.query()  # and after it died: only we can release it now
         t0 = time.monotonic()
         watch.arm("stream", 1, t0 + 0.5, released)
         ours.synchronize()  # returns once the watch released the wait
