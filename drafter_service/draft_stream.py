@@ -84,6 +84,8 @@ class DraftStream:
     def close(self) -> None:
         for sid in list(self.sessions):
             self.forget(sid)
+        if self.doorbell is not None:
+            self.doorbell.close()  # after our last ring has landed, before the page is unmapped
         for r in self.regions.values():
             r.close()
         for e in (self.request_event, self.trees_event):

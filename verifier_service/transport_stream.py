@@ -250,7 +250,9 @@ class DraftStreamClient:
         self._drop("client closed")
         self._channel.close()
         if self._watch is not None:
-            self._watch.close()
+            self._watch.close()  # releases a wait still armed
+            self._watch.bell.close()
+            self._bell_region.close()
 
     def _connector(self) -> None:
         delay = self.cfg.retry_min_s
@@ -356,11 +358,16 @@ class DraftStreamClient:
         if not self._use_doorbell or not supported(self._device):
             return None
         if self._watch is None:
-            region = SharedRegion.create(DOORBELL_REGION, NBYTES, self._device)
-            region.buf.zero_()
-            torch.cuda.current_stream(self._device).synchronize()  # zero before any peer can map it
+            # host memory: the file stays until the client closes (every new stream's drafter maps it)
+            region = SharedRegion.create(DOORBELL_REGION, NBYTES, "cpu")
+            try:
+                self._watch = DoorbellWatch(Doorbell(region.buf, self._device), self._bell_expired)
+            except RuntimeError as e:
+                region.close()
+                log.warning("no trees doorbell (%s): the drafter's IPC event is polled instead", e)
+                self._use_doorbell = False
+                return None
             self._bell_region = region
-            self._watch = DoorbellWatch(Doorbell(region.buf), self._bell_expired)
         return self._bell_region
 
     def _bell_expired(self, stream: _Stream) -> None:

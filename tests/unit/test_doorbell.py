@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from kernels.tree_build import TreeBatch
-from protos.doorbell import Doorbell, reached, supported
+from protos.doorbell import NBYTES, Doorbell, reached, supported
 from protos.shared_region import RegionArena, SharedRegion
 from verifier_service.doorbell_watch import DoorbellWatch
 from verifier_service.tree_verdicts import TreeChecker
@@ -125,8 +125,10 @@ def test_cyclic_comparison_of_counter_and_value():
 
 def test_no_doorbell_without_a_gpu():
     assert not supported(torch.device("cpu"))
-    with pytest.raises(ValueError, match="4 aligned bytes of GPU memory"):
-        Doorbell(torch.zeros(8, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="4 aligned bytes of host memory"):
+        Doorbell(torch.zeros(2, dtype=torch.uint8), torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="no CUDA stream memory operations"):
+        Doorbell(torch.zeros(8, dtype=torch.uint8), torch.device("cpu"))
 
 
 CHILD_RING = """
@@ -136,10 +138,11 @@ from protos.doorbell import Doorbell
 from protos.shared_region import SharedRegion
 bell_region, data = (SharedRegion.attach(drafter_pb2.SharedRegion.FromString(bytes.fromhex(h))) for h in sys.argv[1:3])
 cycles, value = int(sys.argv[3]), int(sys.argv[4])
+bell = Doorbell(bell_region.buf, data.device)
 torch.cuda._sleep(cycles)  # a long kernel: the data and the ring come after it
 data.buf[:4].copy_(torch.arange(1, 5, dtype=torch.uint8, device=data.device))
 if value:
-    Doorbell(bell_region.buf).ring(value)
+    bell.ring(value)
 print("queued", flush=True)
 torch.cuda.synchronize()
 time.sleep(60 if len(sys.argv) > 5 else 0)
@@ -154,9 +157,9 @@ def _child(bell: SharedRegion, data: SharedRegion, cycles: int, value: int, ling
 
 
 def _regions():
+    """The counter's page of /dev/shm (zeroed) and a GPU region for the data."""
     dev = torch.device("cuda", 0)
-    bell_region, data = SharedRegion.create(3, 8, dev), SharedRegion.create(1, 1 << 16, dev)
-    bell_region.buf.zero_()
+    bell_region, data = SharedRegion.create(3, NBYTES, "cpu"), SharedRegion.create(1, 1 << 16, dev)
     data.buf.zero_()
     RegionArena(data).sync()
     return bell_region, data
@@ -167,7 +170,7 @@ def _regions():
 def test_a_wait_on_our_stream_runs_after_the_peer_rings_and_sees_its_writes():
     assert supported(torch.device("cuda", 0))
     bell_region, data = _regions()
-    bell, ours = Doorbell(bell_region.buf), torch.cuda.Stream()
+    bell, ours = Doorbell(bell_region.buf, data.device), torch.cuda.Stream()
     try:
         t0 = time.monotonic()
         bell.wait(1, ours)  # queued: the host goes on at once
@@ -179,6 +182,7 @@ def test_a_wait_on_our_stream_runs_after_the_peer_rings_and_sees_its_writes():
         assert seen.tolist() == [1, 2, 3, 4] and bell.read() == 1
         child.wait(60)
     finally:
+        bell.close()
         data.close()
         bell_region.close()
 
@@ -190,7 +194,7 @@ def test_a_peer_that_never_rings_is_released_by_the_watch():
     the wait, while the peer lives and after it was killed, until the watch's deadline, when the watch rings it
     itself and reports the stream; then our stream runs on, and the GPU keeps serving us."""
     bell_region, data = _regions()
-    bell, ours = Doorbell(bell_region.buf), torch.cuda.Stream()
+    bell, ours = Doorbell(bell_region.buf, data.device), torch.cuda.Stream()
     expired, released = [], threading.Event()
     watch = DoorbellWatch(bell, expired.append)
     child = _child(bell_region, data, 100_000_000, 0, linger=True)  # its kernel, then nothing rings
@@ -212,5 +216,6 @@ def test_a_peer_that_never_rings_is_released_by_the_watch():
     finally:
         child.kill()
         watch.close()
+        bell.close()
         data.close()
         bell_region.close()
