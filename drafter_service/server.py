@@ -323,10 +323,10 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         region = regions.get(msg.doorbell_region_id)
         if region is None:
             raise ValueError(f"doorbell region {msg.doorbell_region_id} is not one of the stream's regions")
-        if request_event is None or region.device.type != "cpu" or not supported(request_event.device):
+        if request_event is None or region.device != request_event.device or not supported(region.device):
             return None  # the verifier then waits for our trees event, or for our answer
         try:
-            return Doorbell(region.buf, request_event.device)
+            return Doorbell(region.buf)
         except RuntimeError as e:
             log.warning("stream from %r: cannot ring its doorbell (%s); recording the trees event instead",
                         msg.client_id, e)

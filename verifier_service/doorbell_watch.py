@@ -3,10 +3,10 @@
 With a trees doorbell (`protos.doorbell`) the verifier queues its step behind a GPU-side wait and its
 host then blocks in the step's read-back, with no deadline of its own. If the drafter never rings (it
 died mid-step, or hangs), this watch releases the wait at the step's deadline: it writes the value
-into the counter itself (a host store: the counter is mapped host memory) and reports the stream as
-broken, so the step completes (with whatever trees the region holds, checked on the GPU and unable to
-change the output) and the client reconnects. A stream that breaks for another reason (its socket
-closed) is released at once.
+into the counter itself (from a release stream set up in advance, `Doorbell.prepare_release`) and
+reports the stream as broken, so the step completes (with whatever trees the region holds, checked
+on the GPU and unable to change the output) and the client reconnects. A stream that breaks for another
+reason (its socket closed) is released at once.
 
 One step is in flight at a time: `arm` after queueing the wait, `disarm` once the engine has read the
 step back (the client's next step). The watch reads the counter before it acts, so a drafter that

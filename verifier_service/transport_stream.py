@@ -358,10 +358,14 @@ class DraftStreamClient:
         if not self._use_doorbell or not supported(self._device):
             return None
         if self._watch is None:
-            # host memory: the file stays until the client closes (every new stream's drafter maps it)
-            region = SharedRegion.create(DOORBELL_REGION, NBYTES, "cpu")
+            # one allocation for the client's life, exported to every stream (its counter only grows)
+            region = SharedRegion.create(DOORBELL_REGION, NBYTES, self._device)
             try:
-                self._watch = DoorbellWatch(Doorbell(region.buf, self._device), self._bell_expired)
+                region.buf.zero_()
+                torch.cuda.current_stream(self._device).synchronize()  # zero before any peer maps it
+                bell = Doorbell(region.buf)
+                bell.prepare_release()
+                self._watch = DoorbellWatch(bell, self._bell_expired)
             except RuntimeError as e:
                 region.close()
                 log.warning("no trees doorbell (%s): the drafter's IPC event is polled instead", e)
