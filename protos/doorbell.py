@@ -16,15 +16,18 @@ step reads from the response region is whatever is there; the verifier checks ev
 verified tree never changes the output, so a release costs speed, never tokens.
 
 What the H200 taught (`.devscripts/bell_diag2.py`: one process, a stream blocked in a wait, then a release):
-- with the release stream made and used, and every tensor allocated, BEFORE the wait was queued, a write
-  from that stream (a memory op or a kernel, normal or high priority, blocked stream a pool stream or the
-  legacy default one) ended the wait in 0.06-1 ms;
-- where the process allocated GPU memory for a new stream after the wait was queued (`torch.ones` on it),
-  it hung right there, before any release was tried (15 s). So `prepare_release` sets up the release
-  stream and the read buffer when the watch is built, and the release and the watch's reads allocate
-  nothing. (A host store into registered host memory could not be judged: that run hung the same way.
-  The counter stays GPU memory.) In the engine an allocation behind the wait only stalls until the
-  drafter rings, from its own process;
+- where every kernel used after the wait had run once before it was queued, a write from another stream
+  of ours (a memory op or a kernel, normal or high priority, the blocked stream a pool stream or the legacy
+  default one) ended the wait in 0.06-1 ms;
+- where a kernel ran for the FIRST time in the process behind the wait (`torch.ones(1) + 1`: the add
+  kernel), the process hung right at that launch, before any release was tried. Our reading, which fits
+  all five hangs of the session and every run that did not hang: CUDA's lazy module loading (the default)
+  synchronizes the context to load a kernel, and the context cannot go idle while a stream waits for a
+  write that this same thread would issue next. So the release (`prepare_release`: stream and read buffer
+  set up in advance) and the watch's reads launch no kernel at all (a memory op, an async copy), and
+  tests and the self-test run each kernel once before they queue a wait. In the engine, a first launch
+  behind the wait only stalls it until the drafter rings, from its own process. (A host store into
+  registered host memory could not be judged: that run hung the same way. The counter stays GPU memory.)
 - 64-bit waits: the device reports no 64-bit stream memory operations, and one queued anyway did not
   wait; the 32-bit ones (v2 entry points) are on every platform.
 
@@ -37,6 +40,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import threading
 import time
 
 import torch
@@ -74,7 +78,9 @@ def _driver() -> tuple[object, object] | None:
 @functools.cache
 def supported(device: torch.device) -> bool:
     """Whether this process can ring and wait for doorbells on `device`: the driver has the calls, and a wait
-    queued on a stream really holds it until the counter is written (checked once, ~10 ms)."""
+    queued on a stream really holds it until the counter is written (checked once, ~10 ms). Never hangs the
+    caller: the one kernel queued behind the test's wait is launched from a thread of its own, and the wait is
+    released from the prepared stream whatever that thread does; a test that does not finish is a False."""
     if device.type != "cuda" or not torch.cuda.is_available() or _driver() is None:
         return False
     try:
@@ -84,15 +90,26 @@ def supported(device: torch.device) -> bool:
             waiter = torch.cuda.Stream(device)
             with torch.cuda.stream(waiter):
                 marker = torch.zeros(1, dtype=torch.int32, device=device)
-            waiter.synchronize()  # warmed up, and everything it uses exists before the wait
+                marker.add_(1)  # loads the kernel: none may load for the first time behind a wait (see above)
+            waiter.synchronize()
             bell.wait(1, waiter)
-            with torch.cuda.stream(waiter):
-                marker.add_(1)  # a kernel behind the wait
+            launched = threading.Event()
+
+            def behind() -> None:
+                with torch.cuda.device(device), torch.cuda.stream(waiter):
+                    marker.add_(1)
+                launched.set()
+
+            threading.Thread(target=behind, name="doorbell-self-test", daemon=True).start()
+            launched.wait(2.0)
             time.sleep(0.005)
             held = not waiter.query()
             bell.release(1)
+            if not launched.wait(5.0):
+                log.warning("GPU doorbells unavailable on %s: a launch behind a queued wait did not return", device)
+                return False
             waiter.synchronize()
-            ok = held and int(marker.item()) == 1 and bell.read() == 1
+            ok = held and int(marker.item()) == 2 and bell.read() == 1
     except RuntimeError as e:
         log.warning("GPU doorbells unavailable on %s: %s", device, e)
         return False

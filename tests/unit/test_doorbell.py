@@ -165,13 +165,14 @@ def _regions():
 
 
 def _bell(region: SharedRegion):
-    """Our doorbell, ready to be released, and a stream of ours with its output allocated: nothing may set up
-    CUDA resources once a wait is queued (protos.doorbell's notes)."""
+    """Our doorbell, ready to be released, and a stream of ours with its output allocated and the kernel the
+    tests run behind a wait loaded: no kernel may load for the first time behind a wait (protos.doorbell)."""
     bell = Doorbell(region.buf)
     bell.prepare_release()
     ours = torch.cuda.Stream()
     with torch.cuda.stream(ours):
         out = torch.zeros(4, dtype=torch.uint8, device=region.device)
+        out.add_(0)
     ours.synchronize()
     return bell, ours, out
 
