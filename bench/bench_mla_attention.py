@@ -13,8 +13,9 @@ already gathered into contiguous [B, 1, L+n, 576] tensors, a head start ours doe
 `--chunk-rule balanced legacy` times each case under both KV chunk rules (same inputs, one record
 each, params.chunk_rule; params.chunks = KV chunks over all query rows, each one a CTA).
 `--block-n 32 64` times each key-tile size (params.block_n; a reduction-order knob like the chunk rule).
-`--impl triton gluon` times each tile kernel on the same inputs (params.impl; gluon = the sm_90 kernel of
-`kernels/_mla_gluon.py`, which computes S once per tile).
+`--impl triton gluon gluon_ws` times each tile kernel on the same inputs (params.impl; gluon = the sm_90 kernel
+of `kernels/_mla_gluon.py`, which computes S once per tile; gluon_ws = the experimental warp-specialized one of
+`kernels/_mla_gluon_ws.py`; the choices are `kernels.mla_attention.IMPLS`).
 Run from the repo root:  PYTHONPATH=. python bench/bench_mla_attention.py [--sweep] [--out FILE]
 """
 

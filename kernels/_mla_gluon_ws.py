@@ -24,12 +24,15 @@ j - 1, which the other consumer published with P_{j-1}. Per own tile j a consume
   wait tile j landed; S_j = Q K_j^T; softmax of S_j -> P_j, m, l, alpha_j; publish P_j, m, l, alpha_j
   O *= alpha_j; O += P_j V_j (P from registers); release stage j % 2
 
-so while one consumer runs the softmax of tile j, the other's PV_{j-1} is on the tensor cores, and both
-PV_j run together. PV_{j-1} is waited for before tile j is: the stage of tile j - 1 is released as soon
-as both PV_{j-1} are done, so the load of tile j + 1 never waits on the arrival of tile j (with two
-stages, a tile's load can only start once the tile two before it is fully consumed). Each wgmma is
-waited for before control flow merges: an accumulator in flight across a branch or a loop edge gets
-copied, and ptxas then serialises every wgmma of the kernel (warning C7514).
+The two PV of a tile run together on the tensor cores, then the next tile's owner runs S and the
+softmax; the tensor pipe idles during the softmax and the hand-offs only (no CTA-wide barrier, no copy
+wait: the copies run up to two tiles ahead). PV_{j-1} goes before S_j because wgmma waits are in issue
+order: with S_j first, the stage of tile j - 1 could only be released once S_j is done, so the load of
+tile j + 1 (same stage) would wait on the arrival of tile j, and with two stages every tile would pay the
+copy latency (a rough timing model of both orders keeps the tensor pipe ~87% busy with this one, 60-76%
+with S first once a tile's load takes more than ~0.6 us; to be measured). Each
+wgmma is waited for before control flow merges: an accumulator in flight across a branch or a loop
+edge gets copied, and ptxas then serialises every wgmma of the kernel (warning C7514).
 
 Synchronisation is mbarriers only (no CTA-wide barrier after the prologue):
   q_bar          count 32  the producer's lanes arrive (cp.async.mbarrier.arrive.noinc) when Q landed
@@ -40,10 +43,10 @@ Synchronisation is mbarriers only (no CTA-wide barrier after the prologue):
 One P buffer and one (m, l, alpha) slot suffice (there is no shared memory for two) because every write
 to them is made by the consumer that read the previous contents: P_{j+1} is written by the owner of
 j + 1, which is the consumer that read P_j (its PV_j has completed, wgmma wait, before it writes); the
-owner of j reads nothing of P_j from shared. No waiter can miss a phase either:
-p_bar's next phase needs the waiter's own tile, and a stage is refilled only after both consumers
-released it. Both consumers wait full[s] themselves before reading a stage (cp.async writes through
-the generic proxy, wgmma reads through the async proxy: fence after the wait).
+owner of j reads nothing of P_j from shared. No waiter can miss a phase either: p_bar's next phase
+needs the waiter's own tile, and a stage is refilled only after both consumers released it. Both
+consumers wait full[s] themselves before reading a stage (cp.async writes through the generic proxy,
+wgmma reads through the async proxy: fence after the wait).
 
 Determinism: the owner of a tile is the parity of its index in the chunk, and chunks start at absolute
 positions that depend only on the row's position, so a row's tiles always go through the same
@@ -150,7 +153,7 @@ if HAVE_GLUON:
         return gl.inline_asm_elementwise("mov.b32 $0, 0;", "=r,r", [j], dtype=gl.int32, is_pure=True, pack=1)
 
     @gluon.jit
-    def _take_other(j, o, p_smem, st_smem, ckv_smem, full, empty, p_bar, S_L: gl.constexpr, O_L: gl.constexpr,
+    def _take_other(j, o, p_smem, stats, ckv_smem, full, empty, p_bar, S_L: gl.constexpr, O_L: gl.constexpr,
                     HALF: gl.constexpr, V_OFF: gl.constexpr, STAGES: gl.constexpr):
         """Tile j belongs to the other consumer: wait until it published P_j and (m, l, alpha), rescale O,
         O += P_j V_j[:, our half] (P from shared), release the stage. Returns O and (m, l) after tile j."""
@@ -158,9 +161,10 @@ if HAVE_GLUON:
         st = j % STAGES
         mbarrier.wait(full.index(st), (j // STAGES) & 1)  # complete already (the owner waited): orders V for us
         fence_async_shared()
-        m = st_smem.index(0).load(gl.SliceLayout(1, S_L))
-        li = st_smem.index(1).load(gl.SliceLayout(1, S_L))
-        alpha = st_smem.index(2).load(gl.SliceLayout(1, O_L))
+        m_smem, l_smem, a_smem = stats
+        m = m_smem.load(gl.SliceLayout(1, S_L))
+        li = l_smem.load(gl.SliceLayout(1, S_L))
+        alpha = a_smem.load(gl.SliceLayout(1, O_L))
         o = o * gl.expand_dims(alpha, 1)
         o = warpgroup_mma(p_smem, ckv_smem.index(st).slice(V_OFF, HALF, dim=1), o, is_async=True)
         o = warpgroup_mma_wait(0, deps=(o,))  # from here on we neither read P_j nor the slot: ours to rewrite
@@ -168,7 +172,7 @@ if HAVE_GLUON:
         return o, m, li
 
     @gluon.jit
-    def _own_tile(j, o, m, li, q_smem, qpe_smem, ckv_smem, kpe_smem, p_smem, st_smem, full, empty, p_bar,
+    def _own_tile(j, o, m, li, q_smem, qpe_smem, ckv_smem, kpe_smem, p_smem, stats, full, empty, p_bar,
                   start, end, qk_scale, S_L: gl.constexpr, O_L: gl.constexpr, HALF: gl.constexpr,
                   V_OFF: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
         """Our tile j: S_j = Q K_j^T, online softmax, publish P_j and (m, l, alpha) for the other consumer,
@@ -186,9 +190,10 @@ if HAVE_GLUON:
         m, li, pr, alpha = _softmax_tile(sc, m, li, start + j * BLOCK_N + cols, end, qk_scale)
         pr = pr.to(p_smem.dtype)
         p_smem.store(pr)
-        st_smem.index(0).store(m)
-        st_smem.index(1).store(li)
-        st_smem.index(2).store(alpha)
+        m_smem, l_smem, a_smem = stats
+        m_smem.store(m)
+        l_smem.store(li)
+        a_smem.store(alpha)
         fence_async_shared()  # P is read by the other consumer's wgmma (async proxy)
         mbarrier.arrive(p_bar, count=1)  # after a warpgroup barrier: every warp's stores are in
         pa = gl.convert_layout(pr, gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2))
@@ -199,7 +204,7 @@ if HAVE_GLUON:
         return o, m, li
 
     @gluon.jit
-    def _consumer(q_smem, qpe_smem, ckv_smem, kpe_smem, p_smem, st_smem, q_bar, full, empty, p_bar,
+    def _consumer(q_smem, qpe_smem, ckv_smem, kpe_smem, p_smem, stats, q_bar, full, empty, p_bar,
                   out_ptr, po_ptr, pml_ptr, pid_t, pid_c, GC, t64, hb, H, nc, start, end, qk_scale,
                   stride_ot, stride_oh, W: gl.constexpr, DL: gl.constexpr, BLOCK_M: gl.constexpr,
                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
@@ -217,16 +222,16 @@ if HAVE_GLUON:
         o = gl.zeros([BLOCK_M, HALF], gl.float32, layout=O_L)
         mbarrier.wait(q_bar, 0)
         if W == 0:  # tile 0 is ours and has no predecessor
-            o, m, li = _own_tile(0, o, m, li, q_smem, qpe_smem, ckv_smem, kpe_smem, p_smem, st_smem, full, empty,
+            o, m, li = _own_tile(0, o, m, li, q_smem, qpe_smem, ckv_smem, kpe_smem, p_smem, stats, full, empty,
                                  p_bar, start, end, qk_scale, S_L, O_L, HALF, V_OFF, BLOCK_N, STAGES)
         # the other consumer's tile j - 1 first: its stage is released before we wait for tile j (docstring)
         for j in range(2 - W, n_tiles, 2):
-            o, m, li = _take_other(j - 1, o, p_smem, st_smem, ckv_smem, full, empty, p_bar, S_L, O_L, HALF, V_OFF,
+            o, m, li = _take_other(j - 1, o, p_smem, stats, ckv_smem, full, empty, p_bar, S_L, O_L, HALF, V_OFF,
                                    STAGES)
-            o, m, li = _own_tile(j, o, m, li, q_smem, qpe_smem, ckv_smem, kpe_smem, p_smem, st_smem, full, empty,
+            o, m, li = _own_tile(j, o, m, li, q_smem, qpe_smem, ckv_smem, kpe_smem, p_smem, stats, full, empty,
                                  p_bar, start, end, qk_scale, S_L, O_L, HALF, V_OFF, BLOCK_N, STAGES)
         if (n_tiles - 1) % 2 != W:  # the last tile is the other consumer's
-            o, m, li = _take_other(n_tiles - 1, o, p_smem, st_smem, ckv_smem, full, empty, p_bar, S_L, O_L, HALF,
+            o, m, li = _take_other(n_tiles - 1, o, p_smem, stats, ckv_smem, full, empty, p_bar, S_L, O_L, HALF,
                                    V_OFF, STAGES)
 
         rm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, O_L))
@@ -302,7 +307,11 @@ if HAVE_GLUON:
         ckv_smem = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, DL], SH_KV)
         kpe_smem = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, DR], SH_PE)
         p_smem = gl.allocate_shared_memory(dt, [BLOCK_M, BLOCK_N], SH_P)
-        st_smem = gl.allocate_shared_memory(gl.float32, [3, BLOCK_M], SH_1)  # m, l, alpha of the last tile
+        # m, l, alpha of the last published tile (3 buffers: no barrier between their stores)
+        m_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M], SH_1)
+        l_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M], SH_1)
+        a_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M], SH_1)
+        stats = (m_smem, l_smem, a_smem)
         rows_smem = gl.allocate_shared_memory(gl.int32, [BLOCK_N], SH_1)  # the producer's current pool rows
         tree_smem = gl.allocate_shared_memory(gl.int32, [TT, BLOCK_N], SH_1)  # logical rows of the tree tiles
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -327,10 +336,10 @@ if HAVE_GLUON:
         t64 = t.to(gl.int64)
         bt_row = bt_ptr + s.to(gl.int64) * stride_bt
         gl.warp_specialize([
-            (_consumer, (q_smem, qpe_smem, ckv_smem, kpe_smem, p_smem, st_smem, q_bar, full, empty, p_bar,
+            (_consumer, (q_smem, qpe_smem, ckv_smem, kpe_smem, p_smem, stats, q_bar, full, empty, p_bar,
                          out_ptr, po_ptr, pml_ptr, pid_t, pid_c, GC, t64, hb, H, nc, start, end, qk_scale,
                          stride_ot, stride_oh, 0, DL, BLOCK_M, BLOCK_N, STAGES)),
-            (_consumer, (q_smem, qpe_smem, ckv_smem, kpe_smem, p_smem, st_smem, q_bar, full, empty, p_bar,
+            (_consumer, (q_smem, qpe_smem, ckv_smem, kpe_smem, p_smem, stats, q_bar, full, empty, p_bar,
                          out_ptr, po_ptr, pml_ptr, pid_t, pid_c, GC, t64, hb, H, nc, start, end, qk_scale,
                          stride_ot, stride_oh, 1, DL, BLOCK_M, BLOCK_N, STAGES)),
             (_producer, (q_ptr, qpe_ptr, kv_ptr, bt_row, q_smem, qpe_smem, ckv_smem, kpe_smem, rows_smem, tree_smem,

@@ -10,8 +10,9 @@ Scores: (q_lat . c_kv + q_pe . k_pe) * sm_scale; output is the latent-space valu
 ([T, H, kv_lora_rank]); the caller applies W_UV and o_proj.
 
 `mla_attention_ref` is the definition of correctness. `mla_attention` is the launcher: GPU kernels
-on CUDA, the reference elsewhere. Two tile kernels share the work split, the chunks and the combine:
-`_mla_gluon` (sm_90 with the Kimi head shapes: S computed once per tile, the default there) and
+on CUDA, the reference elsewhere. Three tile kernels share the work split, the chunks and the combine:
+`_mla_gluon` (sm_90 with the Kimi head shapes: S computed once per tile, the default there),
+`_mla_gluon_ws` (the same shapes, warp-specialized; experimental, only when asked for: impl="gluon_ws") and
 `_mla_kernels` (any GPU and the interpreter); `impl` / `DEFAULT_IMPL` pick one. The kernels are position aligned: a
 query at absolute position p (L + depth for a tree node, L + j for a causal row) reduces over its
 keys at positions 0..p (committed rows, then its ancestors by depth, then itself) in an order that
@@ -36,7 +37,7 @@ import functools
 import torch
 import triton
 
-from kernels import _mla_gluon
+from kernels import _mla_gluon, _mla_gluon_ws
 from kernels._mla_kernels import _mla_combine_kernel, _mla_fwd_kernel, chunk_span
 
 _BLOCK_M = 64  # largest query tile: the heads of one token (64 at Kimi)
@@ -45,7 +46,9 @@ _NCH = 16  # at most this many KV chunks per query row
 _C_MIN = 512  # base chunk size (keys) for rows of < NCH * C_MIN keys: bounds the partial traffic
 CHUNK_RULES = {"legacy": 0, "balanced": 1}  # `_mla_kernels.chunk_span`'s RULE
 DEFAULT_CHUNK_RULE = "balanced"
-IMPLS = ("triton", "gluon", "auto")  # tile kernel: `_mla_kernels` (any GPU, the interpreter) or `_mla_gluon` (sm_90)
+IMPLS = ("triton", "gluon", "gluon_ws", "auto")  # tile kernel: `_mla_kernels` (any GPU, the interpreter),
+# `_mla_gluon` (sm_90) or `_mla_gluon_ws` (sm_90, warp-specialized, experimental: never picked by "auto")
+_GLUON_IMPLS = ("gluon", "gluon_ws")  # both need `gluon_unsupported(...) is None`
 DEFAULT_IMPL = "auto"  # Gluon where it runs (H200, Kimi shapes: 1.6x the Triton kernel), else Triton
 _LOG2E = 1.4426950408889634
 
@@ -125,20 +128,23 @@ def gluon_unsupported(q_lat, q_pe, kv_cache, block_n: int, num_warps: int) -> st
 
 def configure(impl: str, device, heads: int, latent: int, rope: int, dtype: torch.dtype) -> str:
     """Fix the tile kernel of a deployment: set `DEFAULT_IMPL` (every later launch that does not pass
-    `impl` uses it) and return what it runs for this device and model: "gluon", "triton" or "reference"
-    (not CUDA: `mla_attention` runs the torch reference). ValueError, with the reason, for "gluon" where it
-    cannot run, so a server refuses the flag at start rather than failing requests."""
+    `impl` uses it) and return what it runs for this device and model: "gluon", "gluon_ws", "triton" or
+    "reference" (not CUDA: `mla_attention` runs the torch reference). ValueError, with the reason, for
+    "gluon" or "gluon_ws" where it cannot run, so a server refuses the flag at start rather than failing
+    requests."""
     global DEFAULT_IMPL
     if impl not in IMPLS:
         raise ValueError(f"mla kernel {impl!r} is not one of {IMPLS}")
     device = torch.device(device)
     why = _gluon_unsupported_shape(device, heads, latent, rope, dtype)
-    if impl == "gluon" and why is not None:
-        raise ValueError(f"mla kernel 'gluon': {why}")
+    if impl in _GLUON_IMPLS and why is not None:
+        raise ValueError(f"mla kernel {impl!r}: {why}")
     DEFAULT_IMPL = impl
     if device.type != "cuda":
         return "reference"
-    return "triton" if impl == "triton" or why is not None else "gluon"
+    if impl == "triton" or why is not None:
+        return "triton"
+    return "gluon_ws" if impl == "gluon_ws" else "gluon"
 
 
 def mla_attention_ref(
@@ -186,9 +192,10 @@ def mla_attention_triton(q_lat, q_pe, kv_cache, block_table, page_size, cu_q, pr
     The keywords are tuning knobs for benchmarks; `block_n`/`nch`/`c_min`/`chunk_rule` define the
     reduction order, so a deployment must keep them fixed (position alignment holds for any fixed
     value; "legacy" is the previous chunk rule, kept for comparisons). `impl` picks the tile kernel:
-    "triton", "gluon" (`_mla_gluon`: sm_90, Kimi head shapes; ValueError elsewhere, with the reason)
-    or "auto" (gluon where it can run); None: the module's `DEFAULT_IMPL`, read at each call. The two
-    give different bits, so it is fixed per deployment too."""
+    "triton", "gluon" (`_mla_gluon`: sm_90, Kimi head shapes; ValueError elsewhere, with the reason),
+    "gluon_ws" (`_mla_gluon_ws`: the same, warp-specialized, experimental) or "auto" (gluon where it can
+    run); None: the module's `DEFAULT_IMPL`, read at each call. They give different bits from each other,
+    so the impl is fixed per deployment too."""
     T, H, Dl = q_lat.shape
     Dr = q_pe.shape[-1]
     S = prefix_lens.shape[0]
@@ -198,9 +205,9 @@ def mla_attention_triton(q_lat, q_pe, kv_cache, block_table, page_size, cu_q, pr
         raise ValueError(f"mla_attention: impl {impl!r} is not one of {IMPLS}")
     if impl != "triton":
         why = gluon_unsupported(q_lat, q_pe, kv_cache, block_n, num_warps)
-        if why is not None and impl == "gluon":
-            raise ValueError(f"mla_attention: impl 'gluon': {why}")
-        impl = "triton" if why else "gluon"
+        if why is not None and impl in _GLUON_IMPLS:
+            raise ValueError(f"mla_attention: impl {impl!r}: {why}")
+        impl = "triton" if why else ("gluon" if impl == "auto" else impl)
     if block_n not in (16, 32, 64, 128) or c_min < block_n or c_min % block_n or nch < 1:
         raise ValueError("mla_attention: block_n must be 16, 32, 64 or 128 and divide c_min > 0; nch >= 1")
     q_lat = q_lat.to(kv_cache.dtype)
@@ -239,7 +246,12 @@ def mla_attention_triton(q_lat, q_pe, kv_cache, block_table, page_size, cu_q, pr
               q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), kv_cache.stride(0),
               block_table.stride(0), bits.stride(0), out.stride(0), out.stride(1))
     nb = 64 * (tree_bits.shape[1] if tree_bits is not None else 1)
-    if impl == "gluon":
+    if impl == "gluon_ws":  # num_warps: the kernel's own (consumer 0; the other partitions add theirs)
+        _mla_gluon_ws._mla_fwd_gluon_ws_kernel[(tiles, grid_c)](
+            *common, DL=Dl, DR=Dr, PAGE=page_size, BLOCK_M=block_m, BLOCK_N=block_n, NCH=nch, C_MIN=c_min,
+            RULE=rule, S_PAD=s_pad, TREE=tree_bits is not None, NB=nb, STAGES=_mla_gluon_ws.WS_STAGES,
+            num_warps=_mla_gluon_ws.WS_WARPS)
+    elif impl == "gluon":
         _mla_gluon._mla_fwd_gluon_kernel[(tiles, grid_c)](
             *common, DL=Dl, DR=Dr, PAGE=page_size, BLOCK_M=block_m, BLOCK_N=block_n, NCH=nch, C_MIN=c_min,
             RULE=rule, S_PAD=s_pad, TREE=tree_bits is not None, NB=nb, STAGES=_mla_gluon.GLUON_STAGES,

@@ -8,9 +8,10 @@ equals the causal decode, the 1-node-tree AR step and the causal prefill row at 
 cache holding the AR layout (prefix + its ancestors + itself). The chunk rules themselves (pure
 Python, the kernel's own `chunk_span` on host ints): no empty or short chunk, grid bound.
 GPU (marked `gpu`): 64 heads, 512 + 64, bf16, prefixes up to 33k, batch invariance (a session
-alone vs inside a batch of 64: bitwise equal) and the same position alignment in bf16, for both tile
-kernels (`impl` "triton" and the sm_90 Gluon kernel). On the CPU the Gluon kernel is compiled for
-sm_90 (no GPU needed) and its PTX is checked for S computed once per tile.
+alone vs inside a batch of 64: bitwise equal) and the same position alignment in bf16, for every tile
+kernel (`impl` "triton" and the sm_90 Gluon kernels "gluon" and "gluon_ws"). On the CPU the Gluon kernels
+are compiled for sm_90 (no GPU needed) and their PTX and ptxas log are checked (S computed once per tile;
+for the warp-specialized one also its partitions, registers, barriers and that no wgmma is serialized).
 """
 
 from __future__ import annotations
@@ -147,8 +148,9 @@ def test_mla_impl_choice_off_hopper():
     """impl="gluon" where it cannot run is refused with the reason; "auto" falls back to the Triton
     kernel (same bits); an unknown impl is refused."""
     args = make_batch([70], [5], 4, 32, 8, 16, torch.float32, True)
-    with pytest.raises(ValueError, match="sm_90|Gluon"):
-        run_kernel(args, 0.3, impl="gluon")
+    for impl in ("gluon", "gluon_ws"):
+        with pytest.raises(ValueError, match=f"{impl}.*(sm_90|Gluon)"):
+            run_kernel(args, 0.3, impl=impl)
     with pytest.raises(ValueError, match="impl"):
         run_kernel(args, 0.3, impl="cuda")
     assert torch.equal(run_kernel(args, 0.3, impl="auto"), run_kernel(args, 0.3, impl="triton"))
@@ -163,9 +165,10 @@ def test_mla_configure_fixes_the_deployment_kernel(monkeypatch):
     assert mla.configure("triton", "cpu", 64, 512, 64, torch.bfloat16) == "reference"
     assert mla.DEFAULT_IMPL == "triton"
     assert mla.configure("auto", "cpu", 8, 512, 64, torch.float32) == "reference" and mla.DEFAULT_IMPL == "auto"
-    with pytest.raises(ValueError, match="sm_90"):
-        mla.configure("gluon", "cpu", 64, 512, 64, torch.bfloat16)
-    assert mla.DEFAULT_IMPL == "auto"  # unchanged by the refusal
+    for impl in ("gluon", "gluon_ws"):
+        with pytest.raises(ValueError, match=f"{impl}.*sm_90"):
+            mla.configure(impl, "cpu", 64, 512, 64, torch.bfloat16)
+        assert mla.DEFAULT_IMPL == "auto"  # unchanged by the refusal
     with pytest.raises(ValueError, match="one of"):
         mla.configure("flash", "cpu", 64, 512, 64, torch.bfloat16)
     if CUDA:
@@ -175,12 +178,13 @@ def test_mla_configure_fixes_the_deployment_kernel(monkeypatch):
     assert torch.equal(run_kernel(args, 0.3), run_kernel(args, 0.3, impl="triton"))  # impl=None reads it
 
 
-_GLUON_PTX = """
-import json
+_SM90_COMPILE = r"""
+import contextlib, io, json, re, sys
 from triton.backends.compiler import GPUTarget
 from triton.compiler import compile
 from triton.experimental.gluon._runtime import GluonASTSource
-from kernels._mla_gluon import _mla_fwd_gluon_kernel
+mod = __import__(sys.argv[1], fromlist=[sys.argv[2]])
+kernel, num_warps, stages = getattr(mod, sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 out = {}
 for tree in (True, False):
     sig = {n: "*bf16" for n in ("q_ptr", "qpe_ptr", "kv_ptr", "out_ptr")}
@@ -191,40 +195,86 @@ for tree in (True, False):
                "stride_ot", "stride_oh")
     sig.update({n: "i32" for n in strides})
     cst = dict(DL=512, DR=64, PAGE=64, BLOCK_M=64, BLOCK_N=64, NCH=16, C_MIN=512, RULE=1, S_PAD=16, TREE=tree,
-               NB=128 if tree else 64, STAGES=2)
+               NB=128 if tree else 64, STAGES=stages)
     sig.update({k: "constexpr" for k in cst})
     names = list(sig)
     aligned = {(names.index(n),): [["tt.divisibility", 16]] for n in names
                if n.endswith("_ptr") or (n in strides and n != "stride_bits")}
-    k = compile(GluonASTSource(fn=_mla_fwd_gluon_kernel, signature=sig, constexprs=cst, attrs=aligned),
-                target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
-    ptx = k.asm["ptx"]
-    out[str(tree)] = {"wgmma": ptx.count("wgmma.mma_async"), "s": ptx.count("wgmma.mma_async.sync.aligned.m64n32k16"),
-                      "pv": ptx.count("wgmma.mma_async.sync.aligned.m64n256k16"),
-                      "cp_async": ptx.count("cp.async.cg"), "shared": k.metadata.shared}
+    log = io.StringIO()  # the ptxas -v log (TRITON_DUMP_PTXAS_LOG; the cache is empty, so ptxas runs)
+    with contextlib.redirect_stdout(log):
+        k = compile(GluonASTSource(fn=kernel, signature=sig, constexprs=cst, attrs=aligned),
+                    target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    ptx, log = k.asm["ptx"], log.getvalue()
+    wgmma = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)\.\S+ \{[^}]*\}, (\S)", ptx)
+    rs = {"{": "_rs", "%": ""}  # operand A in registers (a "{...}" list) or a shared-memory descriptor
+    out[str(tree)] = {
+        "wgmma": {shape + rs[a]: sum(w == (shape, a) for w in wgmma) for shape, a in set(wgmma)},
+        "cp_async": ptx.count("cp.async.cg"), "cp_async_arrive": ptx.count("cp.async.mbarrier.arrive.noinc"),
+        "mbarrier_wait": ptx.count("mbarrier.try_wait"), "cta_bar": re.findall(r"\bbar\.sync\s+\d+;", ptx),
+        "setmaxnreg": sorted({int(v) for v in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}),
+        "shared": k.metadata.shared, "warps": k.metadata.num_warps,
+        "spill_bytes": sum(int(v) for v in re.findall(r"(\d+) bytes spill stores", log)),
+        "ptxas_perf": [ln for ln in log.splitlines() if "Performance Loss" in ln or "injected" in ln]}
 print(json.dumps(out))
 """
+_SM90_SMEM = 232448  # bytes of shared memory one block may have on sm_90 (227 KB)
 
 
-def test_mla_gluon_kernel_compiles_for_sm90_with_s_once():
-    """The Gluon tile kernel compiled for sm_90 (PTX, no GPU; a subprocess, since this process may run
-    Triton in interpreter mode): S = Q K^T as 36 m64n32k16 wgmma per site (K = 576 in steps of 16, each
-    warpgroup its 32 of the 64 keys: S once, not per warpgroup; two sites, the first tile's and the loop's)
-    and O += P V as 4 m64n256k16 (64 keys in steps of 16, each warpgroup its 256 value columns), no other
-    MMA shape, 16-byte cp.async copies for the gathered KV rows, and shared memory within the sm_90 limit
-    (227 KB per block)."""
+def compile_for_sm90(tmp_path, module: str, kernel: str, num_warps: int, stages: int) -> dict:
+    """Compile a Gluon tile kernel for sm_90 in a subprocess (no GPU needed; this process may run Triton in
+    interpreter mode), bf16, tree and causal: {"True"/"False": PTX counts, shared bytes, ptxas -v facts}."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(tmp_path / "triton_cache"), TRITON_DUMP_PTXAS_LOG="1")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    res = subprocess.run([sys.executable, "-c", _GLUON_PTX], capture_output=True, text=True, env=env, timeout=300,
-                         cwd=root)
+    res = subprocess.run([sys.executable, "-c", _SM90_COMPILE, module, kernel, str(num_warps), str(stages)],
+                         capture_output=True, text=True, env=env, timeout=300, cwd=root)
     if res.returncode != 0:
         err = res.stderr.lower()
         if "no module named 'triton.experimental.gluon" in err or "backend" in err:
             pytest.skip(f"this triton build cannot compile Gluon for sm_90: {res.stderr[-200:]}")
         raise AssertionError(res.stderr[-3000:])
-    for tree, n in json.loads(res.stdout.strip().splitlines()[-1]).items():
-        assert n["s"] == 2 * 36 and n["pv"] == 4 and n["wgmma"] == n["s"] + n["pv"], f"tree={tree}: {n}"
-        assert n["cp_async"] > 0 and 0 < n["shared"] <= 232448, f"tree={tree}: {n}"
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def test_mla_gluon_kernel_compiles_for_sm90_with_s_once(tmp_path):
+    """The Gluon tile kernel compiled for sm_90 (PTX, no GPU): S = Q K^T as 36 m64n32k16 wgmma per site
+    (K = 576 in steps of 16, each warpgroup its 32 of the 64 keys: S once, not per warpgroup; two sites, the
+    first tile's and the loop's) and O += P V as 4 m64n256k16 (64 keys in steps of 16, each warpgroup its 256
+    value columns), no other MMA shape, 16-byte cp.async copies for the gathered KV rows, and shared memory
+    within the sm_90 limit (227 KB per block)."""
+    from kernels import _mla_gluon
+
+    for tree, n in compile_for_sm90(tmp_path, "kernels._mla_gluon", "_mla_fwd_gluon_kernel", _mla_gluon.GLUON_WARPS,
+                                    _mla_gluon.GLUON_STAGES).items():
+        assert n["wgmma"] == {"m64n32k16": 2 * 36, "m64n256k16": 4}, f"tree={tree}: {n}"
+        assert n["cp_async"] > 0 and 0 < n["shared"] <= _SM90_SMEM, f"tree={tree}: {n}"
+
+
+def test_mla_gluon_ws_kernel_compiles_for_sm90(tmp_path):
+    """The warp-specialized kernel (`_mla_gluon_ws`) compiled for sm_90 (PTX and the ptxas -v log, no GPU):
+    S as 36 m64n64k16 wgmma per site (one warpgroup computes all 64 keys of its tile over K = 576; three
+    sites: consumer 0's first tile and loop, consumer 1's loop), O += P V as 4 m64n256k16 per site (7 sites:
+    4 with P from shared, 3 with the owner's P from registers), no other shape; 12 warps (2 consumer
+    warpgroups + the producer warp, padded); setmaxnreg gives the consumers and the producer their registers;
+    cp.async copies arrive on mbarriers (Q and the tiles), no CTA-wide barrier inside the partitions; ptxas
+    neither serializes the wgmma nor injects waits (an accumulator in flight across control flow would); spills:
+    at most a few bytes with Triton 3.6's ptxas (the H200's; 12.8), a few hundred with newer ones (Triton
+    3.9's ptxas 13 allocates differently; 1 KB and more is the hoisted-descriptor failure `_opaque_zero`
+    prevents); shared memory within 227 KB."""
+    import triton
+
+    from kernels import _mla_gluon_ws as ws
+
+    max_spill = 16 if triton.__version__.startswith("3.6") else 512
+
+    for tree, n in compile_for_sm90(tmp_path, "kernels._mla_gluon_ws", "_mla_fwd_gluon_ws_kernel", ws.WS_WARPS,
+                                    ws.WS_STAGES).items():
+        what = f"tree={tree}: {n}"
+        assert n["wgmma"] == {"m64n64k16": 3 * 36, "m64n256k16": 4 * 4, "m64n256k16_rs": 3 * 4}, what
+        assert n["warps"] == 12 and {ws.CONSUMER_REGS, ws.PRODUCER_REGS} <= set(n["setmaxnreg"]), what
+        assert n["cp_async"] > 0 and n["cp_async_arrive"] == 2 and n["mbarrier_wait"] > 0, what
+        assert n["cta_bar"] == [] and n["ptxas_perf"] == [] and n["spill_bytes"] <= max_spill, what
+        assert 0 < n["shared"] <= _SM90_SMEM, what
 
 
 # ------------------------------------------- position alignment: tree node == AR step at its position
@@ -395,7 +445,7 @@ def test_chunk_rule_examples():
 # ---------------------------------------------------------------- GPU: Kimi K2.6 shapes
 
 KIMI = dict(H=64, Dl=512, Dr=64, page=64)
-IMPLS_GPU = ["triton", "gluon"]
+IMPLS_GPU = ["triton", "gluon", "gluon_ws"]
 SCALE = 192**-0.5 * (0.1 * torch.log(torch.tensor(64.0)).item() + 1) ** 2
 
 
