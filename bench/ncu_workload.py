@@ -4,7 +4,7 @@
       --section SpeedOfLight --section WarpStateStats --section SchedulerStats \\
       python bench/ncu_workload.py moe 9
   ncu --clock-control none --kernel-name regex:gluon --launch-skip 2 --launch-count 1 --section SpeedOfLight \\
-      python bench/ncu_workload.py mla 16 4096 33 [gluon|triton]
+      python bench/ncu_workload.py mla 16 4096 33 [gluon|gluon_ws|triton]
 
 moe T: `int4_moe_triton` on the INT4 MoE benchmark's random layer with T tokens (bench_int4_moe.py).
 mla B L n [impl]: `mla_attention_triton` on the MLA benchmark's case (B sessions, prefix L, n-node trees).
