@@ -218,6 +218,7 @@ class DraftStream:
             if region is None:
                 raise ProtocolError(f"step {step.step_id}: unknown response region {step.response_region_id}")
             arena = RegionArena(region)
+        bell = self._bell(step, arena)
         reqs, ids, errors, seen = [], [], [], set()
         rows = self._step_rows(step)
         for i, m in enumerate(step.sessions):
@@ -251,7 +252,7 @@ class DraftStream:
         if trees is None:
             z = torch.empty(0, 1, dtype=torch.int32)
             trees = TreeBatch(z, z, z, z, z, torch.empty(0, 1), [])
-        msg = trees_to_pb(trees, ids, step.step_id, arena, self.trees_event, self._bell(step, arena))
+        msg = trees_to_pb(trees, ids, step.step_id, arena, self.trees_event, bell)
         msg.errors.extend(errors)
         msg.compute_us = max(1, round((time.perf_counter() - t_start) * 1e6))
         return msg

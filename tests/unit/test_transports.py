@@ -377,6 +377,7 @@ def test_control_socket_unreachable_falls_back_to_grpc_messages(parts, served, m
     ("rows_mismatch", grpc.StatusCode.INVALID_ARGUMENT, "the sessions' ctx_rows, 2 in all"),
     ("rows_without_step_features", grpc.StatusCode.INVALID_ARGUMENT, "no ctx_features"),
     ("rows_twice", grpc.StatusCode.INVALID_ARGUMENT, "no session carries its own"),
+    ("doorbell_without_one", grpc.StatusCode.INVALID_ARGUMENT, "doorbell_value without a doorbell on this stream"),
     ("close", None, None),
 ])
 def test_control_socket_protocol(served, bad, code, words):
@@ -410,6 +411,8 @@ def test_control_socket_protocol(served, bad, code, words):
             if bad == "rows_twice":
                 tensor_to_pb(torch.zeros(2, 128), step.sessions[0].ctx_features)
             sock.send(drafter_pb2.DraftStreamRequest(step=step))
+        elif bad == "doorbell_without_one":  # a value to ring on a stream that negotiated no doorbell
+            sock.send(drafter_pb2.DraftStreamRequest(step=drafter_pb2.DraftStep(step_id=2, doorbell_value=5)))
         elif bad == "open_again":
             sock.send(drafter_pb2.DraftStreamRequest(open=drafter_pb2.OpenStream(client_id="again")))
         else:
@@ -437,6 +440,32 @@ def cuda_parts(parts):
 
 def cuda_steps():
     return [[dataclasses.replace(r, ctx_features=r.ctx_features.cuda()) for r in reqs] for reqs in steps()]
+
+
+def test_doorbell_offers_without_a_gpu(served, tmp_path):
+    """The doorbell is only for CUDA regions with IPC events: offered with CPU regions it is declined (the
+    stream opens, `trees_doorbell` false); an id naming no region of the stream fails the open."""
+    from protos.shared_region import SharedRegion
+
+    _, srv = served
+    region = SharedRegion.create(3, 64, "cpu")
+    try:
+        for rid, code in ((3, None), (9, grpc.StatusCode.FAILED_PRECONDITION)):
+            requests: queue.Queue = queue.Queue()
+            with grpc.insecure_channel(f"127.0.0.1:{srv.port}") as ch:
+                call = drafter_pb2_grpc.DrafterStub(ch).Draft(iter(requests.get, None), timeout=30)
+                requests.put(drafter_pb2.DraftStreamRequest(open=drafter_pb2.OpenStream(
+                    client_id="raw", regions=[region.to_pb()], doorbell_region_id=rid)))
+                if code is None:
+                    opened = next(call)
+                    assert opened.WhichOneof("kind") == "opened" and not opened.opened.trees_doorbell
+                else:
+                    with pytest.raises(grpc.RpcError) as e:
+                        next(call)
+                    assert e.value.code() == code and "doorbell region 9" in e.value.details()
+                requests.put(None)
+    finally:
+        region.close()
 
 
 @pytest.mark.gpu
