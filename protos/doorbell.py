@@ -149,8 +149,8 @@ class Doorbell:
         self._op(0, value, _WAIT_GEQ, stream)
 
     def prepare_release(self) -> None:
-        """Make the release stream and the read buffer and run work on them, before any wait is queued (see
-        the module's notes: a stream first used while another is blocked does not run)."""
+        """Make the release stream and the read buffer and use them once, before any wait is queued: then
+        neither `release` nor `read` sets anything up behind a queued wait (see the module's notes)."""
         with torch.cuda.device(self.device):
             self._side = torch.cuda.Stream(self.device)
             self._host = torch.zeros(1, dtype=torch.int32, pin_memory=True)
