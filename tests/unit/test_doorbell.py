@@ -146,6 +146,7 @@ torch.cuda.synchronize()
 time.sleep(60 if len(sys.argv) > 5 else 0)
 """
 
+
 def _child(bell: SharedRegion, data: SharedRegion, cycles: int, value: int, linger: bool = False):
     args = [bell.to_pb().SerializeToString().hex(), data.to_pb().SerializeToString().hex(), str(cycles), str(value)]
     child = subprocess.Popen([sys.executable, "-c", CHILD_RING, *args, *(["linger"] if linger else [])],
