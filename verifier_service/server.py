@@ -74,6 +74,7 @@ class VerifierServerConfig:
     dist: DistConfig | None = None  # this rank's place in an expert-parallel group; None = one process
     cuda_graphs: bool | None = None  # verify forwards and tree checks through CUDA graphs; None = on for CUDA
     mla_kernel: str = "auto"  # MLA tile kernel (`kernels.mla_attention.IMPLS`): auto = Gluon where it runs
+    doorbell: bool = True  # co-located on a GPU: queue the verify step behind the drafter's doorbell (protos.doorbell)
 
     def __post_init__(self):
         if self.metrics_listen is not None:
@@ -284,7 +285,7 @@ def build_engine(cfg: VerifierServerConfig, stop: threading.Event, metrics: Metr
         client = DraftStreamClient(StreamClientConfig(
             cfg.drafter_address, colocated=cfg.transport == "colocated", region_device=device,
             draft_timeout_s=cfg.draft_timeout_s, max_message_bytes=cfg.max_message_bytes, window=cfg.draft_window,
-            control_spin_s=cfg.control_spin_ms / 1e3, check_graphs=cfg.cuda_graphs is not False,
+            control_spin_s=cfg.control_spin_ms / 1e3, check_graphs=cfg.cuda_graphs is not False, doorbell=cfg.doorbell,
             client_id=f"verifier@{cfg.listen}"), metrics=metrics)
         client.start()  # connects in the background while the target loads
         try:

@@ -42,10 +42,15 @@ def add_parser(sub) -> None:
     s.add_argument("--no-cuda-graphs", action="store_true",
                    help="run verify forwards and the checks of co-located trees eagerly, and with --transport "
                         "inprocess draft steps too (default on CUDA: replayed from CUDA graphs)")
+    s.add_argument("--no-doorbell", action="store_true",
+                   help="co-located on a GPU: poll the drafter's CUDA IPC event on the host before each verify "
+                        "step instead of queueing the step behind the drafter's doorbell on the GPU (default: "
+                        "the doorbell where the GPU passes its self-test)")
     s.add_argument("--mla-kernel", choices=IMPLS, default="auto",
                    help="MLA attention tile kernel: gluon (sm_90 with Kimi head shapes; refused at start "
-                        "elsewhere), triton (any GPU), auto (gluon where it runs; the default). The two give "
-                        "different bits: every rank and every restart of a deployment should use the same")
+                        "elsewhere), gluon_ws (the same, warp-specialized; experimental, slower so far), triton "
+                        "(any GPU), auto (gluon where it runs; the default). They give different bits: every "
+                        "rank and every restart of a deployment should use the same")
     s.set_defaults(func=run)
 
 
@@ -82,7 +87,7 @@ def run(args) -> int:
         kv_pages=args.kv_pages, page_size=args.page_size, max_session_len=args.max_session_len,
         draft_window=args.draft_window, draft_timeout_s=args.draft_timeout_s, control_spin_ms=args.control_spin_ms,
         max_message_bytes=message_bytes(args), grace_s=args.grace_s, metrics_listen=args.metrics_listen, dist=dist,
-        cuda_graphs=False if args.no_cuda_graphs else None, mla_kernel=args.mla_kernel)
+        cuda_graphs=False if args.no_cuda_graphs else None, mla_kernel=args.mla_kernel, doorbell=not args.no_doorbell)
     if dist is None:
         return run_server(serve, cfg, args.log_level, "ddtree-verifier")
     try:

@@ -232,3 +232,17 @@ def test_a_peer_that_never_rings_is_released_by_the_watch():
         bell.close()
         data.close()
         bell_region.close()
+
+
+@pytest.mark.parametrize("flag, expected", [([], True), (["--no-doorbell"], False)])
+def test_verifier_serve_doorbell_flag_reaches_the_server_config(monkeypatch, flag, expected):
+    """`ddtree verifier serve --no-doorbell` turns the doorbell off for the stream client (the operator's way
+    back to the IPC-event path); by default it is on."""
+    from gateway.cli import build_parser
+    from gateway.commands import verifier
+
+    seen = []
+    monkeypatch.setattr(verifier, "run_server", lambda serve, cfg, *a: seen.append(cfg) or 0)
+    argv = ["verifier", "serve", "--listen", "127.0.0.1:0", "--target", "t", "--drafter-address", "127.0.0.1:1"]
+    args = build_parser("verifier").parse_args([*argv, *flag])
+    assert args.func(args) == 0 and seen[0].doorbell is expected
