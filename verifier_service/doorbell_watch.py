@@ -55,8 +55,7 @@ class DoorbellWatch:
             if armed is None or armed[0] is not owner:
                 return False
             self._armed = None
-        armed[3].set()
-        self.bell.release(armed[1])
+        self._release(armed[1], armed[3])
         return True
 
     def close(self) -> None:
@@ -65,9 +64,17 @@ class DoorbellWatch:
             armed, self._armed, self._closed = self._armed, None, True
             self._cv.notify()
         if armed is not None:
-            armed[3].set()
-            self.bell.release(armed[1])
+            self._release(armed[1], armed[3])
         self._thread.join(timeout=5)
+
+    def _release(self, value: int, released: threading.Event) -> bool:
+        """End our wait for `value` -> whether the peer had not rung it (then `released` is set first: the step
+        reads trees the peer may not have finished). A rung wait is left alone, its step's verdicts stand."""
+        if reached(self.bell.read(), value):
+            return False
+        released.set()
+        self.bell.release(value)
+        return True
 
     def _run(self) -> None:
         while True:
@@ -79,10 +86,8 @@ class DoorbellWatch:
                 owner, value, _, released = self._armed
                 self._armed = None
             try:
-                if reached(self.bell.read(), value):
+                if not self._release(value, released):
                     continue  # rung in time: the engine has not read its step back yet, that is all
-                released.set()
-                self.bell.release(value)
             except Exception:  # noqa: BLE001 - the watch must outlive a failing GPU call
                 log.exception("releasing the trees doorbell failed")
                 continue
