@@ -20,15 +20,20 @@ import threading
 import time
 from collections.abc import Callable
 
-from protos.doorbell import Doorbell, reached
+import torch
+
+from protos.doorbell import NBYTES, Doorbell, reached
+from protos.shared_region import SharedRegion
 
 log = logging.getLogger(__name__)
 
 
 class DoorbellWatch:
-    def __init__(self, bell: Doorbell, on_expired: Callable[[object], None]):
-        """on_expired(owner): called on the watch's thread after it released an expired wait of `owner`."""
+    def __init__(self, bell: Doorbell, on_expired: Callable[[object], None], region: SharedRegion | None = None):
+        """on_expired(owner): called on the watch's thread after it released an expired wait of `owner`.
+        region: the bell's own region, closed with the watch (see `open`)."""
         self.bell = bell
+        self.region = region
         self._on_expired = on_expired
         self._cv = threading.Condition()
         # (owner, value, deadline on time.monotonic, the event set when the wait is released rather than rung)
@@ -36,6 +41,21 @@ class DoorbellWatch:
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="doorbell-watch", daemon=True)
         self._thread.start()
+
+    @classmethod
+    def open(cls, region_id: int, device: torch.device, on_expired: Callable[[object], None]) -> DoorbellWatch:
+        """A zeroed counter in a new shareable region on `device`, ready to be released, and its watch (the
+        region lives as long as the watch); RuntimeError where the doorbell cannot be set up."""
+        region = SharedRegion.create(region_id, NBYTES, device)
+        try:
+            region.buf.zero_()
+            torch.cuda.current_stream(device).synchronize()  # zero before any peer maps it
+            bell = Doorbell(region.buf)
+            bell.prepare_release()
+        except RuntimeError:
+            region.close()
+            raise
+        return cls(bell, on_expired, region)
 
     def arm(self, owner: object, value: int, deadline: float, released: threading.Event) -> None:
         """Watch `owner`'s wait for `value` until `deadline`; `released` is set if the watch releases it
@@ -59,13 +79,17 @@ class DoorbellWatch:
         return True
 
     def close(self) -> None:
-        """Stop the thread; an armed wait is released first (nothing is left blocked behind it)."""
+        """Stop the thread; an armed wait is released first (nothing is left blocked behind it). A watch made by
+        `open` also lets the bell's queued work finish and frees its region."""
         with self._cv:
             armed, self._armed, self._closed = self._armed, None, True
             self._cv.notify()
         if armed is not None:
             self._release(armed[1], armed[3])
         self._thread.join(timeout=5)
+        if self.region is not None:
+            self.bell.close()
+            self.region.close()
 
     def _release(self, value: int, released: threading.Event) -> bool:
         """End our wait for `value` -> whether the peer had not rung it (then `released` is set first: the step

@@ -49,7 +49,7 @@ from kernels.tree_build import TreeBatch, tree_size
 from protos.codec import DTYPE_TO_PB, WireError, draft_request_to_pb, tensor_to_pb, trees_from_pb
 from protos.control_socket import ControlClosed, ControlListener, ControlSocket
 from protos.ddtree.v1 import drafter_pb2, drafter_pb2_grpc
-from protos.doorbell import NBYTES, Doorbell, supported
+from protos.doorbell import supported
 from protos.shared_region import IpcEvent, RegionArena, SharedRegion
 from telemetry.metrics import Metrics
 from verifier_service.doorbell_watch import DoorbellWatch
@@ -181,8 +181,8 @@ class DraftStreamClient:
         self._use_control = cfg.colocated and cfg.control_socket
         self._use_events = cfg.colocated and cfg.ipc_events
         self._use_doorbell = self._use_events and cfg.doorbell
-        self._watch: DoorbellWatch | None = None  # with the doorbell (made by the first stream that offers it)
-        self._bell_region: SharedRegion | None = None
+        # with the doorbell: one counter for the client's life, offered to every stream (made by the first)
+        self._watch: DoorbellWatch | None = None
         self._bell_value = 0  # increases across streams: a dead stream's late ring never satisfies a newer wait
         # the last exchanged step, in ms: round_trip (request sent -> answer read), drafter (its compute_us),
         # transport (round_trip - drafter), decode (trees off the wire / out of the region), validate
@@ -250,9 +250,7 @@ class DraftStreamClient:
         self._drop("client closed")
         self._channel.close()
         if self._watch is not None:
-            self._watch.close()  # releases a wait still armed
-            self._watch.bell.close()
-            self._bell_region.close()
+            self._watch.close()  # releases a wait still armed, then frees the counter
 
     def _connector(self) -> None:
         delay = self.cfg.retry_min_s
@@ -306,7 +304,8 @@ class DraftStreamClient:
             if self._use_control:
                 listener = ControlListener(self.cfg.max_message_bytes)
             stream.send(drafter_pb2.DraftStreamRequest(open=drafter_pb2.OpenStream(
-                client_id=self.cfg.client_id, regions=[r.to_pb() for r in (*regions.values(), *filter(None, [bell]))],
+                client_id=self.cfg.client_id,
+                regions=[r.to_pb() for r in [*regions.values(), *([bell] if bell else [])]],
                 control_socket=listener.path if listener else "",
                 request_event=stream.request_event.handle if stream.request_event else b"",
                 doorbell_region_id=bell.region_id if bell is not None else None)))
@@ -358,21 +357,13 @@ class DraftStreamClient:
         if not self._use_doorbell or not supported(self._device):
             return None
         if self._watch is None:
-            # one allocation for the client's life, exported to every stream (its counter only grows)
-            region = SharedRegion.create(DOORBELL_REGION, NBYTES, self._device)
             try:
-                region.buf.zero_()
-                torch.cuda.current_stream(self._device).synchronize()  # zero before any peer maps it
-                bell = Doorbell(region.buf)
-                bell.prepare_release()
-                self._watch = DoorbellWatch(bell, self._bell_expired)
+                self._watch = DoorbellWatch.open(DOORBELL_REGION, self._device, self._bell_expired)
             except RuntimeError as e:
-                region.close()
                 log.warning("no trees doorbell (%s): the drafter's IPC event is polled instead", e)
                 self._use_doorbell = False
                 return None
-            self._bell_region = region
-        return self._bell_region
+        return self._watch.region
 
     def _bell_expired(self, stream: _Stream) -> None:
         """The watch released a step the drafter never rang for (it died, or hangs): drop that stream."""
