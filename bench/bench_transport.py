@@ -2,7 +2,7 @@
 
     python bench/bench_transport.py [--pair models/kimi-mini] [--device cpu|cuda] [--concurrency 1 32]
                                     [--steps 30] [--warmup 5] [--time-budget-s S] [--no-gc-freeze]
-                                    [--no-check-graphs] [--control-spin-ms MS]
+                                    [--no-check-graphs] [--control-spin-ms MS] [--transports T ...]
 
 For each transport the same engine (target in this process) runs C sessions at one budget; the drafter
 is the in-process `Drafter` (inprocess) or a `ddtree drafter serve` process on loopback (same device)
@@ -128,6 +128,9 @@ def main() -> int:
                    help="the stream clients replay the tree check from CUDA graphs (StreamClientConfig.check_graphs)")
     p.add_argument("--control-spin-ms", type=float, default=0.0,
                    help="co-located streams: both ends poll their control socket this long before sleeping")
+    p.add_argument("--transports", nargs="+", default=None,
+                   help="the remote engines to run beside in-process (default: all: colocated, grpc, and on a GPU "
+                        "colocated_events and colocated_sync)")
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "transport.jsonl"))
     args = p.parse_args()
 
@@ -149,7 +152,14 @@ def main() -> int:
     device_name = gpu or platform.processor() or "cpu"
     rows, problems = [], []
     base: dict[int, float] = {}
-    n_streams = 4 if cuda else 2  # colocated (+ colocated_events, colocated_sync on a GPU) + grpc, all sessions each
+    # on a GPU also the co-located stream without the trees doorbell (the verifier polls the drafter's IPC
+    # event on its host) and without IPC events (each side waits for its GPU before each message)
+    remote = ("colocated", "colocated_events", "colocated_sync", "grpc") if cuda else ("colocated", "grpc")
+    if args.transports is not None:
+        if unknown := set(args.transports) - set(remote):
+            p.error(f"--transports: {sorted(unknown)} not among {list(remote)} on {args.device}")
+        remote = tuple(t for t in remote if t in args.transports)
+    n_streams = len(remote)  # all sessions on each stream
     proc = start_drafter(pair, args.device, dtype_name, n_streams * max(args.concurrency) + 8, graphs,
                          args.control_spin_ms)  # loads now
     clients: dict[str, DraftStreamClient] = {}
@@ -158,9 +168,6 @@ def main() -> int:
         vocab = inproc.target.cfg.vocab_size
         addr = wait_serving(proc)
         engines = {"inprocess": inproc}
-        # on a GPU also the co-located stream without the trees doorbell (the verifier polls the drafter's IPC
-        # event on its host) and without IPC events (each side waits for its GPU before each message)
-        remote = ("colocated", "colocated_events", "colocated_sync", "grpc") if cuda else ("colocated", "grpc")
         for transport in remote:
             client = DraftStreamClient(StreamClientConfig(addr, colocated=transport != "grpc",
                                                           region_device=args.device, draft_timeout_s=60,
@@ -174,10 +181,11 @@ def main() -> int:
             clients[transport] = client
             # one target for all: the in-process engine's (batch-invariant on CUDA), so only the drafter path differs
             engines[transport] = Engine(inproc.target, client, model.target_layer_ids, ecfg)
-        regions = clients["colocated"].region_devices
+        regions = clients["colocated"].region_devices if "colocated" in clients else None
         print(f"device {device_name}; drafter process at {addr}; co-located regions {regions}; "
               f"setup {time.monotonic() - t_start:.1f} s", flush=True)
-        if not regions or any(torch.device(d).type != torch.device(args.device).type for d in regions.values()):
+        want = torch.device(args.device).type
+        if regions is not None and (not regions or any(torch.device(d).type != want for d in regions.values())):
             problems.append(f"co-located regions {regions} are not on {args.device}")
         share = None if args.time_budget_s is None else args.time_budget_s / len(args.concurrency)
         for conc in args.concurrency:
