@@ -110,7 +110,8 @@ class DraftGraphRunner:
         pad = torch.tensor(self.pad_column, dtype=torch.int64, device=dev)[:, None]
         self.inputs = {n: pad.expand(4, n).contiguous() for n in self.buckets}  # static draft inputs per bucket
         self.ctx_feats = torch.zeros(self.row_buckets[-1], feature_dim, dtype=dtype, device=dev)  # static rows
-        self.ctx_index = cache.pad_index(self.row_buckets[-1]).to(dev)  # static [rows, 3]: row, ring slot, position
+        self.pad_index = cache.pad_index(self.row_buckets[-1])  # host; its first k rows are pad_index(k)
+        self.ctx_index = self.pad_index.to(dev, copy=True)  # static [rows, 3]: row, ring slot, position (not an alias)
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor | None]] = {}
         self.failed: dict[tuple, str] = {}  # key -> why its capture failed (runs eagerly)
         self.stats: collections.Counter = collections.Counter()  # replays, captures, padded_eager, eager, context_*
@@ -142,7 +143,7 @@ class DraftGraphRunner:
         if n is None or key in self.failed:
             self.stats["context_eager"] += 1
             return False
-        int64_to_device(torch.cat((index, self.cache.pad_index(n - T))), self.device, out=self.ctx_index[:n])
+        int64_to_device(torch.cat((index, self.pad_index[: n - T])), self.device, out=self.ctx_index[:n])
         rows_to_device(parts, self.device, self.ctx_feats.dtype, out=self.ctx_feats[:T])
         if not self.capture:
             self.stats["context_padded_eager"] += 1
@@ -199,7 +200,7 @@ class DraftGraphRunner:
         for n in reversed(self.row_buckets):
             key = ("context", n)
             if key not in self.graphs and key not in self.failed:
-                int64_to_device(self.cache.pad_index(n), self.device, out=self.ctx_index[:n])
+                int64_to_device(self.pad_index[:n], self.device, out=self.ctx_index[:n])
                 self._capture(key, lambda n=n: self._append_body(n))
             keys += [key] if key in self.graphs else []
         return keys

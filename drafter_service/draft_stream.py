@@ -68,6 +68,7 @@ class DraftStream:
     trees_event: IpcEvent | None = None
     # OpenStream.doorbell_region_id taken: rung after each step's writes instead of recording trees_event
     doorbell: Doorbell | None = None
+    views: dict = field(default_factory=dict)  # tensor_from_pb's cache of region views (dropped with the regions)
 
     def key(self, sid: str) -> str:
         return f"{self.number}/{sid}"
@@ -86,6 +87,7 @@ class DraftStream:
             self.forget(sid)
         if self.doorbell is not None:
             self.doorbell.close()  # after our last ring has landed, before the page is unmapped
+        self.views.clear()
         for r in self.regions.values():
             r.close()
         for e in (self.request_event, self.trees_event):
@@ -197,7 +199,8 @@ class DraftStream:
                 raise ProtocolError(f"step {step.step_id}: sessions give ctx_rows but the step has no ctx_features")
             return None
         try:
-            feats = tensor_from_pb(step.ctx_features, f"step {step.step_id}: ctx_features", self.regions, copy=False)
+            feats = tensor_from_pb(step.ctx_features, f"step {step.step_id}: ctx_features", self.regions, copy=False,
+                                   views=self.views)
         except WireError as e:
             raise ProtocolError(str(e)) from None
         counts = [m.ctx_rows for m in step.sessions]

@@ -33,6 +33,7 @@ DTYPE_TO_PB = {
 }
 PB_TO_DTYPE = {v: k for k, v in DTYPE_TO_PB.items()}
 MAX_DIMS = 8
+MAX_CACHED_VIEWS = 256  # tensor_from_pb's view cache starts over past this many entries
 TREE_FIELDS = TreeBatch._FIELDS  # tokens, parent, depth, first_child, next_sibling, logw
 TREE_DTYPES = {"tokens": torch.int32, "parent": torch.int32, "depth": torch.int32, "first_child": torch.int32,
                "next_sibling": torch.int32, "logw": torch.float32}
@@ -63,13 +64,22 @@ def tensor_to_pb(t: torch.Tensor, out: common_pb2.Tensor | None = None,
 
 
 def tensor_from_pb(msg: common_pb2.Tensor, field: str, regions: Mapping[int, SharedRegion] | None = None,
-                   copy: bool = True) -> torch.Tensor:
-    """Decode; `copy=False` returns a view of the shared region (valid until the peer reuses it)."""
+                   copy: bool = True, views: dict | None = None) -> torch.Tensor:
+    """Decode; `copy=False` returns a view of the shared region (valid until the peer reuses it). `views`: a
+    cache of such views, which the caller keeps no longer than its regions: a peer that places its tensors at the
+    same offsets each step then costs no view ops (host time before the co-located drafter's first launch)."""
     dtype, shape, nbytes = _layout(msg, field)
     which = msg.WhichOneof("storage")
     if which == "region":
         region = _region_of(msg, field, regions, dtype.itemsize, nbytes)
-        t = region.view(msg.region.offset, nbytes).view(dtype).view(shape)
+        key = (region.region_id, msg.region.offset, msg.dtype, *shape)
+        t = views.get(key) if views is not None else None
+        if t is None:
+            t = region.view(msg.region.offset, nbytes).view(dtype).view(shape)
+            if views is not None:
+                if len(views) >= MAX_CACHED_VIEWS:
+                    views.clear()
+                views[key] = t
         return t.clone() if copy else t
     data = msg.data if which == "data" else b""
     if len(data) != nbytes:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from drafter_service import context_cache
 from drafter_service.drafter import Drafter
 from tests.helpers import random_drafter
 
@@ -77,9 +78,11 @@ def run_steps(drafter: Drafter, ref: PerSessionRing, seed: int = 0, release_afte
     return pos
 
 
+@pytest.mark.parametrize("small_plan_rows", [0, 10_000])  # every plan with tensor ops / every plan from a list
 @pytest.mark.parametrize("graphs", [False, True])
 @pytest.mark.parametrize("release_after", [None, 2])
-def test_batched_append_equals_per_session_bitwise(release_after, graphs):
+def test_batched_append_equals_per_session_bitwise(release_after, graphs, small_plan_rows, monkeypatch):
+    monkeypatch.setattr(context_cache, "SMALL_PLAN_ROWS", small_plan_rows)
     model, embed, head = random_drafter(seed=3, row_invariant=True)
     d = Drafter(model, embed, head, max_sessions=8, window=WINDOW, cuda_graphs=graphs)
     ref = PerSessionRing(model, d.cache.k)
@@ -126,3 +129,23 @@ def test_one_session_call_and_feature_dtypes():
     assert b.cache.length("x") == 7  # a refused plan changes nothing
     b.add_context("z", 0, torch.zeros(0, 0))  # the engine's "no new rows": reserves a row, writes nothing
     assert "z" in b.cache and b.cache.length("z") == 0
+
+
+def test_plan_from_a_list_equals_plan_by_tensor_ops(monkeypatch):
+    """The two ways `DraftContextCache.plan` builds its index agree on random appends (rows past the window,
+    ring wrap-around, empty appends, late joiners)."""
+    g = torch.Generator().manual_seed(7)
+    caches = [context_cache.DraftContextCache(1, 16, WINDOW, 1, 2, torch.float32, "cpu") for _ in range(2)]
+    for _ in range(40):
+        sids = [f"s{i}" for i in torch.randperm(16, generator=g)[: int(torch.randint(1, 9, (1,), generator=g))]]
+        starts = [int(x) for x in torch.randint(0, 1000, (len(sids),), generator=g)]
+        counts = [int(x) for x in torch.randint(0, 2 * WINDOW + 3, (len(sids),), generator=g)]
+        plans = []
+        for cache, limit in zip(caches, (0, 10_000)):
+            monkeypatch.setattr(context_cache, "SMALL_PLAN_ROWS", limit)
+            plans.append(cache.plan(sids, starts, counts))
+            cache.commit(plans[-1])
+        a, b = plans
+        kept = sum(min(n, WINDOW) for n in counts)
+        assert a.index.dtype == b.index.dtype == torch.int64 and a.index.shape == (kept, 3)
+        assert torch.equal(a.index, b.index) and a.skip == b.skip and a.counts == b.counts

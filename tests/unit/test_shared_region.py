@@ -89,6 +89,36 @@ def test_region_arena_packs_tensors_back_to_back():
         region.close()
 
 
+def test_region_views_are_cached_per_slice_and_read_the_live_bytes(monkeypatch):
+    """tensor_from_pb(copy=False, views=...): one view per (region, offset, dtype, shape), reused by later
+    messages naming the same slice, reading what the region holds now; other slices get their own; the
+    cache starts over when full; the checks still run for every message."""
+    from protos import codec
+    from protos.codec import WireError, tensor_from_pb, tensor_to_pb
+
+    region = SharedRegion.create(3, 4096)
+    try:
+        arena, views = RegionArena(region), {}
+        msg = tensor_to_pb(torch.arange(6, dtype=torch.float32).view(2, 3), arena=arena)
+        a = tensor_from_pb(msg, "t", {3: region}, copy=False, views=views)
+        arena.reset()
+        msg2 = tensor_to_pb(torch.full((2, 3), 7.0), arena=arena)  # the next step's rows, same place
+        b = tensor_from_pb(msg2, "t", {3: region}, copy=False, views=views)
+        assert b is a and torch.equal(b, torch.full((2, 3), 7.0)) and len(views) == 1
+        c = tensor_from_pb(tensor_to_pb(torch.ones(3, 2), arena=arena), "t", {3: region}, copy=False, views=views)
+        assert c is not a and c.shape == (3, 2) and len(views) == 2
+        d = tensor_from_pb(msg2, "t", {3: region}, copy=True, views=views)  # copy: a tensor of its own
+        assert d is not a and torch.equal(d, a)
+        msg2.region.offset = 4092  # out of bounds: refused although a view of this message was cached
+        with pytest.raises(WireError, match="outside"):
+            tensor_from_pb(msg2, "t", {3: region}, copy=False, views=views)
+        monkeypatch.setattr(codec, "MAX_CACHED_VIEWS", 2)
+        e = tensor_from_pb(tensor_to_pb(torch.ones(1), arena=arena), "t", {3: region}, copy=False, views=views)
+        assert list(views.values()) == [e]
+    finally:
+        region.close()
+
+
 def test_cuda_ipc_helpers_without_a_gpu():
     """What the CUDA path relies on, checked on every machine: torch's rebuild_cuda_tensor still takes
     the arguments this module fills in by name, and a GPU is found by UUID whatever its ordinal."""
