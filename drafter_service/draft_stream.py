@@ -209,7 +209,7 @@ class DraftStream:
                                 f"with rows = the sessions' ctx_rows, {sum(counts)} in all")
         if any(m.HasField("ctx_features") for m in step.sessions):
             raise ProtocolError(f"step {step.step_id}: with step ctx_features no session carries its own")
-        return feats.split(counts)
+        return (feats,) if len(counts) == 1 else feats.split(counts)  # one session (C = 1): no op at all
 
     @torch.no_grad()
     def step(self, step: drafter_pb2.DraftStep) -> drafter_pb2.DraftTrees:
