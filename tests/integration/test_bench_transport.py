@@ -1,0 +1,45 @@
+"""bench/bench_transport.py runs end to end on the CPU (a real `ddtree drafter serve` process on loopback, the
+tiny pair): one record per engine and concurrency, every remote engine emitting the in-process engine's tokens;
+`--transports` picks the remote engines and refuses unknown ones."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_bench(pair_dir: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, str(REPO / "bench" / "bench_transport.py"), "--pair", str(pair_dir),
+                           "--device", "cpu", "--steps", "3", "--warmup", "1", "--out", str(out), *extra],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_bench_transport_records_each_engine_with_identical_outputs(pair, tmp_path):
+    target, _ = pair
+    out = tmp_path / "transport.jsonl"
+    proc = run_bench(target.parent, out, "--concurrency", "1", "3", "--transports", "grpc", "colocated")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    recs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted((r["params"]["transport"], r["params"]["concurrency"]) for r in recs) == [
+        ("colocated", 1), ("colocated", 3), ("grpc", 1), ("grpc", 3), ("inprocess", 1), ("inprocess", 3)]
+    for r in recs:
+        assert r["outputs_identical"] and r["steps_identical"] and "problems" not in r, r
+        assert r["ms"] > 0 and r["params"]["steps"] == 3
+        assert (r["ratio"] == 1.0) == (r["params"]["transport"] == "inprocess")
+    grpc = next(r for r in recs if r["params"]["transport"] == "grpc")
+    assert {"round_trip", "drafter", "transport"} <= set(grpc["metrics"]["breakdown_ms"]) and not grpc["regions"]
+    colocated = next(r for r in recs if r["params"]["transport"] == "colocated")
+    assert colocated["regions"] and set(colocated["regions"].values()) == {"cpu"}  # /dev/shm regions
+
+
+def test_bench_transport_refuses_an_unknown_transport(pair, tmp_path):
+    target, _ = pair
+    proc = run_bench(target.parent, tmp_path / "t.jsonl", "--transports", "colocated", "carrier-pigeon")
+    assert proc.returncode == 2 and "carrier-pigeon" in proc.stderr and "not among" in proc.stderr
+    assert not (tmp_path / "t.jsonl").exists()
