@@ -81,7 +81,7 @@ class DraftContextCache:
         rows = [self.row(s) for s in sids]
         keep = [min(n, self.window) for n in counts]
         skip = [n - k for n, k in zip(counts, keep)]
-        if sum(keep) <= SMALL_PLAN_ROWS:  # a decode step's few rows: one host tensor from a list (~10x fewer ops)
+        if sum(keep) <= SMALL_PLAN_ROWS:  # a decode step's few rows: one tensor op instead of a dozen
             W = self.window
             index = torch.tensor([[r, (self._count[s] + k0 + i) % W, p + k0 + i]
                                   for s, r, p, k0, k in zip(sids, rows, starts, skip, keep) for i in range(k)],

@@ -248,11 +248,12 @@ def _private_cuda_bytes(nbytes: int, device: torch.device) -> torch.Tensor:
     """[nbytes] uint8 on `device` in a segment of its own. A CUDA IPC handle maps the whole allocator segment
     its tensor lies in, so a region carved from a shared segment would show the peer whatever other tensors of
     this process share it (a 4-byte doorbell sat in a 2 MB segment of small verifier tensors). A private
-    memory pool per region gives it its own segment; the pool lives as long as the tensor's storage."""
+    memory pool per region gives it its own segment. The pool object is kept at least as long as the tensor
+    object (the caching allocator itself keeps a private pool's segments while any of its blocks is in use)."""
     pool = torch.cuda.MemPool()
     with torch.cuda.use_mem_pool(pool, device=device):
         buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    weakref.finalize(buf, _keep, pool)  # the pool outlives the tensor (the allocator frees into it)
+    weakref.finalize(buf, _keep, pool)  # the pool object outlives the tensor object
     return buf
 
 
