@@ -145,25 +145,23 @@ class DraftStream:
             raise SessionFault(BAD, f"root token {m.root_token} is outside the vocabulary [0, {V})")
         if not 0 <= m.root_pos < MAX_POSITION:
             raise SessionFault(BAD, f"root position {m.root_pos} is outside [0, 2**31)")
-        if rows is not None:
-            r = DraftRequest(sid, m.ctx_start, rows, m.root_token, m.root_pos, m.budget, m.topk, m.traceparent)
-        else:
+        if rows is None:
             try:
-                r = draft_request_from_pb(m, self.regions, copy=False)
+                rows = draft_request_from_pb(m, self.regions, copy=False).ctx_features
             except WireError as e:
                 raise SessionFault(BAD, str(e)) from None
-        n = r.ctx_features.shape[0]
+        n, start = rows.shape[0], m.ctx_start
         expected = self.sessions.get(sid)
         if n:
-            self._check_rows(sid, r.ctx_start, r.ctx_features)
-            if r.ctx_start + n != r.root_pos:
-                raise SessionFault(BAD, f"context rows [{r.ctx_start}, {r.ctx_start + n}) must end right before "
-                                        f"the root position {r.root_pos}")
-        elif expected is not None and r.root_pos != expected:
+            self._check_rows(sid, start, rows)
+            if start + n != m.root_pos:
+                raise SessionFault(BAD, f"context rows [{start}, {start + n}) must end right before "
+                                        f"the root position {m.root_pos}")
+        elif expected is not None and m.root_pos != expected:
             raise SessionFault(grpc.StatusCode.FAILED_PRECONDITION,
-                               f"root position {r.root_pos} moved past the context ({expected}) without new rows")
-        return DraftRequest(self._reserve(sid), r.ctx_start, r.ctx_features, r.root_token, r.root_pos, r.budget,
-                            r.topk, r.traceparent)
+                               f"root position {m.root_pos} moved past the context ({expected}) without new rows")
+        return DraftRequest(self._reserve(sid), start, rows, m.root_token, m.root_pos, m.budget, m.topk,
+                            m.traceparent)
 
     # --- messages ------------------------------------------------------------------------------------
     def context(self, m: drafter_pb2.SessionContext) -> None:
@@ -215,13 +213,12 @@ class DraftStream:
     def step(self, step: drafter_pb2.DraftStep) -> drafter_pb2.DraftTrees:
         """Check every session's request, draft the valid ones in one batch, answer all of them."""
         t_start = time.perf_counter()
-        arena = None
+        region = None  # where the trees go (its arena is made after the draft launches: off the critical path)
         if step.HasField("response_region_id"):
             region = self.regions.get(step.response_region_id)
             if region is None:
                 raise ProtocolError(f"step {step.step_id}: unknown response region {step.response_region_id}")
-            arena = RegionArena(region)
-        bell = self._bell(step, arena)
+        bell = self._bell(step, region)
         reqs, ids, errors, seen = [], [], [], set()
         rows = self._step_rows(step)
         for i, m in enumerate(step.sessions):
@@ -255,16 +252,17 @@ class DraftStream:
         if trees is None:
             z = torch.empty(0, 1, dtype=torch.int32)
             trees = TreeBatch(z, z, z, z, z, torch.empty(0, 1), [])
+        arena = RegionArena(region) if region is not None else None
         msg = trees_to_pb(trees, ids, step.step_id, arena, self.trees_event, bell)
         msg.errors.extend(errors)
         msg.compute_us = max(1, round((time.perf_counter() - t_start) * 1e6))
         return msg
 
-    def _bell(self, step: drafter_pb2.DraftStep, arena: RegionArena | None) -> tuple[Doorbell, int] | None:
+    def _bell(self, step: drafter_pb2.DraftStep, region: SharedRegion | None) -> tuple[Doorbell, int] | None:
         """(the doorbell, the value to ring) when the step asks for one; ProtocolError when it cannot be rung."""
         if not step.HasField("doorbell_value"):
             return None
-        if self.doorbell is None or arena is None:
+        if self.doorbell is None or region is None:
             raise ProtocolError(f"step {step.step_id}: doorbell_value without "
                                 f"{'a doorbell on this stream' if self.doorbell is None else 'a response region'}")
         return self.doorbell, step.doorbell_value
