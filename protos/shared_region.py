@@ -101,7 +101,7 @@ class SharedRegion:
 
     @classmethod
     def _create_cuda(cls, region_id: int, nbytes: int, device: torch.device) -> SharedRegion:
-        buf = _private_cuda_bytes(nbytes, device)
+        buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
         handle = _export_cuda(buf)
         with _OWN_LOCK:
             _OWN_CUDA[(handle.handle, handle.storage_offset_bytes, handle.tensor_offset)] = buf
@@ -242,23 +242,6 @@ class IpcEvent:
             with _OWN_LOCK:
                 _OWN_EVENTS.pop(self.handle, None)
         self.event = None
-
-
-def _private_cuda_bytes(nbytes: int, device: torch.device) -> torch.Tensor:
-    """[nbytes] uint8 on `device` in a segment of its own. A CUDA IPC handle maps the whole allocator segment
-    its tensor lies in, so a region carved from a shared segment would show the peer whatever other tensors of
-    this process share it (a 4-byte doorbell sat in a 2 MB segment of small verifier tensors). A private
-    memory pool per region gives it its own segment. The pool object is kept at least as long as the tensor
-    object (the caching allocator itself keeps a private pool's segments while any of its blocks is in use)."""
-    pool = torch.cuda.MemPool()
-    with torch.cuda.use_mem_pool(pool, device=device):
-        buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    weakref.finalize(buf, _keep, pool)  # the pool object outlives the tensor object
-    return buf
-
-
-def _keep(*_) -> None:
-    """Finalizer body: holding its arguments is its whole job."""
 
 
 def _export_cuda(buf: torch.Tensor) -> drafter_pb2.CudaIpcHandle:
