@@ -29,6 +29,7 @@ in a region by a `RegionArena` (a bump allocator reset every message) and the me
 
 from __future__ import annotations
 
+import ctypes
 import inspect
 import os
 import tempfile
@@ -52,6 +53,7 @@ _REBUILD_ARGS = ("tensor_cls", "tensor_size", "tensor_stride", "tensor_offset", 
 # CUDA regions created by this process, by (IPC handle, offset): attaching one here returns the tensor itself
 _OWN_CUDA: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _OWN_LOCK = threading.Lock()
+_REGION_POOLS: dict[int, torch.cuda.MemPool] = {}  # device index -> the pool regions are allocated from
 _OWN_EVENTS: dict[bytes, torch.cuda.Event] = {}  # IPC events created here and not closed yet, by handle
 
 
@@ -101,7 +103,8 @@ class SharedRegion:
 
     @classmethod
     def _create_cuda(cls, region_id: int, nbytes: int, device: torch.device) -> SharedRegion:
-        buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        with torch.cuda.use_mem_pool(_region_pool(device), device=device):
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
         handle = _export_cuda(buf)
         with _OWN_LOCK:
             _OWN_CUDA[(handle.handle, handle.storage_offset_bytes, handle.tensor_offset)] = buf
@@ -242,6 +245,22 @@ class IpcEvent:
             with _OWN_LOCK:
                 _OWN_EVENTS.pop(self.handle, None)
         self.event = None
+
+
+def _region_pool(device: torch.device) -> torch.cuda.MemPool:
+    """The process's memory pool for shared regions on `device`. A CUDA IPC handle maps the whole
+    caching-allocator segment its tensor lies in, so a region carved from the default pool would show the peer
+    whatever other tensors share that segment (a 4-byte doorbell sat in a 2 MB segment of small verifier
+    tensors); in this pool regions share segments with other regions only. Created once and never dropped: torch
+    aborts when a block is freed into a pool that was released before it (a pool per region, dropped with the
+    region's tensor object, did that on an H200)."""
+    index = torch.device(device).index if torch.device(device).index is not None else torch.cuda.current_device()
+    with _OWN_LOCK:
+        pool = _REGION_POOLS.get(index)
+        if pool is None:
+            pool = _REGION_POOLS[index] = torch.cuda.MemPool()
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(pool))  # never deallocated, not even at interpreter exit
+        return pool
 
 
 def _export_cuda(buf: torch.Tensor) -> drafter_pb2.CudaIpcHandle:

@@ -217,6 +217,41 @@ def test_cuda_ipc_region_is_shared_with_another_process(hide_others):
         region.close()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC needs a GPU")
+def test_cuda_regions_share_segments_with_regions_only():
+    """What an IPC handle maps (the allocator segment holding the region) holds regions and nothing else: small
+    tensors allocated before, between and after, which would share a segment with a region carved from the
+    default pool, are never in it; regions closed and made again in the same pool neither abort nor grow it
+    past one more segment."""
+    dev = torch.device("cuda", 0)
+    others = [torch.empty(256, dtype=torch.uint8, device=dev) for _ in range(4)]
+    regions = [SharedRegion.create(3, 4, dev)]
+    others += [torch.empty(256, dtype=torch.uint8, device=dev) for _ in range(4)]
+    regions.append(SharedRegion.create(4, 4096, dev))
+    others += [torch.empty(256, dtype=torch.uint8, device=dev) for _ in range(4)]
+    try:
+        segments = torch.cuda.memory_snapshot()
+        region_ptrs = {r.buf.data_ptr() for r in regions}
+        for region in regions:
+            ptr = region.buf.data_ptr()
+            seg = next(sg for sg in segments if sg["address"] <= ptr < sg["address"] + sg["total_size"])
+            live = [b for b in seg["blocks"] if b["state"] == "active_allocated"]
+            assert {b["address"] for b in live} <= region_ptrs, (seg["total_size"], live)
+            for t in others:
+                assert not seg["address"] <= t.data_ptr() < seg["address"] + seg["total_size"]
+        regions[0].buf[:4] = 7  # usable as before
+        assert regions[0].buf[:4].tolist() == [7, 7, 7, 7]
+    finally:
+        for region in regions:
+            region.close()
+    del regions
+    reserved = torch.cuda.memory_reserved(dev)
+    for _ in range(20):  # made and dropped again and again (small: at most one more segment)
+        SharedRegion.create(5, 4096, dev).close()
+    assert torch.cuda.memory_reserved(dev) <= reserved + (2 << 20)
+
+
 class _FakeEvent:
     """query() answers from a script: False until `ready_after` polls, or raises like a vanished peer's event."""
 
