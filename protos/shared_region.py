@@ -254,7 +254,8 @@ def _region_pool(device: torch.device) -> torch.cuda.MemPool:
     tensors); in this pool regions share segments with other regions only. Created once and never dropped: torch
     aborts when a block is freed into a pool that was released before it (a pool per region, dropped with the
     region's tensor object, did that on an H200)."""
-    index = torch.device(device).index if torch.device(device).index is not None else torch.cuda.current_device()
+    d = torch.device(device)
+    index = d.index if d.index is not None else torch.cuda.current_device()
     with _OWN_LOCK:
         pool = _REGION_POOLS.get(index)
         if pool is None:
