@@ -52,6 +52,37 @@ class ProtocolError(Exception):
 
 
 @dataclass
+class StepWork:
+    """A step whose draft is queued (`DraftStream.begin`): what `DraftStream.finish` turns into its answer."""
+    step_id: int
+    ids: list[str]  # the sessions with a tree, in the trees' row order
+    trees: TreeBatch  # on the drafter's device, or (bytes answers from a GPU) the pinned host copy in flight
+    errors: list[drafter_pb2.SessionError]
+    t_start: float  # perf_counter at the step's start (the answer's compute_us)
+    region: SharedRegion | None  # the response region, None: the trees travel as bytes
+    bell: tuple[Doorbell, int] | None
+    copied: torch.cuda.Event | None = None  # recorded after the trees' device-to-host copy (None: no copy)
+
+    def ready(self) -> bool:
+        """Whether `finish` can encode without waiting for the GPU."""
+        return self.copied is None or self.copied.query()
+
+
+def _host_copy(trees: TreeBatch) -> tuple[TreeBatch, torch.cuda.Event]:
+    """GPU trees -> (the same trees in pinned host memory, filled by one copy queued now; the event after it).
+    One [6, R, M] copy instead of one blocking copy per field when the answer is encoded."""
+    packed = trees.packed
+    if packed is None:  # eager trees: one stack on the device (fields in the wire's dtypes)
+        fields = [getattr(trees, f).to(torch.int32) for f in TreeBatch._FIELDS[:5]]
+        packed = torch.stack([*fields, trees.logw.to(torch.float32).view(torch.int32)])
+    host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+    host.copy_(packed, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record(torch.cuda.current_stream(packed.device))  # the copy's stream, whatever this thread's device
+    return TreeBatch.from_packed(host, trees.n_nodes), done
+
+
+@dataclass
 class DraftStream:
     number: int
     client_id: str
@@ -69,6 +100,7 @@ class DraftStream:
     # OpenStream.doorbell_region_id taken: rung after each step's writes instead of recording trees_event
     doorbell: Doorbell | None = None
     views: dict = field(default_factory=dict)  # tensor_from_pb's cache of region views (dropped with the regions)
+    copy_wait_s: float = 0.0  # bytes answers on a GPU: how long the server expects a step's trees to reach the host
 
     def key(self, sid: str) -> str:
         return f"{self.number}/{sid}"
@@ -212,6 +244,13 @@ class DraftStream:
     @torch.no_grad()
     def step(self, step: drafter_pb2.DraftStep) -> drafter_pb2.DraftTrees:
         """Check every session's request, draft the valid ones in one batch, answer all of them."""
+        return self.finish(self.begin(step))
+
+    @torch.no_grad()
+    def begin(self, step: drafter_pb2.DraftStep) -> StepWork:
+        """The model part of `step`: checks, the batched draft and the stream's bookkeeping, queued on the GPU.
+        Trees that will travel as bytes start their one device-to-host copy here (pinned, not waited for), so
+        the caller may wait for it elsewhere (`StepWork.ready`) and run `finish` without the model."""
         t_start = time.perf_counter()
         region = None  # where the trees go (its arena is made after the draft launches: off the critical path)
         if step.HasField("response_region_id"):
@@ -252,10 +291,20 @@ class DraftStream:
         if trees is None:
             z = torch.empty(0, 1, dtype=torch.int32)
             trees = TreeBatch(z, z, z, z, z, torch.empty(0, 1), [])
-        arena = RegionArena(region) if region is not None else None
-        msg = trees_to_pb(trees, ids, step.step_id, arena, self.trees_event, bell)
-        msg.errors.extend(errors)
-        msg.compute_us = max(1, round((time.perf_counter() - t_start) * 1e6))
+        copied = None
+        if region is None and trees.tokens.device.type == "cuda":
+            trees, copied = _host_copy(trees)
+        return StepWork(step.step_id, ids, trees, errors, t_start, region, bell, copied)
+
+    def finish(self, work: StepWork) -> drafter_pb2.DraftTrees:
+        """The answer to a begun step: its trees encoded (into the response region and handed over, or as bytes
+        once their host copy is done: waited for here if the caller has not)."""
+        if work.copied is not None:
+            work.copied.synchronize()
+        arena = RegionArena(work.region) if work.region is not None else None
+        msg = trees_to_pb(work.trees, work.ids, work.step_id, arena, self.trees_event, work.bell)
+        msg.errors.extend(work.errors)
+        msg.compute_us = max(1, round((time.perf_counter() - work.t_start) * 1e6))
         return msg
 
     def _bell(self, step: drafter_pb2.DraftStep, region: SharedRegion | None) -> tuple[Doorbell, int] | None:

@@ -26,6 +26,7 @@ import asyncio
 import itertools
 import logging
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +36,7 @@ import torch
 from opentelemetry import trace
 
 from drafter_service.api import DraftRequest
-from drafter_service.draft_stream import DraftStream, ProtocolError
+from drafter_service.draft_stream import DraftStream, ProtocolError, StepWork
 from drafter_service.drafter import Drafter
 from protos.control_socket import ControlClosed, ControlSocket
 from protos.ddtree.v1 import drafter_pb2, drafter_pb2_grpc
@@ -160,7 +161,6 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
     async def Draft(self, request_iterator, context):
         if self.drafter is None or self._drain.is_set():
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the drafter is loading or draining")
-        loop = asyncio.get_running_loop()
         first = await self._read(context)
         if first is None:
             return
@@ -189,7 +189,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
                 if kind not in MID_STREAM:
                     await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"unexpected `{kind}` mid-stream")
                 try:
-                    resp = await loop.run_in_executor(self._pool, self._handle, st, req)
+                    resp = await self._answer(st, req)
                 except ProtocolError as e:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
                 if resp is not None:
@@ -202,6 +202,22 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
                 self._pool.submit(self._close, st)
             except RuntimeError:  # the pool is shut down (the process is exiting): release it here
                 self._close(st)
+
+    async def _answer(self, st: DraftStream, req: drafter_pb2.DraftStreamRequest
+                      ) -> drafter_pb2.DraftStreamResponse | None:
+        """One mid-stream gRPC message -> the answer to send (steps only). A step whose trees travel as bytes (a
+        stream without shared regions) runs its model part right here on the event loop when the model is free,
+        and waits for its trees' host copy without blocking the loop (`_copied`): no hand-off to the model thread
+        and back on the step's critical path (two thread wake-ups). Other messages, steps of streams with regions
+        (they may poll the verifier's IPC event) and steps that find the model busy go to the model thread."""
+        if req.WhichOneof("kind") != "step" or st.regions or not self._model_lock.acquire(blocking=False):
+            return await asyncio.get_running_loop().run_in_executor(self._pool, self._handle, st, req)
+        try:
+            work = st.begin(req.step)
+        finally:
+            self._model_lock.release()
+        st.copy_wait_s = await _copied(work, st.copy_wait_s)
+        return drafter_pb2.DraftStreamResponse(trees=st.finish(work))
 
     def _handle(self, st: DraftStream, req: drafter_pb2.DraftStreamRequest) -> drafter_pb2.DraftStreamResponse | None:
         """One mid-stream message, under the model lock -> the answer to send (steps only)."""
@@ -338,6 +354,23 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         with self._streams_lock:
             self._streams.pop(st.number, None)
         log.info("stream %d closed", st.number)
+
+
+POLL_MARGIN_S = 0.002  # the event loop's timers fire up to ~1 ms late (epoll has ms resolution)
+
+
+async def _copied(work: StepWork, expected_s: float) -> float:
+    """Wait until a begun step's trees are on the host, letting the loop serve other calls meanwhile -> the wait
+    to expect next time. Sleeps (1 ms timers) until POLL_MARGIN_S before `expected_s`, then checks at every turn
+    of the loop, so the answer leaves within microseconds of the copy. A copy first seen done right after a sleep
+    may have waited for the timer: the expectation is halved then, else it becomes the wait measured."""
+    t0 = time.perf_counter()
+    sleep_until = t0 + expected_s - POLL_MARGIN_S
+    slept = False
+    while not work.ready():
+        slept = time.perf_counter() < sleep_until
+        await asyncio.sleep(0.001 if slept else 0)
+    return expected_s / 2 if slept else time.perf_counter() - t0
 
 
 # --- building and serving ------------------------------------------------------------------------------

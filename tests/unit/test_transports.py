@@ -196,6 +196,57 @@ def test_stream_client_equals_inprocess_drafter(parts, served, colocated, step_f
     assert service.info().active_sessions == 0 and service.info().streams == 0  # the stream end freed everything
 
 
+def test_grpc_steps_run_on_the_event_loop_unless_the_model_is_busy(parts, served, monkeypatch):
+    """A step of a bytes stream runs its model part on the server's event loop (no hand-off to the model thread
+    and back); one that finds the model lock taken (another stream's step) waits on the model thread instead.
+    Both give the in-process drafter's trees."""
+    from drafter_service.draft_stream import DraftStream
+
+    service, srv = served
+    threads = []
+    begin = DraftStream.begin
+    monkeypatch.setattr(DraftStream, "begin", lambda self, step: (threads.append(threading.current_thread().name),
+                                                                  begin(self, step))[1])
+    local = Drafter(*parts, max_sessions=8, window=64)
+    client = client_for(srv.port, colocated=False)
+    try:
+        first, second, third = steps()
+        assert_same_trees(client.draft(first), local.draft(first))
+        assert threads == [srv.thread.name]
+        with service._model_lock:  # the model is busy: the step must wait for it, off the event loop
+            out: queue.Queue = queue.Queue()
+            worker = threading.Thread(target=lambda: out.put(client.draft(second)))
+            worker.start()
+            time.sleep(0.3)
+            assert len(threads) == 1  # begin waits for the lock, and the loop still answers other calls
+            assert service.info().streams == 1
+        worker.join(20)
+        assert_same_trees(out.get(timeout=1), local.draft(second))
+        assert threads[1].startswith("drafter-model")
+        assert_same_trees(client.draft(third), local.draft(third))
+        assert threads[2] == srv.thread.name and client.stats["fallback_steps"] == 0
+    finally:
+        client.close()
+
+
+def test_waiting_for_the_trees_host_copy_learns_its_length():
+    """`_copied` polls at every loop turn once the expected wait is nearly over, and sleeps before that: a copy
+    found done right after a sleep halves the expectation (the sleep may have overshot), a polled one sets it."""
+    from drafter_service.server import _copied
+
+    class Work:
+        def __init__(self, after_s):
+            self.t = time.perf_counter() + after_s
+
+        def ready(self):
+            return time.perf_counter() >= self.t
+
+    assert asyncio.run(_copied(Work(0.0), 1.0)) < 0.001  # done at once: nothing to wait for next time either
+    polled = asyncio.run(_copied(Work(0.004), 0.0))  # nothing expected: polled from the start
+    assert 0.004 <= polled < 0.5
+    assert asyncio.run(_copied(Work(0.004), 10.0)) == 5.0  # found after a sleep: the expectation halves
+
+
 @pytest.mark.parametrize("colocated", [False, True])
 def test_long_contexts_go_ahead_in_context_messages(parts, served, colocated):
     """With a 4 KiB message limit a step carries 2 KiB of context (two fp64 rows of 128): longer
@@ -490,6 +541,32 @@ def test_cuda_regions_with_an_in_process_drafter(parts, doorbell):
         assert client.ipc_events and client.doorbell == doorbell  # one process: each side's event is the other's
         # the trees came back to one place in the region every step: their check replayed from one CUDA graph
         assert client._checker.graphs.stats == {"replays": 3, "captures": 1}
+    finally:
+        client.close()
+        srv.stop()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_grpc_bytes_from_a_gpu_drafter(parts, monkeypatch):
+    """Trees as bytes from a GPU drafter: one pinned device-to-host copy per step, waited for on the event loop
+    without blocking it; the trees equal the in-process drafter's and the wait is learned."""
+    from drafter_service import draft_stream
+
+    service, local = cuda_parts(parts)
+    works = []
+    begin = draft_stream.DraftStream.begin
+    monkeypatch.setattr(draft_stream.DraftStream, "begin", lambda self, step: works.append(begin(self, step))
+                        or works[-1])
+    srv = ServerThread(service)
+    client = client_for(srv.port, colocated=False, region_device="cuda")
+    try:
+        for reqs in cuda_steps():
+            assert_same_trees(client.draft(reqs), local.draft(reqs))
+        assert client.stats["fallback_steps"] == 0 and client.stats["region_trees"] == 0
+        assert len(works) == 3 and all(w.copied is not None and w.trees.tokens.is_pinned() for w in works)
+        (st,) = service._streams.values()
+        assert st.copy_wait_s > 0
     finally:
         client.close()
         srv.stop()
