@@ -59,6 +59,7 @@ from verifier_service.tree_verdicts import TreeChecker
 
 log = logging.getLogger(__name__)
 REQUEST_REGION, RESPONSE_REGION, DOORBELL_REGION = 1, 2, 3
+MAX_LANDINGS = 32  # (R, M) shapes of byte trees kept on the GPU at once (their check graphs follow the address)
 
 
 class StreamBroken(Exception):
@@ -172,6 +173,8 @@ class DraftStreamClient:
         self._pending: dict[str, tuple[int, list[torch.Tensor]]] = {}  # sid -> (start, unacknowledged rows)
         self._errors: dict[str, str] = {}
         self._checker: TreeChecker | None = None  # once the drafter's model is known
+        # trees from bytes on a GPU, per (R, M): (pinned staging, their device buffer, the copy's event); `_land`
+        self._landing: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor, torch.cuda.Event]] = {}
         # region_tensors: tensors this client placed in a shared region; region_trees: steps whose trees
         # came back through one (both stay 0 for grpc, and for a co-located stream that fell back to bytes)
         # event_steps: steps whose regions were handed over by CUDA IPC events (no host wait on either side)
@@ -585,11 +588,13 @@ class DraftStreamClient:
             log.info("drafter could not draft for %s: %s (autoregressive step)", sid, msg)
         if not ids:
             return ids, None, set(), errors
-        trees = _to_device(trees, self._device)
+        fixed = in_region
+        if not in_region:
+            trees, fixed = self._land(trees)
         t_decoded = time.perf_counter()
         by_id = {r.session_id: (r.root_token, cap) for r, cap in zip(requests, caps)}
         trees, refused = self._checker.check(ids, trees, [by_id[i][0] for i in ids], [by_id[i][1] for i in ids],
-                                             fixed=in_region, void=s.released if s.doorbell else None)
+                                             fixed=fixed, void=s.released if s.doorbell else None)
         self._time_step(resp.trees.compute_us, t_sent, t_answer, t_decoded)
         for sid, problem in refused.items():
             self.stats["invalid_trees"] += 1
@@ -598,6 +603,31 @@ class DraftStreamClient:
         if refused:
             self.metrics.record_fallback("invalid_tree", len(refused))
         return ids, trees, set(ids) - set(refused), errors
+
+    def _land(self, trees: TreeBatch) -> tuple[TreeBatch, bool]:
+        """Trees decoded from bytes (host) -> (the same on the engine's device, whether they sit at a fixed place).
+        On a GPU: one copy from pinned memory (no host wait) into a buffer kept per (R, M), so the next steps'
+        trees land at the same address and their check replays from a CUDA graph, as a region's trees do. Both
+        buffers are reused only after the copy that read the pinned one has run (the step was read back since)."""
+        if trees.tokens.device == self._device:
+            return trees, False
+        if self._device.type != "cuda":
+            return TreeBatch.from_packed(host_to_device(trees.pack(), self._device), trees.n_nodes), False
+        key = tuple(trees.tokens.shape)
+        landing = self._landing.get(key)
+        if landing is None:
+            if len(self._landing) >= MAX_LANDINGS:
+                self._landing.clear()
+            landing = self._landing[key] = (torch.empty(6, *key, dtype=torch.int32, pin_memory=True),
+                                            torch.empty(6, *key, dtype=torch.int32, device=self._device),
+                                            torch.cuda.Event())
+        host, dev, copied = landing
+        copied.synchronize()  # done long ago: the step that used this buffer last has been read back
+        torch.stack([trees.tokens, trees.parent, trees.depth, trees.first_child, trees.next_sibling,
+                     trees.logw.view(torch.int32)], out=host)
+        dev.copy_(host, non_blocking=True)
+        copied.record()
+        return TreeBatch.from_packed(dev, trees.n_nodes), True
 
     def _time_step(self, compute_us: int, t_sent: float, t_answer: float, t_decoded: float) -> None:
         round_trip, drafter = t_answer - t_sent, compute_us * 1e-6
@@ -642,14 +672,6 @@ class DraftStreamClient:
             for f in TreeBatch._FIELDS:
                 out[f][at, :w] = getattr(trees, f)[take, :w].to(out[f].dtype)
         return TreeBatch(**out, n_nodes=n)
-
-
-def _to_device(trees: TreeBatch, device: torch.device) -> TreeBatch:
-    """Trees decoded from bytes (host) -> `device` with one copy, from pinned memory on a GPU (no host wait).
-    Trees already there (from a region on it) are returned as they are."""
-    if trees.tokens.device == device:
-        return trees
-    return TreeBatch.from_packed(host_to_device(trees.pack(), device), trees.n_nodes)
 
 
 def _code_name(value: int) -> str:

@@ -550,7 +550,8 @@ def test_cuda_regions_with_an_in_process_drafter(parts, doorbell):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_grpc_bytes_from_a_gpu_drafter(parts, monkeypatch):
     """Trees as bytes from a GPU drafter: one pinned device-to-host copy per step, waited for on the event loop
-    without blocking it; the trees equal the in-process drafter's and the wait is learned."""
+    without blocking it; the trees equal the in-process drafter's and the wait is learned. The verifier lands
+    them at a fixed place on its GPU and checks them from a graph."""
     from drafter_service import draft_stream
 
     service, local = cuda_parts(parts)
@@ -567,6 +568,8 @@ def test_grpc_bytes_from_a_gpu_drafter(parts, monkeypatch):
         assert len(works) == 3 and all(w.copied is not None and w.trees.tokens.is_pinned() for w in works)
         (st,) = service._streams.values()
         assert st.copy_wait_s > 0
+        # the trees landed at one place on our GPU every step: their check replayed from one CUDA graph
+        assert client._checker.graphs.stats == {"replays": 3, "captures": 1}
     finally:
         client.close()
         srv.stop()
