@@ -10,7 +10,9 @@ reached through the stream client with shared regions (colocated: /dev/shm on CP
 the trees handed over by the verifier's doorbell its stream waits on, the requests by a CUDA IPC event;
 GPU only: colocated_events, the same with the drafter's IPC event polled on the verifier's host instead of
 the doorbell, and colocated_sync, without events, each side waiting for its GPU before a message) or
-inline bytes (grpc). All engines share one target (batch-invariant on
+inline bytes (grpc; on a GPU its verify step queued before the trees arrive, behind a host doorbell that the
+thread reading the answer rings, `verifier_service.tree_landing`; GPU only: grpc_sync, the trees waited for on
+the host before the step is queued). All engines share one target (batch-invariant on
 CUDA, as `build_local_engine` builds it) and step in interleaved rounds, so that load from other
 processes falls on all of them alike. Checked: every session's tokens equal the in-process engine's
 (greedy: a transport must not change a token), and every round's tokens too (the drafter runs the same
@@ -130,7 +132,7 @@ def main() -> int:
                    help="co-located streams: both ends poll their control socket this long before sleeping")
     p.add_argument("--transports", nargs="+", default=None,
                    help="the remote engines to run beside in-process (default: all: colocated, grpc, and on a GPU "
-                        "colocated_events and colocated_sync)")
+                        "colocated_events, colocated_sync and grpc_sync)")
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "transport.jsonl"))
     args = p.parse_args()
 
@@ -154,7 +156,8 @@ def main() -> int:
     base: dict[int, float] = {}
     # on a GPU also the co-located stream without the trees doorbell (the verifier polls the drafter's IPC
     # event on its host) and without IPC events (each side waits for its GPU before each message)
-    remote = ("colocated", "colocated_events", "colocated_sync", "grpc") if cuda else ("colocated", "grpc")
+    remote = ("colocated", "colocated_events", "colocated_sync", "grpc", "grpc_sync") if cuda \
+        else ("colocated", "grpc")
     if args.transports is not None:
         if unknown := set(args.transports) - set(remote):
             p.error(f"--transports: {sorted(unknown)} not among {list(remote)} on {args.device}")
@@ -169,10 +172,10 @@ def main() -> int:
         addr = wait_serving(proc)
         engines = {"inprocess": inproc}
         for transport in remote:
-            client = DraftStreamClient(StreamClientConfig(addr, colocated=transport != "grpc",
+            client = DraftStreamClient(StreamClientConfig(addr, colocated=not transport.startswith("grpc"),
                                                           region_device=args.device, draft_timeout_s=60,
                                                           ipc_events=transport in ("colocated", "colocated_events"),
-                                                          doorbell=transport == "colocated",
+                                                          doorbell=transport in ("colocated", "grpc"),
                                                           control_spin_s=args.control_spin_ms / 1e3,
                                                           check_graphs=args.check_graphs,
                                                           client_id=f"bench-{transport}"))
@@ -234,9 +237,10 @@ def main() -> int:
                 if d["fallback_steps"] or d["invalid_trees"]:
                     problems.append(f"C={conc} {t}: {d['fallback_steps']} autoregressive fallback steps, "
                                     f"{d['invalid_trees']} invalid trees ({c.last_error})")
-                if t != "grpc" and (d["region_tensors"] == 0 or d["region_trees"] != d["steps"]):
+                if not t.startswith("grpc") and (d["region_tensors"] == 0 or d["region_trees"] != d["steps"]):
                     problems.append(f"C={conc} {t}: shared regions not used for every step ({d})")
-                handed = {"colocated": "doorbell_steps", "colocated_events": "event_steps"}.get(t) if cuda else None
+                handed = {"colocated": "doorbell_steps", "colocated_events": "event_steps",
+                          "grpc": "landed_steps"}.get(t) if cuda else None
                 if handed and d[handed] != d["steps"]:
                     problems.append(f"C={conc} {t}: {handed} is not every step ({d})")
             for t, e in engines.items():

@@ -33,6 +33,12 @@ What the H200 taught (`.devscripts/bell_diag2.py`: one process, a stream blocked
 
 The driver's stream memory operations are reached through ctypes (torch does not expose them). `supported`
 checks the behaviour once per device: a wait must hold its stream until the counter is written.
+
+`HostBell` is the same counter in pinned host memory, for a peer that answers over the network (the gRPC
+transport): the verifier queues its step behind a wait for it before the answer arrives, and the thread that
+receives the answer copies the trees into pinned memory and rings it with a plain store. Ringing it needs no
+CUDA call at all, so nothing that blocks inside CUDA (a first launch behind the wait, see above) can keep it from
+being rung by another thread. `host_supported` checks it once per device.
 """
 
 from __future__ import annotations
@@ -58,11 +64,18 @@ def reached(counter: int, value: int) -> bool:
 
 
 @functools.cache
+def _libcuda() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+
+
+@functools.cache
 def _driver() -> tuple[object, object] | None:
     """(cuStreamWaitValue32_v2, cuStreamWriteValue32_v2) from libcuda, or None."""
-    try:
-        lib = ctypes.CDLL("libcuda.so.1")
-    except OSError:
+    lib = _libcuda()
+    if lib is None:
         return None
     fns = []
     for name in ("cuStreamWaitValue32_v2", "cuStreamWriteValue32_v2"):
@@ -176,3 +189,85 @@ class Doorbell:
     def close(self) -> None:
         """Before the memory goes: let this device's queued work (a ring still in flight) finish."""
         torch.cuda.synchronize(self.device)
+
+
+class HostBell:
+    """The counter in pinned host memory (4 bytes of its own): GPU streams wait for it (`wait`), any thread rings
+    it with a store (`ring`, `release`), with no CUDA call. Has what `DoorbellWatch` needs of a bell."""
+
+    def __init__(self, device: torch.device):
+        if device.type != "cuda" or _driver() is None:
+            raise RuntimeError(f"host doorbells need a CUDA device and the driver's stream memory operations, "
+                               f"not {device}")
+        self.device = device
+        self.word = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+        self._store = self.word.numpy()  # stores through numpy: no torch dispatch, no CUDA
+        ptr = ctypes.c_uint64()
+        fn = _libcuda().cuMemHostGetDevicePointer_v2
+        fn.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint]
+        with torch.cuda.device(device):
+            torch.cuda.current_stream(device)  # the context exists before the driver is asked
+            rc = fn(ctypes.byref(ptr), ctypes.c_void_p(self.word.data_ptr()), 0)
+        if rc != 0:
+            raise RuntimeError(f"CUDA driver error {rc}: pinned memory has no device address here")
+        self._dptr = ptr.value
+
+    def wait(self, value: int, stream: torch.cuda.Stream | None = None) -> None:
+        """Queue a wait on `stream` (default: the device's current one): its later work runs once the counter
+        >= value (cyclic)."""
+        s = stream if stream is not None else torch.cuda.current_stream(self.device)
+        rc = _driver()[0](ctypes.c_void_p(s.cuda_stream), self._dptr, value & _MASK, _WAIT_GEQ)
+        if rc != 0:
+            raise RuntimeError(f"CUDA driver error {rc} from a stream wait on the host doorbell")
+
+    def ring(self, value: int) -> None:
+        """Store `value` (after the caller's earlier stores to pinned memory: x86 keeps stores in order)."""
+        self._store[0] = value - (1 << 32) if value & _MASK >= 1 << 31 else value & _MASK
+
+    release = ring  # the watch's name for it: ours to ring whatever the peer does
+
+    def read(self) -> int:
+        return int(self._store[0]) & _MASK
+
+    def prepare_release(self) -> None:
+        """Nothing to set up: a store needs no stream."""
+
+    def close(self) -> None:
+        """Before the memory goes: let this device's queued work (a wait still queued) finish."""
+        torch.cuda.synchronize(self.device)
+
+
+@functools.cache
+def host_supported(device: torch.device) -> bool:
+    """Whether streams on `device` can wait for a `HostBell` (checked once, ~10 ms): a wait holds its stream until
+    the host's store, then releases it. Never hangs the caller: the store needs no CUDA call."""
+    if device.type != "cuda" or not torch.cuda.is_available() or _driver() is None or _libcuda() is None:
+        return False
+    try:
+        with torch.cuda.device(device):
+            bell = HostBell(device)
+            waiter = torch.cuda.Stream(device)
+            with torch.cuda.stream(waiter):
+                marker = torch.zeros(1, dtype=torch.int32, device=device)
+                marker.add_(1)  # loads the kernel before any wait (see the module's notes)
+            waiter.synchronize()
+            bell.wait(1, waiter)
+            with torch.cuda.stream(waiter):
+                marker.add_(1)
+            time.sleep(0.005)
+            held = not waiter.query()
+            bell.ring(1)
+            deadline = time.monotonic() + 5.0
+            while not waiter.query():
+                if time.monotonic() > deadline:
+                    log.warning("host doorbells unavailable on %s: a wait was not released by the host's store",
+                                device)
+                    return False
+                time.sleep(0.0005)
+            ok = held and int(marker.item()) == 2
+    except (RuntimeError, AttributeError) as e:
+        log.warning("host doorbells unavailable on %s: %s", device, e)
+        return False
+    if not ok:
+        log.warning("host doorbells unavailable on %s: a queued wait did not hold its stream", device)
+    return ok

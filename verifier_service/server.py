@@ -74,7 +74,7 @@ class VerifierServerConfig:
     dist: DistConfig | None = None  # this rank's place in an expert-parallel group; None = one process
     cuda_graphs: bool | None = None  # verify forwards and tree checks through CUDA graphs; None = on for CUDA
     mla_kernel: str = "auto"  # MLA tile kernel (`kernels.mla_attention.IMPLS`): auto = Gluon where it runs
-    doorbell: bool = True  # co-located on a GPU: queue the verify step behind the drafter's doorbell (protos.doorbell)
+    doorbell: bool = True  # on a GPU: queue the verify step behind a doorbell (StreamClientConfig.doorbell)
 
     def __post_init__(self):
         if self.metrics_listen is not None:

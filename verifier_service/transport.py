@@ -32,7 +32,9 @@ class StreamClientConfig:
     region_device: str = "cpu"  # the engine's device: trees are delivered there, shared regions live there
     control_socket: bool = True  # co-located: the per-step messages over a unix socket (protos.control_socket)
     ipc_events: bool = True  # co-located on a GPU: hand the regions over with CUDA IPC events, no host waits
-    doorbell: bool = True  # with ipc_events: the drafter rings a counter our stream waits on (protos.doorbell)
+    # with ipc_events: the drafter rings a counter our stream waits on (protos.doorbell); gRPC on a GPU: the verify
+    # step is queued before the trees arrive, behind a host doorbell the answer rings (verifier_service.tree_landing)
+    doorbell: bool = True
     control_spin_s: float = 0.0  # control socket: poll this long for the answer before sleeping (ControlSocket)
     check_graphs: bool = True  # on a GPU: the tree check of region trees replayed from CUDA graphs
     draft_timeout_s: float = 5.0  # one step's deadline

@@ -13,7 +13,9 @@ sender's GPU work. With the verifier's trees doorbell (`protos.doorbell`, `OpenS
 the verifier does not poll at all: the drafter's stream rings a counter in the verifier's GPU memory after its
 writes, and the verifier queues a wait for it on its own stream, then its whole verify step behind it, while
 the drafter's GPU still works; `verifier_service.doorbell_watch` releases that wait if the drafter never rings.
-Trees from a CUDA region never leave the GPU.
+Trees from a CUDA region never leave the GPU. Over gRPC on a GPU the step is queued as soon as the request is
+sent, behind a `protos.doorbell.HostBell` that the stream's reader thread rings once it has put the answer's
+trees in pinned memory (`verifier_service.tree_landing`; the same watch rings it at the deadline).
 
 Trees are checked where they arrive (`verifier_service.tree_verdicts`): node counts on the host, the
 rest by one kernel on the engine's device whose verdicts are read after the step (`take_errors`); a
@@ -49,12 +51,13 @@ from kernels.tree_build import TreeBatch, tree_size
 from protos.codec import DTYPE_TO_PB, WireError, draft_request_to_pb, tensor_to_pb, trees_from_pb
 from protos.control_socket import ControlClosed, ControlListener, ControlSocket
 from protos.ddtree.v1 import drafter_pb2, drafter_pb2_grpc
-from protos.doorbell import supported
+from protos.doorbell import HostBell, host_supported, supported
 from protos.shared_region import IpcEvent, RegionArena, SharedRegion
 from telemetry.metrics import Metrics
 from verifier_service.doorbell_watch import DoorbellWatch
 from verifier_service.transport import DrafterModel, StreamClientConfig
 from verifier_service.tree_check_graphs import CheckGraphs
+from verifier_service.tree_landing import Landing, TreeLandings
 from verifier_service.tree_verdicts import TreeChecker
 
 log = logging.getLogger(__name__)
@@ -88,6 +91,8 @@ class _Stream:
         self.step_id = 0
         self.broken = False
         self.error: StreamBroken | None = None
+        self.landing: Landing | None = None  # the step in flight whose trees the reader thread lands itself
+        self._route = threading.Lock()  # who takes that step's answer: the reader (landing set) or `recv`
         self._requests: queue.Queue = queue.Queue()
         self._responses: queue.Queue = queue.Queue()
         self._on_broken = on_broken
@@ -98,7 +103,16 @@ class _Stream:
     def _read(self) -> None:
         try:
             for resp in self.call:
-                self._responses.put(resp)
+                with self._route:
+                    landing = self.landing
+                    if landing is not None and resp.WhichOneof("kind") == "trees" \
+                            and resp.trees.step_id == landing.step_id:
+                        self.landing = None
+                    else:
+                        landing = None
+                        self._responses.put(resp)
+                if landing is not None:
+                    landing.deliver(resp.trees, _code_name)
             err: Exception = StreamBroken("the drafter closed the stream")
         except grpc.RpcError as e:
             err = StreamBroken(f"stream failed: {e.code().name}: {e.details()}")
@@ -107,7 +121,35 @@ class _Stream:
         self.error = err
         self.broken = True
         self._responses.put(err)
+        self._drop_landing(str(err))
         self._on_broken(self, str(err))
+
+    def land(self, landing: Landing) -> None:
+        """Let the reader thread take `landing`'s answer from now on (one it queued already is delivered here)."""
+        with self._route:
+            early = []
+            while True:
+                try:
+                    early.append(self._responses.get_nowait())
+                except queue.Empty:
+                    break
+            mine = [r for r in early if not isinstance(r, Exception) and r.WhichOneof("kind") == "trees"
+                    and r.trees.step_id == landing.step_id]
+            for r in early:
+                if not any(r is m for m in mine):
+                    self._responses.put(r)
+            if not mine:
+                self.landing = landing
+        if mine:
+            landing.deliver(mine[0].trees, _code_name)
+        elif self.broken:
+            self._drop_landing(str(self.error or "stream closed"))
+
+    def _drop_landing(self, reason: str) -> None:
+        with self._route:
+            landing, self.landing = self.landing, None
+        if landing is not None:
+            landing.release(reason)
 
     def send(self, msg: drafter_pb2.DraftStreamRequest) -> None:
         if self.broken:
@@ -140,6 +182,7 @@ class _Stream:
 
     def close(self) -> None:
         self.broken = True
+        self._drop_landing("stream closed")
         if self.control is not None:
             self.control.close()
         self.call.cancel()
@@ -179,13 +222,18 @@ class DraftStreamClient:
         # came back through one (both stay 0 for grpc, and for a co-located stream that fell back to bytes)
         # event_steps: steps whose regions were handed over by CUDA IPC events (no host wait on either side)
         self.stats = {"steps": 0, "fallback_steps": 0, "reconnects": 0, "invalid_trees": 0, "region_tensors": 0,
-                      "region_trees": 0, "event_steps": 0, "doorbell_steps": 0, "doorbell_timeouts": 0}
+                      "region_trees": 0, "event_steps": 0, "doorbell_steps": 0, "doorbell_timeouts": 0,
+                      "landed_steps": 0}
         self.last_error = ""
         self._use_control = cfg.colocated and cfg.control_socket
         self._use_events = cfg.colocated and cfg.ipc_events
         self._use_doorbell = self._use_events and cfg.doorbell
         # with the doorbell: one counter for the client's life, offered to every stream (made by the first)
         self._watch: DoorbellWatch | None = None
+        # gRPC on a GPU with the doorbell: verify steps queued behind a host doorbell (verifier_service.tree_landing)
+        self._use_landing = not cfg.colocated and cfg.doorbell
+        self._landings: TreeLandings | None = None
+        self._landed: tuple[_Stream, Landing, float, float] | None = None  # the last landing step, until settled
         self._bell_value = 0  # increases across streams: a dead stream's late ring never satisfies a newer wait
         # the last exchanged step, in ms: round_trip (request sent -> answer read), drafter (its compute_us),
         # transport (round_trip - drafter), decode (trees off the wire / out of the region), validate
@@ -406,6 +454,7 @@ class DraftStreamClient:
     def take_errors(self) -> dict[str, str]:
         """Sessions whose tree failed validation since the last call: sid -> message. Reads the verdicts
         of the device checks: call it after the step's results have been read back (no wait then)."""
+        self._settle()
         self._collect_verdicts()
         errs, self._errors = self._errors, {}
         return errs
@@ -427,6 +476,7 @@ class DraftStreamClient:
     def draft_begin(self, requests: list[DraftRequest]) -> Callable[[], TreeBatch]:
         """Send the step's requests and return at once -> a function that waits for the trees (the engine
         prepares the tree-independent part of its verify step in between, while the drafter works)."""
+        self._settle()  # the last step's answer, landed by now (no-op after take_errors)
         self._collect_verdicts()  # the last step's, read back by now (no-op after take_errors)
         if self._watch is not None:
             self._watch.disarm()  # the last step was read back: its doorbell wait is behind us
@@ -443,10 +493,74 @@ class DraftStreamClient:
         except Exception as e:  # noqa: BLE001 - whatever went wrong on the wire, this step goes on without trees
             self._step_failed(s, e, len(requests))
             return lambda: self._assemble(requests)
-        # while the drafter works: each tree's node count (full trees) and root, uploaded for the checks
         caps = [tree_size(r.budget, r.topk, self.depth) for r in requests]
+        watch = self._landing_watch(s)
+        if watch is not None:  # the verify step is queued now, behind the trees' landing (tree_landing)
+            return self._land(s, watch, requests, caps, t_sent, deadline)
+        # while the drafter works: each tree's node count (full trees) and root, uploaded for the checks
         self._checker.expect([r.session_id for r in requests], [r.root_token for r in requests], caps, self._device)
         return lambda: self._draft_end(s, requests, caps, t_sent, deadline)
+
+    def _landing_watch(self, s: _Stream) -> DoorbellWatch | None:
+        """The host doorbell's watch when this stream's trees land in a pre-queued step (gRPC bytes to a GPU
+        that passes the self-test; made on first use), else None."""
+        if not self._use_landing or s.regions or self._device.type != "cuda":
+            return None
+        if self._watch is None:
+            if not host_supported(self._device):
+                self._use_landing = False
+                log.warning("no host doorbell on %s: trees from the drafter are waited for on the host", self._device)
+                return None
+            self._watch = DoorbellWatch(HostBell(self._device), self._bell_expired)
+            self._landings = TreeLandings(self._device)
+        return self._watch
+
+    def _land(self, s: _Stream, watch: DoorbellWatch, requests: list[DraftRequest], caps: list[int], t_sent: float,
+              deadline: float) -> Callable[[], TreeBatch]:
+        """Queue the step's trees behind the host doorbell (root-only until the answer lands), their check
+        behind that, and return them: the engine queues its verify step with no wait for the drafter."""
+        ids, roots = [r.session_id for r in requests], [r.root_token for r in requests]
+        self._bell_value += 1
+        landing = self._landings.prepare(s.step_id, ids, roots, caps, watch.bell, self._bell_value)
+        s.land(landing)
+        watch.arm(s, landing.value, deadline, landing.released)
+        self.stats["landed_steps"] += 1
+        self._checker.expect(ids, roots, caps, self._device)
+        t0 = time.perf_counter()
+        trees, _ = self._checker.check(ids, landing.trees, roots, caps, fixed=True, void=landing.released,
+                                       excused=landing.excused)
+        self._landed = (s, landing, t_sent, (time.perf_counter() - t0) * 1e3)  # timed once it has landed
+        return lambda: self._assemble(requests, ids, trees, set(ids))
+
+    def _settle(self) -> None:
+        """After a landing step was read back: what its answer said (or why there was none) -> the stream's
+        bookkeeping, errors, metrics and the step's timings, as `_draft_end` does for the other paths."""
+        if self._landed is None:
+            return
+        (s, landing, t_sent, check_ms), self._landed = self._landed, None
+        n = len(landing.ids)
+        if not landing.settled() or landing.released.is_set():  # the watch rang it: no answer in time
+            self._step_failed(s, DraftTimeout(f"step {landing.step_id}: no answer within the deadline"), n)
+            return
+        if landing.problem is not None:
+            self._step_failed(s, StreamBroken(landing.problem), n)
+            return
+        for sid, msg in landing.errors.items():
+            log.info("drafter could not draft for %s: %s (autoregressive step)", sid, msg)
+            s.synced.discard(sid)  # the drafter dropped its context; rows stay pending for a resend
+        if landing.errors:
+            self.metrics.record_fallback("not_ready", len(landing.errors))
+        for sid in landing.answered:
+            self._pending.pop(sid, None)
+            s.synced.add(sid)
+        for sid, problem in landing.refused.items():
+            self.stats["invalid_trees"] += 1
+            self._errors[sid] = f"the drafter sent an invalid tree: {problem}"
+            log.warning("session %s: invalid tree from the drafter: %s", sid, problem)
+        if landing.refused:
+            self.metrics.record_fallback("invalid_tree", len(landing.refused))
+        self._time_step(landing.compute_us, t_sent, landing.t_answer, landing.t_answer)
+        self.last_step_ms["check"] = check_ms  # queued before the answer came: its host time only
 
     def _draft_end(self, s: _Stream, requests: list[DraftRequest], caps: list[int], t_sent: float, deadline: float
                    ) -> TreeBatch:

@@ -40,6 +40,7 @@ class _Checked:
     codes: torch.Tensor  # [R] int32 on the trees' device, 0 = valid
     refused: set[str]  # told already (host checks)
     void: threading.Event | None  # set: the trees were read before their writer finished; no verdicts
+    excused: set[str] | None = None  # rows verified without the peer's tree (filled in until read back)
 
 
 class TreeChecker:
@@ -62,14 +63,17 @@ class TreeChecker:
         self._expected = (list(ids), list(caps), list(roots), int64_to_device([caps, roots], device, out))
 
     def check(self, ids: list[str], trees: TreeBatch, roots: list[int], caps: list[int], fixed: bool = False,
-              void: threading.Event | None = None) -> tuple[TreeBatch, dict[str, str]]:
+              void: threading.Event | None = None, excused: set[str] | None = None
+              ) -> tuple[TreeBatch, dict[str, str]]:
         """-> (the trees to verify, sessions refused on the host -> message). Host-refused rows (node count
         outside 1..cap) must not be verified from this batch; every other row is safe to verify as returned,
         its verdict read by `verdicts`. fixed: the trees are a view of the peer's shared region, where the next
         batches will live too: they are checked in a copy of our own, by a CUDA graph captured for that place
         when there is one. void: once set (before the trees are read back), this batch's verdicts are dropped: its
         trees were released to the verify step before the peer had written them (a doorbell the peer never rang),
-        so their failures are the transport's, not the peer's, and fail no session."""
+        so their failures are the transport's, not the peer's, and fail no session. excused: sessions whose rows hold
+        no tree of the peer's (a root-only placeholder, `verifier_service.tree_landing`): their verdicts are dropped;
+        the set may grow until the batch is read back."""
         R, M = trees.tokens.shape
         refused: dict[str, str] = {}
         for sid, n, cap in zip(ids, trees.n_nodes, caps):
@@ -93,7 +97,7 @@ class TreeChecker:
             out = check_packed(packed.clone() if fixed else packed, counts[0], counts[1], self.vocab_size,
                                self.max_depth)
         codes, tokens, parent, depth = out
-        self._pending.append(_Checked(list(ids), trees, list(roots), codes, set(refused), void))
+        self._pending.append(_Checked(list(ids), trees, list(roots), codes, set(refused), void, excused))
         safe = TreeBatch(tokens, parent, depth, trees.first_child, trees.next_sibling, trees.logw,
                          list(trees.n_nodes))
         return safe, refused
@@ -108,7 +112,7 @@ class TreeChecker:
             if c.void is not None and c.void.is_set():
                 continue
             for r, code in enumerate(c.codes.tolist()):
-                if code and c.ids[r] not in c.refused:
+                if code and c.ids[r] not in c.refused and (c.excused is None or c.ids[r] not in c.excused):
                     out[c.ids[r]] = self._describe(c, r, code)
         return out
 

@@ -44,8 +44,10 @@ def add_parser(sub) -> None:
                         "inprocess draft steps too (default on CUDA: replayed from CUDA graphs)")
     s.add_argument("--no-doorbell", action="store_true",
                    help="co-located on a GPU: poll the drafter's CUDA IPC event on the host before each verify "
-                        "step instead of queueing the step behind the drafter's doorbell on the GPU (default: "
-                        "the doorbell where the GPU passes its self-test)")
+                        "step instead of queueing the step behind the drafter's doorbell on the GPU; gRPC on a "
+                        "GPU: wait for the trees on the host before queueing the step instead of queueing it "
+                        "behind a host doorbell that their arrival rings (default: the doorbells, where the GPU "
+                        "passes their self-tests)")
     s.add_argument("--mla-kernel", choices=IMPLS, default="auto",
                    help="MLA attention tile kernel: gluon (sm_90 with Kimi head shapes; refused at start "
                         "elsewhere), gluon_ws (the same, warp-specialized; experimental, slower so far), triton "

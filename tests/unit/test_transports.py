@@ -482,10 +482,10 @@ def test_control_socket_protocol(served, bad, code, words):
     assert service.info().streams == 0
 
 
-def cuda_parts(parts):
+def cuda_parts(parts, cls=Drafter):
     model, embed, head = copy.deepcopy(parts[0]).to("cuda"), parts[1].to("cuda"), parts[2].to("cuda")
     service = DrafterService(max_sessions=8, window=64)
-    service.attach(Drafter(model, embed, head, max_sessions=8, window=64), "tiny", embed.shape[1])
+    service.attach(cls(model, embed, head, max_sessions=8, window=64), "tiny", embed.shape[1])
     return service, Drafter(model, embed, head, max_sessions=8, window=64)
 
 
@@ -548,10 +548,12 @@ def test_cuda_regions_with_an_in_process_drafter(parts, doorbell):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_grpc_bytes_from_a_gpu_drafter(parts, monkeypatch):
+@pytest.mark.parametrize("doorbell", [True, False])
+def test_grpc_bytes_from_a_gpu_drafter(parts, monkeypatch, doorbell):
     """Trees as bytes from a GPU drafter: one pinned device-to-host copy per step, waited for on the event loop
     without blocking it; the trees equal the in-process drafter's and the wait is learned. The verifier lands
-    them at a fixed place on its GPU and checks them from a graph."""
+    them at a fixed place on its GPU and checks them from a graph: with the host doorbell in a step queued before
+    they arrived (`verifier_service.tree_landing`), without it once they are here."""
     from drafter_service import draft_stream
 
     service, local = cuda_parts(parts)
@@ -560,16 +562,57 @@ def test_grpc_bytes_from_a_gpu_drafter(parts, monkeypatch):
     monkeypatch.setattr(draft_stream.DraftStream, "begin", lambda self, step: works.append(begin(self, step))
                         or works[-1])
     srv = ServerThread(service)
-    client = client_for(srv.port, colocated=False, region_device="cuda")
+    client = client_for(srv.port, colocated=False, region_device="cuda", doorbell=doorbell)
     try:
         for reqs in cuda_steps():
             assert_same_trees(client.draft(reqs), local.draft(reqs))
+            assert client.take_errors() == {}
         assert client.stats["fallback_steps"] == 0 and client.stats["region_trees"] == 0
+        assert client.stats["landed_steps"] == (3 if doorbell else 0), client.stats
         assert len(works) == 3 and all(w.copied is not None and w.trees.tokens.is_pinned() for w in works)
         (st,) = service._streams.values()
         assert st.copy_wait_s > 0
         # the trees landed at one place on our GPU every step: their check replayed from one CUDA graph
         assert client._checker.graphs.stats == {"replays": 3, "captures": 1}
+    finally:
+        client.close()
+        srv.stop()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_landed_steps_survive_a_slow_drafter_and_a_bad_tree(parts):
+    """gRPC with the host doorbell: a step whose answer misses its deadline is released by the watch and verified
+    root-only (no session fails, the stream reconnects, the unacknowledged rows are sent again); a bad tree that
+    lands fails its session only."""
+    service, local = cuda_parts(parts, SlowOrBadDrafter)
+    srv = ServerThread(service)
+    client = client_for(srv.port, colocated=False, region_device="cuda", draft_timeout_s=0.3)
+    try:
+        first, second, third = cuda_steps()
+        service.drafter.delay = 1.0
+        t0 = time.monotonic()
+        got = client.draft(first)  # returns at once: the trees are still on their way
+        assert time.monotonic() - t0 < 0.25
+        assert all(root_only(got, r, q.root_token) for r, q in enumerate(first))  # read after the release
+        assert time.monotonic() - t0 >= 0.3
+        assert client.take_errors() == {} and client.stats["doorbell_timeouts"] == 1
+        assert client.stats["fallback_steps"] == 1
+        service.drafter.delay = 0.0
+        deadline = time.monotonic() + 10
+        while not client.connected and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert client.connected
+        local.draft(first)
+        assert_same_trees(client.draft(second), local.draft(second))  # the first step's rows were re-sent
+        bad = [dataclasses.replace(r, session_id="bad" if r.session_id == "b" else r.session_id) for r in third]
+        bad[1] = dataclasses.replace(bad[1], ctx_start=0, ctx_features=torch.cat(
+            [q.ctx_features for q in (first[1], second[1], third[1])]))
+        got = client.draft(bad)
+        errors = client.take_errors()
+        assert set(errors) == {"bad"} and "invalid tree" in errors["bad"]
+        assert root_only(got, 1, bad[1].root_token)
+        assert client.stats["landed_steps"] == 3
     finally:
         client.close()
         srv.stop()

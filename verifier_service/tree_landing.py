@@ -1,0 +1,157 @@
+"""Trees over gRPC into a verify step queued before they arrive (the gRPC transport on a GPU).
+
+Co-located, the drafter's doorbell lets the verifier queue its whole verify step while the drafter still
+drafts (`protos.doorbell`). Over gRPC the trees come as bytes after the drafter's GPU is done, and the verifier's
+host would then decode, upload and check them and launch the step while its GPU idles. Instead, right after
+a step's requests are sent, `TreeLandings.prepare` readies a landing: [6, R, M] trees in pinned host memory (M =
+the largest full tree; every row starts as a root-only tree), a wait for a `HostBell` queued on the engine's
+stream and behind it the one host-to-device copy of those trees, so the engine queues the check and its verify
+step right away. The thread that reads the stream hands the answer to `Landing.deliver`, which writes each
+answered session's tree into its row and rings the bell; a stream that breaks rings it (`release`), and so does
+the deadline watch (`verifier_service.doorbell_watch`) when no answer comes.
+
+Whatever rings it, the step runs on what the landing holds, and it stays lossless: a row without its tree is a
+root-only tree, which the device check refuses (an autoregressive step); such rows are `excused` (their
+verdicts fail no session), and a landing released by the watch is `released` (the whole batch's verdicts are
+dropped, as for a doorbell the drafter never rang). A tree is taken only when it has exactly the node count
+the engine laid out (its cap: what a drafter sends unless it fails); other answers keep the root-only row and
+say why (`refused`). What the engine learns from the answer (which sessions answered, the drafter's errors) is
+read from the landing after the step has been read back (`settled`).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from kernels.tree_build import TreeBatch
+from protos.codec import WireError, trees_from_pb
+from protos.ddtree.v1 import drafter_pb2
+from protos.doorbell import HostBell
+
+MAX_SHAPES = 32  # (R, M) landing buffers kept at once (their check graphs follow the address)
+
+
+def root_only(host: np.ndarray, roots: list[int]) -> None:
+    """Fill [6, R, M] int32 trees (TreeBatch._FIELDS order, logw's bits last) with root-only trees."""
+    host[:5] = -1
+    host[0, :, 0] = roots
+    host[2, :, 0] = 0
+    host[5] = np.float32(-np.inf).view(np.int32)
+    host[5, :, 0] = 0  # logw 0.0 at the root
+
+
+@dataclass
+class Landing:
+    """One step's trees on their way: written by the stream's reader thread, read by the engine after the step."""
+
+    step_id: int
+    ids: list[str]  # the step's sessions, in request (row) order
+    roots: list[int]
+    caps: list[int]  # each row's node count as laid out by the engine
+    host: np.ndarray  # [6, R, M] int32 view of the pinned landing
+    trees: TreeBatch  # on the engine's device: what the copy behind the wait fills
+    bell: HostBell
+    value: int  # what rings the bell for this step
+    released: threading.Event = field(default_factory=threading.Event)  # set by the watch before it rings
+    excused: set[str] = field(default_factory=set)  # rows verified without the drafter's tree
+    answered: list[str] = field(default_factory=list)  # sessions that got a tree (valid or not)
+    errors: dict[str, str] = field(default_factory=dict)  # drafter-side refusals: sid -> "CODE: message"
+    refused: dict[str, str] = field(default_factory=dict)  # trees not taken on the host: sid -> why
+    problem: str | None = None  # why no answer was taken at all (the stream is then unusable)
+    compute_us: int = 0  # the drafter's own time, as it reported it
+    t_answer: float = 0.0  # perf_counter when the answer was taken
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _rung: bool = False
+
+    def deliver(self, msg: drafter_pb2.DraftTrees, code_name) -> None:
+        """The stream's answer to this step (reader thread): trees into their rows, then the bell. A wrong answer
+        rings it too, with every row root-only and `problem` said."""
+        with self._lock:
+            if self._rung or self.released.is_set():
+                return  # released already: the step runs (or ran) without it
+            self.t_answer = time.perf_counter()
+            try:
+                self._take(msg, code_name)
+            except WireError as e:
+                root_only(self.host, self.roots)
+                self.problem = str(e)
+                self.excused.update(self.ids)
+            self._ring()
+
+    def release(self, reason: str) -> None:
+        """Ring without an answer (the stream broke, or the client closed): every row stays root-only."""
+        with self._lock:
+            if self._rung:
+                return
+            self.problem = reason
+            self.excused.update(self.ids)
+            self._ring()
+
+    def settled(self) -> bool:
+        """Whether the bell has been rung by us (the watch rings it without telling: see `released`)."""
+        return self._rung
+
+    def _ring(self) -> None:
+        self._rung = True
+        self.bell.ring(self.value)
+
+    def _take(self, msg: drafter_pb2.DraftTrees, code_name) -> None:
+        errors = {e.session_id: f"{code_name(e.code)}: {e.message}" for e in msg.errors}
+        ids, trees = trees_from_pb(msg)  # host tensors (bytes)
+        asked = set(self.ids)
+        if set(ids) & set(errors) or set(ids) | set(errors) != asked:
+            raise WireError(f"step {self.step_id}: answered sessions {sorted(set(ids) | set(errors))} "
+                            f"!= asked {sorted(asked)}")
+        self.errors, self.answered, self.compute_us = errors, ids, msg.compute_us
+        self.excused.update(errors)
+        if not ids:
+            return
+        row = {sid: r for r, sid in enumerate(self.ids)}
+        packed = trees.pack().numpy()  # [6, R', M'] int32
+        M = self.host.shape[2]
+        for j, sid in enumerate(ids):
+            r, n = row[sid], trees.n_nodes[j]
+            if n != self.caps[r] or n > packed.shape[2]:
+                self.refused[sid] = (f"n_nodes {n}, expected a full tree of {self.caps[r]} nodes"
+                                     if n != self.caps[r] else f"n_nodes {n} but the arrays have {packed.shape[2]}")
+                self.excused.add(sid)
+                continue
+            self.host[:, r, :n] = packed[:, j, :n]
+            if n < M:  # a smaller tree than the widest row: padding after it, as the root-only fill left it
+                self.host[:5, r, n:] = -1
+                self.host[5, r, n:] = np.float32(-np.inf).view(np.int32)
+
+
+class TreeLandings:
+    """Per-client landing buffers, one per (R, M) on the engine's device, reused step after step at the same
+    addresses (the tree check replays from a CUDA graph keyed by the address)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._bufs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.cuda.Event]] = {}
+
+    def prepare(self, step_id: int, ids: list[str], roots: list[int], caps: list[int], bell: HostBell,
+                value: int) -> Landing:
+        """Root-only trees for the step's rows, a wait for `value` on the current stream, the copy behind it."""
+        key = (len(ids), max(caps))
+        buf = self._bufs.get(key)
+        if buf is None:
+            if len(self._bufs) >= MAX_SHAPES:
+                self._bufs.clear()
+            buf = self._bufs[key] = (torch.empty(6, *key, dtype=torch.int32, pin_memory=True),
+                                     torch.empty(6, *key, dtype=torch.int32, device=self.device), torch.cuda.Event())
+        host, dev, copied = buf
+        copied.synchronize()  # the copy that read it last ran long ago (its step has been read back)
+        host_np = host.numpy()
+        root_only(host_np, roots)
+        stream = torch.cuda.current_stream(self.device)
+        bell.wait(value, stream)
+        dev.copy_(host, non_blocking=True)
+        copied.record(stream)
+        return Landing(step_id, list(ids), list(roots), list(caps), host_np, TreeBatch.from_packed(dev, list(caps)),
+                       bell, value)
