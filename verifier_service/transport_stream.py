@@ -496,7 +496,7 @@ class DraftStreamClient:
         caps = [tree_size(r.budget, r.topk, self.depth) for r in requests]
         watch = self._landing_watch(s)
         if watch is not None:  # the verify step is queued now, behind the trees' landing (tree_landing)
-            return self._land(s, watch, requests, caps, t_sent, deadline)
+            return self._queue_landing(s, watch, requests, caps, t_sent, deadline)
         # while the drafter works: each tree's node count (full trees) and root, uploaded for the checks
         self._checker.expect([r.session_id for r in requests], [r.root_token for r in requests], caps, self._device)
         return lambda: self._draft_end(s, requests, caps, t_sent, deadline)
@@ -515,8 +515,8 @@ class DraftStreamClient:
             self._landings = TreeLandings(self._device)
         return self._watch
 
-    def _land(self, s: _Stream, watch: DoorbellWatch, requests: list[DraftRequest], caps: list[int], t_sent: float,
-              deadline: float) -> Callable[[], TreeBatch]:
+    def _queue_landing(self, s: _Stream, watch: DoorbellWatch, requests: list[DraftRequest], caps: list[int],
+                       t_sent: float, deadline: float) -> Callable[[], TreeBatch]:
         """Queue the step's trees behind the host doorbell (root-only until the answer lands), their check
         behind that, and return them: the engine queues its verify step with no wait for the drafter."""
         ids, roots = [r.session_id for r in requests], [r.root_token for r in requests]

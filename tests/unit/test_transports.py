@@ -590,11 +590,12 @@ def test_landed_steps_survive_a_slow_drafter_and_a_bad_tree(parts):
     client = client_for(srv.port, colocated=False, region_device="cuda", draft_timeout_s=0.3)
     try:
         first, second, third = cuda_steps()
+        assert_same_trees(client.draft(first), local.draft(first))  # (and the check's graph is captured)
         service.drafter.delay = 1.0
         t0 = time.monotonic()
-        got = client.draft(first)  # returns at once: the trees are still on their way
+        got = client.draft(second)  # returns at once: the trees are still on their way
         assert time.monotonic() - t0 < 0.25
-        assert all(root_only(got, r, q.root_token) for r, q in enumerate(first))  # read after the release
+        assert all(root_only(got, r, q.root_token) for r, q in enumerate(second))  # read after the release
         assert time.monotonic() - t0 >= 0.3
         assert client.take_errors() == {} and client.stats["doorbell_timeouts"] == 1
         assert client.stats["fallback_steps"] == 1
@@ -603,16 +604,15 @@ def test_landed_steps_survive_a_slow_drafter_and_a_bad_tree(parts):
         while not client.connected and time.monotonic() < deadline:
             time.sleep(0.05)
         assert client.connected
-        local.draft(first)
-        assert_same_trees(client.draft(second), local.draft(second))  # the first step's rows were re-sent
-        bad = [dataclasses.replace(r, session_id="bad" if r.session_id == "b" else r.session_id) for r in third]
-        bad[1] = dataclasses.replace(bad[1], ctx_start=0, ctx_features=torch.cat(
-            [q.ctx_features for q in (first[1], second[1], third[1])]))
-        got = client.draft(bad)
+        local.draft(second)
+        assert_same_trees(client.draft(third), local.draft(third))  # the second step's rows were sent again
+        b = [q[1] for q in (first, second, third)]
+        bad = DraftRequest("bad", 0, torch.cat([q.ctx_features for q in b]), b[2].root_token, b[2].root_pos, 16, 4)
+        got = client.draft([bad])
         errors = client.take_errors()
         assert set(errors) == {"bad"} and "invalid tree" in errors["bad"]
-        assert root_only(got, 1, bad[1].root_token)
-        assert client.stats["landed_steps"] == 3
+        assert root_only(got, 0, bad.root_token)
+        assert client.stats["landed_steps"] == 4
     finally:
         client.close()
         srv.stop()
