@@ -7,6 +7,7 @@ that each side polls (never waited on a stream: a dead peer's event would block 
 
 from __future__ import annotations
 
+import gc
 import inspect
 import os
 import subprocess
@@ -225,6 +226,10 @@ def test_cuda_regions_share_segments_with_regions_only():
     default pool, are never in it; regions closed and made again in the same pool neither abort nor grow it
     past one more segment."""
     dev = torch.device("cuda", 0)
+    # regions of earlier tests in this process that are closed but not yet freed (torch frees an exported
+    # allocation once its peer lets go, on demand) would still sit in the pool's segments: free them first
+    gc.collect()
+    torch.cuda.ipc_collect()
     others = [torch.empty(256, dtype=torch.uint8, device=dev) for _ in range(4)]
     regions = [SharedRegion.create(3, 4, dev)]
     others += [torch.empty(256, dtype=torch.uint8, device=dev) for _ in range(4)]
