@@ -5,7 +5,9 @@ Each Draft stream owns the context caches of its sessions (`drafter_service.draf
 verifier that disconnects leaves nothing behind and two verifiers never collide on session ids. This
 module is the gRPC edge: it reads the stream, hands each message to the stream's `DraftStream` on
 the model thread (arrival order, so the event loop keeps answering health, reflection and Info
-while a step runs) and writes the answers. On drain, streams end after their current step. A co-located
+while a step runs) and writes the answers. A step whose trees travel as bytes runs its model part on the
+event loop itself when the model is free (no thread hand-off on the step's critical path; the loop is held for
+that host part only, never for the GPU: `_answer`). On drain, streams end after their current step. A co-located
 verifier may move the stream's messages to a unix socket (`protos.control_socket`, fewer hops per
 step): a socket thread per stream then reads and runs them itself; all model work holds one lock. With CUDA
 regions the verifier may also offer an IPC event (`OpenStream.request_event`): the stream then answers a
