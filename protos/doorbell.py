@@ -237,6 +237,9 @@ class HostBell:
         torch.cuda.synchronize(self.device)
 
 
+_STUCK: list = []  # what a failed self-test left a stream waiting on (never freed)
+
+
 @functools.cache
 def host_supported(device: torch.device) -> bool:
     """Whether streams on `device` can wait for a `HostBell` (checked once, ~10 ms): a wait holds its stream until
@@ -262,6 +265,7 @@ def host_supported(device: torch.device) -> bool:
                 if time.monotonic() > deadline:
                     log.warning("host doorbells unavailable on %s: a wait was not released by the host's store",
                                 device)
+                    _STUCK.append((bell, waiter, marker))  # a stream may still poll that memory: keep it
                     return False
                 time.sleep(0.0005)
             ok = held and int(marker.item()) == 2
