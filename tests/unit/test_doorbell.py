@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from kernels.tree_build import TreeBatch
-from protos.doorbell import NBYTES, Doorbell, reached, supported
+from protos.doorbell import NBYTES, Doorbell, HostBell, host_supported, reached, supported
 from protos.shared_region import RegionArena, SharedRegion
 from verifier_service.doorbell_watch import DoorbellWatch
 from verifier_service.tree_verdicts import TreeChecker
@@ -236,6 +236,42 @@ def test_a_peer_that_never_rings_is_released_by_the_watch():
         bell.close()
         data.close()
         bell_region.close()
+
+
+def test_host_doorbells_need_a_gpu():
+    assert not host_supported(torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="CUDA device"):
+        HostBell(torch.device("cpu"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_host_doorbell_holds_a_stream_until_the_host_rings_it():
+    """A wait for a counter in pinned host memory holds its stream through smaller values (also across the 2^32
+    wrap) and lets it go once the host stores the value; what the host stored before is what the copy behind the
+    wait reads."""
+    dev = torch.device("cuda", 0)
+    assert host_supported(dev)
+    bell = HostBell(dev)
+    stream = torch.cuda.Stream(dev)
+    staged = torch.zeros(4, dtype=torch.int32, pin_memory=True)
+    out = torch.full((4,), -1, dtype=torch.int32, device=dev)
+    out.add_(0)  # every kernel used behind the wait is loaded first (see protos.doorbell)
+    torch.cuda.synchronize()
+    for start, value in ((0, 5), ((1 << 32) - 2, 1)):  # the second pair wraps around
+        bell.ring(start)
+        bell.wait(value, stream)
+        with torch.cuda.stream(stream):
+            out.copy_(staged, non_blocking=True)
+            out.add_(0)
+        time.sleep(0.05)
+        bell.ring(start + 1 if start + 1 != value else start)  # still short of the value
+        time.sleep(0.05)
+        assert not stream.query()
+        staged.copy_(torch.arange(4, dtype=torch.int32) + value)  # written before the store that rings
+        bell.ring(value)
+        stream.synchronize()
+        assert out.tolist() == [value, value + 1, value + 2, value + 3] and bell.read() == value
 
 
 @pytest.mark.parametrize("flag, expected", [([], True), (["--no-doorbell"], False)])
