@@ -62,7 +62,6 @@ from verifier_service.tree_verdicts import TreeChecker
 
 log = logging.getLogger(__name__)
 REQUEST_REGION, RESPONSE_REGION, DOORBELL_REGION = 1, 2, 3
-MAX_LANDINGS = 32  # (R, M) shapes of byte trees kept on the GPU at once (their check graphs follow the address)
 
 
 class StreamBroken(Exception):
@@ -216,8 +215,6 @@ class DraftStreamClient:
         self._pending: dict[str, tuple[int, list[torch.Tensor]]] = {}  # sid -> (start, unacknowledged rows)
         self._errors: dict[str, str] = {}
         self._checker: TreeChecker | None = None  # once the drafter's model is known
-        # trees from bytes on a GPU, per (R, M): (pinned staging, their device buffer, the copy's event); `_land`
-        self._landing: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor, torch.cuda.Event]] = {}
         # region_tensors: tensors this client placed in a shared region; region_trees: steps whose trees
         # came back through one (both stay 0 for grpc, and for a co-located stream that fell back to bytes)
         # event_steps: steps whose regions were handed over by CUDA IPC events (no host wait on either side)
@@ -232,7 +229,7 @@ class DraftStreamClient:
         self._watch: DoorbellWatch | None = None
         # gRPC on a GPU with the doorbell: verify steps queued behind a host doorbell (verifier_service.tree_landing)
         self._use_landing = not cfg.colocated and cfg.doorbell
-        self._landings: TreeLandings | None = None
+        self._landings: TreeLandings | None = None  # where trees from bytes go on the GPU (set with the device)
         self._landed: tuple[_Stream, Landing, float, float] | None = None  # the last landing step, until settled
         self._bell_value = 0  # increases across streams: a dead stream's late ring never satisfies a newer wait
         # the last exchanged step, in ms: round_trip (request sent -> answer read), drafter (its compute_us),
@@ -243,6 +240,8 @@ class DraftStreamClient:
         if self._device.type == "cuda" and self._device.index is None:
             # this (the engine's) thread's GPU: the connect thread that allocates the regions would use cuda:0
             self._device = torch.device("cuda", torch.cuda.current_device())
+        if self._device.type == "cuda":
+            self._landings = TreeLandings(self._device)
         self._thread = threading.Thread(target=self._connector, name="draft-stream-connect", daemon=True)
 
     # --- lifecycle ---------------------------------------------------------------------------------
@@ -512,7 +511,6 @@ class DraftStreamClient:
                 log.warning("no host doorbell on %s: trees from the drafter are waited for on the host", self._device)
                 return None
             self._watch = DoorbellWatch(HostBell(self._device), self._bell_expired)
-            self._landings = TreeLandings(self._device)
         return self._watch
 
     def _queue_landing(self, s: _Stream, watch: DoorbellWatch, requests: list[DraftRequest], caps: list[int],
@@ -719,29 +717,13 @@ class DraftStreamClient:
         return ids, trees, set(ids) - set(refused), errors
 
     def _land(self, trees: TreeBatch) -> tuple[TreeBatch, bool]:
-        """Trees decoded from bytes (host) -> (the same on the engine's device, whether they sit at a fixed place).
-        On a GPU: one copy from pinned memory (no host wait) into a buffer kept per (R, M), so the next steps'
-        trees land at the same address and their check replays from a CUDA graph, as a region's trees do. Both
-        buffers are reused only after the copy that read the pinned one has run (the step was read back since)."""
+        """Trees decoded from bytes (host) -> (the same on the engine's device, whether they sit at a fixed place:
+        on a GPU, `TreeLandings.put`). Trees already there (from a region on it) are returned as they are."""
         if trees.tokens.device == self._device:
             return trees, False
-        if self._device.type != "cuda":
+        if self._landings is None:
             return TreeBatch.from_packed(host_to_device(trees.pack(), self._device), trees.n_nodes), False
-        key = tuple(trees.tokens.shape)
-        landing = self._landing.get(key)
-        if landing is None:
-            if len(self._landing) >= MAX_LANDINGS:
-                self._landing.clear()
-            landing = self._landing[key] = (torch.empty(6, *key, dtype=torch.int32, pin_memory=True),
-                                            torch.empty(6, *key, dtype=torch.int32, device=self._device),
-                                            torch.cuda.Event())
-        host, dev, copied = landing
-        copied.synchronize()  # done long ago: the step that used this buffer last has been read back
-        torch.stack([trees.tokens, trees.parent, trees.depth, trees.first_child, trees.next_sibling,
-                     trees.logw.view(torch.int32)], out=host)
-        dev.copy_(host, non_blocking=True)
-        copied.record()
-        return TreeBatch.from_packed(dev, trees.n_nodes), True
+        return self._landings.put(trees), True
 
     def _time_step(self, compute_us: int, t_sent: float, t_answer: float, t_decoded: float) -> None:
         round_trip, drafter = t_answer - t_sent, compute_us * 1e-6

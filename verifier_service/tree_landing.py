@@ -128,25 +128,40 @@ class Landing:
 
 
 class TreeLandings:
-    """Per-client landing buffers, one per (R, M) on the engine's device, reused step after step at the same
-    addresses (the tree check replays from a CUDA graph keyed by the address)."""
+    """Per-client landing places for trees that came as bytes: per (R, M), [6, R, M] int32 in pinned host memory and
+    on the engine's GPU, reused step after step at the same addresses (so the tree check replays from a CUDA graph
+    keyed by the address, as it does for a co-located stream's region). Both are reused only after the copy that
+    read the pinned one has run (its step has been read back since)."""
 
     def __init__(self, device: torch.device):
         self.device = device
         self._bufs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.cuda.Event]] = {}
 
-    def prepare(self, step_id: int, ids: list[str], roots: list[int], caps: list[int], bell: HostBell,
-                value: int) -> Landing:
-        """Root-only trees for the step's rows, a wait for `value` on the current stream, the copy behind it."""
-        key = (len(ids), max(caps))
-        buf = self._bufs.get(key)
+    def _place(self, R: int, M: int) -> tuple[torch.Tensor, torch.Tensor, torch.cuda.Event]:
+        buf = self._bufs.get((R, M))
         if buf is None:
             if len(self._bufs) >= MAX_SHAPES:
                 self._bufs.clear()
-            buf = self._bufs[key] = (torch.empty(6, *key, dtype=torch.int32, pin_memory=True),
-                                     torch.empty(6, *key, dtype=torch.int32, device=self.device), torch.cuda.Event())
-        host, dev, copied = buf
-        copied.synchronize()  # the copy that read it last ran long ago (its step has been read back)
+            buf = self._bufs[(R, M)] = (torch.empty(6, R, M, dtype=torch.int32, pin_memory=True),
+                                        torch.empty(6, R, M, dtype=torch.int32, device=self.device),
+                                        torch.cuda.Event())
+        buf[2].synchronize()  # the copy that read it last ran long ago
+        return buf
+
+    def put(self, trees: TreeBatch) -> TreeBatch:
+        """Trees on the host (decoded from bytes) -> the same at their shape's place on the GPU: one copy queued
+        now, no host wait."""
+        host, dev, copied = self._place(*trees.tokens.shape)
+        torch.stack([trees.tokens, trees.parent, trees.depth, trees.first_child, trees.next_sibling,
+                     trees.logw.view(torch.int32)], out=host)
+        dev.copy_(host, non_blocking=True)
+        copied.record(torch.cuda.current_stream(self.device))
+        return TreeBatch.from_packed(dev, trees.n_nodes)
+
+    def prepare(self, step_id: int, ids: list[str], roots: list[int], caps: list[int], bell: HostBell,
+                value: int) -> Landing:
+        """Root-only trees for the step's rows, a wait for `value` on the current stream, the copy behind it."""
+        host, dev, copied = self._place(len(ids), max(caps))
         host_np = host.numpy()
         root_only(host_np, roots)
         stream = torch.cuda.current_stream(self.device)
