@@ -69,7 +69,7 @@ def _sync_call(port: int):
 
 
 def rounds_reader_thread(port: int, msg: bytes, n: int) -> list[float]:
-    """As transport_stream's _Stream: request queue -> iterator thread; reader thread -> answer queue."""
+    """As verifier_service.draft_call.DraftCall: request queue -> iterator thread; reader thread -> answer queue."""
     channel, requests, call = _sync_call(port)
     answers: queue.Queue = queue.Queue()
 

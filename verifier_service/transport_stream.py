@@ -36,7 +36,6 @@ not_ready (the drafter refused the session, e.g. no room or a context gap; its c
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -49,12 +48,13 @@ from drafter_service.api import DraftRequest
 from drafter_service.device_copy import host_to_device
 from kernels.tree_build import TreeBatch, tree_size
 from protos.codec import DTYPE_TO_PB, WireError, draft_request_to_pb, tensor_to_pb, trees_from_pb
-from protos.control_socket import ControlClosed, ControlListener, ControlSocket
+from protos.control_socket import ControlListener
 from protos.ddtree.v1 import drafter_pb2, drafter_pb2_grpc
 from protos.doorbell import HostBell, host_supported, supported
 from protos.shared_region import IpcEvent, RegionArena, SharedRegion
 from telemetry.metrics import Metrics
 from verifier_service.doorbell_watch import DoorbellWatch
+from verifier_service.draft_call import DraftCall, DraftTimeout, StreamBroken, code_name
 from verifier_service.transport import DrafterModel, StreamClientConfig
 from verifier_service.tree_check_graphs import CheckGraphs
 from verifier_service.tree_landing import Landing, TreeLandings
@@ -62,136 +62,6 @@ from verifier_service.tree_verdicts import TreeChecker
 
 log = logging.getLogger(__name__)
 REQUEST_REGION, RESPONSE_REGION, DOORBELL_REGION = 1, 2, 3
-
-
-class StreamBroken(Exception):
-    pass
-
-
-class DraftTimeout(StreamBroken):
-    """No answer within the deadline."""
-
-
-class _Stream:
-    """One open Draft call: a request queue feeding gRPC, a reader thread filling a response queue; once
-    `control` is set (after `opened`), messages go over that socket and answers are read from it."""
-
-    def __init__(self, stub: drafter_pb2_grpc.DrafterStub, regions: dict[int, SharedRegion], on_broken):
-        self.regions = regions
-        self.control: ControlSocket | None = None
-        # CUDA regions: ours, recorded after our work on the regions; the drafter's, waited for before reading
-        self.request_event: IpcEvent | None = None
-        self.trees_event: IpcEvent | None = None
-        self.doorbell = False  # the drafter rings the client's trees doorbell after each step's writes
-        self.bell_value = 0  # the value the step in flight rings
-        self.released = threading.Event()  # the doorbell watch released a wait of this stream (trees unreliable)
-        self.synced: set[str] = set()  # sessions whose context this drafter holds
-        self.step_features = False  # the drafter reads a step's rows from DraftStep.ctx_features (one tensor)
-        self.step_id = 0
-        self.broken = False
-        self.error: StreamBroken | None = None
-        self.landing: Landing | None = None  # the step in flight whose trees the reader thread lands itself
-        self._route = threading.Lock()  # who takes that step's answer: the reader (landing set) or `recv`
-        self._requests: queue.Queue = queue.Queue()
-        self._responses: queue.Queue = queue.Queue()
-        self._on_broken = on_broken
-        self.call = stub.Draft(iter(self._requests.get, None))
-        self._reader = threading.Thread(target=self._read, name="draft-stream-reader", daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        try:
-            for resp in self.call:
-                with self._route:
-                    landing = self.landing
-                    if landing is not None and resp.WhichOneof("kind") == "trees" \
-                            and resp.trees.step_id == landing.step_id:
-                        self.landing = None
-                    else:
-                        landing = None
-                        self._responses.put(resp)
-                if landing is not None:
-                    landing.deliver(resp.trees, _code_name)
-            err: Exception = StreamBroken("the drafter closed the stream")
-        except grpc.RpcError as e:
-            err = StreamBroken(f"stream failed: {e.code().name}: {e.details()}")
-        except Exception as e:  # noqa: BLE001 - anything here means the stream is unusable
-            err = StreamBroken(f"stream reader failed: {e!r}")
-        self.error = err
-        self.broken = True
-        self._responses.put(err)
-        self._drop_landing(str(err))
-        self._on_broken(self, str(err))
-
-    def land(self, landing: Landing) -> None:
-        """Let the reader thread take `landing`'s answer from now on (one it queued already is delivered here)."""
-        with self._route:
-            early = []
-            while True:
-                try:
-                    early.append(self._responses.get_nowait())
-                except queue.Empty:
-                    break
-            mine = [r for r in early if not isinstance(r, Exception) and r.WhichOneof("kind") == "trees"
-                    and r.trees.step_id == landing.step_id]
-            for r in early:
-                if not any(r is m for m in mine):
-                    self._responses.put(r)
-            if not mine:
-                self.landing = landing
-        if mine:
-            landing.deliver(mine[0].trees, _code_name)
-        elif self.broken:
-            self._drop_landing(str(self.error or "stream closed"))
-
-    def _drop_landing(self, reason: str) -> None:
-        with self._route:
-            landing, self.landing = self.landing, None
-        if landing is not None:
-            landing.release(reason)
-
-    def send(self, msg: drafter_pb2.DraftStreamRequest) -> None:
-        if self.broken:
-            raise self.error or StreamBroken("stream is closed")
-        if self.control is None:
-            self._requests.put(msg)
-            return
-        try:
-            self.control.send(msg)
-        except (OSError, ValueError) as e:
-            raise StreamBroken(f"control socket: {e}") from None
-
-    def recv(self, timeout: float) -> drafter_pb2.DraftStreamResponse:
-        if self.control is not None and not self.broken:
-            try:
-                return self.control.recv(drafter_pb2.DraftStreamResponse, timeout)
-            except TimeoutError:
-                raise DraftTimeout(f"no answer within {timeout:.2f} s") from None
-            except (ControlClosed, OSError, ValueError) as e:
-                # the gRPC reader may know why (the drafter aborted the stream): prefer its error
-                raise self.error or StreamBroken(f"control socket: {e}") from None
-        try:
-            item = self._responses.get(timeout=timeout)
-        except queue.Empty:
-            raise DraftTimeout(f"no answer within {timeout:.2f} s") from None
-        if isinstance(item, Exception):
-            self._responses.put(item)  # later readers see it too
-            raise item
-        return item
-
-    def close(self) -> None:
-        self.broken = True
-        self._drop_landing("stream closed")
-        if self.control is not None:
-            self.control.close()
-        self.call.cancel()
-        self._requests.put(None)
-        for r in self.regions.values():
-            r.close()
-        for e in (self.request_event, self.trees_event):
-            if e is not None:
-                e.close()
-        self.request_event = self.trees_event = None
 
 
 class DraftStreamClient:
@@ -207,7 +77,7 @@ class DraftStreamClient:
         self._channel = grpc.insecure_channel(cfg.address, options=opts)
         self._stub = drafter_pb2_grpc.DrafterStub(self._channel)
         self.model: DrafterModel | None = None
-        self._stream: _Stream | None = None
+        self._stream: DraftCall | None = None
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._closed = threading.Event()
@@ -230,7 +100,7 @@ class DraftStreamClient:
         # gRPC on a GPU with the doorbell: verify steps queued behind a host doorbell (verifier_service.tree_landing)
         self._use_landing = not cfg.colocated and cfg.doorbell
         self._landings: TreeLandings | None = None  # where trees from bytes go on the GPU (set with the device)
-        self._landed: tuple[_Stream, Landing, float, float] | None = None  # the last landing step, until settled
+        self._landed: tuple[DraftCall, Landing, float, float] | None = None  # the last landing step, until settled
         self._bell_value = 0  # increases across streams: a dead stream's late ring never satisfies a newer wait
         # the last exchanged step, in ms: round_trip (request sent -> answer read), drafter (its compute_us),
         # transport (round_trip - drafter), decode (trees off the wire / out of the region), validate
@@ -334,7 +204,7 @@ class DraftStreamClient:
             self._ready.set()
             delay = self.cfg.retry_min_s
 
-    def _open(self) -> _Stream:
+    def _open(self) -> DraftCall:
         regions = {}
         if self.cfg.colocated:
             if self._device.type == "cuda":
@@ -345,7 +215,7 @@ class DraftStreamClient:
                                                            self._device),
                        RESPONSE_REGION: SharedRegion.create(RESPONSE_REGION, self.cfg.response_region_bytes,
                                                             self._device)}
-        stream = _Stream(self._stub, regions, self._on_broken)
+        stream = DraftCall(self._stub, regions, self._on_broken)
         if self._use_events and self._device.type == "cuda":
             stream.request_event = IpcEvent.create(self._device)
         bell = self._doorbell_region() if stream.request_event is not None else None
@@ -415,12 +285,12 @@ class DraftStreamClient:
                 return None
         return self._watch.region
 
-    def _bell_expired(self, stream: _Stream) -> None:
+    def _bell_expired(self, stream: DraftCall) -> None:
         """The watch released a step the drafter never rang for (it died, or hangs): drop that stream."""
         self.stats["doorbell_timeouts"] += 1
         self._on_broken(stream, "the drafter did not ring its trees doorbell within the step's deadline")
 
-    def _on_broken(self, stream: _Stream, reason: str) -> None:
+    def _on_broken(self, stream: DraftCall, reason: str) -> None:
         if self._watch is not None:
             self._watch.release(stream)  # its step in flight reads what is in the region: nothing waits for more
         with self._lock:
@@ -500,7 +370,7 @@ class DraftStreamClient:
         self._checker.expect([r.session_id for r in requests], [r.root_token for r in requests], caps, self._device)
         return lambda: self._draft_end(s, requests, caps, t_sent, deadline)
 
-    def _landing_watch(self, s: _Stream) -> DoorbellWatch | None:
+    def _landing_watch(self, s: DraftCall) -> DoorbellWatch | None:
         """The host doorbell's watch when this stream's trees land in a pre-queued step (gRPC bytes to a GPU
         that passes the self-test; made on first use), else None."""
         if not self._use_landing or s.regions or self._device.type != "cuda":
@@ -513,7 +383,7 @@ class DraftStreamClient:
             self._watch = DoorbellWatch(HostBell(self._device), self._bell_expired)
         return self._watch
 
-    def _queue_landing(self, s: _Stream, watch: DoorbellWatch, requests: list[DraftRequest], caps: list[int],
+    def _queue_landing(self, s: DraftCall, watch: DoorbellWatch, requests: list[DraftRequest], caps: list[int],
                        t_sent: float, deadline: float) -> Callable[[], TreeBatch]:
         """Queue the step's trees behind the host doorbell (root-only until the answer lands), their check
         behind that, and return them: the engine queues its verify step with no wait for the drafter."""
@@ -560,7 +430,7 @@ class DraftStreamClient:
         self._time_step(landing.compute_us, t_sent, landing.t_answer, landing.t_answer)
         self.last_step_ms["check"] = check_ms  # queued before the answer came: its host time only
 
-    def _draft_end(self, s: _Stream, requests: list[DraftRequest], caps: list[int], t_sent: float, deadline: float
+    def _draft_end(self, s: DraftCall, requests: list[DraftRequest], caps: list[int], t_sent: float, deadline: float
                    ) -> TreeBatch:
         try:
             answered, trees, good, errors = self._receive_step(s, requests, caps, t_sent, deadline)
@@ -576,7 +446,7 @@ class DraftStreamClient:
             s.synced.discard(sid)  # the drafter dropped its context; rows stay pending for a resend
         return self._assemble(requests, answered, trees, good)
 
-    def _step_failed(self, s: _Stream, e: Exception, sessions: int) -> None:
+    def _step_failed(self, s: DraftCall, e: Exception, sessions: int) -> None:
         if not isinstance(e, (StreamBroken, WireError)):
             log.exception("draft step failed")
         self.stats["fallback_steps"] += 1
@@ -603,7 +473,7 @@ class DraftStreamClient:
             start += cut
         self._pending[r.session_id] = (start, chunks)
 
-    def _send_step(self, s: _Stream, requests: list[DraftRequest]) -> tuple[float, float]:
+    def _send_step(self, s: DraftCall, requests: list[DraftRequest]) -> tuple[float, float]:
         """Send one step's requests -> (when it left, perf_counter; its deadline, monotonic)."""
         s.step_id += 1
         step = drafter_pb2.DraftStep(step_id=s.step_id)
@@ -658,7 +528,7 @@ class DraftStreamClient:
             session_id=q.session_id, ctx_start=q.ctx_start, root_token=q.root_token, root_pos=q.root_pos,
             budget=q.budget, topk=q.topk, traceparent=q.traceparent, ctx_rows=f.shape[0]) for q, f in zip(sent, feats))
 
-    def _receive_step(self, s: _Stream, requests: list[DraftRequest], caps: list[int], t_sent: float,
+    def _receive_step(self, s: DraftCall, requests: list[DraftRequest], caps: list[int], t_sent: float,
                       deadline: float) -> tuple[list[str], TreeBatch | None, set[str], dict[str, str]]:
         """The step's answer -> (sessions that got a tree, the decoded trees in that order, the sessions whose
         tree may be verified, drafter-side errors)."""
@@ -691,7 +561,7 @@ class DraftStreamClient:
         in_region = resp.trees.tokens.WhichOneof("storage") == "region"
         if in_region:
             self.stats["region_trees"] += 1
-        errors = {e.session_id: f"{_code_name(e.code)}: {e.message}" for e in resp.trees.errors}
+        errors = {e.session_id: f"{code_name(e.code)}: {e.message}" for e in resp.trees.errors}
         asked = {r.session_id for r in requests}
         if set(ids) & set(errors) or set(ids) | set(errors) != asked:
             raise WireError(f"step {s.step_id}: answered sessions {sorted(set(ids) | set(errors))} "
@@ -734,7 +604,7 @@ class DraftStreamClient:
             self.metrics.draft_transport_seconds.observe(max(0.0, round_trip - drafter))
 
     @staticmethod
-    def _send_ahead(s: _Stream, sid: str, start: int, feats: torch.Tensor, rows_per_message: int) -> None:
+    def _send_ahead(s: DraftCall, sid: str, start: int, feats: torch.Tensor, rows_per_message: int) -> None:
         for i in range(0, feats.shape[0], rows_per_message):
             part = feats[i : i + rows_per_message]
             s.send(drafter_pb2.DraftStreamRequest(context=drafter_pb2.SessionContext(
@@ -768,8 +638,3 @@ class DraftStreamClient:
             for f in TreeBatch._FIELDS:
                 out[f][at, :w] = getattr(trees, f)[take, :w].to(out[f].dtype)
         return TreeBatch(**out, n_nodes=n)
-
-
-def _code_name(value: int) -> str:
-    """Name of the grpc.StatusCode with this integer value (UNKNOWN outside the enum)."""
-    return next((c.name for c in grpc.StatusCode if c.value[0] == value), "UNKNOWN")

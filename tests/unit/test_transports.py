@@ -33,7 +33,7 @@ from protos.ddtree.v1 import drafter_pb2, drafter_pb2_grpc
 from protos.shared_region import (
     shm_dir,
 )
-from verifier_service import transport_stream
+from verifier_service import draft_call, transport_stream
 from verifier_service.transport import StreamClientConfig, is_local_address, resolve_transport
 from verifier_service.transport_stream import DraftStreamClient
 
@@ -152,8 +152,8 @@ def test_stream_client_equals_inprocess_drafter(parts, served, colocated, step_f
 
         monkeypatch.setattr(service, "info", older_info)
     sent = []
-    send = transport_stream._Stream.send
-    monkeypatch.setattr(transport_stream._Stream, "send", lambda self, msg: (sent.append(msg), send(self, msg))[1])
+    send = draft_call.DraftCall.send
+    monkeypatch.setattr(draft_call.DraftCall, "send", lambda self, msg: (sent.append(msg), send(self, msg))[1])
     local = Drafter(*parts, max_sessions=8, window=64)
     client = client_for(srv.port, colocated)
     try:

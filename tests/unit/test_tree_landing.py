@@ -2,7 +2,7 @@
 
 On the CPU: what the stream's reader thread writes into the landing's rows for each kind of answer (trees for
 some sessions and errors for others, a tree of the wrong size, an answer for the wrong sessions, none at all),
-that the bell rings exactly once whatever happens first, and how `_Stream` routes a step's answer to its landing
+that the bell rings exactly once whatever happens first, and how `DraftCall` routes a step's answer to its landing
 whether it arrives before or after the landing is set, or the stream breaks instead. On the GPU (in
 test_transports.py and the split-services GPU test): the landing path end to end.
 """
@@ -20,7 +20,7 @@ import torch
 from kernels.tree_build import TreeBatch, build_tree
 from protos.codec import trees_to_pb
 from protos.ddtree.v1 import drafter_pb2
-from verifier_service import transport_stream
+from verifier_service import draft_call
 from verifier_service.tree_landing import Landing, root_only
 
 NEG_INF_BITS = int(np.float32(-np.inf).view(np.int32))
@@ -158,7 +158,7 @@ def test_the_stream_routes_a_steps_answer_to_its_landing(early):
     trees = _trees(1, 8)
     stub = _Stub()
     broken = []
-    s = transport_stream._Stream(stub, {}, lambda st, why: broken.append(why))
+    s = draft_call.DraftCall(stub, {}, lambda st, why: broken.append(why))
     try:
         land = _landing(["a"], list(trees.n_nodes))
         other = _answer(6, trees, ["a"])
@@ -182,7 +182,7 @@ def test_the_stream_routes_a_steps_answer_to_its_landing(early):
 def test_a_broken_stream_releases_its_landing(when):
     stub = _Stub()
     broken = []
-    s = transport_stream._Stream(stub, {}, lambda st, why: broken.append(why))
+    s = draft_call.DraftCall(stub, {}, lambda st, why: broken.append(why))
     land = _landing(["a"], [9])
     if when == "before":
         stub.call.q.put(RuntimeError("boom"))
@@ -197,7 +197,7 @@ def test_a_broken_stream_releases_its_landing(when):
 
 
 def test_closing_the_stream_releases_its_landing():
-    s = transport_stream._Stream(_Stub(), {}, lambda st, why: None)
+    s = draft_call.DraftCall(_Stub(), {}, lambda st, why: None)
     land = _landing(["a"], [9])
     s.land(land)
     threading.Thread(target=s.close).start()
