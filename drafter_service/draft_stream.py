@@ -1,5 +1,6 @@
 """One verifier's Draft stream inside the drafter: its sessions' contexts and the checks on
-everything the verifier sends. All methods run on the drafter's single model thread.
+everything the verifier sends. Model work runs under the server's one model lock (on its model thread,
+or a bytes stream's step on the event loop: `begin` under the lock, `finish` without it).
 
 Context caches live in the shared `Drafter` under "<stream number>/<session id>", so streams never
 collide and closing a stream frees exactly its own sessions. Every request is checked against the
