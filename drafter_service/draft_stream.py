@@ -72,10 +72,7 @@ class StepWork:
 def _host_copy(trees: TreeBatch) -> tuple[TreeBatch, torch.cuda.Event]:
     """GPU trees -> (the same trees in pinned host memory, filled by one copy queued now; the event after it).
     One [6, R, M] copy instead of one blocking copy per field when the answer is encoded."""
-    packed = trees.packed
-    if packed is None:  # eager trees: one stack on the device (fields in the wire's dtypes)
-        fields = [getattr(trees, f).to(torch.int32) for f in TreeBatch._FIELDS[:5]]
-        packed = torch.stack([*fields, trees.logw.to(torch.float32).view(torch.int32)])
+    packed = trees.pack()
     host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
     host.copy_(packed, non_blocking=True)
     done = torch.cuda.Event()

@@ -331,13 +331,28 @@ class DraftStreamClient:
     def _collect_verdicts(self) -> None:
         if self._checker is None:
             return
-        bad = self._checker.verdicts()
+        self._invalid(self._checker.verdicts())
+
+    def _invalid(self, bad: dict[str, str]) -> None:
+        """Sessions whose tree from the drafter was refused (sid -> why): told at `take_errors`, counted."""
         for sid, problem in bad.items():
             self._errors[sid] = f"the drafter sent an invalid tree: {problem}"
             log.warning("session %s: invalid tree from the drafter: %s", sid, problem)
         if bad:
             self.stats["invalid_trees"] += len(bad)
             self.metrics.record_fallback("invalid_tree", len(bad))
+
+    def _acknowledge(self, s: DraftCall, answered: list[str], errors: dict[str, str]) -> None:
+        """A step's answer: the sessions that got a tree (valid or not), whose rows the drafter holds now, and those
+        it refused (sid -> "CODE: message"), whose context it dropped (their rows stay pending for a resend)."""
+        for sid, msg in errors.items():
+            log.info("drafter could not draft for %s: %s (autoregressive step)", sid, msg)
+            s.synced.discard(sid)
+        if errors:
+            self.metrics.record_fallback("not_ready", len(errors))
+        for sid in answered:
+            self._pending.pop(sid, None)
+            s.synced.add(sid)
 
     def draft(self, requests: list[DraftRequest]) -> TreeBatch:
         return self.draft_begin(requests)()
@@ -413,20 +428,8 @@ class DraftStreamClient:
         if landing.problem is not None:
             self._step_failed(s, StreamBroken(landing.problem), n)
             return
-        for sid, msg in landing.errors.items():
-            log.info("drafter could not draft for %s: %s (autoregressive step)", sid, msg)
-            s.synced.discard(sid)  # the drafter dropped its context; rows stay pending for a resend
-        if landing.errors:
-            self.metrics.record_fallback("not_ready", len(landing.errors))
-        for sid in landing.answered:
-            self._pending.pop(sid, None)
-            s.synced.add(sid)
-        for sid, problem in landing.refused.items():
-            self.stats["invalid_trees"] += 1
-            self._errors[sid] = f"the drafter sent an invalid tree: {problem}"
-            log.warning("session %s: invalid tree from the drafter: %s", sid, problem)
-        if landing.refused:
-            self.metrics.record_fallback("invalid_tree", len(landing.refused))
+        self._acknowledge(s, landing.answered, landing.errors)
+        self._invalid(landing.refused)
         self._time_step(landing.compute_us, t_sent, landing.t_answer, landing.t_answer)
         self.last_step_ms["check"] = check_ms  # queued before the answer came: its host time only
 
@@ -437,13 +440,7 @@ class DraftStreamClient:
         except Exception as e:  # noqa: BLE001 - whatever went wrong on the wire, this step goes on without trees
             self._step_failed(s, e, len(requests))
             return self._assemble(requests)
-        if errors:
-            self.metrics.record_fallback("not_ready", len(errors))
-        for sid in answered:  # a tree came back (valid or not): this drafter holds the rows now
-            self._pending.pop(sid, None)
-            s.synced.add(sid)
-        for sid in errors:
-            s.synced.discard(sid)  # the drafter dropped its context; rows stay pending for a resend
+        self._acknowledge(s, answered, errors)
         return self._assemble(requests, answered, trees, good)
 
     def _step_failed(self, s: DraftCall, e: Exception, sessions: int) -> None:
@@ -566,8 +563,6 @@ class DraftStreamClient:
         if set(ids) & set(errors) or set(ids) | set(errors) != asked:
             raise WireError(f"step {s.step_id}: answered sessions {sorted(set(ids) | set(errors))} "
                             f"!= asked {sorted(asked)}")
-        for sid, msg in errors.items():
-            log.info("drafter could not draft for %s: %s (autoregressive step)", sid, msg)
         if not ids:
             return ids, None, set(), errors
         fixed = in_region
@@ -578,12 +573,7 @@ class DraftStreamClient:
         trees, refused = self._checker.check(ids, trees, [by_id[i][0] for i in ids], [by_id[i][1] for i in ids],
                                              fixed=fixed, void=s.released if s.doorbell else None)
         self._time_step(resp.trees.compute_us, t_sent, t_answer, t_decoded)
-        for sid, problem in refused.items():
-            self.stats["invalid_trees"] += 1
-            self._errors[sid] = f"the drafter sent an invalid tree: {problem}"
-            log.warning("session %s: invalid tree from the drafter: %s", sid, problem)
-        if refused:
-            self.metrics.record_fallback("invalid_tree", len(refused))
+        self._invalid(refused)
         return ids, trees, set(ids) - set(refused), errors
 
     def _land(self, trees: TreeBatch) -> tuple[TreeBatch, bool]:

@@ -113,7 +113,6 @@ class Landing:
             return
         row = {sid: r for r, sid in enumerate(self.ids)}
         packed = trees.pack().numpy()  # [6, R', M'] int32
-        M = self.host.shape[2]
         for j, sid in enumerate(ids):
             r, n = row[sid], trees.n_nodes[j]
             if n != self.caps[r] or n > packed.shape[2]:
@@ -121,10 +120,7 @@ class Landing:
                                      if n != self.caps[r] else f"n_nodes {n} but the arrays have {packed.shape[2]}")
                 self.excused.add(sid)
                 continue
-            self.host[:, r, :n] = packed[:, j, :n]
-            if n < M:  # a smaller tree than the widest row: padding after it, as the root-only fill left it
-                self.host[:5, r, n:] = -1
-                self.host[5, r, n:] = np.float32(-np.inf).view(np.int32)
+            self.host[:, r, :n] = packed[:, j, :n]  # past n: the root-only fill's padding
 
 
 class TreeLandings:
