@@ -1,0 +1,257 @@
+"""Gluon (sm_80+ mma.sync) kernels of `kernels.int4_moe`: weights straight from global memory into the MMA.
+
+The Triton kernels (`_int4_moe_kernels`) stage every weight tile through shared memory (cp.async, a CTA barrier
+per pipeline stage, then shared-memory loads) and put the pairs on the MMA's M side. Here the layouts are
+explicit, so the weights never touch shared memory:
+
+  acc [ROWS, NP]  (weight rows x pairs)  +=  W [ROWS, 64] (operand A)  x  X [64, NP] (operand B)
+
+with mma.sync m16n8k16 and both operands in the k_width = 8 dot layout: within every 32 columns of K, lane
+quad q holds 8 consecutive columns, so ONE int32 word of 8 nibbles is exactly what a thread needs of one
+weight row. Each thread loads its words with 16-byte vector loads (two per row per 256-column step), one step
+ahead of the MMAs, dequantises them in registers and feeds the MMA; no shared memory, no CTA barrier. The
+activations (x rows gathered by pair, or `a`) are loaded the same way, 16 bytes per load, from L1/L2.
+
+K order. A 256-column step holds 32 words of a row. The kernel's "logical" word w = 8c + 4r + q (chunk c of 64
+columns, its half r, lane quad q) is the word at memory position 8q + 4r + c, so a thread's 8 words of the step
+are contiguous in memory (two 16-byte loads) and cover the quantisation groups 2q and 2q + 1 (one 4-byte load
+of scales per row). The activations are read in the same permuted order: the product is the same sum, taken
+in another order than the Triton kernels' (other bits; a deployment uses one implementation).
+
+Dequant (PTX, per two weights): one lop3 puts the nibble pair into bf16 128 + u (Marlin's trick), one bf16x2
+FMA gives q = u - 8 exactly, one multiplies by the group's scale and rounds once: bf16(q * s), the value of the
+Triton kernels' PRESCALE path. The nibbles of a word are stored interleaved (k0 k2 k4 k6 k1 k3 k5 k7, made once
+at load by `repack_int4_moe_for_gluon`) so that `(word >> 4i) & 0x000F000F` is the pair (2i, 2i + 1).
+
+Batch invariance: a pair's column of the accumulator is computed from its own x row and the weights only
+(mma.sync computes each output element independently), in a K order fixed by the layout, so its bits do not
+depend on the other pairs of its block, the block size NP or the launch.
+
+Shapes: rows of one tensor per CTA = 16 x num_warps (one m16 tile per warp), K padded to a multiple of 256 by
+the repack, NP = 8 or 16 pairs per expert block. bf16 activations, sm_80 or newer.
+"""
+
+from __future__ import annotations
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+    HAVE_GLUON = True
+except ImportError:  # pragma: no cover - depends on the installed Triton
+    HAVE_GLUON = False
+
+GLUON_BLOCK_K = 256  # K columns per loop step (8 groups of 32)
+
+# (128 + u) via lop3 into bf16 pairs, u - 8 exactly, times the group's scale (bf16x2 $3 = (s, s)) rounded once
+_DEQUANT_PAIR_PTX = """{
+.reg .b32 t, one, bias, nz;
+mov.b32 one, 0x3F803F80;
+mov.b32 bias, 0xC308C308;
+mov.b32 nz, 0x80008000;
+lop3.b32 t, $1, 0x000F000F, 0x43004300, 0xEA;
+fma.rn.bf16x2 t, t, one, bias;
+fma.rn.bf16x2 $0, t, $3, nz;
+}"""
+
+if HAVE_GLUON:
+    _DEQUANT_PAIR = gl.constexpr(_DEQUANT_PAIR_PTX)
+
+    @gluon.jit
+    def _expand8(v):
+        """[R, 8] -> [R, 64]: element 8w + 2i + b of the result is v[:, w] >> 4i (the word shifted for its
+        nibble pair i), built by register-only joins."""
+        s0 = v
+        s1 = v >> 4
+        s2 = v >> 8
+        s3 = v >> 12
+        u = gl.join(gl.join(s0, s2), gl.join(s1, s3))  # [R, 8, i1, i0] = s(2 i1 + i0); registers b, i0, i1
+        u = gl.join(u, u)  # [R, 8, 2, 2, 2(b)]
+        return gl.reshape(u, [v.shape[0], 64])
+
+    @gluon.jit
+    def _expand8_same(v):
+        """[R, 8] -> [R, 64]: element 8w + j is v[:, w]."""
+        u = gl.join(gl.join(v, v), gl.join(v, v))
+        u = gl.join(u, u)
+        return gl.reshape(u, [v.shape[0], 64])
+
+    @gluon.jit
+    def _chunks(w4):
+        """[R, 4 q, 2 r, 4 c] (memory order) -> the four 64-column chunks c, each [R, 8] in logical word
+        order 4r + q."""
+        R: gl.constexpr = w4.shape[0]
+        t = gl.reshape(gl.permute(w4, (0, 2, 1, 3)), [R, 2, 4, 2, 2])  # [R, r, q, c_hi, c_lo]
+        e, o = gl.split(t)  # c_lo = 0 / 1
+        c0, c2 = gl.split(e)
+        c1, c3 = gl.split(o)
+        return (gl.reshape(c0, [R, 8]), gl.reshape(c1, [R, 8]), gl.reshape(c2, [R, 8]), gl.reshape(c3, [R, 8]))
+
+    @gluon.jit
+    def _dequant_chunk(words, scales, A_L: gl.constexpr):
+        """One 64-column chunk: words [R, 8] int32 and their scales [R, 8] bf16 -> bf16(q * s) [R, 64] in the
+        MMA's A layout (register-only: the convert is asserted trivial)."""
+        wx = _expand8(words)
+        sx = gl.convert_layout(_expand8_same(scales), wx.type.layout, assert_trivial=True)
+        deq = gl.inline_asm_elementwise(_DEQUANT_PAIR, "=r,r,r,r", [wx, sx], dtype=gl.bfloat16,
+                                        is_pure=True, pack=2)
+        return gl.convert_layout(deq, A_L, assert_trivial=True)
+
+    @gluon.jit
+    def _load_step(w_rows, s_rows, row_ok, s_ok, kb, EVEN: gl.constexpr, W_L: gl.constexpr, S_L: gl.constexpr):
+        """One 256-column step of a tile's weight rows: words [R, 4 q, 2 r, 4 c] (each thread 8 contiguous
+        words per row: memory word 8q + 4r + c of the step) and scales [R, 4 q, 2 r] (group 2q + r)."""
+        L3: gl.constexpr = gl.SliceLayout(3, W_L)
+        L2: gl.constexpr = gl.SliceLayout(2, L3)
+        q = gl.arange(0, 4, layout=gl.SliceLayout(0, L2))
+        r = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(0, L3)))
+        c = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, W_L))))
+        q4 = gl.expand_dims(gl.expand_dims(gl.expand_dims(q * 8, 0), 2), 3)
+        r4 = gl.expand_dims(gl.expand_dims(gl.expand_dims(r * 4, 0), 0), 3)
+        c4 = gl.expand_dims(gl.expand_dims(gl.expand_dims(c, 0), 0), 0)
+        p4 = gl.expand_dims(gl.expand_dims(gl.expand_dims(w_rows + kb * 32, 1), 2), 3)
+        ok4 = gl.expand_dims(gl.expand_dims(gl.expand_dims(row_ok, 1), 2), 3)
+        if EVEN:
+            words = gl.load(p4 + (q4 + r4 + c4))
+        else:
+            words = gl.load(p4 + (q4 + r4 + c4), mask=ok4, other=0)
+        S2: gl.constexpr = gl.SliceLayout(2, S_L)
+        sq = gl.arange(0, 4, layout=gl.SliceLayout(0, S2))
+        sr = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(0, S_L)))  # h: groups 2q, 2q + 1
+        sq3 = gl.expand_dims(gl.expand_dims(sq * 2, 0), 2)
+        sr3 = gl.expand_dims(gl.expand_dims(sr, 0), 0)
+        sp3 = gl.expand_dims(gl.expand_dims(s_rows + kb * 8, 1), 2)
+        sok3 = gl.expand_dims(gl.expand_dims(s_ok, 1), 2)
+        if EVEN:
+            scales = gl.load(sp3 + (sq3 + sr3))
+        else:
+            scales = gl.load(sp3 + (sq3 + sr3), mask=sok3, other=0.0)
+        return words, scales
+
+    @gluon.jit
+    def _step_scales(scales):
+        """[R, 4 q, 2 h] (groups 2q + h of the step) -> per half h, [R, 8] in logical word order 4r + q: the
+        scales of chunks 2h and 2h + 1 (a word's group does not depend on r)."""
+        R: gl.constexpr = scales.shape[0]
+        s0, s1 = gl.split(scales)
+        s0 = gl.reshape(gl.permute(gl.join(s0, s0), (0, 2, 1)), [R, 8])
+        s1 = gl.reshape(gl.permute(gl.join(s1, s1), (0, 2, 1)), [R, 8])
+        return s0, s1
+
+    @gluon.jit
+    def _x_chunk(x_cols, kb, c: gl.constexpr, X_L: gl.constexpr, B_L: gl.constexpr):
+        """Activations of chunk c of step kb -> [64, NP] in the MMA's B layout. Lane quad q reads the 16
+        contiguous columns 64q + 16c + e of the step (two 16-byte loads); e's bits are (j0, r, j1, j2) of the
+        logical column 32r + 8q + j (module doc), so the relabelling is register-only."""
+        NP: gl.constexpr = x_cols.shape[0]
+        q = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, X_L)))
+        e = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, X_L)))
+        off = gl.expand_dims(q * 64, 1) + gl.expand_dims(e, 0) + (kb * 256 + c * 16)  # [4, 16]
+        cols = gl.convert_layout(x_cols, gl.SliceLayout(0, gl.SliceLayout(0, X_L)))
+        v = gl.load(gl.expand_dims(gl.expand_dims(cols, 0), 0) + gl.expand_dims(off, 2))  # [q, e, n]
+        v = gl.permute(gl.reshape(v, [4, 2, 2, 2, 2, NP]), (3, 0, 1, 2, 4, 5))  # [r, q, j2, j1, j0, n]
+        return gl.convert_layout(gl.reshape(v, [64, NP]), B_L, assert_trivial=True)
+
+    @gluon.jit
+    def _mma_step(acc, words, scales, x_cols, kb, A_L: gl.constexpr, B_L: gl.constexpr, X_L: gl.constexpr):
+        w0, w1, w2, w3 = _chunks(words)
+        s0, s1 = _step_scales(scales)
+        acc = mma_v2(_dequant_chunk(w0, s0, A_L), _x_chunk(x_cols, kb, 0, X_L, B_L), acc)
+        acc = mma_v2(_dequant_chunk(w1, s0, A_L), _x_chunk(x_cols, kb, 1, X_L, B_L), acc)
+        acc = mma_v2(_dequant_chunk(w2, s1, A_L), _x_chunk(x_cols, kb, 2, X_L, B_L), acc)
+        acc = mma_v2(_dequant_chunk(w3, s1, A_L), _x_chunk(x_cols, kb, 3, X_L, B_L), acc)
+        return acc
+
+    @gluon.jit
+    def _moe_gluon_kernel(
+        x_ptr,  # w13: x [T, Kp] (rows gathered by pair // TOPK); w2: a [P, Kp] (rows by pair)
+        w_ptr,  # int32 [E, N, Kp/8]
+        s_ptr,  # bf16 [E, N, Kp/32]
+        out_ptr,  # w13: a [P, N/2] (activation dtype); w2: y [P, N] fp32
+        pairs_ptr,  # int32 [blocks * NP]
+        bexp_ptr,  # int32 [blocks]
+        P, N_OUT, num_kb,
+        stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_o,
+        TOPK: gl.constexpr, NP: gl.constexpr, GATED: gl.constexpr, EVEN: gl.constexpr,
+    ):
+        NW: gl.constexpr = 4
+        gl.static_assert(gl.num_warps() == NW)
+        R: gl.constexpr = 16 * NW  # rows of one weight tile (w13: gate rows, and as many up rows)
+        P_L: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
+        A_L: gl.constexpr = gl.DotOperandLayout(0, P_L, 8)
+        B_L: gl.constexpr = gl.DotOperandLayout(1, P_L, 8)
+        # words [R, 4 q, 2 r, 4 c]: c and r in registers (8 contiguous words), q on lanes 0-1, rows as in A_L
+        W_L: gl.constexpr = gl.DistributedLinearLayout(
+            reg_bases=[[0, 0, 0, 1], [0, 0, 0, 2], [8, 0, 0, 0], [0, 0, 1, 0]],
+            lane_bases=[[0, 1, 0, 0], [0, 2, 0, 0], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]],
+            warp_bases=[[16, 0, 0, 0], [32, 0, 0, 0]],
+            block_bases=[], shape=[R, 4, 2, 4])
+        S_L: gl.constexpr = gl.DistributedLinearLayout(
+            reg_bases=[[0, 0, 1], [8, 0, 0]],
+            lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+            warp_bases=[[16, 0, 0], [32, 0, 0]], block_bases=[], shape=[R, 4, 2])
+        # activations of one chunk [4 q, 16 e, NP]: e in registers (16 contiguous columns), q and n on lanes
+        X_L: gl.constexpr = gl.DistributedLinearLayout(
+            reg_bases=[[0, 1, 0], [0, 2, 0], [0, 4, 0], [0, 8, 0]] + ([[0, 0, 8]] if NP == 16 else []),
+            lane_bases=[[1, 0, 0], [2, 0, 0], [0, 0, 1], [0, 0, 2], [0, 0, 4]],
+            warp_bases=[[0, 0, 0], [0, 0, 0]], block_bases=[], shape=[4, 16, NP])
+        ROW_L: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, W_L)))
+        SROW_L: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, S_L))
+
+        pid_r = gl.program_id(0)
+        blk = gl.program_id(1)
+        e = gl.load(bexp_ptr + blk)
+        if e < 0:
+            return
+        rows = pid_r * R + gl.arange(0, R, layout=ROW_L)
+        n_rows = N_OUT
+        row_ok = rows < n_rows
+        srows = pid_r * R + gl.arange(0, R, layout=SROW_L)
+        srow_ok = srows < n_rows
+        w_base = w_ptr + e.to(gl.int64) * stride_we
+        s_base = s_ptr + e.to(gl.int64) * stride_se
+        wg = w_base + rows * stride_wn
+        sg = s_base + srows * stride_sn
+        if GATED:  # up rows: the same intermediate columns, N_OUT rows further
+            wu = w_base + (rows + N_OUT) * stride_wn
+            su = s_base + (srows + N_OUT) * stride_sn
+        pairs = gl.load(pairs_ptr + blk * NP + gl.arange(0, NP, layout=gl.SliceLayout(0, B_L)))
+        x_ok = pairs < P
+        if GATED:
+            x_rows = pairs // TOPK
+        else:
+            x_rows = pairs
+        x_cols = x_ptr + gl.where(x_ok, x_rows, 0).to(gl.int64) * stride_x
+
+        acc_g = gl.zeros([R, NP], gl.float32, P_L)
+        acc_u = gl.zeros([R, NP], gl.float32, P_L)
+        # two K steps per iteration (num_kb is even: the repack pads K to 512), each step's weights loaded one
+        # step ahead into the other buffer (no register copies between iterations)
+        wq_g, sc_g = _load_step(wg, sg, row_ok, srow_ok, 0, EVEN, W_L, S_L)
+        if GATED:
+            wq_u, sc_u = _load_step(wu, su, row_ok, srow_ok, 0, EVEN, W_L, S_L)
+        for kb in range(0, num_kb, 2):
+            nq_g, ns_g = _load_step(wg, sg, row_ok, srow_ok, kb + 1, EVEN, W_L, S_L)
+            if GATED:
+                nq_u, ns_u = _load_step(wu, su, row_ok, srow_ok, kb + 1, EVEN, W_L, S_L)
+            acc_g = _mma_step(acc_g, wq_g, sc_g, x_cols, kb, A_L, B_L, X_L)
+            if GATED:
+                acc_u = _mma_step(acc_u, wq_u, sc_u, x_cols, kb, A_L, B_L, X_L)
+            nxt = gl.minimum(kb + 2, num_kb - 2)  # the last iteration reloads a step it had (L2), no branch
+            wq_g, sc_g = _load_step(wg, sg, row_ok, srow_ok, nxt, EVEN, W_L, S_L)
+            if GATED:
+                wq_u, sc_u = _load_step(wu, su, row_ok, srow_ok, nxt, EVEN, W_L, S_L)
+            acc_g = _mma_step(acc_g, nq_g, ns_g, x_cols, kb + 1, A_L, B_L, X_L)
+            if GATED:
+                acc_u = _mma_step(acc_u, nq_u, ns_u, x_cols, kb + 1, A_L, B_L, X_L)
+
+        orow = pid_r * R + gl.arange(0, R, layout=gl.SliceLayout(1, P_L))
+        ocol = gl.convert_layout(pairs, gl.SliceLayout(0, P_L))
+        optr = out_ptr + gl.expand_dims(ocol.to(gl.int64) * stride_o, 0) + gl.expand_dims(orow, 1)
+        omask = gl.expand_dims(ocol < P, 0) & gl.expand_dims(orow < N_OUT, 1)
+        if GATED:
+            act = acc_g / (1.0 + gl.exp(-acc_g)) * acc_u
+            gl.store(optr, act.to(out_ptr.dtype.element_ty), mask=omask)
+        else:
+            gl.store(optr, acc_g, mask=omask)

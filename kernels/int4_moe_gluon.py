@@ -1,0 +1,139 @@
+"""Gluon path of `kernels.int4_moe`: its weight layout ("gluon"), made once at load, and its launcher.
+
+Same op, same four launches as the Triton path (`moe_align` into blocks of `block_pairs` pairs, w13 with
+SiLU(gate) * up fused, w2 into per-pair fp32 rows, the slot-ordered combine), but the two GEMMs are the Gluon
+kernels of `_int4_moe_gluon` (weights from global memory straight into mma.sync, no shared memory). Its
+arithmetic is the Triton default's (bf16(q * s) weights, fp32 accumulation, `a` rounded to bf16) in another K
+order, so the two paths do not give the same bits; each is batch invariant. GPU only (Gluon has no
+interpreter): the CPU tests check the layout against the checkpoint (`gluon_layout_dense`).
+
+"gluon" layout (`repack_int4_moe_for_gluon`), per projection: K padded to a multiple of 512 (zero weights,
+zero scales), words int32 [E, N, Kp/8] and scales bf16 [E, N, Kp/32] (the checkpoint's, padded). In each
+256-column step of a row, memory word 8q + 4r + c holds the 8 logical columns 64c + 32r + 8q + j (j = 0..7)
+of the kernel's K order, which are the step's physical columns
+
+    phys(c, r, q, j) = 64q + 16c + 2r + (j & 1) + 4 * ((j >> 1) & 1) + 8 * (j >> 2)
+
+(so a lane's activations are 16 contiguous columns), column j in nibble position i = j // 2 + 4 * (j % 2)
+(k0 k2 k4 k6 k1 k3 k5 k7: `(word >> 4i) & 0x000F000F` is the pair 2i, 2i + 1). A word's columns lie in one
+quantisation group, 2q + c // 2 of the step.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels.int4_pack import PACK_FACTOR
+
+STEP = 256  # K columns per kernel step
+K_ALIGN = 512  # the kernels do two steps per loop iteration
+ROWS = 64  # weight rows per program (16 per warp, 4 warps)
+BLOCK_PAIRS = (8, 16)  # pairs per expert block (the MMA's N): same bits either way
+DEFAULT_BLOCK_PAIRS = 8
+
+
+def _step_map() -> tuple[torch.Tensor, torch.Tensor]:
+    """(phys [32 words, 8 positions], group [32 words]): the step column held by nibble position i of memory
+    word 8q + 4r + c, and that word's group within the step."""
+    phys = torch.empty(32, 8, dtype=torch.int64)
+    group = torch.empty(32, dtype=torch.int64)
+    for q in range(4):
+        for r in range(2):
+            for c in range(4):
+                mw = 8 * q + 4 * r + c
+                group[mw] = 2 * q + c // 2
+                for j in range(8):
+                    pos = j // 2 + 4 * (j % 2)
+                    phys[mw, pos] = 64 * q + 16 * c + 2 * r + (j & 1) + 4 * ((j >> 1) & 1) + 8 * (j >> 2)
+    return phys, group
+
+
+def _repack_proj(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Checkpoint int32 [E, N, K/8] + scale [E, N, K/32] -> the gluon layout (module doc)."""
+    E, N, k8 = packed.shape
+    K = k8 * PACK_FACTOR
+    kp = -(-K // K_ALIGN) * K_ALIGN
+    phys, _ = _step_map()
+    phys = phys.to(packed.device).view(-1)  # [256]: memory word-major, nibble position minor
+    shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=packed.device)
+    out = torch.empty(E, N, kp // PACK_FACTOR, dtype=torch.int32, device=packed.device)
+    for e in range(E):  # per expert: bounded temporaries
+        u = ((packed[e].long().unsqueeze(-1) >> shifts) & 0xF).flatten(-2)  # [N, K] column order
+        u = F.pad(u, (0, kp - K), value=8).view(N, kp // STEP, STEP)  # q = 0 in the padding
+        u = u[..., phys].view(N, kp // STEP, 32, 8)  # [N, step, memory word, nibble position]
+        words = (u << shifts).sum(-1)
+        out[e] = torch.where(words >= 2**31, words - 2**32, words).view(N, -1).to(torch.int32)
+    return out, F.pad(scale, (0, kp // 32 - scale.shape[-1])).contiguous()
+
+
+def repack_int4_moe_for_gluon(w13_packed, w13_scale, w2_packed, w2_scale):
+    """Checkpoint layout -> "gluon" layout (module doc); run once at load."""
+    return (*_repack_proj(w13_packed, w13_scale), *_repack_proj(w2_packed, w2_scale))
+
+
+def gluon_layout_dense(words: torch.Tensor, scale: torch.Tensor, in_features: int,
+                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Decode one gluon-layout projection back to dense weights [E, N, K] (q * scale), following the kernel's
+    reading of it (memory word -> columns, word -> group): the CPU check of the layout."""
+    E, N, kw = words.shape
+    steps = kw * PACK_FACTOR // STEP
+    phys, group = _step_map()
+    shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=words.device)
+    q = (((words.long().view(E, N, steps, 32, 1) >> shifts) & 0xF) - 8).to(torch.float32)  # [.., word, pos]
+    g = group.to(words.device) + 8 * torch.arange(steps, device=words.device).view(steps, 1)  # [step, word]
+    s = scale.to(torch.float32)[:, :, g]  # [E, N, step, word]
+    vals = (q * s.unsqueeze(-1)).to(dtype).view(E, N, steps, STEP)
+    dense = torch.empty_like(vals)
+    dense[..., phys.to(words.device).view(-1)] = vals
+    return dense.view(E, N, steps * STEP)[..., :in_features]
+
+
+def int4_moe_gluon(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, block_pairs: int = DEFAULT_BLOCK_PAIRS,
+                   experts: range | None = None, reduce_pairs=None):
+    """The Gluon path (CUDA, bf16, gluon layout); arguments as `kernels.int4_moe.int4_moe`. `block_pairs`: pairs
+    per expert block (BLOCK_PAIRS; a pair's bits do not depend on it)."""
+    from kernels._int4_moe_gluon import HAVE_GLUON, _moe_gluon_kernel
+    from kernels._int4_moe_kernels import _moe_combine_kernel
+    from kernels._moe_align import moe_align
+    from kernels.int4_moe import _local_ids, _pair_buffer
+
+    if not HAVE_GLUON:
+        raise RuntimeError("int4_moe_gluon needs Triton with Gluon (3.5 or newer)")
+    if not x.is_cuda or x.dtype != torch.bfloat16:
+        raise ValueError(f"int4_moe_gluon: bf16 activations on CUDA, got {x.dtype} on {x.device}")
+    if block_pairs not in BLOCK_PAIRS:
+        raise ValueError(f"int4_moe_gluon: block_pairs={block_pairs} (one of {BLOCK_PAIRS})")
+    T, D = x.shape
+    E, two_i, kw13 = w13.shape
+    inter = two_i // 2
+    kp13, kp2 = kw13 * PACK_FACTOR, w2.shape[2] * PACK_FACTOR
+    if kp13 % K_ALIGN or kp2 % K_ALIGN or kp13 < D or kp2 < inter or w2.shape[:2] != (E, D):
+        raise ValueError(f"int4_moe_gluon: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)} are "
+                         "not gluon-layout weights of this shape (repack_int4_moe_for_gluon)")
+    if out is None:
+        out = torch.empty_like(x)
+    if T == 0:
+        return out
+    topk = topk_ids.shape[1]
+    P = T * topk
+    if D != kp13:  # the kernel reads whole steps: zeros past D (the weights there are 0 too, but 0 * NaN is not)
+        x = F.pad(x, (0, kp13 - D))
+    x = x.contiguous()
+    sorted_pairs, bexp = moe_align(_local_ids(topk_ids, experts, E), E, block_pairs)
+    nblk = bexp.shape[0]
+    a = (torch.zeros if kp2 != inter else torch.empty)(P, kp2, dtype=x.dtype, device=x.device)
+    _moe_gluon_kernel[(-(-inter // ROWS), nblk)](
+        x, w13, s13, a, sorted_pairs, bexp, P, inter, kp13 // STEP,
+        x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), a.stride(0),
+        TOPK=topk, NP=block_pairs, GATED=True, EVEN=inter % ROWS == 0, num_warps=4)
+    y = _pair_buffer(P, D, torch.float32, x.device, experts is not None)
+    _moe_gluon_kernel[(-(-D // ROWS), nblk)](
+        a, w2, s2, y, sorted_pairs, bexp, P, D, kp2 // STEP,
+        a.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), y.stride(0),
+        TOPK=topk, NP=block_pairs, GATED=False, EVEN=D % ROWS == 0, num_warps=4)
+    if reduce_pairs is not None:
+        reduce_pairs(y)
+    _moe_combine_kernel[(T, -(-D // 1024))](
+        y, topk_w.contiguous(), out, D, y.stride(0), out.stride(0), TOPK=topk, BLOCK=1024, num_warps=4)
+    return out
