@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from bench._common import bench_ms, env_info, graph_ms, measure_ceilings, write_jsonl
 from kernels.int4_moe import _RESIDENT, int4_moe_triton, tile_int4_moe_weights
-from kernels.int4_moe_gluon import BLOCK_PAIRS, int4_moe_gluon
+from kernels.int4_moe_gluon import int4_moe_gluon
 
 E, D, INTER, TOPK, G = 384, 7168, 2048, 8, 32
 TOKENS = (1, 9, 17, 33, 65, 129)
@@ -98,6 +98,12 @@ def gpu_layout_weights(gen):
         scale = (torch.rand(E, n_in // 256, 8, n_out, generator=gen, device="cuda") * 4e-3 + 1e-3)
         return packed, scale.to(torch.bfloat16)
     return (*proj(2 * INTER, D), *proj(D, INTER))
+
+
+GLUON_VARIANTS = {  # name -> int4_moe_gluon options (--gluon)
+    "gluon_np8": {}, "gluon_np16": dict(block_pairs=16), "gluon_d2": dict(depth=2), "gluon_c2": dict(chains=2),
+    "gluon_d2_c2": dict(depth=2, chains=2), "gluon_np16_d2": dict(block_pairs=16, depth=2),
+}
 
 
 def gluon_layout_weights(gen):
@@ -204,8 +210,9 @@ def main():
                     help="time these SWEEP configurations (or groups) besides the default (implies --sweep)")
     ap.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS), help=f"token counts (default {TOKENS})")
     ap.add_argument("--no-peers", action="store_true")
-    ap.add_argument("--gluon", action="store_true", help="also time the Gluon path (int4_moe_gluon) at 8 and 16 "
-                    "pairs per block, records int4_moe_gluon with the Triton default as a peer")
+    ap.add_argument("--gluon", nargs="*", default=None, choices=sorted(GLUON_VARIANTS), metavar="NAME",
+                    help="also time the Gluon path (int4_moe_gluon) in these GLUON_VARIANTS (none given: all); "
+                    "records int4_moe_gluon with the Triton default as a peer")
     args = ap.parse_args()
     names = [n for c in args.configs for n in CONFIG_GROUPS.get(c, [c])] if args.configs else []
     if args.sweep and not names:
@@ -216,7 +223,8 @@ def main():
     gen = torch.Generator(device="cuda").manual_seed(0)
     w = tuple(gpu_layout_weights(gen))
     per_expert = sum(t[0].numel() * t.element_size() for t in w)
-    wgl = tuple(gluon_layout_weights(gen)) if args.gluon else None
+    gluon = (args.gluon or list(GLUON_VARIANTS)) if args.gluon is not None else []
+    wgl = tuple(gluon_layout_weights(gen)) if gluon else None
     peers_w = {}
     if not args.no_peers:
         t0 = time.time()
@@ -264,21 +272,22 @@ def main():
             pe = "  ".join(f"{k}={v:.3f}" for k, v in peers.items())
             print(f"{T:>4} {touched:>7} {ms:8.4f} {floor_ms:8.4f} {floor_ms / ms:6.3f} {nbytes / ms / 1e6:6.0f}  "
                   f"{pe}  {name or ''}", flush=True)
-        for bp in BLOCK_PAIRS if wgl is not None else ():
-            fn = functools.partial(int4_moe_gluon, x, ids, tw, *wgl, out=out, block_pairs=bp)
+        for gname in gluon:
+            opts = GLUON_VARIANTS[gname]
+            fn = functools.partial(int4_moe_gluon, x, ids, tw, *wgl, out=out, **opts)
             try:
                 ms, eager = graph_ms(fn), bench_ms(fn)
             except Exception as exc:  # noqa: BLE001 - reported, not fatal
-                print(f"T={T} gluon {bp}: {exc!r}"[:600], flush=True)
+                print(f"T={T} {gname}: {exc!r}"[:600], flush=True)
                 continue
             peers = {"gluon_eager": eager, **({"triton_default": default_ms} if default_ms else {})}
             params = dict(T=T, E=E, D=D, I=INTER, topk=TOPK, experts_touched=touched, bytes=nbytes,
-                          timing="cuda_graph_replay", variant=f"gluon_np{bp}", config=dict(block_pairs=bp))
+                          timing="cuda_graph_replay", variant=gname, config=opts or "default")
             write_jsonl(args.out, [dict(name="int4_moe_gluon", params=params, **info, ms=ms, floor_ms=floor_ms,
                                         ratio=floor_ms / ms, peers=peers, **ceil)])
             pe = "  ".join(f"{k}={v:.3f}" for k, v in peers.items())
             print(f"{T:>4} {touched:>7} {ms:8.4f} {floor_ms:8.4f} {floor_ms / ms:6.3f} {nbytes / ms / 1e6:6.0f}  "
-                  f"{pe}  gluon_np{bp}", flush=True)
+                  f"{pe}  {gname}", flush=True)
     for (kernel, _, options), programs in _RESIDENT.items():  # default persistent grids: registers / smem bound
         shown = {k: v for k, v in options if k in ("BLOCK_I", "BLOCK_D", "K_UNROLL", "num_warps", "num_stages",
                                                   "maxnreg", "PRESCALE", "SWAP", "SCALE_TILE")}

@@ -154,14 +154,44 @@ if HAVE_GLUON:
         return gl.convert_layout(gl.reshape(v, [64, NP]), B_L, assert_trivial=True)
 
     @gluon.jit
-    def _mma_step(acc, words, scales, x_cols, kb, A_L: gl.constexpr, B_L: gl.constexpr, X_L: gl.constexpr):
+    def _mma_step(acc0, acc1, words, scales, x_cols, kb, CHAINS: gl.constexpr, A_L: gl.constexpr,
+                  B_L: gl.constexpr, X_L: gl.constexpr):
+        """One K step: four 64-column MMAs into acc0 (CHAINS == 1) or alternately into acc0 and acc1 (two
+        independent mma.sync dependency chains, added after the K loop)."""
         w0, w1, w2, w3 = _chunks(words)
         s0, s1 = _step_scales(scales)
-        acc = mma_v2(_dequant_chunk(w0, s0, A_L), _x_chunk(x_cols, kb, 0, X_L, B_L), acc)
-        acc = mma_v2(_dequant_chunk(w1, s0, A_L), _x_chunk(x_cols, kb, 1, X_L, B_L), acc)
-        acc = mma_v2(_dequant_chunk(w2, s1, A_L), _x_chunk(x_cols, kb, 2, X_L, B_L), acc)
-        acc = mma_v2(_dequant_chunk(w3, s1, A_L), _x_chunk(x_cols, kb, 3, X_L, B_L), acc)
-        return acc
+        acc0 = mma_v2(_dequant_chunk(w0, s0, A_L), _x_chunk(x_cols, kb, 0, X_L, B_L), acc0)
+        if CHAINS == 2:
+            acc1 = mma_v2(_dequant_chunk(w1, s0, A_L), _x_chunk(x_cols, kb, 1, X_L, B_L), acc1)
+        else:
+            acc0 = mma_v2(_dequant_chunk(w1, s0, A_L), _x_chunk(x_cols, kb, 1, X_L, B_L), acc0)
+        acc0 = mma_v2(_dequant_chunk(w2, s1, A_L), _x_chunk(x_cols, kb, 2, X_L, B_L), acc0)
+        if CHAINS == 2:
+            acc1 = mma_v2(_dequant_chunk(w3, s1, A_L), _x_chunk(x_cols, kb, 3, X_L, B_L), acc1)
+        else:
+            acc0 = mma_v2(_dequant_chunk(w3, s1, A_L), _x_chunk(x_cols, kb, 3, X_L, B_L), acc0)
+        return acc0, acc1
+
+    @gluon.jit
+    def _load_both(wg, sg, wu, su, row_ok, srow_ok, kb, EVEN: gl.constexpr, GATED: gl.constexpr,
+                   W_L: gl.constexpr, S_L: gl.constexpr):
+        """Step kb's (words, scales) of the gate rows (w2: the rows) and, GATED, of the up rows."""
+        qg, sc_g = _load_step(wg, sg, row_ok, srow_ok, kb, EVEN, W_L, S_L)
+        if GATED:
+            qu, sc_u = _load_step(wu, su, row_ok, srow_ok, kb, EVEN, W_L, S_L)
+        else:
+            qu, sc_u = qg, sc_g
+        return qg, sc_g, qu, sc_u
+
+    @gluon.jit
+    def _step_both(accs, buf, x_cols, kb, GATED: gl.constexpr, CHAINS: gl.constexpr, A_L: gl.constexpr,
+                   B_L: gl.constexpr, X_L: gl.constexpr):
+        g0, g1, u0, u1 = accs
+        qg, sc_g, qu, sc_u = buf
+        g0, g1 = _mma_step(g0, g1, qg, sc_g, x_cols, kb, CHAINS, A_L, B_L, X_L)
+        if GATED:
+            u0, u1 = _mma_step(u0, u1, qu, sc_u, x_cols, kb, CHAINS, A_L, B_L, X_L)
+        return g0, g1, u0, u1
 
     @gluon.jit
     def _moe_gluon_kernel(
@@ -173,7 +203,8 @@ if HAVE_GLUON:
         bexp_ptr,  # int32 [blocks]
         P, N_OUT, num_kb,
         stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_o,
-        TOPK: gl.constexpr, NP: gl.constexpr, GATED: gl.constexpr, EVEN: gl.constexpr,
+        TOPK: gl.constexpr, NP: gl.constexpr, GATED: gl.constexpr, EVEN: gl.constexpr, DEPTH: gl.constexpr,
+        CHAINS: gl.constexpr,
     ):
         NW: gl.constexpr = 4
         gl.static_assert(gl.num_warps() == NW)
@@ -213,9 +244,8 @@ if HAVE_GLUON:
         s_base = s_ptr + e.to(gl.int64) * stride_se
         wg = w_base + rows * stride_wn
         sg = s_base + srows * stride_sn
-        if GATED:  # up rows: the same intermediate columns, N_OUT rows further
-            wu = w_base + (rows + N_OUT) * stride_wn
-            su = s_base + (srows + N_OUT) * stride_sn
+        wu = w_base + (rows + N_OUT) * stride_wn  # w13: the up rows of the same intermediate columns
+        su = s_base + (srows + N_OUT) * stride_sn
         pairs = gl.load(pairs_ptr + blk * NP + gl.arange(0, NP, layout=gl.SliceLayout(0, B_L)))
         x_ok = pairs < P
         if GATED:
@@ -224,28 +254,34 @@ if HAVE_GLUON:
             x_rows = pairs
         x_cols = x_ptr + gl.where(x_ok, x_rows, 0).to(gl.int64) * stride_x
 
-        acc_g = gl.zeros([R, NP], gl.float32, P_L)
-        acc_u = gl.zeros([R, NP], gl.float32, P_L)
-        # two K steps per iteration (num_kb is even: the repack pads K to 512), each step's weights loaded one
-        # step ahead into the other buffer (no register copies between iterations)
-        wq_g, sc_g = _load_step(wg, sg, row_ok, srow_ok, 0, EVEN, W_L, S_L)
-        if GATED:
-            wq_u, sc_u = _load_step(wu, su, row_ok, srow_ok, 0, EVEN, W_L, S_L)
-        for kb in range(0, num_kb, 2):
-            nq_g, ns_g = _load_step(wg, sg, row_ok, srow_ok, kb + 1, EVEN, W_L, S_L)
-            if GATED:
-                nq_u, ns_u = _load_step(wu, su, row_ok, srow_ok, kb + 1, EVEN, W_L, S_L)
-            acc_g = _mma_step(acc_g, wq_g, sc_g, x_cols, kb, A_L, B_L, X_L)
-            if GATED:
-                acc_u = _mma_step(acc_u, wq_u, sc_u, x_cols, kb, A_L, B_L, X_L)
-            nxt = gl.minimum(kb + 2, num_kb - 2)  # the last iteration reloads a step it had (L2), no branch
-            wq_g, sc_g = _load_step(wg, sg, row_ok, srow_ok, nxt, EVEN, W_L, S_L)
-            if GATED:
-                wq_u, sc_u = _load_step(wu, su, row_ok, srow_ok, nxt, EVEN, W_L, S_L)
-            acc_g = _mma_step(acc_g, nq_g, ns_g, x_cols, kb + 1, A_L, B_L, X_L)
-            if GATED:
-                acc_u = _mma_step(acc_u, nq_u, ns_u, x_cols, kb + 1, A_L, B_L, X_L)
+        zero = gl.zeros([R, NP], gl.float32, P_L)
+        accs = (zero, zero, zero, zero)  # gate (w2: the rows) chains 0 and 1, up chains 0 and 1
+        # two K steps per iteration (num_kb is even: the repack pads K to 512); each step's weights are loaded
+        # DEPTH steps ahead (the last iterations reload steps they had: L2 hits, no branch)
+        a = _load_both(wg, sg, wu, su, row_ok, srow_ok, 0, EVEN, GATED, W_L, S_L)
+        if DEPTH == 1:
+            for kb in range(0, num_kb, 2):
+                b = _load_both(wg, sg, wu, su, row_ok, srow_ok, kb + 1, EVEN, GATED, W_L, S_L)
+                accs = _step_both(accs, a, x_cols, kb, GATED, CHAINS, A_L, B_L, X_L)
+                a = _load_both(wg, sg, wu, su, row_ok, srow_ok, gl.minimum(kb + 2, num_kb - 1), EVEN, GATED,
+                               W_L, S_L)
+                accs = _step_both(accs, b, x_cols, kb + 1, GATED, CHAINS, A_L, B_L, X_L)
+        else:
+            b = _load_both(wg, sg, wu, su, row_ok, srow_ok, 1, EVEN, GATED, W_L, S_L)
+            for kb in range(0, num_kb, 2):
+                c = _load_both(wg, sg, wu, su, row_ok, srow_ok, gl.minimum(kb + 2, num_kb - 1), EVEN, GATED,
+                               W_L, S_L)
+                accs = _step_both(accs, a, x_cols, kb, GATED, CHAINS, A_L, B_L, X_L)
+                d = _load_both(wg, sg, wu, su, row_ok, srow_ok, gl.minimum(kb + 3, num_kb - 1), EVEN, GATED,
+                               W_L, S_L)
+                accs = _step_both(accs, b, x_cols, kb + 1, GATED, CHAINS, A_L, B_L, X_L)
+                a = c
+                b = d
 
+        acc_g, acc_u = accs[0], accs[2]
+        if CHAINS == 2:  # a fixed order: chain 0 + chain 1
+            acc_g = acc_g + accs[1]
+            acc_u = acc_u + accs[3]
         orow = pid_r * R + gl.arange(0, R, layout=gl.SliceLayout(1, P_L))
         ocol = gl.convert_layout(pairs, gl.SliceLayout(0, P_L))
         optr = out_ptr + gl.expand_dims(ocol.to(gl.int64) * stride_o, 0) + gl.expand_dims(orow, 1)

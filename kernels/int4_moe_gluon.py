@@ -31,6 +31,8 @@ K_ALIGN = 512  # the kernels do two steps per loop iteration
 ROWS = 64  # weight rows per program (16 per warp, 4 warps)
 BLOCK_PAIRS = (8, 16)  # pairs per expert block (the MMA's N): same bits either way
 DEFAULT_BLOCK_PAIRS = 8
+DEFAULT_DEPTH = 1
+DEFAULT_CHAINS = 1
 
 
 def _step_map() -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,9 +92,11 @@ def gluon_layout_dense(words: torch.Tensor, scale: torch.Tensor, in_features: in
 
 
 def int4_moe_gluon(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, block_pairs: int = DEFAULT_BLOCK_PAIRS,
-                   experts: range | None = None, reduce_pairs=None):
-    """The Gluon path (CUDA, bf16, gluon layout); arguments as `kernels.int4_moe.int4_moe`. `block_pairs`: pairs
-    per expert block (BLOCK_PAIRS; a pair's bits do not depend on it)."""
+                   depth: int = DEFAULT_DEPTH, chains: int = DEFAULT_CHAINS, experts: range | None = None,
+                   reduce_pairs=None):
+    """The Gluon path (CUDA, bf16, gluon layout); arguments as `kernels.int4_moe.int4_moe`. Schedule options with
+    the same bits: `block_pairs` (pairs per expert block, BLOCK_PAIRS), `depth` (K steps of weights loaded ahead,
+    1 or 2). `chains` (1 or 2 independent MMA accumulator chains, added after the K loop) changes the bits."""
     from kernels._int4_moe_gluon import HAVE_GLUON, _moe_gluon_kernel
     from kernels._int4_moe_kernels import _moe_combine_kernel
     from kernels._moe_align import moe_align
@@ -102,8 +106,9 @@ def int4_moe_gluon(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, block_pai
         raise RuntimeError("int4_moe_gluon needs Triton with Gluon (3.5 or newer)")
     if not x.is_cuda or x.dtype != torch.bfloat16:
         raise ValueError(f"int4_moe_gluon: bf16 activations on CUDA, got {x.dtype} on {x.device}")
-    if block_pairs not in BLOCK_PAIRS:
-        raise ValueError(f"int4_moe_gluon: block_pairs={block_pairs} (one of {BLOCK_PAIRS})")
+    if block_pairs not in BLOCK_PAIRS or depth not in (1, 2) or chains not in (1, 2):
+        raise ValueError(f"int4_moe_gluon: block_pairs={block_pairs} (one of {BLOCK_PAIRS}), depth={depth}, "
+                         f"chains={chains} (1 or 2)")
     T, D = x.shape
     E, two_i, kw13 = w13.shape
     inter = two_i // 2
@@ -126,12 +131,12 @@ def int4_moe_gluon(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, block_pai
     _moe_gluon_kernel[(-(-inter // ROWS), nblk)](
         x, w13, s13, a, sorted_pairs, bexp, P, inter, kp13 // STEP,
         x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), a.stride(0),
-        TOPK=topk, NP=block_pairs, GATED=True, EVEN=inter % ROWS == 0, num_warps=4)
+        TOPK=topk, NP=block_pairs, GATED=True, EVEN=inter % ROWS == 0, DEPTH=depth, CHAINS=chains, num_warps=4)
     y = _pair_buffer(P, D, torch.float32, x.device, experts is not None)
     _moe_gluon_kernel[(-(-D // ROWS), nblk)](
         a, w2, s2, y, sorted_pairs, bexp, P, D, kp2 // STEP,
         a.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), y.stride(0),
-        TOPK=topk, NP=block_pairs, GATED=False, EVEN=D % ROWS == 0, num_warps=4)
+        TOPK=topk, NP=block_pairs, GATED=False, EVEN=D % ROWS == 0, DEPTH=depth, CHAINS=chains, num_warps=4)
     if reduce_pairs is not None:
         reduce_pairs(y)
     _moe_combine_kernel[(T, -(-D // 1024))](

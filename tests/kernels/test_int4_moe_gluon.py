@@ -69,7 +69,7 @@ for gated in (True, False):
         sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "out_ptr": "*bf16" if gated else "*fp32",
                "pairs_ptr": "*i32", "bexp_ptr": "*i32", "P": "i32", "N_OUT": "i32", "num_kb": "i32"}
         sig.update({n: "i32" for n in ("stride_x", "stride_we", "stride_wn", "stride_se", "stride_sn", "stride_o")})
-        cst = dict(TOPK=8, NP=np_, GATED=gated, EVEN=True)
+        cst = dict(TOPK=8, NP=np_, GATED=gated, EVEN=True, DEPTH=2 if np_ == 16 else 1, CHAINS=1)
         sig.update({k: "constexpr" for k in cst})
         names = list(sig)
         attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
@@ -119,17 +119,20 @@ def run_gluon(x, ids, tw, wg, **kw):
     return out
 
 
+OPTIONS = [dict(block_pairs=8), dict(block_pairs=16), dict(depth=2), dict(chains=2), dict(depth=2, chains=2)]
+
+
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("T,k,E,D,inter", [(5, 3, 7, 544, 224), (1, 2, 4, 512, 64), (33, 4, 16, 1024, 160)])
-@pytest.mark.parametrize("block_pairs", BLOCK_PAIRS)
-def test_int4_moe_gluon_vs_reference(T, k, E, D, inter, block_pairs):
+@pytest.mark.parametrize("opts", OPTIONS, ids=str)
+def test_int4_moe_gluon_vs_reference(T, k, E, D, inter, opts):
     """Awkward shapes (K and rows not multiples of the tiles: padding, masked rows) against int4_moe_ref."""
     w = make_experts(E, D, inter, device="cuda", seed=5)
     wg = repack_int4_moe_for_gluon(*w)
     ids, tw = make_routing(T, k, E, device="cuda", seed=6)
     x = torch.randn(T, D, device="cuda").to(torch.bfloat16)
-    out = run_gluon(x, ids, tw, wg, block_pairs=block_pairs)
+    out = run_gluon(x, ids, tw, wg, **opts)
     assert not torch.isnan(out).any()
     assert_close(out, int4_moe_ref(x.float(), ids, tw, *w), TOL[torch.bfloat16], f"T={T} E={E}")
 
@@ -163,17 +166,21 @@ def test_int4_moe_gluon_kimi_shapes(kimi_gluon, T):
 
 @gpu
 @pytest.mark.gpu
-def test_int4_moe_gluon_batch_invariance(kimi_gluon):
-    """Token 37 alone, as row 37 of a batch of 64, with its experts crowded by other tokens, and in 8- or 16-pair
-    blocks: bitwise equal (DESIGN 3.5)."""
+@pytest.mark.parametrize("chains", [1, 2])
+def test_int4_moe_gluon_batch_invariance(kimi_gluon, chains):
+    """Token 37 alone, as row 37 of a batch of 64, with its experts crowded by other tokens, in 8- or 16-pair
+    blocks and with weights loaded 1 or 2 steps ahead: bitwise equal (DESIGN 3.5)."""
     _, wg = kimi_gluon
     ids, tw = make_routing(64, KIMI["k"], KIMI["E"], device="cuda", seed=7)
     x = torch.randn(64, KIMI["D"], device="cuda").to(torch.bfloat16)
-    alone = run_gluon(x[37:38], ids[37:38], tw[37:38], wg)
+    alone = run_gluon(x[37:38], ids[37:38], tw[37:38], wg, chains=chains)
     for bp in BLOCK_PAIRS:
-        assert_bitwise(run_gluon(x, ids, tw, wg, block_pairs=bp)[37], alone[0], f"batch of 64, {bp} pairs")
+        for depth in (1, 2):
+            batch = run_gluon(x, ids, tw, wg, block_pairs=bp, depth=depth, chains=chains)
+            assert_bitwise(batch[37], alone[0], f"batch of 64, {bp} pairs, depth {depth}")
     ids2 = ids.clone()
     ids2[:, :4] = ids[37, :4]  # 64 pairs on each of four experts: several blocks per expert
+    alone2 = run_gluon(x[37:38], ids2[37:38], tw[37:38], wg, chains=chains)
     for bp in BLOCK_PAIRS:
-        batch2 = run_gluon(x, ids2, tw, wg, block_pairs=bp)
-        assert_bitwise(batch2[37], run_gluon(x[37:38], ids2[37:38], tw[37:38], wg)[0], f"crowded, {bp} pairs")
+        batch2 = run_gluon(x, ids2, tw, wg, block_pairs=bp, chains=chains)
+        assert_bitwise(batch2[37], alone2[0], f"crowded, {bp} pairs")
