@@ -6,7 +6,8 @@
   ncu --clock-control none --kernel-name regex:gluon --launch-skip 2 --launch-count 1 --section SpeedOfLight \\
       python bench/ncu_workload.py mla 16 4096 33 [gluon|gluon_ws|triton]
 
-moe T: `int4_moe_triton` on the INT4 MoE benchmark's random layer with T tokens (bench_int4_moe.py).
+moe T: `int4_moe_triton` on the INT4 MoE benchmark's random layer with T tokens (bench_int4_moe.py);
+moe_gluon T: `int4_moe_gluon` on the same shapes (its own random gluon-layout weights; kernels `_moe_w*_gluon_kernel`).
 mla B L n [impl]: `mla_attention_triton` on the MLA benchmark's case (B sessions, prefix L, n-node trees).
 Each runs its launcher three times (the first compiles), so skip two launches per kernel.
 Run from the repo root with PYTHONPATH=. on a CUDA machine.
@@ -32,6 +33,19 @@ def moe(T: int) -> None:
         int4_moe_triton(x, ids, tw, *w, out=out)
 
 
+def moe_gluon(T: int) -> None:
+    from bench.bench_int4_moe import D, gluon_layout_weights, routing
+    from kernels.int4_moe_gluon import int4_moe_gluon
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w = gluon_layout_weights(gen)
+    ids, tw = routing(T, gen)
+    x = torch.randn(T, D, generator=gen, device="cuda").to(torch.bfloat16)
+    out = torch.empty_like(x)
+    for _ in range(3):
+        int4_moe_gluon(x, ids, tw, *w, out=out)
+
+
 def mla(B: int, L: int, n: int, impl: str = "gluon") -> None:
     from bench.bench_mla_attention import SCALE, make_case
     from kernels.mla_attention import mla_attention_triton
@@ -46,6 +60,8 @@ if __name__ == "__main__":
     kind, *rest = sys.argv[1:]
     if kind == "moe":
         moe(int(rest[0]))
+    elif kind == "moe_gluon":
+        moe_gluon(int(rest[0]))
     elif kind == "mla":
         mla(*(int(v) for v in rest[:3]), *rest[3:])
     else:

@@ -194,7 +194,7 @@ if HAVE_GLUON:
         return g0, g1, u0, u1
 
     @gluon.jit
-    def _moe_gluon_kernel(
+    def _moe_gluon_body(
         x_ptr,  # w13: x [T, Kp] (rows gathered by pair // TOPK); w2: a [P, Kp] (rows by pair)
         w_ptr,  # int32 [E, N, Kp/8]
         s_ptr,  # bf16 [E, N, Kp/32]
@@ -291,3 +291,19 @@ if HAVE_GLUON:
             gl.store(optr, act.to(out_ptr.dtype.element_ty), mask=omask)
         else:
             gl.store(optr, acc_g, mask=omask)
+
+    @gluon.jit
+    def _moe_w13_gluon_kernel(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, bexp_ptr, P, N_OUT, num_kb, stride_x,
+                              stride_we, stride_wn, stride_se, stride_sn, stride_o, TOPK: gl.constexpr,
+                              NP: gl.constexpr, EVEN: gl.constexpr, DEPTH: gl.constexpr, CHAINS: gl.constexpr):
+        """w13: a[pair, i] = silu(gate) * up for the intermediate columns of this program (N_OUT = I)."""
+        _moe_gluon_body(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, bexp_ptr, P, N_OUT, num_kb, stride_x, stride_we,
+                        stride_wn, stride_se, stride_sn, stride_o, TOPK, NP, True, EVEN, DEPTH, CHAINS)
+
+    @gluon.jit
+    def _moe_w2_gluon_kernel(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, bexp_ptr, P, N_OUT, num_kb, stride_x,
+                             stride_we, stride_wn, stride_se, stride_sn, stride_o, TOPK: gl.constexpr,
+                             NP: gl.constexpr, EVEN: gl.constexpr, DEPTH: gl.constexpr, CHAINS: gl.constexpr):
+        """w2: y[pair, d] (fp32, unweighted) for the output rows of this program (N_OUT = D)."""
+        _moe_gluon_body(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, bexp_ptr, P, N_OUT, num_kb, stride_x, stride_we,
+                        stride_wn, stride_se, stride_sn, stride_o, TOPK, NP, False, EVEN, DEPTH, CHAINS)

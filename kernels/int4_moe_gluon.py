@@ -97,7 +97,7 @@ def int4_moe_gluon(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, block_pai
     """The Gluon path (CUDA, bf16, gluon layout); arguments as `kernels.int4_moe.int4_moe`. Schedule options with
     the same bits: `block_pairs` (pairs per expert block, BLOCK_PAIRS), `depth` (K steps of weights loaded ahead,
     1 or 2). `chains` (1 or 2 independent MMA accumulator chains, added after the K loop) changes the bits."""
-    from kernels._int4_moe_gluon import HAVE_GLUON, _moe_gluon_kernel
+    from kernels._int4_moe_gluon import HAVE_GLUON, _moe_w2_gluon_kernel, _moe_w13_gluon_kernel
     from kernels._int4_moe_kernels import _moe_combine_kernel
     from kernels._moe_align import moe_align
     from kernels.int4_moe import _local_ids, _pair_buffer
@@ -128,15 +128,15 @@ def int4_moe_gluon(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, block_pai
     sorted_pairs, bexp = moe_align(_local_ids(topk_ids, experts, E), E, block_pairs)
     nblk = bexp.shape[0]
     a = (torch.zeros if kp2 != inter else torch.empty)(P, kp2, dtype=x.dtype, device=x.device)
-    _moe_gluon_kernel[(-(-inter // ROWS), nblk)](
+    _moe_w13_gluon_kernel[(-(-inter // ROWS), nblk)](
         x, w13, s13, a, sorted_pairs, bexp, P, inter, kp13 // STEP,
         x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), a.stride(0),
-        TOPK=topk, NP=block_pairs, GATED=True, EVEN=inter % ROWS == 0, DEPTH=depth, CHAINS=chains, num_warps=4)
+        TOPK=topk, NP=block_pairs, EVEN=inter % ROWS == 0, DEPTH=depth, CHAINS=chains, num_warps=4)
     y = _pair_buffer(P, D, torch.float32, x.device, experts is not None)
-    _moe_gluon_kernel[(-(-D // ROWS), nblk)](
+    _moe_w2_gluon_kernel[(-(-D // ROWS), nblk)](
         a, w2, s2, y, sorted_pairs, bexp, P, D, kp2 // STEP,
         a.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), y.stride(0),
-        TOPK=topk, NP=block_pairs, GATED=False, EVEN=D % ROWS == 0, DEPTH=depth, CHAINS=chains, num_warps=4)
+        TOPK=topk, NP=block_pairs, EVEN=D % ROWS == 0, DEPTH=depth, CHAINS=chains, num_warps=4)
     if reduce_pairs is not None:
         reduce_pairs(y)
     _moe_combine_kernel[(T, -(-D // 1024))](

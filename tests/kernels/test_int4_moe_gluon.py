@@ -69,14 +69,15 @@ for gated in (True, False):
         sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "out_ptr": "*bf16" if gated else "*fp32",
                "pairs_ptr": "*i32", "bexp_ptr": "*i32", "P": "i32", "N_OUT": "i32", "num_kb": "i32"}
         sig.update({n: "i32" for n in ("stride_x", "stride_we", "stride_wn", "stride_se", "stride_sn", "stride_o")})
-        cst = dict(TOPK=8, NP=np_, GATED=gated, EVEN=True, DEPTH=2 if np_ == 16 else 1, CHAINS=1)
+        cst = dict(TOPK=8, NP=np_, EVEN=True, DEPTH=2 if np_ == 16 else 1, CHAINS=1)
         sig.update({k: "constexpr" for k in cst})
         names = list(sig)
         attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
                  if n.endswith("_ptr") or n.startswith("stride")}
         log = io.StringIO()
         with contextlib.redirect_stdout(log):
-            k = compile(GluonASTSource(fn=m._moe_gluon_kernel, signature=sig, constexprs=cst, attrs=attrs),
+            kernel = m._moe_w13_gluon_kernel if gated else m._moe_w2_gluon_kernel
+            k = compile(GluonASTSource(fn=kernel, signature=sig, constexprs=cst, attrs=attrs),
                         target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
         ptx, log = k.asm["ptx"], log.getvalue()
         regs = re.findall(r"Used (\d+) registers", log)

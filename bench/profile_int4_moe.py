@@ -1,0 +1,68 @@
+"""Per-kernel split of one MoE layer (align, w13, w2, combine) for the Triton default and the Gluon path, by
+torch.profiler over CUDA-graph replays (Kimi K2.6 shapes, random weights and routing; issue 3).
+
+  PYTHONPATH=. python bench/profile_int4_moe.py [--tokens 1 9 33] [--gluon-opts '{"depth": 2}']
+
+Prints, per T and path, the mean device time of each kernel over 50 replays and the sum; no records.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.bench_int4_moe import gluon_layout_weights, gpu_layout_weights, routing  # noqa: E402
+from kernels.int4_moe import int4_moe_triton  # noqa: E402
+from kernels.int4_moe_gluon import int4_moe_gluon  # noqa: E402
+
+D = 7168
+
+
+def split(fn, reps: int = 50) -> dict[str, float]:
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            g.replay()
+        torch.cuda.synchronize()
+    times: dict[str, float] = collections.defaultdict(float)
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            times[ev.name[:40]] += ev.device_time / reps
+    return dict(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", nargs="+", type=int, default=[1, 9, 33])
+    ap.add_argument("--gluon-opts", default="{}", help="int4_moe_gluon options as JSON")
+    args = ap.parse_args()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    wt, wg = gpu_layout_weights(gen), gluon_layout_weights(gen)
+    opts = json.loads(args.gluon_opts)
+    for T in args.tokens:
+        ids, tw = routing(T, gen)
+        x = torch.randn(T, D, generator=gen, device="cuda").to(torch.bfloat16)
+        out = torch.empty_like(x)
+        for name, fn in (("triton", functools.partial(int4_moe_triton, x, ids, tw, *wt, out=out)),
+                         ("gluon", functools.partial(int4_moe_gluon, x, ids, tw, *wg, out=out, **opts))):
+            t = split(fn)
+            parts = "  ".join(f"{k} {v:.1f}" for k, v in sorted(t.items(), key=lambda kv: -kv[1]))
+            print(f"T={T:<4} {name:7} sum {sum(t.values()):7.1f} us  {parts}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
