@@ -27,8 +27,9 @@ Batch invariance: a pair's column of the accumulator is computed from its own x 
 (mma.sync computes each output element independently), in a K order fixed by the layout, so its bits do not
 depend on the other pairs of its block, the block size NP or the launch.
 
-Shapes: rows of one tensor per CTA = 16 x num_warps (one m16 tile per warp), K padded to a multiple of 256 by
-the repack, NP = 8 or 16 pairs per expert block. bf16 activations, sm_80 or newer.
+Shapes: rows of one tensor per CTA = 16 x num_warps x RT (RT = 1 or 2 m16 tiles per warp: the activation loads
+of a warp serve all its tiles), K padded to a multiple of 512 by the repack, NP = 8 or 16 pairs per expert block.
+bf16 activations, sm_80 or newer.
 """
 
 from __future__ import annotations
@@ -204,22 +205,23 @@ if HAVE_GLUON:
         P, N_OUT, num_kb,
         stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_o,
         TOPK: gl.constexpr, NP: gl.constexpr, GATED: gl.constexpr, EVEN: gl.constexpr, DEPTH: gl.constexpr,
-        CHAINS: gl.constexpr,
+        CHAINS: gl.constexpr, RT: gl.constexpr,
     ):
         NW: gl.constexpr = 4
         gl.static_assert(gl.num_warps() == NW)
-        R: gl.constexpr = 16 * NW  # rows of one weight tile (w13: gate rows, and as many up rows)
+        gl.static_assert(RT == 1 or RT == 2)
+        R: gl.constexpr = 16 * NW * RT  # rows of one weight tile (w13: gate rows, and as many up rows)
         P_L: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
         A_L: gl.constexpr = gl.DotOperandLayout(0, P_L, 8)
         B_L: gl.constexpr = gl.DotOperandLayout(1, P_L, 8)
         # words [R, 4 q, 2 r, 4 c]: c and r in registers (8 contiguous words), q on lanes 0-1, rows as in A_L
         W_L: gl.constexpr = gl.DistributedLinearLayout(
-            reg_bases=[[0, 0, 0, 1], [0, 0, 0, 2], [8, 0, 0, 0], [0, 0, 1, 0]],
+            reg_bases=[[0, 0, 0, 1], [0, 0, 0, 2], [8, 0, 0, 0], [0, 0, 1, 0]] + ([[64, 0, 0, 0]] if RT == 2 else []),
             lane_bases=[[0, 1, 0, 0], [0, 2, 0, 0], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]],
             warp_bases=[[16, 0, 0, 0], [32, 0, 0, 0]],
             block_bases=[], shape=[R, 4, 2, 4])
         S_L: gl.constexpr = gl.DistributedLinearLayout(
-            reg_bases=[[0, 0, 1], [8, 0, 0]],
+            reg_bases=[[0, 0, 1], [8, 0, 0]] + ([[64, 0, 0]] if RT == 2 else []),
             lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
             warp_bases=[[16, 0, 0], [32, 0, 0]], block_bases=[], shape=[R, 4, 2])
         # activations of one chunk [4 q, 16 e, NP]: e in registers (16 contiguous columns), q and n on lanes
@@ -295,15 +297,17 @@ if HAVE_GLUON:
     @gluon.jit
     def _moe_w13_gluon_kernel(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, bexp_ptr, P, N_OUT, num_kb, stride_x,
                               stride_we, stride_wn, stride_se, stride_sn, stride_o, TOPK: gl.constexpr,
-                              NP: gl.constexpr, EVEN: gl.constexpr, DEPTH: gl.constexpr, CHAINS: gl.constexpr):
+                              NP: gl.constexpr, EVEN: gl.constexpr, DEPTH: gl.constexpr, CHAINS: gl.constexpr,
+                              RT: gl.constexpr):
         """w13: a[pair, i] = silu(gate) * up for the intermediate columns of this program (N_OUT = I)."""
         _moe_gluon_body(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, bexp_ptr, P, N_OUT, num_kb, stride_x, stride_we,
-                        stride_wn, stride_se, stride_sn, stride_o, TOPK, NP, True, EVEN, DEPTH, CHAINS)
+                        stride_wn, stride_se, stride_sn, stride_o, TOPK, NP, True, EVEN, DEPTH, CHAINS, RT)
 
     @gluon.jit
     def _moe_w2_gluon_kernel(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, bexp_ptr, P, N_OUT, num_kb, stride_x,
                              stride_we, stride_wn, stride_se, stride_sn, stride_o, TOPK: gl.constexpr,
-                             NP: gl.constexpr, EVEN: gl.constexpr, DEPTH: gl.constexpr, CHAINS: gl.constexpr):
+                             NP: gl.constexpr, EVEN: gl.constexpr, DEPTH: gl.constexpr, CHAINS: gl.constexpr,
+                             RT: gl.constexpr):
         """w2: y[pair, d] (fp32, unweighted) for the output rows of this program (N_OUT = D)."""
         _moe_gluon_body(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, bexp_ptr, P, N_OUT, num_kb, stride_x, stride_we,
-                        stride_wn, stride_se, stride_sn, stride_o, TOPK, NP, False, EVEN, DEPTH, CHAINS)
+                        stride_wn, stride_se, stride_sn, stride_o, TOPK, NP, False, EVEN, DEPTH, CHAINS, RT)

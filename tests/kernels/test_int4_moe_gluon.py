@@ -69,7 +69,7 @@ for gated in (True, False):
         sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "out_ptr": "*bf16" if gated else "*fp32",
                "pairs_ptr": "*i32", "bexp_ptr": "*i32", "P": "i32", "N_OUT": "i32", "num_kb": "i32"}
         sig.update({n: "i32" for n in ("stride_x", "stride_we", "stride_wn", "stride_se", "stride_sn", "stride_o")})
-        cst = dict(TOPK=8, NP=np_, EVEN=True, DEPTH=2 if np_ == 16 else 1, CHAINS=1)
+        cst = dict(TOPK=8, NP=np_, EVEN=True, DEPTH=2 if np_ == 16 else 1, CHAINS=1, RT=1 if gated else 2)
         sig.update({k: "constexpr" for k in cst})
         names = list(sig)
         attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
@@ -120,7 +120,8 @@ def run_gluon(x, ids, tw, wg, **kw):
     return out
 
 
-OPTIONS = [dict(block_pairs=8), dict(block_pairs=16), dict(depth=2), dict(chains=2), dict(depth=2, chains=2)]
+OPTIONS = [dict(block_pairs=8), dict(block_pairs=16), dict(depth=2), dict(chains=2), dict(depth=2, chains=2),
+           dict(tiles=(1, 1)), dict(tiles=(2, 2), block_pairs=16)]
 
 
 @gpu
@@ -170,15 +171,16 @@ def test_int4_moe_gluon_kimi_shapes(kimi_gluon, T):
 @pytest.mark.parametrize("chains", [1, 2])
 def test_int4_moe_gluon_batch_invariance(kimi_gluon, chains):
     """Token 37 alone, as row 37 of a batch of 64, with its experts crowded by other tokens, in 8- or 16-pair
-    blocks and with weights loaded 1 or 2 steps ahead: bitwise equal (DESIGN 3.5)."""
+    blocks, with weights loaded 1 or 2 steps ahead and 1 or 2 row tiles per warp: bitwise equal (DESIGN 3.5)."""
     _, wg = kimi_gluon
     ids, tw = make_routing(64, KIMI["k"], KIMI["E"], device="cuda", seed=7)
     x = torch.randn(64, KIMI["D"], device="cuda").to(torch.bfloat16)
     alone = run_gluon(x[37:38], ids[37:38], tw[37:38], wg, chains=chains)
     for bp in BLOCK_PAIRS:
         for depth in (1, 2):
-            batch = run_gluon(x, ids, tw, wg, block_pairs=bp, depth=depth, chains=chains)
-            assert_bitwise(batch[37], alone[0], f"batch of 64, {bp} pairs, depth {depth}")
+            for tiles in ((1, 2), (2, 1)):
+                batch = run_gluon(x, ids, tw, wg, block_pairs=bp, depth=depth, chains=chains, tiles=tiles)
+                assert_bitwise(batch[37], alone[0], f"batch of 64, {bp} pairs, depth {depth}, tiles {tiles}")
     ids2 = ids.clone()
     ids2[:, :4] = ids[37, :4]  # 64 pairs on each of four experts: several blocks per expert
     alone2 = run_gluon(x[37:38], ids2[37:38], tw[37:38], wg, chains=chains)
