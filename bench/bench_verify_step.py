@@ -52,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable without
 from bench._common import bench_ms, commit, env_info, measure_ceilings, write_jsonl  # noqa: E402
 from kernels import int4_moe, mla_attention  # noqa: E402
 from kernels.tree_mask import ancestor_mask, pack_mask_bits  # noqa: E402
+from verifier_service import moe as moe_mod  # noqa: E402
 from verifier_service import presets  # noqa: E402
 from verifier_service.batch_invariant import make_batch_invariant, remove_batch_invariance  # noqa: E402
 from verifier_service.checkpoint import build_empty_target  # noqa: E402
@@ -387,7 +388,7 @@ def run_case(model, pool, cfg, case: dict, invariant: bool, ceil: dict, info: di
         bytes_floor_ms=fl["bytes_floor_ms"], flops_floor_ms=fl["flops_floor_ms"],
         dtype=str(pool.kv.dtype).removeprefix("torch."), build_s=state.get("build_s"),
         mla_impl=mla_attention.DEFAULT_IMPL, moe_block_m=int4_moe.DEFAULT_BLOCK_M,
-        moe_zp_mma=int4_moe.DEFAULT_ZP_MMA, **lm)
+        moe_zp_mma=int4_moe.DEFAULT_ZP_MMA, moe_layout=moe_mod.GPU_LAYOUT, **lm)
     if args.profile and cuda:
         params["kernel_breakdown"] = state["breakdowns"][-1][2]
     if graph_err is not None:
@@ -439,6 +440,8 @@ def parse_args(argv=None):
                     help="INT4 MoE pairs per expert block (default: kernels.int4_moe.DEFAULT_BLOCK_M)")
     ap.add_argument("--moe-zp-mma", choices=("on", "off"), default=None,
                     help="INT4 MoE zero point by an MMA on group sums (default: kernels.int4_moe.DEFAULT_ZP_MMA)")
+    ap.add_argument("--moe-layout", choices=("gpu", "gluon"), default=None,
+                    help="INT4 MoE kernels: 'gpu' (Triton, default) or 'gluon' (verifier_service.moe.GPU_LAYOUT)")
     ap.add_argument("--mla-impl", choices=mla_attention.IMPLS, default=None,
                     help=f"MLA tile kernel (default: mla_attention.DEFAULT_IMPL = {mla_attention.DEFAULT_IMPL})")
     args = ap.parse_args(argv)
@@ -471,6 +474,8 @@ def main(argv=None) -> list[dict]:
         int4_moe.DEFAULT_BLOCK_M = args.moe_block_m
     if args.moe_zp_mma is not None:
         int4_moe.DEFAULT_ZP_MMA = args.moe_zp_mma == "on"
+    if args.moe_layout is not None:
+        moe_mod.GPU_LAYOUT = args.moe_layout
     t_start = time.perf_counter()
     dev = args.device
     cuda = dev.startswith("cuda")

@@ -39,6 +39,8 @@ Weight layouts (`layout=` keyword of the launcher):
                 column 32k + j in nibble k (so nibble k of a 32-word tile is quantisation group k);
                 scales group-major: w13_scale [E, Dp/256, 8, 2I], w2_scale [E, Ip/256, 8, D].
                 `unrepack_int4_moe` inverts it bit for bit.
+  "gluon"       made once at load by `kernels.int4_moe_gluon.repack_int4_moe_for_gluon`: the layout of the Gluon
+                kernels (other bits than the Triton path's; opt-in, see that module), decoded on CPU.
 `tile_int4_moe_weights` regroups the "gpu" words per kernel tile (5-D, same bits; a benchmark option of
 `int4_moe_triton`, not a `layout=` of `int4_moe`).
 """
@@ -365,8 +367,17 @@ def int4_moe(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale, *,
     """
     if experts is not None and len(experts) != w13_packed.shape[0]:
         raise ValueError(f"int4_moe: {len(experts)} expert ids for {w13_packed.shape[0]} stacked experts")
-    if layout not in ("checkpoint", "gpu"):
+    if layout not in ("checkpoint", "gpu", "gluon"):
         raise ValueError(f"int4_moe: unknown layout {layout!r}")
+    if layout == "gluon":  # kernels/int4_moe_gluon.py: the Gluon kernels on CUDA, its layout decoded elsewhere
+        from kernels.int4_moe_gluon import gluon_layout_dense, int4_moe_gluon
+        if x.is_cuda:
+            return int4_moe_gluon(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale, experts=experts,
+                                  reduce_pairs=reduce_pairs)
+        acc = torch.promote_types(x.dtype, torch.float32)
+        w13 = gluon_layout_dense(w13_packed, w13_scale, x.shape[1], acc)
+        w2 = gluon_layout_dense(w2_packed, w2_scale, w13_packed.shape[1] // 2, acc)
+        return moe_dense_ref(x, topk_ids, topk_w, w13, w2, experts, reduce_pairs)
     T, D = x.shape
     if w13_packed.dim() != 3 or w2_packed.dim() != 3:
         raise ValueError(f"int4_moe: packed weights must be 3-D [E, N, K/8] in the {layout} layout, got "

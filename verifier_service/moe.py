@@ -15,8 +15,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.int4_moe import int4_moe, moe_dense_ref, repack_int4_moe_for_gpu, unrepack_int4_moe
+from kernels.int4_moe_gluon import gluon_layout_dense, repack_int4_moe_for_gluon
 from kernels.int4_pack import dequantize_int4
 from verifier_service.config import KimiConfig
+
+# the INT4 layout `MoE.repack_for_gpu` makes on CUDA: "gpu" (the Triton kernels, the default) or "gluon" (the
+# Gluon kernels of kernels/int4_moe_gluon.py: faster at >= 9 tokens on the H200, other bits; opt-in). One
+# deployment uses one: AR and DDTree then run the same kernels (batch invariance holds within each).
+GPU_LAYOUT = "gpu"
 
 
 class MLP(nn.Module):
@@ -76,7 +82,7 @@ class MoE(nn.Module):
         self.expert_ids: tuple[int, ...] = tuple(range(E))
         self.ep_group: dist.ProcessGroup | None = None  # set by expert_parallel.use_expert_group
         self.gate = Router(cfg)
-        self.layout = "checkpoint"  # INT4 buffers' layout; "gpu" after repack_for_gpu() (kernels/int4_moe.py)
+        self.layout = "checkpoint"  # INT4 buffers' layout; "gpu" / "gluon" after repack_for_gpu() (kernels/int4_moe*)
         if quantized:
             g = cfg.quant.group_size
             self.register_buffer("w13_packed", torch.zeros(E, 2 * inter, D // 8, dtype=torch.int32))
@@ -89,14 +95,20 @@ class MoE(nn.Module):
         self.shared_experts = MLP(D, inter * cfg.n_shared_experts) if cfg.n_shared_experts else None
 
     @torch.no_grad()
-    def repack_for_gpu(self) -> None:
-        """Once, at load on CUDA: INT4 buffers -> the Triton kernel's layout (the checkpoint layout would be
-        repacked on every call)."""
-        if not self.quantized or self.layout == "gpu":
+    def repack_for_gpu(self, layout: str | None = None) -> None:
+        """Once, at load on CUDA: INT4 buffers -> the INT4 kernels' layout, `layout` or GPU_LAYOUT ("gpu": the
+        Triton kernels; "gluon": the Gluon ones). The checkpoint layout would be repacked on every call."""
+        layout = layout or GPU_LAYOUT
+        if layout not in ("gpu", "gluon"):
+            raise ValueError(f"MoE layout {layout!r}: 'gpu' or 'gluon'")
+        if not self.quantized or self.layout == layout:
             return
-        w13, s13, w2, s2 = repack_int4_moe_for_gpu(self.w13_packed, self.w13_scale, self.w2_packed, self.w2_scale)
+        if self.layout != "checkpoint":
+            raise RuntimeError(f"MoE weights are in the {self.layout!r} layout already")
+        repack = repack_int4_moe_for_gluon if layout == "gluon" else repack_int4_moe_for_gpu
+        w13, s13, w2, s2 = repack(self.w13_packed, self.w13_scale, self.w2_packed, self.w2_scale)
         self.w13_packed, self.w13_scale, self.w2_packed, self.w2_scale = w13, s13, w2, s2
-        self.layout = "gpu"
+        self.layout = layout
 
     def _dequantized(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """CPU path: the reference dequant of every expert, done once per weights version and dtype."""
@@ -105,9 +117,13 @@ class MoE(nn.Module):
         cache = getattr(self, "_dense_cache", None)
         if cache is None or cache[0] != key:
             w13p, s13, w2p, s2 = self.w13_packed, self.w13_scale, self.w2_packed, self.w2_scale
-            if self.layout == "gpu":
-                w13p, s13, w2p, s2 = unrepack_int4_moe(w13p, s13, w2p, s2, self.w2_packed.shape[1])
-            cache = (key, dequantize_int4(w13p, s13, acc), dequantize_int4(w2p, s2, acc))
+            D, inter = self.w2_packed.shape[1], self.w13_packed.shape[1] // 2
+            if self.layout == "gluon":
+                cache = (key, gluon_layout_dense(w13p, s13, D, acc), gluon_layout_dense(w2p, s2, inter, acc))
+            else:
+                if self.layout == "gpu":
+                    w13p, s13, w2p, s2 = unrepack_int4_moe(w13p, s13, w2p, s2, D)
+                cache = (key, dequantize_int4(w13p, s13, acc), dequantize_int4(w2p, s2, acc))
             self._dense_cache = cache
         return cache[1], cache[2]
 

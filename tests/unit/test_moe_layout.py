@@ -3,20 +3,24 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from verifier_service.moe import MoE
 
 
-def test_repack_for_gpu_keeps_outputs(tiny_target64):
+@pytest.mark.parametrize("layout", ["gpu", "gluon"])
+def test_repack_for_gpu_keeps_outputs(tiny_target64, layout):
     moe = next(m for m in tiny_target64.modules() if isinstance(m, MoE))
     x = torch.randn(7, tiny_target64.cfg.hidden_size, dtype=torch.float64)
     before = moe(x)
     saved = [t.clone() for t in (moe.w13_packed, moe.w13_scale, moe.w2_packed, moe.w2_scale)]
     try:
-        moe.repack_for_gpu()
-        assert moe.layout == "gpu" and moe.w13_packed.shape != saved[0].shape
+        moe.repack_for_gpu(layout)
+        assert moe.layout == layout and moe.w13_packed.shape != saved[0].shape
         assert torch.equal(moe(x), before)
+        with pytest.raises(RuntimeError, match="layout already"):
+            moe.repack_for_gpu("gpu" if layout == "gluon" else "gluon")
     finally:  # the fixture is shared: restore the checkpoint layout
         moe.w13_packed, moe.w13_scale, moe.w2_packed, moe.w2_scale = saved
         moe.layout = "checkpoint"
