@@ -20,30 +20,18 @@ import sys
 import torch
 
 
-def moe(T: int) -> None:
-    from bench.bench_int4_moe import D, gpu_layout_weights, routing
+def moe(T: int, path: str = "triton") -> None:
+    from bench import bench_int4_moe as b
     from kernels.int4_moe import int4_moe_triton
-
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    w = gpu_layout_weights(gen)
-    ids, tw = routing(T, gen)
-    x = torch.randn(T, D, generator=gen, device="cuda").to(torch.bfloat16)
-    out = torch.empty_like(x)
-    for _ in range(3):
-        int4_moe_triton(x, ids, tw, *w, out=out)
-
-
-def moe_gluon(T: int) -> None:
-    from bench.bench_int4_moe import D, gluon_layout_weights, routing
     from kernels.int4_moe_gluon import int4_moe_gluon
 
     gen = torch.Generator(device="cuda").manual_seed(0)
-    w = gluon_layout_weights(gen)
-    ids, tw = routing(T, gen)
-    x = torch.randn(T, D, generator=gen, device="cuda").to(torch.bfloat16)
+    w = (b.gluon_layout_weights if path == "gluon" else b.gpu_layout_weights)(gen)
+    ids, tw = b.routing(T, gen)
+    x = torch.randn(T, b.D, generator=gen, device="cuda").to(torch.bfloat16)
     out = torch.empty_like(x)
     for _ in range(3):
-        int4_moe_gluon(x, ids, tw, *w, out=out)
+        (int4_moe_gluon if path == "gluon" else int4_moe_triton)(x, ids, tw, *w, out=out)
 
 
 def mla(B: int, L: int, n: int, impl: str = "gluon") -> None:
@@ -61,7 +49,7 @@ if __name__ == "__main__":
     if kind == "moe":
         moe(int(rest[0]))
     elif kind == "moe_gluon":
-        moe_gluon(int(rest[0]))
+        moe(int(rest[0]), "gluon")
     elif kind == "mla":
         mla(*(int(v) for v in rest[:3]), *rest[3:])
     else:

@@ -8,15 +8,17 @@ explicit, so the weights never touch shared memory:
 
 with mma.sync m16n8k16 and both operands in the k_width = 8 dot layout: within every 32 columns of K, lane
 quad q holds 8 consecutive columns, so ONE int32 word of 8 nibbles is exactly what a thread needs of one
-weight row. Each thread loads its words with 16-byte vector loads (two per row per 256-column step), one step
-ahead of the MMAs, dequantises them in registers and feeds the MMA; no shared memory, no CTA barrier. The
-activations (x rows gathered by pair, or `a`) are loaded the same way, 16 bytes per load, from L1/L2.
+weight row. Each thread loads its words with 16-byte vector loads (two per row per 256-column step), DEPTH (1 or
+2) steps ahead of the MMAs, dequantises them in registers and feeds the MMA; no shared memory, no CTA barrier.
+The activations (x rows gathered by pair, or `a`) are loaded the same way, 16 bytes per load, from L1/L2.
+CHAINS = 2 alternates a step's four MMAs between two accumulators, added after the K loop (other bits).
 
 K order. A 256-column step holds 32 words of a row. The kernel's "logical" word w = 8c + 4r + q (chunk c of 64
 columns, its half r, lane quad q) is the word at memory position 8q + 4r + c, so a thread's 8 words of the step
 are contiguous in memory (two 16-byte loads) and cover the quantisation groups 2q and 2q + 1 (one 4-byte load
-of scales per row). The activations are read in the same permuted order: the product is the same sum, taken
-in another order than the Triton kernels' (other bits; a deployment uses one implementation).
+of scales per row); which step columns a word holds is chosen so that a lane's activations are 16 contiguous
+columns (`kernels.int4_moe_gluon` doc). The product is the same sum, taken in another order than the Triton
+kernels' (other bits; a deployment uses one implementation).
 
 Dequant (PTX, per two weights): one lop3 puts the nibble pair into bf16 128 + u (Marlin's trick), one bf16x2
 FMA gives q = u - 8 exactly, one multiplies by the group's scale and rounds once: bf16(q * s), the value of the
@@ -238,10 +240,9 @@ if HAVE_GLUON:
         if e < 0:
             return
         rows = pid_r * R + gl.arange(0, R, layout=ROW_L)
-        n_rows = N_OUT
-        row_ok = rows < n_rows
+        row_ok = rows < N_OUT
         srows = pid_r * R + gl.arange(0, R, layout=SROW_L)
-        srow_ok = srows < n_rows
+        srow_ok = srows < N_OUT
         w_base = w_ptr + e.to(gl.int64) * stride_we
         s_base = s_ptr + e.to(gl.int64) * stride_se
         wg = w_base + rows * stride_wn

@@ -381,20 +381,25 @@ def test_expert_slice_same_bits_variants(config):
 KIMI = dict(E=384, D=7168, inter=2048, k=8)
 
 
-@pytest.fixture(scope="module")
-def kimi_experts():
-    if not CUDA:
-        pytest.skip("needs a CUDA GPU")
+def kimi_checkpoint_experts():
+    """All 384 Kimi K2.6 experts of one layer on the GPU, checkpoint layout: random words (valid packings)."""
     E, D, inter = KIMI["E"], KIMI["D"], KIMI["inter"]
     g = torch.Generator(device="cuda").manual_seed(0)
 
-    def proj(n_out, n_in):  # random words are valid packings
+    def proj(n_out, n_in):
         packed = torch.randint(-2**31, 2**31 - 1, (E, n_out, n_in // 8), generator=g, device="cuda",
                                dtype=torch.int32)
         scale = (torch.rand(E, n_out, n_in // 32, generator=g, device="cuda") * 0.004 + 0.001).to(torch.bfloat16)
         return packed, scale
 
-    w = (*proj(2 * inter, D), *proj(D, inter))
+    return (*proj(2 * inter, D), *proj(D, inter))
+
+
+@pytest.fixture(scope="module")
+def kimi_experts():
+    if not CUDA:
+        pytest.skip("needs a CUDA GPU")
+    w = kimi_checkpoint_experts()
     return w, repack_int4_moe_for_gpu(*w)
 
 

@@ -21,7 +21,15 @@ from kernels.int4_moe import int4_moe_ref
 from kernels.int4_moe_gluon import BLOCK_PAIRS, gluon_layout_dense, int4_moe_gluon, repack_int4_moe_for_gluon
 from kernels.int4_pack import dequantize_int4
 from tests.kernels.compare import assert_close
-from tests.kernels.test_int4_moe import KIMI, TOL, assert_bitwise, make_experts, make_routing, ref_by_expert
+from tests.kernels.test_int4_moe import (
+    KIMI,
+    TOL,
+    assert_bitwise,
+    kimi_checkpoint_experts,
+    make_experts,
+    make_routing,
+    ref_by_expert,
+)
 
 CUDA = torch.cuda.is_available()
 gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
@@ -143,16 +151,7 @@ def test_int4_moe_gluon_vs_reference(T, k, E, D, inter, opts):
 def kimi_gluon():
     if not CUDA:
         pytest.skip("needs a CUDA GPU")
-    E, D, inter = KIMI["E"], KIMI["D"], KIMI["inter"]
-    g = torch.Generator(device="cuda").manual_seed(0)
-
-    def proj(n_out, n_in):  # random words are valid packings
-        packed = torch.randint(-2**31, 2**31 - 1, (E, n_out, n_in // 8), generator=g, device="cuda",
-                               dtype=torch.int32)
-        scale = (torch.rand(E, n_out, n_in // 32, generator=g, device="cuda") * 0.004 + 0.001).to(torch.bfloat16)
-        return packed, scale
-
-    w = (*proj(2 * inter, D), *proj(D, inter))
+    w = kimi_checkpoint_experts()
     return w, repack_int4_moe_for_gluon(*w)
 
 
