@@ -101,10 +101,8 @@ def gpu_layout_weights(gen):
 
 
 GLUON_VARIANTS = {  # name -> int4_moe_gluon options (--gluon)
-    "gluon_np8": {}, "gluon_np16": dict(block_pairs=16), "gluon_d2": dict(depth=2), "gluon_c2": dict(chains=2),
-    "gluon_d2_c2": dict(depth=2, chains=2), "gluon_np16_d2": dict(block_pairs=16, depth=2),
-    "gluon_t11": dict(tiles=(1, 1)), "gluon_t22": dict(tiles=(2, 2)),
-    "gluon_t21": dict(tiles=(2, 1)),
+    "gluon_np8": dict(block_pairs=8), "gluon_np16": dict(block_pairs=16), "gluon_np32": dict(block_pairs=32),
+    "gluon_t11": dict(tiles=(1, 1)), "gluon_t22_np32": dict(tiles=(2, 2), block_pairs=32),
 }
 
 

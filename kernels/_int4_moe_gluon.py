@@ -4,14 +4,15 @@ The Triton kernels (`_int4_moe_kernels`) stage every weight tile through shared 
 per pipeline stage, then shared-memory loads) and put the pairs on the MMA's M side. Here the layouts are
 explicit, so the weights never touch shared memory:
 
-  acc [ROWS, NP]  (weight rows x pairs)  +=  W [ROWS, 64] (operand A)  x  X [64, NP] (operand B)
+  acc [ROWS, 8]  (weight rows x pairs)  +=  W [ROWS, 64] (operand A)  x  X [64, 8] (operand B)
 
 with mma.sync m16n8k16 and both operands in the k_width = 8 dot layout: within every 32 columns of K, lane
 quad q holds 8 consecutive columns, so ONE int32 word of 8 nibbles is exactly what a thread needs of one
-weight row. Each thread loads its words with 16-byte vector loads (two per row per 256-column step), DEPTH (1 or
-2) steps ahead of the MMAs, dequantises them in registers and feeds the MMA; no shared memory, no CTA barrier.
-The activations (x rows gathered by pair, or `a`) are loaded the same way, 16 bytes per load, from L1/L2.
-CHAINS = 2 alternates a step's four MMAs between two accumulators, added after the K loop (other bits).
+weight row. Each thread loads its words with 16-byte vector loads (two per row per 256-column step), one step
+ahead of the MMAs, dequantises them in registers and feeds the MMA; no shared memory, no CTA barrier. The
+activations (x rows gathered by pair, or `a`) are loaded the same way, 16 bytes per load, from L1/L2. An expert
+block of 8 x SUB pairs is SUB sub-blocks of 8: each dequantised chunk of weights goes to the MMAs of every
+sub-block that holds a pair (empty ones: no loads, no MMAs), so the weights are read once per block.
 
 K order. A 256-column step holds 32 words of a row. The kernel's "logical" word w = 8c + 4r + q (chunk c of 64
 columns, its half r, lane quad q) is the word at memory position 8q + 4r + c, so a thread's 8 words of the step
@@ -27,11 +28,11 @@ at load by `repack_int4_moe_for_gluon`) so that `(word >> 4i) & 0x000F000F` is t
 
 Batch invariance: a pair's column of the accumulator is computed from its own x row and the weights only
 (mma.sync computes each output element independently), in a K order fixed by the layout, so its bits do not
-depend on the other pairs of its block, the block size NP or the launch.
+depend on the other pairs of its block, the block size (SUB) or the launch.
 
 Shapes: rows of one tensor per CTA = 16 x num_warps x RT (RT = 1 or 2 m16 tiles per warp: the activation loads
-of a warp serve all its tiles), K padded to a multiple of 512 by the repack, NP = 8 or 16 pairs per expert block.
-bf16 activations, sm_80 or newer.
+of a warp serve all its tiles), K padded to a multiple of 512 by the repack, 8 x SUB (SUB = 1, 2, 4) pairs per
+expert block. bf16 activations, sm_80 or newer.
 """
 
 from __future__ import annotations
@@ -157,23 +158,35 @@ if HAVE_GLUON:
         return gl.convert_layout(gl.reshape(v, [64, NP]), B_L, assert_trivial=True)
 
     @gluon.jit
-    def _mma_step(acc0, acc1, words, scales, x_cols, kb, CHAINS: gl.constexpr, A_L: gl.constexpr,
-                  B_L: gl.constexpr, X_L: gl.constexpr):
-        """One K step: four 64-column MMAs into acc0 (CHAINS == 1) or alternately into acc0 and acc1 (two
-        independent mma.sync dependency chains, added after the K loop)."""
+    def _mma_chunk(accs, a_op, xcs, acts, kb, c: gl.constexpr, SUB: gl.constexpr, X_L: gl.constexpr,
+                   B_L: gl.constexpr):
+        """One dequantised 64-column chunk `a_op` times each active sub-block's activations (sub-block 0 always
+        is; the others only when they hold pairs: no loads, no MMAs for empty ones)."""
+        a0, a1, a2, a3 = accs
+        x0, x1, x2, x3 = xcs
+        f1, f2, f3 = acts
+        a0 = mma_v2(a_op, _x_chunk(x0, kb, c, X_L, B_L), a0)
+        if SUB >= 2:
+            if f1:
+                a1 = mma_v2(a_op, _x_chunk(x1, kb, c, X_L, B_L), a1)
+        if SUB >= 4:
+            if f2:
+                a2 = mma_v2(a_op, _x_chunk(x2, kb, c, X_L, B_L), a2)
+            if f3:
+                a3 = mma_v2(a_op, _x_chunk(x3, kb, c, X_L, B_L), a3)
+        return a0, a1, a2, a3
+
+    @gluon.jit
+    def _mma_step(accs, words, scales, xcs, acts, kb, SUB: gl.constexpr, A_L: gl.constexpr, B_L: gl.constexpr,
+                  X_L: gl.constexpr):
+        """One K step of one weight tile: four 64-column chunks, each dequantised once for all sub-blocks."""
         w0, w1, w2, w3 = _chunks(words)
         s0, s1 = _step_scales(scales)
-        acc0 = mma_v2(_dequant_chunk(w0, s0, A_L), _x_chunk(x_cols, kb, 0, X_L, B_L), acc0)
-        if CHAINS == 2:
-            acc1 = mma_v2(_dequant_chunk(w1, s0, A_L), _x_chunk(x_cols, kb, 1, X_L, B_L), acc1)
-        else:
-            acc0 = mma_v2(_dequant_chunk(w1, s0, A_L), _x_chunk(x_cols, kb, 1, X_L, B_L), acc0)
-        acc0 = mma_v2(_dequant_chunk(w2, s1, A_L), _x_chunk(x_cols, kb, 2, X_L, B_L), acc0)
-        if CHAINS == 2:
-            acc1 = mma_v2(_dequant_chunk(w3, s1, A_L), _x_chunk(x_cols, kb, 3, X_L, B_L), acc1)
-        else:
-            acc0 = mma_v2(_dequant_chunk(w3, s1, A_L), _x_chunk(x_cols, kb, 3, X_L, B_L), acc0)
-        return acc0, acc1
+        accs = _mma_chunk(accs, _dequant_chunk(w0, s0, A_L), xcs, acts, kb, 0, SUB, X_L, B_L)
+        accs = _mma_chunk(accs, _dequant_chunk(w1, s0, A_L), xcs, acts, kb, 1, SUB, X_L, B_L)
+        accs = _mma_chunk(accs, _dequant_chunk(w2, s1, A_L), xcs, acts, kb, 2, SUB, X_L, B_L)
+        accs = _mma_chunk(accs, _dequant_chunk(w3, s1, A_L), xcs, acts, kb, 3, SUB, X_L, B_L)
+        return accs
 
     @gluon.jit
     def _load_both(wg, sg, wu, su, row_ok, srow_ok, kb, EVEN: gl.constexpr, GATED: gl.constexpr,
@@ -187,14 +200,37 @@ if HAVE_GLUON:
         return qg, sc_g, qu, sc_u
 
     @gluon.jit
-    def _step_both(accs, buf, x_cols, kb, GATED: gl.constexpr, CHAINS: gl.constexpr, A_L: gl.constexpr,
+    def _step_both(acc_g, acc_u, buf, xcs, acts, kb, GATED: gl.constexpr, SUB: gl.constexpr, A_L: gl.constexpr,
                    B_L: gl.constexpr, X_L: gl.constexpr):
-        g0, g1, u0, u1 = accs
         qg, sc_g, qu, sc_u = buf
-        g0, g1 = _mma_step(g0, g1, qg, sc_g, x_cols, kb, CHAINS, A_L, B_L, X_L)
+        acc_g = _mma_step(acc_g, qg, sc_g, xcs, acts, kb, SUB, A_L, B_L, X_L)
         if GATED:
-            u0, u1 = _mma_step(u0, u1, qu, sc_u, x_cols, kb, CHAINS, A_L, B_L, X_L)
-        return g0, g1, u0, u1
+            acc_u = _mma_step(acc_u, qu, sc_u, xcs, acts, kb, SUB, A_L, B_L, X_L)
+        return acc_g, acc_u
+
+    @gluon.jit
+    def _sub_block(pairs_ptr, blk, sb: gl.constexpr, P, x_ptr, stride_x, TOPK: gl.constexpr, GATED: gl.constexpr,
+                   SUB: gl.constexpr, B_L: gl.constexpr):
+        """Sub-block sb of expert block blk: its 8 pair ids, its activation row pointers (padding slots read row
+        0, never stored) and whether it holds a pair (the align kernel puts an expert's padding last)."""
+        pairs = gl.load(pairs_ptr + blk * (8 * SUB) + sb * 8 + gl.arange(0, 8, layout=gl.SliceLayout(0, B_L)))
+        ok = pairs < P
+        rows = pairs // TOPK if GATED else pairs
+        cols = x_ptr + gl.where(ok, rows, 0).to(gl.int64) * stride_x
+        return pairs, cols, gl.load(pairs_ptr + blk * (8 * SUB) + sb * 8) < P
+
+    @gluon.jit
+    def _store_sub(acc_g, acc_u, pairs, active, orow, out_ptr, P, N_OUT, stride_o, GATED: gl.constexpr,
+                   P_L: gl.constexpr):
+        if active:
+            ocol = gl.convert_layout(pairs, gl.SliceLayout(0, P_L))
+            optr = out_ptr + gl.expand_dims(ocol.to(gl.int64) * stride_o, 0) + gl.expand_dims(orow, 1)
+            omask = gl.expand_dims(ocol < P, 0) & gl.expand_dims(orow < N_OUT, 1)
+            if GATED:
+                act = acc_g / (1.0 + gl.exp(-acc_g)) * acc_u
+                gl.store(optr, act.to(out_ptr.dtype.element_ty), mask=omask)
+            else:
+                gl.store(optr, acc_g, mask=omask)
 
     @gluon.jit
     def _moe_gluon_body(
@@ -202,16 +238,16 @@ if HAVE_GLUON:
         w_ptr,  # int32 [E, N, Kp/8]
         s_ptr,  # bf16 [E, N, Kp/32]
         out_ptr,  # w13: a [P, N/2] (activation dtype); w2: y [P, N] fp32
-        pairs_ptr,  # int32 [blocks * NP]
+        pairs_ptr,  # int32 [blocks * 8 * SUB]
         bexp_ptr,  # int32 [blocks]
         P, N_OUT, num_kb,
         stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_o,
-        TOPK: gl.constexpr, NP: gl.constexpr, GATED: gl.constexpr, EVEN: gl.constexpr, DEPTH: gl.constexpr,
-        CHAINS: gl.constexpr, RT: gl.constexpr,
+        TOPK: gl.constexpr, GATED: gl.constexpr, EVEN: gl.constexpr, SUB: gl.constexpr, RT: gl.constexpr,
     ):
         NW: gl.constexpr = 4
         gl.static_assert(gl.num_warps() == NW)
         gl.static_assert(RT == 1 or RT == 2)
+        gl.static_assert(SUB == 1 or SUB == 2 or SUB == 4)
         R: gl.constexpr = 16 * NW * RT  # rows of one weight tile (w13: gate rows, and as many up rows)
         P_L: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
         A_L: gl.constexpr = gl.DotOperandLayout(0, P_L, 8)
@@ -226,11 +262,11 @@ if HAVE_GLUON:
             reg_bases=[[0, 0, 1], [8, 0, 0]] + ([[64, 0, 0]] if RT == 2 else []),
             lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
             warp_bases=[[16, 0, 0], [32, 0, 0]], block_bases=[], shape=[R, 4, 2])
-        # activations of one chunk [4 q, 16 e, NP]: e in registers (16 contiguous columns), q and n on lanes
+        # activations of one chunk and sub-block [4 q, 16 e, 8 pairs]: e in registers (16 contiguous columns)
         X_L: gl.constexpr = gl.DistributedLinearLayout(
-            reg_bases=[[0, 1, 0], [0, 2, 0], [0, 4, 0], [0, 8, 0]] + ([[0, 0, 8]] if NP == 16 else []),
+            reg_bases=[[0, 1, 0], [0, 2, 0], [0, 4, 0], [0, 8, 0]],
             lane_bases=[[1, 0, 0], [2, 0, 0], [0, 0, 1], [0, 0, 2], [0, 0, 4]],
-            warp_bases=[[0, 0, 0], [0, 0, 0]], block_bases=[], shape=[4, 16, NP])
+            warp_bases=[[0, 0, 0], [0, 0, 0]], block_bases=[], shape=[4, 16, 8])
         ROW_L: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, W_L)))
         SROW_L: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, S_L))
 
@@ -249,66 +285,50 @@ if HAVE_GLUON:
         sg = s_base + srows * stride_sn
         wu = w_base + (rows + N_OUT) * stride_wn  # w13: the up rows of the same intermediate columns
         su = s_base + (srows + N_OUT) * stride_sn
-        pairs = gl.load(pairs_ptr + blk * NP + gl.arange(0, NP, layout=gl.SliceLayout(0, B_L)))
-        x_ok = pairs < P
-        if GATED:
-            x_rows = pairs // TOPK
-        else:
-            x_rows = pairs
-        x_cols = x_ptr + gl.where(x_ok, x_rows, 0).to(gl.int64) * stride_x
+        p0, x0, _ = _sub_block(pairs_ptr, blk, 0, P, x_ptr, stride_x, TOPK, GATED, SUB, B_L)
+        p1, x1, f1 = p0, x0, False
+        p2, x2, f2 = p0, x0, False
+        p3, x3, f3 = p0, x0, False
+        if SUB >= 2:
+            p1, x1, f1 = _sub_block(pairs_ptr, blk, 1, P, x_ptr, stride_x, TOPK, GATED, SUB, B_L)
+        if SUB >= 4:
+            p2, x2, f2 = _sub_block(pairs_ptr, blk, 2, P, x_ptr, stride_x, TOPK, GATED, SUB, B_L)
+            p3, x3, f3 = _sub_block(pairs_ptr, blk, 3, P, x_ptr, stride_x, TOPK, GATED, SUB, B_L)
+        xcs = (x0, x1, x2, x3)
+        acts = (f1, f2, f3)
 
-        zero = gl.zeros([R, NP], gl.float32, P_L)
-        accs = (zero, zero, zero, zero)  # gate (w2: the rows) chains 0 and 1, up chains 0 and 1
-        # two K steps per iteration (num_kb is even: the repack pads K to 512); each step's weights are loaded
-        # DEPTH steps ahead (the last iterations reload steps they had: L2 hits, no branch)
+        zero = gl.zeros([R, 8], gl.float32, P_L)
+        acc_g = (zero, zero, zero, zero)  # per sub-block: gate rows (w2: the rows)
+        acc_u = (zero, zero, zero, zero)  # per sub-block: up rows (w13)
+        # two K steps per iteration (num_kb is even: the repack pads K to 512), each step's weights loaded one step
+        # ahead into the other buffer (the last iteration reloads a step it had: an L2 hit, no branch)
         a = _load_both(wg, sg, wu, su, row_ok, srow_ok, 0, EVEN, GATED, W_L, S_L)
-        if DEPTH == 1:
-            for kb in range(0, num_kb, 2):
-                b = _load_both(wg, sg, wu, su, row_ok, srow_ok, kb + 1, EVEN, GATED, W_L, S_L)
-                accs = _step_both(accs, a, x_cols, kb, GATED, CHAINS, A_L, B_L, X_L)
-                a = _load_both(wg, sg, wu, su, row_ok, srow_ok, gl.minimum(kb + 2, num_kb - 1), EVEN, GATED,
-                               W_L, S_L)
-                accs = _step_both(accs, b, x_cols, kb + 1, GATED, CHAINS, A_L, B_L, X_L)
-        else:
-            b = _load_both(wg, sg, wu, su, row_ok, srow_ok, 1, EVEN, GATED, W_L, S_L)
-            for kb in range(0, num_kb, 2):
-                c = _load_both(wg, sg, wu, su, row_ok, srow_ok, gl.minimum(kb + 2, num_kb - 1), EVEN, GATED,
-                               W_L, S_L)
-                accs = _step_both(accs, a, x_cols, kb, GATED, CHAINS, A_L, B_L, X_L)
-                d = _load_both(wg, sg, wu, su, row_ok, srow_ok, gl.minimum(kb + 3, num_kb - 1), EVEN, GATED,
-                               W_L, S_L)
-                accs = _step_both(accs, b, x_cols, kb + 1, GATED, CHAINS, A_L, B_L, X_L)
-                a = c
-                b = d
+        for kb in range(0, num_kb, 2):
+            b = _load_both(wg, sg, wu, su, row_ok, srow_ok, kb + 1, EVEN, GATED, W_L, S_L)
+            acc_g, acc_u = _step_both(acc_g, acc_u, a, xcs, acts, kb, GATED, SUB, A_L, B_L, X_L)
+            a = _load_both(wg, sg, wu, su, row_ok, srow_ok, gl.minimum(kb + 2, num_kb - 1), EVEN, GATED, W_L, S_L)
+            acc_g, acc_u = _step_both(acc_g, acc_u, b, xcs, acts, kb + 1, GATED, SUB, A_L, B_L, X_L)
 
-        acc_g, acc_u = accs[0], accs[2]
-        if CHAINS == 2:  # a fixed order: chain 0 + chain 1
-            acc_g = acc_g + accs[1]
-            acc_u = acc_u + accs[3]
         orow = pid_r * R + gl.arange(0, R, layout=gl.SliceLayout(1, P_L))
-        ocol = gl.convert_layout(pairs, gl.SliceLayout(0, P_L))
-        optr = out_ptr + gl.expand_dims(ocol.to(gl.int64) * stride_o, 0) + gl.expand_dims(orow, 1)
-        omask = gl.expand_dims(ocol < P, 0) & gl.expand_dims(orow < N_OUT, 1)
-        if GATED:
-            act = acc_g / (1.0 + gl.exp(-acc_g)) * acc_u
-            gl.store(optr, act.to(out_ptr.dtype.element_ty), mask=omask)
-        else:
-            gl.store(optr, acc_g, mask=omask)
+        _store_sub(acc_g[0], acc_u[0], p0, True, orow, out_ptr, P, N_OUT, stride_o, GATED, P_L)
+        if SUB >= 2:
+            _store_sub(acc_g[1], acc_u[1], p1, f1, orow, out_ptr, P, N_OUT, stride_o, GATED, P_L)
+        if SUB >= 4:
+            _store_sub(acc_g[2], acc_u[2], p2, f2, orow, out_ptr, P, N_OUT, stride_o, GATED, P_L)
+            _store_sub(acc_g[3], acc_u[3], p3, f3, orow, out_ptr, P, N_OUT, stride_o, GATED, P_L)
 
     @gluon.jit
     def _moe_w13_gluon_kernel(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, bexp_ptr, P, N_OUT, num_kb, stride_x,
                               stride_we, stride_wn, stride_se, stride_sn, stride_o, TOPK: gl.constexpr,
-                              NP: gl.constexpr, EVEN: gl.constexpr, DEPTH: gl.constexpr, CHAINS: gl.constexpr,
-                              RT: gl.constexpr):
+                              EVEN: gl.constexpr, SUB: gl.constexpr, RT: gl.constexpr):
         """w13: a[pair, i] = silu(gate) * up for the intermediate columns of this program (N_OUT = I)."""
         _moe_gluon_body(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, bexp_ptr, P, N_OUT, num_kb, stride_x, stride_we,
-                        stride_wn, stride_se, stride_sn, stride_o, TOPK, NP, True, EVEN, DEPTH, CHAINS, RT)
+                        stride_wn, stride_se, stride_sn, stride_o, TOPK, True, EVEN, SUB, RT)
 
     @gluon.jit
     def _moe_w2_gluon_kernel(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, bexp_ptr, P, N_OUT, num_kb, stride_x,
                              stride_we, stride_wn, stride_se, stride_sn, stride_o, TOPK: gl.constexpr,
-                             NP: gl.constexpr, EVEN: gl.constexpr, DEPTH: gl.constexpr, CHAINS: gl.constexpr,
-                             RT: gl.constexpr):
+                             EVEN: gl.constexpr, SUB: gl.constexpr, RT: gl.constexpr):
         """w2: y[pair, d] (fp32, unweighted) for the output rows of this program (N_OUT = D)."""
         _moe_gluon_body(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, bexp_ptr, P, N_OUT, num_kb, stride_x, stride_we,
-                        stride_wn, stride_se, stride_sn, stride_o, TOPK, NP, False, EVEN, DEPTH, CHAINS, RT)
+                        stride_wn, stride_se, stride_sn, stride_o, TOPK, False, EVEN, SUB, RT)

@@ -29,11 +29,9 @@ from kernels.int4_pack import PACK_FACTOR
 STEP = 256  # K columns per kernel step
 K_ALIGN = 512  # the kernels do two steps per loop iteration
 WARP_ROWS = 64  # weight rows per program and m16 tile per warp (16 per warp, 4 warps)
-BLOCK_PAIRS = (8, 16)  # pairs per expert block (the MMA's N): same bits either way
-DEFAULT_BLOCK_PAIRS = 8
-DEFAULT_DEPTH = 1
-DEFAULT_CHAINS = 1
-DEFAULT_TILES = (1, 2)  # w13, w2
+BLOCK_PAIRS = (8, 16, 32)  # pairs per expert block: 1, 2 or 4 sub-blocks of 8 (the MMA's N); same bits
+DEFAULT_BLOCK_PAIRS = 8  # read at each call
+DEFAULT_TILES = (1, 2)  # m16 tiles per warp: w13, w2
 
 
 def _step_map() -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,13 +90,13 @@ def gluon_layout_dense(words: torch.Tensor, scale: torch.Tensor, in_features: in
     return dense.view(E, N, steps * STEP)[..., :in_features]
 
 
-def int4_moe_gluon(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, block_pairs: int = DEFAULT_BLOCK_PAIRS,
-                   depth: int = DEFAULT_DEPTH, chains: int = DEFAULT_CHAINS, tiles: tuple[int, int] = DEFAULT_TILES,
-                   experts: range | None = None, reduce_pairs=None):
-    """The Gluon path (CUDA, bf16, gluon layout); arguments as `kernels.int4_moe.int4_moe`. Schedule options with
-    the same bits: `block_pairs` (pairs per expert block, BLOCK_PAIRS), `depth` (K steps of weights loaded ahead,
-    1 or 2), `tiles` (m16 tiles per warp of w13 and of w2, 1 or 2 each: 64 or 128 rows per program).
-    `chains` (1 or 2 independent MMA accumulator chains, added after the K loop) changes the bits."""
+def int4_moe_gluon(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, block_pairs: int | None = None,
+                   tiles: tuple[int, int] = DEFAULT_TILES, experts: range | None = None, reduce_pairs=None):
+    """The Gluon path (CUDA, bf16, gluon layout); arguments as `kernels.int4_moe.int4_moe`. Schedule options, all
+    with the same bits: `block_pairs` (pairs per expert block, BLOCK_PAIRS, default DEFAULT_BLOCK_PAIRS: a block
+    of 16 or 32 is 2 or 4 sub-blocks of 8 that share each step's dequantised weights, empty ones skipped, so an
+    expert with many pairs streams its weights once per 32 pairs instead of once per 8) and `tiles` (m16 tiles
+    per warp of w13 and of w2, 1 or 2 each: 64 or 128 rows per program)."""
     from kernels._int4_moe_gluon import HAVE_GLUON, _moe_w2_gluon_kernel, _moe_w13_gluon_kernel
     from kernels._int4_moe_kernels import _moe_combine_kernel
     from kernels._moe_align import moe_align
@@ -108,10 +106,10 @@ def int4_moe_gluon(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, block_pai
         raise RuntimeError("int4_moe_gluon needs Triton with Gluon (3.5 or newer)")
     if not x.is_cuda or x.dtype != torch.bfloat16:
         raise ValueError(f"int4_moe_gluon: bf16 activations on CUDA, got {x.dtype} on {x.device}")
-    if block_pairs not in BLOCK_PAIRS or depth not in (1, 2) or chains not in (1, 2) or \
-            len(tiles) != 2 or any(t not in (1, 2) for t in tiles):
-        raise ValueError(f"int4_moe_gluon: block_pairs={block_pairs} (one of {BLOCK_PAIRS}), depth={depth}, "
-                         f"chains={chains}, tiles={tiles} (1 or 2 each)")
+    block_pairs = block_pairs or DEFAULT_BLOCK_PAIRS
+    if block_pairs not in BLOCK_PAIRS or len(tiles) != 2 or any(t not in (1, 2) for t in tiles):
+        raise ValueError(f"int4_moe_gluon: block_pairs={block_pairs} (one of {BLOCK_PAIRS}), tiles={tiles} "
+                         "(1 or 2 each)")
     T, D = x.shape
     E, two_i, kw13 = w13.shape
     inter = two_i // 2
@@ -135,14 +133,12 @@ def int4_moe_gluon(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, block_pai
     _moe_w13_gluon_kernel[(-(-inter // r13), nblk)](
         x, w13, s13, a, sorted_pairs, bexp, P, inter, kp13 // STEP,
         x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), a.stride(0),
-        TOPK=topk, NP=block_pairs, EVEN=inter % r13 == 0, DEPTH=depth, CHAINS=chains, RT=tiles[0],
-        num_warps=4)
+        TOPK=topk, EVEN=inter % r13 == 0, SUB=block_pairs // 8, RT=tiles[0], num_warps=4)
     y = _pair_buffer(P, D, torch.float32, x.device, experts is not None)
     _moe_w2_gluon_kernel[(-(-D // r2), nblk)](
         a, w2, s2, y, sorted_pairs, bexp, P, D, kp2 // STEP,
         a.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), y.stride(0),
-        TOPK=topk, NP=block_pairs, EVEN=D % r2 == 0, DEPTH=depth, CHAINS=chains, RT=tiles[1],
-        num_warps=4)
+        TOPK=topk, EVEN=D % r2 == 0, SUB=block_pairs // 8, RT=tiles[1], num_warps=4)
     if reduce_pairs is not None:
         reduce_pairs(y)
     _moe_combine_kernel[(T, -(-D // 1024))](

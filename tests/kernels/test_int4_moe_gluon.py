@@ -73,11 +73,11 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from kernels import _int4_moe_gluon as m
 out = {}
 for gated in (True, False):
-    for np_ in (8, 16):
+    for sub in (1, 4):
         sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "out_ptr": "*bf16" if gated else "*fp32",
                "pairs_ptr": "*i32", "bexp_ptr": "*i32", "P": "i32", "N_OUT": "i32", "num_kb": "i32"}
         sig.update({n: "i32" for n in ("stride_x", "stride_we", "stride_wn", "stride_se", "stride_sn", "stride_o")})
-        cst = dict(TOPK=8, NP=np_, EVEN=True, DEPTH=2 if np_ == 16 else 1, CHAINS=1, RT=1 if gated else 2)
+        cst = dict(TOPK=8, EVEN=True, SUB=sub, RT=1 if gated else 2)
         sig.update({k: "constexpr" for k in cst})
         names = list(sig)
         attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
@@ -89,7 +89,7 @@ for gated in (True, False):
                         target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
         ptx, log = k.asm["ptx"], log.getvalue()
         regs = re.findall(r"Used (\d+) registers", log)
-        out[f"{'w13' if gated else 'w2'}_np{np_}"] = {
+        out[f"{'w13' if gated else 'w2'}_sub{sub}"] = {
             "shared": k.metadata.shared, "bar_sync": len(re.findall(r"\bbar\.sync\b", ptx)),
             "ld_v4": ptx.count("ld.global.v4"), "ld_shared": ptx.count("ld.shared"),
             "mma": sorted(set(re.findall(r"mma\.sync\.aligned\.(m\d+n\d+k\d+)", ptx))),
@@ -100,9 +100,9 @@ print(json.dumps(out))
 
 
 def test_gluon_moe_kernels_compile_for_sm90(tmp_path):
-    """Both GEMMs at 8 and 16 pairs per block, compiled for sm_90 (PTX + ptxas -v, no GPU): no shared memory and
-    no CTA barrier (the weights go from global memory to the MMA), 16-byte global loads, only m16n8k16 mma.sync,
-    no spills, and few enough registers for 3 CTAs of 4 warps per SM (w13 at 8 pairs)."""
+    """Both GEMMs with 1 and 4 sub-blocks per expert block, compiled for sm_90 (PTX + ptxas -v, no GPU): no shared
+    memory and no CTA barrier (the weights go from global memory to the MMA), 16-byte global loads, only m16n8k16
+    mma.sync, no spills, and few enough registers for 3 CTAs of 4 warps per SM (w13, one sub-block)."""
     pytest.importorskip("triton.experimental.gluon")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(TRITON_CACHE_DIR=str(tmp_path / "triton_cache"), TRITON_DUMP_PTXAS_LOG="1")
@@ -118,7 +118,7 @@ def test_gluon_moe_kernels_compile_for_sm90(tmp_path):
     for name, f in facts.items():
         assert f["shared"] == 0 and f["bar_sync"] == 0 and f["ld_shared"] == 0, (name, f)
         assert f["ld_v4"] >= 8 and f["mma"] == ["m16n8k16"] and f["spill_bytes"] == 0, (name, f)
-    assert facts["w13_np8"]["regs"] <= 168, facts
+    assert facts["w13_sub1"]["regs"] <= 168, facts
 
 
 # --- GPU ----------------------------------------------------------------------------------------------------
@@ -128,8 +128,8 @@ def run_gluon(x, ids, tw, wg, **kw):
     return out
 
 
-OPTIONS = [dict(block_pairs=8), dict(block_pairs=16), dict(depth=2), dict(chains=2), dict(depth=2, chains=2),
-           dict(tiles=(1, 1)), dict(tiles=(2, 2), block_pairs=16)]
+OPTIONS = [dict(block_pairs=8), dict(block_pairs=16), dict(block_pairs=32), dict(tiles=(1, 1)),
+           dict(tiles=(2, 2), block_pairs=32)]
 
 
 @gpu
@@ -167,22 +167,23 @@ def test_int4_moe_gluon_kimi_shapes(kimi_gluon, T):
 
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("chains", [1, 2])
-def test_int4_moe_gluon_batch_invariance(kimi_gluon, chains):
-    """Token 37 alone, as row 37 of a batch of 64, with its experts crowded by other tokens, in 8- or 16-pair
-    blocks, with weights loaded 1 or 2 steps ahead and 1 or 2 row tiles per warp: bitwise equal (DESIGN 3.5)."""
+def test_int4_moe_gluon_batch_invariance(kimi_gluon):
+    """Token 37 alone, as row 37 of a batch of 64, and with its experts crowded by other tokens (up to 64 pairs on
+    an expert: several full and partly empty blocks), in blocks of 8 / 16 / 32 pairs and with 1 or 2 row tiles
+    per warp: bitwise equal (DESIGN 3.5)."""
     _, wg = kimi_gluon
     ids, tw = make_routing(64, KIMI["k"], KIMI["E"], device="cuda", seed=7)
     x = torch.randn(64, KIMI["D"], device="cuda").to(torch.bfloat16)
-    alone = run_gluon(x[37:38], ids[37:38], tw[37:38], wg, chains=chains)
+    alone = run_gluon(x[37:38], ids[37:38], tw[37:38], wg)
     for bp in BLOCK_PAIRS:
-        for depth in (1, 2):
-            for tiles in ((1, 2), (2, 1)):
-                batch = run_gluon(x, ids, tw, wg, block_pairs=bp, depth=depth, chains=chains, tiles=tiles)
-                assert_bitwise(batch[37], alone[0], f"batch of 64, {bp} pairs, depth {depth}, tiles {tiles}")
+        for tiles in ((1, 2), (2, 1)):
+            batch = run_gluon(x, ids, tw, wg, block_pairs=bp, tiles=tiles)
+            assert_bitwise(batch[37], alone[0], f"batch of 64, {bp} pairs, tiles {tiles}")
     ids2 = ids.clone()
-    ids2[:, :4] = ids[37, :4]  # 64 pairs on each of four experts: several blocks per expert
-    alone2 = run_gluon(x[37:38], ids2[37:38], tw[37:38], wg, chains=chains)
+    ids2[:, :4] = ids[37, :4]  # 64 pairs on each of four experts
+    ids2[:20, 4] = ids[37, 4]  # 20 on a fifth: a 32-pair block with an empty sub-block
+    alone2 = run_gluon(x[37:38], ids2[37:38], tw[37:38], wg)
     for bp in BLOCK_PAIRS:
-        batch2 = run_gluon(x, ids2, tw, wg, block_pairs=bp, chains=chains)
+        batch2 = run_gluon(x, ids2, tw, wg, block_pairs=bp)
         assert_bitwise(batch2[37], alone2[0], f"crowded, {bp} pairs")
+        assert_bitwise(batch2, run_gluon(x, ids2, tw, wg), f"crowded, {bp} vs 8 pairs, whole batch")
