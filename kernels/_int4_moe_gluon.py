@@ -11,8 +11,9 @@ quad q holds 8 consecutive columns, so ONE int32 word of 8 nibbles is exactly wh
 weight row. Each thread loads its words with 16-byte vector loads (two per row per 256-column step), one step
 ahead of the MMAs, dequantises them in registers and feeds the MMA; no shared memory, no CTA barrier. The
 activations (x rows gathered by pair, or `a`) are loaded the same way, 16 bytes per load, from L1/L2. An expert
-block of 8 x SUB pairs is SUB sub-blocks of 8: each dequantised chunk of weights goes to the MMAs of every
-sub-block that holds a pair (empty ones: no loads, no MMAs), so the weights are read once per block.
+block of 8 x SUB pairs is SUB sub-blocks of 8: each dequantised chunk of weights goes to the MMAs of all of them
+(a block with one sub-block's worth of pairs runs the one-sub-block loop instead: one decision per program), so
+an expert's weights are read and dequantised once per block.
 
 K order. A 256-column step holds 32 words of a row. The kernel's "logical" word w = 8c + 4r + q (chunk c of 64
 columns, its half r, lane quad q) is the word at memory position 8q + 4r + c, so a thread's 8 words of the step
@@ -158,34 +159,30 @@ if HAVE_GLUON:
         return gl.convert_layout(gl.reshape(v, [64, NP]), B_L, assert_trivial=True)
 
     @gluon.jit
-    def _mma_chunk(accs, a_op, xcs, acts, kb, c: gl.constexpr, SUB: gl.constexpr, X_L: gl.constexpr,
+    def _mma_chunk(accs, a_op, xcs, kb, c: gl.constexpr, SUB: gl.constexpr, X_L: gl.constexpr,
                    B_L: gl.constexpr):
-        """One dequantised 64-column chunk `a_op` times each active sub-block's activations (sub-block 0 always
-        is; the others only when they hold pairs: no loads, no MMAs for empty ones)."""
+        """One dequantised 64-column chunk `a_op` times the activations of the first SUB sub-blocks (no branch:
+        the program picked SUB for its block once; an empty sub-block reads row 0 and is never stored)."""
         a0, a1, a2, a3 = accs
         x0, x1, x2, x3 = xcs
-        f1, f2, f3 = acts
         a0 = mma_v2(a_op, _x_chunk(x0, kb, c, X_L, B_L), a0)
         if SUB >= 2:
-            if f1:
-                a1 = mma_v2(a_op, _x_chunk(x1, kb, c, X_L, B_L), a1)
+            a1 = mma_v2(a_op, _x_chunk(x1, kb, c, X_L, B_L), a1)
         if SUB >= 4:
-            if f2:
-                a2 = mma_v2(a_op, _x_chunk(x2, kb, c, X_L, B_L), a2)
-            if f3:
-                a3 = mma_v2(a_op, _x_chunk(x3, kb, c, X_L, B_L), a3)
+            a2 = mma_v2(a_op, _x_chunk(x2, kb, c, X_L, B_L), a2)
+            a3 = mma_v2(a_op, _x_chunk(x3, kb, c, X_L, B_L), a3)
         return a0, a1, a2, a3
 
     @gluon.jit
-    def _mma_step(accs, words, scales, xcs, acts, kb, SUB: gl.constexpr, A_L: gl.constexpr, B_L: gl.constexpr,
+    def _mma_step(accs, words, scales, xcs, kb, SUB: gl.constexpr, A_L: gl.constexpr, B_L: gl.constexpr,
                   X_L: gl.constexpr):
         """One K step of one weight tile: four 64-column chunks, each dequantised once for all sub-blocks."""
         w0, w1, w2, w3 = _chunks(words)
         s0, s1 = _step_scales(scales)
-        accs = _mma_chunk(accs, _dequant_chunk(w0, s0, A_L), xcs, acts, kb, 0, SUB, X_L, B_L)
-        accs = _mma_chunk(accs, _dequant_chunk(w1, s0, A_L), xcs, acts, kb, 1, SUB, X_L, B_L)
-        accs = _mma_chunk(accs, _dequant_chunk(w2, s1, A_L), xcs, acts, kb, 2, SUB, X_L, B_L)
-        accs = _mma_chunk(accs, _dequant_chunk(w3, s1, A_L), xcs, acts, kb, 3, SUB, X_L, B_L)
+        accs = _mma_chunk(accs, _dequant_chunk(w0, s0, A_L), xcs, kb, 0, SUB, X_L, B_L)
+        accs = _mma_chunk(accs, _dequant_chunk(w1, s0, A_L), xcs, kb, 1, SUB, X_L, B_L)
+        accs = _mma_chunk(accs, _dequant_chunk(w2, s1, A_L), xcs, kb, 2, SUB, X_L, B_L)
+        accs = _mma_chunk(accs, _dequant_chunk(w3, s1, A_L), xcs, kb, 3, SUB, X_L, B_L)
         return accs
 
     @gluon.jit
@@ -200,12 +197,30 @@ if HAVE_GLUON:
         return qg, sc_g, qu, sc_u
 
     @gluon.jit
-    def _step_both(acc_g, acc_u, buf, xcs, acts, kb, GATED: gl.constexpr, SUB: gl.constexpr, A_L: gl.constexpr,
+    def _step_both(acc_g, acc_u, buf, xcs, kb, GATED: gl.constexpr, SUB: gl.constexpr, A_L: gl.constexpr,
                    B_L: gl.constexpr, X_L: gl.constexpr):
         qg, sc_g, qu, sc_u = buf
-        acc_g = _mma_step(acc_g, qg, sc_g, xcs, acts, kb, SUB, A_L, B_L, X_L)
+        acc_g = _mma_step(acc_g, qg, sc_g, xcs, kb, SUB, A_L, B_L, X_L)
         if GATED:
-            acc_u = _mma_step(acc_u, qu, sc_u, xcs, acts, kb, SUB, A_L, B_L, X_L)
+            acc_u = _mma_step(acc_u, qu, sc_u, xcs, kb, SUB, A_L, B_L, X_L)
+        return acc_g, acc_u
+
+    @gluon.jit
+    def _k_loop(wg, sg, wu, su, row_ok, srow_ok, xcs, num_kb, R: gl.constexpr, EVEN: gl.constexpr,
+                GATED: gl.constexpr, SUB: gl.constexpr, P_L: gl.constexpr, A_L: gl.constexpr, B_L: gl.constexpr,
+                X_L: gl.constexpr, W_L: gl.constexpr, S_L: gl.constexpr):
+        """The K loop for the first SUB sub-blocks -> per sub-block accumulators (gate, up). Two K steps per
+        iteration (num_kb is even: the repack pads K to 512), each step's weights loaded one step ahead into the
+        other buffer (the last iteration reloads a step it had: an L2 hit, no branch)."""
+        zero = gl.zeros([R, 8], gl.float32, P_L)
+        acc_g = (zero, zero, zero, zero)  # per sub-block: gate rows (w2: the rows)
+        acc_u = (zero, zero, zero, zero)  # per sub-block: up rows (w13)
+        a = _load_both(wg, sg, wu, su, row_ok, srow_ok, 0, EVEN, GATED, W_L, S_L)
+        for kb in range(0, num_kb, 2):
+            b = _load_both(wg, sg, wu, su, row_ok, srow_ok, kb + 1, EVEN, GATED, W_L, S_L)
+            acc_g, acc_u = _step_both(acc_g, acc_u, a, xcs, kb, GATED, SUB, A_L, B_L, X_L)
+            a = _load_both(wg, sg, wu, su, row_ok, srow_ok, gl.minimum(kb + 2, num_kb - 1), EVEN, GATED, W_L, S_L)
+            acc_g, acc_u = _step_both(acc_g, acc_u, b, xcs, kb + 1, GATED, SUB, A_L, B_L, X_L)
         return acc_g, acc_u
 
     @gluon.jit
@@ -295,19 +310,17 @@ if HAVE_GLUON:
             p2, x2, f2 = _sub_block(pairs_ptr, blk, 2, P, x_ptr, stride_x, TOPK, GATED, SUB, B_L)
             p3, x3, f3 = _sub_block(pairs_ptr, blk, 3, P, x_ptr, stride_x, TOPK, GATED, SUB, B_L)
         xcs = (x0, x1, x2, x3)
-        acts = (f1, f2, f3)
-
-        zero = gl.zeros([R, 8], gl.float32, P_L)
-        acc_g = (zero, zero, zero, zero)  # per sub-block: gate rows (w2: the rows)
-        acc_u = (zero, zero, zero, zero)  # per sub-block: up rows (w13)
-        # two K steps per iteration (num_kb is even: the repack pads K to 512), each step's weights loaded one step
-        # ahead into the other buffer (the last iteration reloads a step it had: an L2 hit, no branch)
-        a = _load_both(wg, sg, wu, su, row_ok, srow_ok, 0, EVEN, GATED, W_L, S_L)
-        for kb in range(0, num_kb, 2):
-            b = _load_both(wg, sg, wu, su, row_ok, srow_ok, kb + 1, EVEN, GATED, W_L, S_L)
-            acc_g, acc_u = _step_both(acc_g, acc_u, a, xcs, acts, kb, GATED, SUB, A_L, B_L, X_L)
-            a = _load_both(wg, sg, wu, su, row_ok, srow_ok, gl.minimum(kb + 2, num_kb - 1), EVEN, GATED, W_L, S_L)
-            acc_g, acc_u = _step_both(acc_g, acc_u, b, xcs, acts, kb + 1, GATED, SUB, A_L, B_L, X_L)
+        # one decision per program: a block whose pairs fit in sub-block 0 (every block at low load) runs the
+        # one-sub-block loop; a fuller block runs all SUB sub-blocks without branches
+        if SUB == 1:
+            acc_g, acc_u = _k_loop(wg, sg, wu, su, row_ok, srow_ok, xcs, num_kb, R, EVEN, GATED, 1, P_L, A_L, B_L,
+                                   X_L, W_L, S_L)
+        elif f1:
+            acc_g, acc_u = _k_loop(wg, sg, wu, su, row_ok, srow_ok, xcs, num_kb, R, EVEN, GATED, SUB, P_L, A_L,
+                                   B_L, X_L, W_L, S_L)
+        else:
+            acc_g, acc_u = _k_loop(wg, sg, wu, su, row_ok, srow_ok, xcs, num_kb, R, EVEN, GATED, 1, P_L, A_L, B_L,
+                                   X_L, W_L, S_L)
 
         orow = pid_r * R + gl.arange(0, R, layout=gl.SliceLayout(1, P_L))
         _store_sub(acc_g[0], acc_u[0], p0, True, orow, out_ptr, P, N_OUT, stride_o, GATED, P_L)
