@@ -47,8 +47,6 @@ try:
 except ImportError:  # pragma: no cover - depends on the installed Triton
     HAVE_GLUON = False
 
-GLUON_BLOCK_K = 256  # K columns per loop step (8 groups of 32)
-
 # (128 + u) via lop3 into bf16 pairs, u - 8 exactly, times the group's scale (bf16x2 $3 = (s, s)) rounded once
 _DEQUANT_PAIR_PTX = """{
 .reg .b32 t, one, bias, nz;
@@ -106,7 +104,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _load_step(w_rows, s_rows, row_ok, s_ok, kb, EVEN: gl.constexpr, W_L: gl.constexpr, S_L: gl.constexpr):
         """One 256-column step of a tile's weight rows: words [R, 4 q, 2 r, 4 c] (each thread 8 contiguous
-        words per row: memory word 8q + 4r + c of the step) and scales [R, 4 q, 2 r] (group 2q + r)."""
+        words per row: memory word 8q + 4r + c of the step) and scales [R, 4 q, 2 h] (groups 2q + h)."""
         L3: gl.constexpr = gl.SliceLayout(3, W_L)
         L2: gl.constexpr = gl.SliceLayout(2, L3)
         q = gl.arange(0, 4, layout=gl.SliceLayout(0, L2))
