@@ -8,6 +8,8 @@
 
 moe T: `int4_moe_triton` on the INT4 MoE benchmark's random layer with T tokens (bench_int4_moe.py);
 moe_gluon T: `int4_moe_gluon` on the same shapes (its own random gluon-layout weights; kernels `_moe_w*_gluon_kernel`).
+Both take `[POOL [BLOCK_PAIRS]]` after T: route only to the first POOL experts (crowded experts as in a verify step of
+trees: T = 528, POOL = 202 puts ~21 pairs on each) and, for moe_gluon, the pairs per expert block.
 mla B L n [impl]: `mla_attention_triton` on the MLA benchmark's case (B sessions, prefix L, n-node trees).
 Each runs its launcher three times (the first compiles), so skip two launches per kernel.
 Run from the repo root with PYTHONPATH=. on a CUDA machine.
@@ -20,7 +22,7 @@ import sys
 import torch
 
 
-def moe(T: int, path: str = "triton") -> None:
+def moe(T: int, path: str = "triton", pool: int = 0, block_pairs: int = 0) -> None:
     from bench import bench_int4_moe as b
     from kernels.int4_moe import int4_moe_triton
     from kernels.int4_moe_gluon import int4_moe_gluon
@@ -28,10 +30,13 @@ def moe(T: int, path: str = "triton") -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     w = (b.gluon_layout_weights if path == "gluon" else b.gpu_layout_weights)(gen)
     ids, tw = b.routing(T, gen)
+    if pool:
+        ids = torch.rand(T, pool, generator=gen, device="cuda").topk(b.TOPK, dim=-1).indices
     x = torch.randn(T, b.D, generator=gen, device="cuda").to(torch.bfloat16)
     out = torch.empty_like(x)
+    kw = {"block_pairs": block_pairs} if path == "gluon" and block_pairs else {}
     for _ in range(3):
-        (int4_moe_gluon if path == "gluon" else int4_moe_triton)(x, ids, tw, *w, out=out)
+        (int4_moe_gluon if path == "gluon" else int4_moe_triton)(x, ids, tw, *w, out=out, **kw)
 
 
 def mla(B: int, L: int, n: int, impl: str = "gluon") -> None:
@@ -46,10 +51,9 @@ def mla(B: int, L: int, n: int, impl: str = "gluon") -> None:
 
 if __name__ == "__main__":
     kind, *rest = sys.argv[1:]
-    if kind == "moe":
-        moe(int(rest[0]))
-    elif kind == "moe_gluon":
-        moe(int(rest[0]), "gluon")
+    if kind in ("moe", "moe_gluon"):
+        T, pool, bp = (int(v) for v in [*rest, 0, 0][:3])
+        moe(T, "gluon" if kind == "moe_gluon" else "triton", pool, bp)
     elif kind == "mla":
         mla(*(int(v) for v in rest[:3]), *rest[3:])
     else:
