@@ -370,13 +370,12 @@ def int4_moe(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale, *,
     if layout not in ("checkpoint", "gpu", "gluon"):
         raise ValueError(f"int4_moe: unknown layout {layout!r}")
     if layout == "gluon":  # kernels/int4_moe_gluon.py: the Gluon kernels on CUDA, its layout decoded elsewhere
-        from kernels.int4_moe_gluon import gluon_layout_dense, int4_moe_gluon
+        from kernels.int4_moe_gluon import gluon_dense_experts, int4_moe_gluon  # it imports this module
         if x.is_cuda:
             return int4_moe_gluon(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale, experts=experts,
                                   reduce_pairs=reduce_pairs)
-        acc = torch.promote_types(x.dtype, torch.float32)
-        w13 = gluon_layout_dense(w13_packed, w13_scale, x.shape[1], acc)
-        w2 = gluon_layout_dense(w2_packed, w2_scale, w13_packed.shape[1] // 2, acc)
+        w13, w2 = gluon_dense_experts(w13_packed, w13_scale, w2_packed, w2_scale, x.shape[1],
+                                      torch.promote_types(x.dtype, torch.float32))
         return moe_dense_ref(x, topk_ids, topk_w, w13, w2, experts, reduce_pairs)
     T, D = x.shape
     if w13_packed.dim() != 3 or w2_packed.dim() != 3:

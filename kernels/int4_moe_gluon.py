@@ -21,9 +21,15 @@ quantisation group, 2q + c // 2 of the step.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
+from kernels._int4_moe_gluon import HAVE_GLUON, _moe_w2_gluon_kernel, _moe_w13_gluon_kernel
+from kernels._int4_moe_kernels import _moe_combine_kernel
+from kernels._moe_align import moe_align
+from kernels.int4_moe import _local_ids, _pair_buffer  # int4_moe imports this module lazily (layout="gluon")
 from kernels.int4_pack import PACK_FACTOR
 
 STEP = 256  # K columns per kernel step
@@ -34,6 +40,7 @@ DEFAULT_BLOCK_PAIRS = 8  # read at each call
 DEFAULT_TILES = (1, 2)  # m16 tiles per warp: w13, w2
 
 
+@functools.cache
 def _step_map() -> tuple[torch.Tensor, torch.Tensor]:
     """(phys [32 words, 8 positions], group [32 words]): the step column held by nibble position i of memory
     word 8q + 4r + c, and that word's group within the step."""
@@ -90,6 +97,11 @@ def gluon_layout_dense(words: torch.Tensor, scale: torch.Tensor, in_features: in
     return dense.view(E, N, steps * STEP)[..., :in_features]
 
 
+def gluon_dense_experts(w13, s13, w2, s2, hidden: int, dtype: torch.dtype = torch.float32):
+    """Both projections of a gluon-layout expert stack, dense (w13 [E, 2I, D], w2 [E, D, I]): the CPU path."""
+    return gluon_layout_dense(w13, s13, hidden, dtype), gluon_layout_dense(w2, s2, w13.shape[1] // 2, dtype)
+
+
 def int4_moe_gluon(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, block_pairs: int | None = None,
                    tiles: tuple[int, int] = DEFAULT_TILES, experts: range | None = None, reduce_pairs=None):
     """The Gluon path (CUDA, bf16, gluon layout); arguments as `kernels.int4_moe.int4_moe`. Schedule options, all
@@ -97,11 +109,6 @@ def int4_moe_gluon(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, block_pai
     of 16 or 32 is 2 or 4 sub-blocks of 8 that share each step's dequantised weights, empty ones skipped, so an
     expert with many pairs streams its weights once per 32 pairs instead of once per 8) and `tiles` (m16 tiles
     per warp of w13 and of w2, 1 or 2 each: 64 or 128 rows per program)."""
-    from kernels._int4_moe_gluon import HAVE_GLUON, _moe_w2_gluon_kernel, _moe_w13_gluon_kernel
-    from kernels._int4_moe_kernels import _moe_combine_kernel
-    from kernels._moe_align import moe_align
-    from kernels.int4_moe import _local_ids, _pair_buffer
-
     if not HAVE_GLUON:
         raise RuntimeError("int4_moe_gluon needs Triton with Gluon (3.5 or newer)")
     if not x.is_cuda or x.dtype != torch.bfloat16:

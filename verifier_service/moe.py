@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.int4_moe import int4_moe, moe_dense_ref, repack_int4_moe_for_gpu, unrepack_int4_moe
-from kernels.int4_moe_gluon import gluon_layout_dense, repack_int4_moe_for_gluon
+from kernels.int4_moe_gluon import gluon_dense_experts, repack_int4_moe_for_gluon
 from kernels.int4_pack import dequantize_int4
 from verifier_service.config import KimiConfig
 
@@ -117,9 +117,9 @@ class MoE(nn.Module):
         cache = getattr(self, "_dense_cache", None)
         if cache is None or cache[0] != key:
             w13p, s13, w2p, s2 = self.w13_packed, self.w13_scale, self.w2_packed, self.w2_scale
-            D, inter = self.w2_packed.shape[1], self.w13_packed.shape[1] // 2
+            D = self.w2_packed.shape[1]
             if self.layout == "gluon":
-                cache = (key, gluon_layout_dense(w13p, s13, D, acc), gluon_layout_dense(w2p, s2, inter, acc))
+                cache = (key, *gluon_dense_experts(w13p, s13, w2p, s2, D, acc))
             else:
                 if self.layout == "gpu":
                     w13p, s13, w2p, s2 = unrepack_int4_moe(w13p, s13, w2p, s2, D)
