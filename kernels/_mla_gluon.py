@@ -35,9 +35,9 @@ try:  # Gluon ships with Triton >= 3.5; without it the Triton kernel is the only
         warpgroup_mma,
         warpgroup_mma_wait,
     )
-    # renamed in Triton 3.7+: async_copy_global_to_shared -> async_load (same arguments)
-    _cp_async = getattr(cp, "async_load", None) or cp.async_copy_global_to_shared
-    _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # renamed barrier() in Triton 3.7+
+
+    from kernels._gluon_compat import cp_async as _cp_async
+    from kernels._gluon_compat import cta_barrier as _cta_barrier
     HAVE_GLUON = True
 except ImportError:  # pragma: no cover - depends on the installed Triton
     HAVE_GLUON = False

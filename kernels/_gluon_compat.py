@@ -1,0 +1,14 @@
+"""Names of Triton's Gluon dialect that moved between the Triton versions we run (3.6 on the GPU, 3.9 in CI)."""
+
+from __future__ import annotations
+
+try:  # Gluon ships with Triton >= 3.5
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+
+    # renamed in Triton 3.7+: async_copy_global_to_shared -> async_load (same arguments)
+    cp_async = getattr(cp, "async_load", None) or cp.async_copy_global_to_shared
+    cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # renamed barrier() in Triton 3.7+
+    HAVE_GLUON = True
+except ImportError:  # pragma: no cover - depends on the installed Triton
+    HAVE_GLUON = False
