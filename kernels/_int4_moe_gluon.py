@@ -44,7 +44,7 @@ try:
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-    from kernels._gluon_compat import cp_async
+    from kernels._gluon_compat import cp_async, cta_barrier
 
     HAVE_GLUON = True
 except ImportError:  # pragma: no cover - depends on the installed Triton
@@ -207,13 +207,15 @@ if HAVE_GLUON:
         return qg, sc_g, qu, sc_u
 
     @gluon.jit
-    def _copy_both(wg, sg, wu, su, row_ok, srow_ok, kb, live, slot, ring, GATED: gl.constexpr, W_L: gl.constexpr,
+    def _copy_both(cps, sg, su, srow_ok, kb, live, slot, ring, GATED: gl.constexpr, CP_L: gl.constexpr,
                    S_L: gl.constexpr):
-        """Step kb of the gate rows (w2: the rows) and, GATED, of the up rows into ring slot `slot`."""
+        """Step kb of the gate rows (w2: the rows) and, GATED, of the up rows into ring slot `slot`; the words in
+        the copy layout CP_L (`cps`: its gate / up row pointers and row mask)."""
+        wgc, wuc, crow_ok = cps
         gq, gs, uq, us = ring
-        _copy_step(wg, sg, row_ok, srow_ok, kb, live, gq.index(slot), gs.index(slot), W_L, S_L)
+        _copy_step(wgc, sg, crow_ok, srow_ok, kb, live, gq.index(slot), gs.index(slot), CP_L, S_L)
         if GATED:
-            _copy_step(wu, su, row_ok, srow_ok, kb, live, uq.index(slot), us.index(slot), W_L, S_L)
+            _copy_step(wuc, su, crow_ok, srow_ok, kb, live, uq.index(slot), us.index(slot), CP_L, S_L)
 
     @gluon.jit
     def _ring_step(ring, slot, GATED: gl.constexpr, W_L: gl.constexpr, S_L: gl.constexpr):
@@ -235,9 +237,10 @@ if HAVE_GLUON:
         return acc_g, acc_u
 
     @gluon.jit
-    def _k_loop(wg, sg, wu, su, row_ok, srow_ok, xcs, num_kb, R: gl.constexpr, EVEN: gl.constexpr,
+    def _k_loop(wg, sg, wu, su, row_ok, srow_ok, cps, xcs, num_kb, R: gl.constexpr, EVEN: gl.constexpr,
                 GATED: gl.constexpr, SUB: gl.constexpr, STAGES: gl.constexpr, P_L: gl.constexpr,
-                A_L: gl.constexpr, B_L: gl.constexpr, X_L: gl.constexpr, W_L: gl.constexpr, S_L: gl.constexpr):
+                A_L: gl.constexpr, B_L: gl.constexpr, X_L: gl.constexpr, W_L: gl.constexpr, S_L: gl.constexpr,
+                CP_L: gl.constexpr):
         """The K loop for the first SUB sub-blocks -> per sub-block accumulators (gate, up)."""
         zero = gl.zeros([R, 8], gl.float32, P_L)
         acc_g = (zero, zero, zero, zero)  # per sub-block: gate rows (w2: the rows)
@@ -253,10 +256,11 @@ if HAVE_GLUON:
                                S_L)
                 acc_g, acc_u = _step_both(acc_g, acc_u, b, xcs, kb + 1, GATED, SUB, A_L, B_L, X_L)
         else:
-            # a ring of STAGES steps in shared memory, private to each thread: a thread reads back only the bytes
-            # its own cp.async wrote, so its wait_group is the only synchronisation (no CTA barrier), and
-            # STAGES - 1 steps of weights are in flight per warp without holding registers
-            W_SL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[3, 1, 0, 2])  # per r: 16 B per lane
+            # a ring of STAGES steps in shared memory: the program's threads copy each step with cp.async in CP_L
+            # (8 lanes per 128-byte row segment: whole sectors per instruction, L1 bypassed) and read it in W_L;
+            # STAGES - 1 steps are in flight per warp without holding registers. One CTA barrier per step: after
+            # it step kb has landed for every thread, and every thread is done with the slot the next copy refills.
+            W_SL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[3, 1, 0, 2])  # conflict-free both ways
             S_SL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0])
             gq = gl.allocate_shared_memory(gl.int32, [STAGES, R, 4, 2, 4], W_SL)
             gs = gl.allocate_shared_memory(sg.dtype.element_ty, [STAGES, R, 4, 2], S_SL)
@@ -266,14 +270,15 @@ if HAVE_GLUON:
                 us = gl.allocate_shared_memory(sg.dtype.element_ty, [STAGES, R, 4, 2], S_SL)
             ring = (gq, gs, uq, us)
             for i in gl.static_range(STAGES - 1):
-                _copy_both(wg, sg, wu, su, row_ok, srow_ok, i, i < num_kb, i, ring, GATED, W_L, S_L)
+                _copy_both(cps, sg, su, srow_ok, i, i < num_kb, i, ring, GATED, CP_L, S_L)
                 cp.commit_group()
             for kb in range(0, num_kb):
+                cp.wait_group(STAGES - 2)  # this thread's copies of step kb landed
+                cta_barrier()  # everyone's; and step kb - 1's slot is free
                 nk = kb + STAGES - 1
-                _copy_both(wg, sg, wu, su, row_ok, srow_ok, gl.minimum(nk, num_kb - 1), nk < num_kb, nk % STAGES,
-                           ring, GATED, W_L, S_L)
+                _copy_both(cps, sg, su, srow_ok, gl.minimum(nk, num_kb - 1), nk < num_kb, nk % STAGES, ring, GATED,
+                           CP_L, S_L)
                 cp.commit_group()
-                cp.wait_group(STAGES - 1)  # step kb landed
                 acc_g, acc_u = _step_both(acc_g, acc_u, _ring_step(ring, kb % STAGES, GATED, W_L, S_L), xcs, kb,
                                           GATED, SUB, A_L, B_L, X_L)
             cp.wait_group(0)
@@ -343,7 +348,15 @@ if HAVE_GLUON:
             lane_bases=[[1, 0, 0], [2, 0, 0], [0, 0, 1], [0, 0, 2], [0, 0, 4]],
             warp_bases=([[0, 0, 0]] if NW >= 2 else []) + ([[0, 0, 0]] if NW == 4 else []),
             block_bases=[], shape=[4, 16, 8])
+        # the ring's copies of the words (stages > 0): lanes r, q, rows 1-2; registers c, rows 4-8 (then as W_L)
+        CP_L: gl.constexpr = gl.DistributedLinearLayout(
+            reg_bases=[[0, 0, 0, 1], [0, 0, 0, 2], [4, 0, 0, 0], [8, 0, 0, 0]]
+            + ([[16 * NW, 0, 0, 0]] if RT == 2 else []),
+            lane_bases=[[0, 0, 1, 0], [0, 1, 0, 0], [0, 2, 0, 0], [1, 0, 0, 0], [2, 0, 0, 0]],
+            warp_bases=([[16, 0, 0, 0]] if NW >= 2 else []) + ([[32, 0, 0, 0]] if NW == 4 else []),
+            block_bases=[], shape=[R, 4, 2, 4])
         ROW_L: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, W_L)))
+        CROW_L: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, CP_L)))
         SROW_L: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, S_L))
 
         pid_r = gl.program_id(0)
@@ -361,6 +374,8 @@ if HAVE_GLUON:
         sg = s_base + srows * stride_sn
         wu = w_base + (rows + N_OUT) * stride_wn  # w13: the up rows of the same intermediate columns
         su = s_base + (srows + N_OUT) * stride_sn
+        crows = pid_r * R + gl.arange(0, R, layout=CROW_L)
+        cps = (w_base + crows * stride_wn, w_base + (crows + N_OUT) * stride_wn, crows < N_OUT)
         p0, x0, _ = _sub_block(pairs_ptr, blk, 0, P, x_ptr, stride_x, TOPK, GATED, SUB, B_L)
         p1, x1, f1 = p0, x0, False
         p2, x2, f2 = p0, x0, False
@@ -374,14 +389,14 @@ if HAVE_GLUON:
         # one decision per program: a block whose pairs fit in sub-block 0 (every block at low load) runs the
         # one-sub-block loop; a fuller block runs all SUB sub-blocks without branches
         if SUB == 1:
-            acc_g, acc_u = _k_loop(wg, sg, wu, su, row_ok, srow_ok, xcs, num_kb, R, EVEN, GATED, 1, STAGES, P_L,
-                                   A_L, B_L, X_L, W_L, S_L)
+            acc_g, acc_u = _k_loop(wg, sg, wu, su, row_ok, srow_ok, cps, xcs, num_kb, R, EVEN, GATED, 1, STAGES, P_L,
+                                   A_L, B_L, X_L, W_L, S_L, CP_L)
         elif f1:
-            acc_g, acc_u = _k_loop(wg, sg, wu, su, row_ok, srow_ok, xcs, num_kb, R, EVEN, GATED, SUB, STAGES, P_L,
-                                   A_L, B_L, X_L, W_L, S_L)
+            acc_g, acc_u = _k_loop(wg, sg, wu, su, row_ok, srow_ok, cps, xcs, num_kb, R, EVEN, GATED, SUB, STAGES, P_L,
+                                   A_L, B_L, X_L, W_L, S_L, CP_L)
         else:
-            acc_g, acc_u = _k_loop(wg, sg, wu, su, row_ok, srow_ok, xcs, num_kb, R, EVEN, GATED, 1, STAGES, P_L,
-                                   A_L, B_L, X_L, W_L, S_L)
+            acc_g, acc_u = _k_loop(wg, sg, wu, su, row_ok, srow_ok, cps, xcs, num_kb, R, EVEN, GATED, 1, STAGES, P_L,
+                                   A_L, B_L, X_L, W_L, S_L, CP_L)
 
         orow = pid_r * R + gl.arange(0, R, layout=gl.SliceLayout(1, P_L))
         _store_sub(acc_g[0], acc_u[0], p0, True, orow, out_ptr, P, N_OUT, stride_o, GATED, P_L)
