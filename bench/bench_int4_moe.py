@@ -103,12 +103,6 @@ def gpu_layout_weights(gen):
 GLUON_VARIANTS = {  # name -> int4_moe_gluon options (--gluon)
     "gluon_np8": dict(block_pairs=8), "gluon_np16": dict(block_pairs=16), "gluon_np32": dict(block_pairs=32),
     "gluon_t11": dict(tiles=(1, 1)), "gluon_t22_np32": dict(tiles=(2, 2), block_pairs=32),
-    # weights through a per-thread cp.async ring of N steps in shared memory (stages), 1-warp programs (w1)
-    "gluon_s2": dict(stages=2), "gluon_s3": dict(stages=3), "gluon_s4": dict(stages=4), "gluon_s6": dict(stages=6),
-    "gluon_w1": dict(warps=(1, 1)), "gluon_w1_s4": dict(warps=(1, 1), stages=4),
-    "gluon_w1_s6": dict(warps=(1, 1), stages=6), "gluon_w1_s8": dict(warps=(1, 1), stages=8),
-    "gluon_w2_s4_np32": dict(warps=(2, 2), stages=4, block_pairs=32),
-    "gluon_s4_np32": dict(stages=4, block_pairs=32),
 }
 
 

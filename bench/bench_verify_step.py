@@ -389,8 +389,7 @@ def run_case(model, pool, cfg, case: dict, invariant: bool, ceil: dict, info: di
         dtype=str(pool.kv.dtype).removeprefix("torch."), build_s=state.get("build_s"),
         mla_impl=mla_attention.DEFAULT_IMPL, moe_block_m=int4_moe.DEFAULT_BLOCK_M,
         moe_zp_mma=int4_moe.DEFAULT_ZP_MMA, moe_layout=moe_mod.GPU_LAYOUT,
-        **({"moe_block_pairs": int4_moe_gluon.DEFAULT_BLOCK_PAIRS, "moe_stages": int4_moe_gluon.DEFAULT_STAGES,
-            "moe_warps": list(int4_moe_gluon.DEFAULT_WARPS)} if moe_mod.GPU_LAYOUT == "gluon" else {}), **lm)
+        **({"moe_block_pairs": int4_moe_gluon.DEFAULT_BLOCK_PAIRS} if moe_mod.GPU_LAYOUT == "gluon" else {}), **lm)
     if args.profile and cuda:
         params["kernel_breakdown"] = state["breakdowns"][-1][2]
     if graph_err is not None:
@@ -446,11 +445,6 @@ def parse_args(argv=None):
                     help="INT4 MoE kernels: 'gpu' (Triton, default) or 'gluon' (verifier_service.moe.GPU_LAYOUT)")
     ap.add_argument("--moe-block-pairs", type=int, choices=int4_moe_gluon.BLOCK_PAIRS, default=None,
                     help="with --moe-layout gluon: pairs per expert block (default int4_moe_gluon.DEFAULT_BLOCK_PAIRS)")
-    ap.add_argument("--moe-stages", type=int, default=None,
-                    help="with --moe-layout gluon: 0 (weights via registers) or a shared-memory ring of N steps "
-                    "(default int4_moe_gluon.DEFAULT_STAGES)")
-    ap.add_argument("--moe-warps", type=int, nargs=2, default=None, metavar=("W13", "W2"),
-                    help="with --moe-layout gluon: warps per program of w13 and w2 (default DEFAULT_WARPS)")
     ap.add_argument("--mla-impl", choices=mla_attention.IMPLS, default=None,
                     help=f"MLA tile kernel (default: mla_attention.DEFAULT_IMPL = {mla_attention.DEFAULT_IMPL})")
     args = ap.parse_args(argv)
@@ -487,10 +481,6 @@ def main(argv=None) -> list[dict]:
         moe_mod.GPU_LAYOUT = args.moe_layout
     if args.moe_block_pairs is not None:
         int4_moe_gluon.DEFAULT_BLOCK_PAIRS = args.moe_block_pairs
-    if args.moe_stages is not None:
-        int4_moe_gluon.DEFAULT_STAGES = args.moe_stages
-    if args.moe_warps is not None:
-        int4_moe_gluon.DEFAULT_WARPS = tuple(args.moe_warps)
     t_start = time.perf_counter()
     dev = args.device
     cuda = dev.startswith("cuda")

@@ -8,9 +8,8 @@
 
 moe T: `int4_moe_triton` on the INT4 MoE benchmark's random layer with T tokens (bench_int4_moe.py);
 moe_gluon T: `int4_moe_gluon` on the same shapes (its own random gluon-layout weights; kernels `_moe_w*_gluon_kernel`).
-Both take `[POOL [BLOCK_PAIRS]]` after T: route only to the first POOL experts (0: all; crowded experts as in a verify
-step of trees: T = 528, POOL = 202 puts ~21 pairs on each) and, for moe_gluon, the pairs per expert block (0: default),
-then `[STAGES [W13 W2]]`: the weights' shared-memory ring (0: registers) and the warps per program.
+Both take `[POOL [BLOCK_PAIRS]]` after T: route only to the first POOL experts (crowded experts as in a verify step of
+trees: T = 528, POOL = 202 puts ~21 pairs on each) and, for moe_gluon, the pairs per expert block.
 mla B L n [impl]: `mla_attention_triton` on the MLA benchmark's case (B sessions, prefix L, n-node trees).
 Each runs its launcher three times (the first compiles), so skip two launches per kernel.
 Run from the repo root with PYTHONPATH=. on a CUDA machine.
@@ -23,8 +22,7 @@ import sys
 import torch
 
 
-def moe(T: int, path: str = "triton", pool: int = 0, block_pairs: int = 0, stages: int = 0,
-        warps: tuple[int, int] | None = None) -> None:
+def moe(T: int, path: str = "triton", pool: int = 0, block_pairs: int = 0) -> None:
     from bench import bench_int4_moe as b
     from kernels.int4_moe import int4_moe_triton
     from kernels.int4_moe_gluon import int4_moe_gluon
@@ -36,7 +34,7 @@ def moe(T: int, path: str = "triton", pool: int = 0, block_pairs: int = 0, stage
         ids = torch.rand(T, pool, generator=gen, device="cuda").topk(b.TOPK, dim=-1).indices
     x = torch.randn(T, b.D, generator=gen, device="cuda").to(torch.bfloat16)
     out = torch.empty_like(x)
-    kw = dict(block_pairs=block_pairs or None, stages=stages, warps=warps) if path == "gluon" else {}
+    kw = {"block_pairs": block_pairs} if path == "gluon" and block_pairs else {}
     for _ in range(3):
         (int4_moe_gluon if path == "gluon" else int4_moe_triton)(x, ids, tw, *w, out=out, **kw)
 
@@ -54,8 +52,8 @@ def mla(B: int, L: int, n: int, impl: str = "gluon") -> None:
 if __name__ == "__main__":
     kind, *rest = sys.argv[1:]
     if kind in ("moe", "moe_gluon"):
-        T, pool, bp, stages, w13, w2 = (int(v) for v in [*rest, 0, 0, 0, 0, 0][:6])
-        moe(T, "gluon" if kind == "moe_gluon" else "triton", pool, bp, stages, (w13, w2) if w13 else None)
+        T, pool, bp = (int(v) for v in [*rest, 0, 0][:3])
+        moe(T, "gluon" if kind == "moe_gluon" else "triton", pool, bp)
     elif kind == "mla":
         mla(*(int(v) for v in rest[:3]), *rest[3:])
     else:

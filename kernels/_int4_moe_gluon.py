@@ -41,10 +41,7 @@ from __future__ import annotations
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
-
-    from kernels._gluon_compat import cp_async, cta_barrier
 
     HAVE_GLUON = True
 except ImportError:  # pragma: no cover - depends on the installed Triton
@@ -105,10 +102,9 @@ if HAVE_GLUON:
         return gl.convert_layout(deq, A_L, assert_trivial=True)
 
     @gluon.jit
-    def _step_ptrs(w_rows, s_rows, row_ok, s_ok, kb, W_L: gl.constexpr, S_L: gl.constexpr):
-        """Addresses of one 256-column step of a tile's weight rows: words [R, 4 q, 2 r, 4 c] (each thread 8
-        contiguous words per row: memory word 8q + 4r + c of the step) and scales [R, 4 q, 2 h] (groups 2q + h),
-        with their row masks (broadcast)."""
+    def _load_step(w_rows, s_rows, row_ok, s_ok, kb, EVEN: gl.constexpr, W_L: gl.constexpr, S_L: gl.constexpr):
+        """One 256-column step of a tile's weight rows: words [R, 4 q, 2 r, 4 c] (each thread 8 contiguous
+        words per row: memory word 8q + 4r + c of the step) and scales [R, 4 q, 2 h] (groups 2q + h)."""
         L3: gl.constexpr = gl.SliceLayout(3, W_L)
         L2: gl.constexpr = gl.SliceLayout(2, L3)
         q = gl.arange(0, 4, layout=gl.SliceLayout(0, L2))
@@ -119,6 +115,10 @@ if HAVE_GLUON:
         c4 = gl.expand_dims(gl.expand_dims(gl.expand_dims(c, 0), 0), 0)
         p4 = gl.expand_dims(gl.expand_dims(gl.expand_dims(w_rows + kb * 32, 1), 2), 3)
         ok4 = gl.expand_dims(gl.expand_dims(gl.expand_dims(row_ok, 1), 2), 3)
+        if EVEN:
+            words = gl.load(p4 + (q4 + r4 + c4))
+        else:
+            words = gl.load(p4 + (q4 + r4 + c4), mask=ok4, other=0)
         S2: gl.constexpr = gl.SliceLayout(2, S_L)
         sq = gl.arange(0, 4, layout=gl.SliceLayout(0, S2))
         sr = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(0, S_L)))  # h: groups 2q, 2q + 1
@@ -126,23 +126,11 @@ if HAVE_GLUON:
         sr3 = gl.expand_dims(gl.expand_dims(sr, 0), 0)
         sp3 = gl.expand_dims(gl.expand_dims(s_rows + kb * 8, 1), 2)
         sok3 = gl.expand_dims(gl.expand_dims(s_ok, 1), 2)
-        return p4 + (q4 + r4 + c4), ok4, sp3 + (sq3 + sr3), sok3
-
-    @gluon.jit
-    def _load_step(w_rows, s_rows, row_ok, s_ok, kb, EVEN: gl.constexpr, W_L: gl.constexpr, S_L: gl.constexpr):
-        """One step's (words, scales) into registers (`_step_ptrs`)."""
-        wp, wok, sp, sok = _step_ptrs(w_rows, s_rows, row_ok, s_ok, kb, W_L, S_L)
         if EVEN:
-            return gl.load(wp), gl.load(sp)
-        return gl.load(wp, mask=wok, other=0), gl.load(sp, mask=sok, other=0.0)
-
-    @gluon.jit
-    def _copy_step(w_rows, s_rows, row_ok, s_ok, kb, live, w_dst, s_dst, W_L: gl.constexpr, S_L: gl.constexpr):
-        """One step's (words, scales) into this thread's own slots of shared memory (cp.async: 16-byte copies of
-        the words, 4-byte of the scales); `live` False (a step past the end): no global read, zeros land."""
-        wp, wok, sp, sok = _step_ptrs(w_rows, s_rows, row_ok & live, s_ok & live, kb, W_L, S_L)
-        cp_async(w_dst, wp, mask=wok)
-        cp_async(s_dst, sp, mask=sok)
+            scales = gl.load(sp3 + (sq3 + sr3))
+        else:
+            scales = gl.load(sp3 + (sq3 + sr3), mask=sok3, other=0.0)
+        return words, scales
 
     @gluon.jit
     def _step_scales(scales):
@@ -207,27 +195,6 @@ if HAVE_GLUON:
         return qg, sc_g, qu, sc_u
 
     @gluon.jit
-    def _copy_both(cps, sg, su, srow_ok, kb, live, slot, ring, GATED: gl.constexpr, CP_L: gl.constexpr,
-                   S_L: gl.constexpr):
-        """Step kb of the gate rows (w2: the rows) and, GATED, of the up rows into ring slot `slot`; the words in
-        the copy layout CP_L (`cps`: its gate / up row pointers and row mask)."""
-        wgc, wuc, crow_ok = cps
-        gq, gs, uq, us = ring
-        _copy_step(wgc, sg, crow_ok, srow_ok, kb, live, gq.index(slot), gs.index(slot), CP_L, S_L)
-        if GATED:
-            _copy_step(wuc, su, crow_ok, srow_ok, kb, live, uq.index(slot), us.index(slot), CP_L, S_L)
-
-    @gluon.jit
-    def _ring_step(ring, slot, GATED: gl.constexpr, W_L: gl.constexpr, S_L: gl.constexpr):
-        """Ring slot `slot` -> (words, scales) of the gate rows and of the up rows (w2: the same twice)."""
-        gq, gs, uq, us = ring
-        qg = gq.index(slot).load(W_L)
-        sc_g = gs.index(slot).load(S_L)
-        if GATED:
-            return qg, sc_g, uq.index(slot).load(W_L), us.index(slot).load(S_L)
-        return qg, sc_g, qg, sc_g
-
-    @gluon.jit
     def _step_both(acc_g, acc_u, buf, xcs, kb, GATED: gl.constexpr, SUB: gl.constexpr, A_L: gl.constexpr,
                    B_L: gl.constexpr, X_L: gl.constexpr):
         qg, sc_g, qu, sc_u = buf
@@ -237,51 +204,21 @@ if HAVE_GLUON:
         return acc_g, acc_u
 
     @gluon.jit
-    def _k_loop(wg, sg, wu, su, row_ok, srow_ok, cps, xcs, num_kb, R: gl.constexpr, EVEN: gl.constexpr,
-                GATED: gl.constexpr, SUB: gl.constexpr, STAGES: gl.constexpr, P_L: gl.constexpr,
-                A_L: gl.constexpr, B_L: gl.constexpr, X_L: gl.constexpr, W_L: gl.constexpr, S_L: gl.constexpr,
-                CP_L: gl.constexpr):
-        """The K loop for the first SUB sub-blocks -> per sub-block accumulators (gate, up)."""
+    def _k_loop(wg, sg, wu, su, row_ok, srow_ok, xcs, num_kb, R: gl.constexpr, EVEN: gl.constexpr,
+                GATED: gl.constexpr, SUB: gl.constexpr, P_L: gl.constexpr, A_L: gl.constexpr, B_L: gl.constexpr,
+                X_L: gl.constexpr, W_L: gl.constexpr, S_L: gl.constexpr):
+        """The K loop for the first SUB sub-blocks -> per sub-block accumulators (gate, up). Two K steps per
+        iteration (num_kb is even: the repack pads K to 512), each step's weights loaded one step ahead into the
+        other buffer (the last iteration reloads a step it had: an L2 hit, no branch)."""
         zero = gl.zeros([R, 8], gl.float32, P_L)
         acc_g = (zero, zero, zero, zero)  # per sub-block: gate rows (w2: the rows)
         acc_u = (zero, zero, zero, zero)  # per sub-block: up rows (w13)
-        if STAGES == 0:
-            # registers: two K steps per iteration (num_kb is even: the repack pads K to 512), each step's weights
-            # loaded one step ahead into the other buffer (the last iteration reloads a step it had: an L2 hit)
-            a = _load_both(wg, sg, wu, su, row_ok, srow_ok, 0, EVEN, GATED, W_L, S_L)
-            for kb in range(0, num_kb, 2):
-                b = _load_both(wg, sg, wu, su, row_ok, srow_ok, kb + 1, EVEN, GATED, W_L, S_L)
-                acc_g, acc_u = _step_both(acc_g, acc_u, a, xcs, kb, GATED, SUB, A_L, B_L, X_L)
-                a = _load_both(wg, sg, wu, su, row_ok, srow_ok, gl.minimum(kb + 2, num_kb - 1), EVEN, GATED, W_L,
-                               S_L)
-                acc_g, acc_u = _step_both(acc_g, acc_u, b, xcs, kb + 1, GATED, SUB, A_L, B_L, X_L)
-        else:
-            # a ring of STAGES steps in shared memory: the program's threads copy each step with cp.async in CP_L
-            # (8 lanes per 128-byte row segment: whole sectors per instruction, L1 bypassed) and read it in W_L;
-            # STAGES - 1 steps are in flight per warp without holding registers. One CTA barrier per step: after
-            # it step kb has landed for every thread, and every thread is done with the slot the next copy refills.
-            W_SL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[3, 1, 0, 2])  # conflict-free both ways
-            S_SL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0])
-            gq = gl.allocate_shared_memory(gl.int32, [STAGES, R, 4, 2, 4], W_SL)
-            gs = gl.allocate_shared_memory(sg.dtype.element_ty, [STAGES, R, 4, 2], S_SL)
-            uq, us = gq, gs
-            if GATED:
-                uq = gl.allocate_shared_memory(gl.int32, [STAGES, R, 4, 2, 4], W_SL)
-                us = gl.allocate_shared_memory(sg.dtype.element_ty, [STAGES, R, 4, 2], S_SL)
-            ring = (gq, gs, uq, us)
-            for i in gl.static_range(STAGES - 1):
-                _copy_both(cps, sg, su, srow_ok, i, i < num_kb, i, ring, GATED, CP_L, S_L)
-                cp.commit_group()
-            for kb in range(0, num_kb):
-                cp.wait_group(STAGES - 2)  # this thread's copies of step kb landed
-                cta_barrier()  # everyone's; and step kb - 1's slot is free
-                nk = kb + STAGES - 1
-                _copy_both(cps, sg, su, srow_ok, gl.minimum(nk, num_kb - 1), nk < num_kb, nk % STAGES, ring, GATED,
-                           CP_L, S_L)
-                cp.commit_group()
-                acc_g, acc_u = _step_both(acc_g, acc_u, _ring_step(ring, kb % STAGES, GATED, W_L, S_L), xcs, kb,
-                                          GATED, SUB, A_L, B_L, X_L)
-            cp.wait_group(0)
+        a = _load_both(wg, sg, wu, su, row_ok, srow_ok, 0, EVEN, GATED, W_L, S_L)
+        for kb in range(0, num_kb, 2):
+            b = _load_both(wg, sg, wu, su, row_ok, srow_ok, kb + 1, EVEN, GATED, W_L, S_L)
+            acc_g, acc_u = _step_both(acc_g, acc_u, a, xcs, kb, GATED, SUB, A_L, B_L, X_L)
+            a = _load_both(wg, sg, wu, su, row_ok, srow_ok, gl.minimum(kb + 2, num_kb - 1), EVEN, GATED, W_L, S_L)
+            acc_g, acc_u = _step_both(acc_g, acc_u, b, xcs, kb + 1, GATED, SUB, A_L, B_L, X_L)
         return acc_g, acc_u
 
     @gluon.jit
@@ -319,44 +256,31 @@ if HAVE_GLUON:
         P, N_OUT, num_kb,
         stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_o,
         TOPK: gl.constexpr, GATED: gl.constexpr, EVEN: gl.constexpr, SUB: gl.constexpr, RT: gl.constexpr,
-        STAGES: gl.constexpr,
     ):
-        NW: gl.constexpr = gl.num_warps()
-        gl.static_assert(NW == 1 or NW == 2 or NW == 4)
+        NW: gl.constexpr = 4
+        gl.static_assert(gl.num_warps() == NW)
         gl.static_assert(RT == 1 or RT == 2)
         gl.static_assert(SUB == 1 or SUB == 2 or SUB == 4)
         R: gl.constexpr = 16 * NW * RT  # rows of one weight tile (w13: gate rows, and as many up rows)
         P_L: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
         A_L: gl.constexpr = gl.DotOperandLayout(0, P_L, 8)
         B_L: gl.constexpr = gl.DotOperandLayout(1, P_L, 8)
-        # warp w holds rows 16w + 16 NW t of tile t, as the MMA layout does
         # words [R, 4 q, 2 r, 4 c]: c and r in registers (8 contiguous words), q on lanes 0-1, rows as in A_L
         W_L: gl.constexpr = gl.DistributedLinearLayout(
-            reg_bases=[[0, 0, 0, 1], [0, 0, 0, 2], [8, 0, 0, 0], [0, 0, 1, 0]]
-            + ([[16 * NW, 0, 0, 0]] if RT == 2 else []),
+            reg_bases=[[0, 0, 0, 1], [0, 0, 0, 2], [8, 0, 0, 0], [0, 0, 1, 0]] + ([[64, 0, 0, 0]] if RT == 2 else []),
             lane_bases=[[0, 1, 0, 0], [0, 2, 0, 0], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]],
-            warp_bases=([[16, 0, 0, 0]] if NW >= 2 else []) + ([[32, 0, 0, 0]] if NW == 4 else []),
+            warp_bases=[[16, 0, 0, 0], [32, 0, 0, 0]],
             block_bases=[], shape=[R, 4, 2, 4])
         S_L: gl.constexpr = gl.DistributedLinearLayout(
-            reg_bases=[[0, 0, 1], [8, 0, 0]] + ([[16 * NW, 0, 0]] if RT == 2 else []),
+            reg_bases=[[0, 0, 1], [8, 0, 0]] + ([[64, 0, 0]] if RT == 2 else []),
             lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
-            warp_bases=([[16, 0, 0]] if NW >= 2 else []) + ([[32, 0, 0]] if NW == 4 else []),
-            block_bases=[], shape=[R, 4, 2])
+            warp_bases=[[16, 0, 0], [32, 0, 0]], block_bases=[], shape=[R, 4, 2])
         # activations of one chunk and sub-block [4 q, 16 e, 8 pairs]: e in registers (16 contiguous columns)
         X_L: gl.constexpr = gl.DistributedLinearLayout(
             reg_bases=[[0, 1, 0], [0, 2, 0], [0, 4, 0], [0, 8, 0]],
             lane_bases=[[1, 0, 0], [2, 0, 0], [0, 0, 1], [0, 0, 2], [0, 0, 4]],
-            warp_bases=([[0, 0, 0]] if NW >= 2 else []) + ([[0, 0, 0]] if NW == 4 else []),
-            block_bases=[], shape=[4, 16, 8])
-        # the ring's copies of the words (stages > 0): lanes r, q, rows 1-2; registers c, rows 4-8 (then as W_L)
-        CP_L: gl.constexpr = gl.DistributedLinearLayout(
-            reg_bases=[[0, 0, 0, 1], [0, 0, 0, 2], [4, 0, 0, 0], [8, 0, 0, 0]]
-            + ([[16 * NW, 0, 0, 0]] if RT == 2 else []),
-            lane_bases=[[0, 0, 1, 0], [0, 1, 0, 0], [0, 2, 0, 0], [1, 0, 0, 0], [2, 0, 0, 0]],
-            warp_bases=([[16, 0, 0, 0]] if NW >= 2 else []) + ([[32, 0, 0, 0]] if NW == 4 else []),
-            block_bases=[], shape=[R, 4, 2, 4])
+            warp_bases=[[0, 0, 0], [0, 0, 0]], block_bases=[], shape=[4, 16, 8])
         ROW_L: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, W_L)))
-        CROW_L: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, CP_L)))
         SROW_L: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, S_L))
 
         pid_r = gl.program_id(0)
@@ -374,8 +298,6 @@ if HAVE_GLUON:
         sg = s_base + srows * stride_sn
         wu = w_base + (rows + N_OUT) * stride_wn  # w13: the up rows of the same intermediate columns
         su = s_base + (srows + N_OUT) * stride_sn
-        crows = pid_r * R + gl.arange(0, R, layout=CROW_L)
-        cps = (w_base + crows * stride_wn, w_base + (crows + N_OUT) * stride_wn, crows < N_OUT)
         p0, x0, _ = _sub_block(pairs_ptr, blk, 0, P, x_ptr, stride_x, TOPK, GATED, SUB, B_L)
         p1, x1, f1 = p0, x0, False
         p2, x2, f2 = p0, x0, False
@@ -389,14 +311,14 @@ if HAVE_GLUON:
         # one decision per program: a block whose pairs fit in sub-block 0 (every block at low load) runs the
         # one-sub-block loop; a fuller block runs all SUB sub-blocks without branches
         if SUB == 1:
-            acc_g, acc_u = _k_loop(wg, sg, wu, su, row_ok, srow_ok, cps, xcs, num_kb, R, EVEN, GATED, 1, STAGES, P_L,
-                                   A_L, B_L, X_L, W_L, S_L, CP_L)
+            acc_g, acc_u = _k_loop(wg, sg, wu, su, row_ok, srow_ok, xcs, num_kb, R, EVEN, GATED, 1, P_L, A_L, B_L,
+                                   X_L, W_L, S_L)
         elif f1:
-            acc_g, acc_u = _k_loop(wg, sg, wu, su, row_ok, srow_ok, cps, xcs, num_kb, R, EVEN, GATED, SUB, STAGES, P_L,
-                                   A_L, B_L, X_L, W_L, S_L, CP_L)
+            acc_g, acc_u = _k_loop(wg, sg, wu, su, row_ok, srow_ok, xcs, num_kb, R, EVEN, GATED, SUB, P_L, A_L,
+                                   B_L, X_L, W_L, S_L)
         else:
-            acc_g, acc_u = _k_loop(wg, sg, wu, su, row_ok, srow_ok, cps, xcs, num_kb, R, EVEN, GATED, 1, STAGES, P_L,
-                                   A_L, B_L, X_L, W_L, S_L, CP_L)
+            acc_g, acc_u = _k_loop(wg, sg, wu, su, row_ok, srow_ok, xcs, num_kb, R, EVEN, GATED, 1, P_L, A_L, B_L,
+                                   X_L, W_L, S_L)
 
         orow = pid_r * R + gl.arange(0, R, layout=gl.SliceLayout(1, P_L))
         _store_sub(acc_g[0], acc_u[0], p0, True, orow, out_ptr, P, N_OUT, stride_o, GATED, P_L)
@@ -409,17 +331,15 @@ if HAVE_GLUON:
     @gluon.jit
     def _moe_w13_gluon_kernel(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, bexp_ptr, P, N_OUT, num_kb, stride_x,
                               stride_we, stride_wn, stride_se, stride_sn, stride_o, TOPK: gl.constexpr,
-                              EVEN: gl.constexpr, SUB: gl.constexpr, RT: gl.constexpr,
-                              STAGES: gl.constexpr):
+                              EVEN: gl.constexpr, SUB: gl.constexpr, RT: gl.constexpr):
         """w13: a[pair, i] = silu(gate) * up for the intermediate columns of this program (N_OUT = I)."""
         _moe_gluon_body(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, bexp_ptr, P, N_OUT, num_kb, stride_x, stride_we,
-                        stride_wn, stride_se, stride_sn, stride_o, TOPK, True, EVEN, SUB, RT, STAGES)
+                        stride_wn, stride_se, stride_sn, stride_o, TOPK, True, EVEN, SUB, RT)
 
     @gluon.jit
     def _moe_w2_gluon_kernel(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, bexp_ptr, P, N_OUT, num_kb, stride_x,
                              stride_we, stride_wn, stride_se, stride_sn, stride_o, TOPK: gl.constexpr,
-                             EVEN: gl.constexpr, SUB: gl.constexpr, RT: gl.constexpr,
-                             STAGES: gl.constexpr):
+                             EVEN: gl.constexpr, SUB: gl.constexpr, RT: gl.constexpr):
         """w2: y[pair, d] (fp32, unweighted) for the output rows of this program (N_OUT = D)."""
         _moe_gluon_body(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, bexp_ptr, P, N_OUT, num_kb, stride_x, stride_we,
-                        stride_wn, stride_se, stride_sn, stride_o, TOPK, False, EVEN, SUB, RT, STAGES)
+                        stride_wn, stride_se, stride_sn, stride_o, TOPK, False, EVEN, SUB, RT)

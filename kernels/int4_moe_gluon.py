@@ -34,12 +34,10 @@ from kernels.int4_pack import PACK_FACTOR
 
 STEP = 256  # K columns per kernel step
 K_ALIGN = 512  # the kernels do two steps per loop iteration
+WARP_ROWS = 64  # weight rows per program and m16 tile per warp (16 per warp, 4 warps)
 BLOCK_PAIRS = (8, 16, 32)  # pairs per expert block: 1, 2 or 4 sub-blocks of 8 (the MMA's N); same bits
-DEFAULT_BLOCK_PAIRS = 8  # read at each call, as are the three below
+DEFAULT_BLOCK_PAIRS = 8  # read at each call
 DEFAULT_TILES = (1, 2)  # m16 tiles per warp: w13, w2
-DEFAULT_WARPS = (4, 4)  # warps per program (1, 2 or 4): w13, w2
-DEFAULT_STAGES = 0  # 0: weights loaded into registers one step ahead; S >= 2: a ring of S steps in shared memory
-MAX_STAGES = 8
 
 
 @functools.cache
@@ -105,28 +103,20 @@ def gluon_dense_experts(w13, s13, w2, s2, hidden: int, dtype: torch.dtype = torc
 
 
 def int4_moe_gluon(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, block_pairs: int | None = None,
-                   tiles: tuple[int, int] | None = None, warps: tuple[int, int] | None = None,
-                   stages: int | None = None, experts: range | None = None, reduce_pairs=None):
+                   tiles: tuple[int, int] = DEFAULT_TILES, experts: range | None = None, reduce_pairs=None):
     """The Gluon path (CUDA, bf16, gluon layout); arguments as `kernels.int4_moe.int4_moe`. Schedule options, all
     with the same bits: `block_pairs` (pairs per expert block, BLOCK_PAIRS, default DEFAULT_BLOCK_PAIRS: a block
     of 16 or 32 is 2 or 4 sub-blocks of 8 that share each step's dequantised weights, empty ones skipped, so an
     expert with many pairs streams its weights once per 32 pairs instead of once per 8) and `tiles` (m16 tiles
-    per warp of w13 and of w2, 1 or 2 each), `warps` (warps per program of w13 and of w2, 1, 2 or 4: a program's
-    rows are 16 x warps x tiles) and `stages` (0: each warp loads a step's weights into registers one step ahead;
-    2..MAX_STAGES: each thread copies them with cp.async into a ring of that many steps in shared memory, so
-    stages - 1 steps are in flight per warp). None: the DEFAULT_* of the moment."""
+    per warp of w13 and of w2, 1 or 2 each: 64 or 128 rows per program)."""
     if not HAVE_GLUON:
         raise RuntimeError("int4_moe_gluon needs Triton with Gluon (3.5 or newer)")
     if not x.is_cuda or x.dtype != torch.bfloat16:
         raise ValueError(f"int4_moe_gluon: bf16 activations on CUDA, got {x.dtype} on {x.device}")
     block_pairs = block_pairs or DEFAULT_BLOCK_PAIRS
-    tiles, warps = tuple(tiles or DEFAULT_TILES), tuple(warps or DEFAULT_WARPS)
-    stages = DEFAULT_STAGES if stages is None else stages
-    if (block_pairs not in BLOCK_PAIRS or len(tiles) != 2 or any(t not in (1, 2) for t in tiles)
-            or len(warps) != 2 or any(w not in (1, 2, 4) for w in warps)
-            or not (stages == 0 or 2 <= stages <= MAX_STAGES)):
+    if block_pairs not in BLOCK_PAIRS or len(tiles) != 2 or any(t not in (1, 2) for t in tiles):
         raise ValueError(f"int4_moe_gluon: block_pairs={block_pairs} (one of {BLOCK_PAIRS}), tiles={tiles} "
-                         f"(1 or 2 each), warps={warps} (1, 2 or 4 each), stages={stages} (0 or 2..{MAX_STAGES})")
+                         "(1 or 2 each)")
     T, D = x.shape
     E, two_i, kw13 = w13.shape
     inter = two_i // 2
@@ -146,16 +136,16 @@ def int4_moe_gluon(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, block_pai
     sorted_pairs, bexp = moe_align(_local_ids(topk_ids, experts, E), E, block_pairs)
     nblk = bexp.shape[0]
     a = (torch.zeros if kp2 != inter else torch.empty)(P, kp2, dtype=x.dtype, device=x.device)
-    r13, r2 = 16 * warps[0] * tiles[0], 16 * warps[1] * tiles[1]
+    r13, r2 = WARP_ROWS * tiles[0], WARP_ROWS * tiles[1]
     _moe_w13_gluon_kernel[(-(-inter // r13), nblk)](
         x, w13, s13, a, sorted_pairs, bexp, P, inter, kp13 // STEP,
         x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), a.stride(0),
-        TOPK=topk, EVEN=inter % r13 == 0, SUB=block_pairs // 8, RT=tiles[0], STAGES=stages, num_warps=warps[0])
+        TOPK=topk, EVEN=inter % r13 == 0, SUB=block_pairs // 8, RT=tiles[0], num_warps=4)
     y = _pair_buffer(P, D, torch.float32, x.device, experts is not None)
     _moe_w2_gluon_kernel[(-(-D // r2), nblk)](
         a, w2, s2, y, sorted_pairs, bexp, P, D, kp2 // STEP,
         a.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), y.stride(0),
-        TOPK=topk, EVEN=D % r2 == 0, SUB=block_pairs // 8, RT=tiles[1], STAGES=stages, num_warps=warps[1])
+        TOPK=topk, EVEN=D % r2 == 0, SUB=block_pairs // 8, RT=tiles[1], num_warps=4)
     if reduce_pairs is not None:
         reduce_pairs(y)
     _moe_combine_kernel[(T, -(-D // 1024))](
