@@ -94,6 +94,12 @@ def wait_serving(proc: subprocess.Popen) -> str:
     raise RuntimeError(f"the drafter did not start (exit status {proc.wait()})")
 
 
+def mps_running() -> bool:
+    """Whether an MPS control daemon serves this environment's CUDA clients (its pipe exists): every process of
+    the bench, in-process engine included, then shares one GPU context through it."""
+    return os.path.exists(os.path.join(os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps"), "control"))
+
+
 def versions() -> dict:
     import grpc
 
@@ -253,7 +259,8 @@ def main() -> int:
                        "params": {"transport": t, "concurrency": conc, "device": args.device, "budget": args.budget,
                                   "topk": 8, "pair": pair.name, "steps": n, "warmup": args.warmup,
                                   "cuda_graphs": graphs, "control_spin_ms": args.control_spin_ms,
-                                  "gc_freeze": args.gc_freeze, "check_graphs": args.check_graphs},
+                                  "gc_freeze": args.gc_freeze, "check_graphs": args.check_graphs,
+                                  "mps": cuda and mps_running()},
                        "device": device_name, "gpu": gpu, "dtype": dtype_name, "commit": commit(),
                        "torch": torch.__version__, "versions": versions(),
                        "ms": round(step, 4), "ratio": round(step / base[conc], 4),
