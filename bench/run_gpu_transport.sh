@@ -4,7 +4,8 @@
 # C=1 and C=32 on cuda: kimi-mini (about 3 minutes), or with K26=1 a random-weight Kimi K2.6 pair (5 target layers,
 # ~43 GB written to K26_DIR, /tmp/k26 by default, ~2 min; about 5 minutes in all). Logs and JSONL go to $OUT
 # (bench/results/run when unset); run from the repo root. Section time limits: T_TESTS / T_BENCH (seconds); extra
-# bench flags: BENCH_ARGS; TESTS=0 skips the tests.
+# bench flags: BENCH_ARGS; TESTS=0 skips the tests. MPS=1 runs everything under an MPS control daemon of its own (pipe
+# and log directories under /tmp/ddtree-mps; quit at the end), so the processes share one GPU context.
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-bench/results/run}
@@ -12,6 +13,12 @@ mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv 2>&1 | tee "$OUT/gpu.txt"
 python -c "import torch, triton, grpc; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', \
 triton.__version__, 'grpcio', grpc.__version__)" | tee -a "$OUT/gpu.txt"
+if [ "${MPS:-0}" != 0 ]; then
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/ddtree-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/ddtree-mps/log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  nvidia-cuda-mps-control -d && echo "MPS control daemon started" | tee -a "$OUT/gpu.txt"
+  trap 'echo quit | nvidia-cuda-mps-control' EXIT
+fi
 tests=0
 if [ "${TESTS:-1}" != 0 ]; then
   timeout "${T_TESTS:-200}" python -m pytest -q -rs -m gpu --durations=8 tests/unit/test_transports.py \
