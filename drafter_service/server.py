@@ -150,11 +150,11 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         drain = asyncio.ensure_future(self._drain.wait())
         try:
             await asyncio.wait({read, drain}, return_when=asyncio.FIRST_COMPLETED)
-        finally:  # also when this handler is cancelled: leave no task behind
+        finally:  # also when this handler is cancelled: leave no task behind, and no exception unread (a read
+            # that failed in the turn this handler was cancelled is done, yet nobody will take its result)
             cancel_quietly(drain)
             got = read.done()
-            if not got:
-                cancel_quietly(read)
+            cancel_quietly(read)
         if not got:
             return None  # draining
         msg = read.result()
