@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from bench._common import bench_ms, env_info, graph_ms, measure_ceilings, write_jsonl
 from kernels.int4_moe import _RESIDENT, int4_moe_triton, tile_int4_moe_weights
 from kernels.int4_moe_gluon import int4_moe_gluon
+from kernels.int4_moe_wgmma import int4_moe_wgmma
 
 E, D, INTER, TOPK, G = 384, 7168, 2048, 8, 32
 TOKENS = (1, 9, 17, 33, 65, 129)
@@ -103,6 +104,8 @@ def gpu_layout_weights(gen):
 GLUON_VARIANTS = {  # name -> int4_moe_gluon options (--gluon)
     "gluon_np8": dict(block_pairs=8), "gluon_np16": dict(block_pairs=16), "gluon_np32": dict(block_pairs=32),
     "gluon_t11": dict(tiles=(1, 1)), "gluon_t22_np32": dict(tiles=(2, 2), block_pairs=32),
+    # the wgmma path (int4_moe_wgmma; its layout has the same shapes at these K, so the same random words serve)
+    **{f"wgmma_np{n}": dict(path="wgmma", block_pairs=n) for n in (8, 16, 32, 64)},
 }
 
 
@@ -273,8 +276,10 @@ def main():
             print(f"{T:>4} {touched:>7} {ms:8.4f} {floor_ms:8.4f} {floor_ms / ms:6.3f} {nbytes / ms / 1e6:6.0f}  "
                   f"{pe}  {name or ''}", flush=True)
         for gname in gluon:
-            opts = GLUON_VARIANTS[gname]
-            fn = functools.partial(int4_moe_gluon, x, ids, tw, *wgl, out=out, **opts)
+            opts = dict(GLUON_VARIANTS[gname])
+            path = opts.pop("path", "gluon")
+            fn = functools.partial(int4_moe_wgmma if path == "wgmma" else int4_moe_gluon, x, ids, tw, *wgl, out=out,
+                                   **opts)
             try:
                 ms, eager = graph_ms(fn), bench_ms(fn)
             except Exception as exc:  # noqa: BLE001 - reported, not fatal
@@ -283,7 +288,7 @@ def main():
             peers = {"gluon_eager": eager, **({"triton_default": default_ms} if default_ms else {})}
             params = dict(T=T, E=E, D=D, I=INTER, topk=TOPK, experts_touched=touched, bytes=nbytes,
                           timing="cuda_graph_replay", variant=gname, config=opts or "default")
-            write_jsonl(args.out, [dict(name="int4_moe_gluon", params=params, **info, ms=ms, floor_ms=floor_ms,
+            write_jsonl(args.out, [dict(name=f"int4_moe_{path}", params=params, **info, ms=ms, floor_ms=floor_ms,
                                         ratio=floor_ms / ms, peers=peers, **ceil)])
             pe = "  ".join(f"{k}={v:.3f}" for k, v in peers.items())
             print(f"{T:>4} {touched:>7} {ms:8.4f} {floor_ms:8.4f} {floor_ms / ms:6.3f} {nbytes / ms / 1e6:6.0f}  "

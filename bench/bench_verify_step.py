@@ -50,7 +50,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable without PYTHONPATH too
 
 from bench._common import bench_ms, commit, env_info, measure_ceilings, write_jsonl  # noqa: E402
-from kernels import int4_moe, int4_moe_gluon, mla_attention  # noqa: E402
+from kernels import int4_moe, int4_moe_gluon, int4_moe_wgmma, mla_attention  # noqa: E402
 from kernels.tree_mask import ancestor_mask, pack_mask_bits  # noqa: E402
 from verifier_service import moe as moe_mod  # noqa: E402
 from verifier_service import presets  # noqa: E402
@@ -389,7 +389,8 @@ def run_case(model, pool, cfg, case: dict, invariant: bool, ceil: dict, info: di
         dtype=str(pool.kv.dtype).removeprefix("torch."), build_s=state.get("build_s"),
         mla_impl=mla_attention.DEFAULT_IMPL, moe_block_m=int4_moe.DEFAULT_BLOCK_M,
         moe_zp_mma=int4_moe.DEFAULT_ZP_MMA, moe_layout=moe_mod.GPU_LAYOUT,
-        **({"moe_block_pairs": int4_moe_gluon.DEFAULT_BLOCK_PAIRS} if moe_mod.GPU_LAYOUT == "gluon" else {}), **lm)
+        **({"moe_block_pairs": int4_moe_gluon.DEFAULT_BLOCK_PAIRS} if moe_mod.GPU_LAYOUT == "gluon" else {}),
+        **({"moe_block_pairs": int4_moe_wgmma.DEFAULT_BLOCK_PAIRS} if moe_mod.GPU_LAYOUT == "wgmma" else {}), **lm)
     if args.profile and cuda:
         params["kernel_breakdown"] = state["breakdowns"][-1][2]
     if graph_err is not None:
@@ -441,10 +442,12 @@ def parse_args(argv=None):
                     help="INT4 MoE pairs per expert block (default: kernels.int4_moe.DEFAULT_BLOCK_M)")
     ap.add_argument("--moe-zp-mma", choices=("on", "off"), default=None,
                     help="INT4 MoE zero point by an MMA on group sums (default: kernels.int4_moe.DEFAULT_ZP_MMA)")
-    ap.add_argument("--moe-layout", choices=("gpu", "gluon"), default=None,
-                    help="INT4 MoE kernels: 'gpu' (Triton, default) or 'gluon' (verifier_service.moe.GPU_LAYOUT)")
+    ap.add_argument("--moe-layout", choices=("gpu", "gluon", "wgmma"), default=None,
+                    help="INT4 MoE kernels: 'gpu' (Triton, default), 'gluon' or 'wgmma' (moe.GPU_LAYOUT)")
     ap.add_argument("--moe-block-pairs", type=int, choices=int4_moe_gluon.BLOCK_PAIRS, default=None,
                     help="with --moe-layout gluon: pairs per expert block (default int4_moe_gluon.DEFAULT_BLOCK_PAIRS)")
+    ap.add_argument("--moe-wgmma-pairs", type=int, choices=int4_moe_wgmma.BLOCK_PAIRS, default=None,
+                    help="with --moe-layout wgmma: pairs per expert block (default int4_moe_wgmma.DEFAULT_BLOCK_PAIRS)")
     ap.add_argument("--mla-impl", choices=mla_attention.IMPLS, default=None,
                     help=f"MLA tile kernel (default: mla_attention.DEFAULT_IMPL = {mla_attention.DEFAULT_IMPL})")
     args = ap.parse_args(argv)
@@ -481,6 +484,8 @@ def main(argv=None) -> list[dict]:
         moe_mod.GPU_LAYOUT = args.moe_layout
     if args.moe_block_pairs is not None:
         int4_moe_gluon.DEFAULT_BLOCK_PAIRS = args.moe_block_pairs
+    if args.moe_wgmma_pairs is not None:
+        int4_moe_wgmma.DEFAULT_BLOCK_PAIRS = args.moe_wgmma_pairs
     t_start = time.perf_counter()
     dev = args.device
     cuda = dev.startswith("cuda")

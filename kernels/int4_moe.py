@@ -367,15 +367,20 @@ def int4_moe(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale, *,
     """
     if experts is not None and len(experts) != w13_packed.shape[0]:
         raise ValueError(f"int4_moe: {len(experts)} expert ids for {w13_packed.shape[0]} stacked experts")
-    if layout not in ("checkpoint", "gpu", "gluon"):
+    if layout not in ("checkpoint", "gpu", "gluon", "wgmma"):
         raise ValueError(f"int4_moe: unknown layout {layout!r}")
-    if layout == "gluon":  # kernels/int4_moe_gluon.py: the Gluon kernels on CUDA, its layout decoded elsewhere
-        from kernels.int4_moe_gluon import gluon_dense_experts, int4_moe_gluon  # it imports this module
+    if layout in ("gluon", "wgmma"):  # kernels/int4_moe_{gluon,wgmma}.py on CUDA, the layout decoded elsewhere
+        if layout == "gluon":
+            from kernels.int4_moe_gluon import gluon_dense_experts as dense  # imports us
+            from kernels.int4_moe_gluon import int4_moe_gluon as run
+        else:
+            from kernels.int4_moe_wgmma import int4_moe_wgmma as run
+            from kernels.int4_moe_wgmma import wgmma_dense_experts as dense
         if x.is_cuda:
-            return int4_moe_gluon(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale, experts=experts,
-                                  reduce_pairs=reduce_pairs)
-        w13, w2 = gluon_dense_experts(w13_packed, w13_scale, w2_packed, w2_scale, x.shape[1],
-                                      torch.promote_types(x.dtype, torch.float32))
+            return run(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale, experts=experts,
+                       reduce_pairs=reduce_pairs)
+        w13, w2 = dense(w13_packed, w13_scale, w2_packed, w2_scale, x.shape[1],
+                        torch.promote_types(x.dtype, torch.float32))
         return moe_dense_ref(x, topk_ids, topk_w, w13, w2, experts, reduce_pairs)
     T, D = x.shape
     if w13_packed.dim() != 3 or w2_packed.dim() != 3:

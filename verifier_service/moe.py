@@ -16,13 +16,17 @@ from torch import nn
 
 from kernels.int4_moe import int4_moe, moe_dense_ref, repack_int4_moe_for_gpu, unrepack_int4_moe
 from kernels.int4_moe_gluon import gluon_dense_experts, repack_int4_moe_for_gluon
+from kernels.int4_moe_wgmma import repack_int4_moe_for_wgmma, wgmma_dense_experts
 from kernels.int4_pack import dequantize_int4
 from verifier_service.config import KimiConfig
 
 # the INT4 layout `MoE.repack_for_gpu` makes on CUDA: "gpu" (the Triton kernels, the default) or "gluon" (the
-# Gluon kernels of kernels/int4_moe_gluon.py: faster at >= 9 tokens on the H200, other bits; opt-in). One
-# deployment uses one: AR and DDTree then run the same kernels (batch invariance holds within each).
+# Gluon kernels of kernels/int4_moe_gluon.py: faster at >= 9 tokens on the H200, other bits; opt-in) or "wgmma"
+# (kernels/int4_moe_wgmma.py, sm_90: warpgroup MMAs with the activations in shared memory; other bits; opt-in).
+# One deployment uses one: AR and DDTree then run the same kernels (batch invariance holds within each).
 GPU_LAYOUT = "gpu"
+_REPACK = {"gpu": repack_int4_moe_for_gpu, "gluon": repack_int4_moe_for_gluon, "wgmma": repack_int4_moe_for_wgmma}
+_DENSE = {"gluon": gluon_dense_experts, "wgmma": wgmma_dense_experts}  # their CPU decode (the "gpu" one: below)
 
 
 class MLP(nn.Module):
@@ -97,16 +101,15 @@ class MoE(nn.Module):
     @torch.no_grad()
     def repack_for_gpu(self, layout: str | None = None) -> None:
         """Once, at load on CUDA: INT4 buffers -> the INT4 kernels' layout, `layout` or GPU_LAYOUT ("gpu": the
-        Triton kernels; "gluon": the Gluon ones). The checkpoint layout would be repacked on every call."""
+        Triton kernels; "gluon" / "wgmma": the Gluon ones). The checkpoint layout would be repacked on every call."""
         layout = layout or GPU_LAYOUT
-        if layout not in ("gpu", "gluon"):
-            raise ValueError(f"MoE layout {layout!r}: 'gpu' or 'gluon'")
+        if layout not in _REPACK:
+            raise ValueError(f"MoE layout {layout!r}: one of {sorted(_REPACK)}")
         if not self.quantized or self.layout == layout:
             return
         if self.layout != "checkpoint":
             raise RuntimeError(f"MoE weights are in the {self.layout!r} layout already")
-        repack = repack_int4_moe_for_gluon if layout == "gluon" else repack_int4_moe_for_gpu
-        w13, s13, w2, s2 = repack(self.w13_packed, self.w13_scale, self.w2_packed, self.w2_scale)
+        w13, s13, w2, s2 = _REPACK[layout](self.w13_packed, self.w13_scale, self.w2_packed, self.w2_scale)
         self.w13_packed, self.w13_scale, self.w2_packed, self.w2_scale = w13, s13, w2, s2
         self.layout = layout
 
@@ -118,8 +121,8 @@ class MoE(nn.Module):
         if cache is None or cache[0] != key:
             w13p, s13, w2p, s2 = self.w13_packed, self.w13_scale, self.w2_packed, self.w2_scale
             D = self.w2_packed.shape[1]
-            if self.layout == "gluon":
-                cache = (key, *gluon_dense_experts(w13p, s13, w2p, s2, D, acc))
+            if self.layout in _DENSE:
+                cache = (key, *_DENSE[self.layout](w13p, s13, w2p, s2, D, acc))
             else:
                 if self.layout == "gpu":
                     w13p, s13, w2p, s2 = unrepack_int4_moe(w13p, s13, w2p, s2, D)

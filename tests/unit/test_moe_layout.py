@@ -9,7 +9,7 @@ import torch
 from verifier_service.moe import MoE
 
 
-@pytest.mark.parametrize("layout", ["gpu", "gluon"])
+@pytest.mark.parametrize("layout", ["gpu", "gluon", "wgmma"])
 def test_repack_for_gpu_keeps_outputs(tiny_target64, layout):
     moe = next(m for m in tiny_target64.modules() if isinstance(m, MoE))
     x = torch.randn(7, tiny_target64.cfg.hidden_size, dtype=torch.float64)
@@ -20,7 +20,7 @@ def test_repack_for_gpu_keeps_outputs(tiny_target64, layout):
         assert moe.layout == layout and moe.w13_packed.shape != saved[0].shape
         assert torch.equal(moe(x), before)
         with pytest.raises(RuntimeError, match="layout already"):
-            moe.repack_for_gpu("gpu" if layout == "gluon" else "gluon")
+            moe.repack_for_gpu("gluon" if layout == "gpu" else "gpu")
     finally:  # the fixture is shared: restore the checkpoint layout
         moe.w13_packed, moe.w13_scale, moe.w2_packed, moe.w2_scale = saved
         moe.layout = "checkpoint"

@@ -1,0 +1,224 @@
+"""Gluon (sm_90 wgmma) kernels of `kernels.int4_moe`: dequantised weights as the register A operand, the block's
+activations as the shared-memory B operand.
+
+  acc [64 rows, NP pairs]  +=  W [64 rows, 64 K] (registers)  x  X [64 K, NP pairs] (shared memory)
+
+per 64-column chunk, with `warpgroup_mma` (m64nNPk16: N = the expert block's pairs, 8 to 256). The activations of a
+block are copied once per CTA and step (cp.async, a 2-step ring, one CTA barrier per step) and read by the tensor
+cores from shared memory, so no warp holds them in registers or reads them through L1: the mma.sync kernels
+(`_int4_moe_gluon`, `_int4_moe_kernels`) load the whole activation operand into every warp, which bounds them by the
+L1 / shared-memory pipe when a verify step's tree tokens crowd their experts (twelfth session's ncu:
+`docs/performance.md`).
+
+A program is one warpgroup (4 warps) and two 64-row weight tensors that share the activations: w13 its 64 gate
+rows and the 64 up rows of the same intermediate columns (SiLU(gate) * up fused into the store), w2 128 output rows.
+Weights are loaded one 256-column step ahead into registers with 16-byte loads and dequantised there (Marlin's
+lop3 trick, bf16(q * s) rounded once, as the other paths).
+
+Weight layout ("wgmma", `kernels.int4_moe_wgmma`): K in natural order (the B operand is the activations as they
+are), each 256-column step of a row is 32 words, memory word 8 t + j (t = lane % 4, j = quantisation group of the
+step) holds the 8 columns 32 j + 16 i1 + 8 i0 + 2 t + b (nibble position i + 4 b with i = i0 + 2 i1): exactly what
+lane t needs of that row for the wgmma A fragments of k16 blocks 2j and 2j + 1, and one group (one scale) per word.
+
+Batch invariance: an output column (a pair) is computed from its own activation row and the weights only, in a
+fixed K order (chunks of 64, k16 blocks in order, fp32 accumulation): its bits do not depend on the block's other
+pairs, on which block slot it has, or on the launch.
+"""
+
+from __future__ import annotations
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+
+    from kernels._gluon_compat import cp_async, cta_barrier
+    from kernels._int4_moe_gluon import _DEQUANT_PAIR_PTX
+
+    HAVE_GLUON = True
+except ImportError:  # pragma: no cover - depends on the installed Triton
+    HAVE_GLUON = False
+
+if HAVE_GLUON:
+    _DEQUANT = gl.constexpr(_DEQUANT_PAIR_PTX)
+
+    @gluon.jit
+    def _chunk(v, c: gl.constexpr):
+        """[64, 4 t, 8 j] -> chunk c's words (j = 2c, 2c + 1): [64, 4 t, 2 jl] (register-only splits)."""
+        v = gl.permute(gl.reshape(v, [64, 4, 2, 2, 2]), (0, 1, 4, 2, 3))  # (row, t, jl, c1, c0)
+        e, o = gl.split(v)  # c0 = 0 / 1
+        if c % 2 == 0:
+            h = e
+        else:
+            h = o
+        lo, hi = gl.split(h)  # c1 = 0 / 1
+        if c // 2 == 0:
+            return lo
+        return hi
+
+    @gluon.jit
+    def _expand(v):
+        """[64, 4, 2] -> [64, 4, 2, 2 i0, 2 i1, 2 b]: word >> 4 i (i = i0 + 2 i1), twice (b: the asm's pair)."""
+        u = gl.join(gl.join(v, v >> 4), gl.join(v >> 8, v >> 12))
+        return gl.join(u, u)
+
+    @gluon.jit
+    def _expand_same(v):
+        u = gl.join(gl.join(v, v), gl.join(v, v))
+        return gl.join(u, u)
+
+    @gluon.jit
+    def _a_operand(words, scales, c: gl.constexpr, A_L: gl.constexpr):
+        """Chunk c of a step (64 columns) dequantised: [64 rows, 64 K] bf16 in the wgmma A layout."""
+        wx = _expand(_chunk(words, c))
+        sx = gl.convert_layout(_expand_same(_chunk(scales, c)), wx.type.layout, assert_trivial=True)
+        deq = gl.inline_asm_elementwise(_DEQUANT, "=r,r,r,r", [wx, sx], dtype=gl.bfloat16, is_pure=True, pack=2)
+        # (row, t, jl, i0, i1, b) -> column 32 jl + 16 i1 + 8 i0 + 2 t + b
+        deq = gl.reshape(gl.permute(deq, (0, 2, 4, 3, 1, 5)), [64, 64])
+        return gl.convert_layout(deq, A_L)
+
+    @gluon.jit
+    def _load_step(w_rows, s_rows, ok, kb, EVEN: gl.constexpr, W_L: gl.constexpr):
+        """Step kb of 64 weight rows: words and their scales, both [64, 4 t, 8 j] in W_L (a lane's 8 words are
+        contiguous: two 16-byte loads per row; the 4 lanes of a row load the same 16 bytes of scales)."""
+        L2: gl.constexpr = gl.SliceLayout(2, W_L)
+        t = gl.arange(0, 4, layout=gl.SliceLayout(0, L2))
+        j = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(0, W_L)))
+        t3 = gl.expand_dims(gl.expand_dims(t, 0), 2)
+        j3 = gl.expand_dims(gl.expand_dims(j, 0), 0)
+        wp = gl.expand_dims(gl.expand_dims(w_rows + kb * 32, 1), 2) + (t3 * 8 + j3)
+        sp = gl.expand_dims(gl.expand_dims(s_rows + kb * 8, 1), 2) + (t3 * 0 + j3)
+        if EVEN:
+            return gl.load(wp), gl.load(sp)
+        m = gl.expand_dims(gl.expand_dims(ok, 1), 2)
+        return gl.load(wp, mask=m, other=0), gl.load(sp, mask=m, other=0.0)
+
+    @gluon.jit
+    def _copy_x(x_rows, kb, live, dst, XC_L: gl.constexpr):
+        """Step kb of the block's activations into `dst` [4 chunks x NP pairs, 64 columns]: row c NP + n holds
+        columns 64 c .. 64 c + 63 of the step for pair slot n (one 16-byte cp.async per 8 columns)."""
+        NP: gl.constexpr = x_rows.shape[0] // 4
+        i = gl.arange(0, 4 * NP, layout=gl.SliceLayout(1, XC_L))
+        col = gl.arange(0, 64, layout=gl.SliceLayout(0, XC_L))
+        base = gl.expand_dims(x_rows + kb * 256 + (i // NP) * 64, 1) + gl.expand_dims(col, 0)
+        cp_async(dst, base, mask=(gl.expand_dims(col, 0) < 64) & live)
+
+    @gluon.jit
+    def _wgmma_body(
+        x_ptr,  # w13: x [T, Kp] (rows gathered by pair // TOPK); w2: a [P, Kp] (rows by pair)
+        w_ptr,  # int32 [E, N, Kp/8], "wgmma" layout
+        s_ptr,  # bf16 [E, N, Kp/32]
+        out_ptr,  # w13: a [P, N/2] (activation dtype); w2: y [P, N] fp32
+        pairs_ptr,  # int32 [blocks * NP]
+        bexp_ptr,  # int32 [blocks]
+        P, N_OUT, num_kb,
+        stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_o,
+        TOPK: gl.constexpr, GATED: gl.constexpr, EVEN: gl.constexpr, NP: gl.constexpr,
+    ):
+        gl.static_assert(gl.num_warps() == 4)
+        ACC_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, NP, 16])
+        A_L: gl.constexpr = gl.DotOperandLayout(0, ACC_L, 2)
+        # [64 rows, 4 t, 8 j]: j in registers (8 contiguous words), t on lanes 0-1, rows as the A fragment's
+        W_L: gl.constexpr = gl.DistributedLinearLayout(
+            reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [8, 0, 0]],
+            lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+            warp_bases=[[16, 0, 0], [32, 0, 0]], block_bases=[], shape=[64, 4, 8])
+        XC_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # 16-byte copies, [4 NP, 64]
+        X_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([4 * NP, 64], gl.bfloat16)
+        ROW_L: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, W_L))
+
+        pid_r = gl.program_id(0)
+        blk = gl.program_id(1)
+        e = gl.load(bexp_ptr + blk)
+        if e < 0:
+            return
+        if GATED:  # 64 gate rows and the 64 up rows of the same intermediate columns
+            r_a = pid_r * 64 + gl.arange(0, 64, layout=ROW_L)
+            r_b = r_a + N_OUT
+            ok_a = r_a < N_OUT
+            ok_b = ok_a
+        else:  # 128 output rows
+            r_a = pid_r * 128 + gl.arange(0, 64, layout=ROW_L)
+            r_b = r_a + 64
+            ok_a = r_a < N_OUT
+            ok_b = r_b < N_OUT
+        w_base = w_ptr + e.to(gl.int64) * stride_we
+        s_base = s_ptr + e.to(gl.int64) * stride_se
+        wa, sa = w_base + r_a * stride_wn, s_base + r_a * stride_sn
+        wb, sb = w_base + r_b * stride_wn, s_base + r_b * stride_sn
+
+        pairs_x = gl.load(pairs_ptr + blk * NP + gl.arange(0, 4 * NP, layout=gl.SliceLayout(1, XC_L)) % NP)
+        if GATED:
+            xr = gl.where(pairs_x < P, pairs_x // TOPK, 0)  # padding slots read row 0 (never stored)
+        else:
+            xr = gl.where(pairs_x < P, pairs_x, 0)
+        x_rows = x_ptr + xr.to(gl.int64) * stride_x
+
+        ring = gl.allocate_shared_memory(gl.bfloat16, [2, 4 * NP, 64], X_SL)  # 2 steps of 4 chunks
+        _copy_x(x_rows, 0, True, ring.index(0), XC_L)
+        cp.commit_group()
+        acc_a = gl.zeros([64, NP], gl.float32, ACC_L)
+        acc_b = gl.zeros([64, NP], gl.float32, ACC_L)
+        qa, sca = _load_step(wa, sa, ok_a, 0, EVEN, W_L)
+        qb, scb = _load_step(wb, sb, ok_b, 0, EVEN, W_L)
+        for kb in range(0, num_kb):
+            nk = gl.minimum(kb + 1, num_kb - 1)
+            na, nsa = _load_step(wa, sa, ok_a, nk, EVEN, W_L)
+            nb, nsb = _load_step(wb, sb, ok_b, nk, EVEN, W_L)
+            cp.wait_group(0)  # this thread's copies of step kb landed
+            fence_async_shared()
+            cta_barrier()  # everyone's; and every warp's MMAs of step kb - 1 are done: its slot is free
+            _copy_x(x_rows, nk, kb + 1 < num_kb, ring.index((kb + 1) % 2), XC_L)
+            cp.commit_group()
+            xs = ring.index(kb % 2)
+            a_a = _a_operand(qa, sca, 0, A_L)
+            a_b = _a_operand(qb, scb, 0, A_L)
+            for c in gl.static_range(4):  # chunk c's MMAs run while chunk c + 1 is dequantised
+                b_op = xs.slice(c * NP, NP).permute((1, 0))
+                acc_a = warpgroup_mma(a_a, b_op, acc_a, is_async=True)
+                acc_b = warpgroup_mma(a_b, b_op, acc_b, is_async=True)
+                if c < 3:
+                    n_a = _a_operand(qa, sca, c + 1, A_L)
+                    n_b = _a_operand(qb, scb, c + 1, A_L)
+                acc_a, acc_b, a_a, a_b = warpgroup_mma_wait(num_outstanding=0, deps=[acc_a, acc_b, a_a, a_b])
+                if c < 3:
+                    a_a, a_b = n_a, n_b
+            qa, sca, qb, scb = na, nsa, nb, nsb
+        cp.wait_group(0)
+
+        pairs = gl.load(pairs_ptr + blk * NP + gl.arange(0, NP, layout=gl.SliceLayout(0, ACC_L)))
+        orow = gl.arange(0, 64, layout=gl.SliceLayout(1, ACC_L))
+        pm = gl.expand_dims(pairs < P, 0)
+        pcol = gl.expand_dims(pairs.to(gl.int64) * stride_o, 0)
+        if GATED:
+            orow = orow + pid_r * 64
+            act = acc_a / (1.0 + gl.exp(-acc_a)) * acc_b
+            gl.store(out_ptr + pcol + gl.expand_dims(orow, 1), act.to(out_ptr.dtype.element_ty),
+                     mask=pm & gl.expand_dims(orow < N_OUT, 1))
+        else:
+            orow = orow + pid_r * 128
+            gl.store(out_ptr + pcol + gl.expand_dims(orow, 1), acc_a, mask=pm & gl.expand_dims(orow < N_OUT, 1))
+            orow = orow + 64
+            gl.store(out_ptr + pcol + gl.expand_dims(orow, 1), acc_b, mask=pm & gl.expand_dims(orow < N_OUT, 1))
+
+    @gluon.jit
+    def _moe_w13_wgmma_kernel(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, bexp_ptr, P, N_OUT, num_kb, stride_x,
+                              stride_we, stride_wn, stride_se, stride_sn, stride_o, TOPK: gl.constexpr,
+                              EVEN: gl.constexpr, NP: gl.constexpr):
+        """w13: a[pair, i] = silu(gate) * up for 64 intermediate columns (N_OUT = I)."""
+        _wgmma_body(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, bexp_ptr, P, N_OUT, num_kb, stride_x, stride_we,
+                    stride_wn, stride_se, stride_sn, stride_o, TOPK, True, EVEN, NP)
+
+    @gluon.jit
+    def _moe_w2_wgmma_kernel(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, bexp_ptr, P, N_OUT, num_kb, stride_x,
+                             stride_we, stride_wn, stride_se, stride_sn, stride_o, TOPK: gl.constexpr,
+                             EVEN: gl.constexpr, NP: gl.constexpr):
+        """w2: y[pair, d] (fp32, unweighted) for 128 output rows (N_OUT = D)."""
+        _wgmma_body(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, bexp_ptr, P, N_OUT, num_kb, stride_x, stride_we,
+                    stride_wn, stride_se, stride_sn, stride_o, TOPK, False, EVEN, NP)

@@ -1,0 +1,132 @@
+"""wgmma path of `kernels.int4_moe` (sm_90): its weight layout ("wgmma"), made once at load, and its launcher.
+
+Same op and launches as the other paths (`moe_align` into blocks of `block_pairs` pairs, w13 with SiLU(gate) * up
+fused, w2 into per-pair fp32 rows, the slot-ordered combine); the GEMMs are `_int4_moe_wgmma`'s (dequantised
+weights as the register A operand of warpgroup MMAs, the block's activations as the shared-memory B operand). Same
+arithmetic as the Triton default (bf16(q * s) weights, fp32 accumulation, `a` rounded to bf16) in natural K order,
+other bits than the other two paths; batch invariant. GPU only (Gluon has no interpreter): the CPU tests check the
+layout against the checkpoint (`wgmma_layout_dense`).
+
+"wgmma" layout (`repack_int4_moe_for_wgmma`), per projection: K padded to a multiple of 256 (zero weights, zero
+scales), words int32 [E, N, Kp/8], scales bf16 [E, N, Kp/32] (the checkpoint's, padded). In each 256-column step
+of a row, memory word 8 t + j holds the columns 32 j + 16 i1 + 8 i0 + 2 t + b (quantisation group j of the step)
+at nibble position i + 4 b, i = i0 + 2 i1, so `(word >> 4 i) & 0x000F000F` is the column pair b = 0, 1 of i.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from kernels._int4_moe_kernels import _moe_combine_kernel
+from kernels._int4_moe_wgmma import HAVE_GLUON, _moe_w2_wgmma_kernel, _moe_w13_wgmma_kernel
+from kernels._moe_align import moe_align
+from kernels.int4_moe import _local_ids, _pair_buffer
+from kernels.int4_pack import PACK_FACTOR
+
+STEP = 256  # K columns per kernel step (and the K padding)
+BLOCK_PAIRS = (8, 16, 32, 64)  # pairs per expert block = the MMA's N
+DEFAULT_BLOCK_PAIRS = 16  # read at each call
+
+
+@functools.cache
+def _step_map() -> torch.Tensor:
+    """phys [32 words, 8 nibble positions]: the step column held by nibble position of memory word 8 t + j."""
+    phys = torch.empty(32, 8, dtype=torch.int64)
+    for t in range(4):
+        for j in range(8):
+            for i in range(4):
+                for b in range(2):
+                    phys[8 * t + j, i + 4 * b] = 32 * j + 16 * (i >> 1) + 8 * (i & 1) + 2 * t + b
+    return phys
+
+
+def _repack_proj(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Checkpoint int32 [E, N, K/8] + scale [E, N, K/32] -> the wgmma layout (module doc)."""
+    E, N, k8 = packed.shape
+    K = k8 * PACK_FACTOR
+    kp = -(-K // STEP) * STEP
+    phys = _step_map().to(packed.device).view(-1)
+    shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=packed.device)
+    out = torch.empty(E, N, kp // PACK_FACTOR, dtype=torch.int32, device=packed.device)
+    for e in range(E):  # per expert: bounded temporaries
+        u = ((packed[e].long().unsqueeze(-1) >> shifts) & 0xF).flatten(-2)  # [N, K] column order
+        u = F.pad(u, (0, kp - K), value=8).view(N, kp // STEP, STEP)  # q = 0 in the padding
+        u = u[..., phys].view(N, kp // STEP, 32, 8)
+        words = (u << shifts).sum(-1)
+        out[e] = torch.where(words >= 2**31, words - 2**32, words).view(N, -1).to(torch.int32)
+    return out, F.pad(scale, (0, kp // 32 - scale.shape[-1])).contiguous()
+
+
+def repack_int4_moe_for_wgmma(w13_packed, w13_scale, w2_packed, w2_scale):
+    """Checkpoint layout -> "wgmma" layout (module doc); run once at load."""
+    return (*_repack_proj(w13_packed, w13_scale), *_repack_proj(w2_packed, w2_scale))
+
+
+def wgmma_layout_dense(words: torch.Tensor, scale: torch.Tensor, in_features: int,
+                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Decode one wgmma-layout projection back to dense weights [E, N, K] (q * scale), following the kernel's reading
+    of it (word 8 t + j of a step -> its columns, group j): the CPU check of the layout."""
+    E, N, kw = words.shape
+    steps = kw * PACK_FACTOR // STEP
+    shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=words.device)
+    q = (((words.long().view(E, N, steps, 32, 1) >> shifts) & 0xF) - 8).to(torch.float32)
+    group = (torch.arange(32, device=words.device) % 8) + 8 * torch.arange(steps, device=words.device).view(steps, 1)
+    s = scale.to(torch.float32)[:, :, group]  # [E, N, step, word]
+    vals = (q * s.unsqueeze(-1)).to(dtype).view(E, N, steps, STEP)
+    dense = torch.empty_like(vals)
+    dense[..., _step_map().to(words.device).view(-1)] = vals
+    return dense.view(E, N, steps * STEP)[..., :in_features]
+
+
+def wgmma_dense_experts(w13, s13, w2, s2, hidden: int, dtype: torch.dtype = torch.float32):
+    """Both projections of a wgmma-layout expert stack, dense (w13 [E, 2I, D], w2 [E, D, I]): the CPU path."""
+    return wgmma_layout_dense(w13, s13, hidden, dtype), wgmma_layout_dense(w2, s2, w13.shape[1] // 2, dtype)
+
+
+def int4_moe_wgmma(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, block_pairs: int | None = None,
+                   experts: range | None = None, reduce_pairs=None):
+    """The wgmma path (sm_90, bf16, wgmma layout); arguments as `kernels.int4_moe.int4_moe`. `block_pairs`
+    (BLOCK_PAIRS, default DEFAULT_BLOCK_PAIRS) is the MMA's N: an expert's weights are streamed once per block."""
+    if not HAVE_GLUON:
+        raise RuntimeError("int4_moe_wgmma needs Triton with Gluon (3.5 or newer)")
+    if not x.is_cuda or x.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device)[0] != 9:
+        raise ValueError(f"int4_moe_wgmma: bf16 activations on an sm_90 GPU, got {x.dtype} on {x.device}")
+    block_pairs = block_pairs or DEFAULT_BLOCK_PAIRS
+    if block_pairs not in BLOCK_PAIRS:
+        raise ValueError(f"int4_moe_wgmma: block_pairs={block_pairs}, one of {BLOCK_PAIRS}")
+    T, D = x.shape
+    E, two_i, kw13 = w13.shape
+    inter = two_i // 2
+    kp13, kp2 = kw13 * PACK_FACTOR, w2.shape[2] * PACK_FACTOR
+    if kp13 % STEP or kp2 % STEP or kp13 < D or kp2 < inter or w2.shape[:2] != (E, D):
+        raise ValueError(f"int4_moe_wgmma: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)} are "
+                         "not wgmma-layout weights of this shape (repack_int4_moe_for_wgmma)")
+    if out is None:
+        out = torch.empty_like(x)
+    if T == 0:
+        return out
+    topk = topk_ids.shape[1]
+    P = T * topk
+    if D != kp13:  # the kernel reads whole steps: zeros past D
+        x = F.pad(x, (0, kp13 - D))
+    x = x.contiguous()
+    sorted_pairs, bexp = moe_align(_local_ids(topk_ids, experts, E), E, block_pairs)
+    nblk = bexp.shape[0]
+    a = (torch.zeros if kp2 != inter else torch.empty)(P, kp2, dtype=x.dtype, device=x.device)
+    _moe_w13_wgmma_kernel[(-(-inter // 64), nblk)](
+        x, w13, s13, a, sorted_pairs, bexp, P, inter, kp13 // STEP,
+        x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), a.stride(0),
+        TOPK=topk, EVEN=inter % 64 == 0, NP=block_pairs, num_warps=4)
+    y = _pair_buffer(P, D, torch.float32, x.device, experts is not None)
+    _moe_w2_wgmma_kernel[(-(-D // 128), nblk)](
+        a, w2, s2, y, sorted_pairs, bexp, P, D, kp2 // STEP,
+        a.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), y.stride(0),
+        TOPK=topk, EVEN=D % 128 == 0, NP=block_pairs, num_warps=4)
+    if reduce_pairs is not None:
+        reduce_pairs(y)
+    _moe_combine_kernel[(T, -(-D // 1024))](
+        y, topk_w.contiguous(), out, D, y.stride(0), out.stride(0), TOPK=topk, BLOCK=1024, num_warps=4)
+    return out

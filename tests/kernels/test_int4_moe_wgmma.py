@@ -1,0 +1,200 @@
+"""The wgmma INT4 MoE path (kernels/int4_moe_wgmma.py, kernels/_int4_moe_wgmma.py).
+
+CPU: the wgmma layout decodes back to the checkpoint's weights bit for bit at awkward shapes and moves every column
+to one (word, nibble); both GEMM kernels compile for sm_90 (no GPU needed) into what the design says: warpgroup
+MMAs m64nNk16 with N = the block's pairs, the A operand never through shared memory, the activations by 16-byte
+cp.async, no spills. GPU (marked `gpu`, sm_90 only): the kernels against `int4_moe_ref` at awkward and Kimi K2.6
+shapes (outputs poisoned with NaN), and batch invariance (a token alone vs inside a batch of 64, also with its
+experts crowded), bitwise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kernels.int4_moe import int4_moe_ref
+from kernels.int4_moe_wgmma import BLOCK_PAIRS, int4_moe_wgmma, repack_int4_moe_for_wgmma, wgmma_layout_dense
+from kernels.int4_pack import dequantize_int4
+from tests.kernels.compare import assert_close
+from tests.kernels.test_int4_moe import (
+    KIMI,
+    TOL,
+    assert_bitwise,
+    kimi_checkpoint_experts,
+    make_experts,
+    make_routing,
+    ref_by_expert,
+)
+
+SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+sm90 = pytest.mark.skipif(not SM90, reason="needs an sm_90 GPU (wgmma)")
+
+
+@pytest.mark.parametrize("D,inter", [(544, 96), (256, 32), (1056, 160)])
+def test_wgmma_layout_decodes_to_the_checkpoint(D, inter):
+    """repack -> the kernel's reading of the words and scales (`wgmma_layout_dense`) == dequantize_int4, with K
+    padded to a multiple of 256 by zero weights (sliced off)."""
+    w13, s13, w2, s2 = make_experts(2, D, inter, device="cpu", seed=3)
+    for packed, scale in ((w13, s13), (w2, s2)):
+        words, sc = repack_int4_moe_for_wgmma(packed, scale, packed, scale)[:2]
+        in_f = packed.shape[2] * 8
+        assert words.shape[2] * 8 % 256 == 0 and sc.shape[2] == words.shape[2] // 4
+        ref = torch.stack([dequantize_int4(packed[e], scale[e], torch.float32) for e in range(packed.shape[0])])
+        assert torch.equal(wgmma_layout_dense(words, sc, in_f), ref)
+
+
+def test_wgmma_layout_moves_every_column():
+    """A one-hot weight lands in exactly one (word, nibble) of the repacked row, in the word of its lane (column
+    bits 1-2) and group (column // 32), and decodes to its column."""
+    K = 512
+    for col in range(K):
+        q = torch.zeros(1, 1, K, dtype=torch.int64)
+        q[0, 0, col] = 5
+        u = q + 8
+        words = (u.view(1, 1, K // 8, 8) << torch.arange(0, 32, 4)).sum(-1)
+        packed = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+        scale = torch.ones(1, 1, K // 32, dtype=torch.bfloat16)
+        gw, gs = repack_int4_moe_for_wgmma(packed, scale, packed, scale)[:2]
+        nib = (gw.long().unsqueeze(-1) >> torch.arange(0, 32, 4)) & 0xF
+        hit = (nib != 8).nonzero().tolist()
+        assert len(hit) == 1, col
+        word = hit[0][2] % 32
+        assert (word // 8, word % 8, hit[0][2] // 32) == ((col >> 1) & 3, (col % 256) // 32, col // 256), col
+        dense = wgmma_layout_dense(gw, gs, K)
+        assert dense[0, 0, col] == 5 and int((dense != 0).sum()) == 1, col
+
+
+_SM90_COMPILE = r"""
+import contextlib, io, json, re
+from triton.backends.compiler import GPUTarget
+from triton.compiler import compile
+from triton.experimental.gluon._runtime import GluonASTSource
+from kernels import _int4_moe_wgmma as m
+out = {}
+for gated in (True, False):
+    for np_ in (8, 64):
+        sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "out_ptr": "*bf16" if gated else "*fp32",
+               "pairs_ptr": "*i32", "bexp_ptr": "*i32", "P": "i32", "N_OUT": "i32", "num_kb": "i32"}
+        sig.update({n: "i32" for n in ("stride_x", "stride_we", "stride_wn", "stride_se", "stride_sn", "stride_o")})
+        cst = dict(TOPK=8, EVEN=True, NP=np_)
+        sig.update({k: "constexpr" for k in cst})
+        names = list(sig)
+        attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
+                 if n.endswith("_ptr") or n.startswith("stride")}
+        log = io.StringIO()
+        with contextlib.redirect_stdout(log):
+            kernel = m._moe_w13_wgmma_kernel if gated else m._moe_w2_wgmma_kernel
+            k = compile(GluonASTSource(fn=kernel, signature=sig, constexprs=cst, attrs=attrs),
+                        target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+        ptx, log = k.asm["ptx"], log.getvalue()
+        out[f"{'w13' if gated else 'w2'}_np{np_}"] = {
+            "shared": k.metadata.shared,
+            "wgmma": sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx))),
+            "n_wgmma": len(re.findall(r"wgmma\.mma_async", ptx)),
+            "st_shared": ptx.count("st.shared"), "ld_shared": ptx.count("ld.shared") + ptx.count("ldmatrix"),
+            "cp_async_16": len(re.findall(r"cp\.async\.cg\.shared\.global \[[^]]+\], \[[^]]+\], 0x10", ptx)),
+            "ld_v4": ptx.count("ld.global.v4"),
+            "spill_bytes": sum(int(v) for v in re.findall(r"(\d+) bytes spill stores", log))}
+print(json.dumps(out))
+"""
+
+
+def test_wgmma_moe_kernels_compile_for_sm90(tmp_path):
+    """Both GEMMs with 8- and 64-pair blocks compiled for sm_90 (PTX + ptxas, no GPU): only m64nNk16 wgmma with N =
+    the block's pairs, 32 per K step in the loop (4 chunks x 2 weight tensors x 4 k16) plus none outside, the A
+    operand built in registers (no shared-memory stores or loads), the activations by 16-byte cp.async into a
+    2-step ring of 4 x N x 64 bf16, 16-byte weight loads, no spills."""
+    pytest.importorskip("triton.experimental.gluon")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(tmp_path / "triton_cache"), TRITON_DUMP_PTXAS_LOG="1")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    res = subprocess.run([sys.executable, "-c", _SM90_COMPILE], capture_output=True, text=True, env=env,
+                         timeout=600, cwd=root)
+    if res.returncode != 0:
+        err = res.stderr.lower()
+        if "no module named 'triton.experimental.gluon" in err or "backend" in err:
+            pytest.skip(f"this triton build cannot compile Gluon for sm_90: {res.stderr[-200:]}")
+        raise AssertionError(res.stderr[-3000:])
+    facts = json.loads(res.stdout.strip().splitlines()[-1])
+    assert len(facts) == 4, facts
+    for name, f in facts.items():
+        n = int(name.split("_np")[1])
+        assert f["wgmma"] == [f"m64n{n}k16"] and f["n_wgmma"] == 32, (name, f)
+        assert f["st_shared"] == 0 and f["ld_shared"] == 0 and f["spill_bytes"] == 0, (name, f)
+        assert f["shared"] == 2 * 4 * n * 64 * 2 and f["cp_async_16"] >= 1 and f["ld_v4"] >= 12, (name, f)
+
+
+# --- GPU ----------------------------------------------------------------------------------------------------
+def run_wgmma(x, ids, tw, ww, **kw):
+    out = torch.full_like(x, float("nan"))
+    int4_moe_wgmma(x, ids, tw, *ww, out=out, **kw)
+    return out
+
+
+@sm90
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,k,E,D,inter", [(5, 3, 7, 544, 224), (1, 2, 4, 256, 64), (33, 4, 16, 1024, 160)])
+@pytest.mark.parametrize("block_pairs", BLOCK_PAIRS)
+def test_int4_moe_wgmma_vs_reference(T, k, E, D, inter, block_pairs):
+    """Awkward shapes (K and rows not multiples of the tiles: padding, masked rows) against int4_moe_ref."""
+    w = make_experts(E, D, inter, device="cuda", seed=5)
+    ww = repack_int4_moe_for_wgmma(*w)
+    ids, tw = make_routing(T, k, E, device="cuda", seed=6)
+    x = torch.randn(T, D, device="cuda").to(torch.bfloat16)
+    out = run_wgmma(x, ids, tw, ww, block_pairs=block_pairs)
+    assert not torch.isnan(out).any()
+    assert_close(out, int4_moe_ref(x.float(), ids, tw, *w), TOL[torch.bfloat16], f"T={T} E={E}")
+
+
+@pytest.fixture(scope="module")
+def kimi_wgmma():
+    if not SM90:
+        pytest.skip("needs an sm_90 GPU (wgmma)")
+    w = kimi_checkpoint_experts()
+    return w, repack_int4_moe_for_wgmma(*w)
+
+
+@sm90
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 9, 64])
+def test_int4_moe_wgmma_kimi_shapes(kimi_wgmma, T):
+    w, ww = kimi_wgmma
+    ids, tw = make_routing(T, KIMI["k"], KIMI["E"], device="cuda", seed=T)
+    x = torch.randn(T, KIMI["D"], device="cuda").to(torch.bfloat16)
+    assert_close(run_wgmma(x, ids, tw, ww), ref_by_expert(x, ids, tw, w), TOL[torch.bfloat16], f"T={T}")
+
+
+@sm90
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_pairs", BLOCK_PAIRS)
+def test_int4_moe_wgmma_batch_invariance(kimi_wgmma, block_pairs):
+    """Token 37 alone, as row 37 of a batch of 64, and with its experts crowded by other tokens (64 pairs on four of
+    its experts, 20 on a fifth: full and partly empty blocks): bitwise equal (DESIGN 3.5)."""
+    _, ww = kimi_wgmma
+    ids, tw = make_routing(64, KIMI["k"], KIMI["E"], device="cuda", seed=7)
+    x = torch.randn(64, KIMI["D"], device="cuda").to(torch.bfloat16)
+    alone = run_wgmma(x[37:38], ids[37:38], tw[37:38], ww, block_pairs=block_pairs)
+    assert_bitwise(run_wgmma(x, ids, tw, ww, block_pairs=block_pairs)[37], alone[0], "batch of 64")
+    ids2 = ids.clone()
+    ids2[:, :4] = ids[37, :4]
+    ids2[:20, 4] = ids[37, 4]
+    alone2 = run_wgmma(x[37:38], ids2[37:38], tw[37:38], ww, block_pairs=block_pairs)
+    assert_bitwise(run_wgmma(x, ids2, tw, ww, block_pairs=block_pairs)[37], alone2[0], "crowded")
+
+
+@sm90
+@pytest.mark.gpu
+def test_int4_moe_wgmma_block_sizes_agree(kimi_wgmma):
+    """Whether the block size (the MMA's N) changes a pair's bits: recorded, not assumed (the deployment fixes it)."""
+    _, ww = kimi_wgmma
+    ids, tw = make_routing(64, KIMI["k"], KIMI["E"], device="cuda", seed=8)
+    x = torch.randn(64, KIMI["D"], device="cuda").to(torch.bfloat16)
+    outs = {bp: run_wgmma(x, ids, tw, ww, block_pairs=bp) for bp in BLOCK_PAIRS}
+    for bp in BLOCK_PAIRS[1:]:
+        assert_bitwise(outs[bp], outs[BLOCK_PAIRS[0]], f"{bp} vs {BLOCK_PAIRS[0]} pairs per block")
