@@ -106,6 +106,7 @@ GLUON_VARIANTS = {  # name -> int4_moe_gluon options (--gluon)
     "gluon_t11": dict(tiles=(1, 1)), "gluon_t22_np32": dict(tiles=(2, 2), block_pairs=32),
     # the wgmma path (int4_moe_wgmma; its layout has the same shapes at these K, so the same random words serve)
     **{f"wgmma_np{n}": dict(path="wgmma", block_pairs=n) for n in (8, 16, 32, 64)},
+    "wgmma_auto": dict(path="wgmma"),  # int4_moe_wgmma.auto_block_pairs
 }
 
 

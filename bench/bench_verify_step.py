@@ -390,7 +390,8 @@ def run_case(model, pool, cfg, case: dict, invariant: bool, ceil: dict, info: di
         mla_impl=mla_attention.DEFAULT_IMPL, moe_block_m=int4_moe.DEFAULT_BLOCK_M,
         moe_zp_mma=int4_moe.DEFAULT_ZP_MMA, moe_layout=moe_mod.GPU_LAYOUT,
         **({"moe_block_pairs": int4_moe_gluon.DEFAULT_BLOCK_PAIRS} if moe_mod.GPU_LAYOUT == "gluon" else {}),
-        **({"moe_block_pairs": int4_moe_wgmma.DEFAULT_BLOCK_PAIRS} if moe_mod.GPU_LAYOUT == "wgmma" else {}), **lm)
+        **({"moe_block_pairs": int4_moe_wgmma.DEFAULT_BLOCK_PAIRS or "auto"} if moe_mod.GPU_LAYOUT == "wgmma" else {}),
+        **lm)
     if args.profile and cuda:
         params["kernel_breakdown"] = state["breakdowns"][-1][2]
     if graph_err is not None:

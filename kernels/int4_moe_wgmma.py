@@ -27,8 +27,16 @@ from kernels.int4_moe import _local_ids, _pair_buffer
 from kernels.int4_pack import PACK_FACTOR
 
 STEP = 256  # K columns per kernel step (and the K padding)
-BLOCK_PAIRS = (8, 16, 32, 64)  # pairs per expert block = the MMA's N
-DEFAULT_BLOCK_PAIRS = 16  # read at each call
+BLOCK_PAIRS = (8, 16, 32, 64)  # pairs per expert block = the MMA's N; every size gives the same bits (GPU test)
+DEFAULT_BLOCK_PAIRS = None  # read at each call; None: `auto_block_pairs` of the launch's pair count
+AUTO_PAIRS = ((256, 8), (2048, 16))  # (at most this many pairs, block size); more: 32
+
+
+def auto_block_pairs(pairs: int) -> int:
+    """The block size for a launch of `pairs` (token, expert) pairs: small blocks while few pairs share an expert
+    (a block's MMA and activation copy cost its N whether or not its slots hold pairs), larger ones when many do
+    (an expert's weights are streamed once per block). Only speed depends on it: the bits do not."""
+    return next((bp for limit, bp in AUTO_PAIRS if pairs <= limit), 32)
 
 
 @functools.cache
@@ -89,12 +97,13 @@ def wgmma_dense_experts(w13, s13, w2, s2, hidden: int, dtype: torch.dtype = torc
 def int4_moe_wgmma(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, block_pairs: int | None = None,
                    experts: range | None = None, reduce_pairs=None):
     """The wgmma path (sm_90, bf16, wgmma layout); arguments as `kernels.int4_moe.int4_moe`. `block_pairs`
-    (BLOCK_PAIRS, default DEFAULT_BLOCK_PAIRS) is the MMA's N: an expert's weights are streamed once per block."""
+    (BLOCK_PAIRS; None: DEFAULT_BLOCK_PAIRS, or `auto_block_pairs` when that is None) is the MMA's N: an expert's
+    weights are streamed once per block."""
     if not HAVE_GLUON:
         raise RuntimeError("int4_moe_wgmma needs Triton with Gluon (3.5 or newer)")
     if not x.is_cuda or x.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device)[0] != 9:
         raise ValueError(f"int4_moe_wgmma: bf16 activations on an sm_90 GPU, got {x.dtype} on {x.device}")
-    block_pairs = block_pairs or DEFAULT_BLOCK_PAIRS
+    block_pairs = block_pairs or DEFAULT_BLOCK_PAIRS or auto_block_pairs(topk_ids.numel())
     if block_pairs not in BLOCK_PAIRS:
         raise ValueError(f"int4_moe_wgmma: block_pairs={block_pairs}, one of {BLOCK_PAIRS}")
     T, D = x.shape

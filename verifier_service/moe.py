@@ -9,6 +9,8 @@ experts (`expert_ids`) and a process group (`ep_group`) whose ranks hold the res
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -23,8 +25,9 @@ from verifier_service.config import KimiConfig
 # the INT4 layout `MoE.repack_for_gpu` makes on CUDA: "gpu" (the Triton kernels, the default) or "gluon" (the
 # Gluon kernels of kernels/int4_moe_gluon.py: faster at >= 9 tokens on the H200, other bits; opt-in) or "wgmma"
 # (kernels/int4_moe_wgmma.py, sm_90: warpgroup MMAs with the activations in shared memory; other bits; opt-in).
-# One deployment uses one: AR and DDTree then run the same kernels (batch invariance holds within each).
-GPU_LAYOUT = "gpu"
+# One deployment uses one: AR and DDTree then run the same kernels (batch invariance holds within each). The
+# environment variable DDTREE_MOE_LAYOUT sets it for a process (read at import; checked at the first repack).
+GPU_LAYOUT = os.environ.get("DDTREE_MOE_LAYOUT", "gpu")
 _REPACK = {"gpu": repack_int4_moe_for_gpu, "gluon": repack_int4_moe_for_gluon, "wgmma": repack_int4_moe_for_wgmma}
 _DENSE = {"gluon": gluon_dense_experts, "wgmma": wgmma_dense_experts}  # their CPU decode (the "gpu" one: below)
 

@@ -198,3 +198,11 @@ def test_int4_moe_wgmma_block_sizes_agree(kimi_wgmma):
     outs = {bp: run_wgmma(x, ids, tw, ww, block_pairs=bp) for bp in BLOCK_PAIRS}
     for bp in BLOCK_PAIRS[1:]:
         assert_bitwise(outs[bp], outs[BLOCK_PAIRS[0]], f"{bp} vs {BLOCK_PAIRS[0]} pairs per block")
+
+
+def test_auto_block_pairs():
+    """Small blocks for few pairs, larger for many; always a size the kernels take."""
+    from kernels.int4_moe_wgmma import auto_block_pairs
+
+    sizes = [auto_block_pairs(p) for p in (1, 8, 256, 257, 1032, 2048, 2049, 4224, 10**6)]
+    assert sizes == [8, 8, 8, 16, 16, 16, 32, 32, 32] and set(sizes) <= set(BLOCK_PAIRS)
