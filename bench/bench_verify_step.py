@@ -363,6 +363,7 @@ def run_case(model, pool, cfg, case: dict, invariant: bool, ceil: dict, info: di
         state.setdefault("breakdowns", []).append((case, invariant, breakdown))
         for row in breakdown:
             print(f"    {row['ms']:8.4f} ms  x{row['calls']:<6} {row['kernel']}", flush=True)
+    layout = next((m.layout for m in model.modules() if isinstance(m, moe_mod.MoE)), None)  # as repacked
     lm = {}
     if not args.no_lm_head:
         lm_fn = functools.partial(model.logits, hidden_ref)
@@ -388,10 +389,9 @@ def run_case(model, pool, cfg, case: dict, invariant: bool, ceil: dict, info: di
         bytes_floor_ms=fl["bytes_floor_ms"], flops_floor_ms=fl["flops_floor_ms"],
         dtype=str(pool.kv.dtype).removeprefix("torch."), build_s=state.get("build_s"),
         mla_impl=mla_attention.DEFAULT_IMPL, moe_block_m=int4_moe.DEFAULT_BLOCK_M,
-        moe_zp_mma=int4_moe.DEFAULT_ZP_MMA, moe_layout=moe_mod.GPU_LAYOUT,
-        **({"moe_block_pairs": int4_moe_gluon.DEFAULT_BLOCK_PAIRS} if moe_mod.GPU_LAYOUT == "gluon" else {}),
-        **({"moe_block_pairs": int4_moe_wgmma.DEFAULT_BLOCK_PAIRS or "auto"} if moe_mod.GPU_LAYOUT == "wgmma" else {}),
-        **lm)
+        moe_zp_mma=int4_moe.DEFAULT_ZP_MMA, moe_layout=layout,
+        **({"moe_block_pairs": int4_moe_gluon.DEFAULT_BLOCK_PAIRS} if layout == "gluon" else {}),
+        **({"moe_block_pairs": int4_moe_wgmma.DEFAULT_BLOCK_PAIRS or "auto"} if layout == "wgmma" else {}), **lm)
     if args.profile and cuda:
         params["kernel_breakdown"] = state["breakdowns"][-1][2]
     if graph_err is not None:
@@ -443,8 +443,8 @@ def parse_args(argv=None):
                     help="INT4 MoE pairs per expert block (default: kernels.int4_moe.DEFAULT_BLOCK_M)")
     ap.add_argument("--moe-zp-mma", choices=("on", "off"), default=None,
                     help="INT4 MoE zero point by an MMA on group sums (default: kernels.int4_moe.DEFAULT_ZP_MMA)")
-    ap.add_argument("--moe-layout", choices=("gpu", "gluon", "wgmma"), default=None,
-                    help="INT4 MoE kernels: 'gpu' (Triton, default), 'gluon' or 'wgmma' (moe.GPU_LAYOUT)")
+    ap.add_argument("--moe-layout", choices=("auto", "gpu", "gluon", "wgmma"), default=None,
+                    help="INT4 MoE kernels (moe.GPU_LAYOUT, default 'auto': wgmma on sm_90, else the Triton 'gpu')")
     ap.add_argument("--moe-block-pairs", type=int, choices=int4_moe_gluon.BLOCK_PAIRS, default=None,
                     help="with --moe-layout gluon: pairs per expert block (default int4_moe_gluon.DEFAULT_BLOCK_PAIRS)")
     ap.add_argument("--moe-wgmma-pairs", type=int, choices=int4_moe_wgmma.BLOCK_PAIRS, default=None,

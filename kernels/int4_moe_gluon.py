@@ -27,9 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels._int4_moe_gluon import HAVE_GLUON, _moe_w2_gluon_kernel, _moe_w13_gluon_kernel
-from kernels._int4_moe_kernels import _moe_combine_kernel
-from kernels._moe_align import moe_align
-from kernels.int4_moe import _local_ids, _pair_buffer  # int4_moe imports this module lazily (layout="gluon")
+from kernels._moe_frame import routed_moe  # (it imports kernels.int4_moe, which imports this module lazily)
 from kernels.int4_pack import PACK_FACTOR
 
 STEP = 256  # K columns per kernel step
@@ -117,37 +115,22 @@ def int4_moe_gluon(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, block_pai
     if block_pairs not in BLOCK_PAIRS or len(tiles) != 2 or any(t not in (1, 2) for t in tiles):
         raise ValueError(f"int4_moe_gluon: block_pairs={block_pairs} (one of {BLOCK_PAIRS}), tiles={tiles} "
                          "(1 or 2 each)")
-    T, D = x.shape
-    E, two_i, kw13 = w13.shape
-    inter = two_i // 2
-    kp13, kp2 = kw13 * PACK_FACTOR, w2.shape[2] * PACK_FACTOR
-    if kp13 % K_ALIGN or kp2 % K_ALIGN or kp13 < D or kp2 < inter or w2.shape[:2] != (E, D):
-        raise ValueError(f"int4_moe_gluon: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)} are "
-                         "not gluon-layout weights of this shape (repack_int4_moe_for_gluon)")
-    if out is None:
-        out = torch.empty_like(x)
-    if T == 0:
-        return out
-    topk = topk_ids.shape[1]
-    P = T * topk
-    if D != kp13:  # the kernel reads whole steps: zeros past D (the weights there are 0 too, but 0 * NaN is not)
-        x = F.pad(x, (0, kp13 - D))
-    x = x.contiguous()
-    sorted_pairs, bexp = moe_align(_local_ids(topk_ids, experts, E), E, block_pairs)
-    nblk = bexp.shape[0]
-    a = (torch.zeros if kp2 != inter else torch.empty)(P, kp2, dtype=x.dtype, device=x.device)
+    inter, D = w13.shape[1] // 2, x.shape[1]
     r13, r2 = WARP_ROWS * tiles[0], WARP_ROWS * tiles[1]
-    _moe_w13_gluon_kernel[(-(-inter // r13), nblk)](
-        x, w13, s13, a, sorted_pairs, bexp, P, inter, kp13 // STEP,
-        x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), a.stride(0),
-        TOPK=topk, EVEN=inter % r13 == 0, SUB=block_pairs // 8, RT=tiles[0], num_warps=4)
-    y = _pair_buffer(P, D, torch.float32, x.device, experts is not None)
-    _moe_w2_gluon_kernel[(-(-D // r2), nblk)](
-        a, w2, s2, y, sorted_pairs, bexp, P, D, kp2 // STEP,
-        a.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), y.stride(0),
-        TOPK=topk, EVEN=D % r2 == 0, SUB=block_pairs // 8, RT=tiles[1], num_warps=4)
-    if reduce_pairs is not None:
-        reduce_pairs(y)
-    _moe_combine_kernel[(T, -(-D // 1024))](
-        y, topk_w.contiguous(), out, D, y.stride(0), out.stride(0), TOPK=topk, BLOCK=1024, num_warps=4)
-    return out
+    sub = block_pairs // 8
+
+    def w13_gemm(x, a, pairs, bexp, topk, P):
+        _moe_w13_gluon_kernel[(-(-inter // r13), bexp.shape[0])](
+            x, w13, s13, a, pairs, bexp, P, inter, w13.shape[2] * PACK_FACTOR // STEP,
+            x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), a.stride(0),
+            TOPK=topk, EVEN=inter % r13 == 0, SUB=sub, RT=tiles[0], num_warps=4)
+
+    def w2_gemm(a, y, pairs, bexp, topk, P):
+        _moe_w2_gluon_kernel[(-(-D // r2), bexp.shape[0])](
+            a, w2, s2, y, pairs, bexp, P, D, w2.shape[2] * PACK_FACTOR // STEP,
+            a.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), y.stride(0),
+            TOPK=topk, EVEN=D % r2 == 0, SUB=sub, RT=tiles[1], num_warps=4)
+
+    return routed_moe("int4_moe_gluon", x, topk_ids, topk_w, w13, s13, w2, s2, out, k_align=K_ALIGN,
+                      block_pairs=block_pairs, experts=experts, reduce_pairs=reduce_pairs, w13_gemm=w13_gemm,
+                      w2_gemm=w2_gemm)

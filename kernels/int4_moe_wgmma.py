@@ -20,10 +20,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from kernels._int4_moe_kernels import _moe_combine_kernel
 from kernels._int4_moe_wgmma import HAVE_GLUON, _moe_w2_wgmma_kernel, _moe_w13_wgmma_kernel
-from kernels._moe_align import moe_align
-from kernels.int4_moe import _local_ids, _pair_buffer
+from kernels._moe_frame import routed_moe
 from kernels.int4_pack import PACK_FACTOR
 
 STEP = 256  # K columns per kernel step (and the K padding)
@@ -106,36 +104,20 @@ def int4_moe_wgmma(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, block_pai
     block_pairs = block_pairs or DEFAULT_BLOCK_PAIRS or auto_block_pairs(topk_ids.numel())
     if block_pairs not in BLOCK_PAIRS:
         raise ValueError(f"int4_moe_wgmma: block_pairs={block_pairs}, one of {BLOCK_PAIRS}")
-    T, D = x.shape
-    E, two_i, kw13 = w13.shape
-    inter = two_i // 2
-    kp13, kp2 = kw13 * PACK_FACTOR, w2.shape[2] * PACK_FACTOR
-    if kp13 % STEP or kp2 % STEP or kp13 < D or kp2 < inter or w2.shape[:2] != (E, D):
-        raise ValueError(f"int4_moe_wgmma: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)} are "
-                         "not wgmma-layout weights of this shape (repack_int4_moe_for_wgmma)")
-    if out is None:
-        out = torch.empty_like(x)
-    if T == 0:
-        return out
-    topk = topk_ids.shape[1]
-    P = T * topk
-    if D != kp13:  # the kernel reads whole steps: zeros past D
-        x = F.pad(x, (0, kp13 - D))
-    x = x.contiguous()
-    sorted_pairs, bexp = moe_align(_local_ids(topk_ids, experts, E), E, block_pairs)
-    nblk = bexp.shape[0]
-    a = (torch.zeros if kp2 != inter else torch.empty)(P, kp2, dtype=x.dtype, device=x.device)
-    _moe_w13_wgmma_kernel[(-(-inter // 64), nblk)](
-        x, w13, s13, a, sorted_pairs, bexp, P, inter, kp13 // STEP,
-        x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), a.stride(0),
-        TOPK=topk, EVEN=inter % 64 == 0, NP=block_pairs, num_warps=4)
-    y = _pair_buffer(P, D, torch.float32, x.device, experts is not None)
-    _moe_w2_wgmma_kernel[(-(-D // 128), nblk)](
-        a, w2, s2, y, sorted_pairs, bexp, P, D, kp2 // STEP,
-        a.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), y.stride(0),
-        TOPK=topk, EVEN=D % 128 == 0, NP=block_pairs, num_warps=4)
-    if reduce_pairs is not None:
-        reduce_pairs(y)
-    _moe_combine_kernel[(T, -(-D // 1024))](
-        y, topk_w.contiguous(), out, D, y.stride(0), out.stride(0), TOPK=topk, BLOCK=1024, num_warps=4)
-    return out
+    inter, D = w13.shape[1] // 2, x.shape[1]
+
+    def w13_gemm(x, a, pairs, bexp, topk, P):
+        _moe_w13_wgmma_kernel[(-(-inter // 64), bexp.shape[0])](
+            x, w13, s13, a, pairs, bexp, P, inter, w13.shape[2] * PACK_FACTOR // STEP,
+            x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), a.stride(0),
+            TOPK=topk, EVEN=inter % 64 == 0, NP=block_pairs, num_warps=4)
+
+    def w2_gemm(a, y, pairs, bexp, topk, P):
+        _moe_w2_wgmma_kernel[(-(-D // 128), bexp.shape[0])](
+            a, w2, s2, y, pairs, bexp, P, D, w2.shape[2] * PACK_FACTOR // STEP,
+            a.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), y.stride(0),
+            TOPK=topk, EVEN=D % 128 == 0, NP=block_pairs, num_warps=4)
+
+    return routed_moe("int4_moe_wgmma", x, topk_ids, topk_w, w13, s13, w2, s2, out, k_align=STEP,
+                      block_pairs=block_pairs, experts=experts, reduce_pairs=reduce_pairs, w13_gemm=w13_gemm,
+                      w2_gemm=w2_gemm)

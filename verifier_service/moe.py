@@ -18,18 +18,36 @@ from torch import nn
 
 from kernels.int4_moe import int4_moe, moe_dense_ref, repack_int4_moe_for_gpu, unrepack_int4_moe
 from kernels.int4_moe_gluon import gluon_dense_experts, repack_int4_moe_for_gluon
-from kernels.int4_moe_wgmma import repack_int4_moe_for_wgmma, wgmma_dense_experts
+from kernels.int4_moe_wgmma import HAVE_GLUON, repack_int4_moe_for_wgmma, wgmma_dense_experts
 from kernels.int4_pack import dequantize_int4
 from verifier_service.config import KimiConfig
 
-# the INT4 layout `MoE.repack_for_gpu` makes on CUDA: "gpu" (the Triton kernels, the default) or "gluon" (the
-# Gluon kernels of kernels/int4_moe_gluon.py: faster at >= 9 tokens on the H200, other bits; opt-in) or "wgmma"
-# (kernels/int4_moe_wgmma.py, sm_90: warpgroup MMAs with the activations in shared memory; other bits; opt-in).
-# One deployment uses one: AR and DDTree then run the same kernels (batch invariance holds within each). The
-# environment variable DDTREE_MOE_LAYOUT sets it for a process (read at import; checked at the first repack).
-GPU_LAYOUT = os.environ.get("DDTREE_MOE_LAYOUT", "gpu")
+# the INT4 layout `MoE.repack_for_gpu` makes on CUDA: "auto" (the default: "wgmma" on sm_90, else "gpu"), "gpu"
+# (the Triton kernels of kernels/int4_moe.py), "gluon" (the mma.sync Gluon kernels of kernels/int4_moe_gluon.py) or
+# "wgmma" (kernels/int4_moe_wgmma.py, sm_90 only: warpgroup MMAs with the activations in shared memory; on the
+# H200 as fast as "gpu" at one session and 5-12% faster at 16, docs/performance.md). Each gives other bits; one
+# deployment uses one, so AR and DDTree run the same kernels (batch invariance holds within each). The environment
+# variable DDTREE_MOE_LAYOUT sets it for a process (read at import; checked at the first repack).
+GPU_LAYOUT = os.environ.get("DDTREE_MOE_LAYOUT", "auto")
 _REPACK = {"gpu": repack_int4_moe_for_gpu, "gluon": repack_int4_moe_for_gluon, "wgmma": repack_int4_moe_for_wgmma}
 _DENSE = {"gluon": gluon_dense_experts, "wgmma": wgmma_dense_experts}  # their CPU decode (the "gpu" one: below)
+
+
+def _wgmma_runs_on(device: torch.device) -> bool:
+    return device.type == "cuda" and HAVE_GLUON and torch.cuda.get_device_capability(device)[0] == 9
+
+
+def resolve_gpu_layout(layout: str, device: torch.device) -> str:
+    """`layout` ("auto" or one of the layouts above) -> the layout the weights on `device` get; ValueError for an
+    unknown one, or for "wgmma" on a GPU without wgmma (its kernels are sm_90 only; on CPU every layout decodes)."""
+    if layout == "auto":
+        return "wgmma" if _wgmma_runs_on(device) else "gpu"
+    if layout not in _REPACK:
+        raise ValueError(f"MoE layout {layout!r}: 'auto' or one of {sorted(_REPACK)} (DDTREE_MOE_LAYOUT)")
+    if layout == "wgmma" and device.type == "cuda" and not _wgmma_runs_on(device):
+        raise ValueError(f"MoE layout 'wgmma' needs an sm_90 GPU and Triton with Gluon; {device} is "
+                         f"sm_{''.join(map(str, torch.cuda.get_device_capability(device)))}: use 'gpu' or 'auto'")
+    return layout
 
 
 class MLP(nn.Module):
@@ -89,7 +107,7 @@ class MoE(nn.Module):
         self.expert_ids: tuple[int, ...] = tuple(range(E))
         self.ep_group: dist.ProcessGroup | None = None  # set by expert_parallel.use_expert_group
         self.gate = Router(cfg)
-        self.layout = "checkpoint"  # INT4 buffers' layout; "gpu" / "gluon" after repack_for_gpu() (kernels/int4_moe*)
+        self.layout = "checkpoint"  # INT4 buffers' layout; "gpu" / "gluon" / "wgmma" after repack_for_gpu()
         if quantized:
             g = cfg.quant.group_size
             self.register_buffer("w13_packed", torch.zeros(E, 2 * inter, D // 8, dtype=torch.int32))
@@ -103,12 +121,12 @@ class MoE(nn.Module):
 
     @torch.no_grad()
     def repack_for_gpu(self, layout: str | None = None) -> None:
-        """Once, at load on CUDA: INT4 buffers -> the INT4 kernels' layout, `layout` or GPU_LAYOUT ("gpu": the
-        Triton kernels; "gluon" / "wgmma": the Gluon ones). The checkpoint layout would be repacked on every call."""
-        layout = layout or GPU_LAYOUT
-        if layout not in _REPACK:
-            raise ValueError(f"MoE layout {layout!r}: one of {sorted(_REPACK)}")
-        if not self.quantized or self.layout == layout:
+        """Once, at load on CUDA: INT4 buffers -> the INT4 kernels' layout, `layout` or GPU_LAYOUT, resolved for
+        the weights' device (`resolve_gpu_layout`). The checkpoint layout would be repacked on every call."""
+        if not self.quantized:
+            return
+        layout = resolve_gpu_layout(layout or GPU_LAYOUT, self.w13_packed.device)
+        if self.layout == layout:
             return
         if self.layout != "checkpoint":
             raise RuntimeError(f"MoE weights are in the {self.layout!r} layout already")

@@ -1,0 +1,53 @@
+"""The launches around the two expert GEMMs that the Gluon paths share (`int4_moe_gluon`, `int4_moe_wgmma`).
+
+`routed_moe` checks the weights' shapes, pads the activations to the layout's K, groups the pairs by expert
+(`moe_align`, no host sync), allocates the per-pair buffers, calls the path's w13 and w2 launches and ends with the
+slot-ordered combine: everything but the GEMMs, so both paths keep one definition of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from kernels._int4_moe_kernels import _moe_combine_kernel
+from kernels._moe_align import moe_align
+from kernels.int4_moe import _local_ids, _pair_buffer
+from kernels.int4_pack import PACK_FACTOR
+
+# (x [T, Kp13], a [P, Kp2], sorted_pairs, block_expert, topk, P) -> None: writes a (w13) / y (w2)
+Gemm = Callable[..., None]
+
+
+def routed_moe(name: str, x, topk_ids, topk_w, w13, s13, w2, s2, out, *, k_align: int, block_pairs: int,
+               experts: range | None, reduce_pairs, w13_gemm: Gemm, w2_gemm: Gemm) -> torch.Tensor:
+    """The routed-expert op around `w13_gemm(x, a, pairs, bexp, topk, P)` (a [P, Kp2] = silu(gate) * up, zeros
+    past I) and `w2_gemm(a, y, pairs, bexp, topk, P)` (y [P, D] fp32, unweighted); `name` labels the errors."""
+    T, D = x.shape
+    E, two_i, kw13 = w13.shape
+    inter = two_i // 2
+    kp13, kp2 = kw13 * PACK_FACTOR, w2.shape[2] * PACK_FACTOR
+    if kp13 % k_align or kp2 % k_align or kp13 < D or kp2 < inter or w2.shape[:2] != (E, D):
+        raise ValueError(f"{name}: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)} are not "
+                         f"weights of this shape in its layout (K padded to a multiple of {k_align})")
+    if out is None:
+        out = torch.empty_like(x)
+    if T == 0:
+        return out
+    topk = topk_ids.shape[1]
+    P = T * topk
+    if D != kp13:  # the kernels read whole steps: zeros past D (the weights there are 0 too, but 0 * NaN is not)
+        x = F.pad(x, (0, kp13 - D))
+    x = x.contiguous()
+    sorted_pairs, bexp = moe_align(_local_ids(topk_ids, experts, E), E, block_pairs)
+    a = (torch.zeros if kp2 != inter else torch.empty)(P, kp2, dtype=x.dtype, device=x.device)
+    w13_gemm(x, a, sorted_pairs, bexp, topk, P)
+    y = _pair_buffer(P, D, torch.float32, x.device, experts is not None)
+    w2_gemm(a, y, sorted_pairs, bexp, topk, P)
+    if reduce_pairs is not None:
+        reduce_pairs(y)
+    _moe_combine_kernel[(T, -(-D // 1024))](
+        y, topk_w.contiguous(), out, D, y.stride(0), out.stride(0), TOPK=topk, BLOCK=1024, num_warps=4)
+    return out
