@@ -40,7 +40,9 @@ Weight layouts (`layout=` keyword of the launcher):
                 scales group-major: w13_scale [E, Dp/256, 8, 2I], w2_scale [E, Ip/256, 8, D].
                 `unrepack_int4_moe` inverts it bit for bit.
   "gluon"       made once at load by `kernels.int4_moe_gluon.repack_int4_moe_for_gluon`: the layout of the Gluon
-                kernels (other bits than the Triton path's; opt-in, see that module), decoded on CPU.
+                mma.sync kernels (other bits than the Triton path's; opt-in, see that module), decoded on CPU.
+  "wgmma"       made once at load by `kernels.int4_moe_wgmma.repack_int4_moe_for_wgmma`: the layout of the sm_90
+                warpgroup-MMA kernels (other bits again; the model's default on sm_90), decoded on CPU.
 `tile_int4_moe_weights` regroups the "gpu" words per kernel tile (5-D, same bits; a benchmark option of
 `int4_moe_triton`, not a `layout=` of `int4_moe`).
 """
