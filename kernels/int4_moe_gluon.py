@@ -24,11 +24,10 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as F
 
 from kernels._int4_moe_gluon import HAVE_GLUON, _moe_w2_gluon_kernel, _moe_w13_gluon_kernel
 from kernels._moe_frame import routed_moe  # (it imports kernels.int4_moe, which imports this module lazily)
-from kernels.int4_pack import PACK_FACTOR
+from kernels.int4_pack import PACK_FACTOR, permute_steps
 
 STEP = 256  # K columns per kernel step
 K_ALIGN = 512  # the kernels do two steps per loop iteration
@@ -55,27 +54,10 @@ def _step_map() -> tuple[torch.Tensor, torch.Tensor]:
     return phys, group
 
 
-def _repack_proj(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Checkpoint int32 [E, N, K/8] + scale [E, N, K/32] -> the gluon layout (module doc)."""
-    E, N, k8 = packed.shape
-    K = k8 * PACK_FACTOR
-    kp = -(-K // K_ALIGN) * K_ALIGN
-    phys, _ = _step_map()
-    phys = phys.to(packed.device).view(-1)  # [256]: memory word-major, nibble position minor
-    shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=packed.device)
-    out = torch.empty(E, N, kp // PACK_FACTOR, dtype=torch.int32, device=packed.device)
-    for e in range(E):  # per expert: bounded temporaries
-        u = ((packed[e].long().unsqueeze(-1) >> shifts) & 0xF).flatten(-2)  # [N, K] column order
-        u = F.pad(u, (0, kp - K), value=8).view(N, kp // STEP, STEP)  # q = 0 in the padding
-        u = u[..., phys].view(N, kp // STEP, 32, 8)  # [N, step, memory word, nibble position]
-        words = (u << shifts).sum(-1)
-        out[e] = torch.where(words >= 2**31, words - 2**32, words).view(N, -1).to(torch.int32)
-    return out, F.pad(scale, (0, kp // 32 - scale.shape[-1])).contiguous()
-
-
 def repack_int4_moe_for_gluon(w13_packed, w13_scale, w2_packed, w2_scale):
     """Checkpoint layout -> "gluon" layout (module doc); run once at load."""
-    return (*_repack_proj(w13_packed, w13_scale), *_repack_proj(w2_packed, w2_scale))
+    return (*permute_steps(w13_packed, w13_scale, _step_map()[0], K_ALIGN),
+            *permute_steps(w2_packed, w2_scale, _step_map()[0], K_ALIGN))
 
 
 def gluon_layout_dense(words: torch.Tensor, scale: torch.Tensor, in_features: int,

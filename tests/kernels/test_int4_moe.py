@@ -403,6 +403,18 @@ def kimi_experts():
     return w, repack_int4_moe_for_gpu(*w)
 
 
+def check_layout_path(run, repack, T, k, E, D, inter, **kw):
+    """A repacked-layout path `run(x, ids, tw, *repacked, out=, **kw)` at an awkward shape (K and rows not multiples
+    of its tiles: padding, masked rows) against int4_moe_ref, its output poisoned with NaN first."""
+    w = make_experts(E, D, inter, device="cuda", seed=5)
+    ids, tw = make_routing(T, k, E, device="cuda", seed=6)
+    x = torch.randn(T, D, device="cuda").to(torch.bfloat16)
+    out = torch.full_like(x, float("nan"))
+    run(x, ids, tw, *repack(*w), out=out, **kw)
+    assert not torch.isnan(out).any()
+    assert_close(out, int4_moe_ref(x.float(), ids, tw, *w), TOL[torch.bfloat16], f"T={T} E={E}")
+
+
 def ref_by_expert(x, ids, tw, w):
     """int4_moe_ref applied expert by expert (dequantising all 384 experts at once needs 67 GB)."""
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)

@@ -9,22 +9,18 @@ vs inside a batch of 64, also with its experts crowded), and the same bits for 8
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
-from kernels.int4_moe import int4_moe_ref
 from kernels.int4_moe_gluon import BLOCK_PAIRS, gluon_layout_dense, int4_moe_gluon, repack_int4_moe_for_gluon
 from kernels.int4_pack import dequantize_int4
 from tests.kernels.compare import assert_close
+from tests.kernels.sm90_compile import run_sm90_script
 from tests.kernels.test_int4_moe import (
     KIMI,
     TOL,
     assert_bitwise,
+    check_layout_path,
     kimi_checkpoint_experts,
     make_experts,
     make_routing,
@@ -104,17 +100,7 @@ def test_gluon_moe_kernels_compile_for_sm90(tmp_path):
     memory and no CTA barrier (the weights go from global memory to the MMA), 16-byte global loads, only m16n8k16
     mma.sync, no spills, and few enough registers for 3 CTAs of 4 warps per SM (w13, one sub-block)."""
     pytest.importorskip("triton.experimental.gluon")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(TRITON_CACHE_DIR=str(tmp_path / "triton_cache"), TRITON_DUMP_PTXAS_LOG="1")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    res = subprocess.run([sys.executable, "-c", _SM90_COMPILE], capture_output=True, text=True, env=env,
-                         timeout=600, cwd=root)
-    if res.returncode != 0:
-        err = res.stderr.lower()
-        if "no module named 'triton.experimental.gluon" in err or "backend" in err:
-            pytest.skip(f"this triton build cannot compile Gluon for sm_90: {res.stderr[-200:]}")
-        raise AssertionError(res.stderr[-3000:])
-    facts = json.loads(res.stdout.strip().splitlines()[-1])
+    facts = run_sm90_script(tmp_path, _SM90_COMPILE)
     for name, f in facts.items():
         assert f["shared"] == 0 and f["bar_sync"] == 0 and f["ld_shared"] == 0, (name, f)
         assert f["ld_v4"] >= 8 and f["mma"] == ["m16n8k16"] and f["spill_bytes"] == 0, (name, f)
@@ -137,14 +123,7 @@ OPTIONS = [dict(block_pairs=8), dict(block_pairs=16), dict(block_pairs=32), dict
 @pytest.mark.parametrize("T,k,E,D,inter", [(5, 3, 7, 544, 224), (1, 2, 4, 512, 64), (33, 4, 16, 1024, 160)])
 @pytest.mark.parametrize("opts", OPTIONS, ids=str)
 def test_int4_moe_gluon_vs_reference(T, k, E, D, inter, opts):
-    """Awkward shapes (K and rows not multiples of the tiles: padding, masked rows) against int4_moe_ref."""
-    w = make_experts(E, D, inter, device="cuda", seed=5)
-    wg = repack_int4_moe_for_gluon(*w)
-    ids, tw = make_routing(T, k, E, device="cuda", seed=6)
-    x = torch.randn(T, D, device="cuda").to(torch.bfloat16)
-    out = run_gluon(x, ids, tw, wg, **opts)
-    assert not torch.isnan(out).any()
-    assert_close(out, int4_moe_ref(x.float(), ids, tw, *w), TOL[torch.bfloat16], f"T={T} E={E}")
+    check_layout_path(int4_moe_gluon, repack_int4_moe_for_gluon, T, k, E, D, inter, **opts)
 
 
 @pytest.fixture(scope="module")

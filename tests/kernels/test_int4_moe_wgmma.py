@@ -10,22 +10,18 @@ experts crowded), bitwise.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
-from kernels.int4_moe import int4_moe_ref
 from kernels.int4_moe_wgmma import BLOCK_PAIRS, int4_moe_wgmma, repack_int4_moe_for_wgmma, wgmma_layout_dense
 from kernels.int4_pack import dequantize_int4
 from tests.kernels.compare import assert_close
+from tests.kernels.sm90_compile import run_sm90_script
 from tests.kernels.test_int4_moe import (
     KIMI,
     TOL,
     assert_bitwise,
+    check_layout_path,
     kimi_checkpoint_experts,
     make_experts,
     make_routing,
@@ -111,17 +107,7 @@ def test_wgmma_moe_kernels_compile_for_sm90(tmp_path):
     operand built in registers (no shared-memory stores or loads), the activations by 16-byte cp.async into a
     2-step ring of 4 x N x 64 bf16, 16-byte weight loads, no spills."""
     pytest.importorskip("triton.experimental.gluon")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(TRITON_CACHE_DIR=str(tmp_path / "triton_cache"), TRITON_DUMP_PTXAS_LOG="1")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    res = subprocess.run([sys.executable, "-c", _SM90_COMPILE], capture_output=True, text=True, env=env,
-                         timeout=600, cwd=root)
-    if res.returncode != 0:
-        err = res.stderr.lower()
-        if "no module named 'triton.experimental.gluon" in err or "backend" in err:
-            pytest.skip(f"this triton build cannot compile Gluon for sm_90: {res.stderr[-200:]}")
-        raise AssertionError(res.stderr[-3000:])
-    facts = json.loads(res.stdout.strip().splitlines()[-1])
+    facts = run_sm90_script(tmp_path, _SM90_COMPILE)
     assert len(facts) == 4, facts
     for name, f in facts.items():
         n = int(name.split("_np")[1])
@@ -142,14 +128,7 @@ def run_wgmma(x, ids, tw, ww, **kw):
 @pytest.mark.parametrize("T,k,E,D,inter", [(5, 3, 7, 544, 224), (1, 2, 4, 256, 64), (33, 4, 16, 1024, 160)])
 @pytest.mark.parametrize("block_pairs", BLOCK_PAIRS)
 def test_int4_moe_wgmma_vs_reference(T, k, E, D, inter, block_pairs):
-    """Awkward shapes (K and rows not multiples of the tiles: padding, masked rows) against int4_moe_ref."""
-    w = make_experts(E, D, inter, device="cuda", seed=5)
-    ww = repack_int4_moe_for_wgmma(*w)
-    ids, tw = make_routing(T, k, E, device="cuda", seed=6)
-    x = torch.randn(T, D, device="cuda").to(torch.bfloat16)
-    out = run_wgmma(x, ids, tw, ww, block_pairs=block_pairs)
-    assert not torch.isnan(out).any()
-    assert_close(out, int4_moe_ref(x.float(), ids, tw, *w), TOL[torch.bfloat16], f"T={T} E={E}")
+    check_layout_path(int4_moe_wgmma, repack_int4_moe_for_wgmma, T, k, E, D, inter, block_pairs=block_pairs)
 
 
 @pytest.fixture(scope="module")

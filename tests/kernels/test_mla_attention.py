@@ -16,11 +16,6 @@ for the warp-specialized one also its partitions, registers, barriers and that n
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -38,6 +33,7 @@ from kernels.mla_attention import (
 )
 from kernels.tree_mask import ancestor_mask, pack_mask_bits
 from tests.kernels.compare import assert_close
+from tests.kernels.sm90_compile import run_sm90_script
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -223,17 +219,7 @@ _SM90_SMEM = 232448  # bytes of shared memory one block may have on sm_90 (227 K
 def compile_for_sm90(tmp_path, module: str, kernel: str, num_warps: int, stages: int) -> dict:
     """Compile a Gluon tile kernel for sm_90 in a subprocess (no GPU needed; this process may run Triton in
     interpreter mode), bf16, tree and causal: {"True"/"False": PTX counts, shared bytes, ptxas -v facts}."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(TRITON_CACHE_DIR=str(tmp_path / "triton_cache"), TRITON_DUMP_PTXAS_LOG="1")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    res = subprocess.run([sys.executable, "-c", _SM90_COMPILE, module, kernel, str(num_warps), str(stages)],
-                         capture_output=True, text=True, env=env, timeout=300, cwd=root)
-    if res.returncode != 0:
-        err = res.stderr.lower()
-        if "no module named 'triton.experimental.gluon" in err or "backend" in err:
-            pytest.skip(f"this triton build cannot compile Gluon for sm_90: {res.stderr[-200:]}")
-        raise AssertionError(res.stderr[-3000:])
-    return json.loads(res.stdout.strip().splitlines()[-1])
+    return run_sm90_script(tmp_path, _SM90_COMPILE, module, kernel, str(num_warps), str(stages), timeout=300)
 
 
 def test_mla_gluon_kernel_compiles_for_sm90_with_s_once(tmp_path):
