@@ -123,10 +123,8 @@ class MoE(nn.Module):
     def repack_for_gpu(self, layout: str | None = None) -> None:
         """Once, at load on CUDA: INT4 buffers -> the INT4 kernels' layout, `layout` or GPU_LAYOUT, resolved for
         the weights' device (`resolve_gpu_layout`). The checkpoint layout would be repacked on every call."""
-        if not self.quantized:
-            return
-        layout = resolve_gpu_layout(layout or GPU_LAYOUT, self.w13_packed.device)
-        if self.layout == layout:
+        layout = resolve_gpu_layout(layout or GPU_LAYOUT, (self.w13_packed if self.quantized else self.w13).device)
+        if not self.quantized or self.layout == layout:
             return
         if self.layout != "checkpoint":
             raise RuntimeError(f"MoE weights are in the {self.layout!r} layout already")
