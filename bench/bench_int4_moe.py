@@ -107,6 +107,8 @@ GLUON_VARIANTS = {  # name -> int4_moe_gluon options (--gluon)
     # the wgmma path (int4_moe_wgmma; its layout has the same shapes at these K, so the same random words serve)
     **{f"wgmma_np{n}": dict(path="wgmma", block_pairs=n) for n in (8, 16, 32, 64)},
     "wgmma_auto": dict(path="wgmma"),  # int4_moe_wgmma.auto_block_pairs
+    "wgmma_np8_r168": dict(path="wgmma", block_pairs=8, maxnreg=168),  # 3 CTAs per SM (4 bytes of spills)
+    "wgmma_auto_r168": dict(path="wgmma", maxnreg=168),
 }
 
 

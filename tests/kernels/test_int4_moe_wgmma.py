@@ -170,13 +170,15 @@ def test_int4_moe_wgmma_batch_invariance(kimi_wgmma, block_pairs):
 @sm90
 @pytest.mark.gpu
 def test_int4_moe_wgmma_block_sizes_agree(kimi_wgmma):
-    """Whether the block size (the MMA's N) changes a pair's bits: recorded, not assumed (the deployment fixes it)."""
+    """The block size (the MMA's N) and a register cap do not change a pair's bits (the launcher picks the block size
+    per launch, so this is what keeps AR and DDTree on the same bits)."""
     _, ww = kimi_wgmma
     ids, tw = make_routing(64, KIMI["k"], KIMI["E"], device="cuda", seed=8)
     x = torch.randn(64, KIMI["D"], device="cuda").to(torch.bfloat16)
     outs = {bp: run_wgmma(x, ids, tw, ww, block_pairs=bp) for bp in BLOCK_PAIRS}
     for bp in BLOCK_PAIRS[1:]:
         assert_bitwise(outs[bp], outs[BLOCK_PAIRS[0]], f"{bp} vs {BLOCK_PAIRS[0]} pairs per block")
+    assert_bitwise(run_wgmma(x, ids, tw, ww, block_pairs=8, maxnreg=168), outs[8], "168 registers")
 
 
 def test_auto_block_pairs():
