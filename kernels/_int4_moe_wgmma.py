@@ -3,7 +3,7 @@ activations as the shared-memory B operand.
 
   acc [64 rows, NP pairs]  +=  W [64 rows, 64 K] (registers)  x  X [64 K, NP pairs] (shared memory)
 
-per 64-column chunk, with `warpgroup_mma` (m64nNPk16: N = the expert block's pairs, 8 to 256). The activations of a
+per 64-column chunk, with `warpgroup_mma` (m64nNPk16: N = the expert block's pairs, 8 to 64). The activations of a
 block are copied once per CTA and step (cp.async, a 2-step ring, one CTA barrier per step) and read by the tensor
 cores from shared memory, so no warp holds them in registers or reads them through L1: the mma.sync kernels
 (`_int4_moe_gluon`, `_int4_moe_kernels`) load the whole activation operand into every warp, which bounds them by the
