@@ -403,16 +403,30 @@ def kimi_experts():
     return w, repack_int4_moe_for_gpu(*w)
 
 
+def run_poisoned(run, x, ids, tw, weights, **kw):
+    """A repacked-layout path `run(x, ids, tw, *weights, out=, **kw)` into an output poisoned with NaN first."""
+    out = torch.full_like(x, float("nan"))
+    run(x, ids, tw, *weights, out=out, **kw)
+    return out
+
+
 def check_layout_path(run, repack, T, k, E, D, inter, **kw):
-    """A repacked-layout path `run(x, ids, tw, *repacked, out=, **kw)` at an awkward shape (K and rows not multiples
-    of its tiles: padding, masked rows) against int4_moe_ref, its output poisoned with NaN first."""
+    """A repacked-layout path at an awkward shape (K and rows not multiples of its tiles: padding, masked rows)
+    against int4_moe_ref."""
     w = make_experts(E, D, inter, device="cuda", seed=5)
     ids, tw = make_routing(T, k, E, device="cuda", seed=6)
     x = torch.randn(T, D, device="cuda").to(torch.bfloat16)
-    out = torch.full_like(x, float("nan"))
-    run(x, ids, tw, *repack(*w), out=out, **kw)
+    out = run_poisoned(run, x, ids, tw, repack(*w), **kw)
     assert not torch.isnan(out).any()
     assert_close(out, int4_moe_ref(x.float(), ids, tw, *w), TOL[torch.bfloat16], f"T={T} E={E}")
+
+
+def check_kimi_path(run, w, repacked, T):
+    """A repacked-layout path at Kimi K2.6 shapes with T tokens against the reference, expert by expert."""
+    ids, tw = make_routing(T, KIMI["k"], KIMI["E"], device="cuda", seed=T)
+    x = torch.randn(T, KIMI["D"], device="cuda").to(torch.bfloat16)
+    assert_close(run_poisoned(run, x, ids, tw, repacked), ref_by_expert(x, ids, tw, w), TOL[torch.bfloat16],
+                 f"T={T}")
 
 
 def ref_by_expert(x, ids, tw, w):

@@ -9,22 +9,23 @@ vs inside a batch of 64, also with its experts crowded), and the same bits for 8
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 from kernels.int4_moe_gluon import BLOCK_PAIRS, gluon_layout_dense, int4_moe_gluon, repack_int4_moe_for_gluon
 from kernels.int4_pack import dequantize_int4
-from tests.kernels.compare import assert_close
 from tests.kernels.sm90_compile import run_sm90_script
 from tests.kernels.test_int4_moe import (
     KIMI,
-    TOL,
     assert_bitwise,
+    check_kimi_path,
     check_layout_path,
     kimi_checkpoint_experts,
     make_experts,
     make_routing,
-    ref_by_expert,
+    run_poisoned,
 )
 
 CUDA = torch.cuda.is_available()
@@ -108,10 +109,7 @@ def test_gluon_moe_kernels_compile_for_sm90(tmp_path):
 
 
 # --- GPU ----------------------------------------------------------------------------------------------------
-def run_gluon(x, ids, tw, wg, **kw):
-    out = torch.full_like(x, float("nan"))
-    int4_moe_gluon(x, ids, tw, *wg, out=out, **kw)
-    return out
+run_gluon = functools.partial(run_poisoned, int4_moe_gluon)
 
 
 OPTIONS = [dict(block_pairs=8), dict(block_pairs=16), dict(block_pairs=32), dict(tiles=(1, 1)),
@@ -138,10 +136,7 @@ def kimi_gluon():
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 9, 64])
 def test_int4_moe_gluon_kimi_shapes(kimi_gluon, T):
-    w, wg = kimi_gluon
-    ids, tw = make_routing(T, KIMI["k"], KIMI["E"], device="cuda", seed=T)
-    x = torch.randn(T, KIMI["D"], device="cuda").to(torch.bfloat16)
-    assert_close(run_gluon(x, ids, tw, wg), ref_by_expert(x, ids, tw, w), TOL[torch.bfloat16], f"T={T}")
+    check_kimi_path(int4_moe_gluon, *kimi_gluon, T)
 
 
 @gpu

@@ -10,22 +10,23 @@ experts crowded), bitwise.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 from kernels.int4_moe_wgmma import BLOCK_PAIRS, int4_moe_wgmma, repack_int4_moe_for_wgmma, wgmma_layout_dense
 from kernels.int4_pack import dequantize_int4
-from tests.kernels.compare import assert_close
 from tests.kernels.sm90_compile import run_sm90_script
 from tests.kernels.test_int4_moe import (
     KIMI,
-    TOL,
     assert_bitwise,
+    check_kimi_path,
     check_layout_path,
     kimi_checkpoint_experts,
     make_experts,
     make_routing,
-    ref_by_expert,
+    run_poisoned,
 )
 
 SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
@@ -117,10 +118,7 @@ def test_wgmma_moe_kernels_compile_for_sm90(tmp_path):
 
 
 # --- GPU ----------------------------------------------------------------------------------------------------
-def run_wgmma(x, ids, tw, ww, **kw):
-    out = torch.full_like(x, float("nan"))
-    int4_moe_wgmma(x, ids, tw, *ww, out=out, **kw)
-    return out
+run_wgmma = functools.partial(run_poisoned, int4_moe_wgmma)
 
 
 @sm90
@@ -143,10 +141,7 @@ def kimi_wgmma():
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 9, 64])
 def test_int4_moe_wgmma_kimi_shapes(kimi_wgmma, T):
-    w, ww = kimi_wgmma
-    ids, tw = make_routing(T, KIMI["k"], KIMI["E"], device="cuda", seed=T)
-    x = torch.randn(T, KIMI["D"], device="cuda").to(torch.bfloat16)
-    assert_close(run_wgmma(x, ids, tw, ww), ref_by_expert(x, ids, tw, w), TOL[torch.bfloat16], f"T={T}")
+    check_kimi_path(int4_moe_wgmma, *kimi_wgmma, T)
 
 
 @sm90
