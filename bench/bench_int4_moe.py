@@ -217,8 +217,9 @@ def main():
     ap.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS), help=f"token counts (default {TOKENS})")
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--gluon", nargs="*", default=None, choices=sorted(GLUON_VARIANTS), metavar="NAME",
-                    help="also time the Gluon path (int4_moe_gluon) in these GLUON_VARIANTS (none given: all); "
-                    "records int4_moe_gluon with the Triton default as a peer")
+                    help="also time the Gluon paths (int4_moe_gluon, int4_moe_wgmma: the wgmma_* names) in these "
+                    "GLUON_VARIANTS (none given: all); records int4_moe_gluon / int4_moe_wgmma with the Triton "
+                    "default as a peer")
     args = ap.parse_args()
     names = [n for c in args.configs for n in CONFIG_GROUPS.get(c, [c])] if args.configs else []
     if args.sweep and not names:
