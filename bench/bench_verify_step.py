@@ -391,7 +391,8 @@ def run_case(model, pool, cfg, case: dict, invariant: bool, ceil: dict, info: di
         mla_impl=mla_attention.DEFAULT_IMPL, moe_block_m=int4_moe.DEFAULT_BLOCK_M,
         moe_zp_mma=int4_moe.DEFAULT_ZP_MMA, moe_layout=layout,
         **({"moe_block_pairs": int4_moe_gluon.DEFAULT_BLOCK_PAIRS} if layout == "gluon" else {}),
-        **({"moe_block_pairs": int4_moe_wgmma.DEFAULT_BLOCK_PAIRS or "auto"} if layout == "wgmma" else {}), **lm)
+        **({"moe_block_pairs": int4_moe_wgmma.DEFAULT_BLOCK_PAIRS or "auto",
+            "moe_stages": int4_moe_wgmma.DEFAULT_STAGES} if layout == "wgmma" else {}), **lm)
     if args.profile and cuda:
         params["kernel_breakdown"] = state["breakdowns"][-1][2]
     if graph_err is not None:
@@ -449,6 +450,8 @@ def parse_args(argv=None):
                     help="with --moe-layout gluon: pairs per expert block (default int4_moe_gluon.DEFAULT_BLOCK_PAIRS)")
     ap.add_argument("--moe-wgmma-pairs", type=int, choices=int4_moe_wgmma.BLOCK_PAIRS, default=None,
                     help="with --moe-layout wgmma: pairs per expert block (default int4_moe_wgmma.DEFAULT_BLOCK_PAIRS)")
+    ap.add_argument("--moe-wgmma-stages", type=int, choices=int4_moe_wgmma.STAGES, default=None,
+                    help="with --moe-layout wgmma: the weights' ring depth (default int4_moe_wgmma.DEFAULT_STAGES)")
     ap.add_argument("--mla-impl", choices=mla_attention.IMPLS, default=None,
                     help=f"MLA tile kernel (default: mla_attention.DEFAULT_IMPL = {mla_attention.DEFAULT_IMPL})")
     args = ap.parse_args(argv)
@@ -487,6 +490,8 @@ def main(argv=None) -> list[dict]:
         int4_moe_gluon.DEFAULT_BLOCK_PAIRS = args.moe_block_pairs
     if args.moe_wgmma_pairs is not None:
         int4_moe_wgmma.DEFAULT_BLOCK_PAIRS = args.moe_wgmma_pairs
+    if args.moe_wgmma_stages is not None:
+        int4_moe_wgmma.DEFAULT_STAGES = args.moe_wgmma_stages
     t_start = time.perf_counter()
     dev = args.device
     cuda = dev.startswith("cuda")

@@ -109,6 +109,47 @@ if HAVE_GLUON:
         cp_async(dst, base, mask=(gl.expand_dims(col, 0) < 64) & live)
 
     @gluon.jit
+    def _copy_stage(x_rows, w_src, w_ok, s_src, s_ok, kb, live, x_dst, w_dst, s_dst, XC_L: gl.constexpr):
+        """Step kb of the block's activations and of both weight tensors' words [128 rows, 32] and scales
+        [128 rows, 8] into one ring slot (rows 0-63: tensor a, 64-127: tensor b; rows past the projection and steps
+        past the end are zero-filled)."""
+        _copy_x(x_rows, kb, live, x_dst, XC_L)
+        cp_async(w_dst, w_src + kb * 32, mask=w_ok & live)
+        cp_async(s_dst, s_src + kb * 8, mask=s_ok & live)
+
+    @gluon.jit
+    def _words_from(smem, W_L: gl.constexpr):
+        """[64 rows, 32 words] of a ring slot -> [64, 4 t, 8 j] in W_L (a lane reads its 8 contiguous words)."""
+        W2_L: gl.constexpr = gl.DistributedLinearLayout(
+            reg_bases=[[0, 1], [0, 2], [0, 4], [8, 0]], lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]],
+            warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, 32])
+        return gl.convert_layout(gl.reshape(smem.load(W2_L), [64, 4, 8]), W_L, assert_trivial=True)
+
+    @gluon.jit
+    def _scales_from(smem, W_L: gl.constexpr):
+        """[64 rows, 8 groups] of a ring slot -> [64, 4 t, 8 j] in W_L (the 4 lanes of a row read the same 16 bytes)."""
+        v = gl.expand_dims(smem.load(gl.SliceLayout(1, W_L)), 1)
+        return v.broadcast_to([64, 4, 8])
+
+    @gluon.jit
+    def _step_mmas(qa, sca, qb, scb, xs, acc_a, acc_b, NP: gl.constexpr, A_L: gl.constexpr):
+        """One 256-column step: 4 chunks x 2 tensors of m64nNPk16 MMAs; chunk c's MMAs run while chunk c + 1 is
+        dequantised."""
+        a_a = _a_operand(qa, sca, 0, A_L)
+        a_b = _a_operand(qb, scb, 0, A_L)
+        for c in gl.static_range(4):
+            b_op = xs.slice(c * NP, NP).permute((1, 0))
+            acc_a = warpgroup_mma(a_a, b_op, acc_a, is_async=True)
+            acc_b = warpgroup_mma(a_b, b_op, acc_b, is_async=True)
+            if c < 3:
+                n_a = _a_operand(qa, sca, c + 1, A_L)
+                n_b = _a_operand(qb, scb, c + 1, A_L)
+            acc_a, acc_b, a_a, a_b = warpgroup_mma_wait(num_outstanding=0, deps=[acc_a, acc_b, a_a, a_b])
+            if c < 3:
+                a_a, a_b = n_a, n_b
+        return acc_a, acc_b
+
+    @gluon.jit
     def _wgmma_body(
         x_ptr,  # w13: x [T, Kp] (rows gathered by pair // TOPK); w2: a [P, Kp] (rows by pair)
         w_ptr,  # int32 [E, N, Kp/8], "wgmma" layout
@@ -118,7 +159,7 @@ if HAVE_GLUON:
         bexp_ptr,  # int32 [blocks]
         P, N_OUT, num_kb,
         stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_o,
-        TOPK: gl.constexpr, GATED: gl.constexpr, EVEN: gl.constexpr, NP: gl.constexpr,
+        TOPK: gl.constexpr, GATED: gl.constexpr, EVEN: gl.constexpr, NP: gl.constexpr, STAGES: gl.constexpr,
     ):
         gl.static_assert(gl.num_warps() == 4)
         ACC_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -160,36 +201,77 @@ if HAVE_GLUON:
             xr = gl.where(pairs_x < P, pairs_x, 0)
         x_rows = x_ptr + xr.to(gl.int64) * stride_x
 
-        ring = gl.allocate_shared_memory(gl.bfloat16, [2, 4 * NP, 64], X_SL)  # 2 steps of 4 chunks
-        _copy_x(x_rows, 0, True, ring.index(0), XC_L)
-        cp.commit_group()
         acc_a = gl.zeros([64, NP], gl.float32, ACC_L)
         acc_b = gl.zeros([64, NP], gl.float32, ACC_L)
-        qa, sca = _load_step(wa, sa, ok_a, 0, EVEN, W_L)
-        qb, scb = _load_step(wb, sb, ok_b, 0, EVEN, W_L)
-        for kb in range(0, num_kb):
-            nk = gl.minimum(kb + 1, num_kb - 1)
-            na, nsa = _load_step(wa, sa, ok_a, nk, EVEN, W_L)
-            nb, nsb = _load_step(wb, sb, ok_b, nk, EVEN, W_L)
-            cp.wait_group(0)  # this thread's copies of step kb landed
-            fence_async_shared()
-            cta_barrier()  # everyone's; and every warp's MMAs of step kb - 1 are done: its slot is free
-            _copy_x(x_rows, nk, kb + 1 < num_kb, ring.index((kb + 1) % 2), XC_L)
+        if STAGES == 0:  # weights one step ahead in registers, activations through a 2-step ring
+            ring = gl.allocate_shared_memory(gl.bfloat16, [2, 4 * NP, 64], X_SL)
+            _copy_x(x_rows, 0, True, ring.index(0), XC_L)
             cp.commit_group()
-            xs = ring.index(kb % 2)
-            a_a = _a_operand(qa, sca, 0, A_L)
-            a_b = _a_operand(qb, scb, 0, A_L)
-            for c in gl.static_range(4):  # chunk c's MMAs run while chunk c + 1 is dequantised
-                b_op = xs.slice(c * NP, NP).permute((1, 0))
-                acc_a = warpgroup_mma(a_a, b_op, acc_a, is_async=True)
-                acc_b = warpgroup_mma(a_b, b_op, acc_b, is_async=True)
-                if c < 3:
-                    n_a = _a_operand(qa, sca, c + 1, A_L)
-                    n_b = _a_operand(qb, scb, c + 1, A_L)
-                acc_a, acc_b, a_a, a_b = warpgroup_mma_wait(num_outstanding=0, deps=[acc_a, acc_b, a_a, a_b])
-                if c < 3:
-                    a_a, a_b = n_a, n_b
-            qa, sca, qb, scb = na, nsa, nb, nsb
+            qa, sca = _load_step(wa, sa, ok_a, 0, EVEN, W_L)
+            qb, scb = _load_step(wb, sb, ok_b, 0, EVEN, W_L)
+            for kb in range(0, num_kb):
+                nk = gl.minimum(kb + 1, num_kb - 1)
+                na, nsa = _load_step(wa, sa, ok_a, nk, EVEN, W_L)
+                nb, nsb = _load_step(wb, sb, ok_b, nk, EVEN, W_L)
+                cp.wait_group(0)  # this thread's copies of step kb landed
+                fence_async_shared()
+                cta_barrier()  # everyone's; and every warp's MMAs of step kb - 1 are done: its slot is free
+                _copy_x(x_rows, nk, kb + 1 < num_kb, ring.index((kb + 1) % 2), XC_L)
+                cp.commit_group()
+                acc_a, acc_b = _step_mmas(qa, sca, qb, scb, ring.index(kb % 2), acc_a, acc_b, NP, A_L)
+                qa, sca, qb, scb = na, nsa, nb, nsb
+        else:  # weights, scales and activations through a STAGES-step ring: STAGES - 1 steps in flight
+            gl.static_assert(STAGES >= 2)
+            CW_L: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])  # [128 rows, 32 words]
+            CS_L: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [4, 1], [1, 0])  # [128 rows, 8 scales]
+            # conflict-free reads of a lane's 8 words: 16-byte vectors XOR-swizzled by row % 8
+            W_SL: gl.constexpr = gl.SwizzledSharedLayout(4, 1, 8, [1, 0])
+            S_SL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+            xring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 4 * NP, 64], X_SL)
+            wring = gl.allocate_shared_memory(gl.int32, [STAGES, 128, 32], W_SL)
+            sring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 128, 8], S_SL)
+            # rows 0-63 of a slot: tensor a, 64-127: tensor b
+            rw = gl.arange(0, 128, layout=gl.SliceLayout(1, CW_L))
+            rs = gl.arange(0, 128, layout=gl.SliceLayout(1, CS_L))
+            if GATED:
+                row0 = pid_r * 64
+                gw = row0 + rw % 64 + (rw // 64) * N_OUT
+                okw = row0 + rw % 64 < N_OUT
+                gs = row0 + rs % 64 + (rs // 64) * N_OUT
+                oks = row0 + rs % 64 < N_OUT
+            else:
+                row0 = pid_r * 128
+                gw = row0 + rw
+                okw = gw < N_OUT
+                gs = row0 + rs
+                oks = gs < N_OUT
+            cw = gl.arange(0, 32, layout=gl.SliceLayout(0, CW_L))
+            cs = gl.arange(0, 8, layout=gl.SliceLayout(0, CS_L))
+            w_src = gl.expand_dims(w_base + gw * stride_wn, 1) + gl.expand_dims(cw, 0)
+            s_src = gl.expand_dims(s_base + gs * stride_sn, 1) + gl.expand_dims(cs, 0)
+            okw2 = gl.expand_dims(okw, 1) & gl.expand_dims(cw < 32, 0)  # full-shape masks
+            oks2 = gl.expand_dims(oks, 1) & gl.expand_dims(cs < 8, 0)
+            for st in gl.static_range(STAGES - 1):
+                _copy_stage(x_rows, w_src, okw2, s_src, oks2, st, st < num_kb, xring.index(st), wring.index(st),
+                            sring.index(st), XC_L)
+                cp.commit_group()
+            for kb in range(0, num_kb):
+                cp.wait_group(STAGES - 2)  # this thread's copies of step kb landed
+                fence_async_shared()
+                cta_barrier()  # everyone's; and every warp is done with step kb - 1: its slot is free
+                nk = kb + STAGES - 1
+                ns = nk % STAGES
+                _copy_stage(x_rows, w_src, okw2, s_src, oks2, gl.minimum(nk, num_kb - 1), nk < num_kb,
+                            xring.index(ns), wring.index(ns), sring.index(ns), XC_L)
+                cp.commit_group()
+                slot = kb % STAGES
+                ws = wring.index(slot)
+                ss = sring.index(slot)
+                qa = _words_from(ws.slice(0, 64), W_L)
+                qb = _words_from(ws.slice(64, 64), W_L)
+                sca = _scales_from(ss.slice(0, 64), W_L)
+                scb = _scales_from(ss.slice(64, 64), W_L)
+                acc_a, acc_b = _step_mmas(qa, sca, qb, scb, xring.index(slot), acc_a, acc_b, NP, A_L)
         cp.wait_group(0)
 
         pairs = gl.load(pairs_ptr + blk * NP + gl.arange(0, NP, layout=gl.SliceLayout(0, ACC_L)))
@@ -210,15 +292,15 @@ if HAVE_GLUON:
     @gluon.jit
     def _moe_w13_wgmma_kernel(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, bexp_ptr, P, N_OUT, num_kb, stride_x,
                               stride_we, stride_wn, stride_se, stride_sn, stride_o, TOPK: gl.constexpr,
-                              EVEN: gl.constexpr, NP: gl.constexpr):
+                              EVEN: gl.constexpr, NP: gl.constexpr, STAGES: gl.constexpr):
         """w13: a[pair, i] = silu(gate) * up for 64 intermediate columns (N_OUT = I)."""
         _wgmma_body(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, bexp_ptr, P, N_OUT, num_kb, stride_x, stride_we,
-                    stride_wn, stride_se, stride_sn, stride_o, TOPK, True, EVEN, NP)
+                    stride_wn, stride_se, stride_sn, stride_o, TOPK, True, EVEN, NP, STAGES)
 
     @gluon.jit
     def _moe_w2_wgmma_kernel(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, bexp_ptr, P, N_OUT, num_kb, stride_x,
                              stride_we, stride_wn, stride_se, stride_sn, stride_o, TOPK: gl.constexpr,
-                             EVEN: gl.constexpr, NP: gl.constexpr):
+                             EVEN: gl.constexpr, NP: gl.constexpr, STAGES: gl.constexpr):
         """w2: y[pair, d] (fp32, unweighted) for 128 output rows (N_OUT = D)."""
         _wgmma_body(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, bexp_ptr, P, N_OUT, num_kb, stride_x, stride_we,
-                    stride_wn, stride_se, stride_sn, stride_o, TOPK, False, EVEN, NP)
+                    stride_wn, stride_se, stride_sn, stride_o, TOPK, False, EVEN, NP, STAGES)

@@ -28,6 +28,8 @@ BLOCK_PAIRS = (8, 16, 32, 64)  # pairs per expert block = the MMA's N; every siz
 DEFAULT_BLOCK_PAIRS = None  # read at each call; None: `auto_block_pairs` of the launch's pair count
 AUTO_PAIRS = ((256, 8), (2048, 16))  # (at most this many pairs, block size); more: 32
 DEFAULT_MAXNREG = None  # read at each call: a register cap for both GEMMs (168: 3 CTAs per SM at 8 pairs; unmeasured)
+STAGES = (0, 2, 3, 4)  # 0: weights one step ahead in registers; S: weights and activations through an S-step ring
+DEFAULT_STAGES = 0  # read at each call
 
 
 def auto_block_pairs(pairs: int) -> int:
@@ -77,11 +79,14 @@ def wgmma_dense_experts(w13, s13, w2, s2, hidden: int, dtype: torch.dtype = torc
 
 
 def int4_moe_wgmma(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, block_pairs: int | None = None,
-                   maxnreg: int | None = None, experts: range | None = None, reduce_pairs=None):
+                   maxnreg: int | None = None, stages: int | None = None, experts: range | None = None,
+                   reduce_pairs=None):
     """The wgmma path (sm_90, bf16, wgmma layout); arguments as `kernels.int4_moe.int4_moe`. `block_pairs`
     (BLOCK_PAIRS; None: DEFAULT_BLOCK_PAIRS, or `auto_block_pairs` when that is None) is the MMA's N: an expert's
     weights are streamed once per block. `maxnreg` (None: DEFAULT_MAXNREG) caps the GEMMs' registers per thread
-    (a schedule option: same instructions, same bits)."""
+    (a schedule option: same instructions, same bits). `stages` (STAGES; None: DEFAULT_STAGES) is how the weights
+    reach the registers: 0, loaded one step ahead; S >= 2, copied with the activations into an S-step shared-memory
+    ring, S - 1 steps in flight (same arithmetic, same bits)."""
     if not HAVE_GLUON:
         raise RuntimeError("int4_moe_wgmma needs Triton with Gluon (3.5 or newer)")
     if not x.is_cuda or x.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device)[0] != 9:
@@ -89,6 +94,9 @@ def int4_moe_wgmma(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, block_pai
     block_pairs = block_pairs or DEFAULT_BLOCK_PAIRS or auto_block_pairs(topk_ids.numel())
     if block_pairs not in BLOCK_PAIRS:
         raise ValueError(f"int4_moe_wgmma: block_pairs={block_pairs}, one of {BLOCK_PAIRS}")
+    stages = DEFAULT_STAGES if stages is None else stages
+    if stages not in STAGES:
+        raise ValueError(f"int4_moe_wgmma: stages={stages}, one of {STAGES}")
     inter, D = w13.shape[1] // 2, x.shape[1]
     cap = maxnreg or DEFAULT_MAXNREG
     opts = {"num_warps": 4, **({"maxnreg": cap} if cap else {})}
@@ -97,13 +105,13 @@ def int4_moe_wgmma(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, block_pai
         _moe_w13_wgmma_kernel[(-(-inter // 64), bexp.shape[0])](
             x, w13, s13, a, pairs, bexp, P, inter, w13.shape[2] * PACK_FACTOR // STEP,
             x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), a.stride(0),
-            TOPK=topk, EVEN=inter % 64 == 0, NP=block_pairs, **opts)
+            TOPK=topk, EVEN=inter % 64 == 0, NP=block_pairs, STAGES=stages, **opts)
 
     def w2_gemm(a, y, pairs, bexp, topk, P):
         _moe_w2_wgmma_kernel[(-(-D // 128), bexp.shape[0])](
             a, w2, s2, y, pairs, bexp, P, D, w2.shape[2] * PACK_FACTOR // STEP,
             a.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), y.stride(0),
-            TOPK=topk, EVEN=D % 128 == 0, NP=block_pairs, **opts)
+            TOPK=topk, EVEN=D % 128 == 0, NP=block_pairs, STAGES=stages, **opts)
 
     return routed_moe("int4_moe_wgmma", x, topk_ids, topk_w, w13, s13, w2, s2, out, k_align=STEP,
                       block_pairs=block_pairs, experts=experts, reduce_pairs=reduce_pairs, w13_gemm=w13_gemm,

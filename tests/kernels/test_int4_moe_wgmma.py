@@ -15,7 +15,7 @@ import functools
 import pytest
 import torch
 
-from kernels.int4_moe_wgmma import BLOCK_PAIRS, int4_moe_wgmma, repack_int4_moe_for_wgmma, wgmma_layout_dense
+from kernels.int4_moe_wgmma import BLOCK_PAIRS, STAGES, int4_moe_wgmma, repack_int4_moe_for_wgmma, wgmma_layout_dense
 from kernels.int4_pack import dequantize_int4
 from tests.kernels.sm90_compile import run_sm90_script
 from tests.kernels.test_int4_moe import (
@@ -74,12 +74,11 @@ from triton.compiler import compile
 from triton.experimental.gluon._runtime import GluonASTSource
 from kernels import _int4_moe_wgmma as m
 out = {}
-for gated in (True, False):
-    for np_ in (8, 64):
+for gated, np_, stages in [(g, n, st) for g in (True, False) for n in (8, 64) for st in (0, 3)]:
         sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "out_ptr": "*bf16" if gated else "*fp32",
                "pairs_ptr": "*i32", "bexp_ptr": "*i32", "P": "i32", "N_OUT": "i32", "num_kb": "i32"}
         sig.update({n: "i32" for n in ("stride_x", "stride_we", "stride_wn", "stride_se", "stride_sn", "stride_o")})
-        cst = dict(TOPK=8, EVEN=True, NP=np_)
+        cst = dict(TOPK=8, EVEN=True, NP=np_, STAGES=stages)
         sig.update({k: "constexpr" for k in cst})
         names = list(sig)
         attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
@@ -90,31 +89,38 @@ for gated in (True, False):
             k = compile(GluonASTSource(fn=kernel, signature=sig, constexprs=cst, attrs=attrs),
                         target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
         ptx, log = k.asm["ptx"], log.getvalue()
-        out[f"{'w13' if gated else 'w2'}_np{np_}"] = {
+        out[f"{'w13' if gated else 'w2'}_np{np_}_s{stages}"] = {
             "shared": k.metadata.shared,
             "wgmma": sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx))),
             "n_wgmma": len(re.findall(r"wgmma\.mma_async", ptx)),
             "st_shared": ptx.count("st.shared"), "ld_shared": ptx.count("ld.shared") + ptx.count("ldmatrix"),
             "cp_async_16": len(re.findall(r"cp\.async\.cg\.shared\.global \[[^]]+\], \[[^]]+\], 0x10", ptx)),
-            "ld_v4": ptx.count("ld.global.v4"),
+            "ld_v4": ptx.count("ld.global.v4"), "ld_shared_v4": ptx.count("ld.shared.v4.b32"),
             "spill_bytes": sum(int(v) for v in re.findall(r"(\d+) bytes spill stores", log))}
 print(json.dumps(out))
 """
 
 
 def test_wgmma_moe_kernels_compile_for_sm90(tmp_path):
-    """Both GEMMs with 8- and 64-pair blocks compiled for sm_90 (PTX + ptxas, no GPU): only m64nNk16 wgmma with N =
-    the block's pairs, 32 per K step in the loop (4 chunks x 2 weight tensors x 4 k16) plus none outside, the A
-    operand built in registers (no shared-memory stores or loads), the activations by 16-byte cp.async into a
-    2-step ring of 4 x N x 64 bf16, 16-byte weight loads, no spills."""
+    """Both GEMMs with 8- and 64-pair blocks, weights through registers (stages 0) and through a 3-step ring,
+    compiled for sm_90 (PTX + ptxas, no GPU): only m64nNk16 wgmma with N = the block's pairs, 32 per K step in the
+    loop (4 chunks x 2 weight tensors x 4 k16) plus none outside, the A operand built in registers, no spills.
+    Stages 0: no shared-memory stores or loads, the activations by 16-byte cp.async into a 2-step ring of 4 x N x 64
+    bf16, 16-byte weight loads. Ring: everything by 16-byte cp.async into 3 slots of activations, words [128, 32]
+    and scales [128, 8], no global vector loads, and 12 16-byte shared loads per step (a lane's 2 x 8 words and
+    2 x 8 scales of both tensors)."""
     pytest.importorskip("triton.experimental.gluon")
     facts = run_sm90_script(tmp_path, _SM90_COMPILE)
-    assert len(facts) == 4, facts
+    assert len(facts) == 8, facts
     for name, f in facts.items():
-        n = int(name.split("_np")[1])
+        n, stages = (int(v) for v in name.split("_np")[1].split("_s"))
         assert f["wgmma"] == [f"m64n{n}k16"] and f["n_wgmma"] == 32, (name, f)
-        assert f["st_shared"] == 0 and f["ld_shared"] == 0 and f["spill_bytes"] == 0, (name, f)
-        assert f["shared"] == 2 * 4 * n * 64 * 2 and f["cp_async_16"] >= 1 and f["ld_v4"] >= 12, (name, f)
+        assert f["st_shared"] == 0 and f["spill_bytes"] == 0 and f["cp_async_16"] >= 1, (name, f)
+        if stages == 0:
+            assert f["ld_shared"] == 0 and f["shared"] == 2 * 4 * n * 64 * 2 and f["ld_v4"] >= 12, (name, f)
+        else:
+            assert f["shared"] == stages * (4 * n * 64 * 2 + 128 * 32 * 4 + 128 * 8 * 2), (name, f)
+            assert f["ld_v4"] == 0 and f["ld_shared"] == f["ld_shared_v4"] == 12, (name, f)
 
 
 # --- GPU ----------------------------------------------------------------------------------------------------
@@ -124,9 +130,10 @@ run_wgmma = functools.partial(run_poisoned, int4_moe_wgmma)
 @sm90
 @pytest.mark.gpu
 @pytest.mark.parametrize("T,k,E,D,inter", [(5, 3, 7, 544, 224), (1, 2, 4, 256, 64), (33, 4, 16, 1024, 160)])
-@pytest.mark.parametrize("block_pairs", BLOCK_PAIRS)
-def test_int4_moe_wgmma_vs_reference(T, k, E, D, inter, block_pairs):
-    check_layout_path(int4_moe_wgmma, repack_int4_moe_for_wgmma, T, k, E, D, inter, block_pairs=block_pairs)
+@pytest.mark.parametrize("block_pairs,stages", [(bp, st) for bp in BLOCK_PAIRS for st in (0, 3)] + [(8, 2), (16, 4)])
+def test_int4_moe_wgmma_vs_reference(T, k, E, D, inter, block_pairs, stages):
+    check_layout_path(int4_moe_wgmma, repack_int4_moe_for_wgmma, T, k, E, D, inter, block_pairs=block_pairs,
+                      stages=stages)
 
 
 @pytest.fixture(scope="module")
@@ -140,33 +147,36 @@ def kimi_wgmma():
 @sm90
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 9, 64])
-def test_int4_moe_wgmma_kimi_shapes(kimi_wgmma, T):
-    check_kimi_path(int4_moe_wgmma, *kimi_wgmma, T)
+@pytest.mark.parametrize("stages", [0, 3])
+def test_int4_moe_wgmma_kimi_shapes(kimi_wgmma, T, stages):
+    check_kimi_path(functools.partial(int4_moe_wgmma, stages=stages), *kimi_wgmma, T)
 
 
 @sm90
 @pytest.mark.gpu
-@pytest.mark.parametrize("block_pairs", BLOCK_PAIRS)
-def test_int4_moe_wgmma_batch_invariance(kimi_wgmma, block_pairs):
+@pytest.mark.parametrize("block_pairs,stages", [(8, 0), (16, 0), (32, 0), (64, 0), (8, 3), (32, 3)])
+def test_int4_moe_wgmma_batch_invariance(kimi_wgmma, block_pairs, stages):
     """Token 37 alone, as row 37 of a batch of 64, and with its experts crowded by other tokens (64 pairs on four of
     its experts, 20 on a fifth: full and partly empty blocks): bitwise equal (DESIGN 3.5)."""
     _, ww = kimi_wgmma
     ids, tw = make_routing(64, KIMI["k"], KIMI["E"], device="cuda", seed=7)
     x = torch.randn(64, KIMI["D"], device="cuda").to(torch.bfloat16)
-    alone = run_wgmma(x[37:38], ids[37:38], tw[37:38], ww, block_pairs=block_pairs)
-    assert_bitwise(run_wgmma(x, ids, tw, ww, block_pairs=block_pairs)[37], alone[0], "batch of 64")
+    kw = dict(block_pairs=block_pairs, stages=stages)
+    alone = run_wgmma(x[37:38], ids[37:38], tw[37:38], ww, **kw)
+    assert_bitwise(run_wgmma(x, ids, tw, ww, **kw)[37], alone[0], "batch of 64")
     ids2 = ids.clone()
     ids2[:, :4] = ids[37, :4]
     ids2[:20, 4] = ids[37, 4]
-    alone2 = run_wgmma(x[37:38], ids2[37:38], tw[37:38], ww, block_pairs=block_pairs)
-    assert_bitwise(run_wgmma(x, ids2, tw, ww, block_pairs=block_pairs)[37], alone2[0], "crowded")
+    alone2 = run_wgmma(x[37:38], ids2[37:38], tw[37:38], ww, **kw)
+    assert_bitwise(run_wgmma(x, ids2, tw, ww, **kw)[37], alone2[0], "crowded")
 
 
 @sm90
 @pytest.mark.gpu
 def test_int4_moe_wgmma_block_sizes_agree(kimi_wgmma):
-    """The block size (the MMA's N) and a register cap do not change a pair's bits (the launcher picks the block size
-    per launch, so this is what keeps AR and DDTree on the same bits)."""
+    """The block size (the MMA's N), a register cap and the weights' route (registers or an S-step ring) do not
+    change a pair's bits (the launcher picks the block size per launch, so this is what keeps AR and DDTree on the
+    same bits)."""
     _, ww = kimi_wgmma
     ids, tw = make_routing(64, KIMI["k"], KIMI["E"], device="cuda", seed=8)
     x = torch.randn(64, KIMI["D"], device="cuda").to(torch.bfloat16)
@@ -174,6 +184,9 @@ def test_int4_moe_wgmma_block_sizes_agree(kimi_wgmma):
     for bp in BLOCK_PAIRS[1:]:
         assert_bitwise(outs[bp], outs[BLOCK_PAIRS[0]], f"{bp} vs {BLOCK_PAIRS[0]} pairs per block")
     assert_bitwise(run_wgmma(x, ids, tw, ww, block_pairs=8, maxnreg=168), outs[8], "168 registers")
+    for bp in BLOCK_PAIRS:
+        for st in STAGES[1:]:
+            assert_bitwise(run_wgmma(x, ids, tw, ww, block_pairs=bp, stages=st), outs[bp], f"{bp} pairs, {st} stages")
 
 
 def test_auto_block_pairs():
