@@ -158,7 +158,7 @@ if HAVE_GLUON:
         pairs_ptr,  # int32 [blocks * NP]
         bexp_ptr,  # int32 [blocks]
         P, N_OUT, num_kb,
-        stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_o,
+        stride_x, stride_we, stride_wn, stride_se8, stride_sn8, stride_o,  # scale strides in 16-byte units
         TOPK: gl.constexpr, GATED: gl.constexpr, EVEN: gl.constexpr, NP: gl.constexpr, STAGES: gl.constexpr,
     ):
         gl.static_assert(gl.num_warps() == 4)
@@ -190,9 +190,9 @@ if HAVE_GLUON:
             ok_a = r_a < N_OUT
             ok_b = r_b < N_OUT
         w_base = w_ptr + e.to(gl.int64) * stride_we
-        s_base = s_ptr + e.to(gl.int64) * stride_se
-        wa, sa = w_base + r_a * stride_wn, s_base + r_a * stride_sn
-        wb, sb = w_base + r_b * stride_wn, s_base + r_b * stride_sn
+        s_base = s_ptr + e.to(gl.int64) * (stride_se8 * 8)
+        wa, sa = w_base + r_a * stride_wn, s_base + r_a * (stride_sn8 * 8)
+        wb, sb = w_base + r_b * stride_wn, s_base + r_b * (stride_sn8 * 8)
 
         pairs_x = gl.load(pairs_ptr + blk * NP + gl.arange(0, 4 * NP, layout=gl.SliceLayout(1, XC_L)) % NP)
         if GATED:
@@ -248,7 +248,7 @@ if HAVE_GLUON:
             cw = gl.arange(0, 32, layout=gl.SliceLayout(0, CW_L))
             cs = gl.arange(0, 8, layout=gl.SliceLayout(0, CS_L))
             w_src = gl.expand_dims(w_base + gw * stride_wn, 1) + gl.expand_dims(cw, 0)
-            s_src = gl.expand_dims(s_base + gs * stride_sn, 1) + gl.expand_dims(cs, 0)
+            s_src = gl.expand_dims(s_base + gs * (stride_sn8 * 8), 1) + gl.expand_dims(cs, 0)
             okw2 = gl.expand_dims(okw, 1) & gl.expand_dims(cw < 32, 0)  # full-shape masks
             oks2 = gl.expand_dims(oks, 1) & gl.expand_dims(cs < 8, 0)
             for st in gl.static_range(STAGES - 1):
@@ -291,16 +291,16 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _moe_w13_wgmma_kernel(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, bexp_ptr, P, N_OUT, num_kb, stride_x,
-                              stride_we, stride_wn, stride_se, stride_sn, stride_o, TOPK: gl.constexpr,
+                              stride_we, stride_wn, stride_se8, stride_sn8, stride_o, TOPK: gl.constexpr,
                               EVEN: gl.constexpr, NP: gl.constexpr, STAGES: gl.constexpr):
         """w13: a[pair, i] = silu(gate) * up for 64 intermediate columns (N_OUT = I)."""
         _wgmma_body(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, bexp_ptr, P, N_OUT, num_kb, stride_x, stride_we,
-                    stride_wn, stride_se, stride_sn, stride_o, TOPK, True, EVEN, NP, STAGES)
+                    stride_wn, stride_se8, stride_sn8, stride_o, TOPK, True, EVEN, NP, STAGES)
 
     @gluon.jit
     def _moe_w2_wgmma_kernel(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, bexp_ptr, P, N_OUT, num_kb, stride_x,
-                             stride_we, stride_wn, stride_se, stride_sn, stride_o, TOPK: gl.constexpr,
+                             stride_we, stride_wn, stride_se8, stride_sn8, stride_o, TOPK: gl.constexpr,
                              EVEN: gl.constexpr, NP: gl.constexpr, STAGES: gl.constexpr):
         """w2: y[pair, d] (fp32, unweighted) for 128 output rows (N_OUT = D)."""
         _wgmma_body(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, bexp_ptr, P, N_OUT, num_kb, stride_x, stride_we,
-                    stride_wn, stride_se, stride_sn, stride_o, TOPK, False, EVEN, NP, STAGES)
+                    stride_wn, stride_se8, stride_sn8, stride_o, TOPK, False, EVEN, NP, STAGES)

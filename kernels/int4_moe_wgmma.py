@@ -98,19 +98,21 @@ def int4_moe_wgmma(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, block_pai
     if stages not in STAGES:
         raise ValueError(f"int4_moe_wgmma: stages={stages}, one of {STAGES}")
     inter, D = w13.shape[1] // 2, x.shape[1]
+    if any(s.stride(i) % 8 or s.stride(2) != 1 for s in (s13, s2) for i in (0, 1)):
+        raise ValueError("int4_moe_wgmma: the scales must be rows of 16 bytes (repack_int4_moe_for_wgmma's layout)")
     cap = maxnreg or DEFAULT_MAXNREG
     opts = {"num_warps": 4, **({"maxnreg": cap} if cap else {})}
 
     def w13_gemm(x, a, pairs, bexp, topk, P):
         _moe_w13_wgmma_kernel[(-(-inter // 64), bexp.shape[0])](
             x, w13, s13, a, pairs, bexp, P, inter, w13.shape[2] * PACK_FACTOR // STEP,
-            x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1), a.stride(0),
+            x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0) // 8, s13.stride(1) // 8, a.stride(0),
             TOPK=topk, EVEN=inter % 64 == 0, NP=block_pairs, STAGES=stages, **opts)
 
     def w2_gemm(a, y, pairs, bexp, topk, P):
         _moe_w2_wgmma_kernel[(-(-D // 128), bexp.shape[0])](
             a, w2, s2, y, pairs, bexp, P, D, w2.shape[2] * PACK_FACTOR // STEP,
-            a.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), y.stride(0),
+            a.stride(0), w2.stride(0), w2.stride(1), s2.stride(0) // 8, s2.stride(1) // 8, y.stride(0),
             TOPK=topk, EVEN=D % 128 == 0, NP=block_pairs, STAGES=stages, **opts)
 
     return routed_moe("int4_moe_wgmma", x, topk_ids, topk_w, w13, s13, w2, s2, out, k_align=STEP,

@@ -77,7 +77,7 @@ out = {}
 for gated, np_, stages in [(g, n, st) for g in (True, False) for n in (8, 64) for st in (0, 3)]:
         sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "out_ptr": "*bf16" if gated else "*fp32",
                "pairs_ptr": "*i32", "bexp_ptr": "*i32", "P": "i32", "N_OUT": "i32", "num_kb": "i32"}
-        sig.update({n: "i32" for n in ("stride_x", "stride_we", "stride_wn", "stride_se", "stride_sn", "stride_o")})
+        sig.update({n: "i32" for n in ("stride_x", "stride_we", "stride_wn", "stride_se8", "stride_sn8", "stride_o")})
         cst = dict(TOPK=8, EVEN=True, NP=np_, STAGES=stages)
         sig.update({k: "constexpr" for k in cst})
         names = list(sig)
