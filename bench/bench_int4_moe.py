@@ -110,7 +110,8 @@ GLUON_VARIANTS = {  # name -> int4_moe_gluon options (--gluon)
     "wgmma_np8_r168": dict(path="wgmma", block_pairs=8, maxnreg=168),  # 3 CTAs per SM (4 bytes of spills)
     "wgmma_auto_r168": dict(path="wgmma", maxnreg=168),
     **{f"wgmma_np{bp}_s{st}": dict(path="wgmma", block_pairs=bp, stages=st) for bp in (8, 16, 32) for st in (2, 3, 4)},
-    "wgmma_auto_s3": dict(path="wgmma", stages=3), "wgmma_auto_s4": dict(path="wgmma", stages=4),
+    "wgmma_auto_s2": dict(path="wgmma", stages=2), "wgmma_auto_s3": dict(path="wgmma", stages=3),
+    "wgmma_np32_s2_r168": dict(path="wgmma", block_pairs=32, stages=2, maxnreg=168),
 }
 
 
