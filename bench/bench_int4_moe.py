@@ -125,8 +125,10 @@ def gluon_layout_weights(gen):
     return (*proj(2 * INTER, D), *proj(D, INTER))
 
 
-def routing(T, gen):
-    ids = torch.rand(T, E, generator=gen, device="cuda").topk(TOPK, dim=-1).indices
+def routing(T, gen, pool=0):
+    """Uniform top-8 routing over the E experts, or with `pool` over the first `pool` of them only (a verify
+    step's tree tokens crowd a few experts)."""
+    ids = torch.rand(T, pool or E, generator=gen, device="cuda").topk(TOPK, dim=-1).indices
     w = torch.rand(T, TOPK, generator=gen, device="cuda") + 0.1
     return ids, (w / w.sum(-1, keepdim=True) * 2.827).float()
 
@@ -219,6 +221,7 @@ def main():
                     help="time these SWEEP configurations (or groups) besides the default (implies --sweep)")
     ap.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS), help=f"token counts (default {TOKENS})")
     ap.add_argument("--no-peers", action="store_true")
+    ap.add_argument("--pool", type=int, default=0, help="route among the first POOL experts only (default: all)")
     ap.add_argument("--gluon", nargs="*", default=None, choices=sorted(GLUON_VARIANTS), metavar="NAME",
                     help="also time the Gluon paths (int4_moe_gluon, int4_moe_wgmma: the wgmma_* names) in these "
                     "GLUON_VARIANTS (none given: all); records int4_moe_gluon / int4_moe_wgmma with the Triton "
@@ -248,7 +251,7 @@ def main():
         print(f"peer weights ready in {time.time() - t0:.1f}s", flush=True)
     print(f"{'T':>4} {'experts':>7} {'ms':>8} {'floor':>8} {'ratio':>6} {'GB/s':>6}  peers (ms)", flush=True)
     for T in args.tokens:
-        ids, tw = routing(T, gen)
+        ids, tw = routing(T, gen, args.pool)
         x = torch.randn(T, D, generator=gen, device="cuda").to(torch.bfloat16)
         out = torch.empty_like(x)
         touched = int(ids.unique().numel())
@@ -273,7 +276,7 @@ def main():
                 if "int4pack" in peers_w:
                     peers["int4pack_loop"] = bench_ms(
                         functools.partial(int4pack_loop, x, ids, tw, *peers_w["int4pack"]))
-            params = dict(T=T, E=E, D=D, I=INTER, topk=TOPK, experts_touched=touched, bytes=nbytes,
+            params = dict(T=T, E=E, D=D, I=INTER, topk=TOPK, experts_touched=touched, bytes=nbytes, pool=args.pool,
                           timing="cuda_graph_replay", variant=name or "default",
                           config={**kw, **{k: v for k, v in overrides.items() if k == "tiled"}} or "default")
             rec = dict(name="int4_moe" if name is None else "int4_moe_sweep", params=params,
@@ -293,7 +296,7 @@ def main():
                 print(f"T={T} {gname}: {exc!r}"[:600], flush=True)
                 continue
             peers = {"gluon_eager": eager, **({"triton_default": default_ms} if default_ms else {})}
-            params = dict(T=T, E=E, D=D, I=INTER, topk=TOPK, experts_touched=touched, bytes=nbytes,
+            params = dict(T=T, E=E, D=D, I=INTER, topk=TOPK, experts_touched=touched, bytes=nbytes, pool=args.pool,
                           timing="cuda_graph_replay", variant=gname, config=opts or "default")
             write_jsonl(args.out, [dict(name=f"int4_moe_{path}", params=params, **info, ms=ms, floor_ms=floor_ms,
                                         ratio=floor_ms / ms, peers=peers, **ceil)])
