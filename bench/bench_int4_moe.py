@@ -105,13 +105,11 @@ GLUON_VARIANTS = {  # name -> int4_moe_gluon options (--gluon)
     "gluon_np8": dict(block_pairs=8), "gluon_np16": dict(block_pairs=16), "gluon_np32": dict(block_pairs=32),
     "gluon_t11": dict(tiles=(1, 1)), "gluon_t22_np32": dict(tiles=(2, 2), block_pairs=32),
     # the wgmma path (int4_moe_wgmma; its layout has the same shapes at these K, so the same random words serve)
-    **{f"wgmma_np{n}": dict(path="wgmma", block_pairs=n) for n in (8, 16, 32, 64)},
-    "wgmma_auto": dict(path="wgmma"),  # int4_moe_wgmma.auto_block_pairs
-    "wgmma_np8_r168": dict(path="wgmma", block_pairs=8, maxnreg=168),  # 3 CTAs per SM (4 bytes of spills)
-    "wgmma_auto_r168": dict(path="wgmma", maxnreg=168),
-    **{f"wgmma_np{bp}_s{st}": dict(path="wgmma", block_pairs=bp, stages=st) for bp in (8, 16, 32) for st in (2, 3, 4)},
-    "wgmma_auto_s2": dict(path="wgmma", stages=2), "wgmma_auto_s3": dict(path="wgmma", stages=3),
+    "wgmma_auto": dict(path="wgmma"),  # int4_moe_wgmma.auto_schedule
+    **{f"wgmma_np{bp}_s{st}": dict(path="wgmma", block_pairs=bp, stages=st) for bp in (8, 16, 32, 64) for st in (2, 4)},
+    "wgmma_np8_s3": dict(path="wgmma", block_pairs=8, stages=3),
     "wgmma_np32_s2_r168": dict(path="wgmma", block_pairs=32, stages=2, maxnreg=168),
+    "wgmma_tier32": dict(path="wgmma", block_pairs=32, small_pairs=8, stages=2),  # uncapped: 2 CTAs per SM
 }
 
 

@@ -391,8 +391,7 @@ def run_case(model, pool, cfg, case: dict, invariant: bool, ceil: dict, info: di
         mla_impl=mla_attention.DEFAULT_IMPL, moe_block_m=int4_moe.DEFAULT_BLOCK_M,
         moe_zp_mma=int4_moe.DEFAULT_ZP_MMA, moe_layout=layout,
         **({"moe_block_pairs": int4_moe_gluon.DEFAULT_BLOCK_PAIRS} if layout == "gluon" else {}),
-        **({"moe_block_pairs": int4_moe_wgmma.DEFAULT_BLOCK_PAIRS or "auto",
-            "moe_stages": int4_moe_wgmma.DEFAULT_STAGES} if layout == "wgmma" else {}), **lm)
+        **({"moe_schedule": int4_moe_wgmma.DEFAULT_SCHEDULE or "auto"} if layout == "wgmma" else {}), **lm)
     if args.profile and cuda:
         params["kernel_breakdown"] = state["breakdowns"][-1][2]
     if graph_err is not None:
@@ -449,9 +448,8 @@ def parse_args(argv=None):
     ap.add_argument("--moe-block-pairs", type=int, choices=int4_moe_gluon.BLOCK_PAIRS, default=None,
                     help="with --moe-layout gluon: pairs per expert block (default int4_moe_gluon.DEFAULT_BLOCK_PAIRS)")
     ap.add_argument("--moe-wgmma-pairs", type=int, choices=int4_moe_wgmma.BLOCK_PAIRS, default=None,
-                    help="with --moe-layout wgmma: pairs per expert block (default int4_moe_wgmma.DEFAULT_BLOCK_PAIRS)")
-    ap.add_argument("--moe-wgmma-stages", type=int, choices=int4_moe_wgmma.STAGES, default=None,
-                    help="with --moe-layout wgmma: the weights' ring depth (default int4_moe_wgmma.DEFAULT_STAGES)")
+                    help="with --moe-layout wgmma: one block size for every launch (int4_moe_wgmma.PLAIN with it; "
+                    "default: int4_moe_wgmma.auto_schedule)")
     ap.add_argument("--mla-impl", choices=mla_attention.IMPLS, default=None,
                     help=f"MLA tile kernel (default: mla_attention.DEFAULT_IMPL = {mla_attention.DEFAULT_IMPL})")
     args = ap.parse_args(argv)
@@ -489,9 +487,7 @@ def main(argv=None) -> list[dict]:
     if args.moe_block_pairs is not None:
         int4_moe_gluon.DEFAULT_BLOCK_PAIRS = args.moe_block_pairs
     if args.moe_wgmma_pairs is not None:
-        int4_moe_wgmma.DEFAULT_BLOCK_PAIRS = args.moe_wgmma_pairs
-    if args.moe_wgmma_stages is not None:
-        int4_moe_wgmma.DEFAULT_STAGES = args.moe_wgmma_stages
+        int4_moe_wgmma.DEFAULT_SCHEDULE = dict(int4_moe_wgmma.PLAIN, block_pairs=args.moe_wgmma_pairs)
     t_start = time.perf_counter()
     dev = args.device
     cuda = dev.startswith("cuda")

@@ -1,19 +1,20 @@
 """Gluon (sm_90 wgmma) kernels of `kernels.int4_moe`: dequantised weights as the register A operand, the block's
 activations as the shared-memory B operand.
 
-  acc [64 rows, NP pairs]  +=  W [64 rows, 64 K] (registers)  x  X [64 K, NP pairs] (shared memory)
+  acc [64 rows, N pairs]  +=  W [64 rows, 64 K] (registers)  x  X [64 K, N pairs] (shared memory)
 
-per 64-column chunk, with `warpgroup_mma` (m64nNPk16: N = the expert block's pairs, 8 to 64). The activations of a
-block are copied once per CTA and step (cp.async, a 2-step ring, one CTA barrier per step) and read by the tensor
-cores from shared memory, so no warp holds them in registers or reads them through L1: the mma.sync kernels
-(`_int4_moe_gluon`, `_int4_moe_kernels`) load the whole activation operand into every warp, which bounds them by the
-L1 / shared-memory pipe when a verify step's tree tokens crowd their experts (twelfth session's ncu:
-`docs/performance.md`).
+per 64-column chunk, with `warpgroup_mma` (m64nNk16: N = the expert block's pairs, 8 to 64). No warp holds the
+activations in registers or reads them through L1: the mma.sync kernels (`_int4_moe_gluon`, `_int4_moe_kernels`) load
+the whole activation operand into every warp, which bounds them by the L1 / shared-memory pipe when a verify step's
+tree tokens crowd their experts (twelfth session's ncu: `docs/performance.md`).
 
 A program is one warpgroup (4 warps) and two 64-row weight tensors that share the activations: w13 its 64 gate
 rows and the 64 up rows of the same intermediate columns (SiLU(gate) * up fused into the store), w2 128 output rows.
-Weights are loaded one 256-column step ahead into registers with 16-byte loads and dequantised there (Marlin's
-lop3 trick, bf16(q * s) rounded once, as the other paths).
+Each 256-column K step of the block's activations, of both tensors' words and of their scales is copied by 16-byte
+cp.async into a STAGES-slot shared-memory ring (STAGES - 1 steps in flight, one CTA barrier per step); the words
+are read back with 16-byte loads (XOR-swizzled: no bank conflicts) and dequantised in registers (Marlin's lop3 trick,
+bf16(q * s) rounded once, as the other paths). With SMALL > 0, a block of NP slots that holds at most SMALL pairs
+runs the same loop with N = SMALL (fewer MMA columns and activation copies; the block list is built for NP).
 
 Weight layout ("wgmma", `kernels.int4_moe_wgmma`): K in natural order (the B operand is the activations as they
 are), each 256-column step of a row is 32 words, memory word 8 t + j (t = lane % 4, j = quantisation group of the
@@ -83,22 +84,6 @@ if HAVE_GLUON:
         return gl.convert_layout(deq, A_L)
 
     @gluon.jit
-    def _load_step(w_rows, s_rows, ok, kb, EVEN: gl.constexpr, W_L: gl.constexpr):
-        """Step kb of 64 weight rows: words and their scales, both [64, 4 t, 8 j] in W_L (a lane's 8 words are
-        contiguous: two 16-byte loads per row; the 4 lanes of a row load the same 16 bytes of scales)."""
-        L2: gl.constexpr = gl.SliceLayout(2, W_L)
-        t = gl.arange(0, 4, layout=gl.SliceLayout(0, L2))
-        j = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(0, W_L)))
-        t3 = gl.expand_dims(gl.expand_dims(t, 0), 2)
-        j3 = gl.expand_dims(gl.expand_dims(j, 0), 0)
-        wp = gl.expand_dims(gl.expand_dims(w_rows + kb * 32, 1), 2) + (t3 * 8 + j3)
-        sp = gl.expand_dims(gl.expand_dims(s_rows + kb * 8, 1), 2) + (t3 * 0 + j3)
-        if EVEN:
-            return gl.load(wp), gl.load(sp)
-        m = gl.expand_dims(gl.expand_dims(ok, 1), 2)
-        return gl.load(wp, mask=m, other=0), gl.load(sp, mask=m, other=0.0)
-
-    @gluon.jit
     def _copy_x(x_rows, kb, live, dst, XC_L: gl.constexpr):
         """Step kb of the block's activations into `dst` [4 chunks x NP pairs, 64 columns]: row c NP + n holds
         columns 64 c .. 64 c + 63 of the step for pair slot n (one 16-byte cp.async per 8 columns)."""
@@ -150,131 +135,47 @@ if HAVE_GLUON:
         return acc_a, acc_b
 
     @gluon.jit
-    def _wgmma_body(
-        x_ptr,  # w13: x [T, Kp] (rows gathered by pair // TOPK); w2: a [P, Kp] (rows by pair)
-        w_ptr,  # int32 [E, N, Kp/8], "wgmma" layout
-        s_ptr,  # bf16 [E, N, Kp/32]
-        out_ptr,  # w13: a [P, N/2] (activation dtype); w2: y [P, N] fp32
-        pairs_ptr,  # int32 [blocks * NP]
-        bexp_ptr,  # int32 [blocks]
-        P, N_OUT, num_kb,
-        stride_x, stride_we, stride_wn, stride_se8, stride_sn8, stride_o,  # scale strides in 16-byte units
-        TOPK: gl.constexpr, GATED: gl.constexpr, EVEN: gl.constexpr, NP: gl.constexpr, STAGES: gl.constexpr,
-    ):
-        gl.static_assert(gl.num_warps() == 4)
-        ACC_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, NP, 16])
+    def _ring_gemm(x_ptr, out_ptr, pairs_ptr, blk, pid_r, P, N_OUT, num_kb, stride_x, stride_o, w_src, w_ok, s_src,
+                   s_ok, xring, wring, sring, TOPK: gl.constexpr, GATED: gl.constexpr, N: gl.constexpr,
+                   NP: gl.constexpr, STAGES: gl.constexpr, W_L: gl.constexpr):
+        """The block's first N pair slots (of NP) through the K loop and the store: acc [64, N] per weight tensor,
+        steps through the STAGES-slot ring (STAGES - 1 in flight), m64nNk16 MMAs."""
+        ACC_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, N, 16])
         A_L: gl.constexpr = gl.DotOperandLayout(0, ACC_L, 2)
-        # [64 rows, 4 t, 8 j]: j in registers (8 contiguous words), t on lanes 0-1, rows as the A fragment's
-        W_L: gl.constexpr = gl.DistributedLinearLayout(
-            reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [8, 0, 0]],
-            lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
-            warp_bases=[[16, 0, 0], [32, 0, 0]], block_bases=[], shape=[64, 4, 8])
-        XC_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # 16-byte copies, [4 NP, 64]
-        X_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([4 * NP, 64], gl.bfloat16)
-        ROW_L: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, W_L))
-
-        pid_r = gl.program_id(0)
-        blk = gl.program_id(1)
-        e = gl.load(bexp_ptr + blk)
-        if e < 0:
-            return
-        if GATED:  # 64 gate rows and the 64 up rows of the same intermediate columns
-            r_a = pid_r * 64 + gl.arange(0, 64, layout=ROW_L)
-            r_b = r_a + N_OUT
-            ok_a = r_a < N_OUT
-            ok_b = ok_a
-        else:  # 128 output rows
-            r_a = pid_r * 128 + gl.arange(0, 64, layout=ROW_L)
-            r_b = r_a + 64
-            ok_a = r_a < N_OUT
-            ok_b = r_b < N_OUT
-        w_base = w_ptr + e.to(gl.int64) * stride_we
-        s_base = s_ptr + e.to(gl.int64) * (stride_se8 * 8)
-        wa, sa = w_base + r_a * stride_wn, s_base + r_a * (stride_sn8 * 8)
-        wb, sb = w_base + r_b * stride_wn, s_base + r_b * (stride_sn8 * 8)
-
-        pairs_x = gl.load(pairs_ptr + blk * NP + gl.arange(0, 4 * NP, layout=gl.SliceLayout(1, XC_L)) % NP)
+        XC_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # 16-byte copies, [4 N, 64]
+        pairs_x = gl.load(pairs_ptr + blk * NP + gl.arange(0, 4 * N, layout=gl.SliceLayout(1, XC_L)) % N)
         if GATED:
             xr = gl.where(pairs_x < P, pairs_x // TOPK, 0)  # padding slots read row 0 (never stored)
         else:
             xr = gl.where(pairs_x < P, pairs_x, 0)
         x_rows = x_ptr + xr.to(gl.int64) * stride_x
 
-        acc_a = gl.zeros([64, NP], gl.float32, ACC_L)
-        acc_b = gl.zeros([64, NP], gl.float32, ACC_L)
-        if STAGES == 0:  # weights one step ahead in registers, activations through a 2-step ring
-            ring = gl.allocate_shared_memory(gl.bfloat16, [2, 4 * NP, 64], X_SL)
-            _copy_x(x_rows, 0, True, ring.index(0), XC_L)
+        acc_a = gl.zeros([64, N], gl.float32, ACC_L)
+        acc_b = gl.zeros([64, N], gl.float32, ACC_L)
+        for st in gl.static_range(STAGES - 1):
+            _copy_stage(x_rows, w_src, w_ok, s_src, s_ok, st, st < num_kb, xring.index(st).slice(0, 4 * N),
+                        wring.index(st), sring.index(st), XC_L)
             cp.commit_group()
-            qa, sca = _load_step(wa, sa, ok_a, 0, EVEN, W_L)
-            qb, scb = _load_step(wb, sb, ok_b, 0, EVEN, W_L)
-            for kb in range(0, num_kb):
-                nk = gl.minimum(kb + 1, num_kb - 1)
-                na, nsa = _load_step(wa, sa, ok_a, nk, EVEN, W_L)
-                nb, nsb = _load_step(wb, sb, ok_b, nk, EVEN, W_L)
-                cp.wait_group(0)  # this thread's copies of step kb landed
-                fence_async_shared()
-                cta_barrier()  # everyone's; and every warp's MMAs of step kb - 1 are done: its slot is free
-                _copy_x(x_rows, nk, kb + 1 < num_kb, ring.index((kb + 1) % 2), XC_L)
-                cp.commit_group()
-                acc_a, acc_b = _step_mmas(qa, sca, qb, scb, ring.index(kb % 2), acc_a, acc_b, NP, A_L)
-                qa, sca, qb, scb = na, nsa, nb, nsb
-        else:  # weights, scales and activations through a STAGES-step ring: STAGES - 1 steps in flight
-            gl.static_assert(STAGES >= 2)
-            CW_L: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])  # [128 rows, 32 words]
-            CS_L: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [4, 1], [1, 0])  # [128 rows, 8 scales]
-            # conflict-free reads of a lane's 8 words: 16-byte vectors XOR-swizzled by row % 8
-            W_SL: gl.constexpr = gl.SwizzledSharedLayout(4, 1, 8, [1, 0])
-            S_SL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-            xring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 4 * NP, 64], X_SL)
-            wring = gl.allocate_shared_memory(gl.int32, [STAGES, 128, 32], W_SL)
-            sring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 128, 8], S_SL)
-            # rows 0-63 of a slot: tensor a, 64-127: tensor b
-            rw = gl.arange(0, 128, layout=gl.SliceLayout(1, CW_L))
-            rs = gl.arange(0, 128, layout=gl.SliceLayout(1, CS_L))
-            if GATED:
-                row0 = pid_r * 64
-                gw = row0 + rw % 64 + (rw // 64) * N_OUT
-                okw = row0 + rw % 64 < N_OUT
-                gs = row0 + rs % 64 + (rs // 64) * N_OUT
-                oks = row0 + rs % 64 < N_OUT
-            else:
-                row0 = pid_r * 128
-                gw = row0 + rw
-                okw = gw < N_OUT
-                gs = row0 + rs
-                oks = gs < N_OUT
-            cw = gl.arange(0, 32, layout=gl.SliceLayout(0, CW_L))
-            cs = gl.arange(0, 8, layout=gl.SliceLayout(0, CS_L))
-            w_src = gl.expand_dims(w_base + gw * stride_wn, 1) + gl.expand_dims(cw, 0)
-            s_src = gl.expand_dims(s_base + gs * (stride_sn8 * 8), 1) + gl.expand_dims(cs, 0)
-            okw2 = gl.expand_dims(okw, 1) & gl.expand_dims(cw < 32, 0)  # full-shape masks
-            oks2 = gl.expand_dims(oks, 1) & gl.expand_dims(cs < 8, 0)
-            for st in gl.static_range(STAGES - 1):
-                _copy_stage(x_rows, w_src, okw2, s_src, oks2, st, st < num_kb, xring.index(st), wring.index(st),
-                            sring.index(st), XC_L)
-                cp.commit_group()
-            for kb in range(0, num_kb):
-                cp.wait_group(STAGES - 2)  # this thread's copies of step kb landed
-                fence_async_shared()
-                cta_barrier()  # everyone's; and every warp is done with step kb - 1: its slot is free
-                nk = kb + STAGES - 1
-                ns = nk % STAGES
-                _copy_stage(x_rows, w_src, okw2, s_src, oks2, gl.minimum(nk, num_kb - 1), nk < num_kb,
-                            xring.index(ns), wring.index(ns), sring.index(ns), XC_L)
-                cp.commit_group()
-                slot = kb % STAGES
-                ws = wring.index(slot)
-                ss = sring.index(slot)
-                qa = _words_from(ws.slice(0, 64), W_L)
-                qb = _words_from(ws.slice(64, 64), W_L)
-                sca = _scales_from(ss.slice(0, 64), W_L)
-                scb = _scales_from(ss.slice(64, 64), W_L)
-                acc_a, acc_b = _step_mmas(qa, sca, qb, scb, xring.index(slot), acc_a, acc_b, NP, A_L)
+        for kb in range(0, num_kb):
+            cp.wait_group(STAGES - 2)  # this thread's copies of step kb landed
+            fence_async_shared()
+            cta_barrier()  # everyone's; and every warp is done with step kb - 1: its slot is free
+            nk = kb + STAGES - 1
+            ns = nk % STAGES
+            _copy_stage(x_rows, w_src, w_ok, s_src, s_ok, gl.minimum(nk, num_kb - 1), nk < num_kb,
+                        xring.index(ns).slice(0, 4 * N), wring.index(ns), sring.index(ns), XC_L)
+            cp.commit_group()
+            slot = kb % STAGES
+            ws = wring.index(slot)
+            ss = sring.index(slot)
+            qa = _words_from(ws.slice(0, 64), W_L)
+            qb = _words_from(ws.slice(64, 64), W_L)
+            sca = _scales_from(ss.slice(0, 64), W_L)
+            scb = _scales_from(ss.slice(64, 64), W_L)
+            acc_a, acc_b = _step_mmas(qa, sca, qb, scb, xring.index(slot).slice(0, 4 * N), acc_a, acc_b, N, A_L)
         cp.wait_group(0)
 
-        pairs = gl.load(pairs_ptr + blk * NP + gl.arange(0, NP, layout=gl.SliceLayout(0, ACC_L)))
+        pairs = gl.load(pairs_ptr + blk * NP + gl.arange(0, N, layout=gl.SliceLayout(0, ACC_L)))
         orow = gl.arange(0, 64, layout=gl.SliceLayout(1, ACC_L))
         pm = gl.expand_dims(pairs < P, 0)
         pcol = gl.expand_dims(pairs.to(gl.int64) * stride_o, 0)
@@ -290,17 +191,89 @@ if HAVE_GLUON:
             gl.store(out_ptr + pcol + gl.expand_dims(orow, 1), acc_b, mask=pm & gl.expand_dims(orow < N_OUT, 1))
 
     @gluon.jit
+    def _wgmma_body(
+        x_ptr,  # w13: x [T, Kp] (rows gathered by pair // TOPK); w2: a [P, Kp] (rows by pair)
+        w_ptr,  # int32 [E, N, Kp/8], "wgmma" layout
+        s_ptr,  # bf16 [E, N, Kp/32]
+        out_ptr,  # w13: a [P, N/2] (activation dtype); w2: y [P, N] fp32
+        pairs_ptr,  # int32 [blocks * NP]
+        bexp_ptr,  # int32 [blocks]
+        P, N_OUT, num_kb,
+        stride_x, stride_we, stride_wn, stride_se8, stride_sn8, stride_o,  # scale strides in 16-byte units
+        TOPK: gl.constexpr, GATED: gl.constexpr, NP: gl.constexpr, SMALL: gl.constexpr, STAGES: gl.constexpr,
+    ):
+        gl.static_assert(gl.num_warps() == 4)
+        gl.static_assert(STAGES >= 2)
+        # [64 rows, 4 t, 8 j]: j in registers (8 contiguous words), t on lanes 0-1, rows as the A fragment's
+        W_L: gl.constexpr = gl.DistributedLinearLayout(
+            reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [8, 0, 0]],
+            lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+            warp_bases=[[16, 0, 0], [32, 0, 0]], block_bases=[], shape=[64, 4, 8])
+        CW_L: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])  # [128 rows, 32 words]
+        CS_L: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [4, 1], [1, 0])  # [128 rows, 8 scales]
+        X_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([4 * NP, 64], gl.bfloat16)
+        # conflict-free reads of a lane's 8 words: 16-byte vectors XOR-swizzled by row % 8
+        W_SL: gl.constexpr = gl.SwizzledSharedLayout(4, 1, 8, [1, 0])
+        S_SL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+
+        pid_r = gl.program_id(0)
+        blk = gl.program_id(1)
+        e = gl.load(bexp_ptr + blk)
+        if e < 0:
+            return
+        # a ring slot's weight rows: 0-63 tensor a, 64-127 tensor b (w13: 64 gate rows and the 64 up rows of the
+        # same intermediate columns; w2: 128 output rows); rows past the projection are zero-filled
+        rw = gl.arange(0, 128, layout=gl.SliceLayout(1, CW_L))
+        rs = gl.arange(0, 128, layout=gl.SliceLayout(1, CS_L))
+        if GATED:
+            row0 = pid_r * 64
+            gw = row0 + rw % 64 + (rw // 64) * N_OUT
+            okw = row0 + rw % 64 < N_OUT
+            gs = row0 + rs % 64 + (rs // 64) * N_OUT
+            oks = row0 + rs % 64 < N_OUT
+        else:
+            row0 = pid_r * 128
+            gw = row0 + rw
+            okw = gw < N_OUT
+            gs = row0 + rs
+            oks = gs < N_OUT
+        cw = gl.arange(0, 32, layout=gl.SliceLayout(0, CW_L))
+        cs = gl.arange(0, 8, layout=gl.SliceLayout(0, CS_L))
+        w_base = w_ptr + e.to(gl.int64) * stride_we
+        s_base = s_ptr + e.to(gl.int64) * (stride_se8 * 8)
+        w_src = gl.expand_dims(w_base + gw * stride_wn, 1) + gl.expand_dims(cw, 0)
+        s_src = gl.expand_dims(s_base + gs * (stride_sn8 * 8), 1) + gl.expand_dims(cs, 0)
+        w_ok = gl.expand_dims(okw, 1) & gl.expand_dims(cw < 32, 0)  # full-shape masks
+        s_ok = gl.expand_dims(oks, 1) & gl.expand_dims(cs < 8, 0)
+
+        xring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 4 * NP, 64], X_SL)  # 4 chunks x NP slots per step
+        wring = gl.allocate_shared_memory(gl.int32, [STAGES, 128, 32], W_SL)
+        sring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 128, 8], S_SL)
+        if SMALL > 0:  # pairs in this block: a block that fits SMALL slots runs with N = SMALL
+            fill = gl.sum((gl.load(pairs_ptr + blk * NP + gl.arange(0, NP, layout=gl.SliceLayout(1, CS_L))) < P)
+                          .to(gl.int32), axis=0)
+            if fill <= SMALL:
+                _ring_gemm(x_ptr, out_ptr, pairs_ptr, blk, pid_r, P, N_OUT, num_kb, stride_x, stride_o, w_src, w_ok,
+                           s_src, s_ok, xring, wring, sring, TOPK, GATED, SMALL, NP, STAGES, W_L)
+            else:
+                _ring_gemm(x_ptr, out_ptr, pairs_ptr, blk, pid_r, P, N_OUT, num_kb, stride_x, stride_o, w_src, w_ok,
+                           s_src, s_ok, xring, wring, sring, TOPK, GATED, NP, NP, STAGES, W_L)
+        else:
+            _ring_gemm(x_ptr, out_ptr, pairs_ptr, blk, pid_r, P, N_OUT, num_kb, stride_x, stride_o, w_src, w_ok,
+                       s_src, s_ok, xring, wring, sring, TOPK, GATED, NP, NP, STAGES, W_L)
+
+    @gluon.jit
     def _moe_w13_wgmma_kernel(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, bexp_ptr, P, N_OUT, num_kb, stride_x,
                               stride_we, stride_wn, stride_se8, stride_sn8, stride_o, TOPK: gl.constexpr,
-                              EVEN: gl.constexpr, NP: gl.constexpr, STAGES: gl.constexpr):
+                              NP: gl.constexpr, SMALL: gl.constexpr, STAGES: gl.constexpr):
         """w13: a[pair, i] = silu(gate) * up for 64 intermediate columns (N_OUT = I)."""
         _wgmma_body(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, bexp_ptr, P, N_OUT, num_kb, stride_x, stride_we,
-                    stride_wn, stride_se8, stride_sn8, stride_o, TOPK, True, EVEN, NP, STAGES)
+                    stride_wn, stride_se8, stride_sn8, stride_o, TOPK, True, NP, SMALL, STAGES)
 
     @gluon.jit
     def _moe_w2_wgmma_kernel(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, bexp_ptr, P, N_OUT, num_kb, stride_x,
                              stride_we, stride_wn, stride_se8, stride_sn8, stride_o, TOPK: gl.constexpr,
-                             EVEN: gl.constexpr, NP: gl.constexpr, STAGES: gl.constexpr):
+                             NP: gl.constexpr, SMALL: gl.constexpr, STAGES: gl.constexpr):
         """w2: y[pair, d] (fp32, unweighted) for 128 output rows (N_OUT = D)."""
         _wgmma_body(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, bexp_ptr, P, N_OUT, num_kb, stride_x, stride_we,
-                    stride_wn, stride_se8, stride_sn8, stride_o, TOPK, False, EVEN, NP, STAGES)
+                    stride_wn, stride_se8, stride_sn8, stride_o, TOPK, False, NP, SMALL, STAGES)

@@ -24,19 +24,23 @@ from kernels._moe_frame import routed_moe
 from kernels.int4_pack import PACK_FACTOR, permute_steps
 
 STEP = 256  # K columns per kernel step (and the K padding)
-BLOCK_PAIRS = (8, 16, 32, 64)  # pairs per expert block = the MMA's N; every size gives the same bits (GPU test)
-DEFAULT_BLOCK_PAIRS = None  # read at each call; None: `auto_block_pairs` of the launch's pair count
-AUTO_PAIRS = ((256, 8), (2048, 16))  # (at most this many pairs, block size); more: 32
-DEFAULT_MAXNREG = None  # read at each call: a register cap for both GEMMs (168: 3 CTAs per SM at 8 pairs; unmeasured)
-STAGES = (0, 2, 3, 4)  # 0: weights one step ahead in registers; S: weights and activations through an S-step ring
-DEFAULT_STAGES = 0  # read at each call
+BLOCK_PAIRS = (8, 16, 32, 64)  # pairs per expert block; every size gives the same bits (GPU test)
+STAGES = (2, 3, 4)  # ring slots: weights, scales and activations of STAGES - 1 steps in flight
+DEFAULT_SCHEDULE = None  # read at each call: a dict of `int4_moe_wgmma` options, None: `auto_schedule`
+PLAIN = dict(block_pairs=8, small_pairs=0, stages=2, maxnreg=None)  # one block size, no register cap
+MAXNREG = 168  # the tiered schedule's register cap: 3 CTAs per SM at 32 pairs (171 uncapped, no spills at 168)
 
 
-def auto_block_pairs(pairs: int) -> int:
-    """The block size for a launch of `pairs` (token, expert) pairs: small blocks while few pairs share an expert
-    (a block's MMA and activation copy cost its N whether or not its slots hold pairs), larger ones when many do
-    (an expert's weights are streamed once per block). Only speed depends on it: the bits do not."""
-    return next((bp for limit, bp in AUTO_PAIRS if pairs <= limit), 32)
+def auto_schedule(pairs: int) -> dict:
+    """Launch options for `pairs` (token, expert) pairs. Decode (<= 8 pairs: every expert has one small block, and
+    the GPU holds all CTAs at once): 8-pair blocks and a 4-slot ring, whose depth hides the memory latency. More
+    pairs: 32-pair blocks of which the ones holding <= 8 pairs run with N = 8 (`small_pairs`; uniform routing puts
+    1-3 pairs on an expert, a verify step's tree tokens crowd some experts with dozens: an expert's weights are
+    streamed once per block), a 2-slot ring and <= 168 registers, i.e. 3 CTAs per SM. Only speed depends on it:
+    the bits do not (GPU test)."""
+    if pairs <= 8:
+        return dict(block_pairs=8, small_pairs=0, stages=4, maxnreg=None)
+    return dict(block_pairs=32, small_pairs=8, stages=2, maxnreg=MAXNREG)
 
 
 @functools.cache
@@ -79,41 +83,43 @@ def wgmma_dense_experts(w13, s13, w2, s2, hidden: int, dtype: torch.dtype = torc
 
 
 def int4_moe_wgmma(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, block_pairs: int | None = None,
-                   maxnreg: int | None = None, stages: int | None = None, experts: range | None = None,
-                   reduce_pairs=None):
-    """The wgmma path (sm_90, bf16, wgmma layout); arguments as `kernels.int4_moe.int4_moe`. `block_pairs`
-    (BLOCK_PAIRS; None: DEFAULT_BLOCK_PAIRS, or `auto_block_pairs` when that is None) is the MMA's N: an expert's
-    weights are streamed once per block. `maxnreg` (None: DEFAULT_MAXNREG) caps the GEMMs' registers per thread
-    (a schedule option: same instructions, same bits). `stages` (STAGES; None: DEFAULT_STAGES) is how the weights
-    reach the registers: 0, loaded one step ahead; S >= 2, copied with the activations into an S-step shared-memory
-    ring, S - 1 steps in flight (same arithmetic, same bits)."""
+                   small_pairs: int | None = None, stages: int | None = None, maxnreg: int | None = None,
+                   experts: range | None = None, reduce_pairs=None):
+    """The wgmma path (sm_90, bf16, wgmma layout); arguments as `kernels.int4_moe.int4_moe`. The schedule
+    options, each None for DEFAULT_SCHEDULE's or `auto_schedule`'s (PLAIN's when `block_pairs` is given):
+    `block_pairs` (BLOCK_PAIRS), the pairs per expert block (an expert's weights are streamed once per block);
+    `small_pairs` (0 or a smaller BLOCK_PAIRS size), blocks holding at most that many pairs run with the MMA's N
+    that small; `stages` (STAGES), the ring depth; `maxnreg`, a register cap. Same arithmetic, same bits for
+    every schedule."""
     if not HAVE_GLUON:
         raise RuntimeError("int4_moe_wgmma needs Triton with Gluon (3.5 or newer)")
+    given = dict(block_pairs=block_pairs, small_pairs=small_pairs, stages=stages, maxnreg=maxnreg)
+    base = (DEFAULT_SCHEDULE or auto_schedule(topk_ids.numel())) if block_pairs is None else PLAIN
+    sched = {**base, **{k: v for k, v in given.items() if v is not None}}
+    block_pairs, small, stages, cap = sched["block_pairs"], sched["small_pairs"], sched["stages"], sched["maxnreg"]
+    if block_pairs not in BLOCK_PAIRS or stages not in STAGES or (small and (small not in BLOCK_PAIRS
+                                                                              or small >= block_pairs)):
+        raise ValueError(f"int4_moe_wgmma: block_pairs={block_pairs} (one of {BLOCK_PAIRS}), small_pairs={small} "
+                         f"(0 or a smaller one), stages={stages} (one of {STAGES})")
     if not x.is_cuda or x.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device)[0] != 9:
         raise ValueError(f"int4_moe_wgmma: bf16 activations on an sm_90 GPU, got {x.dtype} on {x.device}")
-    block_pairs = block_pairs or DEFAULT_BLOCK_PAIRS or auto_block_pairs(topk_ids.numel())
-    if block_pairs not in BLOCK_PAIRS:
-        raise ValueError(f"int4_moe_wgmma: block_pairs={block_pairs}, one of {BLOCK_PAIRS}")
-    stages = DEFAULT_STAGES if stages is None else stages
-    if stages not in STAGES:
-        raise ValueError(f"int4_moe_wgmma: stages={stages}, one of {STAGES}")
     inter, D = w13.shape[1] // 2, x.shape[1]
     if any(s.stride(i) % 8 or s.stride(2) != 1 for s in (s13, s2) for i in (0, 1)):
         raise ValueError("int4_moe_wgmma: the scales must be rows of 16 bytes (repack_int4_moe_for_wgmma's layout)")
-    cap = maxnreg or DEFAULT_MAXNREG
     opts = {"num_warps": 4, **({"maxnreg": cap} if cap else {})}
+    const = dict(NP=block_pairs, SMALL=small or 0, STAGES=stages, **opts)
 
     def w13_gemm(x, a, pairs, bexp, topk, P):
         _moe_w13_wgmma_kernel[(-(-inter // 64), bexp.shape[0])](
             x, w13, s13, a, pairs, bexp, P, inter, w13.shape[2] * PACK_FACTOR // STEP,
             x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0) // 8, s13.stride(1) // 8, a.stride(0),
-            TOPK=topk, EVEN=inter % 64 == 0, NP=block_pairs, STAGES=stages, **opts)
+            TOPK=topk, **const)
 
     def w2_gemm(a, y, pairs, bexp, topk, P):
         _moe_w2_wgmma_kernel[(-(-D // 128), bexp.shape[0])](
             a, w2, s2, y, pairs, bexp, P, D, w2.shape[2] * PACK_FACTOR // STEP,
             a.stride(0), w2.stride(0), w2.stride(1), s2.stride(0) // 8, s2.stride(1) // 8, y.stride(0),
-            TOPK=topk, EVEN=D % 128 == 0, NP=block_pairs, STAGES=stages, **opts)
+            TOPK=topk, **const)
 
     return routed_moe("int4_moe_wgmma", x, topk_ids, topk_w, w13, s13, w2, s2, out, k_align=STEP,
                       block_pairs=block_pairs, experts=experts, reduce_pairs=reduce_pairs, w13_gemm=w13_gemm,

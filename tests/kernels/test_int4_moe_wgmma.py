@@ -11,11 +11,19 @@ experts crowded), bitwise.
 from __future__ import annotations
 
 import functools
+import re
 
 import pytest
 import torch
 
-from kernels.int4_moe_wgmma import BLOCK_PAIRS, STAGES, int4_moe_wgmma, repack_int4_moe_for_wgmma, wgmma_layout_dense
+from kernels.int4_moe_wgmma import (
+    BLOCK_PAIRS,
+    STAGES,
+    auto_schedule,
+    int4_moe_wgmma,
+    repack_int4_moe_for_wgmma,
+    wgmma_layout_dense,
+)
 from kernels.int4_pack import dequantize_int4
 from tests.kernels.sm90_compile import run_sm90_script
 from tests.kernels.test_int4_moe import (
@@ -74,11 +82,11 @@ from triton.compiler import compile
 from triton.experimental.gluon._runtime import GluonASTSource
 from kernels import _int4_moe_wgmma as m
 out = {}
-for gated, np_, stages in [(g, n, st) for g in (True, False) for n in (8, 64) for st in (0, 3)]:
+for gated, np_, small, stages in [(g, *c) for g in (True, False) for c in ((8, 0, 4), (64, 0, 2), (32, 8, 2))]:
         sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "out_ptr": "*bf16" if gated else "*fp32",
                "pairs_ptr": "*i32", "bexp_ptr": "*i32", "P": "i32", "N_OUT": "i32", "num_kb": "i32"}
         sig.update({n: "i32" for n in ("stride_x", "stride_we", "stride_wn", "stride_se8", "stride_sn8", "stride_o")})
-        cst = dict(TOPK=8, EVEN=True, NP=np_, STAGES=stages)
+        cst = dict(TOPK=8, NP=np_, SMALL=small, STAGES=stages)
         sig.update({k: "constexpr" for k in cst})
         names = list(sig)
         attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
@@ -87,11 +95,12 @@ for gated, np_, stages in [(g, n, st) for g in (True, False) for n in (8, 64) fo
         with contextlib.redirect_stdout(log):
             kernel = m._moe_w13_wgmma_kernel if gated else m._moe_w2_wgmma_kernel
             k = compile(GluonASTSource(fn=kernel, signature=sig, constexprs=cst, attrs=attrs),
-                        target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+                        target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": 168 if small else None})
         ptx, log = k.asm["ptx"], log.getvalue()
-        out[f"{'w13' if gated else 'w2'}_np{np_}_s{stages}"] = {
+        out[f"{'w13' if gated else 'w2'}_np{np_}_small{small}_s{stages}"] = {
             "shared": k.metadata.shared,
             "wgmma": sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx))),
+            "registers": int(re.findall(r"Used (\d+) registers", log)[-1]),
             "n_wgmma": len(re.findall(r"wgmma\.mma_async", ptx)),
             "st_shared": ptx.count("st.shared"), "ld_shared": ptx.count("ld.shared") + ptx.count("ldmatrix"),
             "cp_async_16": len(re.findall(r"cp\.async\.cg\.shared\.global \[[^]]+\], \[[^]]+\], 0x10", ptx)),
@@ -102,25 +111,26 @@ print(json.dumps(out))
 
 
 def test_wgmma_moe_kernels_compile_for_sm90(tmp_path):
-    """Both GEMMs with 8- and 64-pair blocks, weights through registers (stages 0) and through a 3-step ring,
-    compiled for sm_90 (PTX + ptxas, no GPU): only m64nNk16 wgmma with N = the block's pairs, 32 per K step in the
-    loop (4 chunks x 2 weight tensors x 4 k16) plus none outside, the A operand built in registers, no spills.
-    Stages 0: no shared-memory stores or loads, the activations by 16-byte cp.async into a 2-step ring of 4 x N x 64
-    bf16, 16-byte weight loads. Ring: everything by 16-byte cp.async into 3 slots of activations, words [128, 32]
-    and scales [128, 8], no global vector loads, and 12 16-byte shared loads per step (a lane's 2 x 8 words and
-    2 x 8 scales of both tensors)."""
+    """Both GEMMs compiled for sm_90 (PTX + ptxas, no GPU) in the three schedules' shapes (8-pair blocks and a
+    4-slot ring, 64-pair blocks and 2 slots, 32-pair blocks with an 8-pair path under a 168-register cap): only
+    m64nNk16 wgmma with N = the block's (or the small path's) pairs, 32 per K step and path (4 chunks x 2 weight
+    tensors x 4 k16) plus none outside; the A operand built in registers (no shared-memory stores), everything
+    copied by 16-byte cp.async into the ring (slots of 4 x N x 64 activations, words [128, 32] and scales [128, 8]),
+    no global vector loads, 12 16-byte shared loads per step and path (a lane's 2 x 8 words and 2 x 8 scales of both
+    tensors), no spills (the capped kernel: at most 8 bytes), and the capped kernel within its cap (3 CTAs per SM)."""
     pytest.importorskip("triton.experimental.gluon")
     facts = run_sm90_script(tmp_path, _SM90_COMPILE)
-    assert len(facts) == 8, facts
+    assert len(facts) == 6, facts
     for name, f in facts.items():
-        n, stages = (int(v) for v in name.split("_np")[1].split("_s"))
-        assert f["wgmma"] == [f"m64n{n}k16"] and f["n_wgmma"] == 32, (name, f)
-        assert f["st_shared"] == 0 and f["spill_bytes"] == 0 and f["cp_async_16"] >= 1, (name, f)
-        if stages == 0:
-            assert f["ld_shared"] == 0 and f["shared"] == 2 * 4 * n * 64 * 2 and f["ld_v4"] >= 12, (name, f)
-        else:
-            assert f["shared"] == stages * (4 * n * 64 * 2 + 128 * 32 * 4 + 128 * 8 * 2), (name, f)
-            assert f["ld_v4"] == 0 and f["ld_shared"] == f["ld_shared_v4"] == 12, (name, f)
+        n, small, stages = (int(v) for v in re.match(r"w\d+_np(\d+)_small(\d+)_s(\d+)", name).groups())
+        paths = [n] + ([small] if small else [])
+        assert f["wgmma"] == sorted(f"m64n{p}k16" for p in paths) and f["n_wgmma"] == 32 * len(paths), (name, f)
+        assert f["st_shared"] == 0 and f["cp_async_16"] >= 1 and f["ld_v4"] == 0, (name, f)
+        # the capped kernel: none with the GPU's Triton 3.6 ptxas, 4 bytes with 3.9's
+        assert f["spill_bytes"] <= (8 if small else 0), (name, f)
+        assert f["shared"] == stages * (4 * n * 64 * 2 + 128 * 32 * 4 + 128 * 8 * 2), (name, f)
+        assert f["ld_shared"] == f["ld_shared_v4"] == 12 * len(paths), (name, f)
+        assert not small or f["registers"] <= 168, (name, f)
 
 
 # --- GPU ----------------------------------------------------------------------------------------------------
@@ -130,10 +140,11 @@ run_wgmma = functools.partial(run_poisoned, int4_moe_wgmma)
 @sm90
 @pytest.mark.gpu
 @pytest.mark.parametrize("T,k,E,D,inter", [(5, 3, 7, 544, 224), (1, 2, 4, 256, 64), (33, 4, 16, 1024, 160)])
-@pytest.mark.parametrize("block_pairs,stages", [(bp, st) for bp in BLOCK_PAIRS for st in (0, 3)] + [(8, 2), (16, 4)])
-def test_int4_moe_wgmma_vs_reference(T, k, E, D, inter, block_pairs, stages):
-    check_layout_path(int4_moe_wgmma, repack_int4_moe_for_wgmma, T, k, E, D, inter, block_pairs=block_pairs,
-                      stages=stages)
+@pytest.mark.parametrize("sched", [dict(block_pairs=bp, stages=st) for bp in BLOCK_PAIRS for st in (2, 4)]
+                         + [dict(block_pairs=8, stages=3), dict(block_pairs=32, small_pairs=8, stages=2, maxnreg=168),
+                            dict(block_pairs=16, small_pairs=8, stages=3), {}])
+def test_int4_moe_wgmma_vs_reference(T, k, E, D, inter, sched):
+    check_layout_path(int4_moe_wgmma, repack_int4_moe_for_wgmma, T, k, E, D, inter, **sched)
 
 
 @pytest.fixture(scope="module")
@@ -147,21 +158,21 @@ def kimi_wgmma():
 @sm90
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 9, 64])
-@pytest.mark.parametrize("stages", [0, 3])
-def test_int4_moe_wgmma_kimi_shapes(kimi_wgmma, T, stages):
-    check_kimi_path(functools.partial(int4_moe_wgmma, stages=stages), *kimi_wgmma, T)
+def test_int4_moe_wgmma_kimi_shapes(kimi_wgmma, T):
+    check_kimi_path(int4_moe_wgmma, *kimi_wgmma, T)
 
 
 @sm90
 @pytest.mark.gpu
-@pytest.mark.parametrize("block_pairs,stages", [(8, 0), (16, 0), (32, 0), (64, 0), (8, 3), (32, 3)])
-def test_int4_moe_wgmma_batch_invariance(kimi_wgmma, block_pairs, stages):
+@pytest.mark.parametrize("sched", [dict(block_pairs=8, stages=4), dict(block_pairs=16), dict(block_pairs=64),
+                                   dict(block_pairs=32, small_pairs=8, stages=2, maxnreg=168), {}])
+def test_int4_moe_wgmma_batch_invariance(kimi_wgmma, sched):
     """Token 37 alone, as row 37 of a batch of 64, and with its experts crowded by other tokens (64 pairs on four of
     its experts, 20 on a fifth: full and partly empty blocks): bitwise equal (DESIGN 3.5)."""
     _, ww = kimi_wgmma
     ids, tw = make_routing(64, KIMI["k"], KIMI["E"], device="cuda", seed=7)
     x = torch.randn(64, KIMI["D"], device="cuda").to(torch.bfloat16)
-    kw = dict(block_pairs=block_pairs, stages=stages)
+    kw = sched
     alone = run_wgmma(x[37:38], ids[37:38], tw[37:38], ww, **kw)
     assert_bitwise(run_wgmma(x, ids, tw, ww, **kw)[37], alone[0], "batch of 64")
     ids2 = ids.clone()
@@ -173,25 +184,44 @@ def test_int4_moe_wgmma_batch_invariance(kimi_wgmma, block_pairs, stages):
 
 @sm90
 @pytest.mark.gpu
-def test_int4_moe_wgmma_block_sizes_agree(kimi_wgmma):
-    """The block size (the MMA's N), a register cap and the weights' route (registers or an S-step ring) do not
-    change a pair's bits (the launcher picks the block size per launch, so this is what keeps AR and DDTree on the
-    same bits)."""
+def test_int4_moe_wgmma_schedules_agree(kimi_wgmma):
+    """The schedule (block size = the MMA's N, the small path, the ring depth, a register cap) does not change a
+    pair's bits: the launcher picks it per launch from the pair count, so this is what keeps AR and DDTree on the
+    same bits. Crowded routing, so the tiered schedule runs both of its paths."""
     _, ww = kimi_wgmma
     ids, tw = make_routing(64, KIMI["k"], KIMI["E"], device="cuda", seed=8)
+    ids[:24, :3] = ids[0, :3]  # 24 pairs on three experts: the 32-pair path; the rest: 1-3 pairs, the 8-pair path
     x = torch.randn(64, KIMI["D"], device="cuda").to(torch.bfloat16)
-    outs = {bp: run_wgmma(x, ids, tw, ww, block_pairs=bp) for bp in BLOCK_PAIRS}
-    for bp in BLOCK_PAIRS[1:]:
-        assert_bitwise(outs[bp], outs[BLOCK_PAIRS[0]], f"{bp} vs {BLOCK_PAIRS[0]} pairs per block")
-    assert_bitwise(run_wgmma(x, ids, tw, ww, block_pairs=8, maxnreg=168), outs[8], "168 registers")
-    for bp in BLOCK_PAIRS:
-        for st in STAGES[1:]:
-            assert_bitwise(run_wgmma(x, ids, tw, ww, block_pairs=bp, stages=st), outs[bp], f"{bp} pairs, {st} stages")
+    ref = run_wgmma(x, ids, tw, ww, block_pairs=8, stages=2)
+    scheds = [dict(block_pairs=bp, stages=st) for bp in BLOCK_PAIRS for st in STAGES]
+    scheds += [dict(block_pairs=32, small_pairs=8, stages=2, maxnreg=168), dict(block_pairs=64, small_pairs=16), {}]
+    for sched in scheds:
+        assert_bitwise(run_wgmma(x, ids, tw, ww, **sched), ref, str(sched))
 
 
-def test_auto_block_pairs():
-    """Small blocks for few pairs, larger for many; always a size the kernels take."""
-    from kernels.int4_moe_wgmma import auto_block_pairs
+def test_auto_schedule():
+    """Decode: small blocks, a deep ring; more pairs: the tiered 32 / 8 schedule under the register cap; always
+    options the launcher takes."""
+    assert auto_schedule(1)["block_pairs"] == auto_schedule(8)["block_pairs"] == 8
+    assert auto_schedule(8)["stages"] == 4 and not auto_schedule(8)["small_pairs"]
+    for p in (9, 72, 1032, 4224, 10**6):
+        s = auto_schedule(p)
+        assert (s["block_pairs"], s["small_pairs"], s["stages"], s["maxnreg"]) == (32, 8, 2, 168), p
+    for p in (1, 9, 10**6):
+        s = auto_schedule(p)
+        assert s["block_pairs"] in BLOCK_PAIRS and s["stages"] in STAGES and s["small_pairs"] in (0, *BLOCK_PAIRS)
 
-    sizes = [auto_block_pairs(p) for p in (1, 8, 256, 257, 1032, 2048, 2049, 4224, 10**6)]
-    assert sizes == [8, 8, 8, 16, 16, 16, 32, 32, 32] and set(sizes) <= set(BLOCK_PAIRS)
+
+def test_bad_schedule_is_refused():
+    """A schedule the kernels cannot run is a ValueError naming the options (checked before any GPU work)."""
+    x = torch.zeros(1, 256, dtype=torch.bfloat16)
+    if SM90:
+        x = x.cuda()
+    ids, tw = torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, 1)
+    for bad in (dict(block_pairs=12), dict(block_pairs=8, small_pairs=8), dict(block_pairs=8, stages=5),
+                dict(block_pairs=32, small_pairs=12)):
+        with pytest.raises(ValueError, match="block_pairs=.*small_pairs=.*stages="):
+            int4_moe_wgmma(x, ids, tw, *(None,) * 4, **bad)
+    if not SM90:  # a schedule it takes gets as far as the device check
+        with pytest.raises(ValueError, match="sm_90"):
+            int4_moe_wgmma(x, ids, tw, *(None,) * 4, block_pairs=32, small_pairs=8)
