@@ -194,7 +194,8 @@ def test_int4_moe_wgmma_schedules_agree(kimi_wgmma):
     x = torch.randn(64, KIMI["D"], device="cuda").to(torch.bfloat16)
     ref = run_wgmma(x, ids, tw, ww, block_pairs=8, stages=2)
     scheds = [dict(block_pairs=bp, stages=st) for bp in BLOCK_PAIRS for st in STAGES]
-    scheds += [dict(block_pairs=32, small_pairs=8, stages=2, maxnreg=168), dict(block_pairs=64, small_pairs=16), {}]
+    scheds += [dict(block_pairs=32, small_pairs=8, stages=2, maxnreg=168), dict(block_pairs=64, small_pairs=16), {},
+               dict(block_pairs=16, small_pairs=8, stages=2, maxnreg=128), dict(block_pairs=8, stages=2, maxnreg=128)]
     for sched in scheds:
         assert_bitwise(run_wgmma(x, ids, tw, ww, **sched), ref, str(sched))
 
