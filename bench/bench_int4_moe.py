@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from bench._common import bench_ms, env_info, graph_ms, measure_ceilings, write_jsonl
 from kernels.int4_moe import _RESIDENT, int4_moe_triton, tile_int4_moe_weights
 from kernels.int4_moe_gluon import int4_moe_gluon
-from kernels.int4_moe_wgmma import int4_moe_wgmma
+from kernels.int4_moe_wgmma import int4_moe_wgmma, resolve_schedule
 
 E, D, INTER, TOPK, G = 384, 7168, 2048, 8, 32
 TOKENS = (1, 9, 17, 33, 65, 129)
@@ -297,8 +297,9 @@ def main():
                 print(f"T={T} {gname}: {exc!r}"[:600], flush=True)
                 continue
             peers = {"gluon_eager": eager, **({"triton_default": default_ms} if default_ms else {})}
+            config = resolve_schedule(ids.numel(), **opts) if path == "wgmma" else opts or "default"
             params = dict(T=T, E=E, D=D, I=INTER, topk=TOPK, experts_touched=touched, bytes=nbytes, pool=args.pool,
-                          timing="cuda_graph_replay", variant=gname, config=opts or "default")
+                          timing="cuda_graph_replay", variant=gname, config=config)
             write_jsonl(args.out, [dict(name=f"int4_moe_{path}", params=params, **info, ms=ms, floor_ms=floor_ms,
                                         ratio=floor_ms / ms, peers=peers, **ceil)])
             pe = "  ".join(f"{k}={v:.3f}" for k, v in peers.items())

@@ -391,7 +391,7 @@ def run_case(model, pool, cfg, case: dict, invariant: bool, ceil: dict, info: di
         mla_impl=mla_attention.DEFAULT_IMPL, moe_block_m=int4_moe.DEFAULT_BLOCK_M,
         moe_zp_mma=int4_moe.DEFAULT_ZP_MMA, moe_layout=layout,
         **({"moe_block_pairs": int4_moe_gluon.DEFAULT_BLOCK_PAIRS} if layout == "gluon" else {}),
-        **({"moe_schedule": int4_moe_wgmma.DEFAULT_SCHEDULE or "auto"} if layout == "wgmma" else {}), **lm)
+        **({"moe_schedule": int4_moe_wgmma.resolve_schedule(shape["tokens"] * k)} if layout == "wgmma" else {}), **lm)
     if args.profile and cuda:
         params["kernel_breakdown"] = state["breakdowns"][-1][2]
     if graph_err is not None:

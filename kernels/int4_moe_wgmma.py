@@ -43,6 +43,18 @@ def auto_schedule(pairs: int) -> dict:
     return dict(block_pairs=32, small_pairs=8, stages=2, maxnreg=MAXNREG)
 
 
+def resolve_schedule(pairs: int, **given) -> dict:
+    """The schedule a launch of `pairs` pairs runs: the options given (None: not given) over DEFAULT_SCHEDULE or
+    `auto_schedule`, or over PLAIN when `block_pairs` is given; ValueError for one the kernels cannot run."""
+    base = (DEFAULT_SCHEDULE or auto_schedule(pairs)) if given.get("block_pairs") is None else PLAIN
+    sched = {**base, **{k: v for k, v in given.items() if v is not None}}
+    bp, small, stages = sched["block_pairs"], sched["small_pairs"], sched["stages"]
+    if bp not in BLOCK_PAIRS or stages not in STAGES or (small and (small not in BLOCK_PAIRS or small >= bp)):
+        raise ValueError(f"int4_moe_wgmma: block_pairs={bp} (one of {BLOCK_PAIRS}), small_pairs={small} "
+                         f"(0 or a smaller one), stages={stages} (one of {STAGES})")
+    return sched
+
+
 @functools.cache
 def _step_map() -> torch.Tensor:
     """phys [32 words, 8 nibble positions]: the step column held by nibble position of memory word 8 t + j."""
@@ -93,14 +105,9 @@ def int4_moe_wgmma(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, block_pai
     every schedule."""
     if not HAVE_GLUON:
         raise RuntimeError("int4_moe_wgmma needs Triton with Gluon (3.5 or newer)")
-    given = dict(block_pairs=block_pairs, small_pairs=small_pairs, stages=stages, maxnreg=maxnreg)
-    base = (DEFAULT_SCHEDULE or auto_schedule(topk_ids.numel())) if block_pairs is None else PLAIN
-    sched = {**base, **{k: v for k, v in given.items() if v is not None}}
+    sched = resolve_schedule(topk_ids.numel(), block_pairs=block_pairs, small_pairs=small_pairs, stages=stages,
+                             maxnreg=maxnreg)
     block_pairs, small, stages, cap = sched["block_pairs"], sched["small_pairs"], sched["stages"], sched["maxnreg"]
-    if block_pairs not in BLOCK_PAIRS or stages not in STAGES or (small and (small not in BLOCK_PAIRS
-                                                                              or small >= block_pairs)):
-        raise ValueError(f"int4_moe_wgmma: block_pairs={block_pairs} (one of {BLOCK_PAIRS}), small_pairs={small} "
-                         f"(0 or a smaller one), stages={stages} (one of {STAGES})")
     if not x.is_cuda or x.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device)[0] != 9:
         raise ValueError(f"int4_moe_wgmma: bf16 activations on an sm_90 GPU, got {x.dtype} on {x.device}")
     inter, D = w13.shape[1] // 2, x.shape[1]

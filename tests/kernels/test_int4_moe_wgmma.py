@@ -22,6 +22,7 @@ from kernels.int4_moe_wgmma import (
     auto_schedule,
     int4_moe_wgmma,
     repack_int4_moe_for_wgmma,
+    resolve_schedule,
     wgmma_layout_dense,
 )
 from kernels.int4_pack import dequantize_int4
@@ -211,6 +212,19 @@ def test_auto_schedule():
     for p in (1, 9, 10**6):
         s = auto_schedule(p)
         assert s["block_pairs"] in BLOCK_PAIRS and s["stages"] in STAGES and s["small_pairs"] in (0, *BLOCK_PAIRS)
+
+
+def test_resolve_schedule(monkeypatch):
+    """Options given win; the rest come from auto_schedule, from DEFAULT_SCHEDULE when set, or from PLAIN (one
+    block size, no small path, no cap) when the block size is given."""
+    import kernels.int4_moe_wgmma as mod
+
+    assert resolve_schedule(72) == auto_schedule(72)
+    assert resolve_schedule(72, stages=3, maxnreg=None) == {**auto_schedule(72), "stages": 3}
+    assert resolve_schedule(72, block_pairs=16) == {**mod.PLAIN, "block_pairs": 16}
+    monkeypatch.setattr(mod, "DEFAULT_SCHEDULE", dict(block_pairs=64, small_pairs=16, stages=3, maxnreg=None))
+    assert resolve_schedule(1) == mod.DEFAULT_SCHEDULE
+    assert resolve_schedule(1, small_pairs=8)["small_pairs"] == 8
 
 
 def test_bad_schedule_is_refused():
