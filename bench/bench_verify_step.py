@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import math
 import platform
 import statistics
@@ -447,9 +448,9 @@ def parse_args(argv=None):
                     help="INT4 MoE kernels (moe.GPU_LAYOUT, default 'auto': wgmma on sm_90, else the Triton 'gpu')")
     ap.add_argument("--moe-block-pairs", type=int, choices=int4_moe_gluon.BLOCK_PAIRS, default=None,
                     help="with --moe-layout gluon: pairs per expert block (default int4_moe_gluon.DEFAULT_BLOCK_PAIRS)")
-    ap.add_argument("--moe-wgmma-pairs", type=int, choices=int4_moe_wgmma.BLOCK_PAIRS, default=None,
-                    help="with --moe-layout wgmma: one block size for every launch (int4_moe_wgmma.PLAIN with it; "
-                    "default: int4_moe_wgmma.auto_schedule)")
+    ap.add_argument("--moe-wgmma-schedule", type=json.loads, default=None, metavar="JSON",
+                    help='with --moe-layout wgmma: one schedule for every launch, int4_moe_wgmma options over PLAIN, '
+                    'e.g. \'{"block_pairs": 8, "maxnreg": 128}\' (default: int4_moe_wgmma.auto_schedule per launch)')
     ap.add_argument("--mla-impl", choices=mla_attention.IMPLS, default=None,
                     help=f"MLA tile kernel (default: mla_attention.DEFAULT_IMPL = {mla_attention.DEFAULT_IMPL})")
     args = ap.parse_args(argv)
@@ -486,8 +487,10 @@ def main(argv=None) -> list[dict]:
         moe_mod.GPU_LAYOUT = args.moe_layout
     if args.moe_block_pairs is not None:
         int4_moe_gluon.DEFAULT_BLOCK_PAIRS = args.moe_block_pairs
-    if args.moe_wgmma_pairs is not None:
-        int4_moe_wgmma.DEFAULT_SCHEDULE = dict(int4_moe_wgmma.PLAIN, block_pairs=args.moe_wgmma_pairs)
+    if args.moe_wgmma_schedule is not None:
+        sched = {**int4_moe_wgmma.PLAIN, **args.moe_wgmma_schedule}
+        int4_moe_wgmma.resolve_schedule(1, **sched)  # a schedule the kernels cannot run fails here, not mid-run
+        int4_moe_wgmma.DEFAULT_SCHEDULE = sched
     t_start = time.perf_counter()
     dev = args.device
     cuda = dev.startswith("cuda")
