@@ -449,8 +449,9 @@ def parse_args(argv=None):
     ap.add_argument("--moe-block-pairs", type=int, choices=int4_moe_gluon.BLOCK_PAIRS, default=None,
                     help="with --moe-layout gluon: pairs per expert block (default int4_moe_gluon.DEFAULT_BLOCK_PAIRS)")
     ap.add_argument("--moe-wgmma-schedule", type=json.loads, default=None, metavar="JSON",
-                    help='with --moe-layout wgmma: one schedule for every launch, int4_moe_wgmma options over PLAIN, '
-                    'e.g. \'{"block_pairs": 8, "maxnreg": 128}\' (default: int4_moe_wgmma.auto_schedule per launch)')
+                    help='with --moe-layout wgmma: int4_moe_wgmma options for every launch (int4_moe_wgmma.'
+                    'DEFAULT_SCHEDULE), e.g. \'{"pdl": true}\' over auto_schedule or \'{"block_pairs": 8, "maxnreg": '
+                    '128}\' over PLAIN (default: auto_schedule per launch)')
     ap.add_argument("--mla-impl", choices=mla_attention.IMPLS, default=None,
                     help=f"MLA tile kernel (default: mla_attention.DEFAULT_IMPL = {mla_attention.DEFAULT_IMPL})")
     args = ap.parse_args(argv)
@@ -488,9 +489,9 @@ def main(argv=None) -> list[dict]:
     if args.moe_block_pairs is not None:
         int4_moe_gluon.DEFAULT_BLOCK_PAIRS = args.moe_block_pairs
     if args.moe_wgmma_schedule is not None:
-        sched = {**int4_moe_wgmma.PLAIN, **args.moe_wgmma_schedule}
-        int4_moe_wgmma.resolve_schedule(1, **sched)  # a schedule the kernels cannot run fails here, not mid-run
-        int4_moe_wgmma.DEFAULT_SCHEDULE = sched
+        int4_moe_wgmma.DEFAULT_SCHEDULE = dict(args.moe_wgmma_schedule)
+        for pairs in (1, 10**4):  # a schedule the kernels cannot run fails here, not mid-run
+            int4_moe_wgmma.resolve_schedule(pairs)
     t_start = time.perf_counter()
     dev = args.device
     cuda = dev.startswith("cuda")

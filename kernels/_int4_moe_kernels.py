@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 from kernels._int4_dequant import _dequant8, _dequant8_scaled, _dequant8_zp, _scales8
 
@@ -483,8 +484,10 @@ def _moe_combine_kernel(
     w_ptr,  # [T, TOPK] routing weights
     out_ptr,  # out: [T, D]
     D, stride_yp, stride_ot,
-    TOPK: tl.constexpr, BLOCK: tl.constexpr,
+    TOPK: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    if PDL:  # launched with programmatic dependent launch: wait for the w2 grid (and its writes) first
+        gdc_wait()
     t = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = cols < D

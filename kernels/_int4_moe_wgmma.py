@@ -94,13 +94,30 @@ if HAVE_GLUON:
         cp_async(dst, base, mask=(gl.expand_dims(col, 0) < 64) & live)
 
     @gluon.jit
-    def _copy_stage(x_rows, w_src, w_ok, s_src, s_ok, kb, live, x_dst, w_dst, s_dst, XC_L: gl.constexpr):
-        """Step kb of the block's activations and of both weight tensors' words [128 rows, 32] and scales
-        [128 rows, 8] into one ring slot (rows 0-63: tensor a, 64-127: tensor b; rows past the projection and steps
-        past the end are zero-filled)."""
-        _copy_x(x_rows, kb, live, x_dst, XC_L)
+    def _copy_w(w_src, w_ok, s_src, s_ok, kb, live, w_dst, s_dst):
+        """Step kb of both weight tensors' words [128 rows, 32] and scales [128 rows, 8] into one ring slot (rows
+        0-63: tensor a, 64-127: tensor b; rows past the projection and steps past the end are zero-filled)."""
         cp_async(w_dst, w_src + kb * 32, mask=w_ok & live)
         cp_async(s_dst, s_src + kb * 8, mask=s_ok & live)
+
+    @gluon.jit
+    def _copy_stage(x_rows, w_src, w_ok, s_src, s_ok, kb, live, x_dst, w_dst, s_dst, XC_L: gl.constexpr):
+        """Step kb of the block's activations and of both weight tensors into one ring slot."""
+        _copy_x(x_rows, kb, live, x_dst, XC_L)
+        _copy_w(w_src, w_ok, s_src, s_ok, kb, live, w_dst, s_dst)
+
+    @gluon.jit
+    def _gdc_wait():
+        """Programmatic dependent launch: wait until the previous grid has finished and its writes are visible
+        (a no-op when the kernel was not launched with PDL)."""
+        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _gdc_launch_dependents():
+        """Programmatic dependent launch: the next grid may be scheduled once every CTA of this one has said so
+        (or exited); it still waits for this grid's end before it reads what this grid writes."""
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)
 
     @gluon.jit
     def _words_from(smem, W_L: gl.constexpr):
@@ -137,9 +154,10 @@ if HAVE_GLUON:
     @gluon.jit
     def _ring_gemm(x_ptr, out_ptr, pairs_ptr, blk, pid_r, P, N_OUT, num_kb, stride_x, stride_o, w_src, w_ok, s_src,
                    s_ok, xring, wring, sring, TOPK: gl.constexpr, GATED: gl.constexpr, N: gl.constexpr,
-                   NP: gl.constexpr, STAGES: gl.constexpr, W_L: gl.constexpr):
+                   NP: gl.constexpr, STAGES: gl.constexpr, WPRE: gl.constexpr, W_L: gl.constexpr):
         """The block's first N pair slots (of NP) through the K loop and the store: acc [64, N] per weight tensor,
-        steps through the STAGES-slot ring (STAGES - 1 in flight), m64nNk16 MMAs."""
+        steps through the STAGES-slot ring (STAGES - 1 in flight), m64nNk16 MMAs. WPRE: the weights of the first
+        STAGES - 1 steps are already in flight (one commit group per step, issued before this call)."""
         ACC_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, N, 16])
         A_L: gl.constexpr = gl.DotOperandLayout(0, ACC_L, 2)
         XC_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # 16-byte copies, [4 N, 64]
@@ -153,8 +171,11 @@ if HAVE_GLUON:
         acc_a = gl.zeros([64, N], gl.float32, ACC_L)
         acc_b = gl.zeros([64, N], gl.float32, ACC_L)
         for st in gl.static_range(STAGES - 1):
-            _copy_stage(x_rows, w_src, w_ok, s_src, s_ok, st, st < num_kb, xring.index(st).slice(0, 4 * N),
-                        wring.index(st), sring.index(st), XC_L)
+            if WPRE:  # groups: S - 1 of weights, then S - 1 of activations; wait_group(S - 2) stays sufficient
+                _copy_x(x_rows, st, st < num_kb, xring.index(st).slice(0, 4 * N), XC_L)
+            else:
+                _copy_stage(x_rows, w_src, w_ok, s_src, s_ok, st, st < num_kb, xring.index(st).slice(0, 4 * N),
+                            wring.index(st), sring.index(st), XC_L)
             cp.commit_group()
         for kb in range(0, num_kb):
             cp.wait_group(STAGES - 2)  # this thread's copies of step kb landed
@@ -201,6 +222,7 @@ if HAVE_GLUON:
         P, N_OUT, num_kb,
         stride_x, stride_we, stride_wn, stride_se8, stride_sn8, stride_o,  # scale strides in 16-byte units
         TOPK: gl.constexpr, GATED: gl.constexpr, NP: gl.constexpr, SMALL: gl.constexpr, STAGES: gl.constexpr,
+        PDL: gl.constexpr,
     ):
         gl.static_assert(gl.num_warps() == 4)
         gl.static_assert(STAGES >= 2)
@@ -218,7 +240,17 @@ if HAVE_GLUON:
 
         pid_r = gl.program_id(0)
         blk = gl.program_id(1)
-        e = gl.load(bexp_ptr + blk)
+        # programmatic dependent launch (PDL): w13 waits before it reads anything (the block list is the align
+        # kernel's), then lets w2 be scheduled; w2 starts while w13 still runs (w13 passed its wait, so the block
+        # list is complete; read past L1), puts its first weight steps in flight, and waits for w13's `a`
+        WPRE: gl.constexpr = PDL and not GATED
+        if PDL and GATED:
+            _gdc_wait()
+            _gdc_launch_dependents()
+        if WPRE:
+            e = gl.load(bexp_ptr + blk, cache_modifier=".cg")
+        else:
+            e = gl.load(bexp_ptr + blk)
         if e < 0:
             return
         # a ring slot's weight rows: 0-63 tensor a, 64-127 tensor b (w13: 64 gate rows and the 64 up rows of the
@@ -249,31 +281,37 @@ if HAVE_GLUON:
         xring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 4 * NP, 64], X_SL)  # 4 chunks x NP slots per step
         wring = gl.allocate_shared_memory(gl.int32, [STAGES, 128, 32], W_SL)
         sring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 128, 8], S_SL)
+        if WPRE:
+            for st in gl.static_range(STAGES - 1):
+                _copy_w(w_src, w_ok, s_src, s_ok, st, st < num_kb, wring.index(st), sring.index(st))
+                cp.commit_group()
+            _gdc_launch_dependents()  # the combine may be scheduled; it waits for this grid's end
+            _gdc_wait()
         if SMALL > 0:  # pairs in this block: a block that fits SMALL slots runs with N = SMALL
             fill = gl.sum((gl.load(pairs_ptr + blk * NP + gl.arange(0, NP, layout=gl.SliceLayout(1, CS_L))) < P)
                           .to(gl.int32), axis=0)
             if fill <= SMALL:
                 _ring_gemm(x_ptr, out_ptr, pairs_ptr, blk, pid_r, P, N_OUT, num_kb, stride_x, stride_o, w_src, w_ok,
-                           s_src, s_ok, xring, wring, sring, TOPK, GATED, SMALL, NP, STAGES, W_L)
+                           s_src, s_ok, xring, wring, sring, TOPK, GATED, SMALL, NP, STAGES, WPRE, W_L)
             else:
                 _ring_gemm(x_ptr, out_ptr, pairs_ptr, blk, pid_r, P, N_OUT, num_kb, stride_x, stride_o, w_src, w_ok,
-                           s_src, s_ok, xring, wring, sring, TOPK, GATED, NP, NP, STAGES, W_L)
+                           s_src, s_ok, xring, wring, sring, TOPK, GATED, NP, NP, STAGES, WPRE, W_L)
         else:
             _ring_gemm(x_ptr, out_ptr, pairs_ptr, blk, pid_r, P, N_OUT, num_kb, stride_x, stride_o, w_src, w_ok,
-                       s_src, s_ok, xring, wring, sring, TOPK, GATED, NP, NP, STAGES, W_L)
+                       s_src, s_ok, xring, wring, sring, TOPK, GATED, NP, NP, STAGES, WPRE, W_L)
 
     @gluon.jit
     def _moe_w13_wgmma_kernel(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, bexp_ptr, P, N_OUT, num_kb, stride_x,
                               stride_we, stride_wn, stride_se8, stride_sn8, stride_o, TOPK: gl.constexpr,
-                              NP: gl.constexpr, SMALL: gl.constexpr, STAGES: gl.constexpr):
+                              NP: gl.constexpr, SMALL: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr):
         """w13: a[pair, i] = silu(gate) * up for 64 intermediate columns (N_OUT = I)."""
         _wgmma_body(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, bexp_ptr, P, N_OUT, num_kb, stride_x, stride_we,
-                    stride_wn, stride_se8, stride_sn8, stride_o, TOPK, True, NP, SMALL, STAGES)
+                    stride_wn, stride_se8, stride_sn8, stride_o, TOPK, True, NP, SMALL, STAGES, PDL)
 
     @gluon.jit
     def _moe_w2_wgmma_kernel(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, bexp_ptr, P, N_OUT, num_kb, stride_x,
                              stride_we, stride_wn, stride_se8, stride_sn8, stride_o, TOPK: gl.constexpr,
-                             NP: gl.constexpr, SMALL: gl.constexpr, STAGES: gl.constexpr):
+                             NP: gl.constexpr, SMALL: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr):
         """w2: y[pair, d] (fp32, unweighted) for 128 output rows (N_OUT = D)."""
         _wgmma_body(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, bexp_ptr, P, N_OUT, num_kb, stride_x, stride_we,
-                    stride_wn, stride_se8, stride_sn8, stride_o, TOPK, False, NP, SMALL, STAGES)
+                    stride_wn, stride_se8, stride_sn8, stride_o, TOPK, False, NP, SMALL, STAGES, PDL)

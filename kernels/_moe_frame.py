@@ -22,9 +22,10 @@ Gemm = Callable[..., None]
 
 
 def routed_moe(name: str, x, topk_ids, topk_w, w13, s13, w2, s2, out, *, k_align: int, block_pairs: int,
-               experts: range | None, reduce_pairs, w13_gemm: Gemm, w2_gemm: Gemm) -> torch.Tensor:
+               experts: range | None, reduce_pairs, w13_gemm: Gemm, w2_gemm: Gemm, pdl: bool = False) -> torch.Tensor:
     """The routed-expert op around `w13_gemm(x, a, pairs, bexp, topk, P)` (a [P, Kp2] = silu(gate) * up, zeros
-    past I) and `w2_gemm(a, y, pairs, bexp, topk, P)` (y [P, D] fp32, unweighted); `name` labels the errors."""
+    past I) and `w2_gemm(a, y, pairs, bexp, topk, P)` (y [P, D] fp32, unweighted); `name` labels the errors. `pdl`:
+    the combine is launched with programmatic dependent launch (it waits for the previous grid before it reads)."""
     T, D = x.shape
     E, two_i, kw13 = w13.shape
     inter = two_i // 2
@@ -49,5 +50,6 @@ def routed_moe(name: str, x, topk_ids, topk_w, w13, s13, w2, s2, out, *, k_align
     if reduce_pairs is not None:
         reduce_pairs(y)
     _moe_combine_kernel[(T, -(-D // 1024))](
-        y, topk_w.contiguous(), out, D, y.stride(0), out.stride(0), TOPK=topk, BLOCK=1024, num_warps=4)
+        y, topk_w.contiguous(), out, D, y.stride(0), out.stride(0), TOPK=topk, BLOCK=1024, num_warps=4,
+        **({"PDL": True, "launch_pdl": True} if pdl else {}))
     return out

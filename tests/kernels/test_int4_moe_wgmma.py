@@ -83,11 +83,12 @@ from triton.compiler import compile
 from triton.experimental.gluon._runtime import GluonASTSource
 from kernels import _int4_moe_wgmma as m
 out = {}
-for gated, np_, small, stages in [(g, *c) for g in (True, False) for c in ((8, 0, 4), (64, 0, 2), (32, 8, 2))]:
+configs = ((8, 0, 4, False), (64, 0, 2, False), (32, 8, 2, False), (32, 8, 2, True))
+for gated, np_, small, stages, pdl in [(g, *c) for g in (True, False) for c in configs]:
         sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "out_ptr": "*bf16" if gated else "*fp32",
                "pairs_ptr": "*i32", "bexp_ptr": "*i32", "P": "i32", "N_OUT": "i32", "num_kb": "i32"}
         sig.update({n: "i32" for n in ("stride_x", "stride_we", "stride_wn", "stride_se8", "stride_sn8", "stride_o")})
-        cst = dict(TOPK=8, NP=np_, SMALL=small, STAGES=stages)
+        cst = dict(TOPK=8, NP=np_, SMALL=small, STAGES=stages, PDL=pdl)
         sig.update({k: "constexpr" for k in cst})
         names = list(sig)
         attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
@@ -98,7 +99,12 @@ for gated, np_, small, stages in [(g, *c) for g in (True, False) for c in ((8, 0
             k = compile(GluonASTSource(fn=kernel, signature=sig, constexprs=cst, attrs=attrs),
                         target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": 168 if small else None})
         ptx, log = k.asm["ptx"], log.getvalue()
-        out[f"{'w13' if gated else 'w2'}_np{np_}_small{small}_s{stages}"] = {
+        lines = ptx.splitlines()
+        first = {key: next((i for i, line in enumerate(lines) if pat in line), -1) for key, pat in
+                 (("wait", "griddepcontrol.wait"), ("launch", "griddepcontrol.launch_dependents"),
+                  ("cp_async", "cp.async.cg"), ("ld_global", "ld.global"))}
+        out[f"{'w13' if gated else 'w2'}_np{np_}_small{small}_s{stages}{'_pdl' if pdl else ''}"] = {
+            "first": first,
             "shared": k.metadata.shared,
             "wgmma": sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx))),
             "registers": int(re.findall(r"Used (\d+) registers", log)[-1]),
@@ -118,17 +124,27 @@ def test_wgmma_moe_kernels_compile_for_sm90(tmp_path):
     tensors x 4 k16) plus none outside; the A operand built in registers (no shared-memory stores), everything
     copied by 16-byte cp.async into the ring (slots of 4 x N x 64 activations, words [128, 32] and scales [128, 8]),
     no global vector loads, 12 16-byte shared loads per step and path (a lane's 2 x 8 words and 2 x 8 scales of both
-    tensors), no spills (the capped kernel: at most 8 bytes), and the capped kernel within its cap (3 CTAs per SM)."""
+    tensors), no spills (the capped kernel: at most 8 bytes; with PDL's early weight copies in w2: 16), and the capped
+    kernel within its cap (3 CTAs per SM). With PDL (programmatic dependent launch) w13 waits for the previous grid
+    before any load and only then lets w2 be scheduled; w2 reads its block's expert and issues its first weight
+    copies before it waits; without PDL no grid-dependency instruction at all."""
     pytest.importorskip("triton.experimental.gluon")
     facts = run_sm90_script(tmp_path, _SM90_COMPILE)
-    assert len(facts) == 6, facts
+    assert len(facts) == 8, facts
     for name, f in facts.items():
         n, small, stages = (int(v) for v in re.match(r"w\d+_np(\d+)_small(\d+)_s(\d+)", name).groups())
+        first = f["first"]
+        if not name.endswith("_pdl"):
+            assert first["wait"] == first["launch"] == -1, (name, first)
+        elif name.startswith("w13"):  # waits before it reads anything, then lets w2 be scheduled
+            assert 0 <= first["wait"] < first["launch"] < min(first["ld_global"], first["cp_async"]), (name, first)
+        else:  # w2: reads its expert (past L1) and puts weights in flight before it waits for w13
+            assert 0 <= first["ld_global"] < first["cp_async"] < first["launch"] < first["wait"], (name, first)
         paths = [n] + ([small] if small else [])
         assert f["wgmma"] == sorted(f"m64n{p}k16" for p in paths) and f["n_wgmma"] == 32 * len(paths), (name, f)
         assert f["st_shared"] == 0 and f["cp_async_16"] >= 1 and f["ld_v4"] == 0, (name, f)
         # the capped kernel: none with the GPU's Triton 3.6 ptxas, 4 bytes with 3.9's
-        assert f["spill_bytes"] <= (8 if small else 0), (name, f)
+        assert f["spill_bytes"] <= (16 if name.endswith("_pdl") else 8 if small else 0), (name, f)
         assert f["shared"] == stages * (4 * n * 64 * 2 + 128 * 32 * 4 + 128 * 8 * 2), (name, f)
         assert f["ld_shared"] == f["ld_shared_v4"] == 12 * len(paths), (name, f)
         assert not small or f["registers"] <= 168, (name, f)
@@ -196,9 +212,40 @@ def test_int4_moe_wgmma_schedules_agree(kimi_wgmma):
     ref = run_wgmma(x, ids, tw, ww, block_pairs=8, stages=2)
     scheds = [dict(block_pairs=bp, stages=st) for bp in BLOCK_PAIRS for st in STAGES]
     scheds += [dict(block_pairs=32, small_pairs=8, stages=2, maxnreg=168), dict(block_pairs=64, small_pairs=16), {},
-               dict(block_pairs=16, small_pairs=8, stages=2, maxnreg=128), dict(block_pairs=8, stages=2, maxnreg=128)]
+               dict(block_pairs=16, small_pairs=8, stages=2, maxnreg=128), dict(block_pairs=8, stages=2, maxnreg=128),
+               dict(pdl=True), dict(block_pairs=8, stages=4, pdl=True)]
     for sched in scheds:
         assert_bitwise(run_wgmma(x, ids, tw, ww, **sched), ref, str(sched))
+
+
+@sm90
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 64])
+def test_int4_moe_wgmma_pdl_in_a_cuda_graph(kimi_wgmma, T):
+    """Programmatic dependent launch (w13, w2 and the combine each scheduled while the previous grid ends, each
+    waiting for it before it reads its output), eager and replayed from a CUDA graph twice with new inputs: bitwise
+    equal to the launches without it, for the decode (T = 1) and the tiered schedule."""
+    _, ww = kimi_wgmma
+    ids, tw = make_routing(T, KIMI["k"], KIMI["E"], device="cuda", seed=9)
+    x = torch.randn(T, KIMI["D"], device="cuda").to(torch.bfloat16)
+    assert_bitwise(run_wgmma(x, ids, tw, ww, pdl=True), run_wgmma(x, ids, tw, ww), "eager")
+    out = torch.empty_like(x)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        int4_moe_wgmma(x, ids, tw, *ww, out=out, pdl=True)  # compiled outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        int4_moe_wgmma(x, ids, tw, *ww, out=out, pdl=True)
+    for seed in (10, 11):
+        new_ids, new_tw = make_routing(T, KIMI["k"], KIMI["E"], device="cuda", seed=seed)
+        x.copy_(torch.randn(T, KIMI["D"], device="cuda").to(torch.bfloat16))
+        ids.copy_(new_ids)
+        tw.copy_(new_tw)
+        out.fill_(float("nan"))
+        graph.replay()
+        assert_bitwise(out, run_wgmma(x, ids, tw, ww), f"graph replay, inputs {seed}")
 
 
 def test_auto_schedule():
@@ -208,22 +255,25 @@ def test_auto_schedule():
     assert auto_schedule(8)["stages"] == 4 and not auto_schedule(8)["small_pairs"]
     for p in (9, 72, 1032, 4224, 10**6):
         s = auto_schedule(p)
-        assert (s["block_pairs"], s["small_pairs"], s["stages"], s["maxnreg"]) == (32, 8, 2, 168), p
+        assert (s["block_pairs"], s["small_pairs"], s["stages"], s["maxnreg"], s["pdl"]) == (32, 8, 2, 168, False), p
     for p in (1, 9, 10**6):
         s = auto_schedule(p)
         assert s["block_pairs"] in BLOCK_PAIRS and s["stages"] in STAGES and s["small_pairs"] in (0, *BLOCK_PAIRS)
 
 
 def test_resolve_schedule(monkeypatch):
-    """Options given win; the rest come from auto_schedule, from DEFAULT_SCHEDULE when set, or from PLAIN (one
-    block size, no small path, no cap) when the block size is given."""
+    """Options given win over DEFAULT_SCHEDULE's, which win over auto_schedule's, or over PLAIN's (one block size,
+    no small path, no cap, no PDL) when a block size is among them."""
     import kernels.int4_moe_wgmma as mod
 
     assert resolve_schedule(72) == auto_schedule(72)
     assert resolve_schedule(72, stages=3, maxnreg=None) == {**auto_schedule(72), "stages": 3}
     assert resolve_schedule(72, block_pairs=16) == {**mod.PLAIN, "block_pairs": 16}
-    monkeypatch.setattr(mod, "DEFAULT_SCHEDULE", dict(block_pairs=64, small_pairs=16, stages=3, maxnreg=None))
-    assert resolve_schedule(1) == mod.DEFAULT_SCHEDULE
+    monkeypatch.setattr(mod, "DEFAULT_SCHEDULE", dict(pdl=True))
+    assert resolve_schedule(1) == {**auto_schedule(1), "pdl": True}
+    assert resolve_schedule(1000, pdl=False) == auto_schedule(1000)
+    monkeypatch.setattr(mod, "DEFAULT_SCHEDULE", dict(block_pairs=64, small_pairs=16, stages=3))
+    assert resolve_schedule(1) == {**mod.PLAIN, **mod.DEFAULT_SCHEDULE}
     assert resolve_schedule(1, small_pairs=8)["small_pairs"] == 8
 
 
