@@ -107,6 +107,8 @@ GLUON_VARIANTS = {  # name -> int4_moe_gluon options (--gluon)
     # the wgmma path (int4_moe_wgmma; its layout has the same shapes at these K, so the same random words serve)
     "wgmma_auto": dict(path="wgmma"),  # int4_moe_wgmma.auto_schedule
     "wgmma_auto_pdl": dict(path="wgmma", pdl=True),  # the same with programmatic dependent launch
+    "wgmma_auto_direct": dict(path="wgmma", direct=True),  # T = 1: no grouping launch
+    "wgmma_auto_pdl_direct": dict(path="wgmma", pdl=True, direct=True),
     **{f"wgmma_np{bp}_s{st}": dict(path="wgmma", block_pairs=bp, stages=st) for bp in (8, 16, 32, 64) for st in (2, 4)},
     "wgmma_np8_s3": dict(path="wgmma", block_pairs=8, stages=3),
     "wgmma_np32_s2_r168": dict(path="wgmma", block_pairs=32, stages=2, maxnreg=168),

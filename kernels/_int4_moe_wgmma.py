@@ -154,14 +154,20 @@ if HAVE_GLUON:
     @gluon.jit
     def _ring_gemm(x_ptr, out_ptr, pairs_ptr, blk, pid_r, P, N_OUT, num_kb, stride_x, stride_o, w_src, w_ok, s_src,
                    s_ok, xring, wring, sring, TOPK: gl.constexpr, GATED: gl.constexpr, N: gl.constexpr,
-                   NP: gl.constexpr, STAGES: gl.constexpr, WPRE: gl.constexpr, W_L: gl.constexpr):
+                   NP: gl.constexpr, STAGES: gl.constexpr, WPRE: gl.constexpr, DIRECT: gl.constexpr,
+                   W_L: gl.constexpr):
         """The block's first N pair slots (of NP) through the K loop and the store: acc [64, N] per weight tensor,
         steps through the STAGES-slot ring (STAGES - 1 in flight), m64nNk16 MMAs. WPRE: the weights of the first
-        STAGES - 1 steps are already in flight (one commit group per step, issued before this call)."""
+        STAGES - 1 steps are already in flight (one commit group per step, issued before this call). DIRECT: block
+        `blk` is pair `blk` alone (slot 0; no block list)."""
         ACC_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, N, 16])
         A_L: gl.constexpr = gl.DotOperandLayout(0, ACC_L, 2)
         XC_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # 16-byte copies, [4 N, 64]
-        pairs_x = gl.load(pairs_ptr + blk * NP + gl.arange(0, 4 * N, layout=gl.SliceLayout(1, XC_L)) % N)
+        slot_x = gl.arange(0, 4 * N, layout=gl.SliceLayout(1, XC_L)) % N
+        if DIRECT:
+            pairs_x = gl.where(slot_x == 0, blk, P)
+        else:
+            pairs_x = gl.load(pairs_ptr + blk * NP + slot_x)
         if GATED:
             xr = gl.where(pairs_x < P, pairs_x // TOPK, 0)  # padding slots read row 0 (never stored)
         else:
@@ -196,7 +202,11 @@ if HAVE_GLUON:
             acc_a, acc_b = _step_mmas(qa, sca, qb, scb, xring.index(slot).slice(0, 4 * N), acc_a, acc_b, N, A_L)
         cp.wait_group(0)
 
-        pairs = gl.load(pairs_ptr + blk * NP + gl.arange(0, N, layout=gl.SliceLayout(0, ACC_L)))
+        slot = gl.arange(0, N, layout=gl.SliceLayout(0, ACC_L))
+        if DIRECT:
+            pairs = gl.where(slot == 0, blk, P)
+        else:
+            pairs = gl.load(pairs_ptr + blk * NP + slot)
         orow = gl.arange(0, 64, layout=gl.SliceLayout(1, ACC_L))
         pm = gl.expand_dims(pairs < P, 0)
         pcol = gl.expand_dims(pairs.to(gl.int64) * stride_o, 0)
@@ -217,12 +227,12 @@ if HAVE_GLUON:
         w_ptr,  # int32 [E, N, Kp/8], "wgmma" layout
         s_ptr,  # bf16 [E, N, Kp/32]
         out_ptr,  # w13: a [P, N/2] (activation dtype); w2: y [P, N] fp32
-        pairs_ptr,  # int32 [blocks * NP]
-        bexp_ptr,  # int32 [blocks]
+        pairs_ptr,  # int32 [blocks * NP] (DIRECT: not read)
+        bexp_ptr,  # int32 [blocks] (DIRECT: the int64 expert ids of the pairs, one block per pair)
         P, N_OUT, num_kb,
         stride_x, stride_we, stride_wn, stride_se8, stride_sn8, stride_o,  # scale strides in 16-byte units
         TOPK: gl.constexpr, GATED: gl.constexpr, NP: gl.constexpr, SMALL: gl.constexpr, STAGES: gl.constexpr,
-        PDL: gl.constexpr,
+        PDL: gl.constexpr, DIRECT: gl.constexpr,
     ):
         gl.static_assert(gl.num_warps() == 4)
         gl.static_assert(STAGES >= 2)
@@ -248,9 +258,9 @@ if HAVE_GLUON:
             _gdc_wait()
             _gdc_launch_dependents()
         if WPRE:
-            e = gl.load(bexp_ptr + blk, cache_modifier=".cg")
+            e = gl.load(bexp_ptr + blk, cache_modifier=".cg").to(gl.int32)
         else:
-            e = gl.load(bexp_ptr + blk)
+            e = gl.load(bexp_ptr + blk).to(gl.int32)
         if e < 0:
             return
         # a ring slot's weight rows: 0-63 tensor a, 64-127 tensor b (w13: 64 gate rows and the 64 up rows of the
@@ -287,31 +297,36 @@ if HAVE_GLUON:
                 cp.commit_group()
             _gdc_launch_dependents()  # the combine may be scheduled; it waits for this grid's end
             _gdc_wait()
-        if SMALL > 0:  # pairs in this block: a block that fits SMALL slots runs with N = SMALL
+        if SMALL > 0 and not DIRECT:  # pairs in this block: a block that fits SMALL slots runs with N = SMALL
             fill = gl.sum((gl.load(pairs_ptr + blk * NP + gl.arange(0, NP, layout=gl.SliceLayout(1, CS_L))) < P)
                           .to(gl.int32), axis=0)
             if fill <= SMALL:
                 _ring_gemm(x_ptr, out_ptr, pairs_ptr, blk, pid_r, P, N_OUT, num_kb, stride_x, stride_o, w_src, w_ok,
-                           s_src, s_ok, xring, wring, sring, TOPK, GATED, SMALL, NP, STAGES, WPRE, W_L)
+                           s_src, s_ok, xring, wring, sring, TOPK, GATED, SMALL, NP, STAGES, WPRE, DIRECT, W_L)
             else:
                 _ring_gemm(x_ptr, out_ptr, pairs_ptr, blk, pid_r, P, N_OUT, num_kb, stride_x, stride_o, w_src, w_ok,
-                           s_src, s_ok, xring, wring, sring, TOPK, GATED, NP, NP, STAGES, WPRE, W_L)
+                           s_src, s_ok, xring, wring, sring, TOPK, GATED, NP, NP, STAGES, WPRE, DIRECT, W_L)
+        elif SMALL > 0:  # DIRECT: one pair per block
+            _ring_gemm(x_ptr, out_ptr, pairs_ptr, blk, pid_r, P, N_OUT, num_kb, stride_x, stride_o, w_src, w_ok,
+                       s_src, s_ok, xring, wring, sring, TOPK, GATED, SMALL, NP, STAGES, WPRE, DIRECT, W_L)
         else:
             _ring_gemm(x_ptr, out_ptr, pairs_ptr, blk, pid_r, P, N_OUT, num_kb, stride_x, stride_o, w_src, w_ok,
-                       s_src, s_ok, xring, wring, sring, TOPK, GATED, NP, NP, STAGES, WPRE, W_L)
+                       s_src, s_ok, xring, wring, sring, TOPK, GATED, NP, NP, STAGES, WPRE, DIRECT, W_L)
 
     @gluon.jit
     def _moe_w13_wgmma_kernel(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, bexp_ptr, P, N_OUT, num_kb, stride_x,
                               stride_we, stride_wn, stride_se8, stride_sn8, stride_o, TOPK: gl.constexpr,
-                              NP: gl.constexpr, SMALL: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr):
+                              NP: gl.constexpr, SMALL: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr,
+                              DIRECT: gl.constexpr):
         """w13: a[pair, i] = silu(gate) * up for 64 intermediate columns (N_OUT = I)."""
         _wgmma_body(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, bexp_ptr, P, N_OUT, num_kb, stride_x, stride_we,
-                    stride_wn, stride_se8, stride_sn8, stride_o, TOPK, True, NP, SMALL, STAGES, PDL)
+                    stride_wn, stride_se8, stride_sn8, stride_o, TOPK, True, NP, SMALL, STAGES, PDL, DIRECT)
 
     @gluon.jit
     def _moe_w2_wgmma_kernel(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, bexp_ptr, P, N_OUT, num_kb, stride_x,
                              stride_we, stride_wn, stride_se8, stride_sn8, stride_o, TOPK: gl.constexpr,
-                             NP: gl.constexpr, SMALL: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr):
+                             NP: gl.constexpr, SMALL: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr,
+                             DIRECT: gl.constexpr):
         """w2: y[pair, d] (fp32, unweighted) for 128 output rows (N_OUT = D)."""
         _wgmma_body(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, bexp_ptr, P, N_OUT, num_kb, stride_x, stride_we,
-                    stride_wn, stride_se8, stride_sn8, stride_o, TOPK, False, NP, SMALL, STAGES, PDL)
+                    stride_wn, stride_se8, stride_sn8, stride_o, TOPK, False, NP, SMALL, STAGES, PDL, DIRECT)

@@ -27,7 +27,7 @@ STEP = 256  # K columns per kernel step (and the K padding)
 BLOCK_PAIRS = (8, 16, 32, 64)  # pairs per expert block; every size gives the same bits (GPU test)
 STAGES = (2, 3, 4)  # ring slots: weights, scales and activations of STAGES - 1 steps in flight
 DEFAULT_SCHEDULE = {}  # read at each call: `int4_moe_wgmma` options for every launch (the rest: as `resolve_schedule`)
-PLAIN = dict(block_pairs=8, small_pairs=0, stages=2, maxnreg=None, pdl=False)  # one block size, no register cap
+PLAIN = dict(block_pairs=8, small_pairs=0, stages=2, maxnreg=None, pdl=False, direct=False)  # one block size
 MAXNREG = 168  # the tiered schedule's register cap: 3 CTAs per SM at 32 pairs (171 uncapped, no spills at 168)
 
 
@@ -38,11 +38,11 @@ def auto_schedule(pairs: int) -> dict:
     1-3 pairs on an expert, a verify step's tree tokens crowd some experts with dozens: an expert's weights are
     streamed once per block), a 2-slot ring and <= 168 registers, i.e. 3 CTAs per SM. Only speed depends on it:
     the bits do not (GPU test). `pdl` (programmatic dependent launch of w13, w2 and the combine: each grid
-    scheduled while the previous one ends, w2's first weight steps in flight before w13 is done) is off until it
-    is measured."""
+    scheduled while the previous one ends, w2's first weight steps in flight before w13 is done) and `direct` (one
+    token: a block per pair straight from the routing, no grouping launch) are off until they are measured."""
     if pairs <= 8:
-        return dict(block_pairs=8, small_pairs=0, stages=4, maxnreg=None, pdl=False)
-    return dict(block_pairs=32, small_pairs=8, stages=2, maxnreg=MAXNREG, pdl=False)
+        return dict(block_pairs=8, small_pairs=0, stages=4, maxnreg=None, pdl=False, direct=False)
+    return dict(block_pairs=32, small_pairs=8, stages=2, maxnreg=MAXNREG, pdl=False, direct=False)
 
 
 def resolve_schedule(pairs: int, **given) -> dict:
@@ -98,27 +98,30 @@ def wgmma_dense_experts(w13, s13, w2, s2, hidden: int, dtype: torch.dtype = torc
 
 def int4_moe_wgmma(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, block_pairs: int | None = None,
                    small_pairs: int | None = None, stages: int | None = None, maxnreg: int | None = None,
-                   pdl: bool | None = None, experts: range | None = None, reduce_pairs=None):
+                   pdl: bool | None = None, direct: bool | None = None, experts: range | None = None,
+                   reduce_pairs=None):
     """The wgmma path (sm_90, bf16, wgmma layout); arguments as `kernels.int4_moe.int4_moe`. The schedule
     options, each None for DEFAULT_SCHEDULE's, `auto_schedule`'s or PLAIN's (`resolve_schedule`):
     `block_pairs` (BLOCK_PAIRS), the pairs per expert block (an expert's weights are streamed once per block);
     `small_pairs` (0 or a smaller BLOCK_PAIRS size), blocks holding at most that many pairs run with the MMA's N
     that small; `stages` (STAGES), the ring depth; `maxnreg`, a register cap; `pdl`, programmatic dependent launch
     (`auto_schedule`; not with an expert subset or `reduce_pairs`, whose extra launches sit between the GEMMs and
-    the combine). Same arithmetic, same bits for every schedule."""
+    the combine); `direct`, one token's pairs as blocks without the grouping launch (applies to one token with every
+    expert held). Same arithmetic, same bits for every schedule."""
     if not HAVE_GLUON:
         raise RuntimeError("int4_moe_wgmma needs Triton with Gluon (3.5 or newer)")
     sched = resolve_schedule(topk_ids.numel(), block_pairs=block_pairs, small_pairs=small_pairs, stages=stages,
-                             maxnreg=maxnreg, pdl=pdl)
+                             maxnreg=maxnreg, pdl=pdl, direct=direct)
     block_pairs, small, stages, cap = sched["block_pairs"], sched["small_pairs"], sched["stages"], sched["maxnreg"]
-    pdl = bool(sched.get("pdl")) and experts is None and reduce_pairs is None
+    pdl = bool(sched["pdl"]) and experts is None and reduce_pairs is None
+    direct = bool(sched["direct"]) and x.shape[0] == 1 and experts is None
     if not x.is_cuda or x.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device)[0] != 9:
         raise ValueError(f"int4_moe_wgmma: bf16 activations on an sm_90 GPU, got {x.dtype} on {x.device}")
     inter, D = w13.shape[1] // 2, x.shape[1]
     if any(s.stride(i) % 8 or s.stride(2) != 1 for s in (s13, s2) for i in (0, 1)):
         raise ValueError("int4_moe_wgmma: the scales must be rows of 16 bytes (repack_int4_moe_for_wgmma's layout)")
     opts = {"num_warps": 4, **({"maxnreg": cap} if cap else {}), **({"launch_pdl": True} if pdl else {})}
-    const = dict(NP=block_pairs, SMALL=small or 0, STAGES=stages, PDL=pdl, **opts)
+    const = dict(NP=block_pairs, SMALL=small or 0, STAGES=stages, PDL=pdl, DIRECT=direct, **opts)
 
     def w13_gemm(x, a, pairs, bexp, topk, P):
         _moe_w13_wgmma_kernel[(-(-inter // 64), bexp.shape[0])](
@@ -134,4 +137,4 @@ def int4_moe_wgmma(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, block_pai
 
     return routed_moe("int4_moe_wgmma", x, topk_ids, topk_w, w13, s13, w2, s2, out, k_align=STEP,
                       block_pairs=block_pairs, experts=experts, reduce_pairs=reduce_pairs, w13_gemm=w13_gemm,
-                      w2_gemm=w2_gemm, pdl=pdl)
+                      w2_gemm=w2_gemm, pdl=pdl, direct=direct)

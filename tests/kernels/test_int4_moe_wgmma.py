@@ -83,12 +83,14 @@ from triton.compiler import compile
 from triton.experimental.gluon._runtime import GluonASTSource
 from kernels import _int4_moe_wgmma as m
 out = {}
-configs = ((8, 0, 4, False), (64, 0, 2, False), (32, 8, 2, False), (32, 8, 2, True))
-for gated, np_, small, stages, pdl in [(g, *c) for g in (True, False) for c in configs]:
+configs = ((8, 0, 4, False, False), (64, 0, 2, False, False), (32, 8, 2, False, False), (32, 8, 2, True, False),
+           (8, 0, 4, True, True))
+for gated, np_, small, stages, pdl, direct in [(g, *c) for g in (True, False) for c in configs]:
         sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "out_ptr": "*bf16" if gated else "*fp32",
-               "pairs_ptr": "*i32", "bexp_ptr": "*i32", "P": "i32", "N_OUT": "i32", "num_kb": "i32"}
+               "pairs_ptr": "*i32", "bexp_ptr": "*i64" if direct else "*i32", "P": "i32", "N_OUT": "i32",
+               "num_kb": "i32"}
         sig.update({n: "i32" for n in ("stride_x", "stride_we", "stride_wn", "stride_se8", "stride_sn8", "stride_o")})
-        cst = dict(TOPK=8, NP=np_, SMALL=small, STAGES=stages, PDL=pdl)
+        cst = dict(TOPK=8, NP=np_, SMALL=small, STAGES=stages, PDL=pdl, DIRECT=direct)
         sig.update({k: "constexpr" for k in cst})
         names = list(sig)
         attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
@@ -103,7 +105,8 @@ for gated, np_, small, stages, pdl in [(g, *c) for g in (True, False) for c in c
         first = {key: next((i for i, line in enumerate(lines) if pat in line), -1) for key, pat in
                  (("wait", "griddepcontrol.wait"), ("launch", "griddepcontrol.launch_dependents"),
                   ("cp_async", "cp.async.cg"), ("ld_global", "ld.global"))}
-        out[f"{'w13' if gated else 'w2'}_np{np_}_small{small}_s{stages}{'_pdl' if pdl else ''}"] = {
+        tag = ("_pdl" if pdl else "") + ("_direct" if direct else "")
+        out[f"{'w13' if gated else 'w2'}_np{np_}_small{small}_s{stages}{tag}"] = {
             "first": first,
             "shared": k.metadata.shared,
             "wgmma": sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx))),
@@ -127,14 +130,15 @@ def test_wgmma_moe_kernels_compile_for_sm90(tmp_path):
     tensors), no spills (the capped kernel: at most 8 bytes; with PDL's early weight copies in w2: 16), and the capped
     kernel within its cap (3 CTAs per SM). With PDL (programmatic dependent launch) w13 waits for the previous grid
     before any load and only then lets w2 be scheduled; w2 reads its block's expert and issues its first weight
-    copies before it waits; without PDL no grid-dependency instruction at all."""
+    copies before it waits; without PDL no grid-dependency instruction at all. Direct blocks (the expert id of a
+    pair as its block's, int64) compile to the same MMAs and copies."""
     pytest.importorskip("triton.experimental.gluon")
     facts = run_sm90_script(tmp_path, _SM90_COMPILE)
-    assert len(facts) == 8, facts
+    assert len(facts) == 10, facts
     for name, f in facts.items():
         n, small, stages = (int(v) for v in re.match(r"w\d+_np(\d+)_small(\d+)_s(\d+)", name).groups())
         first = f["first"]
-        if not name.endswith("_pdl"):
+        if "_pdl" not in name:
             assert first["wait"] == first["launch"] == -1, (name, first)
         elif name.startswith("w13"):  # waits before it reads anything, then lets w2 be scheduled
             assert 0 <= first["wait"] < first["launch"] < min(first["ld_global"], first["cp_async"]), (name, first)
@@ -144,7 +148,7 @@ def test_wgmma_moe_kernels_compile_for_sm90(tmp_path):
         assert f["wgmma"] == sorted(f"m64n{p}k16" for p in paths) and f["n_wgmma"] == 32 * len(paths), (name, f)
         assert f["st_shared"] == 0 and f["cp_async_16"] >= 1 and f["ld_v4"] == 0, (name, f)
         # the capped kernel: none with the GPU's Triton 3.6 ptxas, 4 bytes with 3.9's
-        assert f["spill_bytes"] <= (16 if name.endswith("_pdl") else 8 if small else 0), (name, f)
+        assert f["spill_bytes"] <= (16 if "_pdl" in name else 8 if small else 0), (name, f)
         assert f["shared"] == stages * (4 * n * 64 * 2 + 128 * 32 * 4 + 128 * 8 * 2), (name, f)
         assert f["ld_shared"] == f["ld_shared_v4"] == 12 * len(paths), (name, f)
         assert not small or f["registers"] <= 168, (name, f)
@@ -220,24 +224,41 @@ def test_int4_moe_wgmma_schedules_agree(kimi_wgmma):
 
 @sm90
 @pytest.mark.gpu
-@pytest.mark.parametrize("T", [1, 64])
-def test_int4_moe_wgmma_pdl_in_a_cuda_graph(kimi_wgmma, T):
+def test_int4_moe_wgmma_decode_options_agree(kimi_wgmma):
+    """One token with direct blocks (no grouping launch) and / or PDL == the same token by the default decode
+    schedule == its row in a batch of 64 (the tiered schedule), bitwise, for several tokens."""
+    _, ww = kimi_wgmma
+    ids, tw = make_routing(64, KIMI["k"], KIMI["E"], device="cuda", seed=12)
+    x = torch.randn(64, KIMI["D"], device="cuda").to(torch.bfloat16)
+    batch = run_wgmma(x, ids, tw, ww)
+    for t in (0, 21, 63):
+        one = (x[t:t + 1], ids[t:t + 1], tw[t:t + 1])
+        assert_bitwise(run_wgmma(*one, ww)[0], batch[t], f"token {t} alone")
+        for sched in (dict(direct=True), dict(pdl=True), dict(direct=True, pdl=True)):
+            assert_bitwise(run_wgmma(*one, ww, **sched)[0], batch[t], f"token {t}, {sched}")
+
+
+@sm90
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,direct", [(1, False), (1, True), (64, False)])
+def test_int4_moe_wgmma_pdl_in_a_cuda_graph(kimi_wgmma, T, direct):
     """Programmatic dependent launch (w13, w2 and the combine each scheduled while the previous grid ends, each
     waiting for it before it reads its output), eager and replayed from a CUDA graph twice with new inputs: bitwise
     equal to the launches without it, for the decode (T = 1) and the tiered schedule."""
     _, ww = kimi_wgmma
     ids, tw = make_routing(T, KIMI["k"], KIMI["E"], device="cuda", seed=9)
     x = torch.randn(T, KIMI["D"], device="cuda").to(torch.bfloat16)
-    assert_bitwise(run_wgmma(x, ids, tw, ww, pdl=True), run_wgmma(x, ids, tw, ww), "eager")
+    kw = dict(pdl=True, direct=direct)
+    assert_bitwise(run_wgmma(x, ids, tw, ww, **kw), run_wgmma(x, ids, tw, ww), "eager")
     out = torch.empty_like(x)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        int4_moe_wgmma(x, ids, tw, *ww, out=out, pdl=True)  # compiled outside the capture
+        int4_moe_wgmma(x, ids, tw, *ww, out=out, **kw)  # compiled outside the capture
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        int4_moe_wgmma(x, ids, tw, *ww, out=out, pdl=True)
+        int4_moe_wgmma(x, ids, tw, *ww, out=out, **kw)
     for seed in (10, 11):
         new_ids, new_tw = make_routing(T, KIMI["k"], KIMI["E"], device="cuda", seed=seed)
         x.copy_(torch.randn(T, KIMI["D"], device="cuda").to(torch.bfloat16))
@@ -255,7 +276,8 @@ def test_auto_schedule():
     assert auto_schedule(8)["stages"] == 4 and not auto_schedule(8)["small_pairs"]
     for p in (9, 72, 1032, 4224, 10**6):
         s = auto_schedule(p)
-        assert (s["block_pairs"], s["small_pairs"], s["stages"], s["maxnreg"], s["pdl"]) == (32, 8, 2, 168, False), p
+        assert (s["block_pairs"], s["small_pairs"], s["stages"], s["maxnreg"]) == (32, 8, 2, 168), p
+        assert not s["pdl"] and not s["direct"], p
     for p in (1, 9, 10**6):
         s = auto_schedule(p)
         assert s["block_pairs"] in BLOCK_PAIRS and s["stages"] in STAGES and s["small_pairs"] in (0, *BLOCK_PAIRS)

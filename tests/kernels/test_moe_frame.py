@@ -1,6 +1,7 @@
 """kernels/_moe_frame.py, the launches around the Gluon paths' GEMMs, on CPU: with torch GEMMs that follow the
-contract the Gluon kernels implement (blocks of `sorted_pairs` per `block_expert`, padding slots skipped), the frame
-reproduces the reference MoE, also for K not a multiple of the layout's step and for a subset of the experts."""
+contract the Gluon kernels implement (blocks of `sorted_pairs` per `block_expert`, padding slots skipped; or, direct,
+one block per pair with its expert id), the frame reproduces the reference MoE, also for K not a multiple of the
+layout's step and for a subset of the experts."""
 
 from __future__ import annotations
 
@@ -12,13 +13,15 @@ from kernels._moe_frame import routed_moe
 from kernels.int4_moe import moe_dense_ref
 
 
-def _gemms(w13d, w2d, block_pairs):
+def _gemms(w13d, w2d, block_pairs, direct=False):
     """Torch stand-ins for the kernels: dense weights [E, 2I, Kp13] / [E, D, Kp2] (zero-padded K)."""
     inter = w13d.shape[1] // 2
 
     def blocks(pairs, bexp, P):
         for b, e in enumerate(bexp.tolist()):
-            if e >= 0:
+            if direct:  # block b is pair b; `pairs` is not to be read
+                yield e, torch.tensor([b])
+            elif e >= 0:
                 ids = pairs[b * block_pairs:(b + 1) * block_pairs]
                 yield e, ids[ids < P].long()
 
@@ -34,9 +37,9 @@ def _gemms(w13d, w2d, block_pairs):
     return w13_gemm, w2_gemm
 
 
-@pytest.mark.parametrize("held", [None, range(2, 5)])
-def test_routed_moe_frame_matches_the_reference(held):
-    T, k, E, D, inter, align, bp = 6, 3, 7, 40, 24, 64, 8
+@pytest.mark.parametrize("held,T,direct", [(None, 6, False), (range(2, 5), 6, False), (None, 1, True)])
+def test_routed_moe_frame_matches_the_reference(held, T, direct):
+    k, E, D, inter, align, bp = 3, 7, 40, 24, 64, 8
     g = torch.Generator().manual_seed(0)
     x = torch.randn(T, D, generator=g, dtype=torch.float64)
     ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
@@ -48,9 +51,10 @@ def test_routed_moe_frame_matches_the_reference(held):
     w13p, w2p = F.pad(w13, (0, kp13 - D)), F.pad(w2, (0, kp2 - inter))
     words13 = torch.zeros(n, 2 * inter, kp13 // 8, dtype=torch.int32)  # only the shapes matter to the frame
     words2 = torch.zeros(n, D, kp2 // 8, dtype=torch.int32)
-    g13, g2 = _gemms(w13p, w2p, bp)
+    g13, g2 = _gemms(w13p, w2p, bp, direct)
     out = routed_moe("test", x, ids, tw.float(), words13, None, words2, None, torch.full_like(x, float("nan")),
-                     k_align=align, block_pairs=bp, experts=held, reduce_pairs=None, w13_gemm=g13, w2_gemm=g2)
+                     k_align=align, block_pairs=bp, experts=held, reduce_pairs=None, w13_gemm=g13, w2_gemm=g2,
+                     direct=direct)
     ref = moe_dense_ref(x, ids, tw, w13, w2, held, None)
     torch.testing.assert_close(out, ref.to(out.dtype), rtol=1e-5, atol=1e-6)
 
@@ -61,3 +65,14 @@ def test_routed_moe_frame_refuses_weights_of_another_shape():
     with pytest.raises(ValueError, match="test: x"):
         routed_moe("test", x, torch.zeros(2, 1, dtype=torch.long), torch.ones(2, 1), bad, None, bad, None, None,
                    k_align=64, block_pairs=8, experts=None, reduce_pairs=None, w13_gemm=None, w2_gemm=None)
+
+
+def test_direct_blocks_need_one_token_and_every_expert():
+    x = torch.randn(2, 64)
+    w = torch.zeros(3, 48, 8, dtype=torch.int32)
+    w2 = torch.zeros(3, 64, 8, dtype=torch.int32)  # I = 24, K padded to 64
+    for xx, held in ((x, None), (x[:1], range(0, 3))):
+        with pytest.raises(ValueError, match="direct blocks"):
+            routed_moe("test", xx, torch.zeros(xx.shape[0], 2, dtype=torch.long), torch.ones(xx.shape[0], 2), w, None,
+                       w2, None, None, k_align=64, block_pairs=8, experts=held, reduce_pairs=None, w13_gemm=None,
+                       w2_gemm=None, direct=True)
