@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# One device call for the wgmma INT4 MoE kernels' schedules: their GPU tests (test_int4_moe_wgmma.py), the layer
+# benchmark of the schedule variants at uniform and at crowded routing, then the whole verify step (8 K2.6 layers,
+# prefix 4096) with the default schedule and with each schedule in SCHEDULES (JSON options laid over
+# int4_moe_wgmma.auto_schedule, `;`-separated). About 5 minutes with the defaults. Logs and JSONL go to $OUT
+# (bench/results/run when unset); run from the repo root. Overrides: VARIANTS (bench_int4_moe --gluon names),
+# TOKENS, POOL_TOKENS, STEP_ARGS; section time limits T_TESTS / T_LAYER / T_STEP (seconds); TESTS=0 / STEP=0 skip.
+set -o pipefail
+export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
+OUT=${OUT:-bench/results/run}
+mkdir -p "$OUT"
+VARIANTS=${VARIANTS:-"wgmma_auto wgmma_auto_pdl wgmma_auto_direct wgmma_auto_pdl_direct wgmma_np8_s2_r128"}
+SCHEDULES=${SCHEDULES:-'{"pdl": true, "direct": true};{"block_pairs": 8, "maxnreg": 128}'}
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv 2>&1 | tee "$OUT/gpu.txt"
+python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
+status=0
+if [ "${TESTS:-1}" != 0 ]; then
+  timeout "${T_TESTS:-200}" python -m pytest -q -rs -m gpu --durations=5 tests/kernels/test_int4_moe_wgmma.py \
+    2>&1 | tee "$OUT/moe_tests.log" || status=1
+fi
+# shellcheck disable=SC2086  # word splitting of the lists is intended
+timeout "${T_LAYER:-150}" python bench/bench_int4_moe.py --no-peers --tokens ${TOKENS:-1 9 33 129} --gluon $VARIANTS \
+  --out "$OUT/int4_moe_schedules.jsonl" 2>&1 | tee "$OUT/bench_int4_moe_schedules.log" || status=1
+# shellcheck disable=SC2086
+timeout "${T_LAYER:-150}" python bench/bench_int4_moe.py --no-peers --pool 64 --tokens ${POOL_TOKENS:-144 528} \
+  --gluon $VARIANTS --out "$OUT/int4_moe_schedules.jsonl" 2>&1 | tee "$OUT/bench_int4_moe_schedules_pool.log" \
+  || status=1
+if [ "${STEP:-1}" != 0 ]; then
+  step=(python bench/bench_verify_step.py --prefix 4096 --batch 1 16 --trees 1 9 33 --invariant on --moe-layout wgmma
+        --out "$OUT/verify_step_schedules.jsonl")
+  # shellcheck disable=SC2086
+  timeout "${T_STEP:-150}" "${step[@]}" $STEP_ARGS 2>&1 | tee "$OUT/bench_verify_step_schedules.log" || status=1
+  IFS=';' read -r -a scheds <<< "$SCHEDULES"
+  for s in "${scheds[@]}"; do
+    # shellcheck disable=SC2086
+    timeout "${T_STEP:-150}" "${step[@]}" --moe-wgmma-schedule "$s" $STEP_ARGS 2>&1 \
+      | tee -a "$OUT/bench_verify_step_schedules.log" || status=1
+  done
+fi
+echo "exit $status" | tee -a "$OUT/gpu.txt"
+exit $status
