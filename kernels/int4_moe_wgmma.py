@@ -28,7 +28,7 @@ BLOCK_PAIRS = (8, 16, 32, 64)  # pairs per expert block; every size gives the sa
 STAGES = (2, 3, 4)  # ring slots: weights, scales and activations of STAGES - 1 steps in flight
 DEFAULT_SCHEDULE = {}  # read at each call: `int4_moe_wgmma` options for every launch (the rest: as `resolve_schedule`)
 PLAIN = dict(block_pairs=8, small_pairs=0, stages=2, maxnreg=None, pdl=False, direct=False)  # one block size
-MAXNREG = 168  # the tiered schedule's register cap: 3 CTAs per SM at 32 pairs (171 uncapped, no spills at 168)
+MAXNREG = 168  # the tiered schedule's register cap: 3 CTAs per SM (171 uncapped; no spills at 168 with Triton 3.6)
 
 
 def auto_schedule(pairs: int) -> dict:
@@ -105,9 +105,9 @@ def int4_moe_wgmma(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, block_pai
     `block_pairs` (BLOCK_PAIRS), the pairs per expert block (an expert's weights are streamed once per block);
     `small_pairs` (0 or a smaller BLOCK_PAIRS size), blocks holding at most that many pairs run with the MMA's N
     that small; `stages` (STAGES), the ring depth; `maxnreg`, a register cap; `pdl`, programmatic dependent launch
-    (`auto_schedule`; not with an expert subset or `reduce_pairs`, whose extra launches sit between the GEMMs and
-    the combine); `direct`, one token's pairs as blocks without the grouping launch (applies to one token with every
-    expert held). Same arithmetic, same bits for every schedule."""
+    (ignored with an expert subset or `reduce_pairs`, whose extra launches sit between the GEMMs and the combine);
+    `direct`, one token's pairs as blocks without the grouping launch (ignored unless one token with every expert
+    held). Same arithmetic, same bits for every schedule."""
     if not HAVE_GLUON:
         raise RuntimeError("int4_moe_wgmma needs Triton with Gluon (3.5 or newer)")
     sched = resolve_schedule(topk_ids.numel(), block_pairs=block_pairs, small_pairs=small_pairs, stages=stages,
