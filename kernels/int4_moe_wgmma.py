@@ -49,11 +49,17 @@ def resolve_schedule(pairs: int, **given) -> dict:
     """The schedule a launch of `pairs` pairs runs: the options given (None: not given) over DEFAULT_SCHEDULE's, over
     `auto_schedule`'s, or over PLAIN's when a block size is among them; ValueError for one the kernels cannot run."""
     chosen = {**DEFAULT_SCHEDULE, **{k: v for k, v in given.items() if v is not None}}
+    if set(chosen) - set(PLAIN):
+        raise ValueError(f"int4_moe_wgmma: unknown schedule options {sorted(set(chosen) - set(PLAIN))}, the options "
+                         f"are {sorted(PLAIN)}")
     sched = {**(PLAIN if chosen.get("block_pairs") else auto_schedule(pairs)), **chosen}
-    bp, small, stages = sched["block_pairs"], sched["small_pairs"], sched["stages"]
-    if bp not in BLOCK_PAIRS or stages not in STAGES or (small and (small not in BLOCK_PAIRS or small >= bp)):
+    bp, small, stages, cap = sched["block_pairs"], sched["small_pairs"], sched["stages"], sched["maxnreg"]
+    if (bp not in BLOCK_PAIRS or stages not in STAGES or (small and (small not in BLOCK_PAIRS or small >= bp))
+            or not (cap is None or (isinstance(cap, int) and 32 <= cap <= 255))
+            or not all(isinstance(sched[k], bool) for k in ("pdl", "direct"))):
         raise ValueError(f"int4_moe_wgmma: block_pairs={bp} (one of {BLOCK_PAIRS}), small_pairs={small} "
-                         f"(0 or a smaller one), stages={stages} (one of {STAGES})")
+                         f"(0 or a smaller one), stages={stages} (one of {STAGES}), maxnreg={cap} (None or 32-255), "
+                         f"pdl={sched['pdl']!r} and direct={sched['direct']!r} (true / false)")
     return sched
 
 

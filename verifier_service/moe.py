@@ -9,6 +9,7 @@ experts (`expert_ids`) and a process group (`ep_group`) whose ranks hold the res
 
 from __future__ import annotations
 
+import json
 import os
 
 import torch
@@ -16,19 +17,40 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import int4_moe_wgmma as int4_moe_wgmma_module
 from kernels.int4_moe import int4_moe, moe_dense_ref, repack_int4_moe_for_gpu, unrepack_int4_moe
 from kernels.int4_moe_gluon import gluon_dense_experts, repack_int4_moe_for_gluon
-from kernels.int4_moe_wgmma import HAVE_GLUON, repack_int4_moe_for_wgmma, wgmma_dense_experts
+from kernels.int4_moe_wgmma import HAVE_GLUON, repack_int4_moe_for_wgmma, resolve_schedule, wgmma_dense_experts
 from kernels.int4_pack import dequantize_int4
 from verifier_service.config import KimiConfig
 
 # the INT4 layout `MoE.repack_for_gpu` makes on CUDA: "auto" (the default: "wgmma" on sm_90, else "gpu"), "gpu"
 # (the Triton kernels of kernels/int4_moe.py), "gluon" (the mma.sync Gluon kernels of kernels/int4_moe_gluon.py) or
 # "wgmma" (kernels/int4_moe_wgmma.py, sm_90 only: warpgroup MMAs with the activations in shared memory; on the
-# H200 as fast as "gpu" at one session and 5-12% faster at 16, docs/performance.md). Each gives other bits; one
+# H200 as fast as "gpu" at one session and faster at 16, docs/performance.md). Each gives other bits; one
 # deployment uses one, so AR and DDTree run the same kernels (batch invariance holds within each). The environment
 # variable DDTREE_MOE_LAYOUT sets it for a process (read at import; checked at the first repack).
 GPU_LAYOUT = os.environ.get("DDTREE_MOE_LAYOUT", "auto")
+
+
+def schedule_from_env(raw: str | None) -> dict:
+    """DDTREE_MOE_SCHEDULE: a JSON object of `int4_moe_wgmma` schedule options for every launch of the wgmma kernels,
+    laid over their `auto_schedule` (e.g. '{"pdl": true}'); a schedule changes speed, never bits. Checked here, so a
+    bad one stops the process at import with the reason."""
+    if not raw:
+        return {}
+    try:
+        sched = json.loads(raw)
+        if not isinstance(sched, dict):
+            raise ValueError("not a JSON object")
+        for pairs in (1, 10**4):  # the decode and the tiered schedule, with these options over them
+            resolve_schedule(pairs, **sched)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"DDTREE_MOE_SCHEDULE={raw!r}: {exc}") from None
+    return sched
+
+
+int4_moe_wgmma_module.DEFAULT_SCHEDULE = schedule_from_env(os.environ.get("DDTREE_MOE_SCHEDULE"))
 _REPACK = {"gpu": repack_int4_moe_for_gpu, "gluon": repack_int4_moe_for_gluon, "wgmma": repack_int4_moe_for_wgmma}
 _DENSE = {"gluon": gluon_dense_experts, "wgmma": wgmma_dense_experts}  # their CPU decode (the "gpu" one: below)
 

@@ -42,3 +42,34 @@ def test_gpu_layout_resolution(monkeypatch):
         if want == "gpu":
             with pytest.raises(ValueError, match="needs an sm_90 GPU"):
                 moe_mod.resolve_gpu_layout("wgmma", cuda)
+
+
+def test_moe_schedule_from_the_environment():
+    """DDTREE_MOE_SCHEDULE: a JSON object of wgmma schedule options, checked at import (the decode and the tiered
+    schedule with them over it); anything the kernels cannot take is a ValueError naming the variable."""
+    from verifier_service.moe import schedule_from_env
+
+    assert schedule_from_env(None) == schedule_from_env("") == {}
+    assert schedule_from_env('{"pdl": true, "direct": true}') == {"pdl": True, "direct": True}
+    assert schedule_from_env('{"block_pairs": 8, "maxnreg": 128}') == {"block_pairs": 8, "maxnreg": 128}
+    for bad in ('{"pdl": 1}', '{"stages": 5}', '{"small_pairs": 32}', '{"speed": "max"}', "[8]", "pdl=true",
+                '{"maxnreg": 300}'):
+        with pytest.raises(ValueError, match="DDTREE_MOE_SCHEDULE="):
+            schedule_from_env(bad)
+
+
+def test_a_bad_moe_schedule_stops_the_process_at_import():
+    """The variable is read when the model's MoE module is imported: a bad value fails there with its reason."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "DDTREE_MOE_SCHEDULE": '{"stages": 9}'}
+    run = subprocess.run([sys.executable, "-c", "import verifier_service.moe"], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode != 0 and "DDTREE_MOE_SCHEDULE" in run.stderr and "stages=9" in run.stderr, run.stderr
+    env["DDTREE_MOE_SCHEDULE"] = '{"pdl": true}'
+    run = subprocess.run([sys.executable, "-c", "import verifier_service.moe as m; "
+                          "print(m.int4_moe_wgmma_module.DEFAULT_SCHEDULE)"], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip() == "{'pdl': True}", run.stderr
