@@ -306,7 +306,7 @@ def test_bad_schedule_is_refused():
         x = x.cuda()
     ids, tw = torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, 1)
     for bad in (dict(block_pairs=12), dict(block_pairs=8, small_pairs=8), dict(block_pairs=8, stages=5),
-                dict(block_pairs=32, small_pairs=12)):
+                dict(block_pairs=32, small_pairs=12), dict(maxnreg=7), dict(pdl="yes"), dict(direct=1)):
         with pytest.raises(ValueError, match="block_pairs=.*small_pairs=.*stages="):
             int4_moe_wgmma(x, ids, tw, *(None,) * 4, **bad)
     if not SM90:  # a schedule it takes gets as far as the device check
