@@ -306,12 +306,10 @@ if HAVE_GLUON:
             else:
                 _ring_gemm(x_ptr, out_ptr, pairs_ptr, blk, pid_r, P, N_OUT, num_kb, stride_x, stride_o, w_src, w_ok,
                            s_src, s_ok, xring, wring, sring, TOPK, GATED, NP, NP, STAGES, WPRE, DIRECT, W_L)
-        elif SMALL > 0:  # DIRECT: one pair per block
+        else:  # one block size (DIRECT: one pair per block, so the small path when there is one)
+            N1: gl.constexpr = SMALL if DIRECT and SMALL > 0 else NP
             _ring_gemm(x_ptr, out_ptr, pairs_ptr, blk, pid_r, P, N_OUT, num_kb, stride_x, stride_o, w_src, w_ok,
-                       s_src, s_ok, xring, wring, sring, TOPK, GATED, SMALL, NP, STAGES, WPRE, DIRECT, W_L)
-        else:
-            _ring_gemm(x_ptr, out_ptr, pairs_ptr, blk, pid_r, P, N_OUT, num_kb, stride_x, stride_o, w_src, w_ok,
-                       s_src, s_ok, xring, wring, sring, TOPK, GATED, NP, NP, STAGES, WPRE, DIRECT, W_L)
+                       s_src, s_ok, xring, wring, sring, TOPK, GATED, N1, NP, STAGES, WPRE, DIRECT, W_L)
 
     @gluon.jit
     def _moe_w13_wgmma_kernel(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, bexp_ptr, P, N_OUT, num_kb, stride_x,
