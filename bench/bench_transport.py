@@ -2,7 +2,8 @@
 
     python bench/bench_transport.py [--pair models/kimi-mini] [--device cpu|cuda] [--concurrency 1 32]
                                     [--steps 30] [--warmup 5] [--time-budget-s S] [--no-gc-freeze]
-                                    [--no-check-graphs] [--control-spin-ms MS] [--transports T ...]
+                                    [--no-check-graphs] [--control-spin-ms MS] [--keepwarm-ms MS]
+                                    [--transports T ...]
 
 For each transport the same engine (target in this process) runs C sessions at one budget; the drafter
 is the in-process `Drafter` (inprocess) or a `ddtree drafter serve` process on loopback (same device)
@@ -12,9 +13,10 @@ GPU only: colocated_events, the same with the drafter's IPC event polled on the 
 the doorbell, and colocated_sync, without events, each side waiting for its GPU before a message) or
 inline bytes (grpc; on a GPU its verify step queued before the trees arrive, behind a host doorbell that the
 thread reading the answer rings, `verifier_service.tree_landing`; GPU only: grpc_sync, the trees waited for on
-the host before the step is queued). All engines share one target (batch-invariant on
-CUDA, as `build_local_engine` builds it) and step in interleaved rounds, so that load from other
-processes falls on all of them alike. Checked: every session's tokens equal the in-process engine's
+the host before the step is queued). The gRPC streams send the drafter a KeepWarm message after
+--keepwarm-ms without traffic while steps flow; grpc_cold is the grpc engine without them. All engines share
+one target (batch-invariant on CUDA, as `build_local_engine` builds it) and step in interleaved rounds, so
+that load from other processes falls on all of them alike. Checked: every session's tokens equal the in-process engine's
 (greedy: a transport must not change a token), and every round's tokens too (the drafter runs the same
 model on the same device, so the trees must be the same, which is also what makes the timings
 comparable). On CUDA each timed step is bracketed by torch.cuda.synchronize(). Reported: median and p90
@@ -94,6 +96,11 @@ def wait_serving(proc: subprocess.Popen) -> str:
     raise RuntimeError(f"the drafter did not start (exit status {proc.wait()})")
 
 
+def keepwarm_ms(transport: str, args) -> float:
+    """The keep-warm period of an engine's stream client (grpc_cold: none; co-located streams never send any)."""
+    return 0.0 if transport in ("inprocess", "grpc_cold") else args.keepwarm_ms
+
+
 def mps_running() -> bool:
     """Whether an MPS control daemon serves this environment's CUDA clients (its pipe exists): every process of
     the bench, in-process engine included, then shares one GPU context through it."""
@@ -136,9 +143,12 @@ def main() -> int:
                    help="the stream clients replay the tree check from CUDA graphs (StreamClientConfig.check_graphs)")
     p.add_argument("--control-spin-ms", type=float, default=0.0,
                    help="co-located streams: both ends poll their control socket this long before sleeping")
+    p.add_argument("--keepwarm-ms", type=float, default=3.0,
+                   help="gRPC streams (not grpc_cold): a KeepWarm message after this many ms without one while "
+                        "steps flow (StreamClientConfig.keepwarm_ms)")
     p.add_argument("--transports", nargs="+", default=None,
                    help="the remote engines to run beside in-process (default: all: colocated, grpc, and on a GPU "
-                        "colocated_events, colocated_sync and grpc_sync)")
+                        "colocated_events, colocated_sync and grpc_sync; grpc_cold everywhere)")
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "transport.jsonl"))
     args = p.parse_args()
 
@@ -162,8 +172,9 @@ def main() -> int:
     base: dict[int, float] = {}
     # on a GPU also the co-located stream without the trees doorbell (the verifier polls the drafter's IPC
     # event on its host) and without IPC events (each side waits for its GPU before each message)
-    remote = ("colocated", "colocated_events", "colocated_sync", "grpc", "grpc_sync") if cuda \
-        else ("colocated", "grpc")
+    # and gRPC without its keep-warm messages (grpc_cold)
+    remote = ("colocated", "colocated_events", "colocated_sync", "grpc", "grpc_sync", "grpc_cold") if cuda \
+        else ("colocated", "grpc", "grpc_cold")
     if args.transports is not None:
         if unknown := set(args.transports) - set(remote):
             p.error(f"--transports: {sorted(unknown)} not among {list(remote)} on {args.device}")
@@ -181,9 +192,10 @@ def main() -> int:
             client = DraftStreamClient(StreamClientConfig(addr, colocated=not transport.startswith("grpc"),
                                                           region_device=args.device, draft_timeout_s=60,
                                                           ipc_events=transport in ("colocated", "colocated_events"),
-                                                          doorbell=transport in ("colocated", "grpc"),
+                                                          doorbell=transport in ("colocated", "grpc", "grpc_cold"),
                                                           control_spin_s=args.control_spin_ms / 1e3,
                                                           check_graphs=args.check_graphs,
+                                                          keepwarm_ms=keepwarm_ms(transport, args),
                                                           client_id=f"bench-{transport}"))
             client.start()
             model = client.wait_ready(timeout=120)
@@ -246,7 +258,7 @@ def main() -> int:
                 if not t.startswith("grpc") and (d["region_tensors"] == 0 or d["region_trees"] != d["steps"]):
                     problems.append(f"C={conc} {t}: shared regions not used for every step ({d})")
                 handed = {"colocated": "doorbell_steps", "colocated_events": "event_steps",
-                          "grpc": "landed_steps"}.get(t) if cuda else None
+                          "grpc": "landed_steps", "grpc_cold": "landed_steps"}.get(t) if cuda else None
                 if handed and d[handed] != d["steps"]:
                     problems.append(f"C={conc} {t}: {handed} is not every step ({d})")
             for t, e in engines.items():
@@ -259,6 +271,7 @@ def main() -> int:
                        "params": {"transport": t, "concurrency": conc, "device": args.device, "budget": args.budget,
                                   "topk": 8, "pair": pair.name, "steps": n, "warmup": args.warmup,
                                   "cuda_graphs": graphs, "control_spin_ms": args.control_spin_ms,
+                                  "keepwarm_ms": keepwarm_ms(t, args),
                                   "gc_freeze": args.gc_freeze, "check_graphs": args.check_graphs,
                                   "mps": cuda and mps_running()},
                        "device": device_name, "gpu": gpu, "dtype": dtype_name, "commit": commit(),

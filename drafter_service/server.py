@@ -138,27 +138,32 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
             max_budget=MAX_BUDGET, max_sessions=self.max_sessions,
             active_sessions=sum(len(s.sessions) for s in streams), draft_window=self.window,
             streams=len(streams), device=str(d.device), dtype=str(d.dtype).removeprefix("torch."),
-            step_features=True)
+            step_features=True, keep_warm=True)
 
     async def Info(self, request, context):
         return self.info()
 
     # --- Draft stream ------------------------------------------------------------------------------
     async def _read(self, context):
-        """Next request, or None at the end of the stream or when draining."""
-        read = asyncio.ensure_future(context.read())
-        drain = asyncio.ensure_future(self._drain.wait())
-        try:
-            await asyncio.wait({read, drain}, return_when=asyncio.FIRST_COMPLETED)
-        finally:  # also when this handler is cancelled: leave no task behind, and no exception unread (a read
-            # that failed in the turn this handler was cancelled is done, yet nobody will take its result)
-            cancel_quietly(drain)
-            got = read.done()
-            cancel_quietly(read)
-        if not got:
-            return None  # draining
-        msg = read.result()
-        return None if msg is grpc.aio.EOF else msg
+        """Next request, or None at the end of the stream or when draining. KeepWarm messages are dropped here
+        (the verifier sends them between steps so that gRPC's threads on both sides stay warm)."""
+        while True:
+            read = asyncio.ensure_future(context.read())
+            drain = asyncio.ensure_future(self._drain.wait())
+            try:
+                await asyncio.wait({read, drain}, return_when=asyncio.FIRST_COMPLETED)
+            finally:  # also when this handler is cancelled: leave no task behind, and no exception unread (a
+                # read that failed in the turn this handler was cancelled is done, yet nobody will take its result)
+                cancel_quietly(drain)
+                got = read.done()
+                cancel_quietly(read)
+            if not got:
+                return None  # draining
+            msg = read.result()
+            if msg is grpc.aio.EOF:
+                return None
+            if msg.WhichOneof("kind") != "keep_warm":
+                return msg
 
     async def Draft(self, request_iterator, context):
         if self.drafter is None or self._drain.is_set():

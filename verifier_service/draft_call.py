@@ -4,6 +4,10 @@ A request queue feeds gRPC and a reader thread fills a response queue; once `con
 after `opened`) messages go over that socket and answers are read from it. A landing step's answer
 (`verifier_service.tree_landing`) is taken by the reader thread itself (`land`), and a call that breaks or closes
 releases the landing it holds.
+
+With steps on the gRPC stream and a drafter that takes them, gRPC's request thread also sends `KeepWarm` messages
+shortly before the next step's request or answer is expected (`verifier_service.keepwarm`; `keepwarm.period_s` 0:
+none).
 """
 
 from __future__ import annotations
@@ -16,7 +20,10 @@ import grpc
 from protos.control_socket import ControlClosed, ControlSocket
 from protos.ddtree.v1 import drafter_pb2, drafter_pb2_grpc
 from protos.shared_region import IpcEvent, SharedRegion
+from verifier_service.keepwarm import KeepWarmPlan, paced
 from verifier_service.tree_landing import Landing
+
+KEEP_WARM = drafter_pb2.DraftStreamRequest(keep_warm=drafter_pb2.KeepWarm())
 
 
 class StreamBroken(Exception):
@@ -31,7 +38,8 @@ class DraftCall:
     """One open Draft call: a request queue feeding gRPC, a reader thread filling a response queue; once
     `control` is set (after `opened`), messages go over that socket and answers are read from it."""
 
-    def __init__(self, stub: drafter_pb2_grpc.DrafterStub, regions: dict[int, SharedRegion], on_broken):
+    def __init__(self, stub: drafter_pb2_grpc.DrafterStub, regions: dict[int, SharedRegion], on_broken,
+                 stats: dict[str, int] | None = None):
         self.regions = regions
         self.control: ControlSocket | None = None
         # CUDA regions: ours, recorded after our work on the regions; the drafter's, waited for before reading
@@ -50,13 +58,21 @@ class DraftCall:
         self._requests: queue.Queue = queue.Queue()
         self._responses: queue.Queue = queue.Queue()
         self._on_broken = on_broken
-        self.call = stub.Draft(iter(self._requests.get, None))
+        self._stats = stats if stats is not None else {}  # counts "keepwarm_sent" (the client's stats)
+        # period_s set once the drafter said it takes KeepWarm and the steps stay on gRPC (0: never sent)
+        self.keepwarm = KeepWarmPlan(0.0, self._kept_warm)
+        self.call = stub.Draft(paced(self._requests, KEEP_WARM, self.keepwarm))
         self._reader = threading.Thread(target=self._read, name="draft-stream-reader", daemon=True)
         self._reader.start()
+
+    def _kept_warm(self) -> None:
+        self._stats["keepwarm_sent"] = self._stats.get("keepwarm_sent", 0) + 1  # gRPC's request thread alone
 
     def _read(self) -> None:
         try:
             for resp in self.call:
+                if resp.WhichOneof("kind") == "trees":
+                    self.keepwarm.answered()
                 with self._route:
                     landing = self.landing
                     if landing is not None and resp.WhichOneof("kind") == "trees" \
@@ -109,6 +125,8 @@ class DraftCall:
         if self.broken:
             raise self.error or StreamBroken("stream is closed")
         if self.control is None:
+            if msg.WhichOneof("kind") == "step":
+                self.keepwarm.sent()
             self._requests.put(msg)
             return
         try:

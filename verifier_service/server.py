@@ -75,6 +75,7 @@ class VerifierServerConfig:
     cuda_graphs: bool | None = None  # verify forwards and tree checks through CUDA graphs; None = on for CUDA
     mla_kernel: str = "auto"  # MLA tile kernel (`kernels.mla_attention.IMPLS`): auto = Gluon where it runs
     doorbell: bool = True  # on a GPU: queue the verify step behind a doorbell (StreamClientConfig.doorbell)
+    keepwarm_ms: float = 3.0  # gRPC stream: a KeepWarm after this long without a message (StreamClientConfig)
 
     def __post_init__(self):
         if self.metrics_listen is not None:
@@ -91,6 +92,8 @@ class VerifierServerConfig:
                 raise ValueError(f"verifier server: {f} must be positive, got {getattr(self, f)}")
         if self.control_spin_ms < 0:
             raise ValueError(f"verifier server: control_spin_ms must be >= 0, got {self.control_spin_ms}")
+        if not 0 <= self.keepwarm_ms <= 1000:
+            raise ValueError(f"verifier server: keepwarm_ms must be in [0, 1000] (0: off), got {self.keepwarm_ms}")
         if self.grace_s < 0:
             raise ValueError(f"verifier server: grace period must be >= 0, got {self.grace_s}")
 
@@ -286,7 +289,7 @@ def build_engine(cfg: VerifierServerConfig, stop: threading.Event, metrics: Metr
             cfg.drafter_address, colocated=cfg.transport == "colocated", region_device=device,
             draft_timeout_s=cfg.draft_timeout_s, max_message_bytes=cfg.max_message_bytes, window=cfg.draft_window,
             control_spin_s=cfg.control_spin_ms / 1e3, check_graphs=cfg.cuda_graphs is not False, doorbell=cfg.doorbell,
-            client_id=f"verifier@{cfg.listen}"), metrics=metrics)
+            keepwarm_ms=cfg.keepwarm_ms, client_id=f"verifier@{cfg.listen}"), metrics=metrics)
         client.start()  # connects in the background while the target loads
         try:
             if leader is None:

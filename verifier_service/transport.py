@@ -36,6 +36,9 @@ class StreamClientConfig:
     # step is queued before the trees arrive, behind a host doorbell the answer rings (verifier_service.tree_landing)
     doorbell: bool = True
     control_spin_s: float = 0.0  # control socket: poll this long for the answer before sleeping (ControlSocket)
+    # steps on the gRPC stream: a KeepWarm after this many ms without a message while steps flow (0: never;
+    # verifier_service.draft_call)
+    keepwarm_ms: float = 3.0
     check_graphs: bool = True  # on a GPU: the tree check of region trees replayed from CUDA graphs
     draft_timeout_s: float = 5.0  # one step's deadline
     connect_timeout_s: float = 5.0  # opening a stream (handshake included)
@@ -54,6 +57,8 @@ class StreamClientConfig:
                 raise ValueError(f"stream client: {f} must be positive, got {getattr(self, f)}")
         if self.control_spin_s < 0:
             raise ValueError(f"stream client: control_spin_s must be >= 0, got {self.control_spin_s}")
+        if not 0 <= self.keepwarm_ms <= 1000:
+            raise ValueError(f"stream client: keepwarm_ms must be in [0, 1000] (0: off), got {self.keepwarm_ms}")
         if not self.address:
             raise ValueError("stream client: the drafter address is empty")
 

@@ -90,7 +90,7 @@ class DraftStreamClient:
         # event_steps: steps whose regions were handed over by CUDA IPC events (no host wait on either side)
         self.stats = {"steps": 0, "fallback_steps": 0, "reconnects": 0, "invalid_trees": 0, "region_tensors": 0,
                       "region_trees": 0, "event_steps": 0, "doorbell_steps": 0, "doorbell_timeouts": 0,
-                      "landed_steps": 0}
+                      "landed_steps": 0, "keepwarm_sent": 0}
         self.last_error = ""
         self._use_control = cfg.colocated and cfg.control_socket
         self._use_events = cfg.colocated and cfg.ipc_events
@@ -215,7 +215,7 @@ class DraftStreamClient:
                                                            self._device),
                        RESPONSE_REGION: SharedRegion.create(RESPONSE_REGION, self.cfg.response_region_bytes,
                                                             self._device)}
-        stream = DraftCall(self._stub, regions, self._on_broken)
+        stream = DraftCall(self._stub, regions, self._on_broken, self.stats)
         if self._use_events and self._device.type == "cuda":
             stream.request_event = IpcEvent.create(self._device)
         bell = self._doorbell_region() if stream.request_event is not None else None
@@ -242,6 +242,8 @@ class DraftStreamClient:
             stream.step_features = resp.opened.step_features
             if listener is not None:  # the drafter connected before answering
                 stream.control = listener.accept(self.cfg.connect_timeout_s, self.cfg.control_spin_s)
+            elif resp.opened.keep_warm:  # steps travel on the gRPC stream: keep it warm between them
+                stream.keepwarm.period_s = self.cfg.keepwarm_ms / 1e3
             if stream.request_event is not None and resp.opened.trees_event:
                 try:
                     stream.trees_event = IpcEvent.open(resp.opened.trees_event, self._device)

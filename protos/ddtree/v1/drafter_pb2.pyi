@@ -8,16 +8,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DraftStreamRequest(_message.Message):
-    __slots__ = ("open", "step", "release", "context")
+    __slots__ = ("open", "step", "release", "context", "keep_warm")
     OPEN_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    KEEP_WARM_FIELD_NUMBER: _ClassVar[int]
     open: OpenStream
     step: DraftStep
     release: ReleaseSessions
     context: SessionContext
-    def __init__(self, open: _Optional[_Union[OpenStream, _Mapping]] = ..., step: _Optional[_Union[DraftStep, _Mapping]] = ..., release: _Optional[_Union[ReleaseSessions, _Mapping]] = ..., context: _Optional[_Union[SessionContext, _Mapping]] = ...) -> None: ...
+    keep_warm: KeepWarm
+    def __init__(self, open: _Optional[_Union[OpenStream, _Mapping]] = ..., step: _Optional[_Union[DraftStep, _Mapping]] = ..., release: _Optional[_Union[ReleaseSessions, _Mapping]] = ..., context: _Optional[_Union[SessionContext, _Mapping]] = ..., keep_warm: _Optional[_Union[KeepWarm, _Mapping]] = ...) -> None: ...
 
 class OpenStream(_message.Message):
     __slots__ = ("client_id", "regions", "control_socket", "request_event", "doorbell_region_id")
@@ -121,6 +123,10 @@ class ReleaseSessions(_message.Message):
     session_ids: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, session_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
+class KeepWarm(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class DraftStreamResponse(_message.Message):
     __slots__ = ("opened", "trees")
     OPENED_FIELD_NUMBER: _ClassVar[int]
@@ -174,7 +180,7 @@ class DrafterInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DrafterInfo(_message.Message):
-    __slots__ = ("model", "vocab_size", "block_size", "target_layer_ids", "target_hidden_size", "max_budget", "max_sessions", "active_sessions", "draft_window", "streams", "device", "dtype", "trees_event", "step_features", "trees_doorbell")
+    __slots__ = ("model", "vocab_size", "block_size", "target_layer_ids", "target_hidden_size", "max_budget", "max_sessions", "active_sessions", "draft_window", "streams", "device", "dtype", "trees_event", "step_features", "trees_doorbell", "keep_warm")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -190,6 +196,7 @@ class DrafterInfo(_message.Message):
     TREES_EVENT_FIELD_NUMBER: _ClassVar[int]
     STEP_FEATURES_FIELD_NUMBER: _ClassVar[int]
     TREES_DOORBELL_FIELD_NUMBER: _ClassVar[int]
+    KEEP_WARM_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     block_size: int
@@ -205,4 +212,5 @@ class DrafterInfo(_message.Message):
     trees_event: bytes
     step_features: bool
     trees_doorbell: bool
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., target_hidden_size: _Optional[int] = ..., max_budget: _Optional[int] = ..., max_sessions: _Optional[int] = ..., active_sessions: _Optional[int] = ..., draft_window: _Optional[int] = ..., streams: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., trees_event: _Optional[bytes] = ..., step_features: _Optional[bool] = ..., trees_doorbell: _Optional[bool] = ...) -> None: ...
+    keep_warm: bool
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., target_hidden_size: _Optional[int] = ..., max_budget: _Optional[int] = ..., max_sessions: _Optional[int] = ..., active_sessions: _Optional[int] = ..., draft_window: _Optional[int] = ..., streams: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., trees_event: _Optional[bytes] = ..., step_features: _Optional[bool] = ..., trees_doorbell: _Optional[bool] = ..., keep_warm: _Optional[bool] = ...) -> None: ...
