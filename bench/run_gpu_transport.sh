@@ -4,8 +4,9 @@
 # C=1 and C=32 on cuda: kimi-mini (about 3 minutes), or with K26=1 a random-weight Kimi K2.6 pair (5 target layers,
 # ~43 GB written to K26_DIR, /tmp/k26 by default, ~2 min; about 5 minutes in all). Logs and JSONL go to $OUT
 # (bench/results/run when unset); run from the repo root. Section time limits: T_TESTS / T_BENCH (seconds); extra
-# bench flags: BENCH_ARGS; TESTS=0 skips the tests. MPS=1 runs everything under an MPS control daemon of its own (pipe
-# and log directories under /tmp/ddtree-mps; quit at the end), so the processes share one GPU context.
+# bench flags: BENCH_ARGS; TESTS=0 skips the tests; then bench/grpc_echo.py with and without a 9 ms silence and
+# keep-warm messages (ECHO=0 skips it, T_ECHO its limit). MPS=1 runs everything under an MPS control daemon of its
+# own (pipe and log directories under /tmp/ddtree-mps; quit at the end), so the processes share one GPU context.
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-bench/results/run}
@@ -37,5 +38,9 @@ else
     --time-budget-s 100 --out "$OUT/transport.jsonl" $BENCH_ARGS 2>&1 | tee "$OUT/bench_transport.log"
 fi
 bench=$?
+if [ "${ECHO:-1}" != 0 ]; then  # the bare gRPC round trip on this host, busy and after a verify step's silence
+  timeout "${T_ECHO:-150}" python bench/grpc_echo.py --sizes 20000 300000 --n 300 --gap-ms 0 9 --keepwarm-ms 0 3 \
+    --out "$OUT/grpc_echo.jsonl" 2>&1 | grep -v fork_posix | tee "$OUT/grpc_echo.log"
+fi
 echo "tests exit $tests, bench exit $bench" | tee -a "$OUT/gpu.txt"
 [ "$tests" -eq 0 ] && [ "$bench" -eq 0 ]
