@@ -17,6 +17,7 @@ from drafter_service.drafter import Drafter
 from protos.ddtree.v1 import drafter_pb2, drafter_pb2_grpc
 from tests.unit.test_transports import (  # noqa: F401 - parts is a fixture
     ServerThread,
+    as_older_drafter,
     assert_same_trees,
     client_for,
     make_service,
@@ -148,14 +149,7 @@ def test_grpc_stream_keeps_warm_between_steps_and_stops_when_idle(parts, served)
 def test_no_keep_warm_when_off_over_a_control_socket_or_to_an_older_drafter(served, monkeypatch, case):
     service, srv = served
     if case == "older_drafter":  # a drafter that does not announce DrafterInfo.keep_warm would refuse them
-        info = service.info
-
-        def older_info():
-            i = info()
-            i.keep_warm = False
-            return i
-
-        monkeypatch.setattr(service, "info", older_info)
+        as_older_drafter(service, monkeypatch, keep_warm=False)
     client = client_for(srv.port, case == "colocated", keepwarm_ms=0 if case == "off" else 2)
     try:
         assert client._stream.keepwarm.period_s == 0

@@ -103,6 +103,19 @@ def client_for(port, colocated, **kw) -> DraftStreamClient:
     return c
 
 
+def as_older_drafter(service, monkeypatch, **announced) -> None:
+    """Make `service` answer Info and `open` like a drafter without the features given False in `announced`."""
+    info = service.info
+
+    def older_info():
+        i = info()
+        for k, v in announced.items():
+            setattr(i, k, v)
+        return i
+
+    monkeypatch.setattr(service, "info", older_info)
+
+
 def feats(n, seed, F=128):
     return torch.randn(n, F, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
 
@@ -143,14 +156,7 @@ def test_stream_client_equals_inprocess_drafter(parts, served, colocated, step_f
     rows in its own message (the form older drafters read); True: one tensor of rows per step."""
     service, srv = served
     if not step_features:
-        info = service.info
-
-        def older_info():
-            i = info()
-            i.step_features = False
-            return i
-
-        monkeypatch.setattr(service, "info", older_info)
+        as_older_drafter(service, monkeypatch, step_features=False)
     sent = []
     send = draft_call.DraftCall.send
     monkeypatch.setattr(draft_call.DraftCall, "send", lambda self, msg: (sent.append(msg), send(self, msg))[1])
