@@ -147,7 +147,15 @@ def trees_to_pb(trees: TreeBatch, session_ids: list[str], step_id: int, arena: R
         raise ValueError(f"{len(session_ids)} session ids for {trees.tokens.shape[0]} trees")
     msg = drafter_pb2.DraftTrees(step_id=step_id, session_ids=session_ids, n_nodes=trees.n_nodes)
     packed, start = trees.packed, None
-    if arena is not None and packed is not None and packed.dtype == torch.int32:
+    packed = packed if packed is not None and packed.dtype == torch.int32 else None
+    if arena is None and packed is not None:  # bytes of one [6, R, M] host buffer: six slices of one array
+        raw, shape = packed.detach().contiguous().cpu().numpy(), list(packed.shape[1:])
+        for i, (f, code) in enumerate(zip(TREE_FIELDS, _TREE_PB_DTYPES)):
+            m = getattr(msg, f)
+            m.dtype, m.data = code, raw[i].tobytes()
+            m.shape.extend(shape)
+        return msg
+    if arena is not None and packed is not None:
         start = arena.place_block(packed)  # the graphed drafter's trees: one buffer, one copy
     fields = [t if (t := getattr(trees, f)).dtype == TREE_DTYPES[f] else t.to(TREE_DTYPES[f]) for f in TREE_FIELDS]
     if start is None and arena is not None:
@@ -175,14 +183,24 @@ def trees_to_pb(trees: TreeBatch, session_ids: list[str], step_id: int, arena: R
 
 def _packed_trees(msg: drafter_pb2.DraftTrees, R: int, regions: Mapping[int, SharedRegion] | None, copy: bool
                   ) -> TreeBatch | None:
-    """The usual layout (`trees_to_pb` with an arena): six 4-byte [R, M] fields back to back in one region, in
-    TREE_FIELDS order -> the batch as views of one copy, with as few message reads and tensor ops as possible
-    (this runs every draft step). None when the message is laid out otherwise (the general decoder checks it)."""
+    """The usual layouts (`trees_to_pb`'s): six 4-byte [R, M] fields back to back in one region, in TREE_FIELDS
+    order, or all six inline -> the batch as views of one buffer, with as few message reads and tensor ops as
+    possible (this runs every draft step). None when the message is laid out otherwise or does not add up (the
+    general decoder checks it and says what is wrong)."""
     ms = [getattr(msg, f) for f in TREE_FIELDS]
-    if any(m.WhichOneof("storage") != "region" for m in ms) or tuple(m.dtype for m in ms) != _TREE_PB_DTYPES:
+    storage = {m.WhichOneof("storage") for m in ms}
+    if len(storage) != 1 or tuple(m.dtype for m in ms) != _TREE_PB_DTYPES:
         return None
     shape = tuple(ms[0].shape)
-    if len(shape) != 2 or shape[0] != R or any(tuple(m.shape) != shape for m in ms[1:]):
+    if len(shape) != 2 or shape[0] != R or any(tuple(m.shape) != shape for m in ms[1:]) or 0 in shape:
+        return None
+    if storage == {"data"}:  # inline bytes: one join, one tensor
+        step = R * shape[1] * 4
+        if any(len(m.data) != step for m in ms):
+            return None
+        packed = torch.frombuffer(bytearray(b"".join(m.data for m in ms)), dtype=torch.int32)
+        return TreeBatch.from_packed(packed.view(6, R, shape[1]), list(msg.n_nodes))
+    if storage != {"region"}:
         return None
     rid, start = ms[0].region.region_id, ms[0].region.offset
     step = R * shape[1] * 4

@@ -144,7 +144,10 @@ def test_packed_trees_roundtrip(region, through_region):
         assert torch.equal(getattr(back, f), getattr(tb, f)), f
     if through_region:  # one copy out of the region, not views of it (the peer reuses it next step)
         assert back.packed is not None and back.packed.data_ptr() != region.buf.data_ptr()
-        assert torch.equal(back.pack(), tb.pack())
+    else:  # inline: six slices of one array on the way out, one buffer on the way in
+        assert back.packed is not None and back.tokens.data_ptr() == back.packed.data_ptr()
+        assert msg == trees_to_pb(tb, ["a", "b", "c"], 5)  # the same message as from six separate tensors
+    assert torch.equal(back.pack(), tb.pack())
 
 
 def test_trees_in_a_region_in_another_layout(region):
@@ -168,9 +171,14 @@ def test_trees_in_a_region_in_another_layout(region):
     (lambda m: tensor_to_pb(torch.zeros(3, 16, dtype=torch.int32), m.depth), "M = 17"),
     (lambda m: m.n_nodes.append(1), "n_nodes"),
     (lambda m: m.session_ids.__setitem__(2, "a"), "duplicate"),
+    (lambda m: setattr(m.logw, "data", m.logw.data[:-4]), "bytes for shape"),
 ])
-def test_malformed_tree_batches_are_refused(mutate, words):
-    msg = trees_to_pb(trees(), ["a", "b", "c"], 1)
+@pytest.mark.parametrize("packed", [False, True])
+def test_malformed_tree_batches_are_refused(mutate, words, packed):
+    """Also from one packed buffer (the graphed drafter's, and a GPU drafter's host copy): the fast decoder
+    declines what does not add up and the general one names the problem."""
+    tb = trees()
+    msg = trees_to_pb(TreeBatch.from_packed(tb.pack().clone(), tb.n_nodes) if packed else tb, ["a", "b", "c"], 1)
     mutate(msg)
     with pytest.raises(WireError, match=words):
         trees_from_pb(msg)
