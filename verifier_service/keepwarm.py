@@ -11,7 +11,8 @@ silence.
 The plan alternates two turns: the drafter's (a step was sent, its answer is awaited) and the verifier's (the
 answer came, the next step is awaited). Each turn expects to last as long as the same turn did the time before;
 the ping goes out LEAD_S before that, but never sooner than `period_s` into the turn (a short turn needs none), and
-while the turn overruns, again every `period_s`. No pings once no step was sent for ACTIVE_S (an idle engine).
+while the turn overruns, again every `period_s` (so also through a turn of unknown length: the first ones, and the
+first after an idle engine). No pings once no step was sent for ACTIVE_S.
 """
 
 from __future__ import annotations
@@ -37,8 +38,9 @@ class KeepWarmPlan:
 
     def sent(self, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
-        if self.answered_at > self.sent_at:
-            self.verifier_turn = now - self.answered_at
+        if self.answered_at > self.sent_at:  # a turn longer than ACTIVE_S was an idle engine: not a turn to expect
+            turn = now - self.answered_at
+            self.verifier_turn = turn if turn < ACTIVE_S else 0.0
         self.sent_at = now
 
     def answered(self, now: float | None = None) -> None:
