@@ -13,11 +13,12 @@ GPU only: colocated_events, the same with the drafter's IPC event polled on the 
 the doorbell, and colocated_sync, without events, each side waiting for its GPU before a message) or
 inline bytes (grpc; on a GPU its verify step queued before the trees arrive, behind a host doorbell that the
 thread reading the answer rings, `verifier_service.tree_landing`; GPU only: grpc_sync, the trees waited for on
-the host before the step is queued). The gRPC streams send the drafter a KeepWarm message after
---keepwarm-ms without traffic while steps flow; grpc_cold is the grpc engine without them. All engines share
-one target (batch-invariant on CUDA, as `build_local_engine` builds it) and step in interleaved rounds, so
-that load from other processes falls on all of them alike. Checked: every session's tokens equal the in-process engine's
-(greedy: a transport must not change a token), and every round's tokens too (the drafter runs the same
+the host before the step is queued). The gRPC streams send the drafter KeepWarm messages shortly before each
+expected request and answer (`verifier_service.keepwarm`, period --keepwarm-ms); grpc_cold is grpc without them.
+All engines share one target (batch-invariant on CUDA, as `build_local_engine` builds it) and step in
+interleaved rounds, so that load from other processes falls on all of them alike. Checked: every session's
+tokens equal the in-process engine's (greedy: a transport must not change a token), and every round's tokens
+too (the drafter runs the same
 model on the same device, so the trees must be the same, which is also what makes the timings
 comparable). On CUDA each timed step is bracketed by torch.cuda.synchronize(). Reported: median and p90
 verify-step time, median time from asking the drafter to having the trees (`Engine.draft_ns`; for a
@@ -144,8 +145,7 @@ def main() -> int:
     p.add_argument("--control-spin-ms", type=float, default=0.0,
                    help="co-located streams: both ends poll their control socket this long before sleeping")
     p.add_argument("--keepwarm-ms", type=float, default=3.0,
-                   help="gRPC streams (not grpc_cold): a KeepWarm message after this many ms without one while "
-                        "steps flow (StreamClientConfig.keepwarm_ms)")
+                   help="gRPC streams (not grpc_cold): the KeepWarm period (StreamClientConfig.keepwarm_ms)")
     p.add_argument("--transports", nargs="+", default=None,
                    help="the remote engines to run beside in-process (default: all: colocated, grpc, and on a GPU "
                         "colocated_events, colocated_sync and grpc_sync; grpc_cold everywhere)")

@@ -75,7 +75,7 @@ class VerifierServerConfig:
     cuda_graphs: bool | None = None  # verify forwards and tree checks through CUDA graphs; None = on for CUDA
     mla_kernel: str = "auto"  # MLA tile kernel (`kernels.mla_attention.IMPLS`): auto = Gluon where it runs
     doorbell: bool = True  # on a GPU: queue the verify step behind a doorbell (StreamClientConfig.doorbell)
-    keepwarm_ms: float = 3.0  # gRPC stream: a KeepWarm after this long without a message (StreamClientConfig)
+    keepwarm_ms: float = 3.0  # gRPC stream: the KeepWarm period (StreamClientConfig.keepwarm_ms; 0: none)
 
     def __post_init__(self):
         if self.metrics_listen is not None:

@@ -36,8 +36,8 @@ class StreamClientConfig:
     # step is queued before the trees arrive, behind a host doorbell the answer rings (verifier_service.tree_landing)
     doorbell: bool = True
     control_spin_s: float = 0.0  # control socket: poll this long for the answer before sleeping (ControlSocket)
-    # steps on the gRPC stream: a KeepWarm after this many ms without a message while steps flow (0: never;
-    # verifier_service.draft_call)
+    # steps on the gRPC stream: KeepWarm messages shortly before each expected request and answer, not sooner than
+    # this many ms into a silence (0: never; verifier_service.keepwarm)
     keepwarm_ms: float = 3.0
     check_graphs: bool = True  # on a GPU: the tree check of region trees replayed from CUDA graphs
     draft_timeout_s: float = 5.0  # one step's deadline

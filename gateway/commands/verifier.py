@@ -49,9 +49,10 @@ def add_parser(sub) -> None:
                         "behind a host doorbell that their arrival rings (default: the doorbells, where the GPU "
                         "passes their self-tests)")
     s.add_argument("--keepwarm-ms", type=float, default=3.0,
-                   help="gRPC transport: send the drafter a KeepWarm message after this many ms without one while "
-                        "steps flow, so that both processes' gRPC threads stay warm between steps (a message after "
-                        "~5 ms of silence takes ~0.4 ms longer on loopback); 0: off")
+                   help="gRPC transport: send the drafter a KeepWarm message shortly before each expected request "
+                        "and answer, not sooner than this many ms into a silence and again every this many ms while "
+                        "one overruns, so that both processes' gRPC threads are warm for it (a message after ~5 ms "
+                        "of silence takes ~0.4 ms longer on loopback); 0: off")
     s.add_argument("--mla-kernel", choices=IMPLS, default="auto",
                    help="MLA attention tile kernel: gluon (sm_90 with Kimi head shapes; refused at start "
                         "elsewhere), gluon_ws (the same, warp-specialized; experimental, slower so far), triton "
