@@ -490,8 +490,7 @@ def main(argv=None) -> list[dict]:
         int4_moe_gluon.DEFAULT_BLOCK_PAIRS = args.moe_block_pairs
     if args.moe_wgmma_schedule is not None:
         int4_moe_wgmma.DEFAULT_SCHEDULE = dict(args.moe_wgmma_schedule)
-        for pairs in (1, 10**4):  # a schedule the kernels cannot run fails here, not mid-run
-            int4_moe_wgmma.resolve_schedule(pairs)
+        int4_moe_wgmma.check_schedule()  # a schedule the kernels cannot run fails here, not mid-run
     t_start = time.perf_counter()
     dev = args.device
     cuda = dev.startswith("cuda")

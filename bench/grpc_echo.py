@@ -165,7 +165,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--n", type=int, default=2000, help="timed round trips per (client, size)")
     ap.add_argument("--gap-ms", type=float, nargs="+", default=[0.0], help="silence before each round trip")
     ap.add_argument("--keepwarm-ms", type=float, nargs="+", default=[0.0],
-                    help="reader_thread client: an empty message after this long without one (0: none)")
+                    help="reader_thread client: empty messages on the KeepWarm plan with this period (0: none)")
     ap.add_argument("--out", default="bench/results/grpc_echo.jsonl")
     args = ap.parse_args(argv)
     port = start_server()

@@ -41,8 +41,8 @@ def auto_schedule(pairs: int) -> dict:
     scheduled while the previous one ends, w2's first weight steps in flight before w13 is done) and `direct` (one
     token: a block per pair straight from the routing, no grouping launch) are off until they are measured."""
     if pairs <= 8:
-        return dict(block_pairs=8, small_pairs=0, stages=4, maxnreg=None, pdl=False, direct=False)
-    return dict(block_pairs=32, small_pairs=8, stages=2, maxnreg=MAXNREG, pdl=False, direct=False)
+        return {**PLAIN, "stages": 4}
+    return {**PLAIN, "block_pairs": 32, "small_pairs": 8, "maxnreg": MAXNREG}
 
 
 def resolve_schedule(pairs: int, **given) -> dict:
@@ -61,6 +61,13 @@ def resolve_schedule(pairs: int, **given) -> dict:
                          f"(0 or a smaller one), stages={stages} (one of {STAGES}), maxnreg={cap} (None or 32-255), "
                          f"pdl={sched['pdl']!r} and direct={sched['direct']!r} (true / false)")
     return sched
+
+
+def check_schedule(options: dict | None = None) -> None:
+    """ValueError unless `options` (over DEFAULT_SCHEDULE) give a runnable schedule for a decode launch and for a
+    large one (both `auto_schedule` cases): for settings checked before a run, not at its first MoE layer."""
+    for pairs in (1, 10**4):
+        resolve_schedule(pairs, **(options or {}))
 
 
 @functools.cache

@@ -20,7 +20,7 @@ from torch import nn
 from kernels import int4_moe_wgmma as int4_moe_wgmma_module
 from kernels.int4_moe import int4_moe, moe_dense_ref, repack_int4_moe_for_gpu, unrepack_int4_moe
 from kernels.int4_moe_gluon import gluon_dense_experts, repack_int4_moe_for_gluon
-from kernels.int4_moe_wgmma import HAVE_GLUON, repack_int4_moe_for_wgmma, resolve_schedule, wgmma_dense_experts
+from kernels.int4_moe_wgmma import HAVE_GLUON, check_schedule, repack_int4_moe_for_wgmma, wgmma_dense_experts
 from kernels.int4_pack import dequantize_int4
 from verifier_service.config import KimiConfig
 
@@ -43,8 +43,7 @@ def schedule_from_env(raw: str | None) -> dict:
         sched = json.loads(raw)
         if not isinstance(sched, dict):
             raise ValueError("not a JSON object")
-        for pairs in (1, 10**4):  # the decode and the tiered schedule, with these options over them
-            resolve_schedule(pairs, **sched)
+        check_schedule(sched)
     except (ValueError, TypeError) as exc:
         raise ValueError(f"DDTREE_MOE_SCHEDULE={raw!r}: {exc}") from None
     return sched
