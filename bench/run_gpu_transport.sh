@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call for the transports on the GPU: the GPU tests of the transports (test_transports.py,
+# One device call for the transports on the GPU: the GPU tests of the transports (test_transports_gpu.py,
 # test_shared_region.py, test_tree_verdicts.py, test_doorbell.py, test_gpu_transport.py), then bench_transport.py at
 # C=1 and C=32 on cuda: kimi-mini (about 3 minutes), or with K26=1 a random-weight Kimi K2.6 pair (5 target layers,
 # ~43 GB written to K26_DIR, /tmp/k26 by default, ~2 min; about 5 minutes in all). Logs and JSONL go to $OUT
@@ -22,7 +22,7 @@ if [ "${MPS:-0}" != 0 ]; then
 fi
 tests=0
 if [ "${TESTS:-1}" != 0 ]; then
-  timeout "${T_TESTS:-200}" python -m pytest -q -rs -m gpu --durations=8 tests/unit/test_transports.py \
+  timeout "${T_TESTS:-200}" python -m pytest -q -rs -m gpu --durations=8 tests/unit/test_transports_gpu.py \
     tests/unit/test_shared_region.py tests/unit/test_tree_verdicts.py tests/unit/test_doorbell.py \
     tests/integration/test_gpu_transport.py 2>&1 | tee "$OUT/transport_tests.log"
   tests=$?

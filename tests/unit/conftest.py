@@ -26,3 +26,12 @@ def tiny_target64(tiny_dirs):
     from verifier_service.checkpoint import load_target
 
     return load_target(tiny_dirs[0], torch.float64, "cpu")
+
+
+@pytest.fixture(scope="module")
+def parts(tiny_dirs, tiny_target64):
+    """(the tiny drafter in float64, the target's embed_tokens and lm_head weights): what a Drafter is built from."""
+    from drafter_service.checkpoint import load_drafter
+
+    model = load_drafter(tiny_dirs[1], tiny_target64.cfg, torch.float64)
+    return model, tiny_target64.model.embed_tokens.weight, tiny_target64.lm_head.weight

@@ -1,7 +1,7 @@
 """KeepWarm on the Draft stream: the verifier's gRPC request thread sends one shortly before the next request or
 answer is expected (`verifier_service.keepwarm`), the drafter drops it, and nothing else changes.
 
-Real grpc.aio drafter service on loopback (as test_transports.py), the tiny preset on CPU.
+Real grpc.aio drafter service on loopback (tests/unit/stream_harness.py), the tiny preset on CPU.
 """
 
 from __future__ import annotations
@@ -15,15 +15,7 @@ import pytest
 
 from drafter_service.drafter import Drafter
 from protos.ddtree.v1 import drafter_pb2, drafter_pb2_grpc
-from tests.unit.test_transports import (  # noqa: F401 - parts is a fixture
-    ServerThread,
-    as_older_drafter,
-    assert_same_trees,
-    client_for,
-    make_service,
-    parts,
-    steps,
-)
+from tests.unit.stream_harness import ServerThread, as_older_drafter, assert_same_trees, client_for, make_service, steps
 from verifier_service import draft_call
 from verifier_service.keepwarm import ACTIVE_S, LEAD_S, KeepWarmPlan, paced
 from verifier_service.server import VerifierServerConfig
@@ -31,7 +23,7 @@ from verifier_service.transport import StreamClientConfig
 
 
 @pytest.fixture
-def served(parts):  # noqa: F811 - the imported fixture
+def served(parts):
     service = make_service(parts)
     srv = ServerThread(service)
     yield service, srv
@@ -123,7 +115,7 @@ def test_the_drafter_drops_keep_warm_anywhere_on_the_stream(served):
     assert service.info().streams == 0
 
 
-def test_grpc_stream_keeps_warm_between_steps_and_stops_when_idle(parts, served):  # noqa: F811
+def test_grpc_stream_keeps_warm_between_steps_and_stops_when_idle(parts, served):
     service, srv = served
     local = Drafter(*parts, max_sessions=8, window=64)
     client = client_for(srv.port, False, keepwarm_ms=2)

@@ -22,8 +22,8 @@ from drafter_service.server import DrafterServerConfig, DrafterService
 from telemetry import tracing as tr
 from telemetry.metrics import Metrics, observe_many
 from tests.helpers import OracleDrafter
+from tests.unit.stream_harness import ServerThread, SlowOrBadDrafter, client_for, feats, steps
 from tests.unit.test_scheduler import Collector, ar, settled
-from tests.unit.test_transports import ServerThread, SlowOrBadDrafter, client_for, feats, parts, steps  # noqa: F401
 from verifier_service.engine import Engine, EngineConfig
 from verifier_service.scheduler import Scheduler
 from verifier_service.server import VerifierServerConfig
@@ -179,7 +179,7 @@ def test_scheduler_records_step_metrics_and_per_session_spans(tiny_target64, mem
 
 
 # --- drafter stream and the stream client ---------------------------------------------------------
-def test_draft_stream_spans_counters_and_client_fallbacks(parts, mem):  # noqa: F811
+def test_draft_stream_spans_counters_and_client_fallbacks(parts, mem):
     tracer, exporter = mem
     dm, cm = fresh(), fresh()
     model, embed, head = parts

@@ -4,16 +4,14 @@ The stream client (grpc bytes and co-located shared memory) against a real grpc.
 service on loopback in this process must produce exactly the trees of the in-process `Drafter`;
 faults (the drafter stops, a step times out, a malformed tree, a session the drafter refuses)
 degrade to root-only trees without raising, and context rows that were never acknowledged are
-sent again after a reconnect. Plus transport selection. The shared regions and IPC events themselves:
+sent again after a reconnect. The harness: stream_harness.py; the same client on a GPU: test_transports_gpu.py;
+transport selection: test_transport_resolution.py; the shared regions and IPC events themselves:
 test_shared_region.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import copy
-import dataclasses
 import os
 import queue
 import threading
@@ -25,67 +23,22 @@ import torch
 
 from drafter_service.api import DraftRequest
 from drafter_service.drafter import Drafter
-from drafter_service.server import DrafterService
-from kernels.tree_build import TreeBatch
 from protos.codec import tensor_to_pb
 from protos.control_socket import ControlListener
 from protos.ddtree.v1 import drafter_pb2, drafter_pb2_grpc
-from protos.shared_region import (
-    shm_dir,
+from protos.shared_region import shm_dir
+from tests.unit.stream_harness import (
+    ServerThread,
+    SlowOrBadDrafter,
+    as_older_drafter,
+    assert_same_trees,
+    client_for,
+    feats,
+    make_service,
+    root_only,
+    steps,
 )
 from verifier_service import draft_call, transport_stream
-from verifier_service.transport import StreamClientConfig, is_local_address, resolve_transport
-from verifier_service.transport_stream import DraftStreamClient
-
-
-class ServerThread:
-    """A grpc.aio drafter server on its own event-loop thread."""
-
-    def __init__(self, service: DrafterService, port: int = 0):
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.port = asyncio.run_coroutine_threadsafe(self._start(service, port), self.loop).result(10)
-
-    async def _start(self, service, port):
-        self.server = grpc.aio.server()
-        drafter_pb2_grpc.add_DrafterServicer_to_server(service, self.server)
-        bound = self.server.add_insecure_port(f"127.0.0.1:{port}")
-        await self.server.start()
-        return bound
-
-    def stop(self):
-        asyncio.run_coroutine_threadsafe(self.server.stop(0), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-
-
-@pytest.fixture(scope="module")
-def parts(tiny_dirs, tiny_target64):
-    from drafter_service.checkpoint import load_drafter
-
-    model = load_drafter(tiny_dirs[1], tiny_target64.cfg, torch.float64)
-    return model, tiny_target64.model.embed_tokens.weight, tiny_target64.lm_head.weight
-
-
-class SlowOrBadDrafter(Drafter):
-    delay = 0.0
-    corrupt = "bad"
-
-    def draft(self, requests):
-        time.sleep(self.delay)
-        trees = super().draft(requests)
-        for j, r in enumerate(requests):
-            if self.corrupt in r.session_id:
-                trees.tokens[j, 1] = 10**6  # outside the vocabulary
-        return trees
-
-
-def make_service(parts, cls=Drafter):
-    model, embed, head = parts
-    service = DrafterService(max_sessions=8, window=64)
-    service.attach(cls(model, embed, head, max_sessions=8, window=64), "tiny", embed.shape[1])
-    return service
 
 
 @pytest.fixture
@@ -94,59 +47,6 @@ def served(parts):
     srv = ServerThread(service)
     yield service, srv
     srv.stop()
-
-
-def client_for(port, colocated, **kw) -> DraftStreamClient:
-    c = DraftStreamClient(StreamClientConfig(f"127.0.0.1:{port}", colocated=colocated, retry_max_s=0.2, **kw))
-    c.start()
-    c.wait_ready(timeout=20)
-    return c
-
-
-def as_older_drafter(service, monkeypatch, **announced) -> None:
-    """Make `service` answer Info and `open` like a drafter without the features given False in `announced`."""
-    info = service.info
-
-    def older_info():
-        i = info()
-        for k, v in announced.items():
-            setattr(i, k, v)
-        return i
-
-    monkeypatch.setattr(service, "info", older_info)
-
-
-def feats(n, seed, F=128):
-    return torch.randn(n, F, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-
-
-def steps(sids=("a", "b")):
-    """Engine-like requests over three steps: prompts, then 2 and 1 committed tokens."""
-    out, pos = [], {s: 3 + 2 * i for i, s in enumerate(sids)}
-    start = dict.fromkeys(sids, 0)
-    for k, n_new in enumerate((None, 2, 1)):
-        reqs = []
-        for i, s in enumerate(sids):
-            n = pos[s] if n_new is None else n_new
-            reqs.append(DraftRequest(s, start[s], feats(n, seed=10 * k + i), 17 + i + k, start[s] + n, 16, 4))
-            start[s] += n
-        out.append(reqs)
-    return out
-
-
-def assert_same_trees(a: TreeBatch, b: TreeBatch, rows=None):
-    rows = rows if rows is not None else range(len(a.n_nodes))
-    for r in rows:
-        assert a.n_nodes[r] == b.n_nodes[r]
-        for f in TreeBatch._FIELDS:
-            assert torch.equal(a.select(r)[f].cpu(), b.select(r)[f].cpu()), f
-
-
-def root_only(tb: TreeBatch, r: int, root: int) -> bool:
-    """Row r can only take an autoregressive step: its root, and any other node carries token -1 (a
-    tree refused by the device checks), which no posterior token matches."""
-    n = tb.n_nodes[r]
-    return int(tb.tokens[r, 0]) == root and all(t == -1 for t in tb.tokens[r, 1:n].tolist())
 
 
 @pytest.mark.parametrize("step_features", [True, False])
@@ -489,28 +389,6 @@ def test_control_socket_protocol(served, bad, code, words):
     assert service.info().streams == 0
 
 
-def cuda_parts(parts, cls=Drafter):
-    model, embed, head = copy.deepcopy(parts[0]).to("cuda"), parts[1].to("cuda"), parts[2].to("cuda")
-    service = DrafterService(max_sessions=8, window=64)
-    service.attach(cls(model, embed, head, max_sessions=8, window=64), "tiny", embed.shape[1])
-    return service, Drafter(model, embed, head, max_sessions=8, window=64)
-
-
-@contextlib.contextmanager
-def _one_process_landing(service):
-    """A landing step and a drafter in one process (these tests; in service they are two processes): the landing's
-    wait holds the stream it is queued on, so the client runs on a stream of its own, not the drafter's default
-    one; and the drafter's graphs are captured first, as a served drafter does at start, since a capture in one
-    thread fails on the other thread's allocations meanwhile."""
-    service.drafter.warmup(16, 4)
-    with torch.cuda.stream(torch.cuda.Stream()):
-        yield
-
-
-def cuda_steps():
-    return [[dataclasses.replace(r, ctx_features=r.ctx_features.cuda()) for r in reqs] for reqs in steps()]
-
-
 def test_doorbell_offers_without_a_gpu(served, tmp_path):
     """The doorbell is only for CUDA regions with IPC events: offered with CPU regions it is declined (the
     stream opens, `trees_doorbell` false); an id naming no region of the stream fails the open."""
@@ -537,155 +415,3 @@ def test_doorbell_offers_without_a_gpu(served, tmp_path):
         region.close()
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC needs a GPU")
-@pytest.mark.parametrize("doorbell", [True, False])
-def test_cuda_regions_with_an_in_process_drafter(parts, doorbell):
-    """Drafter and verifier in one process on the GPU: the regions are CUDA allocations that the
-    server side takes as they are (a process cannot open its own IPC handle); trees equal the
-    in-process drafter's and travel through the regions, handed over by the trees doorbell (our stream
-    waits for the drafter's ring) or, without it, by IPC events."""
-    service, local = cuda_parts(parts)
-    srv = ServerThread(service)
-    client = client_for(srv.port, colocated=True, region_device="cuda", doorbell=doorbell)
-    try:
-        assert set(client.region_devices.values()) == {"cuda:0"}
-        for reqs in cuda_steps():
-            assert_same_trees(client.draft(reqs), local.draft(reqs))
-        assert client.stats["fallback_steps"] == 0 and client.stats["region_tensors"] > 0
-        handed = client.stats["doorbell_steps" if doorbell else "event_steps"]
-        assert client.stats["region_trees"] == client.stats["steps"] == handed == 3, client.stats
-        assert client.stats["event_steps" if doorbell else "doorbell_steps"] == 0, client.stats
-        assert client.ipc_events and client.doorbell == doorbell  # one process: each side's event is the other's
-        # the trees came back to one place in the region every step: their check replayed from one CUDA graph
-        assert client._checker.graphs.stats == {"replays": 3, "captures": 1}
-    finally:
-        client.close()
-        srv.stop()
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-@pytest.mark.parametrize("doorbell", [True, False])
-def test_grpc_bytes_from_a_gpu_drafter(parts, monkeypatch, doorbell):
-    """Trees as bytes from a GPU drafter: one pinned device-to-host copy per step, waited for on the event loop
-    without blocking it; the trees equal the in-process drafter's and the wait is learned. The verifier lands
-    them at a fixed place on its GPU and checks them from a graph: with the host doorbell in a step queued before
-    they arrived (`verifier_service.tree_landing`), without it once they are here. (The one-process caveats of
-    `_one_process_landing`; the check's graph is tested without the landing.)"""
-    from drafter_service import draft_stream
-
-    service, local = cuda_parts(parts)
-    works = []
-    begin = draft_stream.DraftStream.begin
-    monkeypatch.setattr(draft_stream.DraftStream, "begin", lambda self, step: works.append(begin(self, step))
-                        or works[-1])
-    srv = ServerThread(service)
-    client = client_for(srv.port, colocated=False, region_device="cuda", doorbell=doorbell, check_graphs=not doorbell)
-    try:
-        with _one_process_landing(service):
-            for reqs in cuda_steps():
-                assert_same_trees(client.draft(reqs), local.draft(reqs))
-                assert client.take_errors() == {}
-        assert client.stats["fallback_steps"] == 0 and client.stats["region_trees"] == 0
-        assert client.stats["landed_steps"] == (3 if doorbell else 0), client.stats
-        assert len(works) == 3 and all(w.copied is not None and w.trees.tokens.is_pinned() for w in works)
-        (st,) = service._streams.values()
-        assert st.copy_wait_s > 0
-        if not doorbell:  # the trees landed at one place on our GPU every step: their check replayed from one graph
-            assert client._checker.graphs.stats == {"replays": 3, "captures": 1}
-    finally:
-        client.close()
-        srv.stop()
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_landed_steps_survive_a_slow_drafter_and_a_bad_tree(parts):
-    """gRPC with the host doorbell: a step whose answer misses its deadline is released by the watch and verified
-    root-only (no session fails, the stream reconnects, the unacknowledged rows are sent again); a bad tree that
-    lands fails its session only."""
-    service, local = cuda_parts(parts, SlowOrBadDrafter)
-    srv = ServerThread(service)
-    client = client_for(srv.port, colocated=False, region_device="cuda", draft_timeout_s=0.3, check_graphs=False)
-    try:
-        with _one_process_landing(service):
-            first, second, third = cuda_steps()
-            service.drafter.delay = 1.0
-            t0 = time.monotonic()
-            got = client.draft(first)  # returns at once: the trees are still on their way
-            assert time.monotonic() - t0 < 0.25
-            assert all(root_only(got, r, q.root_token) for r, q in enumerate(first))  # read after the release
-            assert time.monotonic() - t0 >= 0.3
-            assert client.take_errors() == {} and client.stats["doorbell_timeouts"] == 1
-            assert client.stats["fallback_steps"] == 1
-            service.drafter.delay = 0.0
-            deadline = time.monotonic() + 10
-            while not client.connected and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert client.connected
-            local.draft(first)
-            assert_same_trees(client.draft(second), local.draft(second))  # the first step's rows were sent again
-            b = [q[1] for q in (first, second, third)]
-            bad = DraftRequest("bad", 0, torch.cat([q.ctx_features for q in b]), b[2].root_token, b[2].root_pos, 16, 4)
-            got = client.draft([bad])
-            errors = client.take_errors()
-            assert set(errors) == {"bad"} and "invalid tree" in errors["bad"]
-            assert root_only(got, 0, bad.root_token)
-            assert client.stats["landed_steps"] == 3
-    finally:
-        client.close()
-        srv.stop()
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC needs a GPU")
-def test_a_drafter_that_never_rings_costs_one_deadline_and_no_session(parts, monkeypatch):
-    """The drafter answers with its doorbell value but its ring never comes (a drafter that died between
-    its answer and its GPU work): the verifier's stream is released at the step's deadline by the watch,
-    the stream is dropped and reconnects, and no session is failed for what the region held meanwhile."""
-    from protos.shared_region import RegionArena
-
-    monkeypatch.setattr(RegionArena, "ring", lambda self, bell, value: None)
-    service, _ = cuda_parts(parts)
-    srv = ServerThread(service)
-    client = client_for(srv.port, colocated=True, region_device="cuda", draft_timeout_s=0.5)
-    try:
-        assert client.doorbell
-        reqs = cuda_steps()[0]
-        t0 = time.monotonic()
-        trees = client.draft(reqs)
-        torch.cuda.synchronize()  # blocked behind the wait until the watch releases it
-        assert time.monotonic() - t0 >= 0.45
-        assert trees.tokens.shape[0] == len(reqs)
-        assert client.stats["doorbell_timeouts"] == 1 and "did not ring" in client.last_error
-        assert client.take_errors() == {}
-        deadline = time.monotonic() + 20
-        while client.stats["reconnects"] == 0 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert client.stats["reconnects"] == 1
-    finally:
-        client.close()
-        srv.stop()
-
-
-@pytest.mark.parametrize("address, local", [
-    ("127.0.0.1:5000", True), ("localhost:5000", True), ("[::1]:5000", True), ("unix:/tmp/d.sock", True),
-    ("dns:///localhost:5000", True), ("ipv4:127.0.0.2:5000", True), ("10.1.2.3:5000", False),
-    ("drafter.svc.cluster.local:5000", False),
-])
-def test_local_addresses(address, local):
-    assert is_local_address(address) == local
-
-
-def test_transport_resolution():
-    assert resolve_transport(None, "127.0.0.1:1", None) == "colocated"
-    assert resolve_transport(None, "10.0.0.1:1", None) == "grpc"
-    assert resolve_transport("grpc", "127.0.0.1:1", None) == "grpc"
-    assert resolve_transport(None, None, "/d") == "inprocess"
-    with pytest.raises(ValueError, match="needs --drafter DIR"):
-        resolve_transport("inprocess", None, None)
-    with pytest.raises(ValueError, match="needs --drafter-address"):
-        resolve_transport("colocated", None, None)
-    with pytest.raises(ValueError, match="only for --transport inprocess"):
-        resolve_transport("grpc", "h:1", "/d")

@@ -4,7 +4,7 @@ On the CPU: what the stream's reader thread writes into the landing's rows for e
 some sessions and errors for others, a tree of the wrong size, an answer for the wrong sessions, none at all),
 that the bell rings exactly once whatever happens first, and how `DraftCall` routes a step's answer to its landing
 whether it arrives before or after the landing is set, or the stream breaks instead. On the GPU (in
-test_transports.py and the split-services GPU test): the landing path end to end.
+test_transports_gpu.py and the split-services GPU test): the landing path end to end.
 """
 
 from __future__ import annotations

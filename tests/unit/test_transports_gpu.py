@@ -1,0 +1,156 @@
+"""The stream client on a GPU: CUDA regions with an in-process drafter, gRPC bytes from a GPU drafter with and
+without the landing, and the faults of the GPU handovers (a slow drafter, a bad tree, a ring that never comes).
+Skipped without CUDA; the CPU side of the same client: test_transports.py."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from drafter_service.api import DraftRequest
+from tests.unit.stream_harness import (
+    ServerThread,
+    SlowOrBadDrafter,
+    assert_same_trees,
+    client_for,
+    cuda_parts,
+    cuda_steps,
+    one_process_landing,
+    root_only,
+)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC needs a GPU")
+@pytest.mark.parametrize("doorbell", [True, False])
+def test_cuda_regions_with_an_in_process_drafter(parts, doorbell):
+    """Drafter and verifier in one process on the GPU: the regions are CUDA allocations that the
+    server side takes as they are (a process cannot open its own IPC handle); trees equal the
+    in-process drafter's and travel through the regions, handed over by the trees doorbell (our stream
+    waits for the drafter's ring) or, without it, by IPC events."""
+    service, local = cuda_parts(parts)
+    srv = ServerThread(service)
+    client = client_for(srv.port, colocated=True, region_device="cuda", doorbell=doorbell)
+    try:
+        assert set(client.region_devices.values()) == {"cuda:0"}
+        for reqs in cuda_steps():
+            assert_same_trees(client.draft(reqs), local.draft(reqs))
+        assert client.stats["fallback_steps"] == 0 and client.stats["region_tensors"] > 0
+        handed = client.stats["doorbell_steps" if doorbell else "event_steps"]
+        assert client.stats["region_trees"] == client.stats["steps"] == handed == 3, client.stats
+        assert client.stats["event_steps" if doorbell else "doorbell_steps"] == 0, client.stats
+        assert client.ipc_events and client.doorbell == doorbell  # one process: each side's event is the other's
+        # the trees came back to one place in the region every step: their check replayed from one CUDA graph
+        assert client._checker.graphs.stats == {"replays": 3, "captures": 1}
+    finally:
+        client.close()
+        srv.stop()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("doorbell", [True, False])
+def test_grpc_bytes_from_a_gpu_drafter(parts, monkeypatch, doorbell):
+    """Trees as bytes from a GPU drafter: one pinned device-to-host copy per step, waited for on the event loop
+    without blocking it; the trees equal the in-process drafter's and the wait is learned. The verifier lands
+    them at a fixed place on its GPU and checks them from a graph: with the host doorbell in a step queued before
+    they arrived (`verifier_service.tree_landing`), without it once they are here. (The one-process caveats of
+    `one_process_landing`; the check's graph is tested without the landing.)"""
+    from drafter_service import draft_stream
+
+    service, local = cuda_parts(parts)
+    works = []
+    begin = draft_stream.DraftStream.begin
+    monkeypatch.setattr(draft_stream.DraftStream, "begin", lambda self, step: works.append(begin(self, step))
+                        or works[-1])
+    srv = ServerThread(service)
+    client = client_for(srv.port, colocated=False, region_device="cuda", doorbell=doorbell, check_graphs=not doorbell)
+    try:
+        with one_process_landing(service):
+            for reqs in cuda_steps():
+                assert_same_trees(client.draft(reqs), local.draft(reqs))
+                assert client.take_errors() == {}
+        assert client.stats["fallback_steps"] == 0 and client.stats["region_trees"] == 0
+        assert client.stats["landed_steps"] == (3 if doorbell else 0), client.stats
+        assert len(works) == 3 and all(w.copied is not None and w.trees.tokens.is_pinned() for w in works)
+        (st,) = service._streams.values()
+        assert st.copy_wait_s > 0
+        if not doorbell:  # the trees landed at one place on our GPU every step: their check replayed from one graph
+            assert client._checker.graphs.stats == {"replays": 3, "captures": 1}
+    finally:
+        client.close()
+        srv.stop()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_landed_steps_survive_a_slow_drafter_and_a_bad_tree(parts):
+    """gRPC with the host doorbell: a step whose answer misses its deadline is released by the watch and verified
+    root-only (no session fails, the stream reconnects, the unacknowledged rows are sent again); a bad tree that
+    lands fails its session only."""
+    service, local = cuda_parts(parts, SlowOrBadDrafter)
+    srv = ServerThread(service)
+    client = client_for(srv.port, colocated=False, region_device="cuda", draft_timeout_s=0.3, check_graphs=False)
+    try:
+        with one_process_landing(service):
+            first, second, third = cuda_steps()
+            service.drafter.delay = 1.0
+            t0 = time.monotonic()
+            got = client.draft(first)  # returns at once: the trees are still on their way
+            assert time.monotonic() - t0 < 0.25
+            assert all(root_only(got, r, q.root_token) for r, q in enumerate(first))  # read after the release
+            assert time.monotonic() - t0 >= 0.3
+            assert client.take_errors() == {} and client.stats["doorbell_timeouts"] == 1
+            assert client.stats["fallback_steps"] == 1
+            service.drafter.delay = 0.0
+            deadline = time.monotonic() + 10
+            while not client.connected and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert client.connected
+            local.draft(first)
+            assert_same_trees(client.draft(second), local.draft(second))  # the first step's rows were sent again
+            b = [q[1] for q in (first, second, third)]
+            bad = DraftRequest("bad", 0, torch.cat([q.ctx_features for q in b]), b[2].root_token, b[2].root_pos, 16, 4)
+            got = client.draft([bad])
+            errors = client.take_errors()
+            assert set(errors) == {"bad"} and "invalid tree" in errors["bad"]
+            assert root_only(got, 0, bad.root_token)
+            assert client.stats["landed_steps"] == 3
+    finally:
+        client.close()
+        srv.stop()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC needs a GPU")
+def test_a_drafter_that_never_rings_costs_one_deadline_and_no_session(parts, monkeypatch):
+    """The drafter answers with its doorbell value but its ring never comes (a drafter that died between
+    its answer and its GPU work): the verifier's stream is released at the step's deadline by the watch,
+    the stream is dropped and reconnects, and no session is failed for what the region held meanwhile."""
+    from protos.shared_region import RegionArena
+
+    monkeypatch.setattr(RegionArena, "ring", lambda self, bell, value: None)
+    service, _ = cuda_parts(parts)
+    srv = ServerThread(service)
+    client = client_for(srv.port, colocated=True, region_device="cuda", draft_timeout_s=0.5)
+    try:
+        assert client.doorbell
+        reqs = cuda_steps()[0]
+        t0 = time.monotonic()
+        trees = client.draft(reqs)
+        torch.cuda.synchronize()  # blocked behind the wait until the watch releases it
+        assert time.monotonic() - t0 >= 0.45
+        assert trees.tokens.shape[0] == len(reqs)
+        assert client.stats["doorbell_timeouts"] == 1 and "did not ring" in client.last_error
+        assert client.take_errors() == {}
+        deadline = time.monotonic() + 20
+        while client.stats["reconnects"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert client.stats["reconnects"] == 1
+    finally:
+        client.close()
+        srv.stop()
+
+
