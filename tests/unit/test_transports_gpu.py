@@ -21,9 +21,9 @@ from tests.unit.stream_harness import (
     root_only,
 )
 
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC needs a GPU")
+
 @pytest.mark.parametrize("doorbell", [True, False])
 def test_cuda_regions_with_an_in_process_drafter(parts, doorbell):
     """Drafter and verifier in one process on the GPU: the regions are CUDA allocations that the
@@ -49,8 +49,6 @@ def test_cuda_regions_with_an_in_process_drafter(parts, doorbell):
         srv.stop()
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("doorbell", [True, False])
 def test_grpc_bytes_from_a_gpu_drafter(parts, monkeypatch, doorbell):
     """Trees as bytes from a GPU drafter: one pinned device-to-host copy per step, waited for on the event loop
@@ -84,8 +82,6 @@ def test_grpc_bytes_from_a_gpu_drafter(parts, monkeypatch, doorbell):
         srv.stop()
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_landed_steps_survive_a_slow_drafter_and_a_bad_tree(parts):
     """gRPC with the host doorbell: a step whose answer misses its deadline is released by the watch and verified
     root-only (no session fails, the stream reconnects, the unacknowledged rows are sent again); a bad tree that
@@ -123,8 +119,6 @@ def test_landed_steps_survive_a_slow_drafter_and_a_bad_tree(parts):
         srv.stop()
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC needs a GPU")
 def test_a_drafter_that_never_rings_costs_one_deadline_and_no_session(parts, monkeypatch):
     """The drafter answers with its doorbell value but its ring never comes (a drafter that died between
     its answer and its GPU work): the verifier's stream is released at the step's deadline by the watch,
