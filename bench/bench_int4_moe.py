@@ -113,6 +113,7 @@ GLUON_VARIANTS = {  # name -> int4_moe_gluon options (--gluon)
     "wgmma_np8_s3": dict(path="wgmma", block_pairs=8, stages=3),
     "wgmma_np32_s2_r168": dict(path="wgmma", block_pairs=32, stages=2, maxnreg=168),
     "wgmma_tier32": dict(path="wgmma", block_pairs=32, small_pairs=8, stages=2),  # uncapped: 2 CTAs per SM
+    "wgmma_tier32_r168": dict(path="wgmma", block_pairs=32, small_pairs=8, stages=2, maxnreg=168),  # 3 CTAs per SM
     # 4 CTAs per SM (<= 128 registers: 8-32 bytes of spills offline)
     "wgmma_tier16_r128": dict(path="wgmma", block_pairs=16, small_pairs=8, stages=2, maxnreg=128),
     "wgmma_np8_s2_r128": dict(path="wgmma", block_pairs=8, stages=2, maxnreg=128),

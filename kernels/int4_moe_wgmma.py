@@ -28,20 +28,26 @@ BLOCK_PAIRS = (8, 16, 32, 64)  # pairs per expert block; every size gives the sa
 STAGES = (2, 3, 4)  # ring slots: weights, scales and activations of STAGES - 1 steps in flight
 DEFAULT_SCHEDULE = {}  # read at each call: `int4_moe_wgmma` options for every launch (the rest: as `resolve_schedule`)
 PLAIN = dict(block_pairs=8, small_pairs=0, stages=2, maxnreg=None, pdl=False, direct=False)  # one block size
+SMALL_LAUNCH = 128  # pairs: the largest launch of auto_schedule's middle tier
 MAXNREG = 168  # the tiered schedule's register cap: 3 CTAs per SM (171 uncapped; no spills at 168 with Triton 3.6)
 
 
 def auto_schedule(pairs: int) -> dict:
     """Launch options for `pairs` (token, expert) pairs. Decode (<= 8 pairs: every expert has one small block, and
-    the GPU holds all CTAs at once): 8-pair blocks and a 4-slot ring, whose depth hides the memory latency. More
-    pairs: 32-pair blocks of which the ones holding <= 8 pairs run with N = 8 (`small_pairs`; uniform routing puts
-    1-3 pairs on an expert, a verify step's tree tokens crowd some experts with dozens: an expert's weights are
-    streamed once per block), a 2-slot ring and <= 168 registers, i.e. 3 CTAs per SM. Only speed depends on it:
-    the bits do not (GPU test). `pdl` (programmatic dependent launch of w13, w2 and the combine: each grid
-    scheduled while the previous one ends, w2's first weight steps in flight before w13 is done) and `direct` (one
-    token: a block per pair straight from the routing, no grouping launch) are off until they are measured."""
+    the GPU holds all CTAs at once): 8-pair blocks, a 4-slot ring, whose depth hides the memory latency, `direct`
+    (one token: a block per pair straight from the routing, no grouping launch) and `pdl` (programmatic dependent
+    launch of w13, w2 and the combine: each grid scheduled while the previous one ends, w2's first weight steps in
+    flight before w13 is done). PDL only there: with more CTAs than fit at once, w2's early CTAs hold slots that
+    w13's later waves need (H200, 33-129 tokens: 1-28% slower, erratic run to run). Up to SMALL_LAUNCH pairs (a few
+    tokens, a 9-node tree): 16-pair blocks of which the ones holding <= 8 pairs run with N = 8, a 2-slot ring and
+    <= 128 registers, 4 CTAs per SM. More pairs: 32-pair blocks with the same small path under MAXNREG registers,
+    3 CTAs per SM (uniform routing puts 1-3 pairs on an expert, a verify step's tree tokens crowd some experts with
+    dozens: an expert's weights are streamed once per block). Only speed depends on it: the bits do not (GPU
+    test)."""
     if pairs <= 8:
-        return {**PLAIN, "stages": 4}
+        return {**PLAIN, "stages": 4, "pdl": True, "direct": True}
+    if pairs <= SMALL_LAUNCH:
+        return {**PLAIN, "block_pairs": 16, "small_pairs": 8, "maxnreg": 128}
     return {**PLAIN, "block_pairs": 32, "small_pairs": 8, "maxnreg": MAXNREG}
 
 

@@ -270,17 +270,21 @@ def test_int4_moe_wgmma_pdl_in_a_cuda_graph(kimi_wgmma, T, direct):
 
 
 def test_auto_schedule():
-    """Decode: small blocks, a deep ring; more pairs: the tiered 32 / 8 schedule under the register cap; always
-    options the launcher takes."""
-    assert auto_schedule(1)["block_pairs"] == auto_schedule(8)["block_pairs"] == 8
-    assert auto_schedule(8)["stages"] == 4 and not auto_schedule(8)["small_pairs"]
-    for p in (9, 72, 1032, 4224, 10**6):
+    """Decode: small blocks, a deep ring, direct blocks and PDL; a few tokens: the tiered 16 / 8 schedule at 4 CTAs
+    per SM; more: the tiered 32 / 8 schedule under the register cap, no PDL; always options the launcher takes."""
+    for p in (1, 8):
+        s = auto_schedule(p)
+        assert (s["block_pairs"], s["small_pairs"], s["stages"], s["pdl"], s["direct"]) == (8, 0, 4, True, True), p
+    for p in (9, 72, 128):
+        s = auto_schedule(p)
+        assert (s["block_pairs"], s["small_pairs"], s["stages"], s["maxnreg"]) == (16, 8, 2, 128), p
+        assert not s["pdl"] and not s["direct"], p
+    for p in (129, 1032, 4224, 10**6):
         s = auto_schedule(p)
         assert (s["block_pairs"], s["small_pairs"], s["stages"], s["maxnreg"]) == (32, 8, 2, 168), p
         assert not s["pdl"] and not s["direct"], p
-    for p in (1, 9, 10**6):
-        s = auto_schedule(p)
-        assert s["block_pairs"] in BLOCK_PAIRS and s["stages"] in STAGES and s["small_pairs"] in (0, *BLOCK_PAIRS)
+    for p in (1, 9, 129, 10**6):
+        assert resolve_schedule(p) == auto_schedule(p), p  # every one runnable
 
 
 def test_resolve_schedule(monkeypatch):
