@@ -117,6 +117,11 @@ GLUON_VARIANTS = {  # name -> int4_moe_gluon options (--gluon)
     # 4 CTAs per SM (<= 128 registers: 8-32 bytes of spills offline)
     "wgmma_tier16_r128": dict(path="wgmma", block_pairs=16, small_pairs=8, stages=2, maxnreg=128),
     "wgmma_np8_s2_r128": dict(path="wgmma", block_pairs=8, stages=2, maxnreg=128),
+    # decode with direct blocks and PDL (auto_schedule's) at shallower rings under register caps: more CTAs per SM
+    # (uncapped: 2; 168 registers and <= 3 slots: 3; 128 registers and 2 slots: 4)
+    "wgmma_np8_s3_pdl_direct": dict(path="wgmma", block_pairs=8, stages=3, pdl=True, direct=True),
+    "wgmma_np8_s3_r168_pdl_direct": dict(path="wgmma", block_pairs=8, stages=3, maxnreg=168, pdl=True, direct=True),
+    "wgmma_np8_s2_r128_pdl_direct": dict(path="wgmma", block_pairs=8, stages=2, maxnreg=128, pdl=True, direct=True),
 }
 
 
