@@ -3,7 +3,7 @@
     python bench/bench_transport.py [--pair models/kimi-mini] [--device cpu|cuda] [--concurrency 1 32]
                                     [--steps 30] [--warmup 5] [--time-budget-s S] [--no-gc-freeze]
                                     [--no-check-graphs] [--control-spin-ms MS] [--keepwarm-ms MS]
-                                    [--transports T ...]
+                                    [--transports T ...] [--drafter-sessions N]
 
 For each transport the same engine (target in this process) runs C sessions at one budget; the drafter
 is the in-process `Drafter` (inprocess) or a `ddtree drafter serve` process on loopback (same device)
@@ -149,6 +149,9 @@ def main() -> int:
     p.add_argument("--transports", nargs="+", default=None,
                    help="the remote engines to run beside in-process (default: all: colocated, grpc, and on a GPU "
                         "colocated_events, colocated_sync and grpc_sync; grpc_cold everywhere)")
+    p.add_argument("--drafter-sessions", type=int, default=None,
+                   help="the drafter process's --max-sessions (default: every remote engine's sessions at the "
+                        "largest C, + 8): the size of its context cache and of its CUDA-graph buckets")
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "transport.jsonl"))
     args = p.parse_args()
 
@@ -180,8 +183,11 @@ def main() -> int:
             p.error(f"--transports: {sorted(unknown)} not among {list(remote)} on {args.device}")
         remote = tuple(t for t in remote if t in args.transports)
     n_streams = len(remote)  # all sessions on each stream
-    proc = start_drafter(pair, args.device, dtype_name, n_streams * max(args.concurrency) + 8, graphs,
-                         args.control_spin_ms)  # loads now
+    drafter_sessions = args.drafter_sessions or n_streams * max(args.concurrency) + 8
+    if drafter_sessions < n_streams * max(args.concurrency):
+        p.error(f"--drafter-sessions {drafter_sessions}: the remote engines hold "
+                f"{n_streams * max(args.concurrency)} sessions at C={max(args.concurrency)}")
+    proc = start_drafter(pair, args.device, dtype_name, drafter_sessions, graphs, args.control_spin_ms)  # loads now
     clients: dict[str, DraftStreamClient] = {}
     try:
         inproc = build_local_engine(pair / "target", pair / "drafter", dtype, args.device, ecfg)
@@ -271,7 +277,7 @@ def main() -> int:
                        "params": {"transport": t, "concurrency": conc, "device": args.device, "budget": args.budget,
                                   "topk": 8, "pair": pair.name, "steps": n, "warmup": args.warmup,
                                   "cuda_graphs": graphs, "control_spin_ms": args.control_spin_ms,
-                                  "keepwarm_ms": keepwarm_ms(t, args),
+                                  "keepwarm_ms": keepwarm_ms(t, args), "drafter_sessions": drafter_sessions,
                                   "gc_freeze": args.gc_freeze, "check_graphs": args.check_graphs,
                                   "mps": cuda and mps_running()},
                        "device": device_name, "gpu": gpu, "dtype": dtype_name, "commit": commit(),

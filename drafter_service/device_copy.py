@@ -5,7 +5,7 @@ stream (PyTorch synchronises after a blocking host-to-device copy): the GPU then
 queues the next launches. Index uploads are staged in pinned memory and copied with `non_blocking=True`;
 PyTorch's caching host allocator keeps the pinned block alive until the copy has run, so the host
 buffer can be dropped right away. Feature rows (context taps) are concatenated where they live and moved
-with one copy.
+with one copy; rows decoded from the wire are concatenated into pinned memory, so theirs is asynchronous too.
 """
 
 from __future__ import annotations
@@ -43,7 +43,24 @@ def rows_to_device(parts: list[torch.Tensor], device: torch.device, dtype: torch
     if out is not None and all(p.device == out.device and p.dtype == out.dtype for p in parts):
         return torch.cat(parts, out=out)
     if len({(p.device, p.dtype) for p in parts}) == 1:
+        if device.type == "cuda" and parts[0].device.type == "cpu":
+            return _pinned_rows_to_device(parts, device, dtype, out)
         x = parts[0] if len(parts) == 1 else torch.cat(parts)
     else:
         x = torch.cat([p.to(device, dtype) for p in parts])
     return x.to(device, dtype) if out is None else out.copy_(x)
+
+
+def _pinned_rows_to_device(parts: list[torch.Tensor], device: torch.device, dtype: torch.dtype,
+                           out: torch.Tensor | None) -> torch.Tensor:
+    """Host row blocks of one dtype (rows decoded from the wire) -> `device`: concatenated straight into pinned
+    memory, uploaded by one copy the host does not wait for (a pageable upload is staged by the driver and waits for
+    the stream), converted to `dtype` on the device when it differs (a CPU-side conversion would be pageable again).
+    PyTorch's caching host allocator keeps the pinned block until the copy has run."""
+    staged = torch.empty((sum(p.shape[0] for p in parts), *parts[0].shape[1:]), dtype=parts[0].dtype,
+                         pin_memory=True)
+    torch.cat(parts, out=staged)
+    if out is not None and out.dtype == staged.dtype:
+        return out.copy_(staged, non_blocking=True)
+    x = staged.to(device, non_blocking=True)
+    return x.to(dtype) if out is None else out.copy_(x)

@@ -1,0 +1,72 @@
+"""drafter_service.device_copy: the drafter's per-step uploads give exactly what `.to(device, dtype)` gives, for
+every mix of blocks, with and without a destination, on the CPU and (through pinned staging) on a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from drafter_service.device_copy import host_to_device, int64_to_device, rows_to_device
+
+CUDA = torch.cuda.is_available()
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs a GPU")])]
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _blocks(gen: torch.Generator, rows: list[int], F: int, dtypes: list[torch.dtype]) -> list[torch.Tensor]:
+    return [torch.randn(n, F, generator=gen).to(dt) for n, dt in zip(rows, dtypes, strict=True)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("rows,dtypes,want", [
+    ([3], [torch.float16], torch.float16),  # one block, same dtype
+    ([5, 1, 7], [torch.float16] * 3, torch.float16),  # wire rows: one dtype, several blocks
+    ([2, 9], [torch.float32] * 2, torch.float16),  # converted on the way
+    ([4, 3], [torch.float32, torch.float16], torch.float32),  # mixed blocks: each converted first
+])
+@pytest.mark.parametrize("with_out", [False, True])
+def test_rows_to_device_equals_to(device, rows, dtypes, want, with_out):
+    gen = torch.Generator().manual_seed(sum(rows))
+    parts = _blocks(gen, rows, 37, dtypes)  # an awkward feature width
+    ref = torch.cat([p.to(device, want) for p in parts])
+    dev = torch.device(device)
+    if with_out:
+        buf = torch.full((sum(rows) + 5, 37), float("nan"), dtype=want, device=device)  # larger: a graph's input
+        got = rows_to_device(parts, dev, want, out=buf[: sum(rows)])
+        assert got.data_ptr() == buf.data_ptr()
+        assert torch.isnan(buf[sum(rows):]).all()  # nothing written past the rows
+    else:
+        got = rows_to_device(parts, dev, want)
+    _sync(dev)
+    assert got.device.type == dev.type and got.dtype == want and got.shape == ref.shape
+    assert torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rows_survive_their_host_blocks(device):
+    """The upload may still be in flight when the caller drops (or overwrites) its host blocks: the staged copy,
+    not the caller's memory, is what lands."""
+    dev = torch.device(device)
+    parts = [torch.arange(12.0).reshape(4, 3).half(), torch.arange(6.0).reshape(2, 3).half()]
+    ref = torch.cat(parts).to(device)
+    got = rows_to_device(parts, dev, torch.float16)
+    for p in parts:
+        p.fill_(-1)
+    _sync(dev)
+    assert torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_index_uploads(device):
+    dev = torch.device(device)
+    vals = [[1, 2, 3], [4, 5, 2**40]]
+    assert torch.equal(int64_to_device(vals, dev).cpu(), torch.tensor(vals))
+    out = torch.zeros(2, 3, dtype=torch.int64, device=device)
+    small = torch.tensor([[7, 8, 9], [1, 0, -3]], dtype=torch.int32)  # widened on the way
+    assert int64_to_device(small, dev, out=out).data_ptr() == out.data_ptr()
+    assert torch.equal(out.cpu(), small.long())
+    assert torch.equal(host_to_device(torch.tensor(vals), dev).cpu(), torch.tensor(vals))
