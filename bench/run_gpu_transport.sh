@@ -3,10 +3,11 @@
 # test_device_copy.py, test_shared_region.py, test_tree_verdicts.py, test_doorbell.py, test_gpu_transport.py),
 # then bench_transport.py at C=1 and C=32 on cuda: kimi-mini (about 3 minutes), or with K26=1 a random-weight Kimi
 # K2.6 pair (5 target layers, ~43 GB written to K26_DIR, /tmp/k26 by default, ~2 min; about 5 minutes in all).
-# Logs and JSONL go to $OUT (bench/results/run when unset); run from the repo root. Section time limits: T_TESTS / T_BENCH (seconds); extra
-# bench flags: BENCH_ARGS; TESTS=0 skips the tests; then bench/grpc_echo.py with and without a 9 ms silence and
-# keep-warm messages (ECHO=0 skips it, T_ECHO its limit). MPS=1 runs everything under an MPS control daemon of its
-# own (pipe and log directories under /tmp/ddtree-mps; quit at the end), so the processes share one GPU context.
+# Logs and JSONL go to $OUT (bench/results/run when unset); run from the repo root. Section time limits: T_TESTS /
+# T_BENCH (seconds); extra bench flags: BENCH_ARGS; TESTS=0 skips the tests; then bench/grpc_echo.py with and
+# without a 9 ms silence and keep-warm messages (ECHO=0 skips it, T_ECHO its limit). MPS=1 runs everything under an
+# MPS control daemon of its own (pipe and log directories under /tmp/ddtree-mps; quit at the end), so the processes
+# share one GPU context.
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-bench/results/run}
