@@ -83,9 +83,9 @@ from triton.compiler import compile
 from triton.experimental.gluon._runtime import GluonASTSource
 from kernels import _int4_moe_wgmma as m
 out = {}
-configs = ((8, 0, 4, False, False), (64, 0, 2, False, False), (32, 8, 2, False, False), (32, 8, 2, True, False),
-           (8, 0, 4, True, True))
-for gated, np_, small, stages, pdl, direct in [(g, *c) for g in (True, False) for c in configs]:
+configs = ((8, 0, 4, False, False, None), (64, 0, 2, False, False, None), (32, 8, 2, False, False, 168),
+           (32, 8, 2, True, False, 168), (8, 0, 4, True, True, None), (16, 8, 2, False, False, 128))
+for gated, np_, small, stages, pdl, direct, cap in [(g, *c) for g in (True, False) for c in configs]:
         sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "out_ptr": "*bf16" if gated else "*fp32",
                "pairs_ptr": "*i32", "bexp_ptr": "*i64" if direct else "*i32", "P": "i32", "N_OUT": "i32",
                "num_kb": "i32"}
@@ -99,7 +99,7 @@ for gated, np_, small, stages, pdl, direct in [(g, *c) for g in (True, False) fo
         with contextlib.redirect_stdout(log):
             kernel = m._moe_w13_wgmma_kernel if gated else m._moe_w2_wgmma_kernel
             k = compile(GluonASTSource(fn=kernel, signature=sig, constexprs=cst, attrs=attrs),
-                        target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": 168 if small else None})
+                        target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": cap})
         ptx, log = k.asm["ptx"], log.getvalue()
         lines = ptx.splitlines()
         first = {key: next((i for i, line in enumerate(lines) if pat in line), -1) for key, pat in
@@ -107,7 +107,7 @@ for gated, np_, small, stages, pdl, direct in [(g, *c) for g in (True, False) fo
                   ("cp_async", "cp.async.cg"), ("ld_global", "ld.global"))}
         tag = ("_pdl" if pdl else "") + ("_direct" if direct else "")
         out[f"{'w13' if gated else 'w2'}_np{np_}_small{small}_s{stages}{tag}"] = {
-            "first": first,
+            "first": first, "cap": cap,
             "shared": k.metadata.shared,
             "wgmma": sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx))),
             "registers": int(re.findall(r"Used (\d+) registers", log)[-1]),
@@ -121,20 +121,21 @@ print(json.dumps(out))
 
 
 def test_wgmma_moe_kernels_compile_for_sm90(tmp_path):
-    """Both GEMMs compiled for sm_90 (PTX + ptxas, no GPU) in the three schedules' shapes (8-pair blocks and a
-    4-slot ring, 64-pair blocks and 2 slots, 32-pair blocks with an 8-pair path under a 168-register cap): only
-    m64nNk16 wgmma with N = the block's (or the small path's) pairs, 32 per K step and path (4 chunks x 2 weight
-    tensors x 4 k16) plus none outside; the A operand built in registers (no shared-memory stores), everything
-    copied by 16-byte cp.async into the ring (slots of 4 x N x 64 activations, words [128, 32] and scales [128, 8]),
-    no global vector loads, 12 16-byte shared loads per step and path (a lane's 2 x 8 words and 2 x 8 scales of both
-    tensors), no spills (the capped kernel: at most 8 bytes; with PDL's early weight copies in w2: 16), and the capped
-    kernel within its cap (3 CTAs per SM). With PDL (programmatic dependent launch) w13 waits for the previous grid
-    before any load and only then lets w2 be scheduled; w2 reads its block's expert and issues its first weight
-    copies before it waits; without PDL no grid-dependency instruction at all. Direct blocks (the expert id of a
-    pair as its block's, int64) compile to the same MMAs and copies."""
+    """Both GEMMs compiled for sm_90 (PTX + ptxas, no GPU) in the schedules' shapes (8-pair blocks and a 4-slot
+    ring, 64-pair blocks and 2 slots, 32-pair blocks with an 8-pair path under a 168-register cap, 16-pair blocks with
+    an 8-pair path under a 128-register cap, auto_schedule's middle tier): only m64nNk16 wgmma with N = the block's
+    (or the small path's) pairs, 32 per K step and path (4 chunks x 2 weight tensors x 4 k16) plus none outside; the
+    A operand built in registers (no shared-memory stores), everything copied by 16-byte cp.async into the ring
+    (slots of 4 x N x 64 activations, words [128, 32] and scales [128, 8]), no global vector loads, 12 16-byte shared
+    loads per step and path (a lane's 2 x 8 words and 2 x 8 scales of both tensors), no spills (under 168 registers:
+    at most 8 bytes; with PDL's early weight copies in w2: 16; under 128: 48), and a capped kernel within its cap (3
+    or 4 CTAs per SM). With PDL (programmatic dependent launch) w13 waits for the previous grid before any load and
+    only then lets w2 be scheduled; w2 reads its block's expert and issues its first weight copies before it waits;
+    without PDL no grid-dependency instruction at all. Direct blocks (the expert id of a pair as its block's, int64)
+    compile to the same MMAs and copies."""
     pytest.importorskip("triton.experimental.gluon")
     facts = run_sm90_script(tmp_path, _SM90_COMPILE)
-    assert len(facts) == 10, facts
+    assert len(facts) == 12, facts
     for name, f in facts.items():
         n, small, stages = (int(v) for v in re.match(r"w\d+_np(\d+)_small(\d+)_s(\d+)", name).groups())
         first = f["first"]
@@ -147,11 +148,13 @@ def test_wgmma_moe_kernels_compile_for_sm90(tmp_path):
         paths = [n] + ([small] if small else [])
         assert f["wgmma"] == sorted(f"m64n{p}k16" for p in paths) and f["n_wgmma"] == 32 * len(paths), (name, f)
         assert f["st_shared"] == 0 and f["cp_async_16"] >= 1 and f["ld_v4"] == 0, (name, f)
-        # the capped kernel: none with the GPU's Triton 3.6 ptxas, 4 bytes with 3.9's
-        assert f["spill_bytes"] <= (16 if "_pdl" in name else 8 if small else 0), (name, f)
+        # under 168 registers: none with the GPU's Triton 3.6 ptxas, 4 bytes with 3.9's; under 128 (4 CTAs per SM):
+        # a few spills, measured as the faster trade at <= 128 pairs (auto_schedule)
+        budget = 48 if f["cap"] == 128 else 16 if "_pdl" in name else 8 if small else 0
+        assert f["spill_bytes"] <= budget, (name, f)
         assert f["shared"] == stages * (4 * n * 64 * 2 + 128 * 32 * 4 + 128 * 8 * 2), (name, f)
         assert f["ld_shared"] == f["ld_shared_v4"] == 12 * len(paths), (name, f)
-        assert not small or f["registers"] <= 168, (name, f)
+        assert f["cap"] is None or f["registers"] <= f["cap"], (name, f)
 
 
 # --- GPU ----------------------------------------------------------------------------------------------------
