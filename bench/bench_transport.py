@@ -25,10 +25,11 @@ verify-step time, median time from asking the drafter to having the trees (`Engi
 remote drafter the engine prepares the batch layout in between), the ratio and overhead against
 in-process at the same C, and for the remote transports the medians of the stream client's per-step
 phases (`breakdown_ms`: round trip, the drafter's own compute as it reports it, transport = the
-difference, decode, check). Output: a table on stdout and JSON lines appended to
-bench/results/transport.jsonl. Exit status 1 (after writing the records, flagged with `problems`) when a
-check fails, a step fell back to autoregressive, or the co- located stream did not use its shared
-regions on the requested device.
+difference, decode, check), and how the drafter process ran its steps at that C (`drafter_graph_runs`: CUDA-graph
+replays, captures, eager runs, from its `ddtree_draft_graph_runs_total`; all remote engines together). Output: a
+table on stdout and JSON lines appended to bench/results/transport.jsonl. Exit status 1 (after writing the
+records, flagged with `problems`) when a check fails, a step fell back to autoregressive, or the co-located stream
+did not use its shared regions on the requested device.
 
 On CPU, pin glibc's allocator for the whole run (both processes inherit it):
     MALLOC_MMAP_THRESHOLD_=1073741824 MALLOC_TRIM_THRESHOLD_=4294967296 OMP_NUM_THREADS=1 python bench/...
@@ -84,17 +85,35 @@ def start_drafter(pair, device, dtype, max_sessions, graphs: bool, spin_ms: floa
     return subprocess.Popen([sys.executable, "-m", "gateway.cli", "drafter", "serve", "--listen", "127.0.0.1:0",
                              "--target", str(pair / "target"), "--drafter", str(pair / "drafter"), "--device", device,
                              "--dtype", dtype, "--max-sessions", str(max_sessions), "--log-level", "WARNING",
-                             "--control-spin-ms", str(spin_ms),
+                             "--control-spin-ms", str(spin_ms), "--metrics-listen", "127.0.0.1:0",
                              *([] if graphs else ["--no-cuda-graphs"])],
                             cwd=REPO, stdout=subprocess.PIPE, text=True)
 
 
-def wait_serving(proc: subprocess.Popen) -> str:
+def wait_serving(proc: subprocess.Popen) -> tuple[str, str | None]:
+    """-> (the drafter's gRPC address, its metrics address) from its announcements."""
+    metrics = None
     for line in proc.stdout:
         ev = json.loads(line)
+        if ev.get("event") == "metrics_listening":
+            metrics = ev["address"]
         if ev.get("event") == "serving":
-            return ev["address"]
+            return ev["address"], metrics
     raise RuntimeError(f"the drafter did not start (exit status {proc.wait()})")
+
+
+def graph_runs(metrics_addr: str | None) -> dict[str, int]:
+    """The drafter process's `ddtree_draft_graph_runs_total` by kind (replays, captures, eager, ...; context_* for
+    appends), scraped from its metrics endpoint; {} without one."""
+    if metrics_addr is None:
+        return {}
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://{metrics_addr}/", timeout=10) as r:
+        text = r.read().decode()
+    prefix = 'ddtree_draft_graph_runs_total{kind="'
+    return {line[len(prefix):].split('"', 1)[0]: int(float(line.rsplit(" ", 1)[1]))
+            for line in text.splitlines() if line.startswith(prefix)}
 
 
 def keepwarm_ms(transport: str, args) -> float:
@@ -192,7 +211,7 @@ def main() -> int:
     try:
         inproc = build_local_engine(pair / "target", pair / "drafter", dtype, args.device, ecfg)
         vocab = inproc.target.cfg.vocab_size
-        addr = wait_serving(proc)
+        addr, metrics_addr = wait_serving(proc)
         engines = {"inprocess": inproc}
         for transport in remote:
             client = DraftStreamClient(StreamClientConfig(addr, colocated=not transport.startswith("grpc"),
@@ -222,6 +241,7 @@ def main() -> int:
             diverged = 0  # rounds in which a transport emitted other tokens than in-process (other trees)
             emitted: dict[str, dict[str, list[int]]] = {t: {} for t in engines}
             before = {t: dict(c.stats) for t, c in clients.items()}
+            runs_before = graph_runs(metrics_addr)
             for e in engines.values():
                 admit(e, conc, args.budget, vocab)
             t_conc = time.monotonic()
@@ -267,6 +287,9 @@ def main() -> int:
                           "grpc": "landed_steps", "grpc_cold": "landed_steps"}.get(t) if cuda else None
                 if handed and d[handed] != d["steps"]:
                     problems.append(f"C={conc} {t}: {handed} is not every step ({d})")
+            runs_after = graph_runs(metrics_addr)  # the drafter process's, all remote engines of this C together
+            runs = {k: v - runs_before.get(k, 0) for k, v in runs_after.items() if v != runs_before.get(k, 0)}
+            print(f"drafter graph runs at C={conc} (warm-up included, all remote engines): {runs}", flush=True)
             for t, e in engines.items():
                 for i in range(conc):
                     e.release(f"b{i}")
@@ -291,6 +314,7 @@ def main() -> int:
                                                     for key in (phases[t][0] if phases.get(t) else ())}},
                        "outputs_identical": not wrong, "steps_identical": not diverged,
                        "regions": clients[t].region_devices if t in clients else {},
+                       "drafter_graph_runs": runs if t in clients else {},
                        "ipc_events": t in clients and clients[t].ipc_events,
                        "doorbell": t in clients and clients[t].doorbell,
                        "malloc_pinned": "MALLOC_MMAP_THRESHOLD_" in os.environ,

@@ -107,6 +107,8 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
 
     def attach(self, drafter: Drafter, model_name: str, target_hidden: int) -> None:
         self.drafter, self.model_name, self.target_hidden = drafter, model_name, target_hidden
+        if drafter.graphs is not None:  # how its steps ran (replayed, captured, eager), read at scrape time
+            self.metrics.watch_draft_graphs(lambda: drafter.graphs.stats)
 
     @property
     def feature_dim(self) -> int:

@@ -13,7 +13,10 @@ Definitions (DESIGN 3.2, 6):
   d and `ddtree_accepted_depth_total{depth=d}` the steps whose accepted path reached depth d; their
   ratio is the acceptance rate at depth d;
 - inter-token latency: a streamed chunk of n tokens that arrives dt after the previous one is n
-  observations of dt/n, so the mean is 1 / (tokens per second) of the stream, as clients feel it.
+  observations of dt/n, so the mean is 1 / (tokens per second) of the stream, as clients feel it;
+- drafter graph paths: `ddtree_draft_graph_runs_total{kind=k}` counts the drafter's draft groups and context
+  appends by how they ran (`DraftGraphRunner.stats`: replays / captures / eager / padded_eager, context_* for
+  appends), read at scrape time; a step that runs eagerly on a GPU is tens of times slower than a replay.
 """
 
 from __future__ import annotations
@@ -21,10 +24,11 @@ from __future__ import annotations
 import bisect
 import functools
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import choose_encoder, start_http_server
 
 # final statuses of a request: "ok" plus the gRPC status code names (bounded label cardinality)
@@ -91,6 +95,8 @@ class Metrics:
                                       ["status"], registry=r)
         self.draft_sessions = Gauge("ddtree_draft_sessions", "Sessions holding a drafter context cache (all streams)",
                                     registry=r)
+        self._graph_runs: Callable[[], Mapping[str, int]] = dict  # set by the drafter (`watch_draft_graphs`)
+        r.register(_GraphRunsCollector(lambda: self._graph_runs()))
         self._depth_children: dict[tuple[Counter, int], Counter] = {}  # (family, depth) -> child, for the step loop
 
     # --- recording helpers (validate labels: a bad label is a programming error, not data) ----------
@@ -139,11 +145,33 @@ class Metrics:
             child = self._depth_children[(family, depth)] = family.labels(depth=str(depth))
         return child
 
+    def watch_draft_graphs(self, stats: Callable[[], Mapping[str, int]]) -> None:
+        """Export `stats()` (kind -> runs so far) as `ddtree_draft_graph_runs_total`, read at each scrape."""
+        self._graph_runs = stats
+
     def set_kv_usage(self, used_pages: int, total_pages: int) -> None:
         self.kv_usage.set(used_pages / total_pages if total_pages > 0 else 0.0)
 
     def token_timer(self, start: float | None = None) -> TokenTimer:
         return TokenTimer(self, time.perf_counter() if start is None else start)
+
+
+class _GraphRunsCollector:
+    """`ddtree_draft_graph_runs_total{kind}` from a mapping read at scrape time (no per-step work)."""
+
+    def __init__(self, read: Callable[[], Mapping[str, int]]):
+        self._read = read
+
+    def describe(self):
+        return [CounterMetricFamily("ddtree_draft_graph_runs", "Drafter draft groups and context appends by how "
+                                    "they ran (replays, captures, eager, padded_eager; context_*: appends)",
+                                    labels=["kind"])]
+
+    def collect(self):
+        fam = self.describe()[0]
+        for kind, n in sorted(self._read().items()):
+            fam.add_metric([kind], float(n))
+        yield fam
 
 
 @dataclass

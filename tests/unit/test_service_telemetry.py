@@ -15,9 +15,10 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
 from drafter_service.api import DraftRequest
+from drafter_service.drafter import Drafter
 from drafter_service.server import DrafterServerConfig, DrafterService
 from telemetry import tracing as tr
 from telemetry.metrics import Metrics, observe_many
@@ -218,6 +219,27 @@ def test_draft_stream_spans_counters_and_client_fallbacks(parts, mem):
     finally:
         client.close()
         srv.stop()
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_draft_graph_runs_are_exported_at_scrape_time(parts, graphs):
+    """`ddtree_draft_graph_runs_total{kind}` is the drafter's graph runner's own count of how its steps ran (on the
+    CPU: padded-eager runs, the GPU's replays), read at each scrape; nothing without a runner."""
+    dm = fresh()
+    model, embed, head = parts
+    drafter = Drafter(model, embed, head, max_sessions=8, window=64, cuda_graphs=graphs)
+    service = DrafterService(max_sessions=8, window=64, metrics=dm)
+    service.attach(drafter, "tiny", embed.shape[1])
+    for reqs in steps(("a", "b"))[:2]:
+        drafter.draft(reqs)
+    if not graphs:
+        assert drafter.graphs is None and "kind=" not in generate_latest(dm.registry).decode()
+        return
+    stats = dict(drafter.graphs.stats)
+    assert stats["padded_eager"] == 2 and stats["context_padded_eager"] >= 2, stats
+    assert all(val(dm, "ddtree_draft_graph_runs_total", kind=k) == n for k, n in stats.items())
+    drafter.draft(steps(("a", "b"))[2])
+    assert val(dm, "ddtree_draft_graph_runs_total", kind="padded_eager") == 3  # read again, not a copy
 
 
 def test_traceparent_travels_in_the_draft_request():
