@@ -16,7 +16,7 @@ Definitions (DESIGN 3.2, 6):
   observations of dt/n, so the mean is 1 / (tokens per second) of the stream, as clients feel it;
 - drafter graph paths: `ddtree_draft_graph_runs_total{kind=k}` counts the drafter's draft groups and context
   appends by how they ran (`DraftGraphRunner.stats`: replays / captures / eager / padded_eager, context_* for
-  appends), read at scrape time; a step that runs eagerly on a GPU is tens of times slower than a replay.
+  appends), read at scrape time: on a GPU, steps that run eagerly instead of replaying show here.
 """
 
 from __future__ import annotations
@@ -169,7 +169,7 @@ class _GraphRunsCollector:
 
     def collect(self):
         fam = self.describe()[0]
-        for kind, n in sorted(self._read().items()):
+        for kind, n in sorted(dict(self._read()).items()):  # one copy: the model thread may add a kind meanwhile
             fam.add_metric([kind], float(n))
         yield fam
 
