@@ -1,0 +1,26 @@
+"""The device scripts' defaults name things that exist: a typo there costs a lent GPU's minutes, not a CI run."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from bench.bench_int4_moe import GLUON_VARIANTS
+from kernels.int4_moe_wgmma import check_schedule
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+def _default(script: str, var: str) -> str:
+    m = re.search(rf"^{var}=\$\{{{var}:-(['\"])(.*?)\1\}}$", (BENCH / script).read_text(), re.M)
+    assert m, f"{script}: no default for {var}"
+    return m.group(2)
+
+
+def test_run_gpu_moe_defaults_are_known_variants_and_runnable_schedules():
+    variants = _default("run_gpu_moe.sh", "VARIANTS").split()
+    assert variants and set(variants) <= set(GLUON_VARIANTS), set(variants) - set(GLUON_VARIANTS)
+    schedules = _default("run_gpu_moe.sh", "SCHEDULES").split(";")
+    for s in schedules:
+        check_schedule(json.loads(s))  # ValueError for an option or value the kernels cannot run
