@@ -23,12 +23,13 @@ from kernels.int4_moe import (
     unrepack_int4_moe,
 )
 from kernels.int4_pack import dequantize_int4, pack_int4
-from tests.kernels.compare import assert_close
+from tests.kernels.compare import assert_close, interpreter_dot_row_invariant
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else [])
 TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 1.5e-2}  # ||out - ref|| / ||ref||
+ROW_TILE_TOL = {torch.float32: 1e-6, torch.float16: 1e-3}  # same kernel, a BLAS that rounds by row count (CPU)
 gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 
 
@@ -216,7 +217,13 @@ def test_int4_moe_same_bits_variants(same_bits_case, base, extra, dtypes):
             assert_close(c["base"][key], int4_moe_ref(x.float(), c["ids"], c["tw"], *c["w"]), TOL[dtype],
                          f"{base} {dtype}")
         out = run_kernel(x, c["ids"], c["tw"], c["wg"], **_BIG, **{**base, **extra})  # extra overrides base
-        assert_bitwise(out, c["base"][key], f"{base} + {extra} {dtype}")
+        if base.get("block_m") != extra.get("block_m", base.get("block_m")) and not CUDA \
+                and not interpreter_dot_row_invariant(dtype):
+            # another row tile, and this CPU's BLAS (the interpreter's dot) rounds a row by its tile's row count:
+            # the values are checked here, the bits on a GPU (the same test there; test_int4_moe_batch_invariance*)
+            assert_close(out, c["base"][key], ROW_TILE_TOL[dtype], f"{base} + {extra} {dtype} (BLAS rows vary)")
+        else:
+            assert_bitwise(out, c["base"][key], f"{base} + {extra} {dtype}")
 
 
 # the tiled weight layout against the "gpu" layout with the same tiles: only addresses change, so the bits do not
