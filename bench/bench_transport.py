@@ -109,11 +109,12 @@ def graph_runs(metrics_addr: str | None) -> dict[str, int]:
         return {}
     import urllib.request
 
+    from prometheus_client.parser import text_string_to_metric_families
+
     with urllib.request.urlopen(f"http://{metrics_addr}/", timeout=10) as r:
         text = r.read().decode()
-    prefix = 'ddtree_draft_graph_runs_total{kind="'
-    return {line[len(prefix):].split('"', 1)[0]: int(float(line.rsplit(" ", 1)[1]))
-            for line in text.splitlines() if line.startswith(prefix)}
+    return {s.labels["kind"]: int(s.value) for fam in text_string_to_metric_families(text)
+            if fam.name == "ddtree_draft_graph_runs" for s in fam.samples if s.name.endswith("_total")}
 
 
 def keepwarm_ms(transport: str, args) -> float:

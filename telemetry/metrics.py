@@ -95,8 +95,8 @@ class Metrics:
                                       ["status"], registry=r)
         self.draft_sessions = Gauge("ddtree_draft_sessions", "Sessions holding a drafter context cache (all streams)",
                                     registry=r)
-        self._graph_runs: Callable[[], Mapping[str, int]] = dict  # set by the drafter (`watch_draft_graphs`)
-        r.register(_GraphRunsCollector(lambda: self._graph_runs()))
+        self._graph_runs = _GraphRunsCollector(dict)  # its source set by the drafter (`watch_draft_graphs`)
+        r.register(self._graph_runs)
         self._depth_children: dict[tuple[Counter, int], Counter] = {}  # (family, depth) -> child, for the step loop
 
     # --- recording helpers (validate labels: a bad label is a programming error, not data) ----------
@@ -147,7 +147,7 @@ class Metrics:
 
     def watch_draft_graphs(self, stats: Callable[[], Mapping[str, int]]) -> None:
         """Export `stats()` (kind -> runs so far) as `ddtree_draft_graph_runs_total`, read at each scrape."""
-        self._graph_runs = stats
+        self._graph_runs.read = stats
 
     def set_kv_usage(self, used_pages: int, total_pages: int) -> None:
         self.kv_usage.set(used_pages / total_pages if total_pages > 0 else 0.0)
@@ -160,7 +160,7 @@ class _GraphRunsCollector:
     """`ddtree_draft_graph_runs_total{kind}` from a mapping read at scrape time (no per-step work)."""
 
     def __init__(self, read: Callable[[], Mapping[str, int]]):
-        self._read = read
+        self.read = read
 
     def describe(self):
         return [CounterMetricFamily("ddtree_draft_graph_runs", "Drafter draft groups and context appends by how "
@@ -169,7 +169,7 @@ class _GraphRunsCollector:
 
     def collect(self):
         fam = self.describe()[0]
-        for kind, n in sorted(dict(self._read()).items()):  # one copy: the model thread may add a kind meanwhile
+        for kind, n in sorted(dict(self.read()).items()):  # one copy: the model thread may add a kind meanwhile
             fam.add_metric([kind], float(n))
         yield fam
 
