@@ -5,12 +5,20 @@ stream (PyTorch synchronises after a blocking host-to-device copy): the GPU then
 queues the next launches. Index uploads are staged in pinned memory and copied with `non_blocking=True`;
 PyTorch's caching host allocator keeps the pinned block alive until the copy has run, so the host
 buffer can be dropped right away. Feature rows (context taps) are concatenated where they live and moved
-with one copy; rows decoded from the wire are concatenated into pinned memory, so theirs is asynchronous too.
+with one copy. Rows decoded from the wire (the gRPC transport) go by size: from PINNED_MIN_BYTES on they are
+concatenated into pinned memory and uploaded asynchronously, below it from pageable memory with a copy the host
+waits for. Measured on the H200 with the K2.6 pair over gRPC (docs/performance.md, sixteenth session; a row is 6
+taps x 7168 x bf16 = 84 KiB): pageable uploads of C = 32 sessions' rows (1 MiB or more) made the step 296 ms
+instead of 45, while every pinned variant tried (torch's caching allocator, one reused buffer, a host wait after the
+copy, a kernel reading the pinned rows instead of a copy engine) made the C = 1 step (under 1 MiB) 17-19 ms instead
+of 10.4. Why either happens is not known, and sizes between those of C = 1 and C = 32 were not measured.
 """
 
 from __future__ import annotations
 
 import torch
+
+PINNED_MIN_BYTES = 1 << 20  # host row blocks from this size on are staged in pinned memory (see above)
 
 
 def int64_to_device(values: list | torch.Tensor, device: torch.device, out: torch.Tensor | None = None
@@ -43,7 +51,7 @@ def rows_to_device(parts: list[torch.Tensor], device: torch.device, dtype: torch
     if out is not None and all(p.device == out.device and p.dtype == out.dtype for p in parts):
         return torch.cat(parts, out=out)
     if len({(p.device, p.dtype) for p in parts}) == 1:
-        if device.type == "cuda" and parts[0].device.type == "cpu":
+        if stage_pinned(parts, device):
             return _pinned_rows_to_device(parts, device, dtype, out)
         x = parts[0] if len(parts) == 1 else torch.cat(parts)
     else:
@@ -51,12 +59,18 @@ def rows_to_device(parts: list[torch.Tensor], device: torch.device, dtype: torch
     return x.to(device, dtype) if out is None else out.copy_(x)
 
 
+def stage_pinned(parts: list[torch.Tensor], device: torch.device) -> bool:
+    """Whether host row blocks of one dtype go to `device` through pinned memory: to a GPU from PINNED_MIN_BYTES on."""
+    return (device.type == "cuda" and parts[0].device.type == "cpu"
+            and sum(p.numel() for p in parts) * parts[0].element_size() >= PINNED_MIN_BYTES)
+
+
 def _pinned_rows_to_device(parts: list[torch.Tensor], device: torch.device, dtype: torch.dtype,
                            out: torch.Tensor | None) -> torch.Tensor:
-    """Host row blocks of one dtype (rows decoded from the wire) -> `device`: concatenated straight into pinned
-    memory, uploaded by one copy the host does not wait for (a pageable upload is staged by the driver and waits for
-    the stream), converted to `dtype` on the device when it differs (a CPU-side conversion would be pageable again).
-    PyTorch's caching host allocator keeps the pinned block until the copy has run."""
+    """Host row blocks of one dtype (rows decoded from the wire, PINNED_MIN_BYTES or more) -> `device`: concatenated
+    straight into pinned memory, uploaded by one copy the host does not wait for, converted to `dtype` on the device
+    when it differs (a CPU-side conversion would be pageable again). PyTorch's caching host allocator keeps the
+    pinned block until the copy has run."""
     staged = torch.empty((sum(p.shape[0] for p in parts), *parts[0].shape[1:]), dtype=parts[0].dtype,
                          pin_memory=True)
     torch.cat(parts, out=staged)

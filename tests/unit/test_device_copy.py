@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from drafter_service.device_copy import host_to_device, int64_to_device, rows_to_device
+from drafter_service.device_copy import PINNED_MIN_BYTES, host_to_device, int64_to_device, rows_to_device, stage_pinned
 
 CUDA = torch.cuda.is_available()
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs a GPU")])]
@@ -27,6 +27,8 @@ def _blocks(gen: torch.Generator, rows: list[int], F: int, dtypes: list[torch.dt
     ([5, 1, 7], [torch.float16] * 3, torch.float16),  # wire rows: one dtype, several blocks
     ([2, 9], [torch.float32] * 2, torch.float16),  # converted on the way
     ([4, 3], [torch.float32, torch.float16], torch.float32),  # mixed blocks: each converted first
+    ([9000, 8000], [torch.float16] * 2, torch.float16),  # 1.26 MB: past PINNED_MIN_BYTES (pinned on a GPU)
+    ([9000, 8000], [torch.float16] * 2, torch.float32),  # the same, converted on the device
 ])
 @pytest.mark.parametrize("with_out", [False, True])
 def test_rows_to_device_equals_to(device, rows, dtypes, want, with_out):
@@ -70,3 +72,17 @@ def test_index_uploads(device):
     assert int64_to_device(small, dev, out=out).data_ptr() == out.data_ptr()
     assert torch.equal(out.cpu(), small.long())
     assert torch.equal(host_to_device(torch.tensor(vals), dev).cpu(), torch.tensor(vals))
+
+
+def test_wire_rows_are_staged_pinned_by_size():
+    """Below PINNED_MIN_BYTES host rows go to a GPU from pageable memory, from it on through pinned memory; never
+    for a CPU destination or rows already on a device (the sizes and the measurements: device_copy's docstring)."""
+    gpu, cpu = torch.device("cuda"), torch.device("cpu")
+    row = PINNED_MIN_BYTES // 4  # rows per MiB at float16 x 2 values: 4 bytes each
+    small = [torch.zeros(row - 1, 2, dtype=torch.float16)]
+    exact = [torch.zeros(row // 2, 2, dtype=torch.float16), torch.zeros(row - row // 2, 2, dtype=torch.float16)]
+    assert not stage_pinned(small, gpu)
+    assert stage_pinned(exact, gpu)  # summed over the blocks, from exactly the threshold
+    assert stage_pinned([torch.zeros(row, 1, dtype=torch.float32)], gpu)  # element size counts
+    assert not stage_pinned(exact, cpu)
+    assert not stage_pinned([torch.zeros(row * 2, 2, dtype=torch.float16, device="meta")], gpu)
