@@ -4,6 +4,7 @@
                                     [--steps 30] [--warmup 5] [--time-budget-s S] [--no-gc-freeze]
                                     [--no-check-graphs] [--control-spin-ms MS] [--keepwarm-ms MS]
                                     [--transports T ...] [--drafter-sessions N]
+                                    [--torch-trace DIR[:FIRST[:COUNT]]]
 
 For each transport the same engine (target in this process) runs C sessions at one budget; the drafter
 is the in-process `Drafter` (inprocess) or a `ddtree drafter serve` process on loopback (same device)
@@ -81,12 +82,14 @@ def timed_step(engine) -> tuple[float, dict[str, list[int]]]:
     return time.perf_counter() - t0, out
 
 
-def start_drafter(pair, device, dtype, max_sessions, graphs: bool, spin_ms: float) -> subprocess.Popen:
+def start_drafter(pair, device, dtype, max_sessions, graphs: bool, spin_ms: float, torch_trace: str | None
+                  ) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "gateway.cli", "drafter", "serve", "--listen", "127.0.0.1:0",
                              "--target", str(pair / "target"), "--drafter", str(pair / "drafter"), "--device", device,
                              "--dtype", dtype, "--max-sessions", str(max_sessions), "--log-level", "WARNING",
                              "--control-spin-ms", str(spin_ms), "--metrics-listen", "127.0.0.1:0",
-                             *([] if graphs else ["--no-cuda-graphs"])],
+                             *([] if graphs else ["--no-cuda-graphs"]),
+                             *([] if torch_trace is None else ["--torch-trace", torch_trace])],
                             cwd=REPO, stdout=subprocess.PIPE, text=True)
 
 
@@ -172,10 +175,16 @@ def main() -> int:
     p.add_argument("--drafter-sessions", type=int, default=None,
                    help="the drafter process's --max-sessions (default: every remote engine's sessions at the "
                         "largest C, + 8): the size of its context cache and of its CUDA-graph buckets")
+    p.add_argument("--torch-trace", default=None, metavar="DIR[:FIRST[:COUNT]]",
+                   help="diagnosis: torch.profiler over rounds FIRST.. FIRST+COUNT-1 in this process (the markers "
+                        "name each engine's step) and over the drafter process's steps of the same number (the same "
+                        "rounds with one remote engine), Chrome traces into DIR; `bench/trace_steps.py DIR "
+                        "--step-label grpc` lines them up. Timings taken meanwhile are not representative")
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "transport.jsonl"))
     args = p.parse_args()
 
     from protos.serving import freeze_startup_heap
+    from telemetry.torch_trace import StepTrace, parse_spec
     from verifier_service.engine import Engine, EngineConfig
     from verifier_service.local import DTYPES, build_local_engine
     from verifier_service.transport import StreamClientConfig
@@ -207,7 +216,13 @@ def main() -> int:
     if drafter_sessions < n_streams * max(args.concurrency):
         p.error(f"--drafter-sessions {drafter_sessions}: the remote engines hold "
                 f"{n_streams * max(args.concurrency)} sessions at C={max(args.concurrency)}")
-    proc = start_drafter(pair, args.device, dtype_name, drafter_sessions, graphs, args.control_spin_ms)  # loads now
+    try:
+        trace_window = None if args.torch_trace is None else parse_spec(args.torch_trace)
+    except ValueError as e:
+        p.error(str(e))
+    step_trace = None
+    proc = start_drafter(pair, args.device, dtype_name, drafter_sessions, graphs, args.control_spin_ms,
+                         args.torch_trace)  # loads now
     clients: dict[str, DraftStreamClient] = {}
     try:
         inproc = build_local_engine(pair / "target", pair / "drafter", dtype, args.device, ecfg)
@@ -228,6 +243,9 @@ def main() -> int:
             clients[transport] = client
             # one target for all: the in-process engine's (batch-invariant on CUDA), so only the drafter path differs
             engines[transport] = Engine(inproc.target, client, model.target_layer_ids, ecfg)
+        if trace_window is not None:  # FIRST / COUNT in rounds: every engine ticks once a round, the drafter once
+            out_dir, first, count = trace_window  # a round per remote engine
+            step_trace = StepTrace(out_dir, "verifier", first * len(engines), count * len(engines))
         regions = clients["colocated"].region_devices if "colocated" in clients else None
         print(f"device {device_name}; drafter process at {addr}; co-located regions {regions}; "
               f"setup {time.monotonic() - t_start:.1f} s", flush=True)
@@ -251,6 +269,8 @@ def main() -> int:
                 if k == args.warmup and args.gc_freeze:
                     freeze_startup_heap()  # as the servers do once warmed up (GrpcServer.set_serving)
                 for t, e in engines.items():
+                    if step_trace is not None:
+                        step_trace.tick(t)
                     dt, outs[t] = timed_step(e)
                     if k >= args.warmup:
                         times[t].append(dt)
@@ -303,7 +323,7 @@ def main() -> int:
                                   "cuda_graphs": graphs, "control_spin_ms": args.control_spin_ms,
                                   "keepwarm_ms": keepwarm_ms(t, args), "drafter_sessions": drafter_sessions,
                                   "gc_freeze": args.gc_freeze, "check_graphs": args.check_graphs,
-                                  "mps": cuda and mps_running()},
+                                  "mps": cuda and mps_running(), "torch_trace": args.torch_trace},
                        "device": device_name, "gpu": gpu, "dtype": dtype_name, "commit": commit(),
                        "torch": torch.__version__, "versions": versions(),
                        "ms": round(step, 4), "ratio": round(step / base[conc], 4),
@@ -331,9 +351,11 @@ def main() -> int:
                       f"  overhead {m['overhead_vs_inprocess_pct']:+6.1f}%  ({n} steps)"
                       + "".join(f"  {key} {v:.2f}" for key, v in m["breakdown_ms"].items()), flush=True)
     finally:
+        if step_trace is not None:
+            step_trace.close()
         for c in clients.values():
             c.close()
-        proc.terminate()
+        proc.terminate()  # the drafter writes its trace as it drains
         try:
             proc.wait(30)
         except subprocess.TimeoutExpired:

@@ -7,7 +7,9 @@
 # T_BENCH (seconds); extra bench flags: BENCH_ARGS; TESTS=0 skips the tests; then bench/grpc_echo.py with and
 # without a 9 ms silence and keep-warm messages (ECHO=0 skips it, T_ECHO its limit). MPS=1 runs everything under an
 # MPS control daemon of its own (pipe and log directories under /tmp/ddtree-mps; quit at the end), so the processes
-# share one GPU context.
+# share one GPU context. TRACE=1 adds a short gRPC run at C = 1 (TRACE_ARGS to change it) under torch.profiler in both
+# processes (--torch-trace) and `bench/trace_steps.py`'s step-by-step GPU timeline of both into $OUT/trace_steps.txt
+# (the traces themselves as $OUT/traces.tgz: the device returns few files).
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-bench/results/run}
@@ -39,6 +41,16 @@ else
     --time-budget-s 100 --out "$OUT/transport.jsonl" $BENCH_ARGS 2>&1 | tee "$OUT/bench_transport.log"
 fi
 bench=$?
+if [ "${TRACE:-0}" != 0 ]; then
+  if [ "${K26:-0}" != 0 ]; then src=(--pair "${K26_DIR:-/tmp/k26}"); else src=(--device cuda); fi
+  rm -rf /tmp/ddtree-traces
+  # shellcheck disable=SC2086
+  timeout "${T_TRACE:-150}" python bench/bench_transport.py "${src[@]}" ${TRACE_ARGS:---transports grpc \
+    --concurrency 1 --steps 14 --warmup 6} --torch-trace /tmp/ddtree-traces:12:6 --out /tmp/ddtree-traces.jsonl \
+    2>&1 | tail -4 | tee "$OUT/trace_run.log"
+  python bench/trace_steps.py /tmp/ddtree-traces --step-label grpc > "$OUT/trace_steps.txt" 2>&1
+  tar czf "$OUT/traces.tgz" -C /tmp ddtree-traces
+fi
 if [ "${ECHO:-1}" != 0 ]; then  # the bare gRPC round trip on this host, busy and after a verify step's silence
   timeout "${T_ECHO:-150}" python bench/grpc_echo.py --sizes 20000 300000 --n 300 --gap-ms 0 9 --keepwarm-ms 0 3 \
     --out "$OUT/grpc_echo.jsonl" 2>&1 | grep -v fork_posix | tee "$OUT/grpc_echo.log"

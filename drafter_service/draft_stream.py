@@ -31,6 +31,7 @@ from protos.doorbell import Doorbell
 from protos.shared_region import IpcEvent, RegionArena, SharedRegion
 from telemetry import tracing
 from telemetry.metrics import Metrics
+from telemetry.torch_trace import StepTrace
 from verifier_service.session import MAX_BUDGET
 
 log = logging.getLogger(__name__)
@@ -91,6 +92,7 @@ class DraftStream:
     faults: dict[str, SessionFault] = field(default_factory=dict)  # from `context` messages, told at the next step
     metrics: Metrics = field(default_factory=Metrics)
     tracer: trace.Tracer | None = None  # None: tracing is off in this process (no draft spans)
+    step_trace: StepTrace | None = None  # a torch.profiler window over steps (diagnosis; None: off)
     # CUDA regions with IPC events (OpenStream.request_event): the verifier's, polled before touching the
     # regions, and ours, recorded after writing the trees (both None: wait for the GPU before answering)
     request_event: IpcEvent | None = None
@@ -249,6 +251,8 @@ class DraftStream:
         """The model part of `step`: checks, the batched draft and the stream's bookkeeping, queued on the GPU.
         Trees that will travel as bytes start their one device-to-host copy here (pinned, not waited for), so
         the caller may wait for it elsewhere (`StepWork.ready`) and run `finish` without the model."""
+        if self.step_trace is not None:
+            self.step_trace.tick()
         t_start = time.perf_counter()
         region = None  # where the trees go (its arena is made after the draft launches: off the critical path)
         if step.HasField("response_region_id"):

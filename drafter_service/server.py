@@ -48,6 +48,7 @@ from protos.shared_region import IpcEvent, SharedRegion
 from telemetry import tracing
 from telemetry.grpc_tracing import DEFAULT_EXCLUDE, TracingServerInterceptor
 from telemetry.metrics import Metrics, parse_hostport, process_metrics
+from telemetry.torch_trace import StepTrace, parse_spec
 from verifier_service.session import MAX_BUDGET, DecodeParams
 
 log = logging.getLogger(__name__)
@@ -70,6 +71,7 @@ class DrafterServerConfig:
     metrics_listen: str | None = None  # HOST:PORT of the Prometheus endpoint; None = not served
     cuda_graphs: bool | None = None  # draft steps through CUDA graphs; None = the Drafter's rule (on for CUDA)
     control_spin_ms: float = 0.0  # control sockets: poll this long for the next step before sleeping
+    torch_trace: str | None = None  # DIR[:FIRST[:COUNT]]: steps profiled by torch.profiler (telemetry.torch_trace)
 
     def __post_init__(self):
         if self.metrics_listen is not None:
@@ -81,11 +83,14 @@ class DrafterServerConfig:
             raise ValueError(f"drafter server: grace period must be >= 0, got {self.grace_s}")
         if self.control_spin_ms < 0:
             raise ValueError(f"drafter server: control_spin_ms must be >= 0, got {self.control_spin_ms}")
+        if self.torch_trace is not None:
+            parse_spec(self.torch_trace)  # ValueError naming the expected form
 
 
 class DrafterService(drafter_pb2_grpc.DrafterServicer):
     def __init__(self, max_sessions: int, window: int, metrics: Metrics | None = None,
-                 tracer: trace.Tracer | None = None, max_message_bytes: int = 64 << 20, control_spin_s: float = 0.0):
+                 tracer: trace.Tracer | None = None, max_message_bytes: int = 64 << 20, control_spin_s: float = 0.0,
+                 step_trace: StepTrace | None = None):
         self.drafter: Drafter | None = None  # set by attach() once loaded
         self.model_name = ""
         self.target_hidden = 0
@@ -104,6 +109,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         self.metrics = metrics if metrics is not None else process_metrics()
         self.metrics.draft_sessions.set_function(self.active_sessions)  # evaluated at scrape time
         self.tracer = tracer  # None: no draft spans (tracing off in this process)
+        self.step_trace = step_trace  # None: no torch.profiler window (the usual case)
 
     def attach(self, drafter: Drafter, model_name: str, target_hidden: int) -> None:
         self.drafter, self.model_name, self.target_hidden = drafter, model_name, target_hidden
@@ -310,7 +316,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
                     raise ValueError(f"control socket: cannot connect to {msg.control_socket!r} ({e}); is "
                                      "the drafter on the verifier's host, sharing its /dev/shm?") from None
             st = DraftStream(next(self._numbers), msg.client_id, regions, self.drafter, self.feature_dim,
-                             metrics=self.metrics, tracer=self.tracer)
+                             metrics=self.metrics, tracer=self.tracer, step_trace=self.step_trace)
             st.request_event, st.trees_event = self._events(msg, regions)
             st.doorbell = self._doorbell(msg, regions, st.request_event)
         except Exception:
@@ -418,7 +424,8 @@ def load_drafter_service(cfg: DrafterServerConfig, service: DrafterService, make
 async def serve(cfg: DrafterServerConfig, make_drafter=Drafter) -> int:
     service = DrafterService(cfg.max_sessions, cfg.draft_window,
                              tracer=tracing.get_tracer() if tracing.is_configured() else None,
-                             max_message_bytes=cfg.max_message_bytes, control_spin_s=cfg.control_spin_ms / 1e3)
+                             max_message_bytes=cfg.max_message_bytes, control_spin_s=cfg.control_spin_ms / 1e3,
+                             step_trace=StepTrace.from_spec(cfg.torch_trace, "drafter"))
     # the Draft stream lives as long as the verifier's connection: no span for it (see the module docstring)
     interceptor = TracingServerInterceptor(exclude_prefixes=(*DEFAULT_EXCLUDE, f"/{SERVICE_NAME}/Draft"))
     server = GrpcServer(cfg.listen, [SERVICE_NAME], cfg.max_message_bytes, cfg.grace_s, interceptors=[interceptor],
@@ -439,4 +446,6 @@ async def serve(cfg: DrafterServerConfig, make_drafter=Drafter) -> int:
     service.begin_drain()
     await server.drain()
     service.close()
+    if service.step_trace is not None:
+        service.step_trace.close()
     return 0

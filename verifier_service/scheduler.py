@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from opentelemetry.context import Context
 
+from telemetry.torch_trace import StepTrace
 from verifier_service.engine import Engine
 from verifier_service.kv_cache import KVCapacityError
 from verifier_service.session import DecodeParams, Session
@@ -91,8 +92,9 @@ class Snapshot:
 
 class Scheduler:
     def __init__(self, engine: Engine, drafter_errors: Callable[[], dict[str, str]] | None = None,
-                 telemetry: TurnTelemetry | None = None):
+                 telemetry: TurnTelemetry | None = None, step_trace: StepTrace | None = None):
         self.engine = engine
+        self.step_trace = step_trace  # a torch.profiler window over verify steps (diagnosis; None: off)
         self._drafter_errors = drafter_errors or (lambda: {})
         self.telemetry = telemetry if telemetry is not None else TurnTelemetry()
         self._commands: queue.Queue = queue.Queue()
@@ -161,6 +163,8 @@ class Scheduler:
         for sid in list(self._turns):
             self._drop(sid)
         self._refresh()
+        if self.step_trace is not None:
+            self.step_trace.close()  # on the thread that stepped (the profiler is thread-affine)
 
     def _refresh(self) -> None:
         kv = self.engine.kv
@@ -248,6 +252,8 @@ class Scheduler:
                 self._drop(turn.sid)
 
     def _step(self) -> None:
+        if self.step_trace is not None:
+            self.step_trace.tick()
         spans = self.telemetry.step_begin(self.engine)
         try:
             out = self.engine.step()

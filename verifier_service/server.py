@@ -39,6 +39,7 @@ from protos.verifier_codec import event_to_pb, params_from_pb
 from telemetry import tracing
 from telemetry.grpc_tracing import TracingServerInterceptor
 from telemetry.metrics import STATUSES, Metrics, parse_hostport, process_metrics
+from telemetry.torch_trace import StepTrace, parse_spec
 from verifier_service.distributed import DistConfig
 from verifier_service.engine import Engine, EngineConfig
 from verifier_service.scheduler import Scheduler, TurnError
@@ -76,6 +77,7 @@ class VerifierServerConfig:
     mla_kernel: str = "auto"  # MLA tile kernel (`kernels.mla_attention.IMPLS`): auto = Gluon where it runs
     doorbell: bool = True  # on a GPU: queue the verify step behind a doorbell (StreamClientConfig.doorbell)
     keepwarm_ms: float = 3.0  # gRPC stream: the KeepWarm period (StreamClientConfig.keepwarm_ms; 0: none)
+    torch_trace: str | None = None  # DIR[:FIRST[:COUNT]]: steps profiled by torch.profiler (telemetry.torch_trace)
 
     def __post_init__(self):
         if self.metrics_listen is not None:
@@ -96,6 +98,8 @@ class VerifierServerConfig:
             raise ValueError(f"verifier server: keepwarm_ms must be in [0, 1000] (0: off), got {self.keepwarm_ms}")
         if self.grace_s < 0:
             raise ValueError(f"verifier server: grace period must be >= 0, got {self.grace_s}")
+        if self.torch_trace is not None:
+            parse_spec(self.torch_trace)  # ValueError naming the expected form
 
 
 @dataclass
@@ -314,7 +318,8 @@ def build_engine(cfg: VerifierServerConfig, stop: threading.Event, metrics: Metr
     engine.run_until_done()
     engine.release(WARMUP_SID)
     scheduler = Scheduler(engine, client.take_errors if client is not None else None,
-                          TurnTelemetry(metrics, transport=cfg.transport))
+                          TurnTelemetry(metrics, transport=cfg.transport),
+                          step_trace=StepTrace.from_spec(cfg.torch_trace, "verifier"))
     scheduler.start()
     return Loaded(scheduler, engine, Path(cfg.target_dir).name, tcfg.eos_ids, block, client, mla_kernel)
 

@@ -27,7 +27,7 @@ def config_from_args(args):
                                draft_window=args.draft_window, max_message_bytes=message_bytes(args),
                                grace_s=args.grace_s, metrics_listen=args.metrics_listen,
                                cuda_graphs=False if args.no_cuda_graphs else None,
-                               control_spin_ms=args.control_spin_ms)
+                               control_spin_ms=args.control_spin_ms, torch_trace=args.torch_trace)
 
 
 def run(args, make_drafter=None) -> int:

@@ -18,6 +18,9 @@ def add_server_flags(p) -> None:
     p.add_argument("--control-spin-ms", type=float, default=0.0,
                    help="co-located streams: how long the control socket's reader polls for the next message "
                         "before it sleeps (keeps its core awake for the hand-over; costs that core while polling)")
+    p.add_argument("--torch-trace", default=None, metavar="DIR[:FIRST[:COUNT]]",
+                   help="diagnosis: profile steps FIRST.. FIRST+COUNT-1 (default 20, 10) with torch.profiler and write "
+                        "a Chrome trace to DIR/<role>-<pid>.json (telemetry.torch_trace); off by default")
     p.add_argument("--metrics-listen", default=None, help="HOST:PORT to serve Prometheus metrics on (port 0 = any "
                                                           "free port; announced as a `metrics_listening` JSON line)")
 

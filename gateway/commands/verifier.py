@@ -93,6 +93,7 @@ def run(args) -> int:
         drafter_dir=args.drafter, device=device, dtype=args.dtype, max_sessions=args.max_sessions,
         kv_pages=args.kv_pages, page_size=args.page_size, max_session_len=args.max_session_len,
         draft_window=args.draft_window, draft_timeout_s=args.draft_timeout_s, control_spin_ms=args.control_spin_ms,
+        torch_trace=args.torch_trace,
         max_message_bytes=message_bytes(args), grace_s=args.grace_s, metrics_listen=args.metrics_listen, dist=dist,
         cuda_graphs=False if args.no_cuda_graphs else None, mla_kernel=args.mla_kernel, doorbell=not args.no_doorbell,
         keepwarm_ms=args.keepwarm_ms)
