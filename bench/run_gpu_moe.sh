@@ -9,10 +9,10 @@ set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-bench/results/run}
 mkdir -p "$OUT"
-# auto_schedule beside its own tiers and the previous ones, and PDL on every launch (the verify step did not slow
-# under it in the fifteenth session, the layer bench did at 33-129 tokens)
-VARIANTS=${VARIANTS:-"wgmma_auto wgmma_np8_s4 wgmma_tier16_r128 wgmma_tier32_r168 wgmma_auto_pdl"}
-SCHEDULES=${SCHEDULES:-'{"pdl": true};{"block_pairs": 32, "small_pairs": 8, "maxnreg": 168}'}
+# auto_schedule beside the same with w2's row tiles (2 / 4 per program: sixteenth session, never run on a GPU), and
+# PDL on every launch (the verify step did not slow under it in the fifteenth session, the layer bench did at 33-129)
+VARIANTS=${VARIANTS:-"wgmma_auto wgmma_auto_rt2 wgmma_auto_rt4 wgmma_auto_pdl"}
+SCHEDULES=${SCHEDULES:-'{"row_tiles": 2};{"row_tiles": 4}'}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv 2>&1 | tee "$OUT/gpu.txt"
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
 status=0

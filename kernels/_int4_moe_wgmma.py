@@ -152,14 +152,69 @@ if HAVE_GLUON:
         return acc_a, acc_b
 
     @gluon.jit
+    def _ring_step(f, x_rows, nw_src, nw_ok, ns_src, ns_ok, nkb, nlive, xring, wring, sring, acc_a, acc_b,
+                   N: gl.constexpr, STAGES: gl.constexpr, W_L: gl.constexpr, A_L: gl.constexpr,
+                   XC_L: gl.constexpr):
+        """Ring step f: wait for its slot's copies, put the copies of step f + STAGES - 1 in flight (its activation
+        step `nkb`, its weight sources `nw_src` / `ns_src` at that step, `nlive` False past the end), then its MMAs."""
+        cp.wait_group(STAGES - 2)  # this thread's copies of step f landed
+        fence_async_shared()
+        cta_barrier()  # everyone's; and every warp is done with step f - 1: its slot is free
+        ns = (f + STAGES - 1) % STAGES
+        _copy_stage(x_rows, nw_src, nw_ok, ns_src, ns_ok, nkb, nlive, xring.index(ns).slice(0, 4 * N), wring.index(ns),
+                    sring.index(ns), XC_L)
+        cp.commit_group()
+        slot = f % STAGES
+        ws = wring.index(slot)
+        ss = sring.index(slot)
+        qa = _words_from(ws.slice(0, 64), W_L)
+        qb = _words_from(ws.slice(64, 64), W_L)
+        sca = _scales_from(ss.slice(0, 64), W_L)
+        scb = _scales_from(ss.slice(64, 64), W_L)
+        return _step_mmas(qa, sca, qb, scb, xring.index(slot).slice(0, 4 * N), acc_a, acc_b, N, A_L)
+
+    @gluon.jit
+    def _tile_src(w_src, s_src, gw, gs, N_OUT, stride_wn, stride_sn8, t, CW_L: gl.constexpr, CS_L: gl.constexpr):
+        """Row tile t (of a program's ROW_TILES, 128 rows each after tile 0's) of w2: its word and scale sources
+        (tile 0's moved by t * 128 rows) and masks (rows past the projection are zero-filled)."""
+        okw = gl.expand_dims(gw + t * 128 < N_OUT, 1) & gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(0, CW_L))
+                                                                       < 32, 0)
+        oks = gl.expand_dims(gs + t * 128 < N_OUT, 1) & gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, CS_L))
+                                                                       < 8, 0)
+        return w_src + t * 128 * stride_wn, okw, s_src + t * (128 * 8) * stride_sn8, oks
+
+    @gluon.jit
+    def _store_rows(acc_a, acc_b, out_ptr, pairs_ptr, blk, row0, P, N_OUT, stride_o, GATED: gl.constexpr,
+                    N: gl.constexpr, NP: gl.constexpr, DIRECT: gl.constexpr, ACC_L: gl.constexpr):
+        """The block's N pair columns of rows row0..: w13 SiLU(gate) * up (64 rows), w2 both tensors (128 rows)."""
+        slot = gl.arange(0, N, layout=gl.SliceLayout(0, ACC_L))
+        if DIRECT:
+            pairs = gl.where(slot == 0, blk, P)
+        else:
+            pairs = gl.load(pairs_ptr + blk * NP + slot)
+        orow = gl.arange(0, 64, layout=gl.SliceLayout(1, ACC_L)) + row0
+        pm = gl.expand_dims(pairs < P, 0)
+        pcol = gl.expand_dims(pairs.to(gl.int64) * stride_o, 0)
+        if GATED:
+            act = acc_a / (1.0 + gl.exp(-acc_a)) * acc_b
+            gl.store(out_ptr + pcol + gl.expand_dims(orow, 1), act.to(out_ptr.dtype.element_ty),
+                     mask=pm & gl.expand_dims(orow < N_OUT, 1))
+        else:
+            gl.store(out_ptr + pcol + gl.expand_dims(orow, 1), acc_a, mask=pm & gl.expand_dims(orow < N_OUT, 1))
+            orow = orow + 64
+            gl.store(out_ptr + pcol + gl.expand_dims(orow, 1), acc_b, mask=pm & gl.expand_dims(orow < N_OUT, 1))
+
+    @gluon.jit
     def _ring_gemm(x_ptr, out_ptr, pairs_ptr, blk, pid_r, P, N_OUT, num_kb, stride_x, stride_o, w_src, w_ok, s_src,
-                   s_ok, xring, wring, sring, TOPK: gl.constexpr, GATED: gl.constexpr, N: gl.constexpr,
-                   NP: gl.constexpr, STAGES: gl.constexpr, WPRE: gl.constexpr, DIRECT: gl.constexpr,
-                   W_L: gl.constexpr):
+                   s_ok, gw, gs, stride_wn, stride_sn8, xring, wring, sring, TOPK: gl.constexpr, GATED: gl.constexpr,
+                   N: gl.constexpr, NP: gl.constexpr, STAGES: gl.constexpr, WPRE: gl.constexpr, DIRECT: gl.constexpr,
+                   ROW_TILES: gl.constexpr, W_L: gl.constexpr, CW_L: gl.constexpr, CS_L: gl.constexpr):
         """The block's first N pair slots (of NP) through the K loop and the store: acc [64, N] per weight tensor,
         steps through the STAGES-slot ring (STAGES - 1 in flight), m64nNk16 MMAs. WPRE: the weights of the first
         STAGES - 1 steps are already in flight (one commit group per step, issued before this call). DIRECT: block
-        `blk` is pair `blk` alone (slot 0; no block list)."""
+        `blk` is pair `blk` alone (slot 0; no block list). ROW_TILES > 1 (w2 only): the program's ROW_TILES row tiles
+        one after the other through the same ring, which runs on across them (tile t + 1's first steps are copied
+        during tile t's last), each tile's rows accumulated from zero in the same K order as alone."""
         ACC_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, N, 16])
         A_L: gl.constexpr = gl.DotOperandLayout(0, ACC_L, 2)
         XC_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # 16-byte copies, [4 N, 64]
@@ -176,50 +231,50 @@ if HAVE_GLUON:
 
         acc_a = gl.zeros([64, N], gl.float32, ACC_L)
         acc_b = gl.zeros([64, N], gl.float32, ACC_L)
-        for st in gl.static_range(STAGES - 1):
-            if WPRE:  # groups: S - 1 of weights, then S - 1 of activations; wait_group(S - 2) stays sufficient
-                _copy_x(x_rows, st, st < num_kb, xring.index(st).slice(0, 4 * N), XC_L)
+        if ROW_TILES == 1:
+            for st in gl.static_range(STAGES - 1):
+                if WPRE:  # groups: S - 1 of weights, then S - 1 of activations; wait_group(S - 2) stays sufficient
+                    _copy_x(x_rows, st, st < num_kb, xring.index(st).slice(0, 4 * N), XC_L)
+                else:
+                    _copy_stage(x_rows, w_src, w_ok, s_src, s_ok, st, st < num_kb, xring.index(st).slice(0, 4 * N),
+                                wring.index(st), sring.index(st), XC_L)
+                cp.commit_group()
+            for kb in range(0, num_kb):
+                nk = kb + STAGES - 1
+                acc_a, acc_b = _ring_step(kb, x_rows, w_src, w_ok, s_src, s_ok, gl.minimum(nk, num_kb - 1),
+                                          nk < num_kb, xring, wring, sring, acc_a, acc_b, N, STAGES, W_L, A_L, XC_L)
+            cp.wait_group(0)
+            if GATED:
+                _store_rows(acc_a, acc_b, out_ptr, pairs_ptr, blk, pid_r * 64, P, N_OUT, stride_o, GATED, N, NP,
+                            DIRECT, ACC_L)
             else:
-                _copy_stage(x_rows, w_src, w_ok, s_src, s_ok, st, st < num_kb, xring.index(st).slice(0, 4 * N),
-                            wring.index(st), sring.index(st), XC_L)
-            cp.commit_group()
-        for kb in range(0, num_kb):
-            cp.wait_group(STAGES - 2)  # this thread's copies of step kb landed
-            fence_async_shared()
-            cta_barrier()  # everyone's; and every warp is done with step kb - 1: its slot is free
-            nk = kb + STAGES - 1
-            ns = nk % STAGES
-            _copy_stage(x_rows, w_src, w_ok, s_src, s_ok, gl.minimum(nk, num_kb - 1), nk < num_kb,
-                        xring.index(ns).slice(0, 4 * N), wring.index(ns), sring.index(ns), XC_L)
-            cp.commit_group()
-            slot = kb % STAGES
-            ws = wring.index(slot)
-            ss = sring.index(slot)
-            qa = _words_from(ws.slice(0, 64), W_L)
-            qb = _words_from(ws.slice(64, 64), W_L)
-            sca = _scales_from(ss.slice(0, 64), W_L)
-            scb = _scales_from(ss.slice(64, 64), W_L)
-            acc_a, acc_b = _step_mmas(qa, sca, qb, scb, xring.index(slot).slice(0, 4 * N), acc_a, acc_b, N, A_L)
-        cp.wait_group(0)
-
-        slot = gl.arange(0, N, layout=gl.SliceLayout(0, ACC_L))
-        if DIRECT:
-            pairs = gl.where(slot == 0, blk, P)
+                _store_rows(acc_a, acc_b, out_ptr, pairs_ptr, blk, pid_r * 128, P, N_OUT, stride_o, GATED, N, NP,
+                            DIRECT, ACC_L)
         else:
-            pairs = gl.load(pairs_ptr + blk * NP + slot)
-        orow = gl.arange(0, 64, layout=gl.SliceLayout(1, ACC_L))
-        pm = gl.expand_dims(pairs < P, 0)
-        pcol = gl.expand_dims(pairs.to(gl.int64) * stride_o, 0)
-        if GATED:
-            orow = orow + pid_r * 64
-            act = acc_a / (1.0 + gl.exp(-acc_a)) * acc_b
-            gl.store(out_ptr + pcol + gl.expand_dims(orow, 1), act.to(out_ptr.dtype.element_ty),
-                     mask=pm & gl.expand_dims(orow < N_OUT, 1))
-        else:
-            orow = orow + pid_r * 128
-            gl.store(out_ptr + pcol + gl.expand_dims(orow, 1), acc_a, mask=pm & gl.expand_dims(orow < N_OUT, 1))
-            orow = orow + 64
-            gl.store(out_ptr + pcol + gl.expand_dims(orow, 1), acc_b, mask=pm & gl.expand_dims(orow < N_OUT, 1))
+            gl.static_assert(not GATED)
+            total = ROW_TILES * num_kb  # ring steps: tile t's step kb is step t * num_kb + kb
+            for st in gl.static_range(STAGES - 1):
+                t0 = gl.minimum(st // num_kb, ROW_TILES - 1)
+                sw, okw, ss, oks = _tile_src(w_src, s_src, gw, gs, N_OUT, stride_wn, stride_sn8, t0, CW_L, CS_L)
+                if WPRE:
+                    _copy_x(x_rows, st % num_kb, st < total, xring.index(st).slice(0, 4 * N), XC_L)
+                else:
+                    _copy_stage(x_rows, sw, okw, ss, oks, st % num_kb, st < total, xring.index(st).slice(0, 4 * N),
+                                wring.index(st), sring.index(st), XC_L)
+                cp.commit_group()
+            for t in range(0, ROW_TILES):
+                acc_a = gl.zeros([64, N], gl.float32, ACC_L)
+                acc_b = gl.zeros([64, N], gl.float32, ACC_L)
+                for kb in range(0, num_kb):
+                    f = t * num_kb + kb
+                    nf = gl.minimum(f + STAGES - 1, total - 1)
+                    sw, okw, ss, oks = _tile_src(w_src, s_src, gw, gs, N_OUT, stride_wn, stride_sn8, nf // num_kb,
+                                                 CW_L, CS_L)
+                    acc_a, acc_b = _ring_step(f, x_rows, sw, okw, ss, oks, nf % num_kb, f + STAGES - 1 < total,
+                                              xring, wring, sring, acc_a, acc_b, N, STAGES, W_L, A_L, XC_L)
+                _store_rows(acc_a, acc_b, out_ptr, pairs_ptr, blk, (pid_r * ROW_TILES + t) * 128, P, N_OUT, stride_o,
+                            GATED, N, NP, DIRECT, ACC_L)
+            cp.wait_group(0)
 
     @gluon.jit
     def _wgmma_body(
@@ -232,10 +287,11 @@ if HAVE_GLUON:
         P, N_OUT, num_kb,
         stride_x, stride_we, stride_wn, stride_se8, stride_sn8, stride_o,  # scale strides in 16-byte units
         TOPK: gl.constexpr, GATED: gl.constexpr, NP: gl.constexpr, SMALL: gl.constexpr, STAGES: gl.constexpr,
-        PDL: gl.constexpr, DIRECT: gl.constexpr,
+        PDL: gl.constexpr, DIRECT: gl.constexpr, ROW_TILES: gl.constexpr,
     ):
         gl.static_assert(gl.num_warps() == 4)
         gl.static_assert(STAGES >= 2)
+        gl.static_assert(ROW_TILES == 1 or not GATED)  # row tiles per program: w2 only
         # [64 rows, 4 t, 8 j]: j in registers (8 contiguous words), t on lanes 0-1, rows as the A fragment's
         W_L: gl.constexpr = gl.DistributedLinearLayout(
             reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [8, 0, 0]],
@@ -274,7 +330,7 @@ if HAVE_GLUON:
             gs = row0 + rs % 64 + (rs // 64) * N_OUT
             oks = row0 + rs % 64 < N_OUT
         else:
-            row0 = pid_r * 128
+            row0 = pid_r * (ROW_TILES * 128)  # the program's first row tile
             gw = row0 + rw
             okw = gw < N_OUT
             gs = row0 + rs
@@ -293,7 +349,12 @@ if HAVE_GLUON:
         sring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 128, 8], S_SL)
         if WPRE:
             for st in gl.static_range(STAGES - 1):
-                _copy_w(w_src, w_ok, s_src, s_ok, st, st < num_kb, wring.index(st), sring.index(st))
+                if ROW_TILES == 1:
+                    _copy_w(w_src, w_ok, s_src, s_ok, st, st < num_kb, wring.index(st), sring.index(st))
+                else:  # ring step st of the program's tiles (tile st // num_kb)
+                    sw, okw, ss, oks = _tile_src(w_src, s_src, gw, gs, N_OUT, stride_wn, stride_sn8,
+                                                 gl.minimum(st // num_kb, ROW_TILES - 1), CW_L, CS_L)
+                    _copy_w(sw, okw, ss, oks, st % num_kb, st < ROW_TILES * num_kb, wring.index(st), sring.index(st))
                 cp.commit_group()
             _gdc_launch_dependents()  # the combine may be scheduled; it waits for this grid's end
             _gdc_wait()
@@ -302,14 +363,17 @@ if HAVE_GLUON:
                           .to(gl.int32), axis=0)
             if fill <= SMALL:
                 _ring_gemm(x_ptr, out_ptr, pairs_ptr, blk, pid_r, P, N_OUT, num_kb, stride_x, stride_o, w_src, w_ok,
-                           s_src, s_ok, xring, wring, sring, TOPK, GATED, SMALL, NP, STAGES, WPRE, DIRECT, W_L)
+                           s_src, s_ok, gw, gs, stride_wn, stride_sn8, xring, wring, sring, TOPK, GATED, SMALL, NP,
+                           STAGES, WPRE, DIRECT, ROW_TILES, W_L, CW_L, CS_L)
             else:
                 _ring_gemm(x_ptr, out_ptr, pairs_ptr, blk, pid_r, P, N_OUT, num_kb, stride_x, stride_o, w_src, w_ok,
-                           s_src, s_ok, xring, wring, sring, TOPK, GATED, NP, NP, STAGES, WPRE, DIRECT, W_L)
+                           s_src, s_ok, gw, gs, stride_wn, stride_sn8, xring, wring, sring, TOPK, GATED, NP, NP,
+                           STAGES, WPRE, DIRECT, ROW_TILES, W_L, CW_L, CS_L)
         else:  # one block size (DIRECT: one pair per block, so the small path when there is one)
             N1: gl.constexpr = SMALL if DIRECT and SMALL > 0 else NP
             _ring_gemm(x_ptr, out_ptr, pairs_ptr, blk, pid_r, P, N_OUT, num_kb, stride_x, stride_o, w_src, w_ok,
-                       s_src, s_ok, xring, wring, sring, TOPK, GATED, N1, NP, STAGES, WPRE, DIRECT, W_L)
+                       s_src, s_ok, gw, gs, stride_wn, stride_sn8, xring, wring, sring, TOPK, GATED, N1, NP, STAGES,
+                       WPRE, DIRECT, ROW_TILES, W_L, CW_L, CS_L)
 
     @gluon.jit
     def _moe_w13_wgmma_kernel(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, bexp_ptr, P, N_OUT, num_kb, stride_x,
@@ -318,13 +382,14 @@ if HAVE_GLUON:
                               DIRECT: gl.constexpr):
         """w13: a[pair, i] = silu(gate) * up for 64 intermediate columns (N_OUT = I)."""
         _wgmma_body(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, bexp_ptr, P, N_OUT, num_kb, stride_x, stride_we,
-                    stride_wn, stride_se8, stride_sn8, stride_o, TOPK, True, NP, SMALL, STAGES, PDL, DIRECT)
+                    stride_wn, stride_se8, stride_sn8, stride_o, TOPK, True, NP, SMALL, STAGES, PDL, DIRECT, 1)
 
     @gluon.jit
     def _moe_w2_wgmma_kernel(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, bexp_ptr, P, N_OUT, num_kb, stride_x,
                              stride_we, stride_wn, stride_se8, stride_sn8, stride_o, TOPK: gl.constexpr,
                              NP: gl.constexpr, SMALL: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr,
-                             DIRECT: gl.constexpr):
-        """w2: y[pair, d] (fp32, unweighted) for 128 output rows (N_OUT = D)."""
+                             DIRECT: gl.constexpr, ROW_TILES: gl.constexpr):
+        """w2: y[pair, d] (fp32, unweighted) for ROW_TILES x 128 output rows (N_OUT = D)."""
         _wgmma_body(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, bexp_ptr, P, N_OUT, num_kb, stride_x, stride_we,
-                    stride_wn, stride_se8, stride_sn8, stride_o, TOPK, False, NP, SMALL, STAGES, PDL, DIRECT)
+                    stride_wn, stride_se8, stride_sn8, stride_o, TOPK, False, NP, SMALL, STAGES, PDL, DIRECT,
+                    ROW_TILES)

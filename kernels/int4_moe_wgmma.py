@@ -27,7 +27,8 @@ STEP = 256  # K columns per kernel step (and the K padding)
 BLOCK_PAIRS = (8, 16, 32, 64)  # pairs per expert block; every size gives the same bits (GPU test)
 STAGES = (2, 3, 4)  # ring slots: weights, scales and activations of STAGES - 1 steps in flight
 DEFAULT_SCHEDULE = {}  # read at each call: `int4_moe_wgmma` options for every launch (the rest: as `resolve_schedule`)
-PLAIN = dict(block_pairs=8, small_pairs=0, stages=2, maxnreg=None, pdl=False, direct=False)  # one block size
+ROW_TILES = (1, 2, 4, 8)  # w2 row tiles (of 128 rows) per program, one after the other through one ring
+PLAIN = dict(block_pairs=8, small_pairs=0, stages=2, maxnreg=None, pdl=False, direct=False, row_tiles=1)  # one size
 SMALL_LAUNCH = 128  # pairs: the largest launch of auto_schedule's middle tier
 MAXNREG = 168  # the tiered schedule's register cap: 3 CTAs per SM (171 uncapped; no spills at 168 with Triton 3.6)
 
@@ -62,10 +63,12 @@ def resolve_schedule(pairs: int, **given) -> dict:
     bp, small, stages, cap = sched["block_pairs"], sched["small_pairs"], sched["stages"], sched["maxnreg"]
     if (bp not in BLOCK_PAIRS or stages not in STAGES or (small and (small not in BLOCK_PAIRS or small >= bp))
             or not (cap is None or (isinstance(cap, int) and 32 <= cap <= 255))
-            or not all(isinstance(sched[k], bool) for k in ("pdl", "direct"))):
+            or not all(isinstance(sched[k], bool) for k in ("pdl", "direct"))
+            or sched["row_tiles"] not in ROW_TILES or isinstance(sched["row_tiles"], bool)):
         raise ValueError(f"int4_moe_wgmma: block_pairs={bp} (one of {BLOCK_PAIRS}), small_pairs={small} "
                          f"(0 or a smaller one), stages={stages} (one of {STAGES}), maxnreg={cap} (None or 32-255), "
-                         f"pdl={sched['pdl']!r} and direct={sched['direct']!r} (true / false)")
+                         f"pdl={sched['pdl']!r} and direct={sched['direct']!r} (true / false), "
+                         f"row_tiles={sched['row_tiles']!r} (one of {ROW_TILES})")
     return sched
 
 
@@ -117,8 +120,8 @@ def wgmma_dense_experts(w13, s13, w2, s2, hidden: int, dtype: torch.dtype = torc
 
 def int4_moe_wgmma(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, block_pairs: int | None = None,
                    small_pairs: int | None = None, stages: int | None = None, maxnreg: int | None = None,
-                   pdl: bool | None = None, direct: bool | None = None, experts: range | None = None,
-                   reduce_pairs=None):
+                   pdl: bool | None = None, direct: bool | None = None, row_tiles: int | None = None,
+                   experts: range | None = None, reduce_pairs=None):
     """The wgmma path (sm_90, bf16, wgmma layout); arguments as `kernels.int4_moe.int4_moe`. The schedule
     options, each None for DEFAULT_SCHEDULE's, `auto_schedule`'s or PLAIN's (`resolve_schedule`):
     `block_pairs` (BLOCK_PAIRS), the pairs per expert block (an expert's weights are streamed once per block);
@@ -126,11 +129,13 @@ def int4_moe_wgmma(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, block_pai
     that small; `stages` (STAGES), the ring depth; `maxnreg`, a register cap; `pdl`, programmatic dependent launch
     (ignored with an expert subset or `reduce_pairs`, whose extra launches sit between the GEMMs and the combine);
     `direct`, one token's pairs as blocks without the grouping launch (ignored unless one token with every expert
-    held). Same arithmetic, same bits for every schedule."""
+    held); `row_tiles` (ROW_TILES), w2's 128-row tiles per program, streamed one after the other through one ring
+    that runs on across them (fewer, longer programs: at one token w2 has 448 programs of 8 K steps). Same
+    arithmetic, same bits for every schedule."""
     if not HAVE_GLUON:
         raise RuntimeError("int4_moe_wgmma needs Triton with Gluon (3.5 or newer)")
     sched = resolve_schedule(topk_ids.numel(), block_pairs=block_pairs, small_pairs=small_pairs, stages=stages,
-                             maxnreg=maxnreg, pdl=pdl, direct=direct)
+                             maxnreg=maxnreg, pdl=pdl, direct=direct, row_tiles=row_tiles)
     block_pairs, small, stages, cap = sched["block_pairs"], sched["small_pairs"], sched["stages"], sched["maxnreg"]
     pdl = bool(sched["pdl"]) and experts is None and reduce_pairs is None
     direct = bool(sched["direct"]) and x.shape[0] == 1 and experts is None
@@ -149,10 +154,11 @@ def int4_moe_wgmma(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, block_pai
             TOPK=topk, **const)
 
     def w2_gemm(a, y, pairs, bexp, topk, P):
-        _moe_w2_wgmma_kernel[(-(-D // 128), bexp.shape[0])](
+        rt = sched["row_tiles"]
+        _moe_w2_wgmma_kernel[(-(-D // (128 * rt)), bexp.shape[0])](
             a, w2, s2, y, pairs, bexp, P, D, w2.shape[2] * PACK_FACTOR // STEP,
             a.stride(0), w2.stride(0), w2.stride(1), s2.stride(0) // 8, s2.stride(1) // 8, y.stride(0),
-            TOPK=topk, **const)
+            TOPK=topk, ROW_TILES=rt, **const)
 
     return routed_moe("int4_moe_wgmma", x, topk_ids, topk_w, w13, s13, w2, s2, out, k_align=STEP,
                       block_pairs=block_pairs, experts=experts, reduce_pairs=reduce_pairs, w13_gemm=w13_gemm,

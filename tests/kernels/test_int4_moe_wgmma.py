@@ -83,14 +83,17 @@ from triton.compiler import compile
 from triton.experimental.gluon._runtime import GluonASTSource
 from kernels import _int4_moe_wgmma as m
 out = {}
-configs = ((8, 0, 4, False, False, None), (64, 0, 2, False, False, None), (32, 8, 2, False, False, 168),
-           (32, 8, 2, True, False, 168), (8, 0, 4, True, True, None), (16, 8, 2, False, False, 128))
-for gated, np_, small, stages, pdl, direct, cap in [(g, *c) for g in (True, False) for c in configs]:
+configs = ((8, 0, 4, False, False, None, 1), (64, 0, 2, False, False, None, 1), (32, 8, 2, False, False, 168, 1),
+           (32, 8, 2, True, False, 168, 1), (8, 0, 4, True, True, None, 1), (16, 8, 2, False, False, 128, 1),
+           (8, 0, 4, True, True, None, 2), (32, 8, 2, False, False, 168, 4))  # row tiles: w2 only
+for gated, np_, small, stages, pdl, direct, cap, rt in [(g, *c) for g in (True, False) for c in configs
+                                                        if not (g and c[-1] > 1)]:
         sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "out_ptr": "*bf16" if gated else "*fp32",
                "pairs_ptr": "*i32", "bexp_ptr": "*i64" if direct else "*i32", "P": "i32", "N_OUT": "i32",
                "num_kb": "i32"}
         sig.update({n: "i32" for n in ("stride_x", "stride_we", "stride_wn", "stride_se8", "stride_sn8", "stride_o")})
-        cst = dict(TOPK=8, NP=np_, SMALL=small, STAGES=stages, PDL=pdl, DIRECT=direct)
+        cst = dict(TOPK=8, NP=np_, SMALL=small, STAGES=stages, PDL=pdl, DIRECT=direct,
+                   **({} if gated else {"ROW_TILES": rt}))
         sig.update({k: "constexpr" for k in cst})
         names = list(sig)
         attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
@@ -105,7 +108,7 @@ for gated, np_, small, stages, pdl, direct, cap in [(g, *c) for g in (True, Fals
         first = {key: next((i for i, line in enumerate(lines) if pat in line), -1) for key, pat in
                  (("wait", "griddepcontrol.wait"), ("launch", "griddepcontrol.launch_dependents"),
                   ("cp_async", "cp.async.cg"), ("ld_global", "ld.global"))}
-        tag = ("_pdl" if pdl else "") + ("_direct" if direct else "")
+        tag = ("_pdl" if pdl else "") + ("_direct" if direct else "") + (f"_rt{rt}" if rt > 1 else "")
         out[f"{'w13' if gated else 'w2'}_np{np_}_small{small}_s{stages}{tag}"] = {
             "first": first, "cap": cap,
             "shared": k.metadata.shared,
@@ -123,7 +126,8 @@ print(json.dumps(out))
 def test_wgmma_moe_kernels_compile_for_sm90(tmp_path):
     """Both GEMMs compiled for sm_90 (PTX + ptxas, no GPU) in the schedules' shapes (8-pair blocks and a 4-slot
     ring, 64-pair blocks and 2 slots, 32-pair blocks with an 8-pair path under a 168-register cap, 16-pair blocks with
-    an 8-pair path under a 128-register cap, auto_schedule's middle tier): only m64nNk16 wgmma with N = the block's
+    an 8-pair path under a 128-register cap, auto_schedule's middle tier; w2 also with 2 and 4 row tiles per program,
+    whose loop over the tiles holds one copy of the step): only m64nNk16 wgmma with N = the block's
     (or the small path's) pairs, 32 per K step and path (4 chunks x 2 weight tensors x 4 k16) plus none outside; the
     A operand built in registers (no shared-memory stores), everything copied by 16-byte cp.async into the ring
     (slots of 4 x N x 64 activations, words [128, 32] and scales [128, 8]), no global vector loads, 12 16-byte shared
@@ -135,7 +139,7 @@ def test_wgmma_moe_kernels_compile_for_sm90(tmp_path):
     compile to the same MMAs and copies."""
     pytest.importorskip("triton.experimental.gluon")
     facts = run_sm90_script(tmp_path, _SM90_COMPILE)
-    assert len(facts) == 12, facts
+    assert len(facts) == 14, facts
     for name, f in facts.items():
         n, small, stages = (int(v) for v in re.match(r"w\d+_np(\d+)_small(\d+)_s(\d+)", name).groups())
         first = f["first"]
@@ -166,7 +170,10 @@ run_wgmma = functools.partial(run_poisoned, int4_moe_wgmma)
 @pytest.mark.parametrize("T,k,E,D,inter", [(5, 3, 7, 544, 224), (1, 2, 4, 256, 64), (33, 4, 16, 1024, 160)])
 @pytest.mark.parametrize("sched", [dict(block_pairs=bp, stages=st) for bp in BLOCK_PAIRS for st in (2, 4)]
                          + [dict(block_pairs=8, stages=3), dict(block_pairs=32, small_pairs=8, stages=2, maxnreg=168),
-                            dict(block_pairs=16, small_pairs=8, stages=3), {}])
+                            dict(block_pairs=16, small_pairs=8, stages=3), {},
+                            # row tiles past D (zero-filled, not stored); PDL's early copies crossing into tile 1
+                            dict(row_tiles=2), dict(block_pairs=16, small_pairs=8, row_tiles=4),
+                            dict(block_pairs=8, stages=4, pdl=True, row_tiles=2)])
 def test_int4_moe_wgmma_vs_reference(T, k, E, D, inter, sched):
     check_layout_path(int4_moe_wgmma, repack_int4_moe_for_wgmma, T, k, E, D, inter, **sched)
 
@@ -220,7 +227,8 @@ def test_int4_moe_wgmma_schedules_agree(kimi_wgmma):
     scheds = [dict(block_pairs=bp, stages=st) for bp in BLOCK_PAIRS for st in STAGES]
     scheds += [dict(block_pairs=32, small_pairs=8, stages=2, maxnreg=168), dict(block_pairs=64, small_pairs=16), {},
                dict(block_pairs=16, small_pairs=8, stages=2, maxnreg=128), dict(block_pairs=8, stages=2, maxnreg=128),
-               dict(pdl=True), dict(block_pairs=8, stages=4, pdl=True)]
+               dict(pdl=True), dict(block_pairs=8, stages=4, pdl=True), dict(row_tiles=2),
+               dict(block_pairs=32, small_pairs=8, stages=2, maxnreg=168, row_tiles=4), dict(row_tiles=8)]
     for sched in scheds:
         assert_bitwise(run_wgmma(x, ids, tw, ww, **sched), ref, str(sched))
 
@@ -237,7 +245,8 @@ def test_int4_moe_wgmma_decode_options_agree(kimi_wgmma):
     for t in (0, 21, 63):
         one = (x[t:t + 1], ids[t:t + 1], tw[t:t + 1])
         assert_bitwise(run_wgmma(*one, ww)[0], batch[t], f"token {t} alone")
-        for sched in (dict(direct=True), dict(pdl=True), dict(direct=True, pdl=True)):
+        for sched in (dict(direct=True), dict(pdl=True), dict(direct=True, pdl=True),
+                      dict(direct=True, pdl=True, row_tiles=2), dict(row_tiles=4)):
             assert_bitwise(run_wgmma(*one, ww, **sched)[0], batch[t], f"token {t}, {sched}")
 
 
@@ -298,6 +307,8 @@ def test_resolve_schedule(monkeypatch):
     assert resolve_schedule(72) == auto_schedule(72)
     assert resolve_schedule(72, stages=3, maxnreg=None) == {**auto_schedule(72), "stages": 3}
     assert resolve_schedule(72, block_pairs=16) == {**mod.PLAIN, "block_pairs": 16}
+    assert resolve_schedule(1, row_tiles=2) == {**auto_schedule(1), "row_tiles": 2}
+    assert auto_schedule(1)["row_tiles"] == auto_schedule(10**6)["row_tiles"] == 1  # not measured yet: off
     monkeypatch.setattr(mod, "DEFAULT_SCHEDULE", dict(pdl=True))
     assert resolve_schedule(1) == {**auto_schedule(1), "pdl": True}
     assert resolve_schedule(1000, pdl=False) == auto_schedule(1000)
@@ -313,8 +324,9 @@ def test_bad_schedule_is_refused():
         x = x.cuda()
     ids, tw = torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, 1)
     for bad in (dict(block_pairs=12), dict(block_pairs=8, small_pairs=8), dict(block_pairs=8, stages=5),
-                dict(block_pairs=32, small_pairs=12), dict(maxnreg=7), dict(pdl="yes"), dict(direct=1)):
-        with pytest.raises(ValueError, match="block_pairs=.*small_pairs=.*stages="):
+                dict(block_pairs=32, small_pairs=12), dict(maxnreg=7), dict(pdl="yes"), dict(direct=1),
+                dict(row_tiles=3), dict(row_tiles=True)):
+        with pytest.raises(ValueError, match="block_pairs=.*small_pairs=.*stages=.*row_tiles="):
             int4_moe_wgmma(x, ids, tw, *(None,) * 4, **bad)
     if not SM90:  # a schedule it takes gets as far as the device check
         with pytest.raises(ValueError, match="sm_90"):
