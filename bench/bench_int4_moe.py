@@ -111,6 +111,9 @@ GLUON_VARIANTS = {  # name -> int4_moe_gluon options (--gluon)
     "wgmma_auto_pdl_direct": dict(path="wgmma", pdl=True, direct=True),
     # w2 with 2 / 4 row tiles per program through one ring (fewer, longer programs; at one token 448 -> 224 / 112)
     "wgmma_auto_rt2": dict(path="wgmma", row_tiles=2), "wgmma_auto_rt4": dict(path="wgmma", row_tiles=4),
+    # two warpgroups per program, one weight tensor each (twice the warps per SM at a small grid; 1 token: 256 w13)
+    "wgmma_auto_wg2": dict(path="wgmma", warpgroups=2),
+    "wgmma_auto_wg2_rt2": dict(path="wgmma", warpgroups=2, row_tiles=2),
     **{f"wgmma_np{bp}_s{st}": dict(path="wgmma", block_pairs=bp, stages=st) for bp in (8, 16, 32, 64) for st in (2, 4)},
     "wgmma_np8_s3": dict(path="wgmma", block_pairs=8, stages=3),
     "wgmma_np32_s2_r168": dict(path="wgmma", block_pairs=32, stages=2, maxnreg=168),

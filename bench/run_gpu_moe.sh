@@ -9,10 +9,10 @@ set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-bench/results/run}
 mkdir -p "$OUT"
-# auto_schedule beside the same with w2's row tiles (2 / 4 per program: sixteenth session, never run on a GPU), and
-# PDL on every launch (the verify step did not slow under it in the fifteenth session, the layer bench did at 33-129)
-VARIANTS=${VARIANTS:-"wgmma_auto wgmma_auto_rt2 wgmma_auto_rt4 wgmma_auto_pdl"}
-SCHEDULES=${SCHEDULES:-'{"row_tiles": 2};{"row_tiles": 4}'}
+# auto_schedule beside the same with two warpgroups per program and / or w2's row tiles (sixteenth session, never
+# run on a GPU before this script's next run)
+VARIANTS=${VARIANTS:-"wgmma_auto wgmma_auto_wg2 wgmma_auto_rt2 wgmma_auto_wg2_rt2 wgmma_auto_rt4"}
+SCHEDULES=${SCHEDULES:-'{"warpgroups": 2};{"row_tiles": 2};{"warpgroups": 2, "row_tiles": 2}'}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv 2>&1 | tee "$OUT/gpu.txt"
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
 status=0

@@ -50,8 +50,8 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _chunk(v, c: gl.constexpr):
-        """[64, 4 t, 8 j] -> chunk c's words (j = 2c, 2c + 1): [64, 4 t, 2 jl] (register-only splits)."""
-        v = gl.permute(gl.reshape(v, [64, 4, 2, 2, 2]), (0, 1, 4, 2, 3))  # (row, t, jl, c1, c0)
+        """[R, 4 t, 8 j] -> chunk c's words (j = 2c, 2c + 1): [R, 4 t, 2 jl] (register-only splits)."""
+        v = gl.permute(gl.reshape(v, [v.shape[0], 4, 2, 2, 2]), (0, 1, 4, 2, 3))  # (row, t, jl, c1, c0)
         e, o = gl.split(v)  # c0 = 0 / 1
         if c % 2 == 0:
             h = e
@@ -75,12 +75,12 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _a_operand(words, scales, c: gl.constexpr, A_L: gl.constexpr):
-        """Chunk c of a step (64 columns) dequantised: [64 rows, 64 K] bf16 in the wgmma A layout."""
+        """Chunk c of a step (64 columns) dequantised: [R rows, 64 K] bf16 in the wgmma A layout."""
         wx = _expand(_chunk(words, c))
         sx = gl.convert_layout(_expand_same(_chunk(scales, c)), wx.type.layout, assert_trivial=True)
         deq = gl.inline_asm_elementwise(_DEQUANT, "=r,r,r,r", [wx, sx], dtype=gl.bfloat16, is_pure=True, pack=2)
         # (row, t, jl, i0, i1, b) -> column 32 jl + 16 i1 + 8 i0 + 2 t + b
-        deq = gl.reshape(gl.permute(deq, (0, 2, 4, 3, 1, 5)), [64, 64])
+        deq = gl.reshape(gl.permute(deq, (0, 2, 4, 3, 1, 5)), [words.shape[0], 64])
         return gl.convert_layout(deq, A_L)
 
     @gluon.jit
@@ -121,17 +121,41 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _words_from(smem, W_L: gl.constexpr):
-        """[64 rows, 32 words] of a ring slot -> [64, 4 t, 8 j] in W_L (a lane reads its 8 contiguous words)."""
-        W2_L: gl.constexpr = gl.DistributedLinearLayout(
-            reg_bases=[[0, 1], [0, 2], [0, 4], [8, 0]], lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]],
-            warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, 32])
-        return gl.convert_layout(gl.reshape(smem.load(W2_L), [64, 4, 8]), W_L, assert_trivial=True)
+        """[R rows, 32 words] of a ring slot (R = 64: one warpgroup's tensor; 128: both tensors over two warpgroups)
+        -> [R, 4 t, 8 j] in W_L (a lane reads its 8 contiguous words)."""
+        R: gl.constexpr = smem.shape[0]
+        if R == 64:
+            W2_L: gl.constexpr = gl.DistributedLinearLayout(
+                reg_bases=[[0, 1], [0, 2], [0, 4], [8, 0]], lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]],
+                warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, 32])
+        else:
+            W2_L: gl.constexpr = gl.DistributedLinearLayout(
+                reg_bases=[[0, 1], [0, 2], [0, 4], [8, 0]], lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]],
+                warp_bases=[[16, 0], [32, 0], [64, 0]], block_bases=[], shape=[128, 32])
+        return gl.convert_layout(gl.reshape(smem.load(W2_L), [R, 4, 8]), W_L, assert_trivial=True)
 
     @gluon.jit
     def _scales_from(smem, W_L: gl.constexpr):
-        """[64 rows, 8 groups] of a ring slot -> [64, 4 t, 8 j] in W_L (the 4 lanes of a row read the same 16 bytes)."""
+        """[R rows, 8 groups] of a ring slot -> [R, 4 t, 8 j] in W_L (the 4 lanes of a row read the same 16 bytes)."""
         v = gl.expand_dims(smem.load(gl.SliceLayout(1, W_L)), 1)
-        return v.broadcast_to([64, 4, 8])
+        return v.broadcast_to([smem.shape[0], 4, 8])
+
+    @gluon.jit
+    def _step_mmas2(q, sc, xs, acc, NP: gl.constexpr, A_L: gl.constexpr):
+        """WG = 2: one 256-column step of both tensors stacked along M ([128 rows]: each warpgroup's m64nNPk16 MMAs on
+        its own 64 rows, in the order WG = 1 runs them for that tensor); chunk c's MMAs run while chunk c + 1 is
+        dequantised, and the step waits for them once at its end: with 8 warps Gluon puts a CTA barrier after every
+        wait (4 a step when waiting per chunk, as WG = 1 does; one this way, for 105-127 registers, not 78-103)."""
+        a0 = _a_operand(q, sc, 0, A_L)
+        acc = warpgroup_mma(a0, xs.slice(0 * NP, NP).permute((1, 0)), acc, is_async=True)
+        a1 = _a_operand(q, sc, 1, A_L)
+        acc = warpgroup_mma(a1, xs.slice(1 * NP, NP).permute((1, 0)), acc, is_async=True)
+        a2 = _a_operand(q, sc, 2, A_L)
+        acc = warpgroup_mma(a2, xs.slice(2 * NP, NP).permute((1, 0)), acc, is_async=True)
+        a3 = _a_operand(q, sc, 3, A_L)
+        acc = warpgroup_mma(a3, xs.slice(3 * NP, NP).permute((1, 0)), acc, is_async=True)
+        acc, a0, a1, a2, a3 = warpgroup_mma_wait(num_outstanding=0, deps=[acc, a0, a1, a2, a3])
+        return acc
 
     @gluon.jit
     def _step_mmas(qa, sca, qb, scb, xs, acc_a, acc_b, NP: gl.constexpr, A_L: gl.constexpr):
@@ -154,9 +178,10 @@ if HAVE_GLUON:
     @gluon.jit
     def _ring_step(f, x_rows, nw_src, nw_ok, ns_src, ns_ok, nkb, nlive, xring, wring, sring, acc_a, acc_b,
                    N: gl.constexpr, STAGES: gl.constexpr, W_L: gl.constexpr, A_L: gl.constexpr,
-                   XC_L: gl.constexpr):
+                   XC_L: gl.constexpr, WG: gl.constexpr):
         """Ring step f: wait for its slot's copies, put the copies of step f + STAGES - 1 in flight (its activation
-        step `nkb`, its weight sources `nw_src` / `ns_src` at that step, `nlive` False past the end), then its MMAs."""
+        step `nkb`, its weight sources `nw_src` / `ns_src` at that step, `nlive` False past the end), then its MMAs.
+        WG = 2: acc_a and acc_b are the one [128, N] accumulator (both names, so the loops are the same)."""
         cp.wait_group(STAGES - 2)  # this thread's copies of step f landed
         fence_async_shared()
         cta_barrier()  # everyone's; and every warp is done with step f - 1: its slot is free
@@ -167,11 +192,17 @@ if HAVE_GLUON:
         slot = f % STAGES
         ws = wring.index(slot)
         ss = sring.index(slot)
-        qa = _words_from(ws.slice(0, 64), W_L)
-        qb = _words_from(ws.slice(64, 64), W_L)
-        sca = _scales_from(ss.slice(0, 64), W_L)
-        scb = _scales_from(ss.slice(64, 64), W_L)
-        return _step_mmas(qa, sca, qb, scb, xring.index(slot).slice(0, 4 * N), acc_a, acc_b, N, A_L)
+        if WG == 2:
+            acc_a = _step_mmas2(_words_from(ws, W_L), _scales_from(ss, W_L), xring.index(slot).slice(0, 4 * N), acc_a,
+                                N, A_L)
+            acc_b = acc_a
+        else:
+            qa = _words_from(ws.slice(0, 64), W_L)
+            qb = _words_from(ws.slice(64, 64), W_L)
+            sca = _scales_from(ss.slice(0, 64), W_L)
+            scb = _scales_from(ss.slice(64, 64), W_L)
+            acc_a, acc_b = _step_mmas(qa, sca, qb, scb, xring.index(slot).slice(0, 4 * N), acc_a, acc_b, N, A_L)
+        return acc_a, acc_b
 
     @gluon.jit
     def _tile_src(w_src, s_src, gw, gs, N_OUT, stride_wn, stride_sn8, t, CW_L: gl.constexpr, CS_L: gl.constexpr):
@@ -185,39 +216,78 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _store_rows(acc_a, acc_b, out_ptr, pairs_ptr, blk, row0, P, N_OUT, stride_o, GATED: gl.constexpr,
-                    N: gl.constexpr, NP: gl.constexpr, DIRECT: gl.constexpr, ACC_L: gl.constexpr):
+                    N: gl.constexpr, NP: gl.constexpr, DIRECT: gl.constexpr, ACC_L: gl.constexpr, WG: gl.constexpr):
         """The block's N pair columns of rows row0..: w13 SiLU(gate) * up (64 rows), w2 both tensors (128 rows)."""
-        slot = gl.arange(0, N, layout=gl.SliceLayout(0, ACC_L))
-        if DIRECT:
-            pairs = gl.where(slot == 0, blk, P)
+        if WG == 2:
+            _store_rows2(acc_a, out_ptr, pairs_ptr, blk, row0, P, N_OUT, stride_o, GATED, N, NP, DIRECT, ACC_L)
         else:
-            pairs = gl.load(pairs_ptr + blk * NP + slot)
-        orow = gl.arange(0, 64, layout=gl.SliceLayout(1, ACC_L)) + row0
-        pm = gl.expand_dims(pairs < P, 0)
-        pcol = gl.expand_dims(pairs.to(gl.int64) * stride_o, 0)
+            slot = gl.arange(0, N, layout=gl.SliceLayout(0, ACC_L))
+            if DIRECT:
+                pairs = gl.where(slot == 0, blk, P)
+            else:
+                pairs = gl.load(pairs_ptr + blk * NP + slot)
+            orow = gl.arange(0, 64, layout=gl.SliceLayout(1, ACC_L)) + row0
+            pm = gl.expand_dims(pairs < P, 0)
+            pcol = gl.expand_dims(pairs.to(gl.int64) * stride_o, 0)
+            if GATED:
+                act = acc_a / (1.0 + gl.exp(-acc_a)) * acc_b
+                gl.store(out_ptr + pcol + gl.expand_dims(orow, 1), act.to(out_ptr.dtype.element_ty),
+                         mask=pm & gl.expand_dims(orow < N_OUT, 1))
+            else:
+                gl.store(out_ptr + pcol + gl.expand_dims(orow, 1), acc_a, mask=pm & gl.expand_dims(orow < N_OUT, 1))
+                orow = orow + 64
+                gl.store(out_ptr + pcol + gl.expand_dims(orow, 1), acc_b, mask=pm & gl.expand_dims(orow < N_OUT, 1))
+
+    @gluon.jit
+    def _store_rows2(acc, out_ptr, pairs_ptr, blk, row0, P, N_OUT, stride_o, GATED: gl.constexpr, N: gl.constexpr,
+                     NP: gl.constexpr, DIRECT: gl.constexpr, ACC_L: gl.constexpr):
+        """WG = 2's store of the [128, N] accumulator: w2 its 128 rows; w13 through shared memory, since gate (rows
+        0-63) and up (64-127) of an intermediate column sit in different warpgroups."""
         if GATED:
-            act = acc_a / (1.0 + gl.exp(-acc_a)) * acc_b
-            gl.store(out_ptr + pcol + gl.expand_dims(orow, 1), act.to(out_ptr.dtype.element_ty),
-                     mask=pm & gl.expand_dims(orow < N_OUT, 1))
+            gl.static_assert(gl.num_warps() == 8)
+            O_L: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [2, 4], [0, 1])  # rows along lanes: coalesced
+            buf = gl.allocate_shared_memory(gl.float32, [128, N], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+            buf.store(acc)
+            cta_barrier()
+            gate = buf.slice(0, 64).load(O_L)
+            up = buf.slice(64, 64).load(O_L)
+            slot = gl.arange(0, N, layout=gl.SliceLayout(0, O_L))
+            if DIRECT:
+                pairs = gl.where(slot == 0, blk, P)
+            else:
+                pairs = gl.load(pairs_ptr + blk * NP + slot)
+            orow = gl.arange(0, 64, layout=gl.SliceLayout(1, O_L)) + row0
+            act = gate / (1.0 + gl.exp(-gate)) * up
+            gl.store(out_ptr + gl.expand_dims(pairs.to(gl.int64) * stride_o, 0) + gl.expand_dims(orow, 1),
+                     act.to(out_ptr.dtype.element_ty),
+                     mask=gl.expand_dims(pairs < P, 0) & gl.expand_dims(orow < N_OUT, 1))
         else:
-            gl.store(out_ptr + pcol + gl.expand_dims(orow, 1), acc_a, mask=pm & gl.expand_dims(orow < N_OUT, 1))
-            orow = orow + 64
-            gl.store(out_ptr + pcol + gl.expand_dims(orow, 1), acc_b, mask=pm & gl.expand_dims(orow < N_OUT, 1))
+            slot = gl.arange(0, N, layout=gl.SliceLayout(0, ACC_L))
+            if DIRECT:
+                pairs = gl.where(slot == 0, blk, P)
+            else:
+                pairs = gl.load(pairs_ptr + blk * NP + slot)
+            orow = gl.arange(0, 128, layout=gl.SliceLayout(1, ACC_L)) + row0
+            gl.store(out_ptr + gl.expand_dims(pairs.to(gl.int64) * stride_o, 0) + gl.expand_dims(orow, 1), acc,
+                     mask=gl.expand_dims(pairs < P, 0) & gl.expand_dims(orow < N_OUT, 1))
 
     @gluon.jit
     def _ring_gemm(x_ptr, out_ptr, pairs_ptr, blk, pid_r, P, N_OUT, num_kb, stride_x, stride_o, w_src, w_ok, s_src,
                    s_ok, gw, gs, stride_wn, stride_sn8, xring, wring, sring, TOPK: gl.constexpr, GATED: gl.constexpr,
                    N: gl.constexpr, NP: gl.constexpr, STAGES: gl.constexpr, WPRE: gl.constexpr, DIRECT: gl.constexpr,
-                   ROW_TILES: gl.constexpr, W_L: gl.constexpr, CW_L: gl.constexpr, CS_L: gl.constexpr):
+                   ROW_TILES: gl.constexpr, W_L: gl.constexpr, CW_L: gl.constexpr, CS_L: gl.constexpr,
+                   WG: gl.constexpr):
         """The block's first N pair slots (of NP) through the K loop and the store: acc [64, N] per weight tensor,
         steps through the STAGES-slot ring (STAGES - 1 in flight), m64nNk16 MMAs. WPRE: the weights of the first
         STAGES - 1 steps are already in flight (one commit group per step, issued before this call). DIRECT: block
         `blk` is pair `blk` alone (slot 0; no block list). ROW_TILES > 1 (w2 only): the program's ROW_TILES row tiles
         one after the other through the same ring, which runs on across them (tile t + 1's first steps are copied
-        during tile t's last), each tile's rows accumulated from zero in the same K order as alone."""
-        ACC_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, N, 16])
+        during tile t's last), each tile's rows accumulated from zero in the same K order as alone. WG = 2: two
+        warpgroups, one accumulator [128, N] (rows 0-63 tensor a in the first, 64-127 tensor b in the second)."""
+        ACC_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4 * WG, 1],
+                                                        instr_shape=[16, N, 16])
         A_L: gl.constexpr = gl.DotOperandLayout(0, ACC_L, 2)
-        XC_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # 16-byte copies, [4 N, 64]
+        XC_L: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4 * WG, 1], [1, 0])  # 16-byte copies, [4 N, 64]
         slot_x = gl.arange(0, 4 * N, layout=gl.SliceLayout(1, XC_L)) % N
         if DIRECT:
             pairs_x = gl.where(slot_x == 0, blk, P)
@@ -229,8 +299,10 @@ if HAVE_GLUON:
             xr = gl.where(pairs_x < P, pairs_x, 0)
         x_rows = x_ptr + xr.to(gl.int64) * stride_x
 
-        acc_a = gl.zeros([64, N], gl.float32, ACC_L)
-        acc_b = gl.zeros([64, N], gl.float32, ACC_L)
+        acc_a = gl.zeros([64 * WG, N], gl.float32, ACC_L)
+        acc_b = acc_a  # WG = 2: the same one accumulator under both names
+        if WG == 1:
+            acc_b = gl.zeros([64, N], gl.float32, ACC_L)
         if ROW_TILES == 1:
             for st in gl.static_range(STAGES - 1):
                 if WPRE:  # groups: S - 1 of weights, then S - 1 of activations; wait_group(S - 2) stays sufficient
@@ -242,14 +314,15 @@ if HAVE_GLUON:
             for kb in range(0, num_kb):
                 nk = kb + STAGES - 1
                 acc_a, acc_b = _ring_step(kb, x_rows, w_src, w_ok, s_src, s_ok, gl.minimum(nk, num_kb - 1),
-                                          nk < num_kb, xring, wring, sring, acc_a, acc_b, N, STAGES, W_L, A_L, XC_L)
+                                          nk < num_kb, xring, wring, sring, acc_a, acc_b, N, STAGES, W_L, A_L, XC_L,
+                                          WG)
             cp.wait_group(0)
             if GATED:
                 _store_rows(acc_a, acc_b, out_ptr, pairs_ptr, blk, pid_r * 64, P, N_OUT, stride_o, GATED, N, NP,
-                            DIRECT, ACC_L)
+                            DIRECT, ACC_L, WG)
             else:
                 _store_rows(acc_a, acc_b, out_ptr, pairs_ptr, blk, pid_r * 128, P, N_OUT, stride_o, GATED, N, NP,
-                            DIRECT, ACC_L)
+                            DIRECT, ACC_L, WG)
         else:
             gl.static_assert(not GATED)
             total = ROW_TILES * num_kb  # ring steps: tile t's step kb is step t * num_kb + kb
@@ -263,17 +336,19 @@ if HAVE_GLUON:
                                 wring.index(st), sring.index(st), XC_L)
                 cp.commit_group()
             for t in range(0, ROW_TILES):
-                acc_a = gl.zeros([64, N], gl.float32, ACC_L)
-                acc_b = gl.zeros([64, N], gl.float32, ACC_L)
+                acc_a = gl.zeros([64 * WG, N], gl.float32, ACC_L)
+                acc_b = acc_a
+                if WG == 1:
+                    acc_b = gl.zeros([64, N], gl.float32, ACC_L)
                 for kb in range(0, num_kb):
                     f = t * num_kb + kb
                     nf = gl.minimum(f + STAGES - 1, total - 1)
                     sw, okw, ss, oks = _tile_src(w_src, s_src, gw, gs, N_OUT, stride_wn, stride_sn8, nf // num_kb,
                                                  CW_L, CS_L)
                     acc_a, acc_b = _ring_step(f, x_rows, sw, okw, ss, oks, nf % num_kb, f + STAGES - 1 < total,
-                                              xring, wring, sring, acc_a, acc_b, N, STAGES, W_L, A_L, XC_L)
+                                              xring, wring, sring, acc_a, acc_b, N, STAGES, W_L, A_L, XC_L, WG)
                 _store_rows(acc_a, acc_b, out_ptr, pairs_ptr, blk, (pid_r * ROW_TILES + t) * 128, P, N_OUT, stride_o,
-                            GATED, N, NP, DIRECT, ACC_L)
+                            GATED, N, NP, DIRECT, ACC_L, WG)
             cp.wait_group(0)
 
     @gluon.jit
@@ -287,18 +362,25 @@ if HAVE_GLUON:
         P, N_OUT, num_kb,
         stride_x, stride_we, stride_wn, stride_se8, stride_sn8, stride_o,  # scale strides in 16-byte units
         TOPK: gl.constexpr, GATED: gl.constexpr, NP: gl.constexpr, SMALL: gl.constexpr, STAGES: gl.constexpr,
-        PDL: gl.constexpr, DIRECT: gl.constexpr, ROW_TILES: gl.constexpr,
+        PDL: gl.constexpr, DIRECT: gl.constexpr, ROW_TILES: gl.constexpr, WG: gl.constexpr,
     ):
-        gl.static_assert(gl.num_warps() == 4)
+        gl.static_assert(gl.num_warps() == 4 * WG)  # WG warpgroups: 1, or 2 splitting the 128 weight rows
         gl.static_assert(STAGES >= 2)
         gl.static_assert(ROW_TILES == 1 or not GATED)  # row tiles per program: w2 only
-        # [64 rows, 4 t, 8 j]: j in registers (8 contiguous words), t on lanes 0-1, rows as the A fragment's
-        W_L: gl.constexpr = gl.DistributedLinearLayout(
-            reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [8, 0, 0]],
-            lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
-            warp_bases=[[16, 0, 0], [32, 0, 0]], block_bases=[], shape=[64, 4, 8])
-        CW_L: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])  # [128 rows, 32 words]
-        CS_L: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [4, 1], [1, 0])  # [128 rows, 8 scales]
+        # [64 WG rows, 4 t, 8 j]: j in registers (8 contiguous words), t on lanes 0-1, rows as the A fragment's
+        if WG == 1:
+            W_L: gl.constexpr = gl.DistributedLinearLayout(
+                reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [8, 0, 0]],
+                lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+                warp_bases=[[16, 0, 0], [32, 0, 0]], block_bases=[], shape=[64, 4, 8])
+            CS_L: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [4, 1], [1, 0])  # [128 rows, 8 scales]
+        else:  # the second warpgroup holds rows 64-127 (tensor b), as its MMAs' accumulator rows
+            W_L: gl.constexpr = gl.DistributedLinearLayout(
+                reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [8, 0, 0]],
+                lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+                warp_bases=[[16, 0, 0], [32, 0, 0], [64, 0, 0]], block_bases=[], shape=[128, 4, 8])
+            CS_L: gl.constexpr = gl.BlockedLayout([1, 4], [16, 2], [8, 1], [1, 0])  # 8-byte copies, 256 threads
+        CW_L: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4 * WG, 1], [1, 0])  # [128 rows, 32 words]
         X_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([4 * NP, 64], gl.bfloat16)
         # conflict-free reads of a lane's 8 words: 16-byte vectors XOR-swizzled by row % 8
         W_SL: gl.constexpr = gl.SwizzledSharedLayout(4, 1, 8, [1, 0])
@@ -364,32 +446,32 @@ if HAVE_GLUON:
             if fill <= SMALL:
                 _ring_gemm(x_ptr, out_ptr, pairs_ptr, blk, pid_r, P, N_OUT, num_kb, stride_x, stride_o, w_src, w_ok,
                            s_src, s_ok, gw, gs, stride_wn, stride_sn8, xring, wring, sring, TOPK, GATED, SMALL, NP,
-                           STAGES, WPRE, DIRECT, ROW_TILES, W_L, CW_L, CS_L)
+                           STAGES, WPRE, DIRECT, ROW_TILES, W_L, CW_L, CS_L, WG)
             else:
                 _ring_gemm(x_ptr, out_ptr, pairs_ptr, blk, pid_r, P, N_OUT, num_kb, stride_x, stride_o, w_src, w_ok,
                            s_src, s_ok, gw, gs, stride_wn, stride_sn8, xring, wring, sring, TOPK, GATED, NP, NP,
-                           STAGES, WPRE, DIRECT, ROW_TILES, W_L, CW_L, CS_L)
+                           STAGES, WPRE, DIRECT, ROW_TILES, W_L, CW_L, CS_L, WG)
         else:  # one block size (DIRECT: one pair per block, so the small path when there is one)
             N1: gl.constexpr = SMALL if DIRECT and SMALL > 0 else NP
             _ring_gemm(x_ptr, out_ptr, pairs_ptr, blk, pid_r, P, N_OUT, num_kb, stride_x, stride_o, w_src, w_ok,
                        s_src, s_ok, gw, gs, stride_wn, stride_sn8, xring, wring, sring, TOPK, GATED, N1, NP, STAGES,
-                       WPRE, DIRECT, ROW_TILES, W_L, CW_L, CS_L)
+                       WPRE, DIRECT, ROW_TILES, W_L, CW_L, CS_L, WG)
 
     @gluon.jit
     def _moe_w13_wgmma_kernel(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, bexp_ptr, P, N_OUT, num_kb, stride_x,
                               stride_we, stride_wn, stride_se8, stride_sn8, stride_o, TOPK: gl.constexpr,
                               NP: gl.constexpr, SMALL: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr,
-                              DIRECT: gl.constexpr):
+                              DIRECT: gl.constexpr, WG: gl.constexpr):
         """w13: a[pair, i] = silu(gate) * up for 64 intermediate columns (N_OUT = I)."""
         _wgmma_body(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, bexp_ptr, P, N_OUT, num_kb, stride_x, stride_we,
-                    stride_wn, stride_se8, stride_sn8, stride_o, TOPK, True, NP, SMALL, STAGES, PDL, DIRECT, 1)
+                    stride_wn, stride_se8, stride_sn8, stride_o, TOPK, True, NP, SMALL, STAGES, PDL, DIRECT, 1, WG)
 
     @gluon.jit
     def _moe_w2_wgmma_kernel(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, bexp_ptr, P, N_OUT, num_kb, stride_x,
                              stride_we, stride_wn, stride_se8, stride_sn8, stride_o, TOPK: gl.constexpr,
                              NP: gl.constexpr, SMALL: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr,
-                             DIRECT: gl.constexpr, ROW_TILES: gl.constexpr):
+                             DIRECT: gl.constexpr, ROW_TILES: gl.constexpr, WG: gl.constexpr):
         """w2: y[pair, d] (fp32, unweighted) for ROW_TILES x 128 output rows (N_OUT = D)."""
         _wgmma_body(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, bexp_ptr, P, N_OUT, num_kb, stride_x, stride_we,
                     stride_wn, stride_se8, stride_sn8, stride_o, TOPK, False, NP, SMALL, STAGES, PDL, DIRECT,
-                    ROW_TILES)
+                    ROW_TILES, WG)

@@ -28,7 +28,9 @@ BLOCK_PAIRS = (8, 16, 32, 64)  # pairs per expert block; every size gives the sa
 STAGES = (2, 3, 4)  # ring slots: weights, scales and activations of STAGES - 1 steps in flight
 DEFAULT_SCHEDULE = {}  # read at each call: `int4_moe_wgmma` options for every launch (the rest: as `resolve_schedule`)
 ROW_TILES = (1, 2, 4, 8)  # w2 row tiles (of 128 rows) per program, one after the other through one ring
-PLAIN = dict(block_pairs=8, small_pairs=0, stages=2, maxnreg=None, pdl=False, direct=False, row_tiles=1)  # one size
+WARPGROUPS = (1, 2)  # warpgroups per program: 1 does both weight tensors' 64 rows, 2 split them (one tensor each)
+PLAIN = dict(block_pairs=8, small_pairs=0, stages=2, maxnreg=None, pdl=False, direct=False, row_tiles=1,
+             warpgroups=1)  # one block size
 SMALL_LAUNCH = 128  # pairs: the largest launch of auto_schedule's middle tier
 MAXNREG = 168  # the tiered schedule's register cap: 3 CTAs per SM (171 uncapped; no spills at 168 with Triton 3.6)
 
@@ -64,11 +66,13 @@ def resolve_schedule(pairs: int, **given) -> dict:
     if (bp not in BLOCK_PAIRS or stages not in STAGES or (small and (small not in BLOCK_PAIRS or small >= bp))
             or not (cap is None or (isinstance(cap, int) and 32 <= cap <= 255))
             or not all(isinstance(sched[k], bool) for k in ("pdl", "direct"))
-            or sched["row_tiles"] not in ROW_TILES or isinstance(sched["row_tiles"], bool)):
+            or any(sched[k] not in allowed or isinstance(sched[k], bool)
+                   for k, allowed in (("row_tiles", ROW_TILES), ("warpgroups", WARPGROUPS)))):
         raise ValueError(f"int4_moe_wgmma: block_pairs={bp} (one of {BLOCK_PAIRS}), small_pairs={small} "
                          f"(0 or a smaller one), stages={stages} (one of {STAGES}), maxnreg={cap} (None or 32-255), "
                          f"pdl={sched['pdl']!r} and direct={sched['direct']!r} (true / false), "
-                         f"row_tiles={sched['row_tiles']!r} (one of {ROW_TILES})")
+                         f"row_tiles={sched['row_tiles']!r} (one of {ROW_TILES}), "
+                         f"warpgroups={sched['warpgroups']!r} (one of {WARPGROUPS})")
     return sched
 
 
@@ -121,7 +125,7 @@ def wgmma_dense_experts(w13, s13, w2, s2, hidden: int, dtype: torch.dtype = torc
 def int4_moe_wgmma(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, block_pairs: int | None = None,
                    small_pairs: int | None = None, stages: int | None = None, maxnreg: int | None = None,
                    pdl: bool | None = None, direct: bool | None = None, row_tiles: int | None = None,
-                   experts: range | None = None, reduce_pairs=None):
+                   warpgroups: int | None = None, experts: range | None = None, reduce_pairs=None):
     """The wgmma path (sm_90, bf16, wgmma layout); arguments as `kernels.int4_moe.int4_moe`. The schedule
     options, each None for DEFAULT_SCHEDULE's, `auto_schedule`'s or PLAIN's (`resolve_schedule`):
     `block_pairs` (BLOCK_PAIRS), the pairs per expert block (an expert's weights are streamed once per block);
@@ -130,12 +134,14 @@ def int4_moe_wgmma(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, block_pai
     (ignored with an expert subset or `reduce_pairs`, whose extra launches sit between the GEMMs and the combine);
     `direct`, one token's pairs as blocks without the grouping launch (ignored unless one token with every expert
     held); `row_tiles` (ROW_TILES), w2's 128-row tiles per program, streamed one after the other through one ring
-    that runs on across them (fewer, longer programs: at one token w2 has 448 programs of 8 K steps). Same
-    arithmetic, same bits for every schedule."""
+    that runs on across them (fewer, longer programs: at one token w2 has 448 programs of 8 K steps);
+    `warpgroups` (WARPGROUPS), 2: 8-warp programs whose two warpgroups take one weight tensor each (the same MMAs per
+    row, twice the warps per SM where the grid is small: at one token w13 has 256 programs). Same arithmetic, same
+    bits for every schedule."""
     if not HAVE_GLUON:
         raise RuntimeError("int4_moe_wgmma needs Triton with Gluon (3.5 or newer)")
     sched = resolve_schedule(topk_ids.numel(), block_pairs=block_pairs, small_pairs=small_pairs, stages=stages,
-                             maxnreg=maxnreg, pdl=pdl, direct=direct, row_tiles=row_tiles)
+                             maxnreg=maxnreg, pdl=pdl, direct=direct, row_tiles=row_tiles, warpgroups=warpgroups)
     block_pairs, small, stages, cap = sched["block_pairs"], sched["small_pairs"], sched["stages"], sched["maxnreg"]
     pdl = bool(sched["pdl"]) and experts is None and reduce_pairs is None
     direct = bool(sched["direct"]) and x.shape[0] == 1 and experts is None
@@ -144,8 +150,9 @@ def int4_moe_wgmma(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, block_pai
     inter, D = w13.shape[1] // 2, x.shape[1]
     if any(s.stride(i) % 8 or s.stride(2) != 1 for s in (s13, s2) for i in (0, 1)):
         raise ValueError("int4_moe_wgmma: the scales must be rows of 16 bytes (repack_int4_moe_for_wgmma's layout)")
-    opts = {"num_warps": 4, **({"maxnreg": cap} if cap else {}), **({"launch_pdl": True} if pdl else {})}
-    const = dict(NP=block_pairs, SMALL=small or 0, STAGES=stages, PDL=pdl, DIRECT=direct, **opts)
+    wg = sched["warpgroups"]
+    opts = {"num_warps": 4 * wg, **({"maxnreg": cap} if cap else {}), **({"launch_pdl": True} if pdl else {})}
+    const = dict(NP=block_pairs, SMALL=small or 0, STAGES=stages, PDL=pdl, DIRECT=direct, WG=wg, **opts)
 
     def w13_gemm(x, a, pairs, bexp, topk, P):
         _moe_w13_wgmma_kernel[(-(-inter // 64), bexp.shape[0])](
