@@ -2,8 +2,8 @@
 # One device call for the wgmma INT4 MoE kernels' schedules: their GPU tests (test_int4_moe_wgmma.py), the layer
 # benchmark of the schedule variants at uniform and at crowded routing, then the whole verify step (8 K2.6 layers,
 # prefix 4096) with the default schedule and with each schedule in SCHEDULES (JSON options laid over
-# int4_moe_wgmma.auto_schedule, `;`-separated). About 5 minutes with the defaults. Logs and JSONL go to $OUT
-# (bench/results/run when unset); run from the repo root. Overrides: VARIANTS (bench_int4_moe --gluon names),
+# int4_moe_wgmma.auto_schedule, `;`-separated). About 8 minutes with the defaults (~250 s of them the tests). Logs
+# and JSONL go to $OUT (bench/results/run when unset); run from the repo root. Overrides: VARIANTS (bench_int4_moe --gluon names),
 # TOKENS, POOL_TOKENS, STEP_ARGS; section time limits T_TESTS / T_LAYER / T_STEP (seconds); TESTS=0 / STEP=0 skip.
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
@@ -12,12 +12,12 @@ mkdir -p "$OUT"
 # auto_schedule beside the same with two warpgroups per program and / or w2's row tiles (sixteenth session, never
 # run on a GPU before this script's next run)
 VARIANTS=${VARIANTS:-"wgmma_auto wgmma_auto_wg2 wgmma_auto_rt2 wgmma_auto_wg2_rt2 wgmma_auto_rt4"}
-SCHEDULES=${SCHEDULES:-'{"warpgroups": 2};{"row_tiles": 2};{"warpgroups": 2, "row_tiles": 2}'}
+SCHEDULES=${SCHEDULES:-'{"warpgroups": 2};{"warpgroups": 2, "row_tiles": 2}'}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv 2>&1 | tee "$OUT/gpu.txt"
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
 status=0
 if [ "${TESTS:-1}" != 0 ]; then
-  timeout "${T_TESTS:-200}" python -m pytest -q -rs -m gpu --durations=5 tests/kernels/test_int4_moe_wgmma.py \
+  timeout "${T_TESTS:-300}" python -m pytest -q -rs -m gpu --durations=5 tests/kernels/test_int4_moe_wgmma.py \
     2>&1 | tee "$OUT/moe_tests.log" || status=1
 fi
 # shellcheck disable=SC2086  # word splitting of the lists is intended

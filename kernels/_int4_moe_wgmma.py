@@ -247,6 +247,7 @@ if HAVE_GLUON:
             gl.static_assert(gl.num_warps() == 8)
             O_L: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [2, 4], [0, 1])  # rows along lanes: coalesced
             buf = gl.allocate_shared_memory(gl.float32, [128, N], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+            cta_barrier()  # the buffer may reuse the ring's memory: every warp's last MMAs have read it
             buf.store(acc)
             cta_barrier()
             gate = buf.slice(0, 64).load(O_L)
