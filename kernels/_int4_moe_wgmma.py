@@ -215,62 +215,49 @@ if HAVE_GLUON:
         return w_src + t * 128 * stride_wn, okw, s_src + t * (128 * 8) * stride_sn8, oks
 
     @gluon.jit
-    def _store_rows(acc_a, acc_b, out_ptr, pairs_ptr, blk, row0, P, N_OUT, stride_o, GATED: gl.constexpr,
-                    N: gl.constexpr, NP: gl.constexpr, DIRECT: gl.constexpr, ACC_L: gl.constexpr, WG: gl.constexpr):
-        """The block's N pair columns of rows row0..: w13 SiLU(gate) * up (64 rows), w2 both tensors (128 rows)."""
-        if WG == 2:
-            _store_rows2(acc_a, out_ptr, pairs_ptr, blk, row0, P, N_OUT, stride_o, GATED, N, NP, DIRECT, ACC_L)
+    def _pair_ids(pairs_ptr, blk, P, N: gl.constexpr, NP: gl.constexpr, DIRECT: gl.constexpr, L: gl.constexpr):
+        """The block's first N pair ids along dim 1 of layout L (P: an empty slot; DIRECT: pair `blk` in slot 0)."""
+        slot = gl.arange(0, N, layout=gl.SliceLayout(0, L))
+        if DIRECT:
+            pairs = gl.where(slot == 0, blk, P)
         else:
-            slot = gl.arange(0, N, layout=gl.SliceLayout(0, ACC_L))
-            if DIRECT:
-                pairs = gl.where(slot == 0, blk, P)
-            else:
-                pairs = gl.load(pairs_ptr + blk * NP + slot)
-            orow = gl.arange(0, 64, layout=gl.SliceLayout(1, ACC_L)) + row0
-            pm = gl.expand_dims(pairs < P, 0)
-            pcol = gl.expand_dims(pairs.to(gl.int64) * stride_o, 0)
-            if GATED:
-                act = acc_a / (1.0 + gl.exp(-acc_a)) * acc_b
-                gl.store(out_ptr + pcol + gl.expand_dims(orow, 1), act.to(out_ptr.dtype.element_ty),
-                         mask=pm & gl.expand_dims(orow < N_OUT, 1))
-            else:
-                gl.store(out_ptr + pcol + gl.expand_dims(orow, 1), acc_a, mask=pm & gl.expand_dims(orow < N_OUT, 1))
-                orow = orow + 64
-                gl.store(out_ptr + pcol + gl.expand_dims(orow, 1), acc_b, mask=pm & gl.expand_dims(orow < N_OUT, 1))
+            pairs = gl.load(pairs_ptr + blk * NP + slot)
+        return pairs
 
     @gluon.jit
-    def _store_rows2(acc, out_ptr, pairs_ptr, blk, row0, P, N_OUT, stride_o, GATED: gl.constexpr, N: gl.constexpr,
-                     NP: gl.constexpr, DIRECT: gl.constexpr, ACC_L: gl.constexpr):
-        """WG = 2's store of the [128, N] accumulator: w2 its 128 rows; w13 through shared memory, since gate (rows
-        0-63) and up (64-127) of an intermediate column sit in different warpgroups."""
-        if GATED:
-            gl.static_assert(gl.num_warps() == 8)
+    def _store_cols(out_ptr, pairs, orow, vals, P, N_OUT, stride_o):
+        """out[pair, row] = vals [rows, pairs] for the live pairs and the rows inside the projection."""
+        gl.store(out_ptr + gl.expand_dims(pairs.to(gl.int64) * stride_o, 0) + gl.expand_dims(orow, 1), vals,
+                 mask=gl.expand_dims(pairs < P, 0) & gl.expand_dims(orow < N_OUT, 1))
+
+    @gluon.jit
+    def _store_rows(acc_a, acc_b, out_ptr, pairs_ptr, blk, row0, P, N_OUT, stride_o, GATED: gl.constexpr,
+                    N: gl.constexpr, NP: gl.constexpr, DIRECT: gl.constexpr, ACC_L: gl.constexpr, WG: gl.constexpr):
+        """The block's N pair columns of rows row0..: w13 SiLU(gate) * up (64 rows), w2 both tensors (128 rows). WG = 2
+        (acc_a: the one [128, N] accumulator): w13 through shared memory, since gate (rows 0-63) and up (64-127) of
+        an intermediate column sit in different warpgroups."""
+        if GATED and WG == 2:
             O_L: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [2, 4], [0, 1])  # rows along lanes: coalesced
             buf = gl.allocate_shared_memory(gl.float32, [128, N], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
             cta_barrier()  # the buffer may reuse the ring's memory: every warp's last MMAs have read it
-            buf.store(acc)
+            buf.store(acc_a)
             cta_barrier()
             gate = buf.slice(0, 64).load(O_L)
             up = buf.slice(64, 64).load(O_L)
-            slot = gl.arange(0, N, layout=gl.SliceLayout(0, O_L))
-            if DIRECT:
-                pairs = gl.where(slot == 0, blk, P)
-            else:
-                pairs = gl.load(pairs_ptr + blk * NP + slot)
-            orow = gl.arange(0, 64, layout=gl.SliceLayout(1, O_L)) + row0
             act = gate / (1.0 + gl.exp(-gate)) * up
-            gl.store(out_ptr + gl.expand_dims(pairs.to(gl.int64) * stride_o, 0) + gl.expand_dims(orow, 1),
-                     act.to(out_ptr.dtype.element_ty),
-                     mask=gl.expand_dims(pairs < P, 0) & gl.expand_dims(orow < N_OUT, 1))
+            _store_cols(out_ptr, _pair_ids(pairs_ptr, blk, P, N, NP, DIRECT, O_L),
+                        gl.arange(0, 64, layout=gl.SliceLayout(1, O_L)) + row0, act.to(out_ptr.dtype.element_ty), P,
+                        N_OUT, stride_o)
         else:
-            slot = gl.arange(0, N, layout=gl.SliceLayout(0, ACC_L))
-            if DIRECT:
-                pairs = gl.where(slot == 0, blk, P)
+            pairs = _pair_ids(pairs_ptr, blk, P, N, NP, DIRECT, ACC_L)
+            orow = gl.arange(0, 64 * WG, layout=gl.SliceLayout(1, ACC_L)) + row0
+            if GATED:
+                act = acc_a / (1.0 + gl.exp(-acc_a)) * acc_b
+                _store_cols(out_ptr, pairs, orow, act.to(out_ptr.dtype.element_ty), P, N_OUT, stride_o)
             else:
-                pairs = gl.load(pairs_ptr + blk * NP + slot)
-            orow = gl.arange(0, 128, layout=gl.SliceLayout(1, ACC_L)) + row0
-            gl.store(out_ptr + gl.expand_dims(pairs.to(gl.int64) * stride_o, 0) + gl.expand_dims(orow, 1), acc,
-                     mask=gl.expand_dims(pairs < P, 0) & gl.expand_dims(orow < N_OUT, 1))
+                _store_cols(out_ptr, pairs, orow, acc_a, P, N_OUT, stride_o)  # WG = 2: all 128 rows
+                if WG == 1:
+                    _store_cols(out_ptr, pairs, orow + 64, acc_b, P, N_OUT, stride_o)
 
     @gluon.jit
     def _ring_gemm(x_ptr, out_ptr, pairs_ptr, blk, pid_r, P, N_OUT, num_kb, stride_x, stride_o, w_src, w_ok, s_src,
