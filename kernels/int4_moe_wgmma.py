@@ -56,12 +56,16 @@ def auto_schedule(pairs: int) -> dict:
 
 def resolve_schedule(pairs: int, **given) -> dict:
     """The schedule a launch of `pairs` pairs runs: the options given (None: not given) over DEFAULT_SCHEDULE's, over
-    `auto_schedule`'s, or over PLAIN's when a block size is among them; ValueError for one the kernels cannot run."""
+    `auto_schedule`'s, or over PLAIN's when a block size is among them; ValueError for one the kernels cannot run.
+    Two warpgroups drop auto_schedule's register cap unless one is given: its caps size 4-warp programs (3 or 4 per
+    SM), and uncapped the 8-warp ones stay within 128 registers, two per SM (sm_90 compile test)."""
     chosen = {**DEFAULT_SCHEDULE, **{k: v for k, v in given.items() if v is not None}}
     if set(chosen) - set(PLAIN):
         raise ValueError(f"int4_moe_wgmma: unknown schedule options {sorted(set(chosen) - set(PLAIN))}, the options "
                          f"are {sorted(PLAIN)}")
     sched = {**(PLAIN if chosen.get("block_pairs") else auto_schedule(pairs)), **chosen}
+    if sched["warpgroups"] == 2 and "maxnreg" not in chosen:
+        sched["maxnreg"] = None
     bp, small, stages, cap = sched["block_pairs"], sched["small_pairs"], sched["stages"], sched["maxnreg"]
     if (bp not in BLOCK_PAIRS or stages not in STAGES or (small and (small not in BLOCK_PAIRS or small >= bp))
             or not (cap is None or (isinstance(cap, int) and 32 <= cap <= 255))

@@ -328,6 +328,9 @@ def test_resolve_schedule(monkeypatch):
     assert resolve_schedule(1, row_tiles=2) == {**auto_schedule(1), "row_tiles": 2}
     for opt in ("row_tiles", "warpgroups"):  # not measured yet: off
         assert auto_schedule(1)[opt] == auto_schedule(10**6)[opt] == 1, opt
+    # two warpgroups: auto's caps (sized for 4-warp programs) go unless given
+    assert resolve_schedule(72, warpgroups=2) == {**auto_schedule(72), "warpgroups": 2, "maxnreg": None}
+    assert resolve_schedule(72, warpgroups=2, maxnreg=96)["maxnreg"] == 96
     monkeypatch.setattr(mod, "DEFAULT_SCHEDULE", dict(pdl=True))
     assert resolve_schedule(1) == {**auto_schedule(1), "pdl": True}
     assert resolve_schedule(1000, pdl=False) == auto_schedule(1000)
