@@ -63,17 +63,19 @@ def gpu_runs(events: list[Event], gap_us: float) -> list[tuple[float, float, str
     """A process's GPU events in a window -> (start, end, text): kernels joined into runs, copies alone."""
     out: list[tuple[float, float, str]] = []
     run: list[Event] = []
+    end = 0.0  # where the run's kernels have ended
 
     def flush() -> None:
         if run:
             names = f"{run[0].name[:40]}" + (f" .. {run[-1].name[:40]}" if len(run) > 1 else "")
-            out.append((run[0].t0, max(k.t0 + k.dur for k in run), f"{len(run)} kernel(s): {names}"))
+            out.append((run[0].t0, end, f"{len(run)} kernel(s): {names}"))
             run.clear()
 
     for e in sorted(events, key=lambda e: e.t0):
         if e.cat == "kernel":
-            if run and e.t0 - max(k.t0 + k.dur for k in run) > gap_us:
+            if run and e.t0 - end > gap_us:
                 flush()
+            end = max(end, e.t0 + e.dur) if run else e.t0 + e.dur
             run.append(e)
         else:
             flush()

@@ -260,6 +260,15 @@ if HAVE_GLUON:
                     _store_cols(out_ptr, pairs, orow + 64, acc_b, P, N_OUT, stride_o)
 
     @gluon.jit
+    def _zero_acc(N: gl.constexpr, WG: gl.constexpr, ACC_L: gl.constexpr):
+        """(acc_a, acc_b) at zero: [64, N] per weight tensor, or with WG = 2 the one [128, N] under both names."""
+        acc_a = gl.zeros([64 * WG, N], gl.float32, ACC_L)
+        acc_b = acc_a
+        if WG == 1:
+            acc_b = gl.zeros([64, N], gl.float32, ACC_L)
+        return acc_a, acc_b
+
+    @gluon.jit
     def _ring_gemm(x_ptr, out_ptr, pairs_ptr, blk, pid_r, P, N_OUT, num_kb, stride_x, stride_o, w_src, w_ok, s_src,
                    s_ok, gw, gs, stride_wn, stride_sn8, xring, wring, sring, TOPK: gl.constexpr, GATED: gl.constexpr,
                    N: gl.constexpr, NP: gl.constexpr, STAGES: gl.constexpr, WPRE: gl.constexpr, DIRECT: gl.constexpr,
@@ -287,10 +296,6 @@ if HAVE_GLUON:
             xr = gl.where(pairs_x < P, pairs_x, 0)
         x_rows = x_ptr + xr.to(gl.int64) * stride_x
 
-        acc_a = gl.zeros([64 * WG, N], gl.float32, ACC_L)
-        acc_b = acc_a  # WG = 2: the same one accumulator under both names
-        if WG == 1:
-            acc_b = gl.zeros([64, N], gl.float32, ACC_L)
         if ROW_TILES == 1:
             for st in gl.static_range(STAGES - 1):
                 if WPRE:  # groups: S - 1 of weights, then S - 1 of activations; wait_group(S - 2) stays sufficient
@@ -299,6 +304,7 @@ if HAVE_GLUON:
                     _copy_stage(x_rows, w_src, w_ok, s_src, s_ok, st, st < num_kb, xring.index(st).slice(0, 4 * N),
                                 wring.index(st), sring.index(st), XC_L)
                 cp.commit_group()
+            acc_a, acc_b = _zero_acc(N, WG, ACC_L)
             for kb in range(0, num_kb):
                 nk = kb + STAGES - 1
                 acc_a, acc_b = _ring_step(kb, x_rows, w_src, w_ok, s_src, s_ok, gl.minimum(nk, num_kb - 1),
@@ -324,10 +330,7 @@ if HAVE_GLUON:
                                 wring.index(st), sring.index(st), XC_L)
                 cp.commit_group()
             for t in range(0, ROW_TILES):
-                acc_a = gl.zeros([64 * WG, N], gl.float32, ACC_L)
-                acc_b = acc_a
-                if WG == 1:
-                    acc_b = gl.zeros([64, N], gl.float32, ACC_L)
+                acc_a, acc_b = _zero_acc(N, WG, ACC_L)
                 for kb in range(0, num_kb):
                     f = t * num_kb + kb
                     nf = gl.minimum(f + STAGES - 1, total - 1)

@@ -56,6 +56,7 @@ class StepTrace:
         self._thread: int | None = None
         self.path: Path | None = None  # the trace written, once it is
         self._prof = None
+        self._t0 = (0, 0)  # (time_ns, perf_counter_ns) when the window opened, for the sidecar
         self._lock = threading.Lock()  # ticks may come from the event loop and from the model thread
 
     @classmethod
