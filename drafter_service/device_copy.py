@@ -11,14 +11,33 @@ waits for. Measured on the H200 with the K2.6 pair over gRPC (docs/performance.m
 taps x 7168 x bf16 = 84 KiB): pageable uploads of C = 32 sessions' rows (1 MiB or more) made the step 296 ms
 instead of 45, while every pinned variant tried (torch's caching allocator, one reused buffer, a host wait after the
 copy, a kernel reading the pinned rows instead of a copy engine) made the C = 1 step (under 1 MiB) 17-19 ms instead
-of 10.4. Why either happens is not known, and sizes between those of C = 1 and C = 32 were not measured.
+of 10.4. Why either happens is not known, and sizes between those of C = 1 and C = 32 were not measured. The
+environment variable DDTREE_PINNED_MIN_BYTES (bytes, read at import) moves the threshold for such measurements: 0
+stages every wire upload pinned, a size past any step's rows none.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 
-PINNED_MIN_BYTES = 1 << 20  # host row blocks from this size on are staged in pinned memory (see above)
+
+def pinned_min_bytes(value: str | None) -> int:
+    """DDTREE_PINNED_MIN_BYTES's value -> the threshold in bytes (1 MiB when unset)."""
+    if value is None or value == "":
+        return 1 << 20
+    try:
+        n = int(value)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise ValueError(f"DDTREE_PINNED_MIN_BYTES must be a byte count >= 0, got {value!r}")
+    return n
+
+
+# host row blocks from this size on are staged in pinned memory (see above)
+PINNED_MIN_BYTES = pinned_min_bytes(os.environ.get("DDTREE_PINNED_MIN_BYTES"))
 
 
 def int64_to_device(values: list | torch.Tensor, device: torch.device, out: torch.Tensor | None = None

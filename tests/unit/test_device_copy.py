@@ -6,7 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from drafter_service.device_copy import PINNED_MIN_BYTES, host_to_device, int64_to_device, rows_to_device, stage_pinned
+from drafter_service.device_copy import (
+    PINNED_MIN_BYTES,
+    host_to_device,
+    int64_to_device,
+    pinned_min_bytes,
+    rows_to_device,
+    stage_pinned,
+)
 
 CUDA = torch.cuda.is_available()
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs a GPU")])]
@@ -86,3 +93,13 @@ def test_wire_rows_are_staged_pinned_by_size():
     assert stage_pinned([torch.zeros(row, 1, dtype=torch.float32)], gpu)  # element size counts
     assert not stage_pinned(exact, cpu)
     assert not stage_pinned([torch.zeros(row * 2, 2, dtype=torch.float16, device="meta")], gpu)
+
+
+def test_pinned_threshold_from_the_environment():
+    """DDTREE_PINNED_MIN_BYTES: unset or empty is 1 MiB, a byte count is taken as is (0 stages everything), anything
+    else is refused with the variable's name."""
+    assert pinned_min_bytes(None) == pinned_min_bytes("") == 1 << 20
+    assert pinned_min_bytes("0") == 0 and pinned_min_bytes("4096") == 4096
+    for bad in ("-1", "1MiB", "1.5"):
+        with pytest.raises(ValueError, match="DDTREE_PINNED_MIN_BYTES"):
+            pinned_min_bytes(bad)
