@@ -58,6 +58,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench._common import commit  # noqa: E402
+from drafter_service.device_copy import pinned_min_bytes  # noqa: E402
 
 TRANSPORTS = ("inprocess", "colocated", "grpc")
 
@@ -339,6 +340,7 @@ def main() -> int:
                        "ipc_events": t in clients and clients[t].ipc_events,
                        "doorbell": t in clients and clients[t].doorbell,
                        "malloc_pinned": "MALLOC_MMAP_THRESHOLD_" in os.environ,
+                       "pinned_min_bytes": pinned_min_bytes(os.environ.get("DDTREE_PINNED_MIN_BYTES")),
                        "time": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
                        "note": "drafter in a separate process on loopback, same device; engines share one target "
                                "and step in interleaved rounds"
