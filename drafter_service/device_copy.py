@@ -5,19 +5,24 @@ stream (PyTorch synchronises after a blocking host-to-device copy): the GPU then
 queues the next launches. Index uploads are staged in pinned memory and copied with `non_blocking=True`;
 PyTorch's caching host allocator keeps the pinned block alive until the copy has run, so the host
 buffer can be dropped right away. Feature rows (context taps) are concatenated where they live and moved
-with one copy. Rows decoded from the wire (the gRPC transport) go by size: from PINNED_MIN_BYTES on they are
-concatenated into pinned memory and uploaded asynchronously, below it from pageable memory with a copy the host
-waits for. Measured on the H200 with the K2.6 pair over gRPC (docs/performance.md, sixteenth session; a row is 6
-taps x 7168 x bf16 = 84 KiB): pageable uploads of C = 32 sessions' rows (1 MiB or more) made the step 296 ms
-instead of 45, while every pinned variant tried (torch's caching allocator, one reused buffer, a host wait after the
-copy, a kernel reading the pinned rows instead of a copy engine) made the C = 1 step (under 1 MiB) 17-19 ms instead
-of 10.4. Why either happens is not known, and sizes between those of C = 1 and C = 32 were not measured. The
-environment variable DDTREE_PINNED_MIN_BYTES (bytes, read at import) moves the threshold for such measurements: 0
-stages every wire upload pinned, a size past any step's rows none.
+with one copy.
+
+Rows decoded from the wire (the gRPC transport) are packed with `pack_rows`, one memmove per block on the
+calling thread, never with torch's CPU copy or cat: those split a block of more than 32k elements over the
+intra-op thread pool, and on the H200 host, with the verifier's process busy beside the drafter's, that was
+the whole cost of the wire uploads (docs/performance.md, seventeenth session; a row is 6 taps x 7168 x bf16 =
+84 KiB): under the step profiler `aten::cat` of one C = 1 step's rows into pinned memory took 4.0 ms, of
+C = 32 sessions' rows into pageable memory 265 ms (the sixteenth session's 17-19 ms C = 1 steps with pinned
+staging and 296 ms C = 32 steps with pageable). From PINNED_MIN_BYTES on the rows are packed into pinned
+memory and uploaded by a copy the host does not wait for; below it a single block goes from where it lies
+(pageable: the copy makes the host wait for the stream) and several are packed into pageable memory first.
+The environment variable DDTREE_PINNED_MIN_BYTES (bytes, read at import) moves the threshold: 0 stages every
+wire upload pinned, a size past any step's rows none.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 
 import torch
@@ -70,8 +75,8 @@ def rows_to_device(parts: list[torch.Tensor], device: torch.device, dtype: torch
     if out is not None and all(p.device == out.device and p.dtype == out.dtype for p in parts):
         return torch.cat(parts, out=out)
     if len({(p.device, p.dtype) for p in parts}) == 1:
-        if stage_pinned(parts, device):
-            return _pinned_rows_to_device(parts, device, dtype, out)
+        if device.type == "cuda" and parts[0].device.type == "cpu":
+            return _host_rows_to_device(parts, device, dtype, out)
         x = parts[0] if len(parts) == 1 else torch.cat(parts)
     else:
         x = torch.cat([p.to(device, dtype) for p in parts])
@@ -84,16 +89,43 @@ def stage_pinned(parts: list[torch.Tensor], device: torch.device) -> bool:
             and sum(p.numel() for p in parts) * parts[0].element_size() >= PINNED_MIN_BYTES)
 
 
-def _pinned_rows_to_device(parts: list[torch.Tensor], device: torch.device, dtype: torch.dtype,
-                           out: torch.Tensor | None) -> torch.Tensor:
-    """Host row blocks of one dtype (rows decoded from the wire, PINNED_MIN_BYTES or more) -> `device`: concatenated
-    straight into pinned memory, uploaded by one copy the host does not wait for, converted to `dtype` on the device
-    when it differs (a CPU-side conversion would be pageable again). PyTorch's caching host allocator keeps the
-    pinned block until the copy has run."""
-    staged = torch.empty((sum(p.shape[0] for p in parts), *parts[0].shape[1:]), dtype=parts[0].dtype,
-                         pin_memory=True)
-    torch.cat(parts, out=staged)
-    if out is not None and out.dtype == staged.dtype:
-        return out.copy_(staged, non_blocking=True)
-    x = staged.to(device, non_blocking=True)
+def pack_rows(parts: list[torch.Tensor], dst: torch.Tensor) -> torch.Tensor:
+    """Host row blocks [n_i, ...] one after another into `dst` ([sum n_i, ...], contiguous, on the CPU, of the
+    blocks' dtype) on this thread: a memmove per contiguous block (a non-contiguous one is copied by torch). -> dst"""
+    if dst.device.type != "cpu" or not dst.is_contiguous():
+        raise ValueError("pack_rows packs into a contiguous CPU tensor")
+    row = 0
+    for p in parts:
+        if p.dtype != dst.dtype or p.device.type != "cpu" or p.shape[1:] != dst.shape[1:]:
+            raise ValueError(f"a block {p.dtype} {list(p.shape)} on {p.device} does not fit rows "
+                             f"{dst.dtype} {list(dst.shape[1:])} on the CPU")
+        n = p.shape[0]
+        if row + n > dst.shape[0]:
+            raise ValueError(f"the blocks hold more than the {dst.shape[0]} rows of dst")
+        if p.is_contiguous():
+            if p.numel():
+                ctypes.memmove(dst[row].data_ptr(), p.data_ptr(), p.numel() * p.element_size())
+        else:
+            dst[row: row + n].copy_(p)
+        row += n
+    if row != dst.shape[0]:
+        raise ValueError(f"the blocks hold {row} rows, dst {dst.shape[0]}")
+    return dst
+
+
+def _host_rows_to_device(parts: list[torch.Tensor], device: torch.device, dtype: torch.dtype,
+                         out: torch.Tensor | None) -> torch.Tensor:
+    """Host row blocks of one dtype (rows decoded from the wire) -> a GPU: packed by `pack_rows` (into pinned memory
+    from PINNED_MIN_BYTES on, then uploaded by one copy the host does not wait for; a single smaller block is
+    uploaded from where it lies), converted to `dtype` on the device when it differs (a CPU-side conversion would
+    run on the thread pool). PyTorch's caching host allocator keeps the pinned block until the copy has run."""
+    pinned = stage_pinned(parts, device)
+    if len(parts) == 1 and not pinned:
+        host = parts[0]
+    else:
+        host = pack_rows(parts, torch.empty((sum(p.shape[0] for p in parts), *parts[0].shape[1:]),
+                                            dtype=parts[0].dtype, pin_memory=pinned))
+    if out is not None and out.dtype == host.dtype:
+        return out.copy_(host, non_blocking=pinned)
+    x = host.to(device, non_blocking=pinned)
     return x.to(dtype) if out is None else out.copy_(x)

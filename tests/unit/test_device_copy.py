@@ -10,6 +10,7 @@ from drafter_service.device_copy import (
     PINNED_MIN_BYTES,
     host_to_device,
     int64_to_device,
+    pack_rows,
     pinned_min_bytes,
     rows_to_device,
     stage_pinned,
@@ -79,6 +80,34 @@ def test_index_uploads(device):
     assert int64_to_device(small, dev, out=out).data_ptr() == out.data_ptr()
     assert torch.equal(out.cpu(), small.long())
     assert torch.equal(host_to_device(torch.tensor(vals), dev).cpu(), torch.tensor(vals))
+
+
+@pytest.mark.parametrize("pinned", [False, pytest.param(True, marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not CUDA, reason="pinned memory needs a GPU")])])
+def test_pack_rows_equals_cat(pinned):
+    """pack_rows gives torch.cat's values for the blocks a step hands it: views at an offset into one decoded step
+    tensor (a session's kept window), an empty block, a non-contiguous block, whole tensors."""
+    gen = torch.Generator().manual_seed(7)
+    step = torch.randn(23, 13, generator=gen).half()  # one decoded step: sessions' rows are views of it
+    loose = torch.randn(13, 6, generator=gen).half().t()  # [6, 13], not contiguous
+    parts = [step[2:9], step[9:9], step[15:], loose, torch.randn(1, 13, generator=gen).half()]
+    dst = torch.full((sum(p.shape[0] for p in parts), 13), float("nan"), dtype=torch.float16, pin_memory=pinned)
+    assert pack_rows(parts, dst) is dst
+    assert torch.equal(dst, torch.cat(parts))
+
+
+def test_pack_rows_refuses_what_does_not_fit():
+    rows = [torch.zeros(3, 4, dtype=torch.float16), torch.zeros(2, 4, dtype=torch.float16)]
+    with pytest.raises(ValueError, match="does not fit"):
+        pack_rows([rows[0], rows[1].float()], torch.empty(5, 4, dtype=torch.float16))
+    with pytest.raises(ValueError, match="does not fit"):
+        pack_rows([rows[0], torch.zeros(2, 5, dtype=torch.float16)], torch.empty(5, 4, dtype=torch.float16))
+    with pytest.raises(ValueError, match="more than the 4 rows"):
+        pack_rows(rows, torch.empty(4, 4, dtype=torch.float16))
+    with pytest.raises(ValueError, match="hold 5 rows, dst 6"):
+        pack_rows(rows, torch.empty(6, 4, dtype=torch.float16))
+    with pytest.raises(ValueError, match="contiguous CPU"):
+        pack_rows(rows, torch.empty(4, 5, dtype=torch.float16).t())
 
 
 def test_wire_rows_are_staged_pinned_by_size():
