@@ -10,14 +10,14 @@ with one copy.
 Rows decoded from the wire (the gRPC transport) are packed with `pack_rows`, one memmove per block on the
 calling thread, never with torch's CPU copy or cat: those split a block of more than 32k elements over the
 intra-op thread pool, and on the H200 host, with the verifier's process busy beside the drafter's, that was
-the whole cost of the wire uploads (docs/performance.md, seventeenth session; a row is 6 taps x 7168 x bf16 =
-84 KiB): under the step profiler `aten::cat` of one C = 1 step's rows into pinned memory took 4.0 ms, of
-C = 32 sessions' rows into pageable memory 265 ms (the sixteenth session's 17-19 ms C = 1 steps with pinned
-staging and 296 ms C = 32 steps with pageable). From PINNED_MIN_BYTES on the rows are packed into pinned
-memory and uploaded by a copy the host does not wait for; below it a single block goes from where it lies
-(pageable: the copy makes the host wait for the stream) and several are packed into pageable memory first.
-The environment variable DDTREE_PINNED_MIN_BYTES (bytes, read at import) moves the threshold: 0 stages every
-wire upload pinned, a size past any step's rows none.
+the whole cost of the wire uploads (docs/performance.md, seventeenth and eighteenth sessions; a row is 6 taps
+x 7168 x bf16 = 84 KiB). Pinned staging through torch's cat made a C = 1 gRPC step 17-19 ms and pageable
+staging a C = 32 step 296 ms; the same pinned staging with OMP_NUM_THREADS=1 took 10.5 ms at C = 1, and
+pack_rows into pinned memory 10.2 ms at C = 1 and 43.1 ms at C = 32 (in-process 8.6 / 34.6 ms). So the
+rows are packed into pinned memory and uploaded by a copy the host does not wait for. The environment
+variable DDTREE_PINNED_MIN_BYTES (bytes, read at import; 0 when unset) keeps the old split for A/B runs:
+below it a single block goes from where it lies (pageable: the copy makes the host wait for the stream)
+and several are packed into pageable memory first.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ import torch
 
 
 def pinned_min_bytes(value: str | None) -> int:
-    """DDTREE_PINNED_MIN_BYTES's value -> the threshold in bytes (1 MiB when unset)."""
+    """DDTREE_PINNED_MIN_BYTES's value -> the threshold in bytes (0, everything pinned, when unset)."""
     if value is None or value == "":
-        return 1 << 20
+        return 0
     try:
         n = int(value)
     except ValueError:
@@ -41,7 +41,7 @@ def pinned_min_bytes(value: str | None) -> int:
     return n
 
 
-# host row blocks from this size on are staged in pinned memory (see above)
+# host row blocks from this size on are staged in pinned memory (all of them unless the environment says otherwise)
 PINNED_MIN_BYTES = pinned_min_bytes(os.environ.get("DDTREE_PINNED_MIN_BYTES"))
 
 
@@ -83,10 +83,12 @@ def rows_to_device(parts: list[torch.Tensor], device: torch.device, dtype: torch
     return x.to(device, dtype) if out is None else out.copy_(x)
 
 
-def stage_pinned(parts: list[torch.Tensor], device: torch.device) -> bool:
-    """Whether host row blocks of one dtype go to `device` through pinned memory: to a GPU from PINNED_MIN_BYTES on."""
+def stage_pinned(parts: list[torch.Tensor], device: torch.device, min_bytes: int | None = None) -> bool:
+    """Whether host row blocks of one dtype go to `device` through pinned memory: to a GPU from `min_bytes`
+    (PINNED_MIN_BYTES when None) on."""
+    threshold = PINNED_MIN_BYTES if min_bytes is None else min_bytes
     return (device.type == "cuda" and parts[0].device.type == "cpu"
-            and sum(p.numel() for p in parts) * parts[0].element_size() >= PINNED_MIN_BYTES)
+            and sum(p.numel() for p in parts) * parts[0].element_size() >= threshold)
 
 
 def pack_rows(parts: list[torch.Tensor], dst: torch.Tensor) -> torch.Tensor:

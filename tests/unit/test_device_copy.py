@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from drafter_service import device_copy
 from drafter_service.device_copy import (
-    PINNED_MIN_BYTES,
     host_to_device,
     int64_to_device,
     pack_rows,
@@ -35,11 +35,13 @@ def _blocks(gen: torch.Generator, rows: list[int], F: int, dtypes: list[torch.dt
     ([5, 1, 7], [torch.float16] * 3, torch.float16),  # wire rows: one dtype, several blocks
     ([2, 9], [torch.float32] * 2, torch.float16),  # converted on the way
     ([4, 3], [torch.float32, torch.float16], torch.float32),  # mixed blocks: each converted first
-    ([9000, 8000], [torch.float16] * 2, torch.float16),  # 1.26 MB: past PINNED_MIN_BYTES (pinned on a GPU)
+    ([9000, 8000], [torch.float16] * 2, torch.float16),  # 1.26 MB: past a 1 MiB threshold (pinned on a GPU)
     ([9000, 8000], [torch.float16] * 2, torch.float32),  # the same, converted on the device
 ])
 @pytest.mark.parametrize("with_out", [False, True])
-def test_rows_to_device_equals_to(device, rows, dtypes, want, with_out):
+@pytest.mark.parametrize("min_bytes", [0, 1 << 20])  # the default (all pinned), the split of DDTREE_PINNED_MIN_BYTES
+def test_rows_to_device_equals_to(device, rows, dtypes, want, with_out, min_bytes, monkeypatch):
+    monkeypatch.setattr(device_copy, "PINNED_MIN_BYTES", min_bytes)
     gen = torch.Generator().manual_seed(sum(rows))
     parts = _blocks(gen, rows, 37, dtypes)  # an awkward feature width
     ref = torch.cat([p.to(device, want) for p in parts])
@@ -111,23 +113,27 @@ def test_pack_rows_refuses_what_does_not_fit():
 
 
 def test_wire_rows_are_staged_pinned_by_size():
-    """Below PINNED_MIN_BYTES host rows go to a GPU from pageable memory, from it on through pinned memory; never
-    for a CPU destination or rows already on a device (the sizes and the measurements: device_copy's docstring)."""
+    """Below a threshold host rows go to a GPU from pageable memory, from it on through pinned memory; never for a
+    CPU destination or rows already on a device. By default (PINNED_MIN_BYTES 0) every host upload to a GPU is
+    staged (the measurements: device_copy's docstring)."""
     gpu, cpu = torch.device("cuda"), torch.device("cpu")
-    row = PINNED_MIN_BYTES // 4  # rows per MiB at float16 x 2 values: 4 bytes each
+    mib = 1 << 20
+    row = mib // 4  # rows per MiB at float16 x 2 values: 4 bytes each
     small = [torch.zeros(row - 1, 2, dtype=torch.float16)]
     exact = [torch.zeros(row // 2, 2, dtype=torch.float16), torch.zeros(row - row // 2, 2, dtype=torch.float16)]
-    assert not stage_pinned(small, gpu)
-    assert stage_pinned(exact, gpu)  # summed over the blocks, from exactly the threshold
-    assert stage_pinned([torch.zeros(row, 1, dtype=torch.float32)], gpu)  # element size counts
-    assert not stage_pinned(exact, cpu)
-    assert not stage_pinned([torch.zeros(row * 2, 2, dtype=torch.float16, device="meta")], gpu)
+    assert not stage_pinned(small, gpu, mib)
+    assert stage_pinned(exact, gpu, mib)  # summed over the blocks, from exactly the threshold
+    assert stage_pinned([torch.zeros(row, 1, dtype=torch.float32)], gpu, mib)  # element size counts
+    assert not stage_pinned(exact, cpu, mib)
+    assert not stage_pinned([torch.zeros(row * 2, 2, dtype=torch.float16, device="meta")], gpu, mib)
+    assert stage_pinned([torch.zeros(1, 2, dtype=torch.float16)], gpu, 0)
+    assert not stage_pinned([torch.zeros(1, 2, dtype=torch.float16)], cpu, 0)
 
 
 def test_pinned_threshold_from_the_environment():
-    """DDTREE_PINNED_MIN_BYTES: unset or empty is 1 MiB, a byte count is taken as is (0 stages everything), anything
-    else is refused with the variable's name."""
-    assert pinned_min_bytes(None) == pinned_min_bytes("") == 1 << 20
+    """DDTREE_PINNED_MIN_BYTES: unset or empty is 0 (every upload staged pinned), a byte count is taken as is,
+    anything else is refused with the variable's name."""
+    assert pinned_min_bytes(None) == pinned_min_bytes("") == 0
     assert pinned_min_bytes("0") == 0 and pinned_min_bytes("4096") == 4096
     for bad in ("-1", "1MiB", "1.5"):
         with pytest.raises(ValueError, match="DDTREE_PINNED_MIN_BYTES"):
