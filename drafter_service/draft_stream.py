@@ -25,7 +25,7 @@ from opentelemetry import trace
 from drafter_service.api import DraftRequest
 from drafter_service.drafter import Drafter
 from kernels.tree_build import TreeBatch
-from protos.codec import WireError, draft_request_from_pb, tensor_from_pb, trees_to_pb
+from protos.codec import WireError, draft_request_from_pb, tensor_from_pb, trees_in_place, trees_to_pb
 from protos.ddtree.v1 import drafter_pb2
 from protos.doorbell import Doorbell
 from protos.shared_region import IpcEvent, RegionArena, SharedRegion
@@ -64,6 +64,8 @@ class StepWork:
     region: SharedRegion | None  # the response region, None: the trees travel as bytes
     bell: tuple[Doorbell, int] | None
     copied: torch.cuda.Event | None = None  # recorded after the trees' device-to-host copy (None: no copy)
+    # DraftStep.trees_in_place: (the block's width, the step's session count, each tree's row in the step)
+    in_place: tuple[int, int, list[int]] | None = None
 
     def ready(self) -> bool:
         """Whether `finish` can encode without waiting for the GPU."""
@@ -260,12 +262,14 @@ class DraftStream:
             if region is None:
                 raise ProtocolError(f"step {step.step_id}: unknown response region {step.response_region_id}")
         bell = self._bell(step, region)
-        reqs, ids, errors, seen = [], [], [], set()
+        width = self._in_place_width(step, region)
+        reqs, ids, errors, seen, at = [], [], [], set(), []
         rows = self._step_rows(step)
         for i, m in enumerate(step.sessions):
             try:
                 reqs.append(self._request(m, seen, None if rows is None else rows[i]))
                 ids.append(m.session_id)
+                at.append(i)
             except SessionFault as f:
                 errors.append(drafter_pb2.SessionError(session_id=m.session_id, code=f.code.value[0],
                                                        message=f.message))
@@ -282,7 +286,7 @@ class DraftStream:
                     errors.append(drafter_pb2.SessionError(session_id=sid, code=grpc.StatusCode.INTERNAL.value[0],
                                                            message=f"drafting failed: {e!r}"))
                     self.forget(sid)
-                ids = []
+                ids, at = [], []
             else:
                 for sid, r in zip(ids, reqs):
                     self.sessions[sid] = r.root_pos  # the root's tap arrives next
@@ -296,7 +300,8 @@ class DraftStream:
         copied = None
         if region is None and trees.tokens.device.type == "cuda":
             trees, copied = _host_copy(trees)
-        return StepWork(step.step_id, ids, trees, errors, t_start, region, bell, copied)
+        in_place = (width, len(step.sessions), at) if width else None
+        return StepWork(step.step_id, ids, trees, errors, t_start, region, bell, copied, in_place)
 
     def finish(self, work: StepWork) -> drafter_pb2.DraftTrees:
         """The answer to a begun step: its trees encoded (into the response region and handed over, or as bytes
@@ -304,10 +309,28 @@ class DraftStream:
         if work.copied is not None:
             work.copied.synchronize()
         arena = RegionArena(work.region) if work.region is not None else None
-        msg = trees_to_pb(work.trees, work.ids, work.step_id, arena, self.trees_event, work.bell)
+        if work.in_place is not None:
+            try:
+                msg = trees_in_place(work.trees, work.ids, work.step_id, work.in_place[2], work.in_place[1],
+                                     work.in_place[0], arena, self.trees_event, work.bell)
+            except ValueError as e:
+                raise ProtocolError(f"step {work.step_id}: {e}") from None
+        else:
+            msg = trees_to_pb(work.trees, work.ids, work.step_id, arena, self.trees_event, work.bell)
         msg.errors.extend(work.errors)
         msg.compute_us = max(1, round((time.perf_counter() - work.t_start) * 1e6))
         return msg
+
+    @staticmethod
+    def _in_place_width(step: drafter_pb2.DraftStep, region: SharedRegion | None) -> int:
+        """DraftStep.trees_in_place's width (0: not asked); ProtocolError when it cannot be honoured."""
+        if not step.HasField("trees_in_place"):
+            return 0
+        width = step.trees_in_place
+        if region is None or not 1 <= width <= MAX_BUDGET + 1:
+            raise ProtocolError(f"step {step.step_id}: trees_in_place {width} " + (
+                "without a response region" if region is None else f"is outside 1..{MAX_BUDGET + 1} (nodes per tree)"))
+        return width
 
     def _bell(self, step: drafter_pb2.DraftStep, region: SharedRegion | None) -> tuple[Doorbell, int] | None:
         """(the doorbell, the value to ring) when the step asks for one; ProtocolError when it cannot be rung."""

@@ -146,7 +146,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
             max_budget=MAX_BUDGET, max_sessions=self.max_sessions,
             active_sessions=sum(len(s.sessions) for s in streams), draft_window=self.window,
             streams=len(streams), device=str(d.device), dtype=str(d.dtype).removeprefix("torch."),
-            step_features=True, keep_warm=True)
+            step_features=True, keep_warm=True, trees_in_place=True)
 
     async def Info(self, request, context):
         return self.info()

@@ -172,13 +172,48 @@ def trees_to_pb(trees: TreeBatch, session_ids: list[str], step_id: int, arena: R
         for f, t, where in zip(TREE_FIELDS, fields, places):
             tensor_to_pb(t, getattr(msg, f), where=where)
         in_region = any(p is not None for p in places)
-    if arena is not None and bell is not None:
+    if arena is not None:
+        _hand_over(msg, arena, event, bell, in_region)
+    return msg
+
+
+def trees_in_place(trees: TreeBatch, session_ids: list[str], step_id: int, rows: list[int], n_rows: int,
+                   width: int, arena: RegionArena, event: IpcEvent | None = None,
+                   bell: tuple[Doorbell, int] | None = None) -> drafter_pb2.DraftTrees:
+    """Encode for DraftStep.trees_in_place: the step's trees as one int32 block [6, n_rows, width] at offset 0 of
+    the arena's (fresh) region, session_ids[j]'s tree in row rows[j], every other row all -1 (logw -inf), then
+    handed over as `trees_to_pb` does; the answer names no tensors (`in_place`). ValueError when the block does not
+    fit the region or the arena has placed something already (the layout is the verifier's, not ours)."""
+    if len(session_ids) != trees.tokens.shape[0] or len(rows) != len(session_ids):
+        raise ValueError(f"{len(session_ids)} session ids and {len(rows)} rows for {trees.tokens.shape[0]} trees")
+    dev = arena.region.device
+    packed = trees.pack()
+    if packed.device == dev and packed.dtype == torch.int32 and tuple(packed.shape[1:]) == (n_rows, width) \
+            and rows == list(range(n_rows)):
+        block = packed.contiguous()  # every session answered, in order, at the laid-out width: the usual step
+    else:
+        block = torch.full((6, n_rows, width), -1, dtype=torch.int32, device=dev)
+        block[5].view(torch.float32).fill_(float("-inf"))
+        if rows:
+            w = min(width, packed.shape[2])
+            block[:, torch.tensor(rows, device=dev), :w] = packed[:, :, :w].to(device=dev, dtype=torch.int32)
+    if arena.cursor or arena.place_block(block) != 0:
+        raise ValueError(f"trees in place: a [6, {n_rows}, {width}] int32 block ({block.numel() * 4} bytes) does "
+                         f"not fit at offset 0 of the response region ({arena.region.nbytes} bytes)")
+    msg = drafter_pb2.DraftTrees(step_id=step_id, session_ids=session_ids, n_nodes=trees.n_nodes, in_place=True)
+    _hand_over(msg, arena, event, bell, True)
+    return msg
+
+
+def _hand_over(msg: drafter_pb2.DraftTrees, arena: RegionArena, event: IpcEvent | None,
+               bell: tuple[Doorbell, int] | None, in_region: bool) -> None:
+    """The region's writes -> the peer: ring `bell` after them, else record `event`, else wait for the GPU."""
+    if bell is not None:
         arena.ring(*bell)
         msg.doorbell_value = bell[1]
-    elif arena is not None:
+    else:
         arena.hand_over(event)
         msg.after_event = event is not None and in_region
-    return msg
 
 
 def _packed_trees(msg: drafter_pb2.DraftTrees, R: int, regions: Mapping[int, SharedRegion] | None, copy: bool

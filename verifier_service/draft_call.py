@@ -47,6 +47,10 @@ class DraftCall:
         self.trees_event: IpcEvent | None = None
         self.doorbell = False  # the drafter rings the client's trees doorbell after each step's writes
         self.bell_value = 0  # the value the step in flight rings
+        # the drafter writes trees where a step asks (DrafterInfo.trees_in_place) and the stream has a doorbell;
+        # asked from the stream's second step on, after one answered step has run every kernel the check uses
+        self.in_place = False
+        self.in_place_ready = False
         self.released = threading.Event()  # the doorbell watch released a wait of this stream (trees unreliable)
         self.synced: set[str] = set()  # sessions whose context this drafter holds
         self.step_features = False  # the drafter reads a step's rows from DraftStep.ctx_features (one tensor)

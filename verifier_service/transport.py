@@ -35,6 +35,10 @@ class StreamClientConfig:
     # with ipc_events: the drafter rings a counter our stream waits on (protos.doorbell); gRPC on a GPU: the verify
     # step is queued before the trees arrive, behind a host doorbell the answer rings (verifier_service.tree_landing)
     doorbell: bool = True
+    # co-located with the doorbell: the trees go where the verifier laid them out (DraftStep.trees_in_place), so
+    # the check and the verify step are queued behind the doorbell right after the request leaves, without
+    # waiting for the answer (read after the step, `DraftStreamClient.take_errors`)
+    trees_in_place: bool = True
     control_spin_s: float = 0.0  # control socket: poll this long for the answer before sleeping (ControlSocket)
     # steps on the gRPC stream: KeepWarm messages shortly before each expected request and answer, not sooner than
     # this many ms into a silence (0: never; verifier_service.keepwarm)

@@ -40,6 +40,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from collections.abc import Set as AbstractSet
+from dataclasses import dataclass
 
 import grpc
 import torch
@@ -62,6 +63,18 @@ from verifier_service.tree_verdicts import TreeChecker
 
 log = logging.getLogger(__name__)
 REQUEST_REGION, RESPONSE_REGION, DOORBELL_REGION = 1, 2, 3
+
+
+@dataclass
+class _InPlace:
+    """An in-place step queued on the GPU whose answer has not been read yet."""
+    stream: DraftCall
+    ids: list[str]  # the step's sessions, in request (row) order
+    caps: list[int]
+    excused: set[str]  # the check's rows whose verdicts fail no session (filled in when the answer is read)
+    t_sent: float
+    deadline: float
+    check_ms: float
 
 
 class DraftStreamClient:
@@ -90,7 +103,7 @@ class DraftStreamClient:
         # event_steps: steps whose regions were handed over by CUDA IPC events (no host wait on either side)
         self.stats = {"steps": 0, "fallback_steps": 0, "reconnects": 0, "invalid_trees": 0, "region_tensors": 0,
                       "region_trees": 0, "event_steps": 0, "doorbell_steps": 0, "doorbell_timeouts": 0,
-                      "landed_steps": 0, "keepwarm_sent": 0}
+                      "landed_steps": 0, "in_place_steps": 0, "keepwarm_sent": 0}
         self.last_error = ""
         self._use_control = cfg.colocated and cfg.control_socket
         self._use_events = cfg.colocated and cfg.ipc_events
@@ -101,6 +114,7 @@ class DraftStreamClient:
         self._use_landing = not cfg.colocated and cfg.doorbell
         self._landings: TreeLandings | None = None  # where trees from bytes go on the GPU (set with the device)
         self._landed: tuple[DraftCall, Landing, float, float] | None = None  # the last landing step, until settled
+        self._in_flight: _InPlace | None = None  # the last in-place step, until its answer is read (`_settle`)
         self._bell_value = 0  # increases across streams: a dead stream's late ring never satisfies a newer wait
         # the last exchanged step, in ms: round_trip (request sent -> answer read), drafter (its compute_us),
         # transport (round_trip - drafter), decode (trees off the wire / out of the region), validate
@@ -253,6 +267,7 @@ class DraftStreamClient:
             else:
                 stream.request_event = None  # the drafter waits for its GPU: so do we
             stream.doorbell = bell is not None and stream.request_event is not None and resp.opened.trees_doorbell
+            stream.in_place = stream.doorbell and resp.opened.trees_in_place and self.cfg.trees_in_place
             for r in regions.values():
                 r.unlink()  # the drafter has mapped them: nothing may outlive the two processes
             model = DrafterModel.from_pb(resp.opened)
@@ -374,12 +389,15 @@ class DraftStreamClient:
             self.stats["fallback_steps"] += 1
             self.metrics.record_fallback("unavailable", len(requests))
             return lambda: self._assemble(requests)
+        caps = [tree_size(r.budget, r.topk, self.depth) for r in requests]
+        width = self._in_place_width(s, caps)
         try:
-            t_sent, deadline = self._send_step(s, requests)
+            t_sent, deadline = self._send_step(s, requests, width)
         except Exception as e:  # noqa: BLE001 - whatever went wrong on the wire, this step goes on without trees
             self._step_failed(s, e, len(requests))
             return lambda: self._assemble(requests)
-        caps = [tree_size(r.budget, r.topk, self.depth) for r in requests]
+        if width:  # the trees' place is known now: the verify step is queued behind the doorbell, not the answer
+            return self._queue_in_place(s, requests, caps, width, t_sent, deadline)
         watch = self._landing_watch(s)
         if watch is not None:  # the verify step is queued now, behind the trees' landing (tree_landing)
             return self._queue_landing(s, watch, requests, caps, t_sent, deadline)
@@ -418,8 +436,10 @@ class DraftStreamClient:
         return lambda: self._assemble(requests, ids, trees, set(ids))
 
     def _settle(self) -> None:
-        """After a landing step was read back: what its answer said (or why there was none) -> the stream's
-        bookkeeping, errors, metrics and the step's timings, as `_draft_end` does for the other paths."""
+        """After a landing or in-place step was read back: what its answer said (or why there was none) -> the
+        stream's bookkeeping, errors, metrics and the step's timings, as `_draft_end` does for the other paths."""
+        if self._in_flight is not None:
+            self._settle_in_place()
         if self._landed is None:
             return
         (s, landing, t_sent, check_ms), self._landed = self._landed, None
@@ -472,10 +492,13 @@ class DraftStreamClient:
             start += cut
         self._pending[r.session_id] = (start, chunks)
 
-    def _send_step(self, s: DraftCall, requests: list[DraftRequest]) -> tuple[float, float]:
-        """Send one step's requests -> (when it left, perf_counter; its deadline, monotonic)."""
+    def _send_step(self, s: DraftCall, requests: list[DraftRequest], in_place: int = 0) -> tuple[float, float]:
+        """Send one step's requests (in_place > 0: ask for the trees as a [6, R, in_place] block at the response
+        region's start) -> (when it left, perf_counter; its deadline, monotonic)."""
         s.step_id += 1
         step = drafter_pb2.DraftStep(step_id=s.step_id)
+        if in_place:
+            step.trees_in_place = in_place
         arena = RegionArena(s.regions[REQUEST_REGION]) if s.regions else None
         room = self.cfg.max_message_bytes // 2  # context bytes one step message may carry
         sent = []
@@ -531,23 +554,14 @@ class DraftStreamClient:
                       deadline: float) -> tuple[list[str], TreeBatch | None, set[str], dict[str, str]]:
         """The step's answer -> (sessions that got a tree, the decoded trees in that order, the sessions whose
         tree may be verified, drafter-side errors)."""
-        while True:
-            resp = s.recv(max(0.0, deadline - time.monotonic()))
-            if resp.WhichOneof("kind") == "trees" and resp.trees.step_id == s.step_id:
-                break
-            if resp.WhichOneof("kind") != "trees" or resp.trees.step_id > s.step_id:
-                raise WireError(f"unexpected answer to step {s.step_id}: {resp.WhichOneof('kind')}")
-        t_answer = time.perf_counter()
+        answer, t_answer = self._answer(s, deadline)
         if s.doorbell:
-            if not resp.trees.HasField("doorbell_value") or resp.trees.doorbell_value != s.bell_value:
-                got = resp.trees.doorbell_value if resp.trees.HasField("doorbell_value") else "none"
-                raise WireError(f"step {s.step_id}: the answer rings doorbell value {got}, expected {s.bell_value}")
             # our stream waits for the drafter's ring; everything after it (the check's copy of the trees, the
             # verify step) is queued now, while the drafter's GPU works; the watch keeps the step's deadline
             self._watch.bell.wait(s.bell_value)
             self._watch.arm(s, s.bell_value, deadline, s.released)
             self.stats["doorbell_steps"] += 1
-        elif resp.trees.after_event:
+        elif answer.after_event:
             event = s.trees_event  # once: another thread may close the stream meanwhile
             if event is None or event.event is None:
                 raise StreamBroken(f"step {s.step_id}: the answer waits for an event this stream does not have")
@@ -556,11 +570,11 @@ class DraftStreamClient:
                 raise DraftTimeout(f"step {s.step_id}: the drafter's trees event did not complete in time")
             self.stats["event_steps"] += 1
         # a view of the response region: the check copies it on the GPU and verifies its copy (tree_verdicts)
-        ids, trees = trees_from_pb(resp.trees, s.regions, copy=False)
-        in_region = resp.trees.tokens.WhichOneof("storage") == "region"
+        ids, trees = trees_from_pb(answer, s.regions, copy=False)
+        in_region = answer.tokens.WhichOneof("storage") == "region"
         if in_region:
             self.stats["region_trees"] += 1
-        errors = {e.session_id: f"{code_name(e.code)}: {e.message}" for e in resp.trees.errors}
+        errors = {e.session_id: f"{code_name(e.code)}: {e.message}" for e in answer.errors}
         asked = {r.session_id for r in requests}
         if set(ids) & set(errors) or set(ids) | set(errors) != asked:
             raise WireError(f"step {s.step_id}: answered sessions {sorted(set(ids) | set(errors))} "
@@ -574,9 +588,95 @@ class DraftStreamClient:
         by_id = {r.session_id: (r.root_token, cap) for r, cap in zip(requests, caps)}
         trees, refused = self._checker.check(ids, trees, [by_id[i][0] for i in ids], [by_id[i][1] for i in ids],
                                              fixed=fixed, void=s.released if s.doorbell else None)
-        self._time_step(resp.trees.compute_us, t_sent, t_answer, t_decoded)
+        s.in_place_ready = s.in_place and in_region  # the check's kernels have run: later steps may go in place
+        self._time_step(answer.compute_us, t_sent, t_answer, t_decoded)
         self._invalid(refused)
         return ids, trees, set(ids) - set(refused), errors
+
+    def _answer(self, s: DraftCall, deadline: float) -> tuple[drafter_pb2.DraftTrees, float]:
+        """The trees answer to the stream's last step (earlier answers skipped) and when it was read; WireError for
+        anything else, or for a doorbell value other than the step's."""
+        while True:
+            resp = s.recv(max(0.0, deadline - time.monotonic()))
+            if resp.WhichOneof("kind") == "trees" and resp.trees.step_id == s.step_id:
+                break
+            if resp.WhichOneof("kind") != "trees" or resp.trees.step_id > s.step_id:
+                raise WireError(f"unexpected answer to step {s.step_id}: {resp.WhichOneof('kind')}")
+        t_answer = time.perf_counter()
+        if s.doorbell and (not resp.trees.HasField("doorbell_value") or resp.trees.doorbell_value != s.bell_value):
+            got = resp.trees.doorbell_value if resp.trees.HasField("doorbell_value") else "none"
+            raise WireError(f"step {s.step_id}: the answer rings doorbell value {got}, expected {s.bell_value}")
+        return resp.trees, t_answer
+
+    def _in_place_width(self, s: DraftCall, caps: list[int]) -> int:
+        """The width of the step's in-place trees block (the largest tree laid out), or 0: the stream does not write
+        trees in place (yet), or the block would not fit its response region."""
+        if not (s.in_place and s.in_place_ready and caps and RESPONSE_REGION in s.regions):
+            return 0
+        width = max(caps)
+        return width if 6 * len(caps) * width * 4 <= s.regions[RESPONSE_REGION].nbytes else 0
+
+    def _queue_in_place(self, s: DraftCall, requests: list[DraftRequest], caps: list[int], width: int, t_sent: float,
+                        deadline: float) -> Callable[[], TreeBatch]:
+        """A step whose trees the drafter writes where we asked (DraftStep.trees_in_place): -> a function that queues
+        the doorbell's wait, the check of the region's block and (the caller) the verify step behind it, with no
+        wait for the answer, which `_settle_in_place` reads once the step is back. Every row is laid out as a full
+        tree (its cap): a session the drafter refuses has an all -1 row, which the check turns into an
+        autoregressive step; its verdict is excused when the answer says so."""
+        ids, roots = [r.session_id for r in requests], [r.root_token for r in requests]
+        self._checker.expect(ids, roots, caps, self._device)  # queued before the wait: nothing of it waits behind it
+        R = len(requests)
+        block = s.regions[RESPONSE_REGION].view(0, 6 * R * width * 4).view(torch.int32).view(6, R, width)
+        region_trees = TreeBatch.from_packed(block, caps)
+
+        def trees() -> TreeBatch:
+            if s.broken:  # it broke since the request left: no ring will come
+                self._step_failed(s, StreamBroken(f"step {s.step_id}: the stream broke"), R)
+                return self._assemble(requests)
+            self._watch.bell.wait(s.bell_value)
+            self._watch.arm(s, s.bell_value, deadline, s.released)
+            self.stats["doorbell_steps"] += 1
+            self.stats["in_place_steps"] += 1
+            self.stats["region_trees"] += 1
+            t0 = time.perf_counter()
+            excused: set[str] = set()
+            safe, refused = self._checker.check(ids, region_trees, roots, caps, fixed=True, void=s.released,
+                                                excused=excused)
+            self._in_flight = _InPlace(s, ids, caps, excused, t_sent, deadline, (time.perf_counter() - t0) * 1e3)
+            return self._assemble(requests, ids, safe, set(ids) - set(refused))
+
+        return trees
+
+    def _settle_in_place(self) -> None:
+        """An in-place step has been read back: its answer (there by now: the drafter sends it before its GPU work
+        is done) -> which sessions got a tree, the drafter's refusals (their rows' verdicts excused), the timings."""
+        f, self._in_flight = self._in_flight, None
+        s, n = f.stream, len(f.ids)
+        if f.stream.released.is_set():  # the watch released our wait: no ring in time, the stream was dropped
+            self._step_failed(s, DraftTimeout(f"step {s.step_id}: no ring within the deadline"), n)
+            return
+        try:
+            answer, t_answer = self._answer(s, f.deadline)
+            errors = {e.session_id: f"{code_name(e.code)}: {e.message}" for e in answer.errors}
+            answered = list(answer.session_ids)
+            if not answer.in_place or len(answer.n_nodes) != len(answered):
+                raise WireError(f"step {s.step_id}: the answer is not the in-place block the step asked for")
+            if set(answered) & set(errors) or set(answered) | set(errors) != set(f.ids):
+                raise WireError(f"step {s.step_id}: answered sessions {sorted(set(answered) | set(errors))} "
+                                f"!= asked {sorted(f.ids)}")
+        except Exception as e:  # noqa: BLE001 - the step ran on the region's block: only its verdicts are doubtful
+            f.excused.update(f.ids)
+            self._step_failed(s, e, n)
+            return
+        cap = dict(zip(f.ids, f.caps))
+        refused = {sid: f"n_nodes {k}, expected a full tree of {cap[sid]} nodes"
+                   for sid, k in zip(answered, answer.n_nodes) if k != cap[sid]}
+        f.excused.update(errors)  # their rows are all -1: the check refused them, which is not their fault
+        f.excused.update(refused)  # told below, once
+        self._acknowledge(s, answered, errors)
+        self._invalid(refused)
+        self._time_step(answer.compute_us, f.t_sent, t_answer, t_answer)
+        self.last_step_ms["check"] = f.check_ms
 
     def _land(self, trees: TreeBatch) -> tuple[TreeBatch, bool]:
         """Trees decoded from bytes (host) -> (the same on the engine's device, whether they sit at a fixed place:

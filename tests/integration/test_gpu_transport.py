@@ -8,7 +8,9 @@ token for token, over several sessions: a concurrent wave, then a second wave wi
 on the same stream after the first released its sessions. No step may fall back to autoregressive,
 and the co-located stream must have used its CUDA regions both ways (regions on the GPU, context
 rows placed there, every step's trees read back from there, every answer handed over by the trees doorbell
-our stream waits on, or by an IPC event with the doorbell off): no silent fallback to bytes or to host waits.
+our stream waits on, or by an IPC event with the doorbell off; with the doorbell, every step after the stream's first
+written where the verifier laid it out and verified before the answer was read, unless that is turned off
+(colocated_answer)): no silent fallback to bytes or to host waits.
 Closing
 the clients ends the streams: the drafter frees every session and mapping.
 """
@@ -72,7 +74,7 @@ def reference(setup):
     return run(setup["engine"], setup["prompts"])
 
 
-@pytest.mark.parametrize("transport", ["colocated", "colocated_events", "grpc"])
+@pytest.mark.parametrize("transport", ["colocated", "colocated_answer", "colocated_events", "grpc"])
 def test_split_drafter_on_the_gpu_equals_in_process(setup, reference, transport):
     from verifier_service.engine import Engine
     from verifier_service.transport import StreamClientConfig
@@ -82,7 +84,8 @@ def test_split_drafter_on_the_gpu_equals_in_process(setup, reference, transport)
     assert info.device.startswith("cuda") and info.dtype == "bfloat16"
     colocated = transport.startswith("colocated")
     client = DraftStreamClient(StreamClientConfig(setup["address"], colocated=colocated, region_device="cuda",
-                                                  draft_timeout_s=30, doorbell=transport == "colocated"))
+                                                  draft_timeout_s=30, doorbell=transport != "colocated_events",
+                                                  trees_in_place=transport == "colocated"))
     client.start()
     try:
         model = client.wait_ready(timeout=60)
@@ -95,8 +98,10 @@ def test_split_drafter_on_the_gpu_equals_in_process(setup, reference, transport)
             devices = client.region_devices
             assert devices and all(d.startswith("cuda") for d in devices.values()), devices
             assert stats["region_tensors"] > 0 and stats["region_trees"] == stats["steps"], stats
-            handed = "doorbell_steps" if transport == "colocated" else "event_steps"
+            handed = "event_steps" if transport == "colocated_events" else "doorbell_steps"
             assert client.ipc_events and stats[handed] == stats["steps"] and not stats["doorbell_timeouts"], stats
+            # in place from the stream's second step on: the verify step queued before the drafter's answer
+            assert stats["in_place_steps"] == (stats["steps"] - 1 if transport == "colocated" else 0), stats
         else:
             assert client.region_devices == {} and stats["region_tensors"] == stats["region_trees"] == 0, stats
         assert drafter_info(setup["address"]).streams == 1

@@ -23,6 +23,7 @@ import torch
 
 from drafter_service.api import DraftRequest
 from drafter_service.drafter import Drafter
+from kernels.tree_build import TreeBatch
 from protos.codec import tensor_to_pb
 from protos.control_socket import ControlListener
 from protos.ddtree.v1 import drafter_pb2, drafter_pb2_grpc
@@ -336,6 +337,7 @@ def test_control_socket_unreachable_falls_back_to_grpc_messages(parts, served, m
     ("rows_without_step_features", grpc.StatusCode.INVALID_ARGUMENT, "no ctx_features"),
     ("rows_twice", grpc.StatusCode.INVALID_ARGUMENT, "no session carries its own"),
     ("doorbell_without_one", grpc.StatusCode.INVALID_ARGUMENT, "doorbell_value without a doorbell on this stream"),
+    ("in_place_without_region", grpc.StatusCode.INVALID_ARGUMENT, "trees_in_place 8 without a response region"),
     ("close", None, None),
 ])
 def test_control_socket_protocol(served, bad, code, words):
@@ -348,7 +350,8 @@ def test_control_socket_protocol(served, bad, code, words):
         call = drafter_pb2_grpc.DrafterStub(ch).Draft(iter(requests.get, None), timeout=30)
         requests.put(drafter_pb2.DraftStreamRequest(open=drafter_pb2.OpenStream(client_id="raw",
                                                                                 control_socket=listener.path)))
-        assert next(call).WhichOneof("kind") == "opened"
+        opened = next(call)
+        assert opened.WhichOneof("kind") == "opened" and opened.opened.trees_in_place
         sock = listener.accept(5)
         listener.close()
         # a good step first: answered on the socket, nothing on the gRPC stream
@@ -371,6 +374,8 @@ def test_control_socket_protocol(served, bad, code, words):
             sock.send(drafter_pb2.DraftStreamRequest(step=step))
         elif bad == "doorbell_without_one":  # a value to ring on a stream that negotiated no doorbell
             sock.send(drafter_pb2.DraftStreamRequest(step=drafter_pb2.DraftStep(step_id=2, doorbell_value=5)))
+        elif bad == "in_place_without_region":
+            sock.send(drafter_pb2.DraftStreamRequest(step=drafter_pb2.DraftStep(step_id=2, trees_in_place=8)))
         elif bad == "open_again":
             sock.send(drafter_pb2.DraftStreamRequest(open=drafter_pb2.OpenStream(client_id="again")))
         else:
@@ -387,6 +392,56 @@ def test_control_socket_protocol(served, bad, code, words):
     while service.info().streams and time.monotonic() < deadline:
         time.sleep(0.02)
     assert service.info().streams == 0
+
+
+def test_trees_in_place_through_a_cpu_region(parts, served):
+    """A raw verifier asks for the trees in place (DraftStep.trees_in_place) in a CPU region: the answer names no
+    tensors, the block at the region's start holds the valid session's tree (as the in-process drafter builds it)
+    in its row and an all -1 row for the refused one (a budget of 0), whose refusal the answer reports; a width
+    outside 1..max_budget + 1 ends the stream with INVALID_ARGUMENT."""
+    from protos.shared_region import SharedRegion
+
+    _, srv = served
+    local = Drafter(*parts, max_sessions=8, window=64)
+    region = SharedRegion.create(2, 1 << 16, "cpu")
+    listener = ControlListener(1 << 20)
+    rows = feats(3, seed=4)
+    width = 20
+    try:
+        requests: queue.Queue = queue.Queue()
+        with grpc.insecure_channel(f"127.0.0.1:{srv.port}") as ch:
+            call = drafter_pb2_grpc.DrafterStub(ch).Draft(iter(requests.get, None), timeout=30)
+            requests.put(drafter_pb2.DraftStreamRequest(open=drafter_pb2.OpenStream(
+                client_id="raw", regions=[region.to_pb()], control_socket=listener.path)))
+            assert next(call).opened.trees_in_place
+            sock = listener.accept(5)
+            region.buf.fill_(0x55)
+            step = drafter_pb2.DraftStep(step_id=1, response_region_id=2, trees_in_place=width, sessions=[
+                drafter_pb2.SessionDraftRequest(session_id="no", ctx_start=0, root_token=5, root_pos=3, budget=0,
+                                                topk=2, ctx_features=tensor_to_pb(rows)),
+                drafter_pb2.SessionDraftRequest(session_id="yes", ctx_start=0, root_token=7, root_pos=3, budget=16,
+                                                topk=4, ctx_features=tensor_to_pb(rows))])
+            sock.send(drafter_pb2.DraftStreamRequest(step=step))
+            answer = sock.recv(drafter_pb2.DraftStreamResponse, timeout=10).trees
+            assert answer.in_place and list(answer.session_ids) == ["yes"] and not answer.tokens.ByteSize()
+            assert [e.session_id for e in answer.errors] == ["no"] and "budget 0" in answer.errors[0].message
+            want = local.draft([DraftRequest("yes", 0, rows, 7, 3, 16, 4)])
+            assert list(answer.n_nodes) == want.n_nodes and want.n_nodes[0] <= width
+            block = region.view(0, 6 * 2 * width * 4).view(torch.int32).view(6, 2, width)
+            assert (block[:5, 0] == -1).all() and (block[5, 0] == torch.tensor(float("-inf")).view(torch.int32)).all()
+            got = TreeBatch.from_packed(block[:, 1:].contiguous(), answer.n_nodes)
+            assert_same_trees(got, want)
+            sock.send(drafter_pb2.DraftStreamRequest(step=drafter_pb2.DraftStep(
+                step_id=2, response_region_id=2, trees_in_place=4096)))
+            with pytest.raises(grpc.RpcError) as e:
+                next(call)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "trees_in_place 4096 is outside" in \
+                e.value.details()
+            requests.put(None)
+            sock.close()
+    finally:
+        listener.close()
+        region.close()
 
 
 def test_doorbell_offers_without_a_gpu(served, tmp_path):

@@ -4,6 +4,7 @@ Skipped without CUDA; the CPU side of the same client: test_transports.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -24,26 +25,79 @@ from tests.unit.stream_harness import (
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]
 
 
-@pytest.mark.parametrize("doorbell", [True, False])
-def test_cuda_regions_with_an_in_process_drafter(parts, doorbell):
+@pytest.mark.parametrize("mode", ["in_place", "answer", "events"])
+def test_cuda_regions_with_an_in_process_drafter(parts, mode):
     """Drafter and verifier in one process on the GPU: the regions are CUDA allocations that the
     server side takes as they are (a process cannot open its own IPC handle); trees equal the
     in-process drafter's and travel through the regions, handed over by the trees doorbell (our stream
-    waits for the drafter's ring) or, without it, by IPC events."""
+    waits for the drafter's ring) or, without it, by IPC events. With the doorbell, every step after the stream's
+    first asks for its trees in place and queues their check before the answer is read (in_place), unless that is
+    off (answer). (The one-process caveats of `one_process_landing`.)"""
     service, local = cuda_parts(parts)
     srv = ServerThread(service)
-    client = client_for(srv.port, colocated=True, region_device="cuda", doorbell=doorbell)
+    doorbell = mode != "events"
+    client = client_for(srv.port, colocated=True, region_device="cuda", doorbell=doorbell,
+                        trees_in_place=mode == "in_place")
     try:
         assert set(client.region_devices.values()) == {"cuda:0"}
-        for reqs in cuda_steps():
-            assert_same_trees(client.draft(reqs), local.draft(reqs))
+        with one_process_landing(service):
+            for reqs in cuda_steps():
+                assert_same_trees(client.draft(reqs), local.draft(reqs))
+                assert client.take_errors() == {}
         assert client.stats["fallback_steps"] == 0 and client.stats["region_tensors"] > 0
         handed = client.stats["doorbell_steps" if doorbell else "event_steps"]
         assert client.stats["region_trees"] == client.stats["steps"] == handed == 3, client.stats
         assert client.stats["event_steps" if doorbell else "doorbell_steps"] == 0, client.stats
+        assert client.stats["in_place_steps"] == (2 if mode == "in_place" else 0), client.stats
         assert client.ipc_events and client.doorbell == doorbell  # one process: each side's event is the other's
         # the trees came back to one place in the region every step: their check replayed from one CUDA graph
         assert client._checker.graphs.stats == {"replays": 3, "captures": 1}
+    finally:
+        client.close()
+        srv.stop()
+
+
+def test_in_place_steps_with_a_refused_session_and_a_bad_tree(parts, monkeypatch):
+    """An in-place step (queued before the answer) where the drafter refuses one session (its row all -1: an
+    autoregressive step, told as not ready, not as an invalid tree; its rows are sent again) and sends a bad tree
+    for another (that session alone fails); the other sessions' trees equal the in-process drafter's."""
+    import grpc
+
+    from drafter_service import draft_stream
+
+    request = draft_stream.DraftStream._request
+    refuse = {"refuse"}
+
+    def refusing(self, m, seen, rows):
+        if m.session_id in refuse:
+            raise draft_stream.SessionFault(grpc.StatusCode.RESOURCE_EXHAUSTED, "no room (test)")
+        return request(self, m, seen, rows)
+
+    monkeypatch.setattr(draft_stream.DraftStream, "_request", refusing)
+    service, local = cuda_parts(parts, SlowOrBadDrafter)
+    srv = ServerThread(service)
+    client = client_for(srv.port, colocated=True, region_device="cuda", check_graphs=False)
+    try:
+        with one_process_landing(service):
+            first, second, third = cuda_steps()
+            assert_same_trees(client.draft(first), local.draft(first))  # answered first: the stream's first step
+            fresh = [DraftRequest(sid, 0, q.ctx_features, q.root_token, q.root_pos - q.ctx_start, 16, 4)
+                     for sid, q in zip(("refuse", "bad"), first)]
+            got = client.draft(second + fresh)
+            assert client.stats["in_place_steps"] == 1, client.stats
+            errors = client.take_errors()
+            assert set(errors) == {"bad"} and "invalid tree" in errors["bad"], errors
+            want = local.draft(second)
+            assert_same_trees(got, want, rows=range(len(second)))
+            assert all(root_only(got, len(second) + j, q.root_token) for j, q in enumerate(fresh))
+            assert "refuse" not in client._stream.synced and "bad" in client._stream.synced
+            refuse.clear()  # it is drafted once it fits: its rows were kept and go again
+            got = client.draft(third + [dataclasses.replace(fresh[0], ctx_features=fresh[0].ctx_features[:0],
+                                                            ctx_start=fresh[0].root_pos)])
+            assert client.take_errors() == {}
+            assert_same_trees(got, local.draft(third), rows=range(len(third)))
+            assert got.n_nodes[-1] > 1 and not root_only(got, len(third), fresh[0].root_token)
+            assert client.stats["in_place_steps"] == 2 and client.stats["fallback_steps"] == 0, client.stats
     finally:
         client.close()
         srv.stop()

@@ -15,6 +15,7 @@ from protos.codec import (
     tensor_from_pb,
     tensor_to_pb,
     trees_from_pb,
+    trees_in_place,
     trees_to_pb,
 )
 from protos.ddtree.v1 import common_pb2, verifier_pb2
@@ -148,6 +149,45 @@ def test_packed_trees_roundtrip(region, through_region):
         assert back.packed is not None and back.tokens.data_ptr() == back.packed.data_ptr()
         assert msg == trees_to_pb(tb, ["a", "b", "c"], 5)  # the same message as from six separate tensors
     assert torch.equal(back.pack(), tb.pack())
+
+
+@pytest.mark.parametrize("rows, packed, extra", [([0, 1, 2], True, 0), ([0, 1, 2], False, 3), ([2, 0], True, 1)])
+def test_trees_in_place_are_where_the_step_asked(region, rows, packed, extra):
+    """DraftStep.trees_in_place: one [6, R, width] int32 block at the region's offset 0, each tree in its session's
+    row of the step (here also out of order, and one session without a tree: its row all -1, logw -inf), padded
+    past its nodes; the answer names no tensors. packed + exact width + every row in order is the usual step."""
+    tb = trees()
+    mine = [0, 2] if len(rows) == 2 else [0, 1, 2]
+    sel = TreeBatch.from_packed(tb.pack()[:, mine].contiguous(), [tb.n_nodes[j] for j in mine])
+    if not packed:
+        sel = TreeBatch(*(getattr(sel, f).clone() for f in TreeBatch._FIELDS), n_nodes=sel.n_nodes)
+    M = tb.tokens.shape[1]
+    width = M + extra
+    region.buf.fill_(0x55)  # whatever the last step left there
+    ids = [["a", "b", "c"][j] for j in mine]
+    msg = trees_in_place(sel, ids, 9, rows, 3, width, RegionArena(region))
+    assert msg.in_place and msg.step_id == 9 and list(msg.session_ids) == ids and list(msg.n_nodes) == sel.n_nodes
+    assert not any(getattr(msg, f).ByteSize() for f in TreeBatch._FIELDS)
+    block = region.view(0, 6 * 3 * width * 4).view(torch.int32).view(6, 3, width)
+    back = TreeBatch.from_packed(block, [1, 1, 1])
+    for j, r in enumerate(rows):
+        for f in TreeBatch._FIELDS:
+            got, want = getattr(back, f)[r], getattr(sel, f)[j]
+            assert torch.equal(got[:M], want), (f, r)
+            pad = float("-inf") if f == "logw" else -1
+            assert (got[M:] == pad).all(), (f, r)
+    for r in set(range(3)) - set(rows):
+        assert (back.tokens[r] == -1).all() and (back.parent[r] == -1).all() and (back.logw[r] == float("-inf")).all()
+
+
+def test_trees_in_place_that_do_not_fit_are_refused(region):
+    tb = trees()
+    with pytest.raises(ValueError, match="does not fit at offset 0 of the response region"):
+        trees_in_place(tb, ["a", "b", "c"], 1, [0, 1, 2], 3, 65, RegionArena(region))  # 4680 bytes > 4096
+    arena = RegionArena(region)
+    arena.place(torch.zeros(4))
+    with pytest.raises(ValueError, match="does not fit at offset 0"):  # the block's place is taken
+        trees_in_place(tb, ["a", "b", "c"], 1, [0, 1, 2], 3, tb.tokens.shape[1], arena)
 
 
 def test_trees_in_a_region_in_another_layout(region):

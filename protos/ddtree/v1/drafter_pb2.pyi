@@ -72,18 +72,20 @@ class CudaIpcHandle(_message.Message):
     def __init__(self, device: _Optional[int] = ..., handle: _Optional[bytes] = ..., storage_size_bytes: _Optional[int] = ..., storage_offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ..., tensor_offset: _Optional[int] = ..., device_uuid: _Optional[str] = ...) -> None: ...
 
 class DraftStep(_message.Message):
-    __slots__ = ("step_id", "sessions", "response_region_id", "ctx_features", "doorbell_value")
+    __slots__ = ("step_id", "sessions", "response_region_id", "ctx_features", "doorbell_value", "trees_in_place")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_REGION_ID_FIELD_NUMBER: _ClassVar[int]
     CTX_FEATURES_FIELD_NUMBER: _ClassVar[int]
     DOORBELL_VALUE_FIELD_NUMBER: _ClassVar[int]
+    TREES_IN_PLACE_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     sessions: _containers.RepeatedCompositeFieldContainer[SessionDraftRequest]
     response_region_id: int
     ctx_features: _common_pb2.Tensor
     doorbell_value: int
-    def __init__(self, step_id: _Optional[int] = ..., sessions: _Optional[_Iterable[_Union[SessionDraftRequest, _Mapping]]] = ..., response_region_id: _Optional[int] = ..., ctx_features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., doorbell_value: _Optional[int] = ...) -> None: ...
+    trees_in_place: int
+    def __init__(self, step_id: _Optional[int] = ..., sessions: _Optional[_Iterable[_Union[SessionDraftRequest, _Mapping]]] = ..., response_region_id: _Optional[int] = ..., ctx_features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., doorbell_value: _Optional[int] = ..., trees_in_place: _Optional[int] = ...) -> None: ...
 
 class SessionDraftRequest(_message.Message):
     __slots__ = ("session_id", "ctx_start", "ctx_features", "root_token", "root_pos", "budget", "topk", "traceparent", "ctx_rows")
@@ -136,7 +138,7 @@ class DraftStreamResponse(_message.Message):
     def __init__(self, opened: _Optional[_Union[DrafterInfo, _Mapping]] = ..., trees: _Optional[_Union[DraftTrees, _Mapping]] = ...) -> None: ...
 
 class DraftTrees(_message.Message):
-    __slots__ = ("step_id", "session_ids", "n_nodes", "tokens", "parent", "depth", "first_child", "next_sibling", "logw", "errors", "compute_us", "after_event", "doorbell_value")
+    __slots__ = ("step_id", "session_ids", "n_nodes", "tokens", "parent", "depth", "first_child", "next_sibling", "logw", "errors", "compute_us", "after_event", "doorbell_value", "in_place")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_IDS_FIELD_NUMBER: _ClassVar[int]
     N_NODES_FIELD_NUMBER: _ClassVar[int]
@@ -150,6 +152,7 @@ class DraftTrees(_message.Message):
     COMPUTE_US_FIELD_NUMBER: _ClassVar[int]
     AFTER_EVENT_FIELD_NUMBER: _ClassVar[int]
     DOORBELL_VALUE_FIELD_NUMBER: _ClassVar[int]
+    IN_PLACE_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     session_ids: _containers.RepeatedScalarFieldContainer[str]
     n_nodes: _containers.RepeatedScalarFieldContainer[int]
@@ -163,7 +166,8 @@ class DraftTrees(_message.Message):
     compute_us: int
     after_event: bool
     doorbell_value: int
-    def __init__(self, step_id: _Optional[int] = ..., session_ids: _Optional[_Iterable[str]] = ..., n_nodes: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., parent: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., depth: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., first_child: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., next_sibling: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., logw: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., errors: _Optional[_Iterable[_Union[SessionError, _Mapping]]] = ..., compute_us: _Optional[int] = ..., after_event: _Optional[bool] = ..., doorbell_value: _Optional[int] = ...) -> None: ...
+    in_place: bool
+    def __init__(self, step_id: _Optional[int] = ..., session_ids: _Optional[_Iterable[str]] = ..., n_nodes: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., parent: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., depth: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., first_child: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., next_sibling: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., logw: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., errors: _Optional[_Iterable[_Union[SessionError, _Mapping]]] = ..., compute_us: _Optional[int] = ..., after_event: _Optional[bool] = ..., doorbell_value: _Optional[int] = ..., in_place: _Optional[bool] = ...) -> None: ...
 
 class SessionError(_message.Message):
     __slots__ = ("session_id", "code", "message")
@@ -180,7 +184,7 @@ class DrafterInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DrafterInfo(_message.Message):
-    __slots__ = ("model", "vocab_size", "block_size", "target_layer_ids", "target_hidden_size", "max_budget", "max_sessions", "active_sessions", "draft_window", "streams", "device", "dtype", "trees_event", "step_features", "trees_doorbell", "keep_warm")
+    __slots__ = ("model", "vocab_size", "block_size", "target_layer_ids", "target_hidden_size", "max_budget", "max_sessions", "active_sessions", "draft_window", "streams", "device", "dtype", "trees_event", "step_features", "trees_doorbell", "keep_warm", "trees_in_place")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -197,6 +201,7 @@ class DrafterInfo(_message.Message):
     STEP_FEATURES_FIELD_NUMBER: _ClassVar[int]
     TREES_DOORBELL_FIELD_NUMBER: _ClassVar[int]
     KEEP_WARM_FIELD_NUMBER: _ClassVar[int]
+    TREES_IN_PLACE_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     block_size: int
@@ -213,4 +218,5 @@ class DrafterInfo(_message.Message):
     step_features: bool
     trees_doorbell: bool
     keep_warm: bool
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., target_hidden_size: _Optional[int] = ..., max_budget: _Optional[int] = ..., max_sessions: _Optional[int] = ..., active_sessions: _Optional[int] = ..., draft_window: _Optional[int] = ..., streams: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., trees_event: _Optional[bytes] = ..., step_features: _Optional[bool] = ..., trees_doorbell: _Optional[bool] = ..., keep_warm: _Optional[bool] = ...) -> None: ...
+    trees_in_place: bool
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., target_hidden_size: _Optional[int] = ..., max_budget: _Optional[int] = ..., max_sessions: _Optional[int] = ..., active_sessions: _Optional[int] = ..., draft_window: _Optional[int] = ..., streams: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., trees_event: _Optional[bytes] = ..., step_features: _Optional[bool] = ..., trees_doorbell: _Optional[bool] = ..., keep_warm: _Optional[bool] = ..., trees_in_place: _Optional[bool] = ...) -> None: ...
