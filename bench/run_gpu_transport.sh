@@ -8,8 +8,9 @@
 # without a 9 ms silence and keep-warm messages (ECHO=0 skips it, T_ECHO its limit). MPS=1 runs everything under an
 # MPS control daemon of its own (pipe and log directories under /tmp/ddtree-mps; quit at the end), so the processes
 # share one GPU context. TRACE=1 adds a short gRPC run at C = 1 (TRACE_ARGS to change it) under torch.profiler in both
-# processes (--torch-trace) and `bench/trace_steps.py`'s step-by-step GPU timeline of both into $OUT/trace_steps.txt
-# (the traces themselves as $OUT/traces.tgz: the device returns few files).
+# processes (--torch-trace) and `bench/trace_steps.py`'s step-by-step GPU timeline of both into
+# $OUT/trace_steps_<label>.txt for each engine label of TRACE_LABELS (default grpc; e.g. "colocated inprocess"), and
+# the traces themselves as $OUT/traces.tgz (TRACE_TGZ=0: not; the device returns few files).
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-bench/results/run}
@@ -48,8 +49,10 @@ if [ "${TRACE:-0}" != 0 ]; then
   timeout "${T_TRACE:-150}" python bench/bench_transport.py "${src[@]}" ${TRACE_ARGS:---transports grpc \
     --concurrency 1 --steps 14 --warmup 6} --torch-trace /tmp/ddtree-traces:12:6 --out /tmp/ddtree-traces.jsonl \
     2>&1 | tail -4 | tee "$OUT/trace_run.log"
-  python bench/trace_steps.py /tmp/ddtree-traces --step-label grpc > "$OUT/trace_steps.txt" 2>&1
-  tar czf "$OUT/traces.tgz" -C /tmp ddtree-traces
+  for label in ${TRACE_LABELS:-grpc}; do
+    python bench/trace_steps.py /tmp/ddtree-traces --step-label "$label" > "$OUT/trace_steps_$label.txt" 2>&1
+  done
+  [ "${TRACE_TGZ:-1}" = 0 ] || tar czf "$OUT/traces.tgz" -C /tmp ddtree-traces
 fi
 if [ "${ECHO:-1}" != 0 ]; then  # the bare gRPC round trip on this host, busy and after a verify step's silence
   timeout "${T_ECHO:-150}" python bench/grpc_echo.py --sizes 20000 300000 --n 300 --gap-ms 0 9 --keepwarm-ms 0 3 \

@@ -194,9 +194,9 @@ def trees_in_place(trees: TreeBatch, session_ids: list[str], step_id: int, rows:
     else:
         block = torch.full((6, n_rows, width), -1, dtype=torch.int32, device=dev)
         block[5].view(torch.float32).fill_(float("-inf"))
-        if rows:
-            w = min(width, packed.shape[2])
-            block[:, torch.tensor(rows, device=dev), :w] = packed[:, :, :w].to(device=dev, dtype=torch.int32)
+        w = min(width, packed.shape[2])
+        for j, r in enumerate(rows):  # a copy per tree: no index upload, no kernel the usual step does not run
+            block[:, r, :w].copy_(packed[:, j, :w])
     if arena.cursor or arena.place_block(block) != 0:
         raise ValueError(f"trees in place: a [6, {n_rows}, {width}] int32 block ({block.numel() * 4} bytes) does "
                          f"not fit at offset 0 of the response region ({arena.region.nbytes} bytes)")

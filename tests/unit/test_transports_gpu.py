@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from drafter_service.api import DraftRequest
+from kernels.tree_build import TreeBatch, build_tree
 from tests.unit.stream_harness import (
     ServerThread,
     SlowOrBadDrafter,
@@ -57,6 +58,30 @@ def test_cuda_regions_with_an_in_process_drafter(parts, mode):
         srv.stop()
 
 
+def warm_refusal_paths(reqs):
+    """One process only: a kernel's first launch loads its module, which waits for the whole context; launched for the
+    first time while our stream waits for the drafter's ring (which this process's other thread would write next), it
+    never returns. So the kernels of the paths a refused session and a bad tree take on both sides (the in-place
+    block with a missing row, the corrupted token, the client's merge of good and root-only rows) run once here."""
+    from protos.codec import trees_in_place
+    from protos.shared_region import RegionArena, SharedRegion
+    from verifier_service.transport_stream import DraftStreamClient
+
+    region = SharedRegion.create(9, 1 << 16, "cuda")
+    try:
+        g = torch.Generator(device="cpu").manual_seed(0)
+        logq = torch.log_softmax(torch.randn(len(reqs), 3, 50, generator=g), -1).cuda()
+        tb = build_tree(logq, torch.tensor([q.root_token for q in reqs]).cuda(), [16] * len(reqs), [4] * len(reqs))
+        tb.tokens[0, 1] = 10**6
+        ids = [q.session_id for q in reqs]
+        trees_in_place(TreeBatch.from_packed(tb.pack()[:, 1:].contiguous(), tb.n_nodes[1:]), ids[1:], 1,
+                       list(range(1, len(reqs))), len(reqs), tb.tokens.shape[1] + 1, RegionArena(region))
+        DraftStreamClient._assemble(reqs, ids, tb, set(ids[1:]))
+        torch.cuda.synchronize()
+    finally:
+        region.close()
+
+
 def test_in_place_steps_with_a_refused_session_and_a_bad_tree(parts, monkeypatch):
     """An in-place step (queued before the answer) where the drafter refuses one session (its row all -1: an
     autoregressive step, told as not ready, not as an invalid tree; its rows are sent again) and sends a bad tree
@@ -80,6 +105,7 @@ def test_in_place_steps_with_a_refused_session_and_a_bad_tree(parts, monkeypatch
     try:
         with one_process_landing(service):
             first, second, third = cuda_steps()
+            warm_refusal_paths(first)
             assert_same_trees(client.draft(first), local.draft(first))  # answered first: the stream's first step
             fresh = [DraftRequest(sid, 0, q.ctx_features, q.root_token, q.root_pos - q.ctx_start, 16, 4)
                      for sid, q in zip(("refuse", "bad"), first)]
@@ -202,3 +228,34 @@ def test_a_drafter_that_never_rings_costs_one_deadline_and_no_session(parts, mon
         srv.stop()
 
 
+
+
+def test_an_in_place_step_whose_ring_never_comes(parts, monkeypatch):
+    """An in-place step is queued before the answer; when the drafter's ring never comes, the watch releases the
+    wait at the step's deadline, the step's verdicts are dropped (no session fails), the stream is dropped and
+    reconnects."""
+    from protos.shared_region import RegionArena
+
+    service, local = cuda_parts(parts)
+    srv = ServerThread(service)
+    client = client_for(srv.port, colocated=True, region_device="cuda", draft_timeout_s=0.5, check_graphs=False)
+    try:
+        with one_process_landing(service):
+            first, second, _ = cuda_steps()
+            assert_same_trees(client.draft(first), local.draft(first))
+            assert client.take_errors() == {}
+            monkeypatch.setattr(RegionArena, "ring", lambda self, bell, value: None)
+            t0 = time.monotonic()
+            trees = client.draft(second)  # queued behind the wait: back at once
+            assert time.monotonic() - t0 < 0.4 and client.stats["in_place_steps"] == 1, client.stats
+            torch.cuda.synchronize()  # blocked until the watch releases the wait
+            assert time.monotonic() - t0 >= 0.45 and trees.tokens.shape[0] == len(second)
+            assert client.take_errors() == {}
+            assert client.stats["doorbell_timeouts"] == 1 and client.stats["fallback_steps"] == 1, client.stats
+            deadline = time.monotonic() + 20
+            while client.stats["reconnects"] == 0 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert client.stats["reconnects"] == 1
+    finally:
+        client.close()
+        srv.stop()
