@@ -9,12 +9,11 @@
 For each transport the same engine (target in this process) runs C sessions at one budget; the drafter
 is the in-process `Drafter` (inprocess) or a `ddtree drafter serve` process on loopback (same device)
 reached through the stream client with shared regions (colocated: /dev/shm on CPU, CUDA IPC on GPU,
-the trees handed over by the verifier's doorbell its stream waits on, the requests by a CUDA IPC event, and
-the verify step queued behind the doorbell right after the request leaves, the trees written where the verifier laid
-them out (`StreamClientConfig.trees_in_place`); GPU only: colocated_answer, the same with the verify step queued only
-once the drafter's answer is read (the trees where the answer says), colocated_events, the same with the
-drafter's IPC event polled on the verifier's host instead of the doorbell, and colocated_sync, without events,
-each side waiting for its GPU before a message) or
+the trees handed over by the verifier's doorbell its stream waits on, the requests by a CUDA IPC event; GPU only:
+colocated_in_place, the same with the trees written where the verifier laid them out and the verify step queued
+behind the doorbell right after the request leaves, not once the answer is read (`StreamClientConfig.trees_in_place`),
+colocated_events, the same as colocated with the drafter's IPC event polled on the verifier's host instead of the
+doorbell, and colocated_sync, without events, each side waiting for its GPU before a message) or
 inline bytes (grpc; on a GPU its verify step queued before the trees arrive, behind a host doorbell that the
 thread reading the answer rings, `verifier_service.tree_landing`; GPU only: grpc_sync, the trees waited for on
 the host before the step is queued). The gRPC streams send the drafter KeepWarm messages shortly before each
@@ -209,7 +208,7 @@ def main() -> int:
     # on a GPU also the co-located stream without the trees doorbell (the verifier polls the drafter's IPC
     # event on its host) and without IPC events (each side waits for its GPU before each message)
     # and gRPC without its keep-warm messages (grpc_cold)
-    remote = ("colocated", "colocated_answer", "colocated_events", "colocated_sync", "grpc", "grpc_sync",
+    remote = ("colocated", "colocated_in_place", "colocated_events", "colocated_sync", "grpc", "grpc_sync",
               "grpc_cold") if cuda \
         else ("colocated", "grpc", "grpc_cold")
     if args.transports is not None:
@@ -237,11 +236,11 @@ def main() -> int:
         for transport in remote:
             client = DraftStreamClient(StreamClientConfig(addr, colocated=not transport.startswith("grpc"),
                                                           region_device=args.device, draft_timeout_s=60,
-                                                          ipc_events=transport in ("colocated", "colocated_answer",
+                                                          ipc_events=transport in ("colocated", "colocated_in_place",
                                                                                    "colocated_events"),
-                                                          doorbell=transport in ("colocated", "colocated_answer",
+                                                          doorbell=transport in ("colocated", "colocated_in_place",
                                                                                  "grpc", "grpc_cold"),
-                                                          trees_in_place=transport == "colocated",
+                                                          trees_in_place=transport == "colocated_in_place",
                                                           control_spin_s=args.control_spin_ms / 1e3,
                                                           check_graphs=args.check_graphs,
                                                           keepwarm_ms=keepwarm_ms(transport, args),
@@ -313,12 +312,12 @@ def main() -> int:
                                     f"{d['invalid_trees']} invalid trees ({c.last_error})")
                 if not t.startswith("grpc") and (d["region_tensors"] == 0 or d["region_trees"] != d["steps"]):
                     problems.append(f"C={conc} {t}: shared regions not used for every step ({d})")
-                handed = {"colocated": "doorbell_steps", "colocated_answer": "doorbell_steps",
+                handed = {"colocated": "doorbell_steps", "colocated_in_place": "doorbell_steps",
                           "colocated_events": "event_steps",
                           "grpc": "landed_steps", "grpc_cold": "landed_steps"}.get(t) if cuda else None
                 if handed and d[handed] != d["steps"]:
                     problems.append(f"C={conc} {t}: {handed} is not every step ({d})")
-                if cuda and t == "colocated" and d["in_place_steps"] < d["steps"] - 1:  # a stream's first step answers
+                if t == "colocated_in_place" and d["in_place_steps"] < d["steps"] - 1:  # a stream's first step answers
                     problems.append(f"C={conc} {t}: in_place_steps is not every step after the first ({d})")
                 in_place[t] = d["in_place_steps"]
             runs_after = graph_runs(metrics_addr)  # the drafter process's, all remote engines of this C together

@@ -76,6 +76,7 @@ class VerifierServerConfig:
     cuda_graphs: bool | None = None  # verify forwards and tree checks through CUDA graphs; None = on for CUDA
     mla_kernel: str = "auto"  # MLA tile kernel (`kernels.mla_attention.IMPLS`): auto = Gluon where it runs
     doorbell: bool = True  # on a GPU: queue the verify step behind a doorbell (StreamClientConfig.doorbell)
+    trees_in_place: bool = False  # co-located with the doorbell: StreamClientConfig.trees_in_place
     keepwarm_ms: float = 3.0  # gRPC stream: the KeepWarm period (StreamClientConfig.keepwarm_ms; 0: none)
     torch_trace: str | None = None  # DIR[:FIRST[:COUNT]]: steps profiled by torch.profiler (telemetry.torch_trace)
 
@@ -293,7 +294,8 @@ def build_engine(cfg: VerifierServerConfig, stop: threading.Event, metrics: Metr
             cfg.drafter_address, colocated=cfg.transport == "colocated", region_device=device,
             draft_timeout_s=cfg.draft_timeout_s, max_message_bytes=cfg.max_message_bytes, window=cfg.draft_window,
             control_spin_s=cfg.control_spin_ms / 1e3, check_graphs=cfg.cuda_graphs is not False, doorbell=cfg.doorbell,
-            keepwarm_ms=cfg.keepwarm_ms, client_id=f"verifier@{cfg.listen}"), metrics=metrics)
+            trees_in_place=cfg.trees_in_place, keepwarm_ms=cfg.keepwarm_ms, client_id=f"verifier@{cfg.listen}"),
+            metrics=metrics)
         client.start()  # connects in the background while the target loads
         try:
             if leader is None:

@@ -37,8 +37,10 @@ class StreamClientConfig:
     doorbell: bool = True
     # co-located with the doorbell: the trees go where the verifier laid them out (DraftStep.trees_in_place), so
     # the check and the verify step are queued behind the doorbell right after the request leaves, without
-    # waiting for the answer (read after the step, `DraftStreamClient.take_errors`)
-    trees_in_place: bool = True
+    # waiting for the answer (read after the step, `DraftStreamClient.take_errors`). Off by default: on the H200
+    # at K2.6 shapes it was 0.1-0.3 ms a step slower (docs/performance.md: a stream of ours waiting on the GPU
+    # delays the drafter's context getting the GPU)
+    trees_in_place: bool = False
     control_spin_s: float = 0.0  # control socket: poll this long for the answer before sleeping (ControlSocket)
     # steps on the gRPC stream: KeepWarm messages shortly before each expected request and answer, not sooner than
     # this many ms into a silence (0: never; verifier_service.keepwarm)

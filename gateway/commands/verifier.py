@@ -48,6 +48,11 @@ def add_parser(sub) -> None:
                         "GPU: wait for the trees on the host before queueing the step instead of queueing it "
                         "behind a host doorbell that their arrival rings (default: the doorbells, where the GPU "
                         "passes their self-tests)")
+    s.add_argument("--trees-in-place", action="store_true",
+                   help="co-located with the doorbell: have the drafter write each step's trees where the verifier "
+                        "laid them out, and queue the verify step behind the doorbell as soon as the request is sent "
+                        "instead of once the drafter's answer is read (off by default: slower on the H200 at K2.6 "
+                        "shapes, where the drafter's GPU work outlasts the answer's round trip)")
     s.add_argument("--keepwarm-ms", type=float, default=3.0,
                    help="gRPC transport: send the drafter a KeepWarm message shortly before each expected request "
                         "and answer, not sooner than this many ms into a silence and again every this many ms while "
@@ -96,6 +101,7 @@ def run(args) -> int:
         torch_trace=args.torch_trace,
         max_message_bytes=message_bytes(args), grace_s=args.grace_s, metrics_listen=args.metrics_listen, dist=dist,
         cuda_graphs=False if args.no_cuda_graphs else None, mla_kernel=args.mla_kernel, doorbell=not args.no_doorbell,
+        trees_in_place=args.trees_in_place,
         keepwarm_ms=args.keepwarm_ms)
     if dist is None:
         return run_server(serve, cfg, args.log_level, "ddtree-verifier")

@@ -8,9 +8,9 @@ token for token, over several sessions: a concurrent wave, then a second wave wi
 on the same stream after the first released its sessions. No step may fall back to autoregressive,
 and the co-located stream must have used its CUDA regions both ways (regions on the GPU, context
 rows placed there, every step's trees read back from there, every answer handed over by the trees doorbell
-our stream waits on, or by an IPC event with the doorbell off; with the doorbell, every step after the stream's first
-written where the verifier laid it out and verified before the answer was read, unless that is turned off
-(colocated_answer)): no silent fallback to bytes or to host waits.
+our stream waits on, or by an IPC event with the doorbell off; with colocated_in_place, every step after the
+stream's first written where the verifier laid it out and verified before the answer was read): no silent fallback
+to bytes or to host waits.
 Closing
 the clients ends the streams: the drafter frees every session and mapping.
 """
@@ -74,7 +74,7 @@ def reference(setup):
     return run(setup["engine"], setup["prompts"])
 
 
-@pytest.mark.parametrize("transport", ["colocated", "colocated_answer", "colocated_events", "grpc"])
+@pytest.mark.parametrize("transport", ["colocated", "colocated_in_place", "colocated_events", "grpc"])
 def test_split_drafter_on_the_gpu_equals_in_process(setup, reference, transport):
     from verifier_service.engine import Engine
     from verifier_service.transport import StreamClientConfig
@@ -85,7 +85,7 @@ def test_split_drafter_on_the_gpu_equals_in_process(setup, reference, transport)
     colocated = transport.startswith("colocated")
     client = DraftStreamClient(StreamClientConfig(setup["address"], colocated=colocated, region_device="cuda",
                                                   draft_timeout_s=30, doorbell=transport != "colocated_events",
-                                                  trees_in_place=transport == "colocated"))
+                                                  trees_in_place=transport == "colocated_in_place"))
     client.start()
     try:
         model = client.wait_ready(timeout=60)
@@ -101,7 +101,7 @@ def test_split_drafter_on_the_gpu_equals_in_process(setup, reference, transport)
             handed = "event_steps" if transport == "colocated_events" else "doorbell_steps"
             assert client.ipc_events and stats[handed] == stats["steps"] and not stats["doorbell_timeouts"], stats
             # in place from the stream's second step on: the verify step queued before the drafter's answer
-            assert stats["in_place_steps"] == (stats["steps"] - 1 if transport == "colocated" else 0), stats
+            assert stats["in_place_steps"] == (stats["steps"] - 1 if transport == "colocated_in_place" else 0), stats
         else:
             assert client.region_devices == {} and stats["region_tensors"] == stats["region_trees"] == 0, stats
         assert drafter_info(setup["address"]).streams == 1

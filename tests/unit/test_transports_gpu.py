@@ -67,7 +67,7 @@ def warm_refusal_paths(reqs):
     from protos.shared_region import RegionArena, SharedRegion
     from verifier_service.transport_stream import DraftStreamClient
 
-    region = SharedRegion.create(9, 1 << 16, "cuda")
+    region = SharedRegion.create(9, 1 << 16, torch.device("cuda", torch.cuda.current_device()))
     try:
         g = torch.Generator(device="cpu").manual_seed(0)
         logq = torch.log_softmax(torch.randn(len(reqs), 3, 50, generator=g), -1).cuda()
@@ -101,7 +101,7 @@ def test_in_place_steps_with_a_refused_session_and_a_bad_tree(parts, monkeypatch
     monkeypatch.setattr(draft_stream.DraftStream, "_request", refusing)
     service, local = cuda_parts(parts, SlowOrBadDrafter)
     srv = ServerThread(service)
-    client = client_for(srv.port, colocated=True, region_device="cuda", check_graphs=False)
+    client = client_for(srv.port, colocated=True, region_device="cuda", check_graphs=False, trees_in_place=True)
     try:
         with one_process_landing(service):
             first, second, third = cuda_steps()
@@ -238,7 +238,8 @@ def test_an_in_place_step_whose_ring_never_comes(parts, monkeypatch):
 
     service, local = cuda_parts(parts)
     srv = ServerThread(service)
-    client = client_for(srv.port, colocated=True, region_device="cuda", draft_timeout_s=0.5, check_graphs=False)
+    client = client_for(srv.port, colocated=True, region_device="cuda", draft_timeout_s=0.5, check_graphs=False,
+                        trees_in_place=True)
     try:
         with one_process_landing(service):
             first, second, _ = cuda_steps()
