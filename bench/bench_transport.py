@@ -10,10 +10,11 @@ For each transport the same engine (target in this process) runs C sessions at o
 is the in-process `Drafter` (inprocess) or a `ddtree drafter serve` process on loopback (same device)
 reached through the stream client with shared regions (colocated: /dev/shm on CPU, CUDA IPC on GPU,
 the trees handed over by the verifier's doorbell its stream waits on, the requests by a CUDA IPC event; GPU only:
-colocated_in_place, the same with the trees written where the verifier laid them out and the verify step queued
-behind the doorbell right after the request leaves, not once the answer is read (`StreamClientConfig.trees_in_place`),
-colocated_events, the same as colocated with the drafter's IPC event polled on the verifier's host instead of the
-doorbell, and colocated_sync, without events, each side waiting for its GPU before a message) or
+colocated_in_place and colocated_answer, the same with the trees always written where the verifier laid them out and
+the verify step queued behind the doorbell right after the request leaves, or always once the answer is read
+(`StreamClientConfig.trees_in_place` on / off; colocated is its default, auto), colocated_events, the same as
+colocated with the drafter's IPC event polled on the verifier's host instead of the doorbell, and colocated_sync,
+without events, each side waiting for its GPU before a message) or
 inline bytes (grpc; on a GPU its verify step queued before the trees arrive, behind a host doorbell that the
 thread reading the answer rings, `verifier_service.tree_landing`; GPU only: grpc_sync, the trees waited for on
 the host before the step is queued). The gRPC streams send the drafter KeepWarm messages shortly before each
@@ -123,6 +124,10 @@ def graph_runs(metrics_addr: str | None) -> dict[str, int]:
             if fam.name == "ddtree_draft_graph_runs" for s in fam.samples if s.name.endswith("_total")}
 
 
+IN_PLACE = {"colocated_in_place": "on", "colocated_answer": "off"}  # StreamClientConfig.trees_in_place (else auto)
+DOORBELLED = ("colocated", "colocated_in_place", "colocated_answer")  # co-located engines with events and the doorbell
+
+
 def keepwarm_ms(transport: str, args) -> float:
     """The keep-warm period of an engine's stream client (grpc_cold: none; co-located streams never send any)."""
     return 0.0 if transport in ("inprocess", "grpc_cold") else args.keepwarm_ms
@@ -208,8 +213,7 @@ def main() -> int:
     # on a GPU also the co-located stream without the trees doorbell (the verifier polls the drafter's IPC
     # event on its host) and without IPC events (each side waits for its GPU before each message)
     # and gRPC without its keep-warm messages (grpc_cold)
-    remote = ("colocated", "colocated_in_place", "colocated_events", "colocated_sync", "grpc", "grpc_sync",
-              "grpc_cold") if cuda \
+    remote = (*DOORBELLED, "colocated_events", "colocated_sync", "grpc", "grpc_sync", "grpc_cold") if cuda \
         else ("colocated", "grpc", "grpc_cold")
     if args.transports is not None:
         if unknown := set(args.transports) - set(remote):
@@ -236,11 +240,9 @@ def main() -> int:
         for transport in remote:
             client = DraftStreamClient(StreamClientConfig(addr, colocated=not transport.startswith("grpc"),
                                                           region_device=args.device, draft_timeout_s=60,
-                                                          ipc_events=transport in ("colocated", "colocated_in_place",
-                                                                                   "colocated_events"),
-                                                          doorbell=transport in ("colocated", "colocated_in_place",
-                                                                                 "grpc", "grpc_cold"),
-                                                          trees_in_place=transport == "colocated_in_place",
+                                                          ipc_events=transport in (*DOORBELLED, "colocated_events"),
+                                                          doorbell=transport in (*DOORBELLED, "grpc", "grpc_cold"),
+                                                          trees_in_place=IN_PLACE.get(transport, "auto"),
                                                           control_spin_s=args.control_spin_ms / 1e3,
                                                           check_graphs=args.check_graphs,
                                                           keepwarm_ms=keepwarm_ms(transport, args),
@@ -267,7 +269,8 @@ def main() -> int:
             diverged = 0  # rounds in which a transport emitted other tokens than in-process (other trees)
             emitted: dict[str, dict[str, list[int]]] = {t: {} for t in engines}
             before = {t: dict(c.stats) for t, c in clients.items()}
-            in_place: dict[str, int] = {}  # steps whose trees went where the verifier laid them out
+            # steps whose trees went where the verifier laid them out; answers that found the drafter's ring rung
+            in_place: dict[str, dict[str, int]] = {}
             runs_before = graph_runs(metrics_addr)
             for e in engines.values():
                 admit(e, conc, args.budget, vocab)
@@ -313,13 +316,14 @@ def main() -> int:
                 if not t.startswith("grpc") and (d["region_tensors"] == 0 or d["region_trees"] != d["steps"]):
                     problems.append(f"C={conc} {t}: shared regions not used for every step ({d})")
                 handed = {"colocated": "doorbell_steps", "colocated_in_place": "doorbell_steps",
+                          "colocated_answer": "doorbell_steps",
                           "colocated_events": "event_steps",
                           "grpc": "landed_steps", "grpc_cold": "landed_steps"}.get(t) if cuda else None
                 if handed and d[handed] != d["steps"]:
                     problems.append(f"C={conc} {t}: {handed} is not every step ({d})")
                 if t == "colocated_in_place" and d["in_place_steps"] < d["steps"] - 1:  # a stream's first step answers
                     problems.append(f"C={conc} {t}: in_place_steps is not every step after the first ({d})")
-                in_place[t] = d["in_place_steps"]
+                in_place[t] = {"in_place_steps": d["in_place_steps"], "ring_first": d["ring_first"]}
             runs_after = graph_runs(metrics_addr)  # the drafter process's, all remote engines of this C together
             runs = {k: v - runs_before.get(k, 0) for k, v in runs_after.items() if v != runs_before.get(k, 0)}
             print(f"drafter graph runs at C={conc} (warm-up included, all remote engines): {runs}", flush=True)
@@ -350,7 +354,7 @@ def main() -> int:
                        "drafter_graph_runs": runs if t in clients else {},
                        "ipc_events": t in clients and clients[t].ipc_events,
                        "doorbell": t in clients and clients[t].doorbell,
-                       "in_place_steps": in_place.get(t, 0),
+                       **in_place.get(t, {"in_place_steps": 0, "ring_first": 0}),
                        "malloc_pinned": "MALLOC_MMAP_THRESHOLD_" in os.environ,
                        "pinned_min_bytes": pinned_min_bytes(os.environ.get("DDTREE_PINNED_MIN_BYTES")),
                        "time": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),

@@ -12,6 +12,7 @@ none).
 
 from __future__ import annotations
 
+import collections
 import queue
 import threading
 
@@ -24,6 +25,7 @@ from verifier_service.keepwarm import KeepWarmPlan, paced
 from verifier_service.tree_landing import Landing
 
 KEEP_WARM = drafter_pb2.DraftStreamRequest(keep_warm=drafter_pb2.KeepWarm())
+IN_PLACE_VOTES = 4  # trees_in_place "auto": answers remembered (transport_stream.IN_PLACE_QUORUM of them decide)
 
 
 class StreamBroken(Exception):
@@ -47,10 +49,13 @@ class DraftCall:
         self.trees_event: IpcEvent | None = None
         self.doorbell = False  # the drafter rings the client's trees doorbell after each step's writes
         self.bell_value = 0  # the value the step in flight rings
-        # the drafter writes trees where a step asks (DrafterInfo.trees_in_place) and the stream has a doorbell;
-        # asked from the stream's second step on, after one answered step has run every kernel the check uses
+        # the drafter writes trees where a step asks (DrafterInfo.trees_in_place), the stream has a doorbell and the
+        # client may ask; asked from the stream's second step on, after one answered step has run every kernel the
+        # check uses; with trees_in_place "auto", whether the ring had come when each of the last answers was read
         self.in_place = False
         self.in_place_ready = False
+        self.ring_first: collections.deque[bool] = collections.deque(maxlen=IN_PLACE_VOTES)
+        self.since_probe = 0  # in-place steps since the last answered one (auto)
         self.released = threading.Event()  # the doorbell watch released a wait of this stream (trees unreliable)
         self.synced: set[str] = set()  # sessions whose context this drafter holds
         self.step_features = False  # the drafter reads a step's rows from DraftStep.ctx_features (one tensor)

@@ -76,7 +76,7 @@ class VerifierServerConfig:
     cuda_graphs: bool | None = None  # verify forwards and tree checks through CUDA graphs; None = on for CUDA
     mla_kernel: str = "auto"  # MLA tile kernel (`kernels.mla_attention.IMPLS`): auto = Gluon where it runs
     doorbell: bool = True  # on a GPU: queue the verify step behind a doorbell (StreamClientConfig.doorbell)
-    trees_in_place: bool = False  # co-located with the doorbell: StreamClientConfig.trees_in_place
+    trees_in_place: str = "auto"  # co-located with the doorbell: StreamClientConfig.trees_in_place (auto, on, off)
     keepwarm_ms: float = 3.0  # gRPC stream: the KeepWarm period (StreamClientConfig.keepwarm_ms; 0: none)
     torch_trace: str | None = None  # DIR[:FIRST[:COUNT]]: steps profiled by torch.profiler (telemetry.torch_trace)
 

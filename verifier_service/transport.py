@@ -25,6 +25,9 @@ if TYPE_CHECKING:  # this module stays torch-free: the CLI builds its parser fro
 TRANSPORTS = ("inprocess", "colocated", "grpc")
 
 
+IN_PLACE_MODES = ("auto", "on", "off")  # StreamClientConfig.trees_in_place
+
+
 @dataclass(frozen=True)
 class StreamClientConfig:
     address: str
@@ -35,12 +38,13 @@ class StreamClientConfig:
     # with ipc_events: the drafter rings a counter our stream waits on (protos.doorbell); gRPC on a GPU: the verify
     # step is queued before the trees arrive, behind a host doorbell the answer rings (verifier_service.tree_landing)
     doorbell: bool = True
-    # co-located with the doorbell: the trees go where the verifier laid them out (DraftStep.trees_in_place), so
-    # the check and the verify step are queued behind the doorbell right after the request leaves, without
-    # waiting for the answer (read after the step, `DraftStreamClient.take_errors`). Off by default: on the H200
-    # at K2.6 shapes it was 0.1-0.3 ms a step slower (docs/performance.md: a stream of ours waiting on the GPU
-    # delays the drafter's context getting the GPU)
-    trees_in_place: bool = False
+    # co-located with the doorbell: "on" = the trees go where the verifier laid them out (DraftStep.trees_in_place),
+    # so the check and the verify step are queued behind the doorbell right after the request leaves, without waiting
+    # for the answer (read after the step, `DraftStreamClient.take_errors`); "off" = queued once the answer is read;
+    # "auto" = in place while the drafter's ring keeps beating its answer (its GPU step is shorter than the answer's
+    # way back; H200: kimi-mini), answered otherwise (K2.6, where in place was 0.1-0.3 ms slower: a stream of ours
+    # waiting on the GPU delays the drafter's context getting it; docs/performance.md)
+    trees_in_place: str = "auto"
     control_spin_s: float = 0.0  # control socket: poll this long for the answer before sleeping (ControlSocket)
     # steps on the gRPC stream: KeepWarm messages shortly before each expected request and answer, not sooner than
     # this many ms into a silence (0: never; verifier_service.keepwarm)
@@ -67,6 +71,9 @@ class StreamClientConfig:
             raise ValueError(f"stream client: keepwarm_ms must be in [0, 1000] (0: off), got {self.keepwarm_ms}")
         if not self.address:
             raise ValueError("stream client: the drafter address is empty")
+        if self.trees_in_place not in IN_PLACE_MODES:
+            raise ValueError(f"stream client: trees_in_place must be one of {IN_PLACE_MODES}, "
+                             f"got {self.trees_in_place!r}")
 
 
 @dataclass(frozen=True)

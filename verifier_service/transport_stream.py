@@ -51,7 +51,7 @@ from kernels.tree_build import TreeBatch, tree_size
 from protos.codec import DTYPE_TO_PB, WireError, draft_request_to_pb, tensor_to_pb, trees_from_pb
 from protos.control_socket import ControlListener
 from protos.ddtree.v1 import drafter_pb2, drafter_pb2_grpc
-from protos.doorbell import HostBell, host_supported, supported
+from protos.doorbell import HostBell, host_supported, reached, supported
 from protos.shared_region import IpcEvent, RegionArena, SharedRegion
 from telemetry.metrics import Metrics
 from verifier_service.doorbell_watch import DoorbellWatch
@@ -63,6 +63,8 @@ from verifier_service.tree_verdicts import TreeChecker
 
 log = logging.getLogger(__name__)
 REQUEST_REGION, RESPONSE_REGION, DOORBELL_REGION = 1, 2, 3
+IN_PLACE_QUORUM = 3  # trees_in_place "auto": go in place when this many of the last IN_PLACE_VOTES answers came late
+IN_PLACE_PROBE_EVERY = 16  # ... and answer one step in this many + 1 to see whether they still do
 
 
 @dataclass
@@ -103,7 +105,7 @@ class DraftStreamClient:
         # event_steps: steps whose regions were handed over by CUDA IPC events (no host wait on either side)
         self.stats = {"steps": 0, "fallback_steps": 0, "reconnects": 0, "invalid_trees": 0, "region_tensors": 0,
                       "region_trees": 0, "event_steps": 0, "doorbell_steps": 0, "doorbell_timeouts": 0,
-                      "landed_steps": 0, "in_place_steps": 0, "keepwarm_sent": 0}
+                      "landed_steps": 0, "in_place_steps": 0, "ring_first": 0, "keepwarm_sent": 0}
         self.last_error = ""
         self._use_control = cfg.colocated and cfg.control_socket
         self._use_events = cfg.colocated and cfg.ipc_events
@@ -267,7 +269,7 @@ class DraftStreamClient:
             else:
                 stream.request_event = None  # the drafter waits for its GPU: so do we
             stream.doorbell = bell is not None and stream.request_event is not None and resp.opened.trees_doorbell
-            stream.in_place = stream.doorbell and resp.opened.trees_in_place and self.cfg.trees_in_place
+            stream.in_place = stream.doorbell and resp.opened.trees_in_place and self.cfg.trees_in_place != "off"
             for r in regions.values():
                 r.unlink()  # the drafter has mapped them: nothing may outlive the two processes
             model = DrafterModel.from_pb(resp.opened)
@@ -555,6 +557,11 @@ class DraftStreamClient:
         """The step's answer -> (sessions that got a tree, the decoded trees in that order, the sessions whose
         tree may be verified, drafter-side errors)."""
         answer, t_answer = self._answer(s, deadline)
+        if s.doorbell and s.in_place and self.cfg.trees_in_place == "auto":
+            # had the drafter rung before its answer got here? then its GPU step is shorter than the answer's way
+            # back, and a step queued before the answer would have started sooner (`_in_place_width`)
+            s.ring_first.append(reached(self._watch.bell.read(), s.bell_value))
+            self.stats["ring_first"] += s.ring_first[-1]
         if s.doorbell:
             # our stream waits for the drafter's ring; everything after it (the check's copy of the trees, the
             # verify step) is queued now, while the drafter's GPU works; the watch keeps the step's deadline
@@ -610,11 +617,21 @@ class DraftStreamClient:
 
     def _in_place_width(self, s: DraftCall, caps: list[int]) -> int:
         """The width of the step's in-place trees block (the largest tree laid out), or 0: the stream does not write
-        trees in place (yet), or the block would not fit its response region."""
+        trees in place (yet), the block would not fit its response region, or (auto) the drafter's answers have not
+        been arriving after its ring, or this is the answered step that checks now and then whether they still do."""
         if not (s.in_place and s.in_place_ready and caps and RESPONSE_REGION in s.regions):
             return 0
         width = max(caps)
-        return width if 6 * len(caps) * width * 4 <= s.regions[RESPONSE_REGION].nbytes else 0
+        if 6 * len(caps) * width * 4 > s.regions[RESPONSE_REGION].nbytes:
+            return 0
+        if self.cfg.trees_in_place == "auto":
+            if sum(s.ring_first) < IN_PLACE_QUORUM:
+                return 0
+            s.since_probe += 1
+            if s.since_probe > IN_PLACE_PROBE_EVERY:
+                s.since_probe = 0
+                return 0
+        return width
 
     def _queue_in_place(self, s: DraftCall, requests: list[DraftRequest], caps: list[int], width: int, t_sent: float,
                         deadline: float) -> Callable[[], TreeBatch]:

@@ -18,7 +18,7 @@ from gateway.commands.server_flags import add_server_flags, message_bytes, run_s
 
 def add_parser(sub) -> None:
     from kernels.mla_attention import IMPLS
-    from verifier_service.transport import TRANSPORTS
+    from verifier_service.transport import IN_PLACE_MODES, TRANSPORTS
 
     p = sub.add_parser("verifier", help="the verifier service")
     verbs = p.add_subparsers(dest="verb", required=True)
@@ -48,11 +48,12 @@ def add_parser(sub) -> None:
                         "GPU: wait for the trees on the host before queueing the step instead of queueing it "
                         "behind a host doorbell that their arrival rings (default: the doorbells, where the GPU "
                         "passes their self-tests)")
-    s.add_argument("--trees-in-place", action="store_true",
-                   help="co-located with the doorbell: have the drafter write each step's trees where the verifier "
-                        "laid them out, and queue the verify step behind the doorbell as soon as the request is sent "
-                        "instead of once the drafter's answer is read (off by default: slower on the H200 at K2.6 "
-                        "shapes, where the drafter's GPU work outlasts the answer's round trip)")
+    s.add_argument("--trees-in-place", choices=IN_PLACE_MODES, default="auto",
+                   help="co-located with the doorbell: on = the drafter writes each step's trees where the verifier "
+                        "laid them out, and the verify step is queued behind the doorbell as soon as the request is "
+                        "sent; off = queued once the drafter's answer is read; auto (default) = in place while the "
+                        "drafter's ring keeps arriving before its answer (a drafter whose GPU step is shorter than "
+                        "the answer's way back), answered otherwise")
     s.add_argument("--keepwarm-ms", type=float, default=3.0,
                    help="gRPC transport: send the drafter a KeepWarm message shortly before each expected request "
                         "and answer, not sooner than this many ms into a silence and again every this many ms while "

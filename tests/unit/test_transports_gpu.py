@@ -38,7 +38,7 @@ def test_cuda_regions_with_an_in_process_drafter(parts, mode):
     srv = ServerThread(service)
     doorbell = mode != "events"
     client = client_for(srv.port, colocated=True, region_device="cuda", doorbell=doorbell,
-                        trees_in_place=mode == "in_place")
+                        trees_in_place="on" if mode == "in_place" else "off")
     try:
         assert set(client.region_devices.values()) == {"cuda:0"}
         with one_process_landing(service):
@@ -101,7 +101,7 @@ def test_in_place_steps_with_a_refused_session_and_a_bad_tree(parts, monkeypatch
     monkeypatch.setattr(draft_stream.DraftStream, "_request", refusing)
     service, local = cuda_parts(parts, SlowOrBadDrafter)
     srv = ServerThread(service)
-    client = client_for(srv.port, colocated=True, region_device="cuda", check_graphs=False, trees_in_place=True)
+    client = client_for(srv.port, colocated=True, region_device="cuda", check_graphs=False, trees_in_place="on")
     try:
         with one_process_landing(service):
             first, second, third = cuda_steps()
@@ -172,6 +172,7 @@ def test_landed_steps_survive_a_slow_drafter_and_a_bad_tree(parts):
     try:
         with one_process_landing(service):
             first, second, third = cuda_steps()
+            warm_refusal_paths(first)  # the bad tree's kernels: a first launch behind the landing's wait stalls it
             service.drafter.delay = 1.0
             t0 = time.monotonic()
             got = client.draft(first)  # returns at once: the trees are still on their way
@@ -239,7 +240,7 @@ def test_an_in_place_step_whose_ring_never_comes(parts, monkeypatch):
     service, local = cuda_parts(parts)
     srv = ServerThread(service)
     client = client_for(srv.port, colocated=True, region_device="cuda", draft_timeout_s=0.5, check_graphs=False,
-                        trees_in_place=True)
+                        trees_in_place="on")
     try:
         with one_process_landing(service):
             first, second, _ = cuda_steps()
