@@ -557,11 +557,6 @@ class DraftStreamClient:
         """The step's answer -> (sessions that got a tree, the decoded trees in that order, the sessions whose
         tree may be verified, drafter-side errors)."""
         answer, t_answer = self._answer(s, deadline)
-        if s.doorbell and s.in_place and self.cfg.trees_in_place == "auto":
-            # had the drafter rung before its answer got here? then its GPU step is shorter than the answer's way
-            # back, and a step queued before the answer would have started sooner (`_in_place_width`)
-            s.ring_first.append(reached(self._watch.bell.read(), s.bell_value))
-            self.stats["ring_first"] += s.ring_first[-1]
         if s.doorbell:
             # our stream waits for the drafter's ring; everything after it (the check's copy of the trees, the
             # verify step) is queued now, while the drafter's GPU works; the watch keeps the step's deadline
@@ -596,6 +591,11 @@ class DraftStreamClient:
         trees, refused = self._checker.check(ids, trees, [by_id[i][0] for i in ids], [by_id[i][1] for i in ids],
                                              fixed=fixed, void=s.released if s.doorbell else None)
         s.in_place_ready = s.in_place and in_region  # the check's kernels have run: later steps may go in place
+        if s.in_place and self.cfg.trees_in_place == "auto":
+            # had the drafter rung before we had its answer decoded and checked? then its GPU step is shorter than
+            # the answer's way here, and a step queued before the answer would have started sooner (`_in_place_width`)
+            s.ring_first.append(reached(self._watch.bell.read(), s.bell_value))
+            self.stats["ring_first"] += s.ring_first[-1]
         self._time_step(answer.compute_us, t_sent, t_answer, t_decoded)
         self._invalid(refused)
         return ids, trees, set(ids) - set(refused), errors

@@ -162,10 +162,16 @@ def test_grpc_bytes_from_a_gpu_drafter(parts, monkeypatch, doorbell):
         srv.stop()
 
 
-def test_landed_steps_survive_a_slow_drafter_and_a_bad_tree(parts):
+def test_landed_steps_survive_a_slow_drafter_and_a_bad_tree(parts, monkeypatch):
     """gRPC with the host doorbell: a step whose answer misses its deadline is released by the watch and verified
     root-only (no session fails, the stream reconnects, the unacknowledged rows are sent again); a bad tree that
     lands fails its session only."""
+    from drafter_service import device_copy
+
+    # one process: the drafter's wire rows go pageable here; staged pinned, a step needing a pinned block of a new size
+    # (the bad session's 8 rows) allocates one, and that waited for our stream, held behind the landing's wait for
+    # this very answer, until the deadline (two processes do not share the wait; H200, nineteenth session)
+    monkeypatch.setattr(device_copy, "PINNED_MIN_BYTES", 1 << 40)
     service, local = cuda_parts(parts, SlowOrBadDrafter)
     srv = ServerThread(service)
     client = client_for(srv.port, colocated=False, region_device="cuda", draft_timeout_s=0.3, check_graphs=False)
