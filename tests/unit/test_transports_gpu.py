@@ -26,6 +26,14 @@ from tests.unit.stream_harness import (
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]
 
 
+def assert_reconnects_once(client, timeout_s: float = 20.0) -> None:
+    """The client's stream was dropped: it opens a new one in the background, once."""
+    deadline = time.monotonic() + timeout_s
+    while client.stats["reconnects"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert client.stats["reconnects"] == 1, client.stats
+
+
 @pytest.mark.parametrize("mode", ["in_place", "answer", "events"])
 def test_cuda_regions_with_an_in_process_drafter(parts, mode):
     """Drafter and verifier in one process on the GPU: the regions are CUDA allocations that the
@@ -226,15 +234,10 @@ def test_a_drafter_that_never_rings_costs_one_deadline_and_no_session(parts, mon
         assert trees.tokens.shape[0] == len(reqs)
         assert client.stats["doorbell_timeouts"] == 1 and "did not ring" in client.last_error
         assert client.take_errors() == {}
-        deadline = time.monotonic() + 20
-        while client.stats["reconnects"] == 0 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert client.stats["reconnects"] == 1
+        assert_reconnects_once(client)
     finally:
         client.close()
         srv.stop()
-
-
 
 
 def test_an_in_place_step_whose_ring_never_comes(parts, monkeypatch):
@@ -260,10 +263,7 @@ def test_an_in_place_step_whose_ring_never_comes(parts, monkeypatch):
             assert time.monotonic() - t0 >= 0.45 and trees.tokens.shape[0] == len(second)
             assert client.take_errors() == {}
             assert client.stats["doorbell_timeouts"] == 1 and client.stats["fallback_steps"] == 1, client.stats
-            deadline = time.monotonic() + 20
-            while client.stats["reconnects"] == 0 and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert client.stats["reconnects"] == 1
+            assert_reconnects_once(client)
     finally:
         client.close()
         srv.stop()
