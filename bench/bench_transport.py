@@ -347,8 +347,10 @@ def main() -> int:
                                    "step_ms_p90": round(sorted(times[t])[int(0.9 * (n - 1))] * 1e3, 3),
                                    "draft_ms_median": round(statistics.median(draft_times[t]) * 1e3, 3),
                                    "overhead_vs_inprocess_pct": round(100 * (step / base[conc] - 1), 1),
-                                   "breakdown_ms": {key: round(statistics.median(p[key] for p in phases[t]), 3)
-                                                    for key in (phases[t][0] if phases.get(t) else ())}},
+                                   # per phase over the steps that timed it (an in-place step has no round trip)
+                                   "breakdown_ms": {key: round(statistics.median(p[key] for p in phases[t] if key in p),
+                                                               3)
+                                                    for key in dict.fromkeys(k for p in phases.get(t, ()) for k in p)}},
                        "outputs_identical": not wrong, "steps_identical": not diverged,
                        "regions": clients[t].region_devices if t in clients else {},
                        "drafter_graph_runs": runs if t in clients else {},
