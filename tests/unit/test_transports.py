@@ -514,3 +514,46 @@ def test_when_a_step_asks_for_its_trees_in_place(mode):
     finally:
         region.close()
         client._channel.close()
+
+
+def test_an_in_place_answer_is_settled_after_its_step():
+    """`_settle_in_place` (the answer of a step verified before it was read): the drafter's refusals and trees of the
+    wrong size excuse their rows' device verdicts, a wrong size is told once as an invalid tree, refused sessions
+    leave the stream's synced set (their rows go again); an answer that is not the in-place block voids every row
+    and fails the step; a step the watch released fails as a timeout without reading anything."""
+    import types
+
+    from verifier_service.transport import StreamClientConfig
+    from verifier_service.transport_stream import DraftStreamClient, _InPlace
+
+    client = DraftStreamClient(StreamClientConfig("127.0.0.1:1", colocated=True))
+    answers: queue.Queue = queue.Queue()
+    s = types.SimpleNamespace(released=threading.Event(), step_id=5, doorbell=True, bell_value=9, synced={"b"},
+                              broken=False, recv=lambda timeout: answers.get(timeout=timeout))
+
+    def settle(trees: drafter_pb2.DraftTrees | None) -> set[str]:
+        excused: set[str] = set()
+        client._in_flight = _InPlace(s, ["a", "b", "c"], [17, 17, 9], excused, 0.0, time.monotonic() + 5, 0.25)
+        if trees is not None:
+            answers.put(drafter_pb2.DraftStreamResponse(trees=trees))
+        client._settle()
+        return excused
+
+    try:
+        good = drafter_pb2.DraftTrees(step_id=5, session_ids=["a", "c"], n_nodes=[17, 5], in_place=True,
+                                      doorbell_value=9, compute_us=800, errors=[drafter_pb2.SessionError(
+                                          session_id="b", code=grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
+                                          message="no room")])
+        assert settle(good) == {"b", "c"}
+        errors = client.take_errors()
+        assert set(errors) == {"c"} and "expected a full tree of 9 nodes" in errors["c"]
+        assert s.synced == {"a", "c"} and client.stats["fallback_steps"] == 0
+        assert client.last_step_ms == {"drafter": 0.8, "check": 0.25}  # no round trip: read after the step
+        not_in_place = drafter_pb2.DraftTrees(step_id=5, session_ids=["a", "b", "c"], n_nodes=[17, 17, 9],
+                                              doorbell_value=9)
+        assert settle(not_in_place) == {"a", "b", "c"} and client.stats["fallback_steps"] == 1
+        assert client.take_errors() == {}  # a wrong answer is the transport's fault: no session fails for it
+        s.released.set()
+        assert settle(None) == set() and client.stats["fallback_steps"] == 2
+    finally:
+        client._channel.close()
