@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping, Sequence
 
+import grpc
 import torch
 
 from drafter_service.api import DraftRequest
@@ -175,6 +176,21 @@ def trees_to_pb(trees: TreeBatch, session_ids: list[str], step_id: int, arena: R
     if arena is not None:
         _hand_over(msg, arena, event, bell, in_region)
     return msg
+
+
+def code_name(value: int) -> str:
+    """Name of the grpc.StatusCode with this integer value (UNKNOWN outside the enum)."""
+    return next((c.name for c in grpc.StatusCode if c.value[0] == value), "UNKNOWN")
+
+
+def answer_errors(msg: drafter_pb2.DraftTrees, answered: Sequence[str], asked: Collection[str]) -> dict[str, str]:
+    """The sessions a trees answer refused (session id -> "CODE: message"), checked against those it answered:
+    disjoint, and together exactly the asked ones (WireError otherwise)."""
+    errors = {e.session_id: f"{code_name(e.code)}: {e.message}" for e in msg.errors}
+    if set(answered) & set(errors) or set(answered) | set(errors) != set(asked):
+        raise WireError(f"step {msg.step_id}: answered sessions {sorted(set(answered) | set(errors))} "
+                        f"!= asked {sorted(asked)}")
+    return errors
 
 
 def trees_in_place(trees: TreeBatch, session_ids: list[str], step_id: int, rows: list[int], n_rows: int,

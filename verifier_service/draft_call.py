@@ -12,7 +12,6 @@ none).
 
 from __future__ import annotations
 
-import collections
 import queue
 import threading
 
@@ -21,11 +20,11 @@ import grpc
 from protos.control_socket import ControlClosed, ControlSocket
 from protos.ddtree.v1 import drafter_pb2, drafter_pb2_grpc
 from protos.shared_region import IpcEvent, SharedRegion
+from verifier_service.in_place import InPlacePlan
 from verifier_service.keepwarm import KeepWarmPlan, paced
 from verifier_service.tree_landing import Landing
 
 KEEP_WARM = drafter_pb2.DraftStreamRequest(keep_warm=drafter_pb2.KeepWarm())
-IN_PLACE_VOTES = 4  # trees_in_place "auto": answers remembered (transport_stream.IN_PLACE_QUORUM of them decide)
 
 
 class StreamBroken(Exception):
@@ -49,13 +48,9 @@ class DraftCall:
         self.trees_event: IpcEvent | None = None
         self.doorbell = False  # the drafter rings the client's trees doorbell after each step's writes
         self.bell_value = 0  # the value the step in flight rings
-        # the drafter writes trees where a step asks (DrafterInfo.trees_in_place), the stream has a doorbell and the
-        # client may ask; asked from the stream's second step on, after one answered step has run every kernel the
-        # check uses; with trees_in_place "auto", whether the ring had come when each of the last answers was read
-        self.in_place = False
-        self.in_place_ready = False
-        self.ring_first: collections.deque[bool] = collections.deque(maxlen=IN_PLACE_VOTES)
-        self.since_probe = 0  # in-place steps since the last answered one (auto)
+        # when steps ask for their trees in place (the drafter writes them there, the stream has a doorbell and the
+        # client's trees_in_place is not "off"); None: never
+        self.in_place: InPlacePlan | None = None
         self.released = threading.Event()  # the doorbell watch released a wait of this stream (trees unreliable)
         self.synced: set[str] = set()  # sessions whose context this drafter holds
         self.step_features = False  # the drafter reads a step's rows from DraftStep.ctx_features (one tensor)
@@ -91,7 +86,7 @@ class DraftCall:
                         landing = None
                         self._responses.put(resp)
                 if landing is not None:
-                    landing.deliver(resp.trees, code_name)
+                    landing.deliver(resp.trees)
             err: Exception = StreamBroken("the drafter closed the stream")
         except grpc.RpcError as e:
             err = StreamBroken(f"stream failed: {e.code().name}: {e.details()}")
@@ -120,7 +115,7 @@ class DraftCall:
             if not mine:
                 self.landing = landing
         if mine:
-            landing.deliver(mine[0].trees, code_name)
+            landing.deliver(mine[0].trees)
         elif self.broken:
             self._drop_landing(str(self.error or "stream closed"))
 
@@ -176,6 +171,3 @@ class DraftCall:
         self.request_event = self.trees_event = None
 
 
-def code_name(value: int) -> str:
-    """Name of the grpc.StatusCode with this integer value (UNKNOWN outside the enum)."""
-    return next((c.name for c in grpc.StatusCode if c.value[0] == value), "UNKNOWN")

@@ -40,7 +40,6 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass
 
 import grpc
 import torch
@@ -48,14 +47,15 @@ import torch
 from drafter_service.api import DraftRequest
 from drafter_service.device_copy import host_to_device
 from kernels.tree_build import TreeBatch, tree_size
-from protos.codec import DTYPE_TO_PB, WireError, draft_request_to_pb, tensor_to_pb, trees_from_pb
+from protos.codec import DTYPE_TO_PB, WireError, answer_errors, draft_request_to_pb, tensor_to_pb, trees_from_pb
 from protos.control_socket import ControlListener
 from protos.ddtree.v1 import drafter_pb2, drafter_pb2_grpc
 from protos.doorbell import HostBell, host_supported, reached, supported
 from protos.shared_region import IpcEvent, RegionArena, SharedRegion
 from telemetry.metrics import Metrics
 from verifier_service.doorbell_watch import DoorbellWatch
-from verifier_service.draft_call import DraftCall, DraftTimeout, StreamBroken, code_name
+from verifier_service.draft_call import DraftCall, DraftTimeout, StreamBroken
+from verifier_service.in_place import BLOCK_FIELDS, InPlacePlan, InPlaceStep
 from verifier_service.transport import DrafterModel, StreamClientConfig
 from verifier_service.tree_check_graphs import CheckGraphs
 from verifier_service.tree_landing import Landing, TreeLandings
@@ -63,20 +63,6 @@ from verifier_service.tree_verdicts import TreeChecker
 
 log = logging.getLogger(__name__)
 REQUEST_REGION, RESPONSE_REGION, DOORBELL_REGION = 1, 2, 3
-IN_PLACE_QUORUM = 3  # trees_in_place "auto": in place once this many of the last IN_PLACE_VOTES answers found the ring
-IN_PLACE_PROBE_EVERY = 16  # ... and answer one step in this many + 1 to see whether they still do
-
-
-@dataclass
-class _InPlace:
-    """An in-place step queued on the GPU whose answer has not been read yet."""
-    stream: DraftCall
-    ids: list[str]  # the step's sessions, in request (row) order
-    caps: list[int]
-    excused: set[str]  # the check's rows whose verdicts fail no session (filled in when the answer is read)
-    t_sent: float
-    deadline: float
-    check_ms: float
 
 
 class DraftStreamClient:
@@ -116,7 +102,7 @@ class DraftStreamClient:
         self._use_landing = not cfg.colocated and cfg.doorbell
         self._landings: TreeLandings | None = None  # where trees from bytes go on the GPU (set with the device)
         self._landed: tuple[DraftCall, Landing, float, float] | None = None  # the last landing step, until settled
-        self._in_flight: _InPlace | None = None  # the last in-place step, until its answer is read (`_settle`)
+        self._in_flight: InPlaceStep | None = None  # the last in-place step, until its answer is read (`_settle`)
         self._bell_value = 0  # increases across streams: a dead stream's late ring never satisfies a newer wait
         # the last exchanged step, in ms: round_trip (request sent -> answer read), drafter (its compute_us),
         # transport (round_trip - drafter), decode (trees off the wire / out of the region), validate
@@ -269,7 +255,8 @@ class DraftStreamClient:
             else:
                 stream.request_event = None  # the drafter waits for its GPU: so do we
             stream.doorbell = bell is not None and stream.request_event is not None and resp.opened.trees_doorbell
-            stream.in_place = stream.doorbell and resp.opened.trees_in_place and self.cfg.trees_in_place != "off"
+            if stream.doorbell and resp.opened.trees_in_place and self.cfg.trees_in_place != "off":
+                stream.in_place = InPlacePlan(self.cfg.trees_in_place)
             for r in regions.values():
                 r.unlink()  # the drafter has mapped them: nothing may outlive the two processes
             model = DrafterModel.from_pb(resp.opened)
@@ -392,7 +379,8 @@ class DraftStreamClient:
             self.metrics.record_fallback("unavailable", len(requests))
             return lambda: self._assemble(requests)
         caps = [tree_size(r.budget, r.topk, self.depth) for r in requests]
-        width = self._in_place_width(s, caps)
+        plan, response = s.in_place, s.regions.get(RESPONSE_REGION)
+        width = plan.width(caps, response.nbytes) if plan is not None and response is not None else 0
         try:
             t_sent, deadline = self._send_step(s, requests, width)
         except Exception as e:  # noqa: BLE001 - whatever went wrong on the wire, this step goes on without trees
@@ -576,11 +564,7 @@ class DraftStreamClient:
         in_region = answer.tokens.WhichOneof("storage") == "region"
         if in_region:
             self.stats["region_trees"] += 1
-        errors = {e.session_id: f"{code_name(e.code)}: {e.message}" for e in answer.errors}
-        asked = {r.session_id for r in requests}
-        if set(ids) & set(errors) or set(ids) | set(errors) != asked:
-            raise WireError(f"step {s.step_id}: answered sessions {sorted(set(ids) | set(errors))} "
-                            f"!= asked {sorted(asked)}")
+        errors = answer_errors(answer, ids, [r.session_id for r in requests])
         if not ids:
             return ids, None, set(), errors
         fixed = in_region
@@ -590,12 +574,13 @@ class DraftStreamClient:
         by_id = {r.session_id: (r.root_token, cap) for r, cap in zip(requests, caps)}
         trees, refused = self._checker.check(ids, trees, [by_id[i][0] for i in ids], [by_id[i][1] for i in ids],
                                              fixed=fixed, void=s.released if s.doorbell else None)
-        s.in_place_ready = s.in_place and in_region  # the check's kernels have run: later steps may go in place
-        if s.in_place and self.cfg.trees_in_place == "auto":
-            # had the drafter rung before we had its answer decoded and checked? then its GPU step is shorter than
-            # the answer's way here, and a step queued before the answer would have started sooner (`_in_place_width`)
-            s.ring_first.append(reached(self._watch.bell.read(), s.bell_value))
-            self.stats["ring_first"] += s.ring_first[-1]
+        plan = s.in_place
+        if plan is not None:
+            plan.ready = in_region  # the check's kernels have run: later steps may go in place
+            if plan.mode == "auto":
+                # had the drafter rung before we had its answer decoded and checked? then its GPU step is shorter than
+                # the answer's way here, and a step queued before the answer would have started sooner
+                self.stats["ring_first"] += plan.observe(reached(self._watch.bell.read(), s.bell_value))
         self._time_step(answer.compute_us, t_sent, t_answer, t_decoded)
         self._invalid(refused)
         return ids, trees, set(ids) - set(refused), errors
@@ -615,24 +600,6 @@ class DraftStreamClient:
             raise WireError(f"step {s.step_id}: the answer rings doorbell value {got}, expected {s.bell_value}")
         return resp.trees, t_answer
 
-    def _in_place_width(self, s: DraftCall, caps: list[int]) -> int:
-        """The width of the step's in-place trees block (the largest tree laid out), or 0: the stream does not write
-        trees in place (yet), the block would not fit its response region, or (auto) the drafter's answers have not
-        been arriving after its ring, or this is the answered step that checks now and then whether they still do."""
-        if not (s.in_place and s.in_place_ready and caps and RESPONSE_REGION in s.regions):
-            return 0
-        width = max(caps)
-        if 6 * len(caps) * width * 4 > s.regions[RESPONSE_REGION].nbytes:
-            return 0
-        if self.cfg.trees_in_place == "auto":
-            if sum(s.ring_first) < IN_PLACE_QUORUM:
-                return 0
-            s.since_probe += 1
-            if s.since_probe > IN_PLACE_PROBE_EVERY:
-                s.since_probe = 0
-                return 0
-        return width
-
     def _queue_in_place(self, s: DraftCall, requests: list[DraftRequest], caps: list[int], width: int, t_sent: float,
                         deadline: float) -> Callable[[], TreeBatch]:
         """A step whose trees the drafter writes where we asked (DraftStep.trees_in_place): -> a function that queues
@@ -643,7 +610,8 @@ class DraftStreamClient:
         ids, roots = [r.session_id for r in requests], [r.root_token for r in requests]
         self._checker.expect(ids, roots, caps, self._device)  # queued before the wait: nothing of it waits behind it
         R = len(requests)
-        block = s.regions[RESPONSE_REGION].view(0, 6 * R * width * 4).view(torch.int32).view(6, R, width)
+        block = s.regions[RESPONSE_REGION].view(0, BLOCK_FIELDS * R * width * 4).view(torch.int32).view(
+            BLOCK_FIELDS, R, width)
         region_trees = TreeBatch.from_packed(block, caps)
 
         def trees() -> TreeBatch:
@@ -659,7 +627,7 @@ class DraftStreamClient:
             excused: set[str] = set()
             safe, refused = self._checker.check(ids, region_trees, roots, caps, fixed=True, void=s.released,
                                                 excused=excused)
-            self._in_flight = _InPlace(s, ids, caps, excused, t_sent, deadline, (time.perf_counter() - t0) * 1e3)
+            self._in_flight = InPlaceStep(s, ids, caps, excused, t_sent, deadline, (time.perf_counter() - t0) * 1e3)
             return self._assemble(requests, ids, safe, set(ids) - set(refused))
 
         return trees
@@ -674,13 +642,10 @@ class DraftStreamClient:
             return
         try:
             answer, _ = self._answer(s, f.deadline)
-            errors = {e.session_id: f"{code_name(e.code)}: {e.message}" for e in answer.errors}
             answered = list(answer.session_ids)
             if not answer.in_place or len(answer.n_nodes) != len(answered):
                 raise WireError(f"step {s.step_id}: the answer is not the in-place block the step asked for")
-            if set(answered) & set(errors) or set(answered) | set(errors) != set(f.ids):
-                raise WireError(f"step {s.step_id}: answered sessions {sorted(set(answered) | set(errors))} "
-                                f"!= asked {sorted(f.ids)}")
+            errors = answer_errors(answer, answered, f.ids)
         except Exception as e:  # noqa: BLE001 - the step ran on the region's block: only its verdicts are doubtful
             f.excused.update(f.ids)
             self._step_failed(s, e, n)

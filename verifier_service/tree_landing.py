@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from kernels.tree_build import TreeBatch
-from protos.codec import WireError, trees_from_pb
+from protos.codec import WireError, answer_errors, trees_from_pb
 from protos.ddtree.v1 import drafter_pb2
 from protos.doorbell import HostBell
 
@@ -68,7 +68,7 @@ class Landing:
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _rung: bool = False
 
-    def deliver(self, msg: drafter_pb2.DraftTrees, code_name) -> None:
+    def deliver(self, msg: drafter_pb2.DraftTrees) -> None:
         """The stream's answer to this step (reader thread): trees into their rows, then the bell. A wrong answer
         rings it too, with every row root-only and `problem` said."""
         with self._lock:
@@ -76,7 +76,7 @@ class Landing:
                 return  # released already: the step runs (or ran) without it
             self.t_answer = time.perf_counter()
             try:
-                self._take(msg, code_name)
+                self._take(msg)
             except WireError as e:
                 root_only(self.host, self.roots)
                 self.problem = str(e)
@@ -100,13 +100,9 @@ class Landing:
         self._rung = True
         self.bell.ring(self.value)
 
-    def _take(self, msg: drafter_pb2.DraftTrees, code_name) -> None:
-        errors = {e.session_id: f"{code_name(e.code)}: {e.message}" for e in msg.errors}
+    def _take(self, msg: drafter_pb2.DraftTrees) -> None:
         ids, trees = trees_from_pb(msg)  # host tensors (bytes)
-        asked = set(self.ids)
-        if set(ids) & set(errors) or set(ids) | set(errors) != asked:
-            raise WireError(f"step {self.step_id}: answered sessions {sorted(set(ids) | set(errors))} "
-                            f"!= asked {sorted(asked)}")
+        errors = answer_errors(msg, ids, self.ids)
         self.errors, self.answered, self.compute_us = errors, ids, msg.compute_us
         self.excused.update(errors)
         if not ids:

@@ -474,46 +474,30 @@ def test_doorbell_offers_without_a_gpu(served, tmp_path):
 
 @pytest.mark.parametrize("mode", ["on", "auto"])
 def test_when_a_step_asks_for_its_trees_in_place(mode):
-    """`_in_place_width`: on = every step of a stream that can (drafter support, doorbell, one answered step behind,
-    a block that fits the response region); auto = only once IN_PLACE_QUORUM of the last IN_PLACE_VOTES answers found
-    the drafter's ring rung already, with one answered step in every IN_PLACE_PROBE_EVERY + 1 to look again."""
-    import collections
-    import types
+    """`InPlacePlan.width`: on = every step of a stream that can (one answered step behind, a block that fits the
+    response region); auto = only once QUORUM of the last VOTES answers found the drafter's ring rung already, with
+    one answered step in every PROBE_EVERY + 1 to look again."""
+    from verifier_service.in_place import PROBE_EVERY, QUORUM, InPlacePlan
 
-    from protos.shared_region import SharedRegion
-    from verifier_service.draft_call import IN_PLACE_VOTES
-    from verifier_service.transport import StreamClientConfig
-    from verifier_service.transport_stream import (
-        IN_PLACE_PROBE_EVERY,
-        IN_PLACE_QUORUM,
-        RESPONSE_REGION,
-        DraftStreamClient,
-    )
-
-    client = DraftStreamClient(StreamClientConfig("127.0.0.1:1", colocated=True, trees_in_place=mode))
-    region = SharedRegion.create(RESPONSE_REGION, 6 * 4 * 17 * 4)  # room for [6, 4, 17] int32
-    s = types.SimpleNamespace(in_place=True, in_place_ready=False, regions={RESPONSE_REGION: region},
-                              ring_first=collections.deque(maxlen=IN_PLACE_VOTES), since_probe=0)
+    plan = InPlacePlan(mode)
+    room = 6 * 4 * 17 * 4  # a response region with room for [6, 4, 17] int32
     caps = [17, 9, 17, 1]
-    try:
-        assert client._in_place_width(s, caps) == 0  # the stream's first step answers
-        s.in_place_ready = True
-        assert client._in_place_width(s, caps + [17]) == 0  # [6, 5, 17] does not fit the region
-        if mode == "on":
-            assert [client._in_place_width(s, caps) for _ in range(40)] == [17] * 40
-            return
-        for seen in [True] * (IN_PLACE_QUORUM - 1) + [False]:
-            s.ring_first.append(seen)
-            assert client._in_place_width(s, caps) == 0  # not enough answers came after their ring
-        s.ring_first.append(True)
-        widths = [client._in_place_width(s, caps) for _ in range(2 * IN_PLACE_PROBE_EVERY + 2)]
-        probes = [i for i, w in enumerate(widths) if w == 0]
-        assert probes == [IN_PLACE_PROBE_EVERY, 2 * IN_PLACE_PROBE_EVERY + 1] and set(widths) == {0, 17}
-        s.ring_first.extend([False, False])  # the answers now beat the ring: back to answered steps
-        assert [client._in_place_width(s, caps) for _ in range(3)] == [0, 0, 0]
-    finally:
-        region.close()
-        client._channel.close()
+    assert plan.width(caps, room) == 0  # the stream's first step answers
+    plan.ready = True
+    assert plan.width(caps + [17], room) == 0  # [6, 5, 17] does not fit the region
+    if mode == "on":
+        assert [plan.width(caps, room) for _ in range(40)] == [17] * 40
+        return
+    for seen in [True] * (QUORUM - 1) + [False]:
+        plan.observe(seen)
+        assert plan.width(caps, room) == 0  # not enough answers came after their ring
+    plan.observe(True)
+    widths = [plan.width(caps, room) for _ in range(2 * PROBE_EVERY + 2)]
+    probes = [i for i, w in enumerate(widths) if w == 0]
+    assert probes == [PROBE_EVERY, 2 * PROBE_EVERY + 1] and set(widths) == {0, 17}
+    for seen in (False, False):  # the answers now beat the ring: back to answered steps
+        plan.observe(seen)
+    assert [plan.width(caps, room) for _ in range(3)] == [0, 0, 0]
 
 
 def test_an_in_place_answer_is_settled_after_its_step():
@@ -523,8 +507,9 @@ def test_an_in_place_answer_is_settled_after_its_step():
     and fails the step; a step the watch released fails as a timeout without reading anything."""
     import types
 
+    from verifier_service.in_place import InPlaceStep
     from verifier_service.transport import StreamClientConfig
-    from verifier_service.transport_stream import DraftStreamClient, _InPlace
+    from verifier_service.transport_stream import DraftStreamClient
 
     client = DraftStreamClient(StreamClientConfig("127.0.0.1:1", colocated=True))
     answers: queue.Queue = queue.Queue()
@@ -533,7 +518,7 @@ def test_an_in_place_answer_is_settled_after_its_step():
 
     def settle(trees: drafter_pb2.DraftTrees | None) -> set[str]:
         excused: set[str] = set()
-        client._in_flight = _InPlace(s, ["a", "b", "c"], [17, 17, 9], excused, 0.0, time.monotonic() + 5, 0.25)
+        client._in_flight = InPlaceStep(s, ["a", "b", "c"], [17, 17, 9], excused, 0.0, time.monotonic() + 5, 0.25)
         if trees is not None:
             answers.put(drafter_pb2.DraftStreamResponse(trees=trees))
         client._settle()

@@ -48,10 +48,6 @@ def _landing(ids, caps, roots=None):
     return Landing(7, list(ids), roots, list(caps), host, TreeBatch(z, z, z, z, z, z.float(), list(caps)), _Bell(), 41)
 
 
-def _code_name(code):
-    return {3: "INVALID_ARGUMENT", 8: "RESOURCE_EXHAUSTED"}.get(code, "UNKNOWN")
-
-
 def _is_root_only(host, r, root):
     return host[0, r, 0] == root and (host[0, r, 1:] == -1).all() and (host[1, r] == -1).all() \
         and host[2, r, 0] == 0 and (host[2, r, 1:] == -1).all() and host[5, r, 0] == 0 \
@@ -64,7 +60,7 @@ def test_answer_fills_the_answered_rows_and_rings_once():
     land = _landing(["a", "b", "c"], caps)
     msg = trees_to_pb(trees, ["c", "a"], 7)  # in another order than asked
     msg.errors.add(session_id="b", code=8, message="no room")
-    land.deliver(msg, _code_name)
+    land.deliver(msg)
     packed = trees.pack().numpy()
     assert (land.host[:, 2, : caps[2]] == packed[:, 0, : caps[2]]).all()  # c got the first tree
     assert (land.host[:, 0, : caps[0]] == packed[:, 1, : caps[0]]).all()
@@ -73,7 +69,7 @@ def test_answer_fills_the_answered_rows_and_rings_once():
     assert land.excused == {"b"} and land.refused == {} and land.problem is None and land.compute_us == 0
     assert land.bell.rings == [41] and land.settled()
     land.release("too late")  # a later release or answer changes nothing
-    land.deliver(msg, _code_name)
+    land.deliver(msg)
     assert land.bell.rings == [41] and land.problem is None
 
 
@@ -81,7 +77,7 @@ def test_a_tree_of_another_size_keeps_the_root_only_row():
     trees = _trees(2, 8)
     n = trees.n_nodes[0]
     land = _landing(["a", "b"], [n, n + 4])  # b was laid out for a bigger tree than it got
-    land.deliver(trees_to_pb(trees, ["a", "b"], 7), _code_name)
+    land.deliver(trees_to_pb(trees, ["a", "b"], 7))
     assert (land.host[:, 0, :n] == trees.pack().numpy()[:, 0, :n]).all()
     assert (land.host[:5, 0, n:] == -1).all() and (land.host[5, 0, n:] == NEG_INF_BITS).all()  # padding after it
     assert _is_root_only(land.host, 1, 4)
@@ -96,13 +92,13 @@ def test_a_wrong_answer_or_none_leaves_every_row_root_only(answer):
     land = _landing(["a", "b"], caps)
     if answer == "released":  # the stream broke: the reader or close() releases the landing
         land.release("stream failed: UNAVAILABLE")
-        land.deliver(trees_to_pb(trees, ["a", "b"], 7), _code_name)  # too late: not taken
+        land.deliver(trees_to_pb(trees, ["a", "b"], 7))  # too late: not taken
         assert land.problem == "stream failed: UNAVAILABLE"
     else:
         msg = trees_to_pb(trees, ["a", "x"] if answer == "other_sessions" else ["a", "b"], 7)
         if answer == "duplicate":
             msg.errors.add(session_id="a", code=3, message="bad")
-        land.deliver(msg, _code_name)
+        land.deliver(msg)
         assert "answered sessions" in land.problem
     assert all(_is_root_only(land.host, r, 3 + r) for r in range(2))
     assert land.excused == {"a", "b"} and land.bell.rings == [41]
@@ -112,7 +108,7 @@ def test_a_landing_the_watch_released_takes_no_answer():
     trees = _trees(1, 8)
     land = _landing(["a"], list(trees.n_nodes))
     land.released.set()  # the watch rings the bell itself, then sets nothing else
-    land.deliver(trees_to_pb(trees, ["a"], 7), _code_name)
+    land.deliver(trees_to_pb(trees, ["a"], 7))
     assert _is_root_only(land.host, 0, 3) and land.bell.rings == [] and not land.settled()
 
 
