@@ -38,8 +38,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
-from collections.abc import Set as AbstractSet
+from collections.abc import Callable
 
 import grpc
 import torch
@@ -47,7 +46,7 @@ import torch
 from drafter_service.api import DraftRequest
 from drafter_service.device_copy import host_to_device
 from kernels.tree_build import TreeBatch, tree_size
-from protos.codec import DTYPE_TO_PB, WireError, answer_errors, draft_request_to_pb, tensor_to_pb, trees_from_pb
+from protos.codec import WireError, answer_errors, trees_from_pb
 from protos.control_socket import ControlListener
 from protos.ddtree.v1 import drafter_pb2, drafter_pb2_grpc
 from protos.doorbell import HostBell, host_supported, reached, supported
@@ -56,7 +55,9 @@ from telemetry.metrics import Metrics
 from verifier_service.doorbell_watch import DoorbellWatch
 from verifier_service.draft_call import DraftCall, DraftTimeout, StreamBroken
 from verifier_service.in_place import BLOCK_FIELDS, InPlacePlan, InPlaceStep
+from verifier_service.step_message import PendingRows, step_message
 from verifier_service.transport import DrafterModel, StreamClientConfig
+from verifier_service.tree_assembly import assemble_trees
 from verifier_service.tree_check_graphs import CheckGraphs
 from verifier_service.tree_landing import Landing, TreeLandings
 from verifier_service.tree_verdicts import TreeChecker
@@ -83,7 +84,7 @@ class DraftStreamClient:
         self._wake = threading.Event()
         self._closed = threading.Event()
         self._ready = threading.Event()
-        self._pending: dict[str, tuple[int, list[torch.Tensor]]] = {}  # sid -> (start, unacknowledged rows)
+        self._pending = PendingRows(cfg.window)  # the rows no drafter has acknowledged yet
         self._errors: dict[str, str] = {}
         self._checker: TreeChecker | None = None  # once the drafter's model is known
         # region_tensors: tensors this client placed in a shared region; region_trees: steps whose trees
@@ -316,7 +317,7 @@ class DraftStreamClient:
 
     # --- DraftClient -----------------------------------------------------------------------------
     def release(self, session_id: str) -> None:
-        self._pending.pop(session_id, None)
+        self._pending.acknowledge(session_id)
         self._errors.pop(session_id, None)
         s = self._stream
         if s is not None and session_id in s.synced:
@@ -357,7 +358,7 @@ class DraftStreamClient:
         if errors:
             self.metrics.record_fallback("not_ready", len(errors))
         for sid in answered:
-            self._pending.pop(sid, None)
+            self._pending.acknowledge(sid)
             s.synced.add(sid)
 
     def draft(self, requests: list[DraftRequest]) -> TreeBatch:
@@ -371,13 +372,13 @@ class DraftStreamClient:
         if self._watch is not None:
             self._watch.disarm()  # the last step was read back: its doorbell wait is behind us
         for r in requests:
-            self._queue_rows(r)
+            self._pending.queue(r)
         self.stats["steps"] += 1
         s = self._stream
         if s is None or s.broken:
             self.stats["fallback_steps"] += 1
             self.metrics.record_fallback("unavailable", len(requests))
-            return lambda: self._assemble(requests)
+            return lambda: assemble_trees(requests)
         caps = [tree_size(r.budget, r.topk, self.depth) for r in requests]
         plan, response = s.in_place, s.regions.get(RESPONSE_REGION)
         width = plan.width(caps, response.nbytes) if plan is not None and response is not None else 0
@@ -385,7 +386,7 @@ class DraftStreamClient:
             t_sent, deadline = self._send_step(s, requests, width)
         except Exception as e:  # noqa: BLE001 - whatever went wrong on the wire, this step goes on without trees
             self._step_failed(s, e, len(requests))
-            return lambda: self._assemble(requests)
+            return lambda: assemble_trees(requests)
         if width:  # the trees' place is known now: the verify step is queued behind the doorbell, not the answer
             return self._queue_in_place(s, requests, caps, width, t_sent, deadline)
         watch = self._landing_watch(s)
@@ -423,7 +424,7 @@ class DraftStreamClient:
         trees, _ = self._checker.check(ids, landing.trees, roots, caps, fixed=True, void=landing.released,
                                        excused=landing.excused)
         self._landed = (s, landing, t_sent, (time.perf_counter() - t0) * 1e3)  # timed once it has landed
-        return lambda: self._assemble(requests, ids, trees, set(ids))
+        return lambda: assemble_trees(requests, ids, trees, set(ids))
 
     def _settle(self) -> None:
         """After a landing or in-place step was read back: what its answer said (or why there was none) -> the
@@ -451,9 +452,9 @@ class DraftStreamClient:
             answered, trees, good, errors = self._receive_step(s, requests, caps, t_sent, deadline)
         except Exception as e:  # noqa: BLE001 - whatever went wrong on the wire, this step goes on without trees
             self._step_failed(s, e, len(requests))
-            return self._assemble(requests)
+            return assemble_trees(requests)
         self._acknowledge(s, answered, errors)
-        return self._assemble(requests, answered, trees, good)
+        return assemble_trees(requests, answered, trees, good)
 
     def _step_failed(self, s: DraftCall, e: Exception, sessions: int) -> None:
         if not isinstance(e, (StreamBroken, WireError)):
@@ -463,25 +464,6 @@ class DraftStreamClient:
         self._on_broken(s, str(e))
 
     # --- internals -------------------------------------------------------------------------------
-    def _queue_rows(self, r: DraftRequest) -> None:
-        feats = r.ctx_features
-        if feats.numel() == 0:
-            return
-        start, chunks = self._pending.get(r.session_id, (r.ctx_start, []))
-        if chunks and start + sum(c.shape[0] for c in chunks) != r.ctx_start:
-            chunks, start = [], r.ctx_start  # not contiguous (cannot happen with the engine): restart
-        chunks.append(feats)
-        n = sum(c.shape[0] for c in chunks)
-        while n - chunks[0].shape[0] >= self.cfg.window:  # drop whole chunks beyond the window
-            start += chunks[0].shape[0]
-            n -= chunks[0].shape[0]
-            chunks.pop(0)
-        if n > self.cfg.window:
-            cut = n - self.cfg.window
-            chunks[0] = chunks[0][cut:]
-            start += cut
-        self._pending[r.session_id] = (start, chunks)
-
     def _send_step(self, s: DraftCall, requests: list[DraftRequest], in_place: int = 0) -> tuple[float, float]:
         """Send one step's requests (in_place > 0: ask for the trees as a [6, R, in_place] block at the response
         region's start) -> (when it left, perf_counter; its deadline, monotonic)."""
@@ -490,28 +472,10 @@ class DraftStreamClient:
         if in_place:
             step.trees_in_place = in_place
         arena = RegionArena(s.regions[REQUEST_REGION]) if s.regions else None
-        room = self.cfg.max_message_bytes // 2  # context bytes one step message may carry
-        sent = []
-        for r in requests:
-            start, chunks = self._pending.get(r.session_id, (r.ctx_start, []))
-            feats = (chunks[0] if len(chunks) == 1 else torch.cat(chunks)) if chunks else r.ctx_features[:0]
-            if r.session_id not in s.synced and not chunks:
-                start = r.root_pos
-            n = feats.shape[0]
-            row_bytes = (feats.numel() // n if n else 0) * feats.element_size()
-            keep = n if n * row_bytes <= room else min(n, room // max(row_bytes, 1))
-            if keep < n:  # a long prompt or a resent window: the older rows go ahead in context messages
-                self._send_ahead(s, r.session_id, start, feats[: n - keep], max(1, room // row_bytes))
-                start, feats = start + n - keep, feats[n - keep :]
-            room -= keep * row_bytes
-            sent.append(DraftRequest(r.session_id, start, feats, r.root_token, r.root_pos, r.budget, r.topk,
-                                     r.traceparent))
-        feats = [q.ctx_features for q in sent]
-        if s.step_features and len({(f.dtype, f.shape[1:], f.device) for f in feats}) == 1:
-            self._step_rows(step, sent, arena)  # every session's rows as one tensor: one region slice or blob
-        else:  # one tensor per session (rows that do not stack: the drafter refuses the odd ones, not the step)
-            places = arena.place_many([q.ctx_features for q in sent]) if arena is not None else [None] * len(sent)
-            step.sessions.extend(draft_request_to_pb(q, where=w) for q, w in zip(sent, places))
+        # context bytes one step message may carry; longer windows go ahead in context messages
+        for msg in step_message(step, requests, self._pending, s.synced, arena, self.cfg.max_message_bytes // 2,
+                                s.step_features):
+            s.send(msg)
         if arena is not None:
             # the features are in the region, and our reads of the last trees are done: hand it over
             arena.hand_over(s.request_event)
@@ -523,22 +487,6 @@ class DraftStreamClient:
         t_sent = time.perf_counter()
         s.send(drafter_pb2.DraftStreamRequest(step=step))
         return t_sent, time.monotonic() + self.cfg.draft_timeout_s
-
-    @staticmethod
-    def _step_rows(step: drafter_pb2.DraftStep, sent: list[DraftRequest], arena: RegionArena | None) -> None:
-        """Fill `step` with the sessions' requests and their rows (one dtype and width, on one device) back to
-        back in DraftStep.ctx_features."""
-        feats = [q.ctx_features for q in sent]
-        start = arena.place_rows(feats) if arena is not None else None  # one concatenation into the region
-        if start is None:  # inline bytes (or a region without room): one blob
-            tensor_to_pb(feats[0] if len(feats) == 1 else torch.cat(feats), step.ctx_features)
-        else:
-            m = step.ctx_features
-            m.dtype, m.region.region_id, m.region.offset = DTYPE_TO_PB[feats[0].dtype], arena.region.region_id, start
-            m.shape.extend([sum(f.shape[0] for f in feats), *feats[0].shape[1:]])
-        step.sessions.extend(drafter_pb2.SessionDraftRequest(
-            session_id=q.session_id, ctx_start=q.ctx_start, root_token=q.root_token, root_pos=q.root_pos,
-            budget=q.budget, topk=q.topk, traceparent=q.traceparent, ctx_rows=f.shape[0]) for q, f in zip(sent, feats))
 
     def _receive_step(self, s: DraftCall, requests: list[DraftRequest], caps: list[int], t_sent: float,
                       deadline: float) -> tuple[list[str], TreeBatch | None, set[str], dict[str, str]]:
@@ -617,7 +565,7 @@ class DraftStreamClient:
         def trees() -> TreeBatch:
             if s.broken:  # it broke since the request left: no ring will come
                 self._step_failed(s, StreamBroken(f"step {s.step_id}: the stream broke"), R)
-                return self._assemble(requests)
+                return assemble_trees(requests)
             self._watch.bell.wait(s.bell_value)
             self._watch.arm(s, s.bell_value, deadline, s.released)
             self.stats["doorbell_steps"] += 1
@@ -628,7 +576,7 @@ class DraftStreamClient:
             safe, refused = self._checker.check(ids, region_trees, roots, caps, fixed=True, void=s.released,
                                                 excused=excused)
             self._in_flight = InPlaceStep(s, ids, caps, excused, t_sent, deadline, (time.perf_counter() - t0) * 1e3)
-            return self._assemble(requests, ids, safe, set(ids) - set(refused))
+            return assemble_trees(requests, ids, safe, set(ids) - set(refused))
 
         return trees
 
@@ -676,39 +624,3 @@ class DraftStreamClient:
                              "check": (time.perf_counter() - t_decoded) * 1e3}
         if compute_us:
             self.metrics.draft_transport_seconds.observe(max(0.0, round_trip - drafter))
-
-    @staticmethod
-    def _send_ahead(s: DraftCall, sid: str, start: int, feats: torch.Tensor, rows_per_message: int) -> None:
-        for i in range(0, feats.shape[0], rows_per_message):
-            part = feats[i : i + rows_per_message]
-            s.send(drafter_pb2.DraftStreamRequest(context=drafter_pb2.SessionContext(
-                session_id=sid, ctx_start=start + i, ctx_features=tensor_to_pb(part))))
-
-    @staticmethod
-    def _assemble(requests: list[DraftRequest], ids: Sequence[str] = (), trees: TreeBatch | None = None,
-                  good: AbstractSet[str] = frozenset()) -> TreeBatch:
-        """[R, M] trees in request order: the drafter's valid trees, root-only trees for everyone else.
-        Validated trees are -1 / -inf beyond their n_nodes, so whole rows are copied (one indexed copy
-        per field), and when every session got a valid tree in request order the batch is used as is."""
-        if trees is not None and len(good) == len(ids) == len(requests) and \
-                all(i == r.session_id for i, r in zip(ids, requests)):
-            return trees
-        R = len(requests)
-        col = {sid: j for j, sid in enumerate(ids)}
-        src = [col[r.session_id] if r.session_id in good else -1 for r in requests]
-        n = [trees.n_nodes[j] if j >= 0 else 1 for j in src]
-        M = max(n, default=1)
-        dev = trees.tokens.device if trees is not None else torch.device("cpu")
-        i32 = torch.int32
-        out = {f: torch.full((R, M), -1, dtype=i32, device=dev) for f in TreeBatch._FIELDS if f != "logw"}
-        out["logw"] = torch.full((R, M), float("-inf"), dtype=torch.float32, device=dev)
-        out["tokens"][:, 0] = torch.tensor([r.root_token for r in requests], dtype=i32)
-        out["depth"][:, 0] = 0
-        out["logw"][:, 0] = 0.0
-        dst = [i for i, j in enumerate(src) if j >= 0]
-        if dst:
-            w = min(M, trees.tokens.shape[1])
-            at, take = torch.tensor(dst, device=dev), torch.tensor([src[i] for i in dst], device=dev)
-            for f in TreeBatch._FIELDS:
-                out[f][at, :w] = getattr(trees, f)[take, :w].to(out[f].dtype)
-        return TreeBatch(**out, n_nodes=n)

@@ -73,7 +73,7 @@ def warm_refusal_paths(reqs):
     block with a missing row, the corrupted token, the client's merge of good and root-only rows) run once here."""
     from protos.codec import trees_in_place
     from protos.shared_region import RegionArena, SharedRegion
-    from verifier_service.transport_stream import DraftStreamClient
+    from verifier_service.tree_assembly import assemble_trees
 
     region = SharedRegion.create(9, 1 << 16, torch.device("cuda", torch.cuda.current_device()))
     try:
@@ -84,7 +84,7 @@ def warm_refusal_paths(reqs):
         ids = [q.session_id for q in reqs]
         trees_in_place(TreeBatch.from_packed(tb.pack()[:, 1:].contiguous(), tb.n_nodes[1:]), ids[1:], 1,
                        list(range(1, len(reqs))), len(reqs), tb.tokens.shape[1] + 1, RegionArena(region))
-        DraftStreamClient._assemble(reqs, ids, tb, set(ids[1:]))
+        assemble_trees(reqs, ids, tb, set(ids[1:]))
         torch.cuda.synchronize()
     finally:
         region.close()
@@ -187,6 +187,13 @@ def test_landed_steps_survive_a_slow_drafter_and_a_bad_tree(parts, monkeypatch):
         with one_process_landing(service):
             first, second, third = cuda_steps()
             warm_refusal_paths(first)  # the bad tree's kernels: a first launch behind the landing's wait stalls it
+            b = [q[1] for q in (first, second, third)]
+            rows = torch.cat([q.ctx_features for q in b])
+            # the bad step's drafter path too (a new session of 8 rows, corrupted), straight on the drafter: its first
+            # kernels or compiles there would stall behind the landing's wait or outlast the 0.3 s deadline
+            service.drafter.draft([DraftRequest("warm-bad", 0, rows, b[2].root_token, b[2].root_pos, 16, 4)])
+            service.drafter.release("warm-bad")
+            torch.cuda.synchronize()
             service.drafter.delay = 1.0
             t0 = time.monotonic()
             got = client.draft(first)  # returns at once: the trees are still on their way
@@ -196,14 +203,14 @@ def test_landed_steps_survive_a_slow_drafter_and_a_bad_tree(parts, monkeypatch):
             assert client.take_errors() == {} and client.stats["doorbell_timeouts"] == 1
             assert client.stats["fallback_steps"] == 1
             service.drafter.delay = 0.0
+            client.cfg = dataclasses.replace(client.cfg, draft_timeout_s=10.0)  # the steps below must not time out
             deadline = time.monotonic() + 10
             while not client.connected and time.monotonic() < deadline:
                 time.sleep(0.05)
             assert client.connected
             local.draft(first)
             assert_same_trees(client.draft(second), local.draft(second))  # the first step's rows were sent again
-            b = [q[1] for q in (first, second, third)]
-            bad = DraftRequest("bad", 0, torch.cat([q.ctx_features for q in b]), b[2].root_token, b[2].root_pos, 16, 4)
+            bad = DraftRequest("bad", 0, rows, b[2].root_token, b[2].root_pos, 16, 4)
             got = client.draft([bad])
             errors = client.take_errors()
             assert set(errors) == {"bad"} and "invalid tree" in errors["bad"]
