@@ -15,6 +15,11 @@ SDPA counted as their one CUDA kernel each): the eager step's, and with graphs w
   PYTHONPATH=. python bench/bench_draft_step.py [--pair models/kimi-mini] [--sessions 1 8 32]
       [--steps 30] [--out bench/results/draft_step.jsonl]
   PYTHONPATH=. python bench/bench_draft_step.py --launches-only     # CPU: the launch counts alone
+  PYTHONPATH=. python bench/bench_draft_step.py --pair /tmp/k26 --profile 25   # + each C's top GPU kernels
+
+`--profile N`: after each timed graph run, 10 more graph steps under torch.profiler, and the N kernels with the most
+GPU time per step (with their share of the step's GPU time): where the step's time goes, beside the bytes floor of
+`floor_ms` (the drafter's layer and `fc` weights, plus the lm_head, read once per step at `--copy-gbs`).
 """
 
 from __future__ import annotations
@@ -139,12 +144,42 @@ def time_steps(d: Drafter, steps: Steps, n: int) -> tuple[float, float]:
     return statistics.median(synced), statistics.median(host)
 
 
+def floor_ms(model: torch.nn.Module, head: torch.Tensor, copy_gbs: float) -> float:
+    """The step's bytes floor: every drafter weight (its layers, `fc`, norms) and the lm_head read once."""
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters()) + head.numel() * head.element_size()
+    return nbytes / (copy_gbs * 1e9) * 1e3
+
+
+def print_profile(d: Drafter, steps: Steps, top: int, floor: float, n: int = 10) -> None:
+    """n draft steps under torch.profiler -> the `top` kernels by GPU time per step (graph replays included)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            d.draft(steps.next())
+        torch.cuda.synchronize()
+    kernels: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            k = kernels.setdefault(e.name, [0.0, 0])
+            k[0] += e.time_range.elapsed_us() / 1e3 / n  # us -> ms per step
+            k[1] += 1
+    total = sum(v[0] for v in kernels.values())
+    print(f"    GPU time per step {total:.3f} ms (bytes floor {floor:.3f} ms, ratio {floor / max(total, 1e-9):.2f}); "
+          f"top {top} kernels, ms per step, calls per step, share:")
+    for name, (ms, calls) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]:
+        print(f"    {ms:8.4f}  {calls / n:5.1f}  {100 * ms / max(total, 1e-9):5.1f}%  {name[:110]}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pair", default="models/kimi-mini")
     ap.add_argument("--sessions", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--launches-only", action="store_true")
+    ap.add_argument("--profile", type=int, default=0, metavar="N", help="print each C's N costliest GPU kernels")
+    ap.add_argument("--copy-gbs", type=float, default=4250.0, help="copy bandwidth for the bytes floor (H200: ~4250)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     pair = Path(args.pair)
@@ -178,6 +213,8 @@ def main(argv=None) -> int:
             stats = dict(d.graphs.stats) if d.graphs is not None else {}
             n = launches[C]["graphs" if graphs else "eager"]
             print(f"{C:3d} {str(graphs):>6} {ms:8.3f} {host_ms:8.3f} {n:8d}")
+            if graphs and args.profile:
+                print_profile(d, steps, args.profile, floor_ms(model, head, args.copy_gbs))
             records.append({"name": "draft_step", "params": {"sessions": C, "cuda_graphs": graphs, "budget": BUDGET,
                                                              "topk": TOPK, "new_rows": NEW_ROWS, "pair": str(pair)},
                             **env_info(), "metrics": {"ms": round(ms, 4), "host_ms": round(host_ms, 4),
