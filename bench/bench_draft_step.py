@@ -9,7 +9,7 @@ the median over `--steps` steps of
 for `cuda_graphs` off (eager) and on (replays; the first steps capture, then are excluded by the warm-up).
 Peers in the same run: the eager step is the graphs' peer; `launches` is the number of device ops the
 step issues from the host, counted on the meta device (views, empties and metadata excluded; RMSNorm and
-SDPA counted as their one CUDA kernel each): the eager step's, and with graphs what the host still issues
+the block attention counted as their one CUDA kernel each): the eager step's, and with graphs what the host still issues
 (feature and index uploads, two replays, the copy out of the trees).
 
   PYTHONPATH=. python bench/bench_draft_step.py [--pair models/kimi-mini] [--sessions 1 8 32]
@@ -91,22 +91,12 @@ class LaunchCount(TorchDispatchMode):
         return replay
 
 
-class _OneKernelOps:
-    """drafter_service.model's `F` with SDPA as one op (its fused CUDA kernel), for counting on meta."""
-
-    def __getattr__(self, name):
-        return getattr(torch.nn.functional, name)
-
-    @staticmethod
-    def scaled_dot_product_attention(q, k, v, attn_mask=None):
-        return q * 1
-
-
 def count_launches(cfg: DFlashConfig, target_hidden: int, C: int) -> dict:
     """Device ops issued per steady draft step (meta device: shapes only, no data): eager, and with graphs
     (the runner's padded path with each graph body counted as one replay; `in_graph`: the ops replayed)."""
-    saved = rmsnorm.rms_norm, drafter_model.F
-    rmsnorm.rms_norm, drafter_model.F = (lambda x, w, eps: x * w), _OneKernelOps()  # one kernel each on CUDA
+    saved = rmsnorm.rms_norm, drafter_model.draft_attention
+    # one kernel each on CUDA (the block attention reads the cache in place there)
+    rmsnorm.rms_norm, drafter_model.draft_attention = (lambda x, w, eps: x * w), (lambda q, *args: q * 1)
     out = {}
     try:
         model = DFlashDrafter(cfg, target_hidden).to("meta").eval()
@@ -125,7 +115,7 @@ def count_launches(cfg: DFlashConfig, target_hidden: int, C: int) -> dict:
             if graphs:
                 out["in_graph"] = count.in_graph
     finally:
-        rmsnorm.rms_norm, drafter_model.F = saved
+        rmsnorm.rms_norm, drafter_model.draft_attention = saved
     return out
 
 

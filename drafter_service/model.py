@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from drafter_service.config import DFlashConfig
+from kernels.draft_attention import draft_attention
 from kernels.rmsnorm import RMSNorm
 from kernels.rope import Rope
 
@@ -31,32 +32,29 @@ class DFlashAttention(nn.Module):
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
 
-    def kv(self, x: torch.Tensor, positions: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [N, D] -> K, V [N, KV, hd] (K normed and rotated)."""
+    def kv(self, x: torch.Tensor, positions: torch.Tensor, rope: Rope,
+           cos_sin=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, D] -> K, V [N, KV, hd] (K normed and rotated; cos_sin: `rope.cos_sin(positions)` if known)."""
         c = self.cfg
         k = self.k_norm(self.k_proj(x).view(-1, c.num_key_value_heads, c.head_dim))
-        return rope.apply(k, positions), self.v_proj(x).view(-1, c.num_key_value_heads, c.head_dim)
+        return rope.apply(k, positions, cos_sin), self.v_proj(x).view(-1, c.num_key_value_heads, c.head_dim)
 
-    def forward(self, x, positions, rope, ctx_k, ctx_v, ctx_len):
-        """x [R, B, D] block; ctx_k/ctx_v [R, W, KV, hd] context rows (row w valid iff w < ctx_len[r])."""
+    def forward(self, x, positions, rope, cos_sin, cache_k, cache_v, rows, ctx_len):
+        """x [R, B, D] block; cos_sin: `rope.cos_sin` of the flattened positions; cache_k/cache_v [S, W, KV, hd]
+        this layer's context ring cache, request r's rows in cache row rows[r] (ring slot w valid iff
+        w < ctx_len[r])."""
         c = self.cfg
         R, B, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(R * B, c.num_attention_heads, c.head_dim))
-        q = rope.apply(q, positions.reshape(-1)).view(R, B, c.num_attention_heads, c.head_dim)
-        k_blk, v_blk = self.kv(x.reshape(R * B, -1), positions.reshape(-1), rope)
-        k = torch.cat((ctx_k, k_blk.view(R, B, *k_blk.shape[1:])), dim=1)  # [R, W+B, KV, hd]
-        v = torch.cat((ctx_v, v_blk.view(R, B, *v_blk.shape[1:])), dim=1)
-        W = ctx_k.shape[1]
-        valid = torch.arange(W + B, device=x.device)[None, :] < ctx_len[:, None]
-        valid[:, W:] = True  # block rows always visible (bidirectional)
+        q = rope.apply(q, positions.reshape(-1), cos_sin).view(R, B, c.num_attention_heads, c.head_dim)
+        k_blk, v_blk = self.kv(x.reshape(R * B, -1), positions.reshape(-1), rope, cos_sin)
         # GQA without copying K/V per query head: the `groups` heads that share KV head j (heads j * groups + g)
         # become groups * B query rows of one attention over KV head j (a row's result only depends on its own
         # query and the keys; the mask is per key). Repeating K/V to H heads copied W+B rows per head and layer.
         KV, groups = c.num_key_value_heads, c.num_attention_heads // c.num_key_value_heads
         qg = q.view(R, B, KV, groups, c.head_dim).permute(0, 2, 3, 1, 4).reshape(R, KV, groups * B, c.head_dim)
-        mask = valid[:, None, None, :]  # [R, 1, 1, W+B]
-        o = F.scaled_dot_product_attention(qg, k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
-                                           attn_mask=mask)  # [R, KV, groups * B, hd]
+        o = draft_attention(qg, cache_k, cache_v, rows, ctx_len, k_blk.view(R, B, KV, c.head_dim),
+                            v_blk.view(R, B, KV, c.head_dim))  # [R, KV, groups * B, hd]
         return self.o_proj(o.view(R, KV, groups, B, c.head_dim).permute(0, 3, 1, 2, 4).reshape(R, B, -1))
 
 
@@ -72,8 +70,8 @@ class DFlashLayer(nn.Module):
         self.mlp.up_proj = nn.Linear(D, cfg.intermediate_size, bias=False)
         self.mlp.down_proj = nn.Linear(cfg.intermediate_size, D, bias=False)
 
-    def forward(self, x, positions, rope, ctx_k, ctx_v, ctx_len):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, ctx_k, ctx_v, ctx_len)
+    def forward(self, x, positions, rope, cos_sin, cache_k, cache_v, rows, ctx_len):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, cos_sin, cache_k, cache_v, rows, ctx_len)
         h = self.post_attention_layernorm(x)
         return x + self.mlp.down_proj(F.silu(self.mlp.gate_proj(h)) * self.mlp.up_proj(h))
 
@@ -92,12 +90,15 @@ class DFlashDrafter(nn.Module):
     def context_kv(self, taps: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """taps [N, num_taps * D_target] of committed tokens -> per layer (K, V) [N, KV, hd]."""
         ctx = self.hidden_norm(self.fc(taps))
-        return [layer.self_attn.kv(ctx, positions, self.rope) for layer in self.layers]
+        cs = self.rope.cos_sin(positions)  # once for every layer's keys
+        return [layer.self_attn.kv(ctx, positions, self.rope, cs) for layer in self.layers]
 
-    def forward(self, block_embeds, positions, ctx_k, ctx_v, ctx_len):
-        """block_embeds [R, B, D] (target embeddings of [root, MASK...]); ctx_k/ctx_v: per layer
-        [R, W, KV, hd]; ctx_len [R] -> normed hidden [R, B, D] (apply the target lm_head)."""
+    def forward(self, block_embeds, positions, cache_k, cache_v, rows, ctx_len):
+        """block_embeds [R, B, D] (target embeddings of [root, MASK...]); cache_k/cache_v: the context ring cache
+        [layers, S, W, KV, hd], request r's in cache row rows[r] with ctx_len[r] valid ring slots -> normed hidden
+        [R, B, D] (apply the target lm_head)."""
         x = block_embeds
+        cs = self.rope.cos_sin(positions.reshape(-1))  # once for every layer's queries and keys
         for i, layer in enumerate(self.layers):
-            x = layer(x, positions, self.rope, ctx_k[i], ctx_v[i], ctx_len)
+            x = layer(x, positions, self.rope, cs, cache_k[i], cache_v[i], rows, ctx_len)
         return self.norm(x)

@@ -90,9 +90,11 @@ class Rope:
         ang = positions.to(torch.float32)[:, None] * self.inv_freq.to(positions.device)[None, :]
         return ang.cos() * self.amplitude, ang.sin() * self.amplitude
 
-    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x [T, ..., dim] -> rotated x, same dtype. Math in fp32 (or fp64 when x is fp64)."""
-        cos, sin = self.cos_sin(positions)
+    def apply(self, x: torch.Tensor, positions: torch.Tensor,
+              cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """x [T, ..., dim] -> rotated x, same dtype. Math in fp32 (or fp64 when x is fp64). `cos_sin`: this
+        `cos_sin(positions)`, computed once by a caller that rotates several tensors at the same positions."""
+        cos, sin = self.cos_sin(positions) if cos_sin is None else cos_sin
         acc = torch.promote_types(x.dtype, torch.float32)
         shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
         cos, sin = cos.to(acc).view(shape), sin.to(acc).view(shape)
