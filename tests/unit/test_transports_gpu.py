@@ -176,9 +176,8 @@ def test_landed_steps_survive_a_slow_drafter_and_a_bad_tree(parts, monkeypatch):
     lands fails its session only."""
     from drafter_service import device_copy
 
-    # one process: the drafter's wire rows go pageable here; staged pinned, a step needing a pinned block of a new size
-    # (the bad session's 8 rows) allocates one, and that waited for our stream, held behind the landing's wait for
-    # this very answer, until the deadline (two processes do not share the wait; H200, nineteenth session)
+    # the drafter's wire rows go pageable here, the variant this test has passed with on the H200 (the pinned path is
+    # test_grpc_bytes_from_a_gpu_drafter's); its nineteenth-session failure was the read-back order below
     monkeypatch.setattr(device_copy, "PINNED_MIN_BYTES", 1 << 40)
     service, local = cuda_parts(parts, SlowOrBadDrafter)
     srv = ServerThread(service)
