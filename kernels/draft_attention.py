@@ -43,7 +43,7 @@ def _draft_attention_kernel(
     s_cs, s_cw, s_cj,
     s_br, s_bb, s_bj,
     s_or, s_oj, s_om,
-    HD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, PREC: tl.constexpr,
+    HD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
 ):
     r = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1).to(tl.int64)
@@ -61,27 +61,27 @@ def _draft_attention_kernel(
     for start in range(0, n_ctx, BLOCK_N):
         ok = start + n < n_ctx
         k = tl.load(ck + (start + n)[:, None] * s_cw + d[None, :], mask=ok[:, None], other=0.0).to(q.dtype)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+        s = tl.dot(q, tl.trans(k)) * qk_scale
         s = tl.where(ok[None, :], s, float("-inf"))
         new = tl.maximum(mx, tl.max(s, 1))
         p = tl.math.exp2(s - new[:, None])
         alpha = tl.math.exp2(mx - new)
         v = tl.load(cv + (start + n)[:, None] * s_cw + d[None, :], mask=ok[:, None], other=0.0).to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PREC)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
         l = l * alpha + tl.sum(p, 1)
         mx = new
     b = tl.arange(0, BLOCK_B)  # the block's own keys: always visible
     okb = b < B
     kb = kb_ptr + r * s_br + j * s_bj + b[:, None] * s_bb + d[None, :]
     k = tl.load(kb, mask=okb[:, None], other=0.0).to(q.dtype)
-    s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+    s = tl.dot(q, tl.trans(k)) * qk_scale
     s = tl.where(okb[None, :], s, float("-inf"))
     new = tl.maximum(mx, tl.max(s, 1))
     p = tl.math.exp2(s - new[:, None])
     alpha = tl.math.exp2(mx - new)
     v = tl.load(vb_ptr + r * s_br + j * s_bj + b[:, None] * s_bb + d[None, :], mask=okb[:, None],
                 other=0.0).to(q.dtype)
-    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PREC)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
     l = l * alpha + tl.sum(p, 1)
     out = acc / l[:, None]
     tl.store(o_ptr + r * s_or + j * s_oj + m[:, None] * s_om + d[None, :], out.to(o_ptr.dtype.element_ty),
@@ -132,7 +132,6 @@ def draft_attention_triton(q, cache_k, cache_v, rows, ctx_len, k_blk, v_blk, blo
         q.stride(0), q.stride(1), q.stride(2), cache_k.stride(0), cache_k.stride(1), cache_k.stride(2),
         k_blk.stride(0), k_blk.stride(1), k_blk.stride(2), out.stride(0), out.stride(1), out.stride(2),
         HD=hd, BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=block_n, BLOCK_B=max(16, triton.next_power_of_2(B)),
-        PREC="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 drafts as SDPA computes them (no TF32)
         num_warps=4, num_stages=2)
     return out
 

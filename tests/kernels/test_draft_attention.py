@@ -81,12 +81,10 @@ def test_launcher_runs_the_reference_off_cuda_and_checks_shapes():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("R,lengths", [(1, [1000]), (5, [0, 1, 63, 64, 1024])])
-def test_kimi_shapes_on_the_gpu(R, lengths, dtype):
-    """bf16 as served; fp32 (the drafter's fp32 mode) without TF32: as close as the CPU tests' fp32."""
-    q, ck, cv, rows, lens, kb, vb = _case(R, 8, 64, 128, 8, 1024, lengths, dtype, device="cuda", seed=R)
+def test_kimi_shapes_bf16_on_the_gpu(R, lengths):
+    q, ck, cv, rows, lens, kb, vb = _case(R, 8, 64, 128, 8, 1024, lengths, torch.bfloat16, device="cuda", seed=R)
     with torch.no_grad():
         out = draft_attention(q, ck, cv, rows, lens, kb, vb)
     torch.cuda.synchronize()
-    assert_close(out.float(), _ref(q, ck, cv, rows, lens, kb, vb), TOL[dtype], f"K2.6 R{R} {dtype}")
+    assert_close(out.float(), _ref(q, ck, cv, rows, lens, kb, vb), TOL[torch.bfloat16], f"K2.6 R{R}")
