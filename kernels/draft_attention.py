@@ -16,7 +16,9 @@ key tiles of BLOCK_N with an online softmax in fp32, then the block's keys.
 `draft_attention` is the launcher: the kernel on CUDA for 16-bit / fp32 inputs with a power-of-two head_dim, the
 reference elsewhere (the CPU path; the tests run the kernel on CPU under TRITON_INTERPRET=1). Drafts need not be
 batch invariant (the verifier decides what is accepted), and the kernel's bits differ from SDPA's; the in-process
-and served drafters run the same path, so they agree with each other.
+and served drafters run the same path, so they agree with each other. With fp32 inputs on a GPU `tl.dot` runs in
+TF32 (Triton's default; SDPA does not): good enough for drafts, and served drafters are bf16; an `input_precision`
+of "ieee" for fp32 was written but never ran on a GPU, so it is not in.
 """
 
 from __future__ import annotations
