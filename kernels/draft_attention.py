@@ -34,6 +34,19 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @triton.jit
+def _online_tile(q, k_ptrs, v_ptrs, ok, mx, l, acc, qk_scale):
+    """One tile of keys (rows where `ok`) into the online softmax state (running max, sum, accumulator)."""
+    k = tl.load(k_ptrs, mask=ok[:, None], other=0.0).to(q.dtype)
+    s = tl.dot(q, tl.trans(k)) * qk_scale
+    s = tl.where(ok[None, :], s, float("-inf"))
+    new = tl.maximum(mx, tl.max(s, 1))
+    p = tl.math.exp2(s - new[:, None])
+    alpha = tl.math.exp2(mx - new)
+    v = tl.load(v_ptrs, mask=ok[:, None], other=0.0).to(q.dtype)
+    return new, l * alpha + tl.sum(p, 1), acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
+
+
+@triton.jit
 def _draft_attention_kernel(
     q_ptr,  # [R, KV, M, hd]
     ck_ptr, cv_ptr,  # one layer's cache [S, W, KV, hd]
@@ -58,36 +71,16 @@ def _draft_attention_kernel(
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HD], tl.float32)
     n = tl.arange(0, BLOCK_N)
-    ck = ck_ptr + row * s_cs + j * s_cj
-    cv = cv_ptr + row * s_cs + j * s_cj
-    for start in range(0, n_ctx, BLOCK_N):
-        ok = start + n < n_ctx
-        k = tl.load(ck + (start + n)[:, None] * s_cw + d[None, :], mask=ok[:, None], other=0.0).to(q.dtype)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
-        s = tl.where(ok[None, :], s, float("-inf"))
-        new = tl.maximum(mx, tl.max(s, 1))
-        p = tl.math.exp2(s - new[:, None])
-        alpha = tl.math.exp2(mx - new)
-        v = tl.load(cv + (start + n)[:, None] * s_cw + d[None, :], mask=ok[:, None], other=0.0).to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
-        l = l * alpha + tl.sum(p, 1)
-        mx = new
+    ck = ck_ptr + row * s_cs + j * s_cj + d[None, :]
+    cv = cv_ptr + row * s_cs + j * s_cj + d[None, :]
+    for start in range(0, n_ctx, BLOCK_N):  # the context rows, up to the request's length
+        w = (start + n)[:, None] * s_cw
+        mx, l, acc = _online_tile(q, ck + w, cv + w, start + n < n_ctx, mx, l, acc, qk_scale)
     b = tl.arange(0, BLOCK_B)  # the block's own keys: always visible
-    okb = b < B
-    kb = kb_ptr + r * s_br + j * s_bj + b[:, None] * s_bb + d[None, :]
-    k = tl.load(kb, mask=okb[:, None], other=0.0).to(q.dtype)
-    s = tl.dot(q, tl.trans(k)) * qk_scale
-    s = tl.where(okb[None, :], s, float("-inf"))
-    new = tl.maximum(mx, tl.max(s, 1))
-    p = tl.math.exp2(s - new[:, None])
-    alpha = tl.math.exp2(mx - new)
-    v = tl.load(vb_ptr + r * s_br + j * s_bj + b[:, None] * s_bb + d[None, :], mask=okb[:, None],
-                other=0.0).to(q.dtype)
-    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v)
-    l = l * alpha + tl.sum(p, 1)
-    out = acc / l[:, None]
-    tl.store(o_ptr + r * s_or + j * s_oj + m[:, None] * s_om + d[None, :], out.to(o_ptr.dtype.element_ty),
-             mask=m[:, None] < M)
+    blk = r * s_br + j * s_bj + b[:, None] * s_bb + d[None, :]
+    mx, l, acc = _online_tile(q, kb_ptr + blk, vb_ptr + blk, b < B, mx, l, acc, qk_scale)
+    out = (acc / l[:, None]).to(o_ptr.dtype.element_ty)
+    tl.store(o_ptr + r * s_or + j * s_oj + m[:, None] * s_om + d[None, :], out, mask=m[:, None] < M)
 
 
 def _check(q, cache_k, cache_v, rows, ctx_len, k_blk, v_blk) -> None:

@@ -61,8 +61,7 @@ def _merge_topk_kernel(x_ptr, cand_ptr, val_ptr, idx_ptr, n, stride_x, n_cand, K
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK)
     low = tl.full([BLOCK], -9223372036854775807, tl.int64)
-    key = tl.load(cand_ptr + row * n_cand + c, mask=c < n_cand, other=-9223372036854775807)
-    key = tl.where(c < n_cand, key, low)
+    key = tl.load(cand_ptr + row * n_cand + c, mask=c < n_cand, other=-9223372036854775807)  # past the end: low
     for j in tl.static_range(K):
         m = tl.max(key, 0)
         idx = (n - 1) - (m & 0xFFFFFFFF)
