@@ -7,15 +7,22 @@ ms is CUDA-graph replay time (no launch overhead); peers: {"cublas": ms of the t
 floor_ms = max(bytes of W + x + y / copy bandwidth, flops / bf16 matmul rate), both measured here.
 
 Run from the repo root on a GPU:  PYTHONPATH=. python bench/bench_matmul.py [--out FILE]
+
+--configs '[{...}, ...]' times each op under other deployment constants of kernels/matmul.py (the 16-bit tile
+config and the split-K rule; keys block_n, block_k, warps, stages, fill_sms, max_splits, min_split_tiles, the rest
+as the module has them), recorded as `params.config` (records named `matmul_config_sweep`); --ops / --ms pick the
+cases. None of these constants depends on M, so every config is batch invariant; each gives its own bits.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import json
 
 import torch
 
+import kernels.matmul as km
 from bench._common import env_info, graph_ms, measure_ceilings, write_jsonl
 from kernels.matmul import head_matmul, matmul
 
@@ -23,6 +30,10 @@ LINEARS = {  # name -> (N, K, out_dtype)
     "q_a": (1536, 7168, None), "q_b": (12288, 1536, None), "kv_a": (576, 7168, None), "o_proj": (7168, 8192, None),
     "shared_gate_up": (2048, 7168, None), "shared_down": (7168, 2048, None), "router": (384, 7168, torch.float32),
     "lm_head": (163840, 7168, None),
+    # the dense layer (layer 0, intermediate 18432), and weights the model could concatenate at load (one GEMM
+    # where it runs two: q_a + kv_a on the same input, the gate and up projections of an MLP)
+    "dense_gate": (18432, 7168, None), "dense_down": (7168, 18432, None),
+    "q_a_kv_a": (2112, 7168, None), "shared_gate_up_cat": (4096, 7168, None), "dense_gate_up_cat": (36864, 7168, None),
 }
 HEADS = {"absorb_uk": (128, 512), "apply_uv": (512, 128)}  # (K, N) per head, 64 heads
 MS = (1, 9, 65, 260, 1100)
@@ -32,7 +43,13 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results/matmul.jsonl")
     ap.add_argument("--rep-ms", type=int, default=40)
+    ap.add_argument("--configs", type=json.loads, default=None, help="a JSON list of config overrides (doc)")
+    ap.add_argument("--ops", nargs="+", default=None, help=f"of {sorted({**LINEARS, **HEADS})}")
+    ap.add_argument("--ms", nargs="+", type=int, default=list(MS))
     args = ap.parse_args()
+    configs = args.configs or [{}]
+    base = dict(zip(("block_m", "block_n", "block_k", "warps", "stages"), km.CONFIGS[torch.bfloat16]),
+                fill_sms=km.FILL_SMS, max_splits=km.MAX_SPLITS, min_split_tiles=km.MIN_SPLIT_TILES)
     info = env_info()
     ceil = measure_ceilings()
     bw, rate = ceil["copy_bw_GBps"] * 1e9, ceil["mm_tflops"] * 1e12
@@ -50,23 +67,46 @@ def main():
         w = torch.randn(64, N, K, device="cuda", generator=g).to(bf)
         ref = functools.partial(lambda x, w: torch.einsum("thk,hnk->thn", x, w), w=w)
         cases.append((name, N, K, 64, w, functools.partial(head_matmul, w=w), ref, bf))
+    cases = [c for c in cases if args.ops is None or c[0] in args.ops]
+    n_records = 0
     for name, N, K, H, w, ours, ref, acc in cases:
         records = []
-        for M in MS:
+        for M in args.ms:
             shape = (M, K) if H == 1 else (M, H, K)
             x = torch.randn(*shape, device="cuda", generator=g).to(bf)
-            ms = graph_ms(functools.partial(ours, x), 10, args.rep_ms)
             peer = graph_ms(functools.partial(ref, x), 10, args.rep_ms)
             nbytes = w.numel() * 2 + x.numel() * 2 + M * H * N * torch.finfo(acc).bits // 8
             floor = max(nbytes / bw, 2 * M * H * N * K / rate) * 1e3
-            records.append(dict(name="matmul_batch_invariant", params=dict(op=name, M=M, N=N, K=K, heads=H,
-                                dtype="bfloat16", out_dtype=str(acc).removeprefix("torch."), timing="cuda_graph"),
-                                **info, ms=ms, floor_ms=floor, ratio=floor / ms, peers={"cublas": peer}, **ceil))
-            print(f"{name:>15} {M:>5} {ms:9.4f} {peer:8.4f} {ms / peer:5.2f} {floor:8.4f} {floor / ms:6.2f}",
-                  flush=True)
+            for over in configs:
+                config = {**base, **over}
+                _apply(config)
+                try:
+                    ms = graph_ms(functools.partial(ours, x), 10, args.rep_ms)
+                except Exception as e:  # noqa: BLE001 - e.g. a tile config that needs more shared memory
+                    print(f"{name:>15} {M:>5} {json.dumps(over)}: {e!r:.200}", flush=True)
+                    continue
+                params = dict(op=name, M=M, N=N, K=K, heads=H, dtype="bfloat16",
+                              out_dtype=str(acc).removeprefix("torch."), timing="cuda_graph")
+                if args.configs:
+                    params.update(config=config, splits=km.split_k(N, K, bf)[0] if H == 1 else 1)
+                records.append(dict(name="matmul_config_sweep" if args.configs else "matmul_batch_invariant",
+                                    params=params, **info, ms=ms, floor_ms=floor, ratio=floor / ms,
+                                    peers={"cublas": peer}, **ceil))
+                tag = "" if not args.configs else " " + json.dumps(over, separators=(",", ":"))
+                print(f"{name:>15} {M:>5} {ms:9.4f} {peer:8.4f} {ms / peer:5.2f} {floor:8.4f} {floor / ms:6.2f}{tag}",
+                      flush=True)
+            _apply(base)
         write_jsonl(args.out, records)  # per op, so a run cut short keeps what it measured
+        n_records += len(records)
         del w
-    print(f"wrote {len(cases) * len(MS)} records to {args.out}", flush=True)
+    print(f"wrote {n_records} records to {args.out}", flush=True)
+
+
+def _apply(config: dict) -> None:
+    """Set kernels.matmul's 16-bit tile config and split-K rule (read at each call) to `config`."""
+    tiles = tuple(config[k] for k in ("block_m", "block_n", "block_k", "warps", "stages"))
+    km.CONFIGS[torch.bfloat16] = km.CONFIGS[torch.float16] = tiles
+    km.FILL_SMS, km.MAX_SPLITS, km.MIN_SPLIT_TILES = config["fill_sms"], config["max_splits"], config["min_split_tiles"]
 
 
 if __name__ == "__main__":
