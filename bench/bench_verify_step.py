@@ -52,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable without
 
 from bench._common import bench_ms, commit, env_info, measure_ceilings, write_jsonl  # noqa: E402
 from kernels import int4_moe, int4_moe_gluon, int4_moe_wgmma, mla_attention  # noqa: E402
+from kernels import matmul as matmul_mod  # noqa: E402
 from kernels.tree_mask import ancestor_mask, pack_mask_bits  # noqa: E402
 from verifier_service import moe as moe_mod  # noqa: E402
 from verifier_service import presets  # noqa: E402
@@ -323,11 +324,30 @@ def cpu_info() -> dict:
 
 
 # --- one case --------------------------------------------------------------------------------------------------
-def run_case(model, pool, cfg, case: dict, invariant: bool, ceil: dict, info: dict, args, state: dict) -> dict:
+GEMMS = ("now", "separate", "fixed", "before")  # --gemm: the invariant dense GEMMs' variants (`_set_gemm`)
+
+
+def _set_gemm(model, variant: str) -> None:
+    """On a batch-invariant model: "now" as make_batch_invariant leaves it (stacked q_a + kv_a and gate + up,
+    tiles by M); "separate": one GEMM per weight; "fixed": one tile shape for every M (kernels.matmul.CONFIGS');
+    "before": both (the serving code up to the twentieth session)."""
+    matmul_mod.TILES_BY_M = _TILES_NOW if variant in ("now", "separate") else (
+        (None, matmul_mod.CONFIGS[torch.bfloat16], None),)
+    if variant in ("separate", "before"):
+        for m in model.modules():
+            m.__dict__.pop("project_a", None)  # the class's: q_a and kv_a one after the other
+            if isinstance(m, moe_mod.MLP):
+                m.__dict__.pop("forward", None)
+
+
+def run_case(model, pool, cfg, case: dict, invariant: bool, ceil: dict, info: dict, args, state: dict,
+             gemm: str = "now") -> dict:
     B, L, n = case["batch"], case["prefix"], case["tree"]
     dev = args.device
     cuda = dev.startswith("cuda")
     (make_batch_invariant if invariant else remove_batch_invariance)(model)
+    if invariant:
+        _set_gemm(model, gemm)
     fb, shape = make_batch(pool, cfg, B, L, n, torch.Generator().manual_seed(args.seed * 7919 + B * 131 + L + n))
     fn = functools.partial(model, fb, pool.kv)
     first_ms = once_ms(fn, dev)  # compiles the kernels for new shapes
@@ -389,7 +409,8 @@ def run_case(model, pool, cfg, case: dict, invariant: bool, ceil: dict, info: di
         bytes_per_layer=fl["bytes_per_layer"], flops_per_layer=fl["flops_per_layer"],
         bytes_floor_ms=fl["bytes_floor_ms"], flops_floor_ms=fl["flops_floor_ms"],
         dtype=str(pool.kv.dtype).removeprefix("torch."), build_s=state.get("build_s"),
-        mla_impl=mla_attention.DEFAULT_IMPL, moe_block_m=int4_moe.DEFAULT_BLOCK_M,
+        **({"gemm": gemm} if invariant else {}), mla_impl=mla_attention.DEFAULT_IMPL,
+        moe_block_m=int4_moe.DEFAULT_BLOCK_M,
         moe_zp_mma=int4_moe.DEFAULT_ZP_MMA, moe_layout=layout,
         **({"moe_block_pairs": int4_moe_gluon.DEFAULT_BLOCK_PAIRS} if layout == "gluon" else {}),
         **({"moe_schedule": int4_moe_wgmma.resolve_schedule(shape["tokens"] * k)} if layout == "wgmma" else {}), **lm)
@@ -412,7 +433,8 @@ def print_row(r: dict) -> None:
     lm = f"{p['lm_head_ms']:8.3f}" if "lm_head_ms" in p else f"{'-':>8}"
     print(f"{p['batch']:>3} {p['prefix']:>6} {p['tree']:>3} {p['tokens']:>5} {str(p['batch_invariant'])[0]:>3} "
           f"{str(p['graph'])[0]:>5} {p['experts_touched_per_layer']:7.1f} {r['ms']:9.4f} {r['peers']['eager']:9.4f} "
-          f"{r['floor_ms']:8.4f} {r['ratio']:6.3f} {p['bytes_per_layer'] / 1e6:8.1f} {lm}", flush=True)
+          f"{r['floor_ms']:8.4f} {r['ratio']:6.3f} {p['bytes_per_layer'] / 1e6:8.1f} {lm} {p.get('gemm', '')}",
+          flush=True)
 
 
 # --- main --------------------------------------------------------------------------------------------------
@@ -452,6 +474,8 @@ def parse_args(argv=None):
                     help='with --moe-layout wgmma: int4_moe_wgmma options for every launch (int4_moe_wgmma.'
                     'DEFAULT_SCHEDULE), e.g. \'{"pdl": true}\' over auto_schedule or \'{"block_pairs": 8, "maxnreg": '
                     '128}\' over PLAIN (default: auto_schedule per launch)')
+    ap.add_argument("--gemm", choices=GEMMS, nargs="+", default=["now"],
+                    help="batch-invariant runs: the dense GEMMs' variants to time (`_set_gemm`; default now)")
     ap.add_argument("--mla-impl", choices=mla_attention.IMPLS, default=None,
                     help=f"MLA tile kernel (default: mla_attention.DEFAULT_IMPL = {mla_attention.DEFAULT_IMPL})")
     args = ap.parse_args(argv)
@@ -470,6 +494,9 @@ def parse_args(argv=None):
     if args.layers < 1 or min(args.batch) < 1 or min(args.prefix) < 0:
         ap.error("--layers and --batch must be positive, --prefix non-negative")
     return args
+
+
+_TILES_NOW = matmul_mod.TILES_BY_M
 
 
 def presets_cfg(preset: str, layers: int) -> KimiConfig:
@@ -533,18 +560,21 @@ def main(argv=None) -> list[dict]:
                                   flush=True)
                             continue
                         case = dict(batch=B, prefix=L, tree=n)
-                        try:
-                            rec = run_case(model, pool, cfg, case, inv, ceil, info, args, state)
-                        except Exception as exc:  # noqa: BLE001 - report and go on with the next case
-                            print(f"B={B} L={L} n={n} inv={inv}: {type(exc).__name__}: {exc}"[:400], flush=True)
+                        for gemm in args.gemm if inv else ["now"]:
+                            try:
+                                rec = run_case(model, pool, cfg, case, inv, ceil, info, args, state, gemm)
+                            except Exception as exc:  # noqa: BLE001 - report and go on with the next case
+                                print(f"B={B} L={L} n={n} inv={inv} gemm={gemm}: {type(exc).__name__}: {exc}"[:400],
+                                      flush=True)
+                                if cuda:
+                                    _settle()
+                                continue
                             if cuda:
-                                _settle()
-                            continue
-                        if cuda:
-                            rec["params"]["peak_mem_GB"] = round(torch.cuda.max_memory_allocated() / 1e9, 1)
-                        write_jsonl(args.out, [rec])  # one line at a time: a cut-off run keeps what it measured
-                        records.append(rec)
-                        print_row(rec)
+                                rec["params"]["peak_mem_GB"] = round(torch.cuda.max_memory_allocated() / 1e9, 1)
+                            write_jsonl(args.out, [rec])  # one line at a time: a cut-off run keeps what it measured
+                            records.append(rec)
+                            print_row(rec)
+    _set_gemm(model, "now")
     remove_batch_invariance(model)
     print(f"done in {time.perf_counter() - t_start:.0f}s, {len(records)} records -> {args.out}", flush=True)
     return records

@@ -2,15 +2,23 @@
 
 A row's result must not depend on how many rows share the launch, so that a token computed alone
 (an AR step: 1 row) and inside a tree batch (many rows) gets the same bits. cuBLAS picks kernels,
-tile shapes and split-K by M; here nothing depends on M:
-  - one fixed tile config per operand dtype (`CONFIGS`: BLOCK_M/BLOCK_N/BLOCK_K, warps, stages),
+tile shapes and split-K by M; here nothing that decides a row's summation order depends on M:
   - K is cut into a number of splits that depends only on the weight's shape (N, K) and the dtype
     (`split_k`, never on M): each split's program walks its K range from its start in steps of
     BLOCK_K, accumulating in fp32 with `tl.dot` (acc += a @ b, the same order every time), and the
     fp32 partials are summed in split order by `_sum_splits_kernel`. Skinny weights at decode sizes
     (kv_a_proj 7168 -> 576 is 9 output tiles) would otherwise leave most SMs idle; wide ones keep
     one split (no partials),
-  - M is not specialised by the compiler (`do_not_specialize`), so M = 1 runs the same machine code,
+  - each output element is then one chain of the tensor cores' k16 MMAs (m64nNk16 wgmma on sm_90) over its
+    split in ascending K from the split's start, accumulated in fp32; the tile shape (BLOCK_M / BLOCK_N /
+    BLOCK_K, warps, pipeline stages) decides which elements a program computes and how many K columns one
+    loop step covers, not that chain (a BLOCK_K of 128 is two 64-column steps' MMAs in the same order; zero
+    columns past a split's end add exact zeros). So 16-bit operands take their tile shape by the row count
+    (`tile_config`: pipelined 64 x 64 tiles for a few rows, wider ones for many), which a GPU test checks
+    bit for bit against every other shape in use; fp32 keeps one (`CONFIGS`; its dot is not the tensor
+    cores' chain),
+  - M is not specialised by the compiler (`do_not_specialize`), so M = 1 runs the same machine code as
+    any other M of its tile shape,
   - rows past M are masked to zero; they never touch another row's accumulator.
 So a row's reduction order depends only on (N, K) and the dtype. `batched_matmul`/`head_matmul` never
 split; there trailing zero padding of K is neutral (whole extra K tiles add exact zeros), which
@@ -29,12 +37,14 @@ together and W streams from HBM about once (x is small at decode/verify sizes an
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
-# dtype of x/w -> (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). Fixed for every M: changing
-# BLOCK_K, the warps or the MMA shape can change the bits, so a deployment keeps these constant.
+# dtype of x/w -> (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): the split rule's tiles (its bits: a deployment
+# keeps them constant), fp32's only tiles, and 16-bit tiles where `tile_config` has no better one
 CONFIGS = {
     torch.bfloat16: (64, 64, 64, 4, 4),
     torch.float16: (64, 64, 64, 4, 4),
@@ -48,6 +58,36 @@ CONFIGS = {
 FILL_SMS = 132
 MAX_SPLITS = 8
 MIN_SPLIT_TILES = 4
+
+
+# 16-bit tiles by row count (sm_90 sweep, `bench/bench_matmul.py --configs`): (largest M, tiles, tiles when the grid
+# is wider than PIPELINED_GRID programs per SM); None: any M
+TILES_BY_M = (
+    (64, (64, 64, 64, 4, 6), (64, 64, 64, 4, 4)),  # decode / one tree: deeper pipelines while the grid fits twice
+    (256, (64, 64, 64, 4, 4), None),
+    (None, (64, 128, 64, 4, 4), None),
+)
+PIPELINED_GRID = 2
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def tile_config(M: int, programs: int, dtype: torch.dtype, device: torch.device | None = None) -> tuple:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) for M rows; `programs`: the launch's programs per M tile (N tiles
+    x splits x batch). Only speed depends on it (module doc), so it may follow M and the GPU."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        return CONFIGS[dtype]
+    for top, tiles, wide in TILES_BY_M:
+        if top is None or M <= top:
+            if wide is not None and device is not None and device.type == "cuda":
+                index = device.index if device.index is not None else torch.cuda.current_device()
+                if programs * triton.cdiv(M, tiles[0]) > PIPELINED_GRID * _sm_count(index):
+                    return wide
+            return tiles
+    return CONFIGS[dtype]
 
 
 def split_k(N: int, K: int, dtype: torch.dtype) -> tuple[int, int]:
@@ -144,11 +184,13 @@ def _check(name: str, x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype |
     return out_dtype
 
 
-def batched_matmul_triton(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def batched_matmul_triton(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tiles: tuple | None = None
+                          ) -> torch.Tensor:
     """The Triton path on any device (tests call it on CPU under TRITON_INTERPRET=1).
 
     x [B, M, K], w [B, N, K], out [B, M, N] (written in place): any strides, including views such as
-    a head slice of [T, H, K] or a transposed weight."""
+    a head slice of [T, H, K] or a transposed weight. tiles: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) instead of
+    `tile_config`'s (tests)."""
     B, M, K = x.shape
     N = w.shape[1]
     if w.shape != (B, N, K) or out.shape != (B, M, N):
@@ -160,7 +202,9 @@ def batched_matmul_triton(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -
         return out
     if K == 0:
         return out.zero_()
-    block_m, block_n, block_k, warps, stages = CONFIGS[x.dtype]
+    if tiles is None:
+        tiles = tile_config(M, triton.cdiv(N, CONFIGS[x.dtype][1]) * B, x.dtype, x.device)
+    block_m, block_n, block_k, warps, stages = tiles
     grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n), B)
     if grid[1] > 65535 or B > 65535:
         raise ValueError(f"batched_matmul: N = {N} or B = {B} too large for one launch")
@@ -177,16 +221,19 @@ def _prec(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit operands
 
 
-def matmul_triton(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def matmul_triton(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tiles: tuple | None = None) -> torch.Tensor:
     """The 2-D Triton path on any device: x [M, K] @ w [N, K]^T -> out [M, N] (written in place), split
-    over K by `split_k(N, K)` (fp32 partials summed in split order), else one pass as batched_matmul."""
+    over K by `split_k(N, K)` (fp32 partials summed in split order), else one pass as batched_matmul.
+    tiles: as `batched_matmul_triton`'s."""
     (M, K), N = x.shape, w.shape[0]
     if x.dtype not in CONFIGS or w.dtype != x.dtype or out.dtype not in CONFIGS:
         raise ValueError(f"matmul: unsupported dtypes x {x.dtype}, w {w.dtype}, out {out.dtype}")
     splits, per = split_k(N, K, x.dtype) if K > 0 else (1, 0)
     if splits == 1 or M == 0 or N == 0:
-        return batched_matmul_triton(x[None], w[None], out[None])[0]
-    block_m, block_n, block_k, warps, stages = CONFIGS[x.dtype]
+        return batched_matmul_triton(x[None], w[None], out[None], tiles)[0]
+    if tiles is None:
+        tiles = tile_config(M, triton.cdiv(N, CONFIGS[x.dtype][1]) * splits, x.dtype, x.device)
+    block_m, block_n, block_k, warps, stages = tiles
     part = torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
     _matmul_kernel[(triton.cdiv(M, block_m), triton.cdiv(N, block_n), splits)](
         x, w, part, M, N, K,

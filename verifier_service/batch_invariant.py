@@ -12,6 +12,12 @@ and `.logits` whose CUDA implementation picks its reduction order from the row c
   MLAAttention.absorb_uk / apply_uv (einsums)      cuBLAS batched GEMM              kernels.matmul.head_matmul
   RMSNorm (every norm)                             torch mean: layout by #rows      kernels.rmsnorm kernel, used
                                                                                     by the module on CUDA already
+The transform also runs the linears that read one input as one GEMM over their weights stacked in one
+buffer (each weight then a view of its rows, no second copy): q_a and kv_a (`MLAAttention.project_a`), the gate
+and up projections of the dense MLPs and shared experts (`MLP.forward`). One launch streams both weights (at a
+decode step each is a few microseconds of bytes behind a launch and a pipeline ramp). The stacked weight has its
+own split-K (`kernels.matmul.split_k` of the stacked shape), so its bits differ from the separate GEMMs', and
+every step of the transformed model, AR or tree, runs the same way.
 Checked and left alone, because each output element is computed from its own row only, by a
 launch whose per-row work does not depend on the number of rows:
   - embedding gather, rope (cos/sin of the row's position, elementwise), SiLU * up, residual adds,
@@ -47,10 +53,10 @@ from torch import nn
 from kernels.matmul import CONFIGS, head_matmul, matmul
 from verifier_service.aligned_attention import aligned_mla_attention
 from verifier_service.mla import MLAAttention
-from verifier_service.moe import Router
+from verifier_service.moe import MLP, Router
 
 ATTENTION = ("kernel", "aligned")
-_SWAPPED = ("forward", "score_logits", "absorb_uk", "apply_uv", "attention", "logits")  # instance attributes
+_SWAPPED = ("forward", "score_logits", "absorb_uk", "apply_uv", "attention", "logits", "project_a")  # instance attrs
 
 
 def _needs_grad(*ts: torch.Tensor) -> bool:
@@ -65,6 +71,45 @@ def _linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if self.bias is not None:
         y = y + self.bias
     return y.view(*x.shape[:-1], y.shape[-1])
+
+
+def stack_weights(*linears: nn.Linear) -> torch.Tensor | None:
+    """The weights of bias-free linears that read one input, copied into one [sum of N, K] buffer, each module's
+    weight becoming a view of its rows (so no second copy stays); None where they cannot share one (a bias, another
+    K, dtype or device)."""
+    ws = [lin.weight for lin in linears]
+    w0 = ws[0]
+    if (any(lin.bias is not None for lin in linears)
+            or any(w.dim() != 2 or w.shape[1] != w0.shape[1] or w.dtype != w0.dtype or w.device != w0.device
+                   for w in ws)):
+        return None
+    stacked = torch.cat([w.data for w in ws])
+    start = 0
+    for w in ws:
+        w.data = stacked[start:start + w.shape[0]]
+        start += w.shape[0]
+    return stacked
+
+
+def _project_a(self: MLAAttention, x: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """MLAAttention.project_a as one GEMM over q_a and kv_a stacked (`stack_weights`)."""
+    w = self.__dict__.get("stacked_a")
+    if w is None or _needs_grad(x, self.q_a_proj.weight, self.kv_a_proj_with_mqa.weight) or x.dtype != w.dtype:
+        return MLAAttention.project_a(self, x)
+    y = matmul(x.reshape(-1, x.shape[-1]), w)
+    q = self.cfg.q_lora_rank
+    return y[:, :q], y[:, q:]
+
+
+def _mlp_forward(self: MLP, x: torch.Tensor) -> torch.Tensor:
+    """MLP.forward with gate and up as one GEMM over their stacked weights."""
+    w = self.__dict__.get("stacked_gate_up")
+    if w is None or _needs_grad(x, self.gate_proj.weight, self.up_proj.weight) or x.dtype != w.dtype:
+        return MLP.forward(self, x)
+    y = matmul(x.reshape(-1, x.shape[-1]), w)
+    inter = self.gate_proj.weight.shape[0]
+    h = F.silu(y[:, :inter]) * y[:, inter:]
+    return self.down_proj(h).view(*x.shape[:-1], -1)
 
 
 def _router_logits(self: Router, x: torch.Tensor) -> torch.Tensor:
@@ -119,7 +164,13 @@ def make_batch_invariant(model: nn.Module, attention: str = "kernel") -> nn.Modu
             mod.forward = types.MethodType(_linear_forward, mod)
         elif isinstance(mod, Router):
             mod.score_logits = types.MethodType(_router_logits, mod)
+        elif isinstance(mod, MLP):
+            mod.stacked_gate_up = stack_weights(mod.gate_proj, mod.up_proj)
+            mod.forward = types.MethodType(_mlp_forward, mod)
         elif isinstance(mod, MLAAttention):
+            if mod.cfg.q_lora_rank:
+                mod.stacked_a = stack_weights(mod.q_a_proj, mod.kv_a_proj_with_mqa)
+                mod.project_a = types.MethodType(_project_a, mod)
             mod.absorb_uk = _absorb_uk
             mod.apply_uv = _apply_uv
             if attention == "aligned":
@@ -135,7 +186,7 @@ def make_batch_invariant(model: nn.Module, attention: str = "kernel") -> nn.Modu
 def remove_batch_invariance(model: nn.Module) -> nn.Module:
     """Undo `make_batch_invariant`: every module runs its class's own forward again."""
     for mod in model.modules():
-        for name in _SWAPPED:
+        for name in (*_SWAPPED, "stacked_a", "stacked_gate_up"):  # the weights stay views of their stacked buffer
             mod.__dict__.pop(name, None)
     model.__dict__.pop("batch_invariant", None)
     return model

@@ -45,6 +45,11 @@ class MLAAttention(nn.Module):
     def apply_uv(o_lat: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
         return torch.einsum("thl,hvl->thv", o_lat, w_uv)  # [T, H, Dl] x [H, v, Dl] -> [T, H, v]
 
+    def project_a(self, x: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """The two projections of the layer input: (q_a [T, q_lora] or None without q_lora, kv_a [T, Dl + Dr])."""
+        q_a = self.q_a_proj(x) if self.cfg.q_lora_rank else None
+        return q_a, self.kv_a_proj_with_mqa(x)
+
     def _w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.cfg
         w = self.kv_b_proj.weight.view(c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
@@ -54,15 +59,12 @@ class MLAAttention(nn.Module):
         """x [T, D]; kv_layer [num_slots, Dl + Dr] (written in place at fb.write_slots) -> [T, D]."""
         c = self.cfg
         T = x.shape[0]
-        if c.q_lora_rank:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        else:
-            q = self.q_proj(x)
+        q_a, kv = self.project_a(x)  # kv: [T, Dl + Dr]
+        q = self.q_b_proj(self.q_a_layernorm(q_a)) if c.q_lora_rank else self.q_proj(x)
         q = q.view(T, c.num_attention_heads, c.qk_head_dim)
         q_nope, q_pe = q[..., : c.qk_nope_head_dim], q[..., c.qk_nope_head_dim :]
         q_pe = rope.apply(q_pe, fb.positions)
 
-        kv = self.kv_a_proj_with_mqa(x)  # [T, Dl + Dr]
         c_kv = self.kv_a_layernorm(kv[:, : c.kv_lora_rank])
         k_pe = rope.apply(kv[:, None, c.kv_lora_rank :], fb.positions)[:, 0]
         kv_layer[fb.write_slots] = torch.cat((c_kv, k_pe), dim=-1).to(kv_layer.dtype)

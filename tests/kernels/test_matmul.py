@@ -16,6 +16,7 @@ import torch
 from kernels.matmul import (
     CONFIGS,
     MAX_SPLITS,
+    TILES_BY_M,
     batched_matmul,
     batched_matmul_ref,
     batched_matmul_triton,
@@ -25,6 +26,7 @@ from kernels.matmul import (
     matmul_ref,
     matmul_triton,
     split_k,
+    tile_config,
 )
 from tests.kernels.compare import assert_close
 
@@ -258,6 +260,44 @@ def test_batched_matmul_invariance_and_zero_padding_bf16():
 
 
 def test_configs_are_fixed_per_dtype():
-    """The tile config is a function of the dtype alone (never of M); bf16 and fp16 must agree."""
+    """The split rule's tiles are a function of the dtype alone (never of M); bf16 and fp16 must agree; fp32 has one
+    tile shape for every M; 16-bit tiles follow M only through `TILES_BY_M` (a growing table)."""
     assert CONFIGS[torch.bfloat16] == CONFIGS[torch.float16]
     assert all(len(c) == 5 for c in CONFIGS.values())
+    assert {tile_config(M, 10**6, torch.float32) for M in (1, 65, 300, 5000)} == {CONFIGS[torch.float32]}
+    tops = [top for top, _, _ in TILES_BY_M]
+    assert tops[-1] is None and tops[:-1] == sorted(tops[:-1])
+    for _top, tiles, wide in TILES_BY_M:
+        for t in (tiles, wide):
+            assert t is None or (len(t) == 5 and t[0] % 64 == 0 and t[3] % 4 == 0), t  # wgmma: 64-row warpgroups
+    assert tile_config(1, 1, torch.bfloat16) == TILES_BY_M[0][1] == tile_config(1, 1, torch.float16)
+    assert tile_config(10**5, 1, torch.bfloat16) == TILES_BY_M[-1][1]
+
+
+# every 16-bit tile shape the launchers may pick, and the ones the sweeps time (bench/bench_matmul.py --configs)
+TILE_SHAPES = sorted({CONFIGS[torch.bfloat16], *(t for _, tiles, wide in TILES_BY_M for t in (tiles, wide) if t),
+                      (64, 128, 64, 4, 4), (64, 64, 128, 4, 3), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3),
+                      (128, 64, 64, 4, 4), (64, 256, 64, 4, 3), (128, 128, 64, 8, 4)})
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("N,K", [(576, 7168), (7168, 8192), (2112, 7168), (12288, 1536), (300, 1000)])
+def test_tile_shapes_give_the_same_bits(N, K):
+    """What lets the tiles follow M (module doc): every tile shape gives every element the same bits, split or not
+    (kv_a / q_a + kv_a split 8 / 4 ways, o_proj and q_b one pass, an awkward shape), for bf16 and fp32 outputs, and
+    for the per-head products."""
+    x = rand(300, K, dtype=torch.bfloat16, seed=N + K, device="cuda")
+    w = rand(N, K, dtype=torch.bfloat16, seed=N, device="cuda") * K**-0.5
+    for out_dtype in (torch.bfloat16, torch.float32):
+        want = matmul_triton(x, w, torch.empty(300, N, dtype=out_dtype, device="cuda"), CONFIGS[torch.bfloat16])
+        for t in TILE_SHAPES:
+            got = matmul_triton(x, w, torch.full((300, N), float("nan"), dtype=out_dtype, device="cuda"), t)
+            assert torch.equal(got, want), f"[{N}x{K}] {out_dtype} tiles {t} differ from {CONFIGS[torch.bfloat16]}"
+    xh = rand(70, 64, 512, dtype=torch.bfloat16, seed=9, device="cuda").transpose(0, 1)  # [H, T, Dl] strided
+    wh = rand(64, 128, 512, dtype=torch.bfloat16, seed=10, device="cuda")
+    want = batched_matmul_triton(xh, wh, torch.empty(64, 70, 128, dtype=torch.bfloat16, device="cuda"),
+                                 CONFIGS[torch.bfloat16])
+    for t in TILE_SHAPES:
+        got = batched_matmul_triton(xh, wh, torch.empty(64, 70, 128, dtype=torch.bfloat16, device="cuda"), t)
+        assert torch.equal(got, want), f"head products: tiles {t}"

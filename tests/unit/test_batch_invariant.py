@@ -21,7 +21,7 @@ from verifier_service.aligned_attention import aligned_mla_attention, key_slots
 from verifier_service.batch_invariant import is_batch_invariant, make_batch_invariant, remove_batch_invariance
 from verifier_service.forward_batch import ForwardBatch
 from verifier_service.mla import MLAAttention
-from verifier_service.moe import Router
+from verifier_service.moe import MLP, Router
 
 
 @pytest.fixture
@@ -57,6 +57,15 @@ def test_transform_swaps_every_gemm_and_undoes(target32):
     assert all("absorb_uk" in m.__dict__ and "apply_uv" in m.__dict__ for m in attn)
     assert all("attention" not in m.__dict__ for m in attn)  # "kernel": the class's mla_attention
     assert "logits" in model.__dict__
+    for m in attn:  # q_a and kv_a: one buffer, the weights views of its rows
+        w = m.stacked_a
+        assert w.shape == (m.cfg.q_lora_rank + m.cfg.kv_row_dim, m.cfg.hidden_size) and "project_a" in m.__dict__
+        assert m.q_a_proj.weight.data_ptr() == w.data_ptr()
+        assert m.kv_a_proj_with_mqa.weight.data_ptr() == w[m.cfg.q_lora_rank:].data_ptr()
+    mlps = [m for m in model.modules() if isinstance(m, MLP)]
+    assert mlps and all(m.stacked_gate_up.shape[0] == 2 * m.gate_proj.weight.shape[0] for m in mlps)
+    assert all(m.up_proj.weight.untyped_storage().data_ptr() == m.stacked_gate_up.untyped_storage().data_ptr()
+               for m in mlps)
     hidden1, logits1 = prefill(model, tokens)  # CPU: the references, the same function
     assert_close(hidden1, hidden0, 1e-5, "hidden")
     assert_close(logits1, logits0, 1e-5, "logits")
@@ -74,6 +83,29 @@ def test_transform_swaps_every_gemm_and_undoes(target32):
     assert torch.equal(hidden3, hidden0) and torch.equal(logits3, logits0)
 
 
+def test_stacked_projections_compute_the_separate_ones(target32):
+    """`stack_weights` keeps each weight's values (views of one buffer), refuses linears that cannot share a GEMM,
+    and the stacked forwards compute what the separate projections do."""
+    from verifier_service.batch_invariant import stack_weights
+
+    attn = next(m for m in target32.modules() if isinstance(m, MLAAttention))
+    mlp = next(m for m in target32.modules() if isinstance(m, MLP))
+    x = torch.randn(5, target32.cfg.hidden_size)
+    with torch.no_grad():
+        q0, kv0 = attn.project_a(x)
+        y0 = mlp(x)
+        before = (attn.q_a_proj.weight.clone(), attn.kv_a_proj_with_mqa.weight.clone())
+        make_batch_invariant(target32)
+        assert torch.equal(attn.q_a_proj.weight, before[0]) and torch.equal(attn.kv_a_proj_with_mqa.weight, before[1])
+        q1, kv1 = attn.project_a(x)
+        assert_close(q1, q0, 1e-6, "q_a")
+        assert_close(kv1, kv0, 1e-6, "kv_a")
+        assert_close(mlp(x), y0, 1e-6, "MLP")
+        biased = nn.Linear(4, 3)
+        assert stack_weights(biased, nn.Linear(4, 2, bias=False)) is None
+        assert stack_weights(nn.Linear(4, 3, bias=False), nn.Linear(5, 2, bias=False)) is None
+
+
 def test_swapped_modules_keep_autograd(target32):
     make_batch_invariant(target32)
     lin = target32.lm_head
@@ -83,6 +115,9 @@ def test_swapped_modules_keep_autograd(target32):
     router = next(m for m in target32.modules() if isinstance(m, Router))
     ids, w = router(torch.randn(4, router.weight.shape[1]))
     assert ids.shape == w.shape == (4, target32.cfg.num_experts_per_tok)
+    mlp = next(m for m in target32.modules() if isinstance(m, MLP))  # stacked gate + up: weights still get grads
+    mlp(torch.randn(3, mlp.gate_proj.in_features)).sum().backward()
+    assert mlp.gate_proj.weight.grad is not None and mlp.up_proj.weight.grad is not None
 
 
 def test_rejects_unknown_attention_mode(target32):
