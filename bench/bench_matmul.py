@@ -8,10 +8,10 @@ floor_ms = max(bytes of W + x + y / copy bandwidth, flops / bf16 matmul rate), b
 
 Run from the repo root on a GPU:  PYTHONPATH=. python bench/bench_matmul.py [--out FILE]
 
---configs '[{...}, ...]' times each op under other deployment constants of kernels/matmul.py (the 16-bit tile
-config and the split-K rule; keys block_n, block_k, warps, stages, fill_sms, max_splits, min_split_tiles, the rest
-as the module has them), recorded as `params.config` (records named `matmul_config_sweep`); --ops / --ms pick the
-cases. None of these constants depends on M, so every config is batch invariant; each gives its own bits.
+--configs '[{...}, ...]' times each op under other constants of kernels/matmul.py, recorded as `params.config`
+(records named `matmul_config_sweep`): a 16-bit tile shape for every M (keys block_m, block_n, block_k, warps,
+stages, over CONFIGS'; none given: `tile_config` by M as the module has it) and the split-K rule (fill_sms,
+max_splits, min_split_tiles; these decide the bits); --ops / --ms pick the cases.
 """
 
 from __future__ import annotations
@@ -48,8 +48,7 @@ def main():
     ap.add_argument("--ms", nargs="+", type=int, default=list(MS))
     args = ap.parse_args()
     configs = args.configs or [{}]
-    base = dict(zip(("block_m", "block_n", "block_k", "warps", "stages"), km.CONFIGS[torch.bfloat16]),
-                fill_sms=km.FILL_SMS, max_splits=km.MAX_SPLITS, min_split_tiles=km.MIN_SPLIT_TILES)
+    base = dict(fill_sms=km.FILL_SMS, max_splits=km.MAX_SPLITS, min_split_tiles=km.MIN_SPLIT_TILES)
     info = env_info()
     ceil = measure_ceilings()
     bw, rate = ceil["copy_bw_GBps"] * 1e9, ceil["mm_tflops"] * 1e12
@@ -102,10 +101,18 @@ def main():
     print(f"wrote {n_records} records to {args.out}", flush=True)
 
 
+TILE_KEYS = ("block_m", "block_n", "block_k", "warps", "stages")
+_TILES_BY_M = km.TILES_BY_M
+
+
 def _apply(config: dict) -> None:
-    """Set kernels.matmul's 16-bit tile config and split-K rule (read at each call) to `config`."""
-    tiles = tuple(config[k] for k in ("block_m", "block_n", "block_k", "warps", "stages"))
-    km.CONFIGS[torch.bfloat16] = km.CONFIGS[torch.float16] = tiles
+    """Set kernels.matmul's 16-bit tiles (read at each call: one shape for every M when `config` names any, else
+    the module's own by M) and its split-K rule to `config`."""
+    if any(k in config for k in TILE_KEYS):
+        tiles = tuple(config.get(k, v) for k, v in zip(TILE_KEYS, km.CONFIGS[torch.bfloat16]))
+        km.TILES_BY_M = ((None, tiles, None),)
+    else:
+        km.TILES_BY_M = _TILES_BY_M
     km.FILL_SMS, km.MAX_SPLITS, km.MIN_SPLIT_TILES = config["fill_sms"], config["max_splits"], config["min_split_tiles"]
 
 
