@@ -22,6 +22,7 @@ from kernels.int4_moe import int4_moe, moe_dense_ref, repack_int4_moe_for_gpu, u
 from kernels.int4_moe_gluon import gluon_dense_experts, repack_int4_moe_for_gluon
 from kernels.int4_moe_wgmma import HAVE_GLUON, check_schedule, repack_int4_moe_for_wgmma, wgmma_dense_experts
 from kernels.int4_pack import dequantize_int4
+from kernels.router import route
 from verifier_service.config import KimiConfig
 
 # the INT4 layout `MoE.repack_for_gpu` makes on CUDA: "auto" (the default: "wgmma" on sm_90, else "gpu"), "gpu"
@@ -99,24 +100,11 @@ class Router(nn.Module):
         return x.to(acc) @ self.weight.to(acc).T
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, D] -> (topk_ids [T, k] int64, topk_w [T, k] fp32)."""
+        """x [T, D] -> (topk_ids [T, k] int64, topk_w [T, k] fp32): `kernels.router.route` of the logits (one
+        kernel on CUDA, the torch reference elsewhere)."""
         c = self.cfg
-        acc = torch.promote_types(x.dtype, torch.float32)
-        scores = torch.sigmoid(self.score_logits(x))  # [T, E]
-        choice = scores + self.e_score_correction_bias.to(acc)
-        if c.n_group > 1:
-            T = x.shape[0]
-            grouped = choice.view(T, c.n_group, -1)
-            group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # [T, n_group]
-            keep = group_scores.topk(c.topk_group, dim=-1).indices
-            gmask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
-            choice = choice.masked_fill(~gmask.repeat_interleave(c.n_routed_experts // c.n_group, 1),
-                                        float("-inf"))
-        ids = choice.topk(c.num_experts_per_tok, dim=-1).indices
-        w = scores.gather(1, ids)
-        if c.norm_topk_prob:
-            w = w / (w.sum(-1, keepdim=True) + 1e-20)
-        return ids, (w * c.routed_scaling_factor).to(torch.float32)
+        return route(self.score_logits(x), self.e_score_correction_bias, c.num_experts_per_tok, c.n_group,
+                     c.topk_group, c.norm_topk_prob, c.routed_scaling_factor)
 
 
 class MoE(nn.Module):
