@@ -55,18 +55,22 @@ class MLAAttention(nn.Module):
         w = self.kv_b_proj.weight.view(c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
         return w[:, : c.qk_nope_head_dim], w[:, c.qk_nope_head_dim :]  # [H, nope, Dl], [H, v, Dl]
 
-    def forward(self, x: torch.Tensor, fb: ForwardBatch, rope: Rope, kv_layer: torch.Tensor) -> torch.Tensor:
-        """x [T, D]; kv_layer [num_slots, Dl + Dr] (written in place at fb.write_slots) -> [T, D]."""
+    def forward(self, x: torch.Tensor, fb: ForwardBatch, rope: Rope, kv_layer: torch.Tensor,
+                cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """x [T, D]; kv_layer [num_slots, Dl + Dr] (written in place at fb.write_slots) -> [T, D]. cos_sin:
+        `rope.cos_sin(fb.positions)`, computed once per forward by the caller (None: here)."""
         c = self.cfg
         T = x.shape[0]
         q_a, kv = self.project_a(x)  # kv: [T, Dl + Dr]
         q = self.q_b_proj(self.q_a_layernorm(q_a)) if c.q_lora_rank else self.q_proj(x)
         q = q.view(T, c.num_attention_heads, c.qk_head_dim)
         q_nope, q_pe = q[..., : c.qk_nope_head_dim], q[..., c.qk_nope_head_dim :]
-        q_pe = rope.apply(q_pe, fb.positions)
+        if cos_sin is None:
+            cos_sin = rope.cos_sin(fb.positions)
+        q_pe = rope.apply(q_pe, fb.positions, cos_sin)
 
         c_kv = self.kv_a_layernorm(kv[:, : c.kv_lora_rank])
-        k_pe = rope.apply(kv[:, None, c.kv_lora_rank :], fb.positions)[:, 0]
+        k_pe = rope.apply(kv[:, None, c.kv_lora_rank :], fb.positions, cos_sin)[:, 0]
         kv_layer[fb.write_slots] = torch.cat((c_kv, k_pe), dim=-1).to(kv_layer.dtype)
 
         w_uk, w_uv = self._w_uk_uv()

@@ -31,8 +31,8 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, h, fb, rope, kv_layer):
-        h = h + self.self_attn(self.input_layernorm(h), fb, rope, kv_layer)
+    def forward(self, h, fb, rope, kv_layer, cos_sin=None):
+        h = h + self.self_attn(self.input_layernorm(h), fb, rope, kv_layer, cos_sin)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -62,8 +62,9 @@ class KimiForCausalLM(nn.Module):
         taps [T, len(tap_layers) * D] in tap_layers order)."""
         h = self.model.embed_tokens(fb.tokens)
         taps: dict[int, torch.Tensor] = {}
+        cos_sin = self.rope.cos_sin(fb.positions)  # once for every layer's q_pe and k_pe
         for i, layer in enumerate(self.model.layers):
-            h = layer(h, fb, self.rope, kv[i])
+            h = layer(h, fb, self.rope, kv[i], cos_sin)
             if i in tap_layers:
                 taps[i] = h
         tap = torch.cat([taps[i] for i in tap_layers], dim=-1) if tap_layers else h[:, :0]
