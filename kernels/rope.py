@@ -7,7 +7,12 @@ Two rotation layouts:
 - neox (Qwen3 / DFlash drafter): halves (x[i], x[i+d/2]) rotate by pos*f_i.
 
 YaRN frequencies follow DeepSeek-V3's `DeepseekV3YarnRotaryEmbedding` (= HF `_compute_yarn_parameters`
-with truncation). The cos/sin amplitude differs between the two reference implementations:
+with truncation). `Rope.apply` rotates with torch ops (`rotate_ref`: about ten elementwise launches per tensor on a
+GPU) or, on CUDA, with one Triton kernel (`_rotate_kernel`: a program per token reads its rows, the cos/sin the
+caller computed, and writes the rotated rows contiguous); both compute a * cos - b * sin and a * sin + b * cos in
+fp32 from the same cos/sin, the kernel with fused multiply-adds where the compiler makes them, so their last bits
+may differ (a few ulps of fp32, before the rounding to x's dtype). Each row's result depends on that row alone.
+The cos/sin amplitude differs between the two reference implementations:
 - DeepSeek rule (target): mscale(factor, mscale) / mscale(factor, mscale_all_dim) -> 1.0 for Kimi.
 - HF rule (drafter): `attention_factor` if given, else that ratio when both mscale keys are set,
   else mscale(factor) -> 1.41589 for factor 64 (the Kimi DFlash drafter).
@@ -19,6 +24,8 @@ import math
 from dataclasses import dataclass
 
 import torch
+import triton
+import triton.language as tl
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -95,15 +102,67 @@ class Rope:
         """x [T, ..., dim] -> rotated x, same dtype. Math in fp32 (or fp64 when x is fp64). `cos_sin`: this
         `cos_sin(positions)`, computed once by a caller that rotates several tensors at the same positions."""
         cos, sin = self.cos_sin(positions) if cos_sin is None else cos_sin
-        acc = torch.promote_types(x.dtype, torch.float32)
-        shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
-        cos, sin = cos.to(acc).view(shape), sin.to(acc).view(shape)
-        xf = x.to(acc)
-        if self.interleaved:
-            a, b = xf[..., 0::2], xf[..., 1::2]
-            out = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
-        else:
-            half = xf.shape[-1] // 2
-            a, b = xf[..., :half], xf[..., half:]
-            out = torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1)
-        return out.to(x.dtype)
+        if (x.is_cuda and x.dtype in (torch.float32, torch.float16, torch.bfloat16) and x.dim() >= 2
+                and not (torch.is_grad_enabled() and x.requires_grad)):
+            return rotate_triton(x, cos, sin, self.interleaved)
+        return rotate_ref(x, cos, sin, self.interleaved)
+
+
+def rotate_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """x [T, ..., dim] rotated by cos, sin [T, dim/2] (fp32): torch ops, math in fp32 (fp64 for fp64 x)."""
+    acc = torch.promote_types(x.dtype, torch.float32)
+    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
+    cos, sin = cos.to(acc).view(shape), sin.to(acc).view(shape)
+    xf = x.to(acc)
+    if interleaved:
+        a, b = xf[..., 0::2], xf[..., 1::2]
+        out = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
+    else:
+        half = xf.shape[-1] // 2
+        a, b = xf[..., :half], xf[..., half:]
+        out = torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1)
+    return out.to(x.dtype)
+
+
+@triton.jit
+def _rotate_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, R, stride_xt, stride_xr, stride_c, HALF: tl.constexpr,
+                   BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    i = tl.arange(0, BLOCK_H)
+    ok = (r < R)[:, None] & (i < HALF)[None, :]
+    c = tl.load(cos_ptr + t * stride_c + i, mask=i < HALF, other=0.0)[None, :]
+    s = tl.load(sin_ptr + t * stride_c + i, mask=i < HALF, other=0.0)[None, :]
+    src = x_ptr + t * stride_xt + r.to(tl.int64)[:, None] * stride_xr
+    dst = out_ptr + (t * R + r.to(tl.int64))[:, None] * (2 * HALF)
+    if INTERLEAVED:
+        ia, ib = 2 * i, 2 * i + 1
+    else:
+        ia, ib = i, i + HALF
+    a = tl.load(src + ia[None, :], mask=ok, other=0.0).to(tl.float32)
+    b = tl.load(src + ib[None, :], mask=ok, other=0.0).to(tl.float32)
+    tl.store(dst + ia[None, :], (a * c - b * s).to(out_ptr.dtype.element_ty), mask=ok)
+    tl.store(dst + ib[None, :], (a * s + b * c).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def rotate_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """`rotate_ref` as one kernel launch (any device: tests run it on CPU under TRITON_INTERPRET=1). x [T, ..., dim]
+    with contiguous last dims after the first (any row stride, e.g. a column slice), cos / sin fp32 [T, dim/2];
+    returns a contiguous tensor of x's shape and dtype."""
+    T, dim = x.shape[0], x.shape[-1]
+    if dim % 2 or cos.shape != (T, dim // 2) or sin.shape != cos.shape:
+        raise ValueError(f"rope: x {tuple(x.shape)} needs cos / sin [{T}, {dim // 2}], got {tuple(cos.shape)} / "
+                         f"{tuple(sin.shape)}")
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if out.numel() == 0:
+        return out
+    x3 = x.reshape(T, -1, dim) if x.dim() > 2 else x[:, None]
+    if x3.stride(-1) != 1:
+        x3 = x3.contiguous()
+    cos, sin = cos.float().contiguous(), sin.float().contiguous()
+    R = x3.shape[1]
+    block_r = min(triton.next_power_of_2(R), 64)
+    _rotate_kernel[(T, triton.cdiv(R, block_r))](x3, cos, sin, out, R, x3.stride(0), x3.stride(1), cos.stride(0),
+                                                 HALF=dim // 2, BLOCK_R=block_r,
+                                                 BLOCK_H=triton.next_power_of_2(dim // 2), INTERLEAVED=interleaved)
+    return out
