@@ -20,11 +20,11 @@ own split-K (`kernels.matmul.split_k` of the stacked shape), so its bits differ 
 every step of the transformed model, AR or tree, runs the same way.
 Checked and left alone, because each output element is computed from its own row only, by a
 launch whose per-row work does not depend on the number of rows:
-  - embedding gather, rope (cos/sin of the row's position, elementwise), SiLU * up, residual adds,
+  - embedding gather, rope (cos/sin of the row's position, one program per token), SiLU * up, residual adds,
     sigmoid, the correction-bias add, concat/view/index_put of the KV rows: elementwise or copies;
-  - top-k over experts and the group top-k: exact selections over one row;
-  - sum of the k (<= 8) routing weights: torch reduces rows that short with one fixed 8-lane tree
-    whatever the row count (block width = min(pow2(row length), 32));
+  - the router's selection after its GEMM (`kernels.router.route`): on CUDA one program per token (its top-k
+    and the sum of its k weights in slot order); grouped routing (torch): exact selections over one row, and the
+    sum of the k (<= 8) weights, which torch reduces with one fixed 8-lane tree whatever the row count;
   - routed experts (`kernels.int4_moe`) and attention (`kernels.mla_attention`): batch-invariant
     Triton kernels (fixed K and KV-chunk orders); the attention is also position aligned, below;
   - sampler: argmax (exact, first index on ties) and `kernels.sampling` (one program per row).
