@@ -64,8 +64,8 @@ MIN_SPLIT_TILES = 4
 # is wider than PIPELINED_GRID programs per SM); None: any M
 TILES_BY_M = (
     (64, (64, 64, 64, 4, 6), (64, 64, 64, 4, 4)),  # decode / one tree: deeper pipelines while the grid fits twice
-    (256, (64, 64, 64, 4, 4), None),
-    (768, (64, 128, 64, 4, 4), None),
+    (192, (64, 64, 64, 4, 4), None),  # up to three 64-row tiles (16 sessions x 9 nodes)
+    (768, (64, 128, 64, 4, 3), None),
     (None, (128, 128, 64, 8, 3), None),  # prefill-sized: two warpgroups
 )
 PIPELINED_GRID = 2
