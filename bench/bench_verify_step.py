@@ -15,7 +15,9 @@ prefill: the content does not change the timing. Each case runs `model(fb, kv)`,
 engine's verify step runs (embedding, N layers, final norm), timed as the median of
 `triton.testing.do_bench` around a CUDA-graph replay of that forward (eager time always kept as the
 `eager` peer; when the capture fails the record says why and `ms` is eager), with and without
-`make_batch_invariant` (the serving default on CUDA; `params.batch_invariant`).
+`make_batch_invariant` (the serving default on CUDA; `params.batch_invariant`). `--gemm` times the invariant runs
+with variants of the dense GEMMs (`params.gemm`: now = stacked pairs and tiles by M, before = one GEMM per weight and
+one tile shape, separate / fixed = one of the two), each on the same inputs in one run.
 
 Reported per layer: ms = forward ms / N. Floor per layer = max(bytes / copy bandwidth, flops /
 bf16 matmul rate), both ceilings measured in this run (`bench._common.measure_ceilings`), with
@@ -29,7 +31,7 @@ averaged over the N layers. Both terms are in the record (`bytes_floor_ms`, `flo
 
 Run from the repo root (one H200, ~2.5 min with the defaults; `--quick` ~1.5 min):
   PYTHONPATH=. python bench/bench_verify_step.py [--layers 8] [--prefix 4096] [--batch 1 16]
-      [--trees 1 9 17 33] [--invariant both|on|off] [--quick] [--out bench/results/verify_step.jsonl]
+      [--trees 1 9 17 33] [--invariant both|on|off] [--gemm now before] [--quick] [--out FILE]
 CPU smoke run (tiny random config, torch references, a few seconds; what the unit test runs):
   PYTHONPATH=. python bench/bench_verify_step.py --smoke --out /tmp/verify_step.jsonl
 """
