@@ -61,17 +61,17 @@ def _route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, E, stride_l, scaling, K:
     slot = tl.arange(0, KP)  # K slots, padded to a power of 2
     ids = tl.zeros([KP], tl.int32)
     w = tl.zeros([KP], tl.float32)
+    total = 0.0  # the picked scores summed in slot order
     for j in tl.static_range(K):
         c = tl.where(avail, choice, float("-inf"))
         best = tl.max(c, axis=0)
         pick = tl.min(tl.where(avail & (c == best), offs, BLOCK_E), axis=0)  # the lowest id among the best
         avail = avail & (offs != pick)
+        picked = tl.sum(tl.where(offs == pick, score, 0.0), axis=0)
         ids = tl.where(slot == j, pick, ids)
-        w = tl.where(slot == j, tl.sum(tl.where(offs == pick, score, 0.0), axis=0), w)
+        w = tl.where(slot == j, picked, w)
+        total += picked
     if NORM:
-        total = tl.sum(tl.where(slot == 0, w, 0.0), axis=0)
-        for j in tl.static_range(1, K):  # slot order
-            total += tl.sum(tl.where(slot == j, w, 0.0), axis=0)
         w = w / (total + 1e-20)
     tl.store(ids_ptr + row * K + slot, ids.to(tl.int64), mask=slot < K)
     tl.store(w_ptr + row * K + slot, w * scaling, mask=slot < K)
