@@ -17,9 +17,13 @@ the block attention counted as their one CUDA kernel each): the eager step's, an
   PYTHONPATH=. python bench/bench_draft_step.py --launches-only     # CPU: the launch counts alone
   PYTHONPATH=. python bench/bench_draft_step.py --pair /tmp/k26 --profile 25   # + each C's top GPU kernels
 
+`--rows projected` (the default) sends the context rows an engine holding the drafter's projection sends (every
+engine but a verifier without `--context-projection`; `drafter_service.context_projection`); `--rows taps` sends the
+taps, which the drafter projects itself (one `fc` GEMM more per step: the step before the projection moved).
+
 `--profile N`: after each timed graph run, 10 more graph steps under torch.profiler, and the N kernels with the most
 GPU time per step (with their share of the step's GPU time): where the step's time goes, beside the bytes floor of
-`floor_ms` (the drafter's layer and `fc` weights, plus the lm_head, read once per step at `--copy-gbs`).
+`floor_ms` (the drafter's layer weights, `fc` too with taps, plus the lm_head, read once per step at `--copy-gbs`).
 """
 
 from __future__ import annotations
@@ -49,14 +53,15 @@ NOT_LAUNCHES = {"empty", "empty_strided", "empty_like", "lift_fresh", "detach", 
 
 
 class Steps:
-    """C sessions advancing NEW_ROWS committed rows per step."""
+    """C sessions advancing NEW_ROWS committed rows per step; rows of width F (taps, or projected rows)."""
 
-    def __init__(self, C: int, F: int, device, dtype):
-        self.C, self.F, self.device, self.dtype, self.pos = C, F, device, dtype, 0
+    def __init__(self, C: int, F: int, device, dtype, projected: bool):
+        self.C, self.F, self.device, self.dtype, self.pos, self.projected = C, F, device, dtype, 0, projected
 
     def next(self, rows: int = NEW_ROWS) -> list[DraftRequest]:
         feats = torch.randn(rows, self.F, device=self.device, dtype=self.dtype)
-        reqs = [DraftRequest(f"s{i}", self.pos, feats, 5, self.pos + rows, BUDGET, TOPK) for i in range(self.C)]
+        reqs = [DraftRequest(f"s{i}", self.pos, feats, 5, self.pos + rows, BUDGET, TOPK, "", self.projected)
+                for i in range(self.C)]
         self.pos += rows
         return reqs
 
@@ -91,7 +96,11 @@ class LaunchCount(TorchDispatchMode):
         return replay
 
 
-def count_launches(cfg: DFlashConfig, target_hidden: int, C: int) -> dict:
+def row_width(cfg: DFlashConfig, target_hidden: int, projected: bool) -> int:
+    return cfg.hidden_size if projected else cfg.num_taps * target_hidden
+
+
+def count_launches(cfg: DFlashConfig, target_hidden: int, C: int, projected: bool = True) -> dict:
     """Device ops issued per steady draft step (meta device: shapes only, no data): eager, and with graphs
     (the runner's padded path with each graph body counted as one replay; `in_graph`: the ops replayed)."""
     saved = rmsnorm.rms_norm, drafter_model.draft_attention
@@ -103,7 +112,7 @@ def count_launches(cfg: DFlashConfig, target_hidden: int, C: int) -> dict:
         head = torch.empty(cfg.vocab_size, cfg.hidden_size, device="meta")
         for graphs in (False, True):
             d = Drafter(model, head, head, max_sessions=max(C, 1), window=1024, cuda_graphs=graphs)
-            steps = Steps(C, cfg.num_taps * target_hidden, "meta", torch.float32)
+            steps = Steps(C, row_width(cfg, target_hidden, projected), "meta", torch.float32, projected)
             d.draft(steps.next(PREFILL))
             count = LaunchCount()
             if graphs:
@@ -134,9 +143,12 @@ def time_steps(d: Drafter, steps: Steps, n: int) -> tuple[float, float]:
     return statistics.median(synced), statistics.median(host)
 
 
-def floor_ms(model: torch.nn.Module, head: torch.Tensor, copy_gbs: float) -> float:
-    """The step's bytes floor: every drafter weight (its layers, `fc`, norms) and the lm_head read once."""
-    nbytes = sum(p.numel() * p.element_size() for p in model.parameters()) + head.numel() * head.element_size()
+def floor_ms(model: torch.nn.Module, head: torch.Tensor, copy_gbs: float, projected: bool) -> float:
+    """The step's bytes floor: every drafter weight the step reads (its layers and norms; `fc` and `hidden_norm`
+    only with taps) and the lm_head, read once."""
+    skip = {"fc.weight", "hidden_norm.weight"} if projected else set()
+    nbytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n not in skip)
+    nbytes += head.numel() * head.element_size()
     return nbytes / (copy_gbs * 1e9) * 1e3
 
 
@@ -170,14 +182,17 @@ def main(argv=None) -> int:
     ap.add_argument("--launches-only", action="store_true")
     ap.add_argument("--profile", type=int, default=0, metavar="N", help="print each C's N costliest GPU kernels")
     ap.add_argument("--copy-gbs", type=float, default=4250.0, help="copy bandwidth for the bytes floor (H200: ~4250)")
+    ap.add_argument("--rows", choices=("projected", "taps"), default="projected",
+                    help="context rows the steps send: projected (an engine with the projection) or taps")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    projected = args.rows == "projected"
     pair = Path(args.pair)
     cfg = DFlashConfig.from_file(pair / "drafter")
     from verifier_service.config import KimiConfig
 
     tcfg = KimiConfig.from_file(pair / "target")
-    launches = {C: count_launches(cfg, tcfg.hidden_size, C) for C in args.sessions}
+    launches = {C: count_launches(cfg, tcfg.hidden_size, C, projected) for C in args.sessions}
     if args.launches_only:
         for C, n in launches.items():
             print(f"C={C:3d}  launches per draft step: eager {n['eager']}, with graphs {n['graphs']} "
@@ -190,13 +205,13 @@ def main(argv=None) -> int:
 
     _, embed, head = load_target_head(pair / "target", torch.bfloat16, "cuda", tcfg)
     model = load_drafter(pair / "drafter", tcfg, torch.bfloat16, "cuda")
-    F = cfg.num_taps * tcfg.hidden_size
+    F = row_width(cfg, tcfg.hidden_size, projected)
     records = []
     print(f"{'C':>3} {'graphs':>6} {'ms':>8} {'host_ms':>8} {'launches':>8}")
     for C in args.sessions:
         for graphs in (False, True):
             d = Drafter(model, embed, head, max_sessions=max(args.sessions), window=1024, cuda_graphs=graphs)
-            steps = Steps(C, F, "cuda", torch.bfloat16)
+            steps = Steps(C, F, "cuda", torch.bfloat16, projected)
             d.draft(steps.next(PREFILL))
             time_steps(d, steps, 5)  # warm-up: kernels compiled, graphs captured
             ms, host_ms = time_steps(d, steps, args.steps)
@@ -204,9 +219,10 @@ def main(argv=None) -> int:
             n = launches[C]["graphs" if graphs else "eager"]
             print(f"{C:3d} {str(graphs):>6} {ms:8.3f} {host_ms:8.3f} {n:8d}")
             if graphs and args.profile:
-                print_profile(d, steps, args.profile, floor_ms(model, head, args.copy_gbs))
+                print_profile(d, steps, args.profile, floor_ms(model, head, args.copy_gbs, projected))
             records.append({"name": "draft_step", "params": {"sessions": C, "cuda_graphs": graphs, "budget": BUDGET,
-                                                             "topk": TOPK, "new_rows": NEW_ROWS, "pair": str(pair)},
+                                                             "topk": TOPK, "new_rows": NEW_ROWS, "pair": str(pair),
+                                                             "rows": args.rows},
                             **env_info(), "metrics": {"ms": round(ms, 4), "host_ms": round(host_ms, 4),
                                                       "launches": n, "runner": stats}})
             del d

@@ -4,7 +4,7 @@
                                     [--steps 30] [--warmup 5] [--time-budget-s S] [--no-gc-freeze]
                                     [--no-check-graphs] [--control-spin-ms MS] [--keepwarm-ms MS]
                                     [--transports T ...] [--drafter-sessions N]
-                                    [--torch-trace DIR[:FIRST[:COUNT]]]
+                                    [--torch-trace DIR[:FIRST[:COUNT]]] [--rows projected|taps]
 
 For each transport the same engine (target in this process) runs C sessions at one budget; the drafter
 is the in-process `Drafter` (inprocess) or a `ddtree drafter serve` process on loopback (same device)
@@ -19,6 +19,10 @@ inline bytes (grpc; on a GPU its verify step queued before the trees arrive, beh
 thread reading the answer rings, `verifier_service.tree_landing`; GPU only: grpc_sync, the trees waited for on
 the host before the step is queued). The gRPC streams send the drafter KeepWarm messages shortly before each
 expected request and answer (`verifier_service.keepwarm`, period --keepwarm-ms); grpc_cold is grpc without them.
+Context rows: `--rows projected` (the default) has every engine project the taps with the drafter's context projection
+before sending (`drafter_service.context_projection`: in-process with its drafter's modules, the remote engines as
+`ddtree verifier serve --context-projection` does); `--rows taps` sends the taps and lets the drafters project them
+(every engine alike, so the trees still match): the wire format before the projection moved to the verifier.
 All engines share one target (batch-invariant on CUDA, as `build_local_engine` builds it) and step in
 interleaved rounds, so that load from other processes falls on all of them alike. Checked: every session's
 tokens equal the in-process engine's (greedy: a transport must not change a token), and every round's tokens
@@ -183,6 +187,8 @@ def main() -> int:
     p.add_argument("--drafter-sessions", type=int, default=None,
                    help="the drafter process's --max-sessions (default: every remote engine's sessions at the "
                         "largest C, + 8): the size of its context cache and of its CUDA-graph buckets")
+    p.add_argument("--rows", choices=("projected", "taps"), default="projected",
+                   help="context rows every engine sends: projected by the verifier (default) or the taps")
     p.add_argument("--torch-trace", default=None, metavar="DIR[:FIRST[:COUNT]]",
                    help="diagnosis: torch.profiler over rounds FIRST.. FIRST+COUNT-1 in this process (the markers "
                         "name each engine's step) and over the drafter process's steps of the same number (the same "
@@ -234,6 +240,9 @@ def main() -> int:
     clients: dict[str, DraftStreamClient] = {}
     try:
         inproc = build_local_engine(pair / "target", pair / "drafter", dtype, args.device, ecfg)
+        if args.rows == "taps":
+            inproc.projection = None  # its drafter projects them, as the remote drafters do
+        projection = inproc.projection
         vocab = inproc.target.cfg.vocab_size
         addr, metrics_addr = wait_serving(proc)
         engines = {"inprocess": inproc}
@@ -246,12 +255,14 @@ def main() -> int:
                                                           control_spin_s=args.control_spin_ms / 1e3,
                                                           check_graphs=args.check_graphs,
                                                           keepwarm_ms=keepwarm_ms(transport, args),
-                                                          client_id=f"bench-{transport}"))
+                                                          client_id=f"bench-{transport}",
+                                                          context_projection=projection.fingerprint
+                                                          if projection is not None else ""))
             client.start()
             model = client.wait_ready(timeout=120)
             clients[transport] = client
             # one target for all: the in-process engine's (batch-invariant on CUDA), so only the drafter path differs
-            engines[transport] = Engine(inproc.target, client, model.target_layer_ids, ecfg)
+            engines[transport] = Engine(inproc.target, client, model.target_layer_ids, ecfg, projection)
         if trace_window is not None:  # FIRST / COUNT in rounds: every engine ticks once a round, the drafter once
             out_dir, first, count = trace_window  # a round per remote engine
             step_trace = StepTrace(out_dir, "verifier", first * len(engines), count * len(engines))
@@ -339,7 +350,8 @@ def main() -> int:
                                   "cuda_graphs": graphs, "control_spin_ms": args.control_spin_ms,
                                   "keepwarm_ms": keepwarm_ms(t, args), "drafter_sessions": drafter_sessions,
                                   "gc_freeze": args.gc_freeze, "check_graphs": args.check_graphs,
-                                  "mps": cuda and mps_running(), "torch_trace": args.torch_trace},
+                                  "mps": cuda and mps_running(), "torch_trace": args.torch_trace,
+                                  "rows": args.rows},
                        "device": device_name, "gpu": gpu, "dtype": dtype_name, "commit": commit(),
                        "torch": torch.__version__, "versions": versions(),
                        "ms": round(step, 4), "ratio": round(step / base[conc], 4),

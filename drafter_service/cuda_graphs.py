@@ -3,7 +3,7 @@
 
 At small batches a draft step is all launch overhead (about 9 ms at 1 session, 45 ms at 32 on an H200 for
 kimi-mini, for a few ms of GPU work), so `DraftGraphRunner` replays both halves of a step from CUDA graphs:
-the context append (`context_kv` + the ring scatter) and the draft (`Drafter.logq` + `build_tree`). Graphs
+the context append (`context_kv_from` + the ring scatter) and the draft (`Drafter.logq` + `build_tree`). Graphs
 have fixed shapes and addresses, so each half is copied into static buffers and padded:
 
   draft       per request bucket Rb (`pow2_buckets(max_sessions)`: 1, 2, 4, ..., max_sessions), an int64
@@ -45,7 +45,7 @@ write; replaying it writes the same values again).
 
 Host values and capture safety: R, T -> padded to buckets (part of the key); budget, top-k -> key; rows,
 lengths, roots, positions, ring slots -> read on the device from the static buffers; the window and the
-block size -> fixed by the cache and the model. Nothing in `Drafter.logq`, `context_kv`, the scatter or
+block size -> fixed by the cache and the model. Nothing in `Drafter.logq`, `context_kv_from`, the scatter or
 `build_tree` synchronises with the host (the rope table is moved to the model's device once, by the
 Drafter). A capture that fails is logged once, recorded in `failed`, and its key runs eagerly (unpadded)
 from then on; `stats` counts replays, captures, padded-eager runs and eager runs (`context_*` for appends).
@@ -90,9 +90,9 @@ class DraftGraphRunner:
     """Runs draft steps (block forward -> per-depth log-probs -> DDTree) and context appends from CUDA graphs.
 
     logq: (rows, ctx_len, roots, root_pos), each [Rb] int64 on the cache's device -> fp32 [Rb, L, V]
-    (`Drafter.logq`: device ops only); context_kv: (feats [T, F], positions [T]) -> per layer (K, V)
-    (`DFlashDrafter.context_kv`); cache: the drafter's context cache; depth: L = block_size - 1; vocab_size:
-    V (top-k caps are min'd with it); feature_dim F and dtype: the context features the model takes;
+    (`Drafter.logq`: device ops only); context_kv: (context rows [T, F], positions [T]) -> per layer (K, V)
+    (`DFlashDrafter.context_kv_from`: rows already projected); cache: the drafter's context cache; depth:
+    L = block_size - 1; vocab_size: V (top-k caps are min'd with it); feature_dim F and dtype: those rows';
     max_context_rows: the largest append replayed (larger ones run eagerly); capture: True = CUDA graphs (the
     cache must be on CUDA), False = pad into the same buffers and run eagerly (CPU tests)."""
 
@@ -231,7 +231,7 @@ class DraftGraphRunner:
         return build_tree(logq, roots, [budget] * n, [topk] * n).pack()
 
     def _append_body(self, n: int) -> None:
-        """An append graph: project the first n static feature rows and scatter them by the static index."""
+        """An append graph: each layer's K/V of the first n static context rows, scattered by the static index."""
         index = self.ctx_index[:n]
         self.cache.scatter(index, self.context_kv(self.ctx_feats[:n], index[:, 2]))
 

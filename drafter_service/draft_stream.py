@@ -1,6 +1,8 @@
 """One verifier's Draft stream inside the drafter: its sessions' contexts and the checks on
-everything the verifier sends. Model work runs under the server's one model lock (on its model thread,
-or a bytes stream's step on the event loop: `begin` under the lock, `finish` without it).
+everything the verifier sends (context rows come as taps, or as projected rows on a stream whose verifier
+holds the drafter's context projection: `drafter_service.context_projection`). Model work runs under the
+server's one model lock (on its model thread, or a bytes stream's step on the event loop: `begin` under the
+lock, `finish` without it).
 
 Context caches live in the shared `Drafter` under "<stream number>/<session id>", so streams never
 collide and closing a stream frees exactly its own sessions. Every request is checked against the
@@ -89,7 +91,7 @@ class DraftStream:
     client_id: str
     regions: dict[int, SharedRegion]
     drafter: Drafter
-    feature_dim: int  # num_taps * target hidden size
+    feature_dim: int  # the context rows' width: num_taps * target hidden size, or with `projected` the drafter's
     sessions: dict[str, int] = field(default_factory=dict)  # sid -> next expected context position
     faults: dict[str, SessionFault] = field(default_factory=dict)  # from `context` messages, told at the next step
     metrics: Metrics = field(default_factory=Metrics)
@@ -103,6 +105,7 @@ class DraftStream:
     doorbell: Doorbell | None = None
     views: dict = field(default_factory=dict)  # tensor_from_pb's cache of region views (dropped with the regions)
     copy_wait_s: float = 0.0  # bytes answers on a GPU: how long the server expects a step's trees to reach the host
+    projected: bool = False  # OpenStream.context_projection taken: context rows arrive projected, not as taps
 
     def key(self, sid: str) -> str:
         return f"{self.number}/{sid}"
@@ -143,9 +146,10 @@ class DraftStream:
         """n >= 1 context rows: the model's feature width, in range, continuing the stream's rows."""
         n, F = feats.shape
         if F != self.feature_dim or not feats.dtype.is_floating_point:
-            raise SessionFault(BAD, f"ctx_features must be floating [n, {self.feature_dim}] (taps of layers "
-                                    f"{list(self.drafter.cfg.target_layer_ids)}), got {feats.dtype} "
-                                    f"{list(feats.shape)}")
+            what = ("projected context rows (this stream's OpenStream.context_projection)" if self.projected else
+                    f"taps of layers {list(self.drafter.cfg.target_layer_ids)}")
+            raise SessionFault(BAD, f"ctx_features must be floating [n, {self.feature_dim}] ({what}), got "
+                                    f"{feats.dtype} {list(feats.shape)}")
         if start < 0 or start + n > MAX_POSITION:
             raise SessionFault(BAD, f"context rows [{start}, {start + n}) are out of range")
         expected = self.sessions.get(sid)
@@ -195,7 +199,7 @@ class DraftStream:
             raise SessionFault(grpc.StatusCode.FAILED_PRECONDITION,
                                f"root position {m.root_pos} moved past the context ({expected}) without new rows")
         return DraftRequest(self._reserve(sid), start, rows, m.root_token, m.root_pos, m.budget, m.topk,
-                            m.traceparent)
+                            m.traceparent, self.projected)
 
     # --- messages ------------------------------------------------------------------------------------
     def context(self, m: drafter_pb2.SessionContext) -> None:
@@ -210,7 +214,7 @@ class DraftStream:
             if feats.dim() != 2 or feats.shape[0] == 0:
                 raise SessionFault(BAD, "a context message needs rows [n >= 1, features]")
             self._check_rows(sid, m.ctx_start, feats)
-            self.drafter.add_context(self._reserve(sid), m.ctx_start, feats)
+            self.drafter.add_context(self._reserve(sid), m.ctx_start, feats, projected=self.projected)
             self.sessions[sid] = m.ctx_start + feats.shape[0]
         except SessionFault as f:
             self.forget(sid)

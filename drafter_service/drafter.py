@@ -1,12 +1,13 @@
 """The drafter engine: context updates, one batched DFlash pass per step, GPU tree construction.
 
 `draft(requests)` appends all sessions' new context in one batched update (`add_contexts`: one
-`context_kv` forward over the kept rows of every session and one ring scatter for K and one for V, so the
-cost in launches does not grow with the sessions), runs the block `[root, MASK x (B-1)]` for all requests
-in one forward, turns output slots 1..B-1 into per-depth log-probs and builds the DDTree
-(`kernels.tree_build`). With CUDA graphs (`cuda_graphs`, default on for a CUDA device) the append (up to
-max_sessions x block_size rows: a decode step's) and the forward + tree build replay from
-`drafter_service.cuda_graphs.DraftGraphRunner`.
+projection of the kept rows of every session when they come as taps (`DFlashDrafter.project`; a verifier that
+holds the projection sends them projected, `drafter_service.context_projection`), one `context_kv_from` forward
+over them and one ring scatter for K and one for V, so the cost in launches does not grow with the sessions),
+runs the block `[root, MASK x (B-1)]` for all requests in one forward, turns output slots 1..B-1 into
+per-depth log-probs and builds the DDTree (`kernels.tree_build`). With CUDA graphs (`cuda_graphs`, default on for
+a CUDA device) the append (up to max_sessions x block_size rows: a decode step's) and the forward + tree build
+replay from `drafter_service.cuda_graphs.DraftGraphRunner`.
 
 `draft_logq(requests)` is the one hook a different proposal source overrides (tests' oracle drafters); such
 a subclass drafts eagerly, since a graph would replay the model instead. `logq(rows, ctx_len, roots,
@@ -55,8 +56,9 @@ class Drafter:
             cuda_graphs = False
         self.graphs: DraftGraphRunner | None = None
         if cuda_graphs:
-            self.graphs = DraftGraphRunner(self.logq, model.context_kv, self.cache, self.depth, self.cfg.vocab_size,
-                                           model.fc.in_features, self.dtype, max_sessions * self.cfg.block_size,
+            self.graphs = DraftGraphRunner(self.logq, model.context_kv_from, self.cache, self.depth,
+                                           self.cfg.vocab_size, self.cfg.hidden_size, self.dtype,
+                                           max_sessions * self.cfg.block_size,
                                            capture=self.device.type == "cuda")
 
     @property
@@ -66,7 +68,11 @@ class Drafter:
     @torch.no_grad()
     def draft(self, requests: list[DraftRequest]) -> TreeBatch:
         """Append each request's new context rows, then draft one tree per request (the caller owns it)."""
-        self.add_contexts([(r.session_id, r.ctx_start, r.ctx_features) for r in requests])
+        groups: dict[bool, list] = {}  # taps and projected rows (one kind per caller, in practice)
+        for r in requests:
+            groups.setdefault(r.ctx_projected, []).append((r.session_id, r.ctx_start, r.ctx_features))
+        for projected, appends in groups.items():
+            self.add_contexts(appends, projected=projected)
         trees = self.graphs.run(requests) if self.graphs is not None else None
         if trees is not None:
             return trees
@@ -81,23 +87,26 @@ class Drafter:
         return len(self.graphs.warmup(budget, topk)) if self.graphs is not None else 0
 
     @torch.no_grad()
-    def add_context(self, sid: str, start: int, feats: torch.Tensor) -> None:
+    def add_context(self, sid: str, start: int, feats: torch.Tensor, projected: bool = False) -> None:
         """feats [n, num_taps * D_target]: taps of session sid's committed tokens at positions start.. (n may be
-        0: the session gets its cache row)."""
-        self.add_contexts([(sid, start, feats)])
+        0: the session gets its cache row); with `projected` their context rows [n, D] instead."""
+        self.add_contexts([(sid, start, feats)], projected=projected)
 
     @torch.no_grad()
-    def add_contexts(self, appends: list[tuple[str, int, torch.Tensor]]) -> None:
+    def add_contexts(self, appends: list[tuple[str, int, torch.Tensor]], projected: bool = False) -> None:
         """(session id, start, feats) per session (distinct ids): one context_kv forward over the rows every
         session keeps (its last `window`), one scatter of K and one of V into the ring cache; replayed from a
-        graph when the runner takes it."""
+        graph when the runner takes it. feats are taps, projected first (one eager `fc` + `hidden_norm` over all
+        sessions' kept rows), or with `projected` context rows already (`DFlashDrafter.project`)."""
         plan = self.cache.plan([a[0] for a in appends], [a[1] for a in appends], [a[2].shape[0] for a in appends])
         if plan.num_rows:
             parts = [f[skip:] if skip else f for (_, _, f), skip in zip(appends, plan.skip) if f.shape[0]]
+            if not projected:
+                parts = [self.model.project(rows_to_device(parts, self.device, self.dtype))]
             if self.graphs is None or not self.graphs.append(plan.index, parts):
                 index = int64_to_device(plan.index, self.device)
                 feats = rows_to_device(parts, self.device, self.dtype)
-                self.cache.scatter(index, self.model.context_kv(feats, index[:, 2]))
+                self.cache.scatter(index, self.model.context_kv_from(feats, index[:, 2]))
         self.cache.commit(plan)
 
     def draft_logq(self, requests: list[DraftRequest]) -> torch.Tensor:

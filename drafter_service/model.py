@@ -87,9 +87,17 @@ class DFlashDrafter(nn.Module):
         self.norm = RMSNorm(D, cfg.rms_norm_eps)
         self.rope = Rope.build(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, rule="hf", interleaved=False)
 
+    def project(self, taps: torch.Tensor) -> torch.Tensor:
+        """taps [N, num_taps * D_target] of committed tokens -> context rows [N, D] (what `context_kv_from` takes;
+        `drafter_service.context_projection` runs the same modules on the verifier's side)."""
+        return self.hidden_norm(self.fc(taps))
+
     def context_kv(self, taps: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """taps [N, num_taps * D_target] of committed tokens -> per layer (K, V) [N, KV, hd]."""
-        ctx = self.hidden_norm(self.fc(taps))
+        return self.context_kv_from(self.project(taps), positions)
+
+    def context_kv_from(self, ctx: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Projected context rows [N, D] (`project`) at absolute positions [N] -> per layer (K, V) [N, KV, hd]."""
         cs = self.rope.cos_sin(positions)  # once for every layer's keys
         return [layer.self_attn.kv(ctx, positions, self.rope, cs) for layer in self.layers]
 

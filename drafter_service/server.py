@@ -38,6 +38,7 @@ import torch
 from opentelemetry import trace
 
 from drafter_service.api import DraftRequest
+from drafter_service.context_projection import ContextProjection
 from drafter_service.draft_stream import DraftStream, ProtocolError, StepWork
 from drafter_service.drafter import Drafter
 from protos.control_socket import ControlClosed, ControlSocket
@@ -93,6 +94,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
                  step_trace: StepTrace | None = None):
         self.drafter: Drafter | None = None  # set by attach() once loaded
         self.model_name = ""
+        self.projection = ""  # the fingerprint of the drafter's context projection (set by attach)
         self.target_hidden = 0
         self.max_sessions, self.window = max_sessions, window
         self.max_message_bytes = max_message_bytes  # also the control socket's frame limit
@@ -113,6 +115,8 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
 
     def attach(self, drafter: Drafter, model_name: str, target_hidden: int) -> None:
         self.drafter, self.model_name, self.target_hidden = drafter, model_name, target_hidden
+        # what a verifier must hold to send projected context rows (DrafterInfo.context_projection)
+        self.projection = ContextProjection.from_model(drafter.model).fingerprint
         if drafter.graphs is not None:  # how its steps ran (replayed, captured, eager), read at scrape time
             self.metrics.watch_draft_graphs(lambda: drafter.graphs.stats)
 
@@ -146,7 +150,8 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
             max_budget=MAX_BUDGET, max_sessions=self.max_sessions,
             active_sessions=sum(len(s.sessions) for s in streams), draft_window=self.window,
             streams=len(streams), device=str(d.device), dtype=str(d.dtype).removeprefix("torch."),
-            step_features=True, keep_warm=True, trees_in_place=True)
+            step_features=True, keep_warm=True, trees_in_place=True, context_projection=self.projection,
+            hidden_size=d.cfg.hidden_size)
 
     async def Info(self, request, context):
         return self.info()
@@ -301,6 +306,11 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
                     return None
 
     def _open(self, msg: drafter_pb2.OpenStream) -> tuple[DraftStream, ControlSocket | None]:
+        projected = bool(msg.context_projection)
+        if projected and msg.context_projection != self.projection:
+            raise ValueError(f"context projection {msg.context_projection[:16]}... is not this drafter's "
+                             f"({self.projection[:16]}...): the verifier's --context-projection must be this drafter's "
+                             "checkpoint (or leave it out: the verifier then sends taps)")
         regions: dict[int, SharedRegion] = {}
         control = None
         try:
@@ -315,8 +325,9 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
                 except OSError as e:
                     raise ValueError(f"control socket: cannot connect to {msg.control_socket!r} ({e}); is "
                                      "the drafter on the verifier's host, sharing its /dev/shm?") from None
-            st = DraftStream(next(self._numbers), msg.client_id, regions, self.drafter, self.feature_dim,
-                             metrics=self.metrics, tracer=self.tracer, step_trace=self.step_trace)
+            width = self.drafter.cfg.hidden_size if projected else self.feature_dim
+            st = DraftStream(next(self._numbers), msg.client_id, regions, self.drafter, width, metrics=self.metrics,
+                             tracer=self.tracer, step_trace=self.step_trace, projected=projected)
             st.request_event, st.trees_event = self._events(msg, regions)
             st.doorbell = self._doorbell(msg, regions, st.request_event)
         except Exception:

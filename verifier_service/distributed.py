@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from drafter_service.context_projection import ContextProjection
 from kernels.kv_compact import compact_kv
 from verifier_service.engine import DraftClient, Engine, EngineConfig
 from verifier_service.expert_parallel import use_expert_group
@@ -251,10 +252,10 @@ class LeaderEngine(Engine):
     """Rank 0's engine: an `Engine` whose target forward and KV moves are first sent to the followers."""
 
     def __init__(self, target: KimiForCausalLM, drafter: DraftClient | None, tap_layers: tuple[int, ...],
-                 cfg: EngineConfig, leader: Leader):
+                 cfg: EngineConfig, leader: Leader, projection: ContextProjection | None = None):
         # every target forward must pass through `forward` below to reach the followers: no CUDA-graph
         # replays here (a graph would also have to hold the MoE's NCCL all-reduce)
-        super().__init__(target, drafter, tap_layers, dataclasses.replace(cfg, cuda_graphs=False))
+        super().__init__(target, drafter, tap_layers, dataclasses.replace(cfg, cuda_graphs=False), projection)
         self.leader = leader
         leader.start(self.kv.kv, target.cfg.n_routed_experts)
 

@@ -1,7 +1,9 @@
 """The verifier's step loop: continuous batching of sessions, one tree-verify forward per step.
 
 Each step (DESIGN 3):
-  1. ask the drafter for one tree per drafting session (sending the taps it has not seen yet);
+  1. ask the drafter for one tree per drafting session (sending the taps it has not seen yet, projected to the
+     drafter's context rows first when the engine holds its projection: one GEMM for all drafting sessions,
+     `drafter_service.context_projection`);
      autoregressive sessions (budget 0, or no drafter) contribute their root alone; while a drafter in
      another process works, lay out the tree-independent part of the batch (slots, block tables, offsets);
   2. run the target once over the flat batch of all nodes (positions start + depth, ancestor masks
@@ -25,6 +27,7 @@ from typing import Protocol
 import torch
 
 from drafter_service.api import DraftRequest
+from drafter_service.context_projection import ContextProjection
 from drafter_service.device_copy import int64_to_device
 from kernels.kv_compact import compact_kv, path_moves
 from kernels.tree_accept import accept_greedy
@@ -89,9 +92,12 @@ class EngineConfig:
 
 class Engine:
     def __init__(self, target: KimiForCausalLM, drafter: DraftClient | None, tap_layers: tuple[int, ...],
-                 cfg: EngineConfig = EngineConfig()):
+                 cfg: EngineConfig = EngineConfig(), projection: ContextProjection | None = None):
+        """projection: the drafter's context projection; with it the drafter is sent projected context rows
+        (`DraftRequest.ctx_projected`), without it the taps. A stream client must have offered the same one."""
         self.target = target
         self.drafter = drafter
+        self.projection = projection
         self.tap_layers = tuple(tap_layers)
         self.cfg = cfg
         p = next(target.parameters())
@@ -238,17 +244,24 @@ class Engine:
         drafting = [i for i, s in enumerate(active) if self.drafter is not None and s.params.budget > 0]
         if not drafting:
             return drafting, None
-        reqs = []
-        for i in drafting:
-            s = active[i]
-            start, feats = s.take_pending()
-            if feats is None:
-                feats = torch.zeros(0, 0, device=self.device, dtype=self.dtype)
-            reqs.append(DraftRequest(s.sid, start, feats, s.root, s.committed, s.params.budget, s.params.topk,
-                                     s.traceparent))
+        pending = [active[i].take_pending() for i in drafting]
+        feats = self._context_rows([f for _, f in pending])
+        projected = self.projection is not None
+        reqs = [DraftRequest(s.sid, start, f, s.root, s.committed, s.params.budget, s.params.topk, s.traceparent,
+                             projected) for s, (start, _), f in zip((active[i] for i in drafting), pending, feats)]
         self.draft_ns = (time.time_ns(), 0)
         begin = getattr(self.drafter, "draft_begin", None)
         return drafting, (begin(reqs) if begin is not None else lambda: self.drafter.draft(reqs))
+
+    def _context_rows(self, taps: list[torch.Tensor | None]) -> list[torch.Tensor]:
+        """Each drafting session's pending taps (None: none) -> what its request carries: the taps, or their
+        projected rows (all sessions' through one GEMM)."""
+        empty = torch.zeros(0, 0, device=self.device, dtype=self.dtype)
+        rows = [t for t in taps if t is not None and t.shape[0]]
+        if self.projection is None or not rows:
+            return [empty if t is None else t for t in taps]
+        out = iter(self.projection(rows[0] if len(rows) == 1 else torch.cat(rows)).split([t.shape[0] for t in rows]))
+        return [next(out) if t is not None and t.shape[0] else empty for t in taps]
 
     def _trees(self, active: list[Session], drafting: list[int], trees_of: Callable[[], TreeBatch] | None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int], int]:

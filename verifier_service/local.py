@@ -10,6 +10,7 @@ import torch
 
 from drafter_service.checkpoint import check_pair, load_drafter
 from drafter_service.config import DFlashConfig
+from drafter_service.context_projection import ContextProjection
 from drafter_service.drafter import Drafter
 from verifier_service.batch_invariant import make_batch_invariant
 from verifier_service.checkpoint import load_target
@@ -70,11 +71,15 @@ def build_local_engine(target_dir: str | Path, drafter_dir: str | Path | None, d
         target = load_rank_target(leader.groups, target_dir, dtype, device, tcfg)
     if batch_invariant and str(device).startswith("cuda") and dtype != torch.float64:
         make_batch_invariant(target, attention="aligned" if batch_invariant == "aligned" else "kernel")
+    projection = None
     if drafter_dir is not None:
         dmodel = load_drafter(drafter_dir, tcfg, dtype, device)
         drafter = Drafter(dmodel, target.model.embed_tokens.weight, target.lm_head.weight,
                           max_sessions=cfg.max_sessions, window=cfg.draft_window, cuda_graphs=cfg.cuda_graphs)
         tap_layers = dmodel.cfg.target_layer_ids
+        # the engine projects the taps (as a verifier holding the projection does for a drafter process): one
+        # code path for the rows, so a split pair drafts what this one does
+        projection = ContextProjection.from_model(dmodel)
     if leader is not None:
-        return LeaderEngine(target, drafter, tap_layers, cfg, leader)
-    return Engine(target, drafter, tap_layers, cfg)
+        return LeaderEngine(target, drafter, tap_layers, cfg, leader, projection)
+    return Engine(target, drafter, tap_layers, cfg, projection)

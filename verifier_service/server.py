@@ -79,6 +79,9 @@ class VerifierServerConfig:
     trees_in_place: str = "auto"  # co-located with the doorbell: StreamClientConfig.trees_in_place (auto, on, off)
     keepwarm_ms: float = 3.0  # gRPC stream: the KeepWarm period (StreamClientConfig.keepwarm_ms; 0: none)
     torch_trace: str | None = None  # DIR[:FIRST[:COUNT]]: steps profiled by torch.profiler (telemetry.torch_trace)
+    # colocated / grpc: the drafter's checkpoint folder whose context projection (fc, hidden_norm) the engine applies
+    # before sending context rows (6x fewer bytes per token at K2.6; drafter_service.context_projection); None: taps
+    context_projection_dir: str | None = None
 
     def __post_init__(self):
         if self.metrics_listen is not None:
@@ -89,6 +92,9 @@ class VerifierServerConfig:
             raise ValueError(f"mla_kernel must be one of {mla_attention.IMPLS}, got {self.mla_kernel!r}")
         if (self.transport == "inprocess") != (self.drafter_dir is not None and self.drafter_address is None):
             raise ValueError("inprocess takes a drafter folder; colocated and grpc take a drafter address")
+        if self.transport == "inprocess" and self.context_projection_dir is not None:
+            raise ValueError("a context projection folder is for colocated and grpc: inprocess projects with its "
+                             "own drafter")
         for f in ("max_sessions", "kv_pages", "page_size", "max_session_len", "draft_window", "draft_timeout_s",
                   "max_message_bytes"):
             if getattr(self, f) <= 0:
@@ -270,6 +276,7 @@ def build_engine(cfg: VerifierServerConfig, stop: threading.Event, metrics: Metr
                  on_group_failure=None) -> Loaded:
     """Load the target, wire the drafter through the configured transport, warm up; blocking.
     With `cfg.dist` (rank 0): join the group first, load rank 0's experts, lead the followers."""
+    from drafter_service.context_projection import ContextProjection
     from verifier_service.batch_invariant import make_batch_invariant
     from verifier_service.checkpoint import load_target
     from verifier_service.config import KimiConfig
@@ -290,12 +297,17 @@ def build_engine(cfg: VerifierServerConfig, stop: threading.Event, metrics: Metr
         engine = build_local_engine(cfg.target_dir, cfg.drafter_dir, dtype, device, ecfg, leader=leader)
         block = engine.drafter.cfg.block_size
     else:
+        projection = None
+        if cfg.context_projection_dir is not None:
+            projection = ContextProjection.load(cfg.context_projection_dir, dtype, device)
+            log.info("context projection from %s (%s...): projected rows to the drafter", cfg.context_projection_dir,
+                     projection.fingerprint[:16])
         client = DraftStreamClient(StreamClientConfig(
             cfg.drafter_address, colocated=cfg.transport == "colocated", region_device=device,
             draft_timeout_s=cfg.draft_timeout_s, max_message_bytes=cfg.max_message_bytes, window=cfg.draft_window,
             control_spin_s=cfg.control_spin_ms / 1e3, check_graphs=cfg.cuda_graphs is not False, doorbell=cfg.doorbell,
-            trees_in_place=cfg.trees_in_place, keepwarm_ms=cfg.keepwarm_ms, client_id=f"verifier@{cfg.listen}"),
-            metrics=metrics)
+            trees_in_place=cfg.trees_in_place, keepwarm_ms=cfg.keepwarm_ms, client_id=f"verifier@{cfg.listen}",
+            context_projection=projection.fingerprint if projection is not None else ""), metrics=metrics)
         client.start()  # connects in the background while the target loads
         try:
             if leader is None:
@@ -311,9 +323,9 @@ def build_engine(cfg: VerifierServerConfig, stop: threading.Event, metrics: Metr
             client.close()
             raise
         if leader is None:
-            engine = Engine(target, client, model.target_layer_ids, ecfg)
+            engine = Engine(target, client, model.target_layer_ids, ecfg, projection)
         else:
-            engine = LeaderEngine(target, client, model.target_layer_ids, ecfg, leader)
+            engine = LeaderEngine(target, client, model.target_layer_ids, ecfg, leader, projection)
         block = model.block_size
     # warm-up: one drafted step through the transport, then give everything back
     engine.add([0, 1, 2], DecodeParams(max_new_tokens=2, budget=4, topk=2), sid=WARMUP_SID)

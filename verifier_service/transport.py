@@ -59,6 +59,9 @@ class StreamClientConfig:
     retry_min_s: float = 0.1
     retry_max_s: float = 2.0
     client_id: str = "verifier"
+    # the fingerprint of the drafter's context projection the engine applies before sending (its rows are then
+    # projected, `drafter_service.context_projection`); "": the engine sends taps
+    context_projection: str = ""
 
     def __post_init__(self):
         for f in ("draft_timeout_s", "connect_timeout_s", "max_message_bytes", "window", "request_region_bytes",

@@ -231,7 +231,8 @@ class DraftStreamClient:
                 regions=[r.to_pb() for r in [*regions.values(), *([bell] if bell else [])]],
                 control_socket=listener.path if listener else "",
                 request_event=stream.request_event.handle if stream.request_event else b"",
-                doorbell_region_id=bell.region_id if bell is not None else None)))
+                doorbell_region_id=bell.region_id if bell is not None else None,
+                context_projection=self.cfg.context_projection)))
             try:
                 resp = stream.recv(self.cfg.connect_timeout_s)
             except StreamBroken as e:
@@ -242,6 +243,9 @@ class DraftStreamClient:
                 raise
             if resp.WhichOneof("kind") != "opened":
                 raise StreamBroken(f"the drafter answered open with {resp.WhichOneof('kind')}")
+            if self.cfg.context_projection and resp.opened.context_projection != self.cfg.context_projection:
+                raise StreamBroken("the drafter does not take this verifier's projected context rows (its projection "
+                                   f"is {resp.opened.context_projection[:16] or 'none'}...)")
             stream.step_features = resp.opened.step_features
             if listener is not None:  # the drafter connected before answering
                 stream.control = listener.accept(self.cfg.connect_timeout_s, self.cfg.control_spin_s)

@@ -22,18 +22,20 @@ class DraftStreamRequest(_message.Message):
     def __init__(self, open: _Optional[_Union[OpenStream, _Mapping]] = ..., step: _Optional[_Union[DraftStep, _Mapping]] = ..., release: _Optional[_Union[ReleaseSessions, _Mapping]] = ..., context: _Optional[_Union[SessionContext, _Mapping]] = ..., keep_warm: _Optional[_Union[KeepWarm, _Mapping]] = ...) -> None: ...
 
 class OpenStream(_message.Message):
-    __slots__ = ("client_id", "regions", "control_socket", "request_event", "doorbell_region_id")
+    __slots__ = ("client_id", "regions", "control_socket", "request_event", "doorbell_region_id", "context_projection")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     REGIONS_FIELD_NUMBER: _ClassVar[int]
     CONTROL_SOCKET_FIELD_NUMBER: _ClassVar[int]
     REQUEST_EVENT_FIELD_NUMBER: _ClassVar[int]
     DOORBELL_REGION_ID_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_PROJECTION_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     regions: _containers.RepeatedCompositeFieldContainer[SharedRegion]
     control_socket: str
     request_event: bytes
     doorbell_region_id: int
-    def __init__(self, client_id: _Optional[str] = ..., regions: _Optional[_Iterable[_Union[SharedRegion, _Mapping]]] = ..., control_socket: _Optional[str] = ..., request_event: _Optional[bytes] = ..., doorbell_region_id: _Optional[int] = ...) -> None: ...
+    context_projection: str
+    def __init__(self, client_id: _Optional[str] = ..., regions: _Optional[_Iterable[_Union[SharedRegion, _Mapping]]] = ..., control_socket: _Optional[str] = ..., request_event: _Optional[bytes] = ..., doorbell_region_id: _Optional[int] = ..., context_projection: _Optional[str] = ...) -> None: ...
 
 class SharedRegion(_message.Message):
     __slots__ = ("region_id", "nbytes", "shm_path", "cuda")
@@ -184,7 +186,7 @@ class DrafterInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DrafterInfo(_message.Message):
-    __slots__ = ("model", "vocab_size", "block_size", "target_layer_ids", "target_hidden_size", "max_budget", "max_sessions", "active_sessions", "draft_window", "streams", "device", "dtype", "trees_event", "step_features", "trees_doorbell", "keep_warm", "trees_in_place")
+    __slots__ = ("model", "vocab_size", "block_size", "target_layer_ids", "target_hidden_size", "max_budget", "max_sessions", "active_sessions", "draft_window", "streams", "device", "dtype", "trees_event", "step_features", "trees_doorbell", "keep_warm", "trees_in_place", "context_projection", "hidden_size")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -202,6 +204,8 @@ class DrafterInfo(_message.Message):
     TREES_DOORBELL_FIELD_NUMBER: _ClassVar[int]
     KEEP_WARM_FIELD_NUMBER: _ClassVar[int]
     TREES_IN_PLACE_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_PROJECTION_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     block_size: int
@@ -219,4 +223,6 @@ class DrafterInfo(_message.Message):
     trees_doorbell: bool
     keep_warm: bool
     trees_in_place: bool
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., target_hidden_size: _Optional[int] = ..., max_budget: _Optional[int] = ..., max_sessions: _Optional[int] = ..., active_sessions: _Optional[int] = ..., draft_window: _Optional[int] = ..., streams: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., trees_event: _Optional[bytes] = ..., step_features: _Optional[bool] = ..., trees_doorbell: _Optional[bool] = ..., keep_warm: _Optional[bool] = ..., trees_in_place: _Optional[bool] = ...) -> None: ...
+    context_projection: str
+    hidden_size: int
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., target_hidden_size: _Optional[int] = ..., max_budget: _Optional[int] = ..., max_sessions: _Optional[int] = ..., active_sessions: _Optional[int] = ..., draft_window: _Optional[int] = ..., streams: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., trees_event: _Optional[bytes] = ..., step_features: _Optional[bool] = ..., trees_doorbell: _Optional[bool] = ..., keep_warm: _Optional[bool] = ..., trees_in_place: _Optional[bool] = ..., context_projection: _Optional[str] = ..., hidden_size: _Optional[int] = ...) -> None: ...
