@@ -59,7 +59,8 @@ class ContextProjection(nn.Module):
                 src = name if name in reader else "model." + name
                 if src not in reader:
                     raise CheckpointError(f"{reader.index_path}: tensor {name!r} (or 'model.{name}') is missing")
-                w[name] = reader.view(src).to(device=device, dtype=dtype)  # one copy out of the memory map
+                # a copy out of the memory map, which closes below (`.to` alone returns the map itself on a match)
+                w[name] = reader.view(src).to(device=device, dtype=dtype, copy=True)
         fc_w, norm_w = w["fc.weight"], w["hidden_norm.weight"]
         if fc_w.dim() != 2 or fc_w.shape[0] != cfg.hidden_size or fc_w.shape[1] % cfg.num_taps:
             raise CheckpointError(f"{folder}: fc.weight has shape {list(fc_w.shape)}, expected [{cfg.hidden_size}, "
