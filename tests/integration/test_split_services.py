@@ -1,8 +1,9 @@
 """Drafter + verifier as real processes on loopback: exactness through every transport, continuous
 batching, admission by KV capacity, cancellation and deadlines, multi-turn sessions, bad input.
 
-One drafter process serves two verifiers at once (colocated and grpc transports), which also
-checks that streams from different verifiers do not disturb each other.
+One drafter process serves two verifiers at once (colocated and grpc transports; the grpc one sends projected context
+rows, `--context-projection`, the colocated one taps), which also checks that streams from different verifiers do not
+disturb each other.
 """
 
 from __future__ import annotations
@@ -42,8 +43,10 @@ def services(pair):
         procs.append(d)
         da = d.wait_for("serving")
         co = Service("verifier-colocated", verifier_argv(pair, "127.0.0.1:0", da))  # default: colocated
+        # the gRPC verifier holds the drafter's context projection (as the split manifests deploy it): its rows
+        # cross projected; the co-located one sends taps
         gr = Service("verifier-grpc", verifier_argv(pair, "127.0.0.1:0", da, "--transport", "grpc",
-                                                    "--kv-pages", "96"))
+                                                    "--kv-pages", "96", "--context-projection", str(pair[1])))
         procs += [co, gr]
         yield {"drafter": da, "colocated": co.wait_for("serving"), "grpc": gr.wait_for("serving")}
     finally:
