@@ -35,3 +35,15 @@ def parts(tiny_dirs, tiny_target64):
 
     model = load_drafter(tiny_dirs[1], tiny_target64.cfg, torch.float64)
     return model, tiny_target64.model.embed_tokens.weight, tiny_target64.lm_head.weight
+
+
+@pytest.fixture
+def served(parts):
+    """(a DrafterService of the tiny drafter, its grpc.aio server on loopback in this process): stream_harness.py's
+    pieces; a test module may override it with another drafter class (test_transports.py)."""
+    from tests.unit.stream_harness import ServerThread, make_service
+
+    service = make_service(parts)
+    srv = ServerThread(service)
+    yield service, srv
+    srv.stop()

@@ -21,11 +21,9 @@ from drafter_service.checkpoint import write_random_drafter
 from drafter_service.context_projection import ContextProjection
 from drafter_service.drafter import Drafter
 from tests.unit.stream_harness import (
-    ServerThread,
     assert_same_trees,
     client_for,
     feats,
-    make_service,
     root_only,
     steps,
 )
@@ -132,14 +130,6 @@ def test_the_engine_projects_what_it_sends(tiny_dirs, monkeypatch):
     again = engine.generate(prompts, DecodeParams(max_new_tokens=24, budget=8, topk=4, ignore_eos=True))
     assert [s.accepted_per_step for s in again] == [s.accepted_per_step for s in dd]
     assert max(a for s in dd for a in s.accepted_per_step) >= 2  # some drafts were accepted at all
-
-
-@pytest.fixture
-def served(parts):
-    service = make_service(parts)
-    srv = ServerThread(service)
-    yield service, srv
-    srv.stop()
 
 
 @pytest.mark.parametrize("colocated", [False, True])

@@ -15,19 +15,11 @@ import pytest
 
 from drafter_service.drafter import Drafter
 from protos.ddtree.v1 import drafter_pb2, drafter_pb2_grpc
-from tests.unit.stream_harness import ServerThread, as_older_drafter, assert_same_trees, client_for, make_service, steps
+from tests.unit.stream_harness import as_older_drafter, assert_same_trees, client_for, steps
 from verifier_service import draft_call
 from verifier_service.keepwarm import ACTIVE_S, LEAD_S, KeepWarmPlan, paced
 from verifier_service.server import VerifierServerConfig
 from verifier_service.transport import StreamClientConfig
-
-
-@pytest.fixture
-def served(parts):
-    service = make_service(parts)
-    srv = ServerThread(service)
-    yield service, srv
-    srv.stop()
 
 
 def test_plan_pings_once_before_each_expected_message_and_repeats_while_a_turn_overruns():
