@@ -94,7 +94,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
                  step_trace: StepTrace | None = None):
         self.drafter: Drafter | None = None  # set by attach() once loaded
         self.model_name = ""
-        self.projection = ""  # the fingerprint of the drafter's context projection (set by attach)
+        self.projection_fingerprint = ""  # the fingerprint of the drafter's context projection (set by attach)
         self.target_hidden = 0
         self.max_sessions, self.window = max_sessions, window
         self.max_message_bytes = max_message_bytes  # also the control socket's frame limit
@@ -116,7 +116,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
     def attach(self, drafter: Drafter, model_name: str, target_hidden: int) -> None:
         self.drafter, self.model_name, self.target_hidden = drafter, model_name, target_hidden
         # what a verifier must hold to send projected context rows (DrafterInfo.context_projection)
-        self.projection = ContextProjection.from_model(drafter.model).fingerprint
+        self.projection_fingerprint = ContextProjection.from_model(drafter.model).fingerprint
         if drafter.graphs is not None:  # how its steps ran (replayed, captured, eager), read at scrape time
             self.metrics.watch_draft_graphs(lambda: drafter.graphs.stats)
 
@@ -150,7 +150,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
             max_budget=MAX_BUDGET, max_sessions=self.max_sessions,
             active_sessions=sum(len(s.sessions) for s in streams), draft_window=self.window,
             streams=len(streams), device=str(d.device), dtype=str(d.dtype).removeprefix("torch."),
-            step_features=True, keep_warm=True, trees_in_place=True, context_projection=self.projection,
+            step_features=True, keep_warm=True, trees_in_place=True, context_projection=self.projection_fingerprint,
             hidden_size=d.cfg.hidden_size)
 
     async def Info(self, request, context):
@@ -307,10 +307,10 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
 
     def _open(self, msg: drafter_pb2.OpenStream) -> tuple[DraftStream, ControlSocket | None]:
         projected = bool(msg.context_projection)
-        if projected and msg.context_projection != self.projection:
+        if projected and msg.context_projection != self.projection_fingerprint:
             raise ValueError(f"context projection {msg.context_projection[:16]}... is not this drafter's "
-                             f"({self.projection[:16]}...): the verifier's --context-projection must be this drafter's "
-                             "checkpoint (or leave it out: the verifier then sends taps)")
+                             f"({self.projection_fingerprint[:16]}...): the verifier's --context-projection must be "
+                             "this drafter's checkpoint (or leave it out: the verifier then sends taps)")
         regions: dict[int, SharedRegion] = {}
         control = None
         try:
