@@ -94,6 +94,9 @@ class DraftStreamClient:
                       "region_trees": 0, "event_steps": 0, "doorbell_steps": 0, "doorbell_timeouts": 0,
                       "landed_steps": 0, "in_place_steps": 0, "ring_first": 0, "keepwarm_sent": 0}
         self.last_error = ""
+        # the drafter's Info names another context projection than cfg.context_projection: a configuration error
+        # (wait_ready raises it; after the first stream the client keeps retrying, autoregressive meanwhile)
+        self.refused = ""
         self._use_control = cfg.colocated and cfg.control_socket
         self._use_events = cfg.colocated and cfg.ipc_events
         self._use_doorbell = self._use_events and cfg.doorbell
@@ -127,6 +130,8 @@ class DraftStreamClient:
         while not self._ready.wait(0.1):
             if (stop is not None and stop.is_set()) or self._closed.is_set():
                 raise RuntimeError("stopped while waiting for the drafter")
+            if self.refused:
+                raise ValueError(self.refused)
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"the drafter at {self.cfg.address} did not answer: {self.last_error}")
         assert self.model is not None
@@ -207,7 +212,21 @@ class DraftStreamClient:
             self._ready.set()
             delay = self.cfg.retry_min_s
 
+    def _check_projection(self) -> None:
+        """With cfg.context_projection: StreamBroken (and `refused`) when the loaded drafter names another one in its
+        Info (it would refuse the stream anyway; this says why in terms of the flags, before any region is made)."""
+        info = self._stub.Info(drafter_pb2.DrafterInfoRequest(), timeout=self.cfg.connect_timeout_s)
+        if info.model and info.context_projection != self.cfg.context_projection:  # no model yet: still loading
+            self.refused = (f"the drafter at {self.cfg.address} ({info.model}) has another context projection "
+                            f"({info.context_projection[:16] or 'none'}...) than this verifier's "
+                            f"({self.cfg.context_projection[:16]}...): point --context-projection at that drafter's "
+                            "checkpoint, or leave it out (the verifier then sends taps)")
+            raise StreamBroken(self.refused)
+        self.refused = ""
+
     def _open(self) -> DraftCall:
+        if self.cfg.context_projection:
+            self._check_projection()
         regions = {}
         if self.cfg.colocated:
             if self._device.type == "cuda":

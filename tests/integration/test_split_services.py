@@ -9,6 +9,7 @@ disturb each other.
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import threading
 
 import grpc
@@ -16,6 +17,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from drafter_service.checkpoint import write_random_drafter
 from protos.ddtree.v1 import verifier_pb2
 from tests.integration.harness import (
     Service,
@@ -29,6 +31,7 @@ from tests.integration.harness import (
     verifier_stub,
     wait_until,
 )
+from verifier_service import presets
 
 pytestmark = pytest.mark.integration
 PROMPTS = [[5, 17, 99, 3], [200, 1, 2, 3, 4, 5, 6, 7], [42], list(range(60, 72))]
@@ -251,6 +254,21 @@ def test_gluon_mla_kernel_refused_at_start_where_it_cannot_run(pair):
                                                 "--drafter", str(pair[1]), "--mla-kernel", "gluon"))
     try:
         with pytest.raises(RuntimeError, match="sm_90"):
+            v.wait_for("serving")
+    finally:
+        v.stop()
+
+
+def test_a_verifier_holding_another_drafters_projection_stops_at_start(services, pair, tmp_path):
+    """`--context-projection` pointed at another drafter checkpoint than the served one: the verifier stops before it
+    serves, naming the flag, instead of serving with a drafter that refuses its rows."""
+    other = tmp_path / "other-drafter"
+    hidden = json.loads((pair[0] / "config.json").read_text())["text_config"]["hidden_size"]
+    write_random_drafter(other, presets.drafter_config("tiny"), hidden, seed=7)
+    v = Service("verifier-other-projection", verifier_argv(pair, "127.0.0.1:0", services["drafter"], "--transport",
+                                                           "grpc", "--context-projection", str(other)))
+    try:
+        with pytest.raises(RuntimeError, match="has another context projection"):
             v.wait_for("serving")
     finally:
         v.stop()

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import time
 
+import grpc
 import pytest
 import torch
 
@@ -20,6 +20,7 @@ from drafter_service.api import DraftRequest
 from drafter_service.checkpoint import write_random_drafter
 from drafter_service.context_projection import ContextProjection
 from drafter_service.drafter import Drafter
+from protos.ddtree.v1 import drafter_pb2, drafter_pb2_grpc
 from tests.unit.stream_harness import (
     assert_same_trees,
     client_for,
@@ -166,23 +167,29 @@ def test_projected_rows_cross_the_stream(parts, served, colocated, monkeypatch, 
 
 
 def test_a_projection_the_drafter_does_not_share_is_refused(parts, served):
-    """The drafter refuses the stream (FAILED_PRECONDITION naming the projection); the client keeps trying and
-    meanwhile every step is autoregressive: never wrong, nothing raised."""
+    """The client asks the drafter's Info first: another projection is a configuration error, raised by wait_ready
+    (a verifier fails at start, saying which flag to fix); meanwhile every step is autoregressive, nothing raised.
+    The drafter refuses such a stream itself too (FAILED_PRECONDITION), whoever opens it."""
     service, srv = served
     client = DraftStreamClient(StreamClientConfig(f"127.0.0.1:{srv.port}", retry_max_s=0.2,
                                                   context_projection="0" * 64))
     client.start()
     try:
-        deadline = time.monotonic() + 10
-        while "context projection" not in client.last_error and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert "context projection 0000000000000000... is not this drafter's" in client.last_error
+        with pytest.raises(ValueError, match="has another context projection .* point --context-projection"):
+            client.wait_ready(timeout=10)
         assert not client.connected and service.info().streams == 0
         reqs = steps()[0]
         got = client.draft(reqs)
         assert all(root_only(got, r, q.root_token) for r, q in enumerate(reqs))
     finally:
         client.close()
+    with grpc.insecure_channel(f"127.0.0.1:{srv.port}") as ch:
+        call = drafter_pb2_grpc.DrafterStub(ch).Draft(iter([drafter_pb2.DraftStreamRequest(
+            open=drafter_pb2.OpenStream(client_id="raw", context_projection="0" * 64))]), timeout=10)
+        with pytest.raises(grpc.RpcError) as e:
+            next(call)
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "context projection 0000000000000000... is not this drafter's" in e.value.details()
 
 
 def test_projected_rows_sent_ahead_in_context_messages(parts, served, monkeypatch):
