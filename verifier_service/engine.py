@@ -311,8 +311,7 @@ class Engine:
         self.draft_ns = None
         if not active:
             return {}
-        for s in active:
-            self.kv.ensure(s.row, s.committed + self.tree_nodes(s.params))
+        self.kv.ensure_many([s.row for s in active], [s.committed + self.tree_nodes(s.params) for s in active])
         drafting, trees_of = self._draft_begin(active)
         # while a remote drafter works: the batch layout for full trees (what a drafter sends unless it fails)
         planned = self._layout(active, [self.tree_nodes(s.params) for s in active])

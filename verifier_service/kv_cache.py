@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from drafter_service.device_copy import int64_to_device
+
 
 class KVCapacityError(RuntimeError):
     """The pool cannot hold the requested tokens (maps to RESOURCE_EXHAUSTED at the service edge)."""
@@ -58,19 +60,30 @@ class KVPool:
 
     def ensure(self, row: int, n_tokens: int) -> None:
         """Make logical rows 0..n_tokens-1 of session `row` backed by pages."""
-        if n_tokens > self.max_session_len:
-            raise KVCapacityError(f"session needs {n_tokens} cache rows; the limit is {self.max_session_len}")
-        pages = self._pages[row]
-        need = -(-n_tokens // self.page_size) - len(pages)
-        if need <= 0:
-            return
-        if need > len(self._free_pages):
-            raise KVCapacityError(f"KV pool exhausted: need {need} pages, {len(self._free_pages)} free")
-        new = [self._free_pages.pop() for _ in range(need)]
-        first = len(pages)
-        pages.extend(new)
-        self.block_table[row, first : first + need] = torch.tensor(new, dtype=torch.int32).to(
-            self.block_table.device, non_blocking=True)
+        self.ensure_many([row], [n_tokens])
+
+    def ensure_many(self, rows: list[int], n_tokens: list[int]) -> None:
+        """`ensure` for each (row, n_tokens) in order, with one block-table write for all the pages they gained (a
+        step's page crossings: one upload and one scatter, not a blocking pageable copy and a copy per session). On
+        KVCapacityError the rows before the failing one keep their new pages, written before it is raised."""
+        cells: list[tuple[int, int, int]] = []  # (row, page index in the row, page)
+        try:
+            for row, n in zip(rows, n_tokens, strict=True):
+                if n > self.max_session_len:
+                    raise KVCapacityError(f"session needs {n} cache rows; the limit is {self.max_session_len}")
+                pages = self._pages[row]
+                need = -(-n // self.page_size) - len(pages)
+                if need <= 0:
+                    continue
+                if need > len(self._free_pages):
+                    raise KVCapacityError(f"KV pool exhausted: need {need} pages, {len(self._free_pages)} free")
+                new = [self._free_pages.pop() for _ in range(need)]
+                cells += [(row, len(pages) + i, p) for i, p in enumerate(new)]
+                pages.extend(new)
+        finally:
+            if cells:
+                rows_t, cols_t, pages_t = int64_to_device([list(c) for c in zip(*cells)], self.block_table.device)
+                self.block_table[rows_t, cols_t] = pages_t.to(torch.int32)
 
     def release(self, row: int) -> None:
         self._free_pages.extend(reversed(self._pages.pop(row)))

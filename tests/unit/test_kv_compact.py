@@ -10,6 +10,7 @@ import torch
 from kernels.kv_compact import compact_kv, path_moves
 from kernels.tree_accept import accept_greedy
 from kernels.tree_build import build_tree
+from verifier_service.kv_cache import KVCapacityError, KVPool
 
 
 def expected_after(cache: torch.Tensor, src, dst) -> torch.Tensor:
@@ -118,3 +119,25 @@ def test_cuda_no_host_sync_and_matches_cpu():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(cache_d.cpu(), want)
+
+
+def test_ensure_many_writes_what_ensure_does_in_one_go():
+    """A step's page crossings for several sessions in one block-table write: the same tables as one `ensure` per
+    session; on an exhausted pool the sessions before the failing one keep (and have written) their pages."""
+    one, many = (KVPool(1, 4, num_pages=12, page_size=4, max_sessions=4, max_session_len=32, dtype=torch.float32,
+                        device="cpu") for _ in range(2))
+    for p in (one, many):
+        p.block_table.fill_(-7)  # poison: every written cell must be a real page
+    rows = [one.open() for _ in range(3)]
+    assert rows == [many.open() for _ in range(3)]
+    for lens in ([5, 1, 9], [5, 8, 9], [13, 8, 12]):  # grows, stays, grows by several pages
+        for r, n in zip(rows, lens):
+            one.ensure(r, n)
+        many.ensure_many(rows, lens)
+        assert torch.equal(one.block_table, many.block_table) and one.used_pages == many.used_pages
+    written = many.block_table[many.block_table >= 0].tolist()
+    assert len(written) == many.used_pages == 9 and len(set(written)) == 9  # each page once
+    with pytest.raises(KVCapacityError, match="exhausted"):
+        many.ensure_many(rows, [17, 20, 12])  # the first row's page fits, the second's do not
+    assert many.capacity(rows[0]) == 20 and int(many.block_table[rows[0], 4]) >= 0
+    assert many.capacity(rows[1]) == 8 and int(many.block_table[rows[1], 2]) == -7
