@@ -101,6 +101,16 @@ class DrafterModel:
             other.vocab_size, other.block_size, other.target_layer_ids, other.target_hidden_size)
 
 
+def projection_refusal(cfg: StreamClientConfig, info: drafter_pb2.DrafterInfo) -> str:
+    """Why a drafter (its Info) would refuse this client's context projection, "" when it would not (or is still
+    loading: no model yet, so no projection to compare)."""
+    if not info.model or info.context_projection == cfg.context_projection:
+        return ""
+    return (f"the drafter at {cfg.address} ({info.model}) has another context projection "
+            f"({info.context_projection[:16] or 'none'}...) than this verifier's ({cfg.context_projection[:16]}...): "
+            "point --context-projection at that drafter's checkpoint, or leave it out (the verifier then sends taps)")
+
+
 def address_host(address: str) -> str | None:
     """The host part of a gRPC target ('host:port', '[v6]:port', 'dns:///host:port', 'ipv4:a.b.c.d:port');
     None for unix sockets."""

@@ -56,7 +56,7 @@ from verifier_service.doorbell_watch import DoorbellWatch
 from verifier_service.draft_call import DraftCall, DraftTimeout, StreamBroken
 from verifier_service.in_place import BLOCK_FIELDS, InPlacePlan, InPlaceStep
 from verifier_service.step_message import PendingRows, step_message
-from verifier_service.transport import DrafterModel, StreamClientConfig
+from verifier_service.transport import DrafterModel, StreamClientConfig, projection_refusal
 from verifier_service.tree_assembly import assemble_trees
 from verifier_service.tree_check_graphs import CheckGraphs
 from verifier_service.tree_landing import Landing, TreeLandings
@@ -212,21 +212,12 @@ class DraftStreamClient:
             self._ready.set()
             delay = self.cfg.retry_min_s
 
-    def _check_projection(self) -> None:
-        """With cfg.context_projection: StreamBroken (and `refused`) when the loaded drafter names another one in its
-        Info (it would refuse the stream anyway; this says why in terms of the flags, before any region is made)."""
-        info = self._stub.Info(drafter_pb2.DrafterInfoRequest(), timeout=self.cfg.connect_timeout_s)
-        if info.model and info.context_projection != self.cfg.context_projection:  # no model yet: still loading
-            self.refused = (f"the drafter at {self.cfg.address} ({info.model}) has another context projection "
-                            f"({info.context_projection[:16] or 'none'}...) than this verifier's "
-                            f"({self.cfg.context_projection[:16]}...): point --context-projection at that drafter's "
-                            "checkpoint, or leave it out (the verifier then sends taps)")
-            raise StreamBroken(self.refused)
-        self.refused = ""
-
     def _open(self) -> DraftCall:
-        if self.cfg.context_projection:
-            self._check_projection()
+        if self.cfg.context_projection:  # the drafter would refuse the stream: say why in terms of the flags
+            info = self._stub.Info(drafter_pb2.DrafterInfoRequest(), timeout=self.cfg.connect_timeout_s)
+            self.refused = projection_refusal(self.cfg, info)
+            if self.refused:
+                raise StreamBroken(self.refused)
         regions = {}
         if self.cfg.colocated:
             if self._device.type == "cuda":
