@@ -19,10 +19,14 @@ inline bytes (grpc; on a GPU its verify step queued before the trees arrive, beh
 thread reading the answer rings, `verifier_service.tree_landing`; GPU only: grpc_sync, the trees waited for on
 the host before the step is queued). The gRPC streams send the drafter KeepWarm messages shortly before each
 expected request and answer (`verifier_service.keepwarm`, period --keepwarm-ms); grpc_cold is grpc without them.
-Context rows: `--rows projected` (the default) has every engine project the taps with the drafter's context projection
-before sending (`drafter_service.context_projection`: in-process with its drafter's modules, the remote engines as
-`ddtree verifier serve --context-projection` does); `--rows taps` sends the taps and lets the drafters project them
-(every engine alike, so the trees still match): the wire format before the projection moved to the verifier.
+Context rows: `--rows projected` has every engine project the taps with the drafter's context projection before sending
+(`drafter_service.context_projection`: in-process with its drafter's modules, the remote engines as `ddtree verifier
+serve --context-projection` does); `--rows taps` sends the taps and lets the drafters project them (every engine alike,
+so the trees still match): the wire format before the projection moved to the verifier. `--rows auto` (the default, as
+the manifests deploy it): the gRPC engines project, in-process projects (as it always does), the co-located engines send
+taps (their rows cross no wire, and the drafter's host launches its step while its GPU projects, instead of waiting
+for the verifier's projection to finish before it touches the region). The drafter projects a step's rows in one GEMM
+over the same rows in the same order as the verifier would, so the trees still match in every mode.
 All engines share one target (batch-invariant on CUDA, as `build_local_engine` builds it) and step in
 interleaved rounds, so that load from other processes falls on all of them alike. Checked: every session's
 tokens equal the in-process engine's (greedy: a transport must not change a token), and every round's tokens
@@ -187,8 +191,9 @@ def main() -> int:
     p.add_argument("--drafter-sessions", type=int, default=None,
                    help="the drafter process's --max-sessions (default: every remote engine's sessions at the "
                         "largest C, + 8): the size of its context cache and of its CUDA-graph buckets")
-    p.add_argument("--rows", choices=("projected", "taps"), default="projected",
-                   help="context rows every engine sends: projected by the verifier (default) or the taps")
+    p.add_argument("--rows", choices=("auto", "projected", "taps"), default="auto",
+                   help="context rows the engines send: projected by the verifier, taps, or auto (default): projected "
+                        "over gRPC and in-process, taps co-located")
     p.add_argument("--torch-trace", default=None, metavar="DIR[:FIRST[:COUNT]]",
                    help="diagnosis: torch.profiler over rounds FIRST.. FIRST+COUNT-1 in this process (the markers "
                         "name each engine's step) and over the drafter process's steps of the same number (the same "
@@ -242,11 +247,11 @@ def main() -> int:
         inproc = build_local_engine(pair / "target", pair / "drafter", dtype, args.device, ecfg)
         if args.rows == "taps":
             inproc.projection = None  # its drafter projects them, as the remote drafters do
-        projection = inproc.projection
         vocab = inproc.target.cfg.vocab_size
         addr, metrics_addr = wait_serving(proc)
         engines = {"inprocess": inproc}
         for transport in remote:
+            projection = inproc.projection if args.rows != "auto" or transport.startswith("grpc") else None
             client = DraftStreamClient(StreamClientConfig(addr, colocated=not transport.startswith("grpc"),
                                                           region_device=args.device, draft_timeout_s=60,
                                                           ipc_events=transport in (*DOORBELLED, "colocated_events"),
