@@ -47,6 +47,16 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
 
 if HAVE_GLUON:
     _DEQUANT = gl.constexpr(_DEQUANT_PAIR_PTX)
+    # one warpgroup's [64 rows, 4 t, 8 j] words: j in registers (8 contiguous words), t on lanes 0-1, rows as the A
+    # fragment's; its ring slots' scales [128 rows, 8] as copied; words and scales in shared memory (a lane's 8 words
+    # conflict-free: 16-byte vectors XOR-swizzled by row % 8)
+    _W_L1 = gl.constexpr(gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [8, 0, 0]],
+        lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+        warp_bases=[[16, 0, 0], [32, 0, 0]], block_bases=[], shape=[64, 4, 8]))
+    _CS_L1 = gl.constexpr(gl.BlockedLayout([1, 8], [32, 1], [4, 1], [1, 0]))
+    _W_SL = gl.constexpr(gl.SwizzledSharedLayout(4, 1, 8, [1, 0]))
+    _S_SL = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
 
     @gluon.jit
     def _chunk(v, c: gl.constexpr):
@@ -215,6 +225,51 @@ if HAVE_GLUON:
         return w_src + t * 128 * stride_wn, okw, s_src + t * (128 * 8) * stride_sn8, oks
 
     @gluon.jit
+    def _weight_src(w_ptr, s_ptr, e, pid_r, N_OUT, stride_we, stride_wn, stride_se8, stride_sn8, GATED: gl.constexpr,
+                    ROW_TILES: gl.constexpr, CW_L: gl.constexpr, CS_L: gl.constexpr):
+        """Expert e's ring-slot sources of row tile pid_r: words [128 rows, 32] and scales [128 rows, 8] at step 0,
+        their masks, and the unmasked rows (gw, gs) that `_tile_src` moves. A slot's rows 0-63 are tensor a, 64-127
+        tensor b (w13: 64 gate rows and the 64 up rows of the same intermediate columns; w2: 128 output rows, the
+        program's first of ROW_TILES tiles); rows past the projection are zero-filled."""
+        rw = gl.arange(0, 128, layout=gl.SliceLayout(1, CW_L))
+        rs = gl.arange(0, 128, layout=gl.SliceLayout(1, CS_L))
+        if GATED:
+            row0 = pid_r * 64
+            gw = row0 + rw % 64 + (rw // 64) * N_OUT
+            okw = row0 + rw % 64 < N_OUT
+            gs = row0 + rs % 64 + (rs // 64) * N_OUT
+            oks = row0 + rs % 64 < N_OUT
+        else:
+            row0 = pid_r * (ROW_TILES * 128)  # the program's first row tile
+            gw = row0 + rw
+            okw = gw < N_OUT
+            gs = row0 + rs
+            oks = gs < N_OUT
+        cw = gl.arange(0, 32, layout=gl.SliceLayout(0, CW_L))
+        cs = gl.arange(0, 8, layout=gl.SliceLayout(0, CS_L))
+        w_base = w_ptr + e.to(gl.int64) * stride_we
+        s_base = s_ptr + e.to(gl.int64) * (stride_se8 * 8)
+        w_src = gl.expand_dims(w_base + gw * stride_wn, 1) + gl.expand_dims(cw, 0)
+        s_src = gl.expand_dims(s_base + gs * (stride_sn8 * 8), 1) + gl.expand_dims(cs, 0)
+        w_ok = gl.expand_dims(okw, 1) & gl.expand_dims(cw < 32, 0)  # full-shape masks
+        s_ok = gl.expand_dims(oks, 1) & gl.expand_dims(cs < 8, 0)
+        return w_src, w_ok, s_src, s_ok, gw, gs
+
+    @gluon.jit
+    def _prefetch_w(w_src, w_ok, s_src, s_ok, gw, gs, N_OUT, num_kb, stride_wn, stride_sn8, wring, sring,
+                    STAGES: gl.constexpr, ROW_TILES: gl.constexpr, CW_L: gl.constexpr, CS_L: gl.constexpr):
+        """The weights of the ring's first STAGES - 1 steps in flight, one commit group each (`_ring_gemm`'s WPRE:
+        its activation copies follow as groups of their own)."""
+        for st in gl.static_range(STAGES - 1):
+            if ROW_TILES == 1:
+                _copy_w(w_src, w_ok, s_src, s_ok, st, st < num_kb, wring.index(st), sring.index(st))
+            else:  # ring step st of the program's tiles (tile st // num_kb)
+                sw, okw, ss, oks = _tile_src(w_src, s_src, gw, gs, N_OUT, stride_wn, stride_sn8,
+                                             gl.minimum(st // num_kb, ROW_TILES - 1), CW_L, CS_L)
+                _copy_w(sw, okw, ss, oks, st % num_kb, st < ROW_TILES * num_kb, wring.index(st), sring.index(st))
+            cp.commit_group()
+
+    @gluon.jit
     def _pair_ids(pairs_ptr, blk, P, N: gl.constexpr, NP: gl.constexpr, DIRECT: gl.constexpr, L: gl.constexpr):
         """The block's first N pair ids along dim 1 of layout L (P: an empty slot; DIRECT: pair `blk` in slot 0)."""
         slot = gl.arange(0, N, layout=gl.SliceLayout(0, L))
@@ -358,13 +413,10 @@ if HAVE_GLUON:
         gl.static_assert(gl.num_warps() == 4 * WG)  # WG warpgroups: 1, or 2 splitting the 128 weight rows
         gl.static_assert(STAGES >= 2)
         gl.static_assert(ROW_TILES == 1 or not GATED)  # row tiles per program: w2 only
-        # [64 WG rows, 4 t, 8 j]: j in registers (8 contiguous words), t on lanes 0-1, rows as the A fragment's
+        # words [64 WG rows, 4 t, 8 j] as _W_L1 (the second warpgroup, if any, holds rows 64-127)
         if WG == 1:
-            W_L: gl.constexpr = gl.DistributedLinearLayout(
-                reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [8, 0, 0]],
-                lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
-                warp_bases=[[16, 0, 0], [32, 0, 0]], block_bases=[], shape=[64, 4, 8])
-            CS_L: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [4, 1], [1, 0])  # [128 rows, 8 scales]
+            W_L: gl.constexpr = _W_L1
+            CS_L: gl.constexpr = _CS_L1
         else:  # the second warpgroup holds rows 64-127 (tensor b), as its MMAs' accumulator rows
             W_L: gl.constexpr = gl.DistributedLinearLayout(
                 reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [8, 0, 0]],
@@ -373,9 +425,8 @@ if HAVE_GLUON:
             CS_L: gl.constexpr = gl.BlockedLayout([1, 4], [16, 2], [8, 1], [1, 0])  # 8-byte copies, 256 threads
         CW_L: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4 * WG, 1], [1, 0])  # [128 rows, 32 words]
         X_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([4 * NP, 64], gl.bfloat16)
-        # conflict-free reads of a lane's 8 words: 16-byte vectors XOR-swizzled by row % 8
-        W_SL: gl.constexpr = gl.SwizzledSharedLayout(4, 1, 8, [1, 0])
-        S_SL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        W_SL: gl.constexpr = _W_SL
+        S_SL: gl.constexpr = _S_SL
 
         pid_r = gl.program_id(0)
         blk = gl.program_id(1)
@@ -392,43 +443,14 @@ if HAVE_GLUON:
             e = gl.load(bexp_ptr + blk).to(gl.int32)
         if e < 0:
             return
-        # a ring slot's weight rows: 0-63 tensor a, 64-127 tensor b (w13: 64 gate rows and the 64 up rows of the
-        # same intermediate columns; w2: 128 output rows); rows past the projection are zero-filled
-        rw = gl.arange(0, 128, layout=gl.SliceLayout(1, CW_L))
-        rs = gl.arange(0, 128, layout=gl.SliceLayout(1, CS_L))
-        if GATED:
-            row0 = pid_r * 64
-            gw = row0 + rw % 64 + (rw // 64) * N_OUT
-            okw = row0 + rw % 64 < N_OUT
-            gs = row0 + rs % 64 + (rs // 64) * N_OUT
-            oks = row0 + rs % 64 < N_OUT
-        else:
-            row0 = pid_r * (ROW_TILES * 128)  # the program's first row tile
-            gw = row0 + rw
-            okw = gw < N_OUT
-            gs = row0 + rs
-            oks = gs < N_OUT
-        cw = gl.arange(0, 32, layout=gl.SliceLayout(0, CW_L))
-        cs = gl.arange(0, 8, layout=gl.SliceLayout(0, CS_L))
-        w_base = w_ptr + e.to(gl.int64) * stride_we
-        s_base = s_ptr + e.to(gl.int64) * (stride_se8 * 8)
-        w_src = gl.expand_dims(w_base + gw * stride_wn, 1) + gl.expand_dims(cw, 0)
-        s_src = gl.expand_dims(s_base + gs * (stride_sn8 * 8), 1) + gl.expand_dims(cs, 0)
-        w_ok = gl.expand_dims(okw, 1) & gl.expand_dims(cw < 32, 0)  # full-shape masks
-        s_ok = gl.expand_dims(oks, 1) & gl.expand_dims(cs < 8, 0)
-
+        w_src, w_ok, s_src, s_ok, gw, gs = _weight_src(w_ptr, s_ptr, e, pid_r, N_OUT, stride_we, stride_wn,
+                                                       stride_se8, stride_sn8, GATED, ROW_TILES, CW_L, CS_L)
         xring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 4 * NP, 64], X_SL)  # 4 chunks x NP slots per step
         wring = gl.allocate_shared_memory(gl.int32, [STAGES, 128, 32], W_SL)
         sring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 128, 8], S_SL)
         if WPRE:
-            for st in gl.static_range(STAGES - 1):
-                if ROW_TILES == 1:
-                    _copy_w(w_src, w_ok, s_src, s_ok, st, st < num_kb, wring.index(st), sring.index(st))
-                else:  # ring step st of the program's tiles (tile st // num_kb)
-                    sw, okw, ss, oks = _tile_src(w_src, s_src, gw, gs, N_OUT, stride_wn, stride_sn8,
-                                                 gl.minimum(st // num_kb, ROW_TILES - 1), CW_L, CS_L)
-                    _copy_w(sw, okw, ss, oks, st % num_kb, st < ROW_TILES * num_kb, wring.index(st), sring.index(st))
-                cp.commit_group()
+            _prefetch_w(w_src, w_ok, s_src, s_ok, gw, gs, N_OUT, num_kb, stride_wn, stride_sn8, wring, sring, STAGES,
+                        ROW_TILES, CW_L, CS_L)
             _gdc_launch_dependents()  # the combine may be scheduled; it waits for this grid's end
             _gdc_wait()
         if SMALL > 0 and not DIRECT:  # pairs in this block: a block that fits SMALL slots runs with N = SMALL
@@ -466,3 +488,101 @@ if HAVE_GLUON:
         _wgmma_body(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, bexp_ptr, P, N_OUT, num_kb, stride_x, stride_we,
                     stride_wn, stride_se8, stride_sn8, stride_o, TOPK, False, NP, SMALL, STAGES, PDL, DIRECT,
                     ROW_TILES, WG)
+
+    @gluon.jit
+    def _fence_gpu():
+        """This thread's writes before it / reads after it ordered at GPU scope (with a CTA barrier and one thread's
+        atomic: the CTA's stores published to, or another CTA's stores seen by, every thread of the CTA)."""
+        gl.inline_asm_elementwise("fence.acq_rel.gpu; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _combine_rows(y_ptr, tw_ptr, out_ptr, row0, D, stride_y, TOPK: gl.constexpr, R: gl.constexpr):
+        """out[row0 : row0 + R] = sum over slots k = 0..TOPK-1, in that order, of tw[k] * y[k] (fp32; the separate
+        combine kernel's arithmetic, so the same bits). y is read past L1 (other CTAs wrote it)."""
+        L: gl.constexpr = gl.BlockedLayout([R // 128], [32], [4], [0])
+        cols = row0 + gl.arange(0, R, layout=L)
+        m = cols < D
+        acc = gl.zeros([R], gl.float32, L)
+        for k in gl.static_range(TOPK):
+            wk = gl.load(tw_ptr + k).to(gl.float32)
+            acc += wk * gl.load(y_ptr + k * stride_y + cols, mask=m, other=0.0, cache_modifier=".cg")
+        gl.store(out_ptr + cols, acc.to(out_ptr.dtype.element_ty), mask=m)
+
+    @gluon.jit
+    def _moe_decode_kernel(
+        x_ptr,  # bf16 [1, Kp13]: the token
+        w13_ptr, s13_ptr, w2_ptr, s2_ptr,  # "wgmma" layout
+        a_ptr,  # bf16 [TOPK, Kp2]: silu(gate) * up per slot (written here)
+        y_ptr,  # fp32 [TOPK, D]: each slot's expert output, unweighted (written here)
+        out_ptr,  # [1, D]
+        ids_ptr,  # int64 [TOPK]: the token's experts
+        tw_ptr,  # [TOPK]: its routing weights
+        sync_ptr,  # int32 [SYNC_WORDS], zero at launch, zero again at exit: ticket, exits, ready[TOPK], rows_done[]
+        I, D, kb13, kb2, stride_x, stride_a, stride_y,
+        stride_w13e, stride_w13n, stride_s13e8, stride_s13n8, stride_w2e, stride_w2n, stride_s2e8, stride_s2n8,
+        TOPK: gl.constexpr, STAGES: gl.constexpr, ROW_TILES: gl.constexpr,
+    ):
+        """One token's whole routed-expert layer in one persistent launch (decode): w13, w2 and the combine.
+
+        Work items, handed out in order by a ticket counter: first the TOPK x cdiv(I, 64) w13 tiles (slot-major),
+        then the cdiv(D, 128 ROW_TILES) x TOPK w2 tiles (row-major, so each row range's slots finish together). A
+        w13 tile stores its 64 columns of `a` and counts itself in ready[slot]; a w2 tile puts its first weight steps
+        in flight, waits until ready[slot] has every w13 tile of its slot, runs, and counts itself in its row range's
+        rows_done; the CTA that completes a row range (the TOPK-th) combines it. No deadlock whatever the residency:
+        a w2 tile only waits for w13 tiles, whose tickets all went out before any w2 ticket to CTAs already running.
+        The last CTA to leave zeroes the counters for the next launch (stream order makes that visible to it).
+
+        Each tile runs the same `_ring_gemm` (8-pair N, one pair in slot 0) with the same K order as the separate
+        decode launches, and the combine adds the slots in the same order: the same bits."""
+        NP: gl.constexpr = 8
+        CW_L: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])  # [128 rows, 32 words]
+        X_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([4 * NP, 64], gl.bfloat16)
+        xring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 4 * NP, 64], X_SL)
+        wring = gl.allocate_shared_memory(gl.int32, [STAGES, 128, 32], _W_SL)
+        sring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 128, 8], _S_SL)
+
+        n_r13 = gl.cdiv(I, 64)
+        n13 = TOPK * n_r13
+        n_all = n13 + TOPK * gl.cdiv(D, 128 * ROW_TILES)
+        ready_ptr = sync_ptr + 2
+        rows_ptr = sync_ptr + 2 + TOPK
+        item = gl.atomic_add(sync_ptr, 1, sem="relaxed", scope="gpu")
+        while item < n_all:
+            cta_barrier()  # every warp is done with the previous tile's ring slots
+            if item < n13:
+                k = item // n_r13
+                r = item % n_r13
+                e = gl.load(ids_ptr + k).to(gl.int32)
+                w_src, w_ok, s_src, s_ok, gw, gs = _weight_src(w13_ptr, s13_ptr, e, r, I, stride_w13e, stride_w13n,
+                                                               stride_s13e8, stride_s13n8, True, 1, CW_L, _CS_L1)
+                _ring_gemm(x_ptr, a_ptr, ids_ptr, k, r, TOPK, I, kb13, stride_x, stride_a, w_src, w_ok, s_src, s_ok,
+                           gw, gs, stride_w13n, stride_s13n8, xring, wring, sring, TOPK, True, NP, NP, STAGES, False,
+                           True, 1, _W_L1, CW_L, _CS_L1, 1)
+                _fence_gpu()
+                gl.atomic_add(ready_ptr + k, 1, sem="release", scope="gpu")
+            else:
+                j = item - n13
+                r = j // TOPK
+                k = j % TOPK
+                e = gl.load(ids_ptr + k).to(gl.int32)
+                w_src, w_ok, s_src, s_ok, gw, gs = _weight_src(w2_ptr, s2_ptr, e, r, D, stride_w2e, stride_w2n,
+                                                               stride_s2e8, stride_s2n8, False, ROW_TILES, CW_L,
+                                                               _CS_L1)
+                _prefetch_w(w_src, w_ok, s_src, s_ok, gw, gs, D, kb2, stride_w2n, stride_s2n8, wring, sring, STAGES,
+                            ROW_TILES, CW_L, _CS_L1)
+                got = gl.atomic_add(ready_ptr + k, 0, sem="acquire", scope="gpu")
+                while got < n_r13:
+                    got = gl.atomic_add(ready_ptr + k, 0, sem="acquire", scope="gpu")
+                _fence_gpu()
+                _ring_gemm(a_ptr, y_ptr, ids_ptr, k, r, TOPK, D, kb2, stride_a, stride_y, w_src, w_ok, s_src, s_ok,
+                           gw, gs, stride_w2n, stride_s2n8, xring, wring, sring, TOPK, False, NP, NP, STAGES, True,
+                           True, ROW_TILES, _W_L1, CW_L, _CS_L1, 1)
+                _fence_gpu()
+                if gl.atomic_add(rows_ptr + r, 1, sem="acq_rel", scope="gpu") == TOPK - 1:
+                    _fence_gpu()
+                    _combine_rows(y_ptr, tw_ptr, out_ptr, r * (128 * ROW_TILES), D, stride_y, TOPK, 128 * ROW_TILES)
+            item = gl.atomic_add(sync_ptr, 1, sem="relaxed", scope="gpu")
+        if gl.atomic_add(sync_ptr + 1, 1, sem="acq_rel", scope="gpu") == gl.num_programs(0) - 1:
+            Z_L: gl.constexpr = gl.BlockedLayout([2], [32], [4], [0])
+            zi = gl.arange(0, 256, layout=Z_L)
+            gl.store(sync_ptr + zi, gl.zeros([256], gl.int32, Z_L), mask=zi < 2 + TOPK + n_all - n13)

@@ -19,7 +19,7 @@ import functools
 
 import torch
 
-from kernels._int4_moe_wgmma import HAVE_GLUON, _moe_w2_wgmma_kernel, _moe_w13_wgmma_kernel
+from kernels._int4_moe_wgmma import HAVE_GLUON, _moe_decode_kernel, _moe_w2_wgmma_kernel, _moe_w13_wgmma_kernel
 from kernels._moe_frame import routed_moe
 from kernels.int4_pack import PACK_FACTOR, permute_steps
 
@@ -30,7 +30,8 @@ DEFAULT_SCHEDULE = {}  # read at each call: `int4_moe_wgmma` options for every l
 ROW_TILES = (1, 2, 4, 8)  # w2 row tiles (of 128 rows) per program, one after the other through one ring
 WARPGROUPS = (1, 2)  # warpgroups per program: 1 does both weight tensors' 64 rows, 2 split them (one tensor each)
 PLAIN = dict(block_pairs=8, small_pairs=0, stages=2, maxnreg=None, pdl=False, direct=False, row_tiles=1,
-             warpgroups=1)  # one block size
+             warpgroups=1, fused=False)  # one block size
+SYNC_WORDS = 256  # the fused decode kernel's counters per device: ticket, exits, ready[topk], rows_done[row ranges]
 SMALL_LAUNCH = 128  # pairs: the largest launch of auto_schedule's middle tier
 MAXNREG = 168  # the tiered schedule's register cap: 3 CTAs per SM (171 uncapped; no spills at 168 with Triton 3.6)
 
@@ -69,12 +70,13 @@ def resolve_schedule(pairs: int, **given) -> dict:
     bp, small, stages, cap = sched["block_pairs"], sched["small_pairs"], sched["stages"], sched["maxnreg"]
     if (bp not in BLOCK_PAIRS or stages not in STAGES or (small and (small not in BLOCK_PAIRS or small >= bp))
             or not (cap is None or (isinstance(cap, int) and 32 <= cap <= 255))
-            or not all(isinstance(sched[k], bool) for k in ("pdl", "direct"))
+            or not all(isinstance(sched[k], bool) for k in ("pdl", "direct", "fused"))
             or any(sched[k] not in allowed or isinstance(sched[k], bool)
                    for k, allowed in (("row_tiles", ROW_TILES), ("warpgroups", WARPGROUPS)))):
         raise ValueError(f"int4_moe_wgmma: block_pairs={bp} (one of {BLOCK_PAIRS}), small_pairs={small} "
                          f"(0 or a smaller one), stages={stages} (one of {STAGES}), maxnreg={cap} (None or 32-255), "
-                         f"pdl={sched['pdl']!r} and direct={sched['direct']!r} (true / false), "
+                         f"pdl={sched['pdl']!r}, direct={sched['direct']!r} and fused={sched['fused']!r} "
+                         f"(true / false), "
                          f"row_tiles={sched['row_tiles']!r} (one of {ROW_TILES}), "
                          f"warpgroups={sched['warpgroups']!r} (one of {WARPGROUPS})")
     return sched
@@ -129,7 +131,8 @@ def wgmma_dense_experts(w13, s13, w2, s2, hidden: int, dtype: torch.dtype = torc
 def int4_moe_wgmma(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, block_pairs: int | None = None,
                    small_pairs: int | None = None, stages: int | None = None, maxnreg: int | None = None,
                    pdl: bool | None = None, direct: bool | None = None, row_tiles: int | None = None,
-                   warpgroups: int | None = None, experts: range | None = None, reduce_pairs=None):
+                   warpgroups: int | None = None, fused: bool | None = None, experts: range | None = None,
+                   reduce_pairs=None):
     """The wgmma path (sm_90, bf16, wgmma layout); arguments as `kernels.int4_moe.int4_moe`. The schedule
     options, each None for DEFAULT_SCHEDULE's, `auto_schedule`'s or PLAIN's (`resolve_schedule`):
     `block_pairs` (BLOCK_PAIRS), the pairs per expert block (an expert's weights are streamed once per block);
@@ -140,12 +143,15 @@ def int4_moe_wgmma(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, block_pai
     held); `row_tiles` (ROW_TILES), w2's 128-row tiles per program, streamed one after the other through one ring
     that runs on across them (fewer, longer programs: at one token w2 has 448 programs of 8 K steps);
     `warpgroups` (WARPGROUPS), 2: 8-warp programs whose two warpgroups take one weight tensor each (the same MMAs per
-    row, twice the warps per SM where the grid is small: at one token w13 has 256 programs). Same arithmetic, same
-    bits for every schedule."""
+    row, twice the warps per SM where the grid is small: at one token w13 has 256 programs); `fused`, one token's
+    w13, w2 and combine as one persistent launch (`_moe_decode_kernel`: 8-pair tiles, `stages` and `row_tiles` as
+    given; ignored unless one token with every expert held and one warpgroup). Same arithmetic, same bits for every
+    schedule."""
     if not HAVE_GLUON:
         raise RuntimeError("int4_moe_wgmma needs Triton with Gluon (3.5 or newer)")
     sched = resolve_schedule(topk_ids.numel(), block_pairs=block_pairs, small_pairs=small_pairs, stages=stages,
-                             maxnreg=maxnreg, pdl=pdl, direct=direct, row_tiles=row_tiles, warpgroups=warpgroups)
+                             maxnreg=maxnreg, pdl=pdl, direct=direct, row_tiles=row_tiles, warpgroups=warpgroups,
+                             fused=fused)
     block_pairs, small, stages, cap = sched["block_pairs"], sched["small_pairs"], sched["stages"], sched["maxnreg"]
     pdl = bool(sched["pdl"]) and experts is None and reduce_pairs is None
     direct = bool(sched["direct"]) and x.shape[0] == 1 and experts is None
@@ -171,6 +177,37 @@ def int4_moe_wgmma(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, block_pai
             a.stride(0), w2.stride(0), w2.stride(1), s2.stride(0) // 8, s2.stride(1) // 8, y.stride(0),
             TOPK=topk, ROW_TILES=rt, **const)
 
+    def decode(x, a, y, out, ids, tw):
+        rt, sync = sched["row_tiles"], _sync_words(x.device)
+        ranges = -(-D // (128 * rt))
+        if 2 + ids.numel() + ranges > SYNC_WORDS:
+            raise ValueError(f"int4_moe_wgmma: the fused decode counts in {SYNC_WORDS} words; top-{ids.numel()} with "
+                             f"{ranges} row ranges needs more (use more row_tiles or fused=False)")
+        items = ids.numel() * (-(-inter // 64) + ranges)
+        grid = min(items, 2 * torch.cuda.get_device_properties(x.device).multi_processor_count)
+        _moe_decode_kernel[(grid,)](
+            x, w13, s13, w2, s2, a, y, out, ids, tw, sync, inter, D, w13.shape[2] * PACK_FACTOR // STEP,
+            w2.shape[2] * PACK_FACTOR // STEP, x.stride(0), a.stride(0), y.stride(0), w13.stride(0), w13.stride(1),
+            s13.stride(0) // 8, s13.stride(1) // 8, w2.stride(0), w2.stride(1), s2.stride(0) // 8, s2.stride(1) // 8,
+            TOPK=ids.numel(), STAGES=stages, ROW_TILES=rt, num_warps=4, **({"maxnreg": cap} if cap else {}))
+
+    fuse = sched["fused"] and x.shape[0] == 1 and experts is None and reduce_pairs is None and wg == 1
     return routed_moe("int4_moe_wgmma", x, topk_ids, topk_w, w13, s13, w2, s2, out, k_align=STEP,
                       block_pairs=block_pairs, experts=experts, reduce_pairs=reduce_pairs, w13_gemm=w13_gemm,
-                      w2_gemm=w2_gemm, pdl=pdl, direct=direct)
+                      w2_gemm=w2_gemm, pdl=pdl, direct=direct and not fuse, fused=decode if fuse else None)
+
+
+_SYNC: dict[torch.device, torch.Tensor] = {}
+
+
+def _sync_words(device: torch.device) -> torch.Tensor:
+    """The fused decode kernel's counters on `device`, zero between launches (each launch's last CTA zeroes them):
+    made at the first call, which must not be inside a CUDA graph capture. Launches on one device must be stream
+    ordered (the verifier's one stream; a CUDA graph captures the buffer and replays in order)."""
+    device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+    if device not in _SYNC:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("int4_moe_wgmma: run the fused decode once outside a CUDA graph capture first (its "
+                               "counters are made there)")
+        _SYNC[device] = torch.zeros(SYNC_WORDS, dtype=torch.int32, device=device)
+    return _SYNC[device]

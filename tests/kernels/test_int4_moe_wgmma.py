@@ -10,6 +10,7 @@ experts crowded), bitwise.
 
 from __future__ import annotations
 
+import collections
 import functools
 import re
 
@@ -172,13 +173,73 @@ def test_wgmma_moe_kernels_compile_for_sm90(tmp_path):
         assert wg == 1 or f["registers"] <= 128, (name, f)  # two 8-warp programs per SM
 
 
+_SM90_COMPILE_DECODE = r"""
+import contextlib, io, json, re
+from triton.backends.compiler import GPUTarget
+from triton.compiler import compile
+from triton.experimental.gluon._runtime import GluonASTSource
+from kernels import _int4_moe_wgmma as m
+out = {}
+names = ["x_ptr", "w13_ptr", "s13_ptr", "w2_ptr", "s2_ptr", "a_ptr", "y_ptr", "out_ptr", "ids_ptr", "tw_ptr",
+         "sync_ptr"]
+sig = dict(zip(names, ["*bf16", "*i32", "*bf16", "*i32", "*bf16", "*bf16", "*fp32", "*bf16", "*i64", "*fp32", "*i32"]))
+sig.update({n: "i32" for n in ("I", "D", "kb13", "kb2", "stride_x", "stride_a", "stride_y", "stride_w13e",
+                               "stride_w13n", "stride_s13e8", "stride_s13n8", "stride_w2e", "stride_w2n",
+                               "stride_s2e8", "stride_s2n8")})
+for stages, rt in ((4, 1), (4, 2), (3, 2), (2, 1)):
+    cst = dict(TOPK=8, STAGES=stages, ROW_TILES=rt)
+    sig.update({k: "constexpr" for k in cst})
+    nm = list(sig)
+    attrs = {(nm.index(n),): [["tt.divisibility", 16]] for n in nm if n.endswith("_ptr") or n.startswith("stride")}
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log):
+        k = compile(GluonASTSource(fn=m._moe_decode_kernel, signature=sig, constexprs=cst, attrs=attrs),
+                    target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    ptx, log = k.asm["ptx"], log.getvalue()
+    out[f"s{stages}_rt{rt}"] = {
+        "shared": k.metadata.shared, "registers": int(re.findall(r"Used (\d+) registers", log)[-1]),
+        "spill_bytes": sum(int(v) for v in re.findall(r"(\d+) bytes spill stores", log)),
+        "wgmma": sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx))),
+        "n_wgmma": len(re.findall(r"wgmma\.mma_async", ptx)),
+        "sync": re.findall(r"(atom\.global\.gpu\.\w+\.add|red\.global\.gpu\.\w+\.add|ld\.global\.gpu\.acquire"
+                           r"|fence\.acq_rel\.gpu|griddepcontrol\.\w+)", ptx)}
+print(json.dumps(out))
+"""
+
+
+def test_wgmma_moe_decode_kernel_compiles_for_sm90(tmp_path):
+    """The fused decode kernel compiled for sm_90 (PTX + ptxas, no GPU): its w13 and w2 tiles are the 8-pair decode
+    path's MMAs (m64n8k16, 32 per K step in each), its ring that path's shared memory (plus the 4 bytes through which
+    one thread's atomic reaches the CTA), no spills, two CTAs per SM; and its synchronisation in program order: a
+    relaxed ticket, w13's release of ready[slot] after a GPU-scope fence, w2's acquire polls of it followed by a
+    fence, its acq_rel count of the row range between fences (the combine's), the next ticket, the exit count, each
+    done by one thread; no programmatic dependent launch."""
+    pytest.importorskip("triton.experimental.gluon")
+    facts = run_sm90_script(tmp_path, _SM90_COMPILE_DECODE)
+    assert len(facts) == 4, facts
+    for name, f in facts.items():
+        stages = int(name[1])
+        ring = stages * (4 * 8 * 64 * 2 + 128 * 32 * 4 + 128 * 8 * 2)
+        assert f["shared"] in (ring, ring + 4) and 2 * f["shared"] <= 227 * 1024, (name, f)
+        assert f["spill_bytes"] == 0 and 2 * 128 * f["registers"] <= 65536, (name, f)
+        assert f["wgmma"] == ["m64n8k16"] and f["n_wgmma"] == 64, (name, f)
+        # (PTX lays the blocks out in its own order: counted, not sequenced)
+        assert collections.Counter(f["sync"]) == {
+            "atom.global.gpu.relaxed.add": 2,  # the first ticket and the next one
+            "red.global.gpu.release.add": 1,  # w13: ready[slot] + 1
+            "ld.global.gpu.acquire": 2,  # w2: the poll of ready[slot], before the loop and in it
+            "atom.global.gpu.acq_rel.add": 2,  # w2: its row range's count; the exit count
+            "fence.acq_rel.gpu": 4}, (name, f)  # before the release, after the poll, around the row count
+
+
 # --- GPU ----------------------------------------------------------------------------------------------------
 run_wgmma = functools.partial(run_poisoned, int4_moe_wgmma)
 
 
 @sm90
 @pytest.mark.gpu
-@pytest.mark.parametrize("T,k,E,D,inter", [(5, 3, 7, 544, 224), (1, 2, 4, 256, 64), (33, 4, 16, 1024, 160)])
+@pytest.mark.parametrize("T,k,E,D,inter", [(5, 3, 7, 544, 224), (1, 2, 4, 256, 64), (33, 4, 16, 1024, 160),
+                                            (1, 3, 7, 544, 224)])
 @pytest.mark.parametrize("sched", [dict(block_pairs=bp, stages=st) for bp in BLOCK_PAIRS for st in (2, 4)]
                          + [dict(block_pairs=8, stages=3), dict(block_pairs=32, small_pairs=8, stages=2, maxnreg=168),
                             dict(block_pairs=16, small_pairs=8, stages=3), {},
@@ -187,7 +248,9 @@ run_wgmma = functools.partial(run_poisoned, int4_moe_wgmma)
                             dict(block_pairs=8, stages=4, pdl=True, row_tiles=2),
                             # two warpgroups (one weight tensor each), alone and with the other options
                             dict(warpgroups=2), dict(block_pairs=32, small_pairs=8, stages=2, warpgroups=2),
-                            dict(block_pairs=8, stages=4, pdl=True, row_tiles=2, warpgroups=2)])
+                            dict(block_pairs=8, stages=4, pdl=True, row_tiles=2, warpgroups=2),
+                            # the fused decode (one token: rows and K past the tiles, 2 or 3 slots, 2 row tiles)
+                            dict(fused=True), dict(fused=True, stages=3, row_tiles=2), dict(fused=True, stages=2)])
 def test_int4_moe_wgmma_vs_reference(T, k, E, D, inter, sched):
     check_layout_path(int4_moe_wgmma, repack_int4_moe_for_wgmma, T, k, E, D, inter, **sched)
 
@@ -264,7 +327,8 @@ def test_int4_moe_wgmma_decode_options_agree(kimi_wgmma):
         assert_bitwise(run_wgmma(*one, ww)[0], batch[t], f"token {t} alone")
         for sched in (dict(direct=True), dict(pdl=True), dict(direct=True, pdl=True),
                       dict(direct=True, pdl=True, row_tiles=2), dict(row_tiles=4),
-                      dict(direct=True, pdl=True, warpgroups=2), dict(warpgroups=2, row_tiles=2)):
+                      dict(direct=True, pdl=True, warpgroups=2), dict(warpgroups=2, row_tiles=2),
+                      dict(fused=True), dict(fused=True, row_tiles=2), dict(fused=True, stages=3)):
             assert_bitwise(run_wgmma(*one, ww, **sched)[0], batch[t], f"token {t}, {sched}")
 
 
@@ -299,6 +363,42 @@ def test_int4_moe_wgmma_pdl_in_a_cuda_graph(kimi_wgmma, T, direct):
         assert_bitwise(out, run_wgmma(x, ids, tw, ww), f"graph replay, inputs {seed}")
 
 
+@sm90
+@pytest.mark.gpu
+@pytest.mark.parametrize("sched", [dict(fused=True), dict(fused=True, row_tiles=2, stages=3)])
+def test_int4_moe_wgmma_fused_decode_repeats(kimi_wgmma, sched):
+    """The fused decode's counters go back to zero after every launch (its last CTA zeroes them): 40 launches in a
+    row with new tokens and routing, eager, then a CUDA graph replayed with new inputs 20 times, each bitwise equal
+    to the separate launches' (an unreset counter would let w2 tiles run before their w13 tiles, or skip tiles)."""
+    _, ww = kimi_wgmma
+    out = torch.empty(1, KIMI["D"], device="cuda", dtype=torch.bfloat16)
+
+    def fresh(seed):
+        ids, tw = make_routing(1, KIMI["k"], KIMI["E"], device="cuda", seed=seed)
+        return torch.randn(1, KIMI["D"], device="cuda").to(torch.bfloat16), ids, tw
+
+    for seed in range(40):
+        x, ids, tw = fresh(100 + seed)
+        assert_bitwise(run_wgmma(x, ids, tw, ww, **sched), run_wgmma(x, ids, tw, ww), f"eager launch {seed}")
+    x, ids, tw = fresh(7)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        int4_moe_wgmma(x, ids, tw, *ww, out=out, **sched)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        int4_moe_wgmma(x, ids, tw, *ww, out=out, **sched)
+    for seed in range(20):
+        nx, nids, ntw = fresh(200 + seed)
+        x.copy_(nx)
+        ids.copy_(nids)
+        tw.copy_(ntw)
+        out.fill_(float("nan"))
+        graph.replay()
+        assert_bitwise(out, run_wgmma(x, ids, tw, ww), f"graph replay {seed}")
+
+
 def test_auto_schedule():
     """Decode: small blocks, a deep ring, direct blocks and PDL; a few tokens: the tiered 16 / 8 schedule at 4 CTAs
     per SM; more: the tiered 32 / 8 schedule under the register cap, no PDL; always options the launcher takes."""
@@ -328,6 +428,8 @@ def test_resolve_schedule(monkeypatch):
     assert resolve_schedule(1, row_tiles=2) == {**auto_schedule(1), "row_tiles": 2}
     for opt in ("row_tiles", "warpgroups"):  # not measured yet: off
         assert auto_schedule(1)[opt] == auto_schedule(10**6)[opt] == 1, opt
+    assert resolve_schedule(1, fused=True) == {**auto_schedule(1), "fused": True}
+    assert not auto_schedule(10**6)["fused"]
     # two warpgroups: auto's caps (sized for 4-warp programs) go unless given
     assert resolve_schedule(72, warpgroups=2) == {**auto_schedule(72), "warpgroups": 2, "maxnreg": None}
     assert resolve_schedule(72, warpgroups=2, maxnreg=96)["maxnreg"] == 96
@@ -347,7 +449,7 @@ def test_bad_schedule_is_refused():
     ids, tw = torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, 1)
     for bad in (dict(block_pairs=12), dict(block_pairs=8, small_pairs=8), dict(block_pairs=8, stages=5),
                 dict(block_pairs=32, small_pairs=12), dict(maxnreg=7), dict(pdl="yes"), dict(direct=1),
-                dict(row_tiles=3), dict(row_tiles=True), dict(warpgroups=4), dict(warpgroups=True)):
+                dict(row_tiles=3), dict(row_tiles=True), dict(warpgroups=4), dict(warpgroups=True), dict(fused=1)):
         with pytest.raises(ValueError, match="block_pairs=.*small_pairs=.*stages=.*row_tiles=.*warpgroups="):
             int4_moe_wgmma(x, ids, tw, *(None,) * 4, **bad)
     if not SM90:  # a schedule it takes gets as far as the device check
