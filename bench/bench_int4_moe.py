@@ -114,6 +114,10 @@ GLUON_VARIANTS = {  # name -> int4_moe_gluon options (--gluon)
     # two warpgroups per program, one weight tensor each (twice the warps per SM at a small grid; 1 token: 256 w13)
     "wgmma_auto_wg2": dict(path="wgmma", warpgroups=2),
     "wgmma_auto_wg2_rt2": dict(path="wgmma", warpgroups=2, row_tiles=2),
+    # T = 1: w13, w2 and the combine as one persistent launch (other T: auto_schedule's separate launches)
+    "wgmma_fused": dict(path="wgmma", fused=True), "wgmma_fused_rt2": dict(path="wgmma", fused=True, row_tiles=2),
+    "wgmma_fused_s3": dict(path="wgmma", fused=True, stages=3),
+    "wgmma_fused_s3_rt2": dict(path="wgmma", fused=True, stages=3, row_tiles=2),
     **{f"wgmma_np{bp}_s{st}": dict(path="wgmma", block_pairs=bp, stages=st) for bp in (8, 16, 32, 64) for st in (2, 4)},
     "wgmma_np8_s3": dict(path="wgmma", block_pairs=8, stages=3),
     "wgmma_np32_s2_r168": dict(path="wgmma", block_pairs=32, stages=2, maxnreg=168),
