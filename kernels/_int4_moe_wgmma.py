@@ -28,6 +28,8 @@ pairs, on which block slot it has, or on the launch.
 
 from __future__ import annotations
 
+DECODE_MAXNREG = {128: None, 64: 128}  # the fused decode kernel's register cap by program rows: 2 / 4 CTAs per SM
+
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -55,6 +57,7 @@ if HAVE_GLUON:
         lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
         warp_bases=[[16, 0, 0], [32, 0, 0]], block_bases=[], shape=[64, 4, 8]))
     _CS_L1 = gl.constexpr(gl.BlockedLayout([1, 8], [32, 1], [4, 1], [1, 0]))
+    _CS_L64 = gl.constexpr(gl.BlockedLayout([1, 4], [16, 2], [4, 1], [1, 0]))  # 64-row slots: 8-byte copies
     _W_SL = gl.constexpr(gl.SwizzledSharedLayout(4, 1, 8, [1, 0]))
     _S_SL = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
 
@@ -191,7 +194,8 @@ if HAVE_GLUON:
                    XC_L: gl.constexpr, WG: gl.constexpr):
         """Ring step f: wait for its slot's copies, put the copies of step f + STAGES - 1 in flight (its activation
         step `nkb`, its weight sources `nw_src` / `ns_src` at that step, `nlive` False past the end), then its MMAs.
-        WG = 2: acc_a and acc_b are the one [128, N] accumulator (both names, so the loops are the same)."""
+        One accumulator [R, N] (R = the slot's rows = 64 WG: one tensor of 64 rows, or WG = 2's two over two
+        warpgroups): acc_a and acc_b are it (both names, so the loops are the same)."""
         cp.wait_group(STAGES - 2)  # this thread's copies of step f landed
         fence_async_shared()
         cta_barrier()  # everyone's; and every warp is done with step f - 1: its slot is free
@@ -202,7 +206,7 @@ if HAVE_GLUON:
         slot = f % STAGES
         ws = wring.index(slot)
         ss = sring.index(slot)
-        if WG == 2:
+        if wring.shape[1] == 64 * WG:
             acc_a = _step_mmas2(_words_from(ws, W_L), _scales_from(ss, W_L), xring.index(slot).slice(0, 4 * N), acc_a,
                                 N, A_L)
             acc_b = acc_a
@@ -216,31 +220,33 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _tile_src(w_src, s_src, gw, gs, N_OUT, stride_wn, stride_sn8, t, CW_L: gl.constexpr, CS_L: gl.constexpr):
-        """Row tile t (of a program's ROW_TILES, 128 rows each after tile 0's) of w2: its word and scale sources
-        (tile 0's moved by t * 128 rows) and masks (rows past the projection are zero-filled)."""
-        okw = gl.expand_dims(gw + t * 128 < N_OUT, 1) & gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(0, CW_L))
+        """Row tile t (of a program's ROW_TILES, R rows each after tile 0's; R = gw's length) of w2: its word and
+        scale sources (tile 0's moved by t * R rows) and masks (rows past the projection are zero-filled)."""
+        R: gl.constexpr = gw.shape[0]
+        okw = gl.expand_dims(gw + t * R < N_OUT, 1) & gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(0, CW_L))
                                                                        < 32, 0)
-        oks = gl.expand_dims(gs + t * 128 < N_OUT, 1) & gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, CS_L))
+        oks = gl.expand_dims(gs + t * R < N_OUT, 1) & gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, CS_L))
                                                                        < 8, 0)
-        return w_src + t * 128 * stride_wn, okw, s_src + t * (128 * 8) * stride_sn8, oks
+        return w_src + t * R * stride_wn, okw, s_src + t * (R * 8) * stride_sn8, oks
 
     @gluon.jit
     def _weight_src(w_ptr, s_ptr, e, pid_r, N_OUT, stride_we, stride_wn, stride_se8, stride_sn8, GATED: gl.constexpr,
-                    ROW_TILES: gl.constexpr, CW_L: gl.constexpr, CS_L: gl.constexpr):
-        """Expert e's ring-slot sources of row tile pid_r: words [128 rows, 32] and scales [128 rows, 8] at step 0,
-        their masks, and the unmasked rows (gw, gs) that `_tile_src` moves. A slot's rows 0-63 are tensor a, 64-127
-        tensor b (w13: 64 gate rows and the 64 up rows of the same intermediate columns; w2: 128 output rows, the
-        program's first of ROW_TILES tiles); rows past the projection are zero-filled."""
-        rw = gl.arange(0, 128, layout=gl.SliceLayout(1, CW_L))
-        rs = gl.arange(0, 128, layout=gl.SliceLayout(1, CS_L))
+                    ROW_TILES: gl.constexpr, CW_L: gl.constexpr, CS_L: gl.constexpr, R: gl.constexpr = 128):
+        """Expert e's ring-slot sources of row tile pid_r: words [R rows, 32] and scales [R rows, 8] at step 0,
+        their masks, and the unmasked rows (gw, gs) that `_tile_src` moves. w13: the slot's first R / 2 rows are gate
+        rows, the rest the up rows of the same intermediate columns; w2: R output rows, the program's first of
+        ROW_TILES tiles. R = 128: rows 0-63 are tensor a, 64-127 tensor b. Rows past the projection are zero-filled."""
+        H: gl.constexpr = R // 2
+        rw = gl.arange(0, R, layout=gl.SliceLayout(1, CW_L))
+        rs = gl.arange(0, R, layout=gl.SliceLayout(1, CS_L))
         if GATED:
-            row0 = pid_r * 64
-            gw = row0 + rw % 64 + (rw // 64) * N_OUT
-            okw = row0 + rw % 64 < N_OUT
-            gs = row0 + rs % 64 + (rs // 64) * N_OUT
-            oks = row0 + rs % 64 < N_OUT
+            row0 = pid_r * H
+            gw = row0 + rw % H + (rw // H) * N_OUT
+            okw = row0 + rw % H < N_OUT
+            gs = row0 + rs % H + (rs // H) * N_OUT
+            oks = row0 + rs % H < N_OUT
         else:
-            row0 = pid_r * (ROW_TILES * 128)  # the program's first row tile
+            row0 = pid_r * (ROW_TILES * R)  # the program's first row tile
             gw = row0 + rw
             okw = gw < N_OUT
             gs = row0 + rs
@@ -287,21 +293,24 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _store_rows(acc_a, acc_b, out_ptr, pairs_ptr, blk, row0, P, N_OUT, stride_o, GATED: gl.constexpr,
-                    N: gl.constexpr, NP: gl.constexpr, DIRECT: gl.constexpr, ACC_L: gl.constexpr, WG: gl.constexpr):
-        """The block's N pair columns of rows row0..: w13 SiLU(gate) * up (64 rows), w2 both tensors (128 rows). WG = 2
-        (acc_a: the one [128, N] accumulator): w13 through shared memory, since gate (rows 0-63) and up (64-127) of
-        an intermediate column sit in different warpgroups."""
-        if GATED and WG == 2:
-            O_L: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [2, 4], [0, 1])  # rows along lanes: coalesced
-            buf = gl.allocate_shared_memory(gl.float32, [128, N], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+                    N: gl.constexpr, NP: gl.constexpr, DIRECT: gl.constexpr, ACC_L: gl.constexpr, WG: gl.constexpr,
+                    R: gl.constexpr = 128):
+        """The block's N pair columns of rows row0..: w13 SiLU(gate) * up (R / 2 rows), w2 R rows. R = 128 with one
+        warpgroup: two accumulators (tensors a, b) [64, N]; otherwise one, acc_a [R, N] (R = 64 WG), through which
+        w13 goes through shared memory, since gate (rows 0..R/2-1) and up of an intermediate column sit in other
+        warps."""
+        if GATED and R == 64 * WG:
+            H: gl.constexpr = R // 2
+            O_L: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [H // 32, 4 * WG // (H // 32)], [0, 1])  # coalesced
+            buf = gl.allocate_shared_memory(gl.float32, [R, N], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
             cta_barrier()  # the buffer may reuse the ring's memory: every warp's last MMAs have read it
             buf.store(acc_a)
             cta_barrier()
-            gate = buf.slice(0, 64).load(O_L)
-            up = buf.slice(64, 64).load(O_L)
+            gate = buf.slice(0, H).load(O_L)
+            up = buf.slice(H, H).load(O_L)
             act = gate / (1.0 + gl.exp(-gate)) * up
             _store_cols(out_ptr, _pair_ids(pairs_ptr, blk, P, N, NP, DIRECT, O_L),
-                        gl.arange(0, 64, layout=gl.SliceLayout(1, O_L)) + row0, act.to(out_ptr.dtype.element_ty), P,
+                        gl.arange(0, H, layout=gl.SliceLayout(1, O_L)) + row0, act.to(out_ptr.dtype.element_ty), P,
                         N_OUT, stride_o)
         else:
             pairs = _pair_ids(pairs_ptr, blk, P, N, NP, DIRECT, ACC_L)
@@ -310,16 +319,17 @@ if HAVE_GLUON:
                 act = acc_a / (1.0 + gl.exp(-acc_a)) * acc_b
                 _store_cols(out_ptr, pairs, orow, act.to(out_ptr.dtype.element_ty), P, N_OUT, stride_o)
             else:
-                _store_cols(out_ptr, pairs, orow, acc_a, P, N_OUT, stride_o)  # WG = 2: all 128 rows
-                if WG == 1:
+                _store_cols(out_ptr, pairs, orow, acc_a, P, N_OUT, stride_o)  # one accumulator: all R rows
+                if R == 128 and WG == 1:
                     _store_cols(out_ptr, pairs, orow + 64, acc_b, P, N_OUT, stride_o)
 
     @gluon.jit
-    def _zero_acc(N: gl.constexpr, WG: gl.constexpr, ACC_L: gl.constexpr):
-        """(acc_a, acc_b) at zero: [64, N] per weight tensor, or with WG = 2 the one [128, N] under both names."""
+    def _zero_acc(N: gl.constexpr, WG: gl.constexpr, ACC_L: gl.constexpr, R: gl.constexpr = 128):
+        """(acc_a, acc_b) at zero: [64, N] per weight tensor (R = 128 rows, one warpgroup), or the one [R, N]
+        (R = 64 WG) under both names."""
         acc_a = gl.zeros([64 * WG, N], gl.float32, ACC_L)
         acc_b = acc_a
-        if WG == 1:
+        if R == 128 and WG == 1:
             acc_b = gl.zeros([64, N], gl.float32, ACC_L)
         return acc_a, acc_b
 
@@ -335,7 +345,10 @@ if HAVE_GLUON:
         `blk` is pair `blk` alone (slot 0; no block list). ROW_TILES > 1 (w2 only): the program's ROW_TILES row tiles
         one after the other through the same ring, which runs on across them (tile t + 1's first steps are copied
         during tile t's last), each tile's rows accumulated from zero in the same K order as alone. WG = 2: two
-        warpgroups, one accumulator [128, N] (rows 0-63 tensor a in the first, 64-127 tensor b in the second)."""
+        warpgroups, one accumulator [128, N] (rows 0-63 tensor a in the first, 64-127 tensor b in the second). R (the
+        ring slots' rows) = 64 with one warpgroup: one accumulator [64, N] (w13: 32 gate rows, then their 32 up rows;
+        w2: 64 output rows), the rows the other cases split over two tensors."""
+        R: gl.constexpr = wring.shape[1]
         ACC_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4 * WG, 1],
                                                         instr_shape=[16, N, 16])
         A_L: gl.constexpr = gl.DotOperandLayout(0, ACC_L, 2)
@@ -359,7 +372,7 @@ if HAVE_GLUON:
                     _copy_stage(x_rows, w_src, w_ok, s_src, s_ok, st, st < num_kb, xring.index(st).slice(0, 4 * N),
                                 wring.index(st), sring.index(st), XC_L)
                 cp.commit_group()
-            acc_a, acc_b = _zero_acc(N, WG, ACC_L)
+            acc_a, acc_b = _zero_acc(N, WG, ACC_L, R)
             for kb in range(0, num_kb):
                 nk = kb + STAGES - 1
                 acc_a, acc_b = _ring_step(kb, x_rows, w_src, w_ok, s_src, s_ok, gl.minimum(nk, num_kb - 1),
@@ -367,11 +380,11 @@ if HAVE_GLUON:
                                           WG)
             cp.wait_group(0)
             if GATED:
-                _store_rows(acc_a, acc_b, out_ptr, pairs_ptr, blk, pid_r * 64, P, N_OUT, stride_o, GATED, N, NP,
-                            DIRECT, ACC_L, WG)
+                _store_rows(acc_a, acc_b, out_ptr, pairs_ptr, blk, pid_r * (R // 2), P, N_OUT, stride_o, GATED, N,
+                            NP, DIRECT, ACC_L, WG, R)
             else:
-                _store_rows(acc_a, acc_b, out_ptr, pairs_ptr, blk, pid_r * 128, P, N_OUT, stride_o, GATED, N, NP,
-                            DIRECT, ACC_L, WG)
+                _store_rows(acc_a, acc_b, out_ptr, pairs_ptr, blk, pid_r * R, P, N_OUT, stride_o, GATED, N, NP,
+                            DIRECT, ACC_L, WG, R)
         else:
             gl.static_assert(not GATED)
             total = ROW_TILES * num_kb  # ring steps: tile t's step kb is step t * num_kb + kb
@@ -385,7 +398,7 @@ if HAVE_GLUON:
                                 wring.index(st), sring.index(st), XC_L)
                 cp.commit_group()
             for t in range(0, ROW_TILES):
-                acc_a, acc_b = _zero_acc(N, WG, ACC_L)
+                acc_a, acc_b = _zero_acc(N, WG, ACC_L, R)
                 for kb in range(0, num_kb):
                     f = t * num_kb + kb
                     nf = gl.minimum(f + STAGES - 1, total - 1)
@@ -393,8 +406,8 @@ if HAVE_GLUON:
                                                  CW_L, CS_L)
                     acc_a, acc_b = _ring_step(f, x_rows, sw, okw, ss, oks, nf % num_kb, f + STAGES - 1 < total,
                                               xring, wring, sring, acc_a, acc_b, N, STAGES, W_L, A_L, XC_L, WG)
-                _store_rows(acc_a, acc_b, out_ptr, pairs_ptr, blk, (pid_r * ROW_TILES + t) * 128, P, N_OUT, stride_o,
-                            GATED, N, NP, DIRECT, ACC_L, WG)
+                _store_rows(acc_a, acc_b, out_ptr, pairs_ptr, blk, (pid_r * ROW_TILES + t) * R, P, N_OUT, stride_o,
+                            GATED, N, NP, DIRECT, ACC_L, WG, R)
             cp.wait_group(0)
 
     @gluon.jit
@@ -408,15 +421,19 @@ if HAVE_GLUON:
         P, N_OUT, num_kb,
         stride_x, stride_we, stride_wn, stride_se8, stride_sn8, stride_o,  # scale strides in 16-byte units
         TOPK: gl.constexpr, GATED: gl.constexpr, NP: gl.constexpr, SMALL: gl.constexpr, STAGES: gl.constexpr,
-        PDL: gl.constexpr, DIRECT: gl.constexpr, ROW_TILES: gl.constexpr, WG: gl.constexpr,
+        PDL: gl.constexpr, DIRECT: gl.constexpr, ROW_TILES: gl.constexpr, WG: gl.constexpr, R: gl.constexpr,
     ):
         gl.static_assert(gl.num_warps() == 4 * WG)  # WG warpgroups: 1, or 2 splitting the 128 weight rows
+        gl.static_assert(R == 128 or (R == 64 and WG == 1))  # weight rows per program (ring slot)
         gl.static_assert(STAGES >= 2)
         gl.static_assert(ROW_TILES == 1 or not GATED)  # row tiles per program: w2 only
         # words [64 WG rows, 4 t, 8 j] as _W_L1 (the second warpgroup, if any, holds rows 64-127)
         if WG == 1:
             W_L: gl.constexpr = _W_L1
-            CS_L: gl.constexpr = _CS_L1
+            if R == 128:
+                CS_L: gl.constexpr = _CS_L1
+            else:
+                CS_L: gl.constexpr = _CS_L64
         else:  # the second warpgroup holds rows 64-127 (tensor b), as its MMAs' accumulator rows
             W_L: gl.constexpr = gl.DistributedLinearLayout(
                 reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [8, 0, 0]],
@@ -444,10 +461,10 @@ if HAVE_GLUON:
         if e < 0:
             return
         w_src, w_ok, s_src, s_ok, gw, gs = _weight_src(w_ptr, s_ptr, e, pid_r, N_OUT, stride_we, stride_wn,
-                                                       stride_se8, stride_sn8, GATED, ROW_TILES, CW_L, CS_L)
+                                                       stride_se8, stride_sn8, GATED, ROW_TILES, CW_L, CS_L, R)
         xring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 4 * NP, 64], X_SL)  # 4 chunks x NP slots per step
-        wring = gl.allocate_shared_memory(gl.int32, [STAGES, 128, 32], W_SL)
-        sring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 128, 8], S_SL)
+        wring = gl.allocate_shared_memory(gl.int32, [STAGES, R, 32], W_SL)
+        sring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, R, 8], S_SL)
         if WPRE:
             _prefetch_w(w_src, w_ok, s_src, s_ok, gw, gs, N_OUT, num_kb, stride_wn, stride_sn8, wring, sring, STAGES,
                         ROW_TILES, CW_L, CS_L)
@@ -474,20 +491,22 @@ if HAVE_GLUON:
     def _moe_w13_wgmma_kernel(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, bexp_ptr, P, N_OUT, num_kb, stride_x,
                               stride_we, stride_wn, stride_se8, stride_sn8, stride_o, TOPK: gl.constexpr,
                               NP: gl.constexpr, SMALL: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr,
-                              DIRECT: gl.constexpr, WG: gl.constexpr):
-        """w13: a[pair, i] = silu(gate) * up for 64 intermediate columns (N_OUT = I)."""
+                              DIRECT: gl.constexpr, WG: gl.constexpr, ROWS: gl.constexpr):
+        """w13: a[pair, i] = silu(gate) * up for ROWS / 2 intermediate columns (N_OUT = I)."""
         _wgmma_body(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, bexp_ptr, P, N_OUT, num_kb, stride_x, stride_we,
-                    stride_wn, stride_se8, stride_sn8, stride_o, TOPK, True, NP, SMALL, STAGES, PDL, DIRECT, 1, WG)
+                    stride_wn, stride_se8, stride_sn8, stride_o, TOPK, True, NP, SMALL, STAGES, PDL, DIRECT, 1, WG,
+                    ROWS)
 
     @gluon.jit
     def _moe_w2_wgmma_kernel(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, bexp_ptr, P, N_OUT, num_kb, stride_x,
                              stride_we, stride_wn, stride_se8, stride_sn8, stride_o, TOPK: gl.constexpr,
                              NP: gl.constexpr, SMALL: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr,
-                             DIRECT: gl.constexpr, ROW_TILES: gl.constexpr, WG: gl.constexpr):
-        """w2: y[pair, d] (fp32, unweighted) for ROW_TILES x 128 output rows (N_OUT = D)."""
+                             DIRECT: gl.constexpr, ROW_TILES: gl.constexpr, WG: gl.constexpr,
+                             ROWS: gl.constexpr):
+        """w2: y[pair, d] (fp32, unweighted) for ROW_TILES x ROWS output rows (N_OUT = D)."""
         _wgmma_body(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, bexp_ptr, P, N_OUT, num_kb, stride_x, stride_we,
                     stride_wn, stride_se8, stride_sn8, stride_o, TOPK, False, NP, SMALL, STAGES, PDL, DIRECT,
-                    ROW_TILES, WG)
+                    ROW_TILES, WG, ROWS)
 
     @gluon.jit
     def _fence_gpu():
@@ -499,7 +518,7 @@ if HAVE_GLUON:
     def _combine_rows(y_ptr, tw_ptr, out_ptr, row0, D, stride_y, TOPK: gl.constexpr, R: gl.constexpr):
         """out[row0 : row0 + R] = sum over slots k = 0..TOPK-1, in that order, of tw[k] * y[k] (fp32; the separate
         combine kernel's arithmetic, so the same bits). y is read past L1 (other CTAs wrote it)."""
-        L: gl.constexpr = gl.BlockedLayout([R // 128], [32], [4], [0])
+        L: gl.constexpr = gl.BlockedLayout([(R + 127) // 128], [32], [4], [0])
         cols = row0 + gl.arange(0, R, layout=L)
         m = cols < D
         acc = gl.zeros([R], gl.float32, L)
@@ -520,30 +539,34 @@ if HAVE_GLUON:
         sync_ptr,  # int32 [SYNC_WORDS], zero at launch, zero again at exit: ticket, exits, ready[TOPK], rows_done[]
         I, D, kb13, kb2, stride_x, stride_a, stride_y,
         stride_w13e, stride_w13n, stride_s13e8, stride_s13n8, stride_w2e, stride_w2n, stride_s2e8, stride_s2n8,
-        TOPK: gl.constexpr, STAGES: gl.constexpr, ROW_TILES: gl.constexpr,
+        TOPK: gl.constexpr, STAGES: gl.constexpr, ROW_TILES: gl.constexpr, R: gl.constexpr,
     ):
         """One token's whole routed-expert layer in one persistent launch (decode): w13, w2 and the combine.
 
-        Work items, handed out in order by a ticket counter: first the TOPK x cdiv(I, 64) w13 tiles (slot-major),
-        then the cdiv(D, 128 ROW_TILES) x TOPK w2 tiles (row-major, so each row range's slots finish together). A
+        Work items, handed out in order by a ticket counter: first the TOPK x cdiv(I, R / 2) w13 tiles (slot-major),
+        then the cdiv(D, R ROW_TILES) x TOPK w2 tiles (row-major, so each row range's slots finish together). A
         w13 tile stores its 64 columns of `a` and counts itself in ready[slot]; a w2 tile puts its first weight steps
         in flight, waits until ready[slot] has every w13 tile of its slot, runs, and counts itself in its row range's
         rows_done; the CTA that completes a row range (the TOPK-th) combines it. No deadlock whatever the residency:
         a w2 tile only waits for w13 tiles, whose tickets all went out before any w2 ticket to CTAs already running.
         The last CTA to leave zeroes the counters for the next launch (stream order makes that visible to it).
 
-        Each tile runs the same `_ring_gemm` (8-pair N, one pair in slot 0) with the same K order as the separate
-        decode launches, and the combine adds the slots in the same order: the same bits."""
+        Each tile runs the same `_ring_gemm` (8-pair N, one pair in slot 0; R weight rows a program) with the same K
+        order as the separate decode launches, and the combine adds the slots in the same order: the same bits."""
         NP: gl.constexpr = 8
-        CW_L: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])  # [128 rows, 32 words]
+        CW_L: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])  # [R rows, 32 words]
+        if R == 128:
+            CS_L: gl.constexpr = _CS_L1
+        else:
+            CS_L: gl.constexpr = _CS_L64
         X_SL: gl.constexpr = gl.NVMMASharedLayout.get_default_for([4 * NP, 64], gl.bfloat16)
         xring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 4 * NP, 64], X_SL)
-        wring = gl.allocate_shared_memory(gl.int32, [STAGES, 128, 32], _W_SL)
-        sring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 128, 8], _S_SL)
+        wring = gl.allocate_shared_memory(gl.int32, [STAGES, R, 32], _W_SL)
+        sring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, R, 8], _S_SL)
 
-        n_r13 = gl.cdiv(I, 64)
+        n_r13 = gl.cdiv(I, R // 2)
         n13 = TOPK * n_r13
-        n_all = n13 + TOPK * gl.cdiv(D, 128 * ROW_TILES)
+        n_all = n13 + TOPK * gl.cdiv(D, R * ROW_TILES)
         ready_ptr = sync_ptr + 2
         rows_ptr = sync_ptr + 2 + TOPK
         item = gl.atomic_add(sync_ptr, 1, sem="relaxed", scope="gpu")
@@ -554,10 +577,10 @@ if HAVE_GLUON:
                 r = item % n_r13
                 e = gl.load(ids_ptr + k).to(gl.int32)
                 w_src, w_ok, s_src, s_ok, gw, gs = _weight_src(w13_ptr, s13_ptr, e, r, I, stride_w13e, stride_w13n,
-                                                               stride_s13e8, stride_s13n8, True, 1, CW_L, _CS_L1)
+                                                               stride_s13e8, stride_s13n8, True, 1, CW_L, CS_L, R)
                 _ring_gemm(x_ptr, a_ptr, ids_ptr, k, r, TOPK, I, kb13, stride_x, stride_a, w_src, w_ok, s_src, s_ok,
                            gw, gs, stride_w13n, stride_s13n8, xring, wring, sring, TOPK, True, NP, NP, STAGES, False,
-                           True, 1, _W_L1, CW_L, _CS_L1, 1)
+                           True, 1, _W_L1, CW_L, CS_L, 1)
                 _fence_gpu()
                 gl.atomic_add(ready_ptr + k, 1, sem="release", scope="gpu")
             else:
@@ -567,20 +590,20 @@ if HAVE_GLUON:
                 e = gl.load(ids_ptr + k).to(gl.int32)
                 w_src, w_ok, s_src, s_ok, gw, gs = _weight_src(w2_ptr, s2_ptr, e, r, D, stride_w2e, stride_w2n,
                                                                stride_s2e8, stride_s2n8, False, ROW_TILES, CW_L,
-                                                               _CS_L1)
+                                                               CS_L, R)
                 _prefetch_w(w_src, w_ok, s_src, s_ok, gw, gs, D, kb2, stride_w2n, stride_s2n8, wring, sring, STAGES,
-                            ROW_TILES, CW_L, _CS_L1)
+                            ROW_TILES, CW_L, CS_L)
                 got = gl.atomic_add(ready_ptr + k, 0, sem="acquire", scope="gpu")
                 while got < n_r13:
                     got = gl.atomic_add(ready_ptr + k, 0, sem="acquire", scope="gpu")
                 _fence_gpu()
                 _ring_gemm(a_ptr, y_ptr, ids_ptr, k, r, TOPK, D, kb2, stride_a, stride_y, w_src, w_ok, s_src, s_ok,
                            gw, gs, stride_w2n, stride_s2n8, xring, wring, sring, TOPK, False, NP, NP, STAGES, True,
-                           True, ROW_TILES, _W_L1, CW_L, _CS_L1, 1)
+                           True, ROW_TILES, _W_L1, CW_L, CS_L, 1)
                 _fence_gpu()
                 if gl.atomic_add(rows_ptr + r, 1, sem="acq_rel", scope="gpu") == TOPK - 1:
                     _fence_gpu()
-                    _combine_rows(y_ptr, tw_ptr, out_ptr, r * (128 * ROW_TILES), D, stride_y, TOPK, 128 * ROW_TILES)
+                    _combine_rows(y_ptr, tw_ptr, out_ptr, r * (R * ROW_TILES), D, stride_y, TOPK, R * ROW_TILES)
             item = gl.atomic_add(sync_ptr, 1, sem="relaxed", scope="gpu")
         if gl.atomic_add(sync_ptr + 1, 1, sem="acq_rel", scope="gpu") == gl.num_programs(0) - 1:
             Z_L: gl.constexpr = gl.BlockedLayout([2], [32], [4], [0])

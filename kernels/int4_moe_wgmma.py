@@ -19,7 +19,13 @@ import functools
 
 import torch
 
-from kernels._int4_moe_wgmma import HAVE_GLUON, _moe_decode_kernel, _moe_w2_wgmma_kernel, _moe_w13_wgmma_kernel
+from kernels._int4_moe_wgmma import (
+    DECODE_MAXNREG,
+    HAVE_GLUON,
+    _moe_decode_kernel,
+    _moe_w2_wgmma_kernel,
+    _moe_w13_wgmma_kernel,
+)
 from kernels._moe_frame import routed_moe
 from kernels.int4_pack import PACK_FACTOR, permute_steps
 
@@ -29,8 +35,9 @@ STAGES = (2, 3, 4)  # ring slots: weights, scales and activations of STAGES - 1 
 DEFAULT_SCHEDULE = {}  # read at each call: `int4_moe_wgmma` options for every launch (the rest: as `resolve_schedule`)
 ROW_TILES = (1, 2, 4, 8)  # w2 row tiles (of 128 rows) per program, one after the other through one ring
 WARPGROUPS = (1, 2)  # warpgroups per program: 1 does both weight tensors' 64 rows, 2 split them (one tensor each)
+ROWS = (128, 64)  # weight rows per program: 64 gate + 64 up rows (w13) / 128 output rows (w2), or half that
 PLAIN = dict(block_pairs=8, small_pairs=0, stages=2, maxnreg=None, pdl=False, direct=False, row_tiles=1,
-             warpgroups=1, fused=False)  # one block size
+             warpgroups=1, fused=False, rows=128)  # one block size
 SYNC_WORDS = 256  # the fused decode kernel's counters per device: ticket, exits, ready[topk], rows_done[row ranges]
 SMALL_LAUNCH = 128  # pairs: the largest launch of auto_schedule's middle tier
 MAXNREG = 168  # the tiered schedule's register cap: 3 CTAs per SM (171 uncapped; no spills at 168 with Triton 3.6)
@@ -72,13 +79,15 @@ def resolve_schedule(pairs: int, **given) -> dict:
             or not (cap is None or (isinstance(cap, int) and 32 <= cap <= 255))
             or not all(isinstance(sched[k], bool) for k in ("pdl", "direct", "fused"))
             or any(sched[k] not in allowed or isinstance(sched[k], bool)
-                   for k, allowed in (("row_tiles", ROW_TILES), ("warpgroups", WARPGROUPS)))):
+                   for k, allowed in (("row_tiles", ROW_TILES), ("warpgroups", WARPGROUPS), ("rows", ROWS)))
+            or (sched["rows"] == 64 and sched["warpgroups"] != 1)):
         raise ValueError(f"int4_moe_wgmma: block_pairs={bp} (one of {BLOCK_PAIRS}), small_pairs={small} "
                          f"(0 or a smaller one), stages={stages} (one of {STAGES}), maxnreg={cap} (None or 32-255), "
                          f"pdl={sched['pdl']!r}, direct={sched['direct']!r} and fused={sched['fused']!r} "
                          f"(true / false), "
                          f"row_tiles={sched['row_tiles']!r} (one of {ROW_TILES}), "
-                         f"warpgroups={sched['warpgroups']!r} (one of {WARPGROUPS})")
+                         f"warpgroups={sched['warpgroups']!r} (one of {WARPGROUPS}), rows={sched['rows']!r} (one "
+                         f"of {ROWS}; 64 with one warpgroup)")
     return sched
 
 
@@ -131,8 +140,8 @@ def wgmma_dense_experts(w13, s13, w2, s2, hidden: int, dtype: torch.dtype = torc
 def int4_moe_wgmma(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, block_pairs: int | None = None,
                    small_pairs: int | None = None, stages: int | None = None, maxnreg: int | None = None,
                    pdl: bool | None = None, direct: bool | None = None, row_tiles: int | None = None,
-                   warpgroups: int | None = None, fused: bool | None = None, experts: range | None = None,
-                   reduce_pairs=None):
+                   warpgroups: int | None = None, fused: bool | None = None, rows: int | None = None,
+                   experts: range | None = None, reduce_pairs=None):
     """The wgmma path (sm_90, bf16, wgmma layout); arguments as `kernels.int4_moe.int4_moe`. The schedule
     options, each None for DEFAULT_SCHEDULE's, `auto_schedule`'s or PLAIN's (`resolve_schedule`):
     `block_pairs` (BLOCK_PAIRS), the pairs per expert block (an expert's weights are streamed once per block);
@@ -145,13 +154,15 @@ def int4_moe_wgmma(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, block_pai
     `warpgroups` (WARPGROUPS), 2: 8-warp programs whose two warpgroups take one weight tensor each (the same MMAs per
     row, twice the warps per SM where the grid is small: at one token w13 has 256 programs); `fused`, one token's
     w13, w2 and combine as one persistent launch (`_moe_decode_kernel`: 8-pair tiles, `stages` and `row_tiles` as
-    given; ignored unless one token with every expert held and one warpgroup). Same arithmetic, same bits for every
-    schedule."""
+    given; ignored unless one token with every expert held and one warpgroup); `rows` (ROWS), the weight rows of a
+    program, 64: one [64, N] accumulator (w13: 32 gate rows and their 32 up rows; w2: 64 output rows), half the
+    registers and shared memory, twice the programs (at one token 512 w13 programs, 4 per SM). Same arithmetic,
+    same bits for every schedule."""
     if not HAVE_GLUON:
         raise RuntimeError("int4_moe_wgmma needs Triton with Gluon (3.5 or newer)")
     sched = resolve_schedule(topk_ids.numel(), block_pairs=block_pairs, small_pairs=small_pairs, stages=stages,
                              maxnreg=maxnreg, pdl=pdl, direct=direct, row_tiles=row_tiles, warpgroups=warpgroups,
-                             fused=fused)
+                             fused=fused, rows=rows)
     block_pairs, small, stages, cap = sched["block_pairs"], sched["small_pairs"], sched["stages"], sched["maxnreg"]
     pdl = bool(sched["pdl"]) and experts is None and reduce_pairs is None
     direct = bool(sched["direct"]) and x.shape[0] == 1 and experts is None
@@ -162,34 +173,37 @@ def int4_moe_wgmma(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, block_pai
         raise ValueError("int4_moe_wgmma: the scales must be rows of 16 bytes (repack_int4_moe_for_wgmma's layout)")
     wg = sched["warpgroups"]
     opts = {"num_warps": 4 * wg, **({"maxnreg": cap} if cap else {}), **({"launch_pdl": True} if pdl else {})}
-    const = dict(NP=block_pairs, SMALL=small or 0, STAGES=stages, PDL=pdl, DIRECT=direct, WG=wg, **opts)
+    R = sched["rows"]
+    const = dict(NP=block_pairs, SMALL=small or 0, STAGES=stages, PDL=pdl, DIRECT=direct, WG=wg, ROWS=R, **opts)
 
     def w13_gemm(x, a, pairs, bexp, topk, P):
-        _moe_w13_wgmma_kernel[(-(-inter // 64), bexp.shape[0])](
+        _moe_w13_wgmma_kernel[(-(-inter // (R // 2)), bexp.shape[0])](
             x, w13, s13, a, pairs, bexp, P, inter, w13.shape[2] * PACK_FACTOR // STEP,
             x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0) // 8, s13.stride(1) // 8, a.stride(0),
             TOPK=topk, **const)
 
     def w2_gemm(a, y, pairs, bexp, topk, P):
         rt = sched["row_tiles"]
-        _moe_w2_wgmma_kernel[(-(-D // (128 * rt)), bexp.shape[0])](
+        _moe_w2_wgmma_kernel[(-(-D // (R * rt)), bexp.shape[0])](
             a, w2, s2, y, pairs, bexp, P, D, w2.shape[2] * PACK_FACTOR // STEP,
             a.stride(0), w2.stride(0), w2.stride(1), s2.stride(0) // 8, s2.stride(1) // 8, y.stride(0),
             TOPK=topk, ROW_TILES=rt, **const)
 
     def decode(x, a, y, out, ids, tw):
         rt, sync = sched["row_tiles"], _sync_words(x.device)
-        ranges = -(-D // (128 * rt))
+        ranges = -(-D // (R * rt))
         if 2 + ids.numel() + ranges > SYNC_WORDS:
             raise ValueError(f"int4_moe_wgmma: the fused decode counts in {SYNC_WORDS} words; top-{ids.numel()} with "
                              f"{ranges} row ranges needs more (use more row_tiles or fused=False)")
-        items = ids.numel() * (-(-inter // 64) + ranges)
-        grid = min(items, 2 * torch.cuda.get_device_properties(x.device).multi_processor_count)
+        items = ids.numel() * (-(-inter // (R // 2)) + ranges)
+        per_sm = 4 if R == 64 else 2  # as many as fit (more only start once tickets ran out: harmless)
+        grid = min(items, per_sm * torch.cuda.get_device_properties(x.device).multi_processor_count)
         _moe_decode_kernel[(grid,)](
             x, w13, s13, w2, s2, a, y, out, ids, tw, sync, inter, D, w13.shape[2] * PACK_FACTOR // STEP,
             w2.shape[2] * PACK_FACTOR // STEP, x.stride(0), a.stride(0), y.stride(0), w13.stride(0), w13.stride(1),
             s13.stride(0) // 8, s13.stride(1) // 8, w2.stride(0), w2.stride(1), s2.stride(0) // 8, s2.stride(1) // 8,
-            TOPK=ids.numel(), STAGES=stages, ROW_TILES=rt, num_warps=4, **({"maxnreg": cap} if cap else {}))
+            TOPK=ids.numel(), STAGES=stages, ROW_TILES=rt, R=R, num_warps=4,
+            **({"maxnreg": cap or DECODE_MAXNREG[R]} if cap or DECODE_MAXNREG[R] else {}))
 
     fuse = sched["fused"] and x.shape[0] == 1 and experts is None and reduce_pairs is None and wg == 1
     return routed_moe("int4_moe_wgmma", x, topk_ids, topk_w, w13, s13, w2, s2, out, k_align=STEP,

@@ -84,19 +84,21 @@ from triton.compiler import compile
 from triton.experimental.gluon._runtime import GluonASTSource
 from kernels import _int4_moe_wgmma as m
 out = {}
-configs = ((8, 0, 4, False, False, None, 1, 1), (64, 0, 2, False, False, None, 1, 1),
-           (32, 8, 2, False, False, 168, 1, 1), (32, 8, 2, True, False, 168, 1, 1), (8, 0, 4, True, True, None, 1, 1),
-           (16, 8, 2, False, False, 128, 1, 1), (8, 0, 4, True, True, None, 2, 1), (32, 8, 2, False, False, 168, 4, 1),
-           (8, 0, 4, True, True, None, 1, 2), (32, 8, 2, False, False, None, 1, 2),
-           (16, 8, 2, False, False, None, 2, 2))
-for gated, np_, small, stages, pdl, direct, cap, rt, wg in [(g, *c) for g in (True, False) for c in configs
-                                                            if not (g and c[-2] > 1)]:  # row tiles: w2 only
+configs = ((8, 0, 4, False, False, None, 1, 1, 128), (64, 0, 2, False, False, None, 1, 1, 128),
+           (32, 8, 2, False, False, 168, 1, 1, 128), (32, 8, 2, True, False, 168, 1, 1, 128),
+           (8, 0, 4, True, True, None, 1, 1, 128), (16, 8, 2, False, False, 128, 1, 1, 128),
+           (8, 0, 4, True, True, None, 2, 1, 128), (32, 8, 2, False, False, 168, 4, 1, 128),
+           (8, 0, 4, True, True, None, 1, 2, 128), (32, 8, 2, False, False, None, 1, 2, 128),
+           (16, 8, 2, False, False, None, 2, 2, 128), (8, 0, 4, True, True, None, 1, 1, 64),
+           (16, 8, 2, False, False, 128, 1, 1, 64), (32, 8, 2, False, False, 168, 2, 1, 64))
+for gated, np_, small, stages, pdl, direct, cap, rt, wg, rows in [(g, *c) for g in (True, False) for c in configs
+                                                                  if not (g and c[6] > 1)]:  # row tiles: w2 only
         sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "out_ptr": "*bf16" if gated else "*fp32",
                "pairs_ptr": "*i32", "bexp_ptr": "*i64" if direct else "*i32", "P": "i32", "N_OUT": "i32",
                "num_kb": "i32"}
         sig.update({n: "i32" for n in ("stride_x", "stride_we", "stride_wn", "stride_se8", "stride_sn8", "stride_o")})
         cst = dict(TOPK=8, NP=np_, SMALL=small, STAGES=stages, PDL=pdl, DIRECT=direct, WG=wg,
-                   **({} if gated else {"ROW_TILES": rt}))
+                   **({} if gated else {"ROW_TILES": rt}), ROWS=rows)
         sig.update({k: "constexpr" for k in cst})
         names = list(sig)
         attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
@@ -112,7 +114,7 @@ for gated, np_, small, stages, pdl, direct, cap, rt, wg in [(g, *c) for g in (Tr
                  (("wait", "griddepcontrol.wait"), ("launch", "griddepcontrol.launch_dependents"),
                   ("cp_async", "cp.async.cg"), ("ld_global", "ld.global"))}
         tag = ("_pdl" if pdl else "") + ("_direct" if direct else "") + (f"_rt{rt}" if rt > 1 else "") \
-            + (f"_wg{wg}" if wg > 1 else "")
+            + (f"_wg{wg}" if wg > 1 else "") + (f"_r{rows}" if rows != 128 else "")
         out[f"{'w13' if gated else 'w2'}_np{np_}_small{small}_s{stages}{tag}"] = {
             "first": first, "cap": cap,
             "shared": k.metadata.shared,
@@ -140,13 +142,16 @@ def test_wgmma_moe_kernels_compile_for_sm90(tmp_path):
     or 4 CTAs per SM). With PDL (programmatic dependent launch) w13 waits for the previous grid before any load and
     only then lets w2 be scheduled; w2 reads its block's expert and issues its first weight copies before it waits;
     without PDL no grid-dependency instruction at all. Direct blocks (the expert id of a pair as its block's, int64)
-    compile to the same MMAs and copies."""
+    compile to the same MMAs and copies. 64-row programs (decode, both tiers, 2 row tiles): half the MMAs, ring rows,
+    shared loads; like two warpgroups, w13's epilogue through shared memory; no spills."""
     pytest.importorskip("triton.experimental.gluon")
     facts = run_sm90_script(tmp_path, _SM90_COMPILE)
-    assert len(facts) == 19, facts
+    assert len(facts) == 24, facts
     for name, f in facts.items():
         n, small, stages = (int(v) for v in re.match(r"w\d+_np(\d+)_small(\d+)_s(\d+)", name).groups())
         wg = 2 if "_wg2" in name else 1
+        rows = 64 if "_r64" in name else 128
+        half = 2 if wg == 2 or rows == 64 else 1  # one accumulator per warpgroup: MMAs / shared loads per warpgroup
         first = f["first"]
         if "_pdl" not in name:
             assert first["wait"] == first["launch"] == -1, (name, first)
@@ -156,19 +161,20 @@ def test_wgmma_moe_kernels_compile_for_sm90(tmp_path):
             assert 0 <= first["ld_global"] < first["cp_async"] < first["launch"] < first["wait"], (name, first)
         paths = [n] + ([small] if small else [])
         # two warpgroups: one instruction per chunk and k16 block covers both tensors (each warpgroup its 64 rows)
-        assert f["wgmma"] == sorted(f"m64n{p}k16" for p in paths) and f["n_wgmma"] == 32 // wg * len(paths), (name, f)
+        assert f["wgmma"] == sorted(f"m64n{p}k16" for p in paths) and f["n_wgmma"] == 32 // half * len(paths), \
+            (name, f)
         assert f["cp_async_16"] >= 1 and f["ld_v4"] == 0, (name, f)
         # the A operand never goes through shared memory; with two warpgroups w13's epilogue does (gate and up of
         # a column sit in different warpgroups), and a cross-warp reduction may (the block's fill)
-        assert f["st_shared"] == 0 if wg == 1 else f["st_shared"] <= 16, (name, f)
+        assert f["st_shared"] == 0 if half == 1 else f["st_shared"] <= 16, (name, f)
         # under 168 registers: none with the GPU's Triton 3.6 ptxas, 4 bytes with 3.9's; under 128 (4 CTAs per SM):
         # a few spills, measured as the faster trade at <= 128 pairs (auto_schedule)
-        budget = 0 if wg == 2 else 48 if f["cap"] == 128 else 16 if "_pdl" in name else 8 if small else 0
+        budget = 0 if half == 2 else 48 if f["cap"] == 128 else 16 if "_pdl" in name else 8 if small else 0
         assert f["spill_bytes"] <= budget, (name, f)
-        ring = stages * (4 * n * 64 * 2 + 128 * 32 * 4 + 128 * 8 * 2)
-        assert f["shared"] == ring if wg == 1 else ring <= f["shared"] <= ring + 128 * n * 4 + 64, (name, f)
-        assert f["ld_shared_v4"] == 12 // wg * len(paths), (name, f)  # a lane's words and scales, 16 bytes each
-        assert wg == 2 or f["ld_shared"] == f["ld_shared_v4"], (name, f)
+        ring = stages * (4 * n * 64 * 2 + rows * 32 * 4 + rows * 8 * 2)
+        assert f["shared"] == ring if half == 1 else ring <= f["shared"] <= ring + rows * n * 4 + 64, (name, f)
+        assert f["ld_shared_v4"] == 12 // half * len(paths), (name, f)  # a lane's words and scales, 16 bytes each
+        assert half == 2 or f["ld_shared"] == f["ld_shared_v4"], (name, f)
         assert f["cap"] is None or f["registers"] <= f["cap"], (name, f)
         assert wg == 1 or f["registers"] <= 128, (name, f)  # two 8-warp programs per SM
 
@@ -186,17 +192,17 @@ sig = dict(zip(names, ["*bf16", "*i32", "*bf16", "*i32", "*bf16", "*bf16", "*fp3
 sig.update({n: "i32" for n in ("I", "D", "kb13", "kb2", "stride_x", "stride_a", "stride_y", "stride_w13e",
                                "stride_w13n", "stride_s13e8", "stride_s13n8", "stride_w2e", "stride_w2n",
                                "stride_s2e8", "stride_s2n8")})
-for stages, rt in ((4, 1), (4, 2), (3, 2), (2, 1)):
-    cst = dict(TOPK=8, STAGES=stages, ROW_TILES=rt)
+for stages, rt, rows in ((4, 1, 128), (4, 2, 128), (3, 2, 128), (2, 1, 128), (4, 1, 64), (4, 2, 64)):
+    cst = dict(TOPK=8, STAGES=stages, ROW_TILES=rt, R=rows)
     sig.update({k: "constexpr" for k in cst})
     nm = list(sig)
     attrs = {(nm.index(n),): [["tt.divisibility", 16]] for n in nm if n.endswith("_ptr") or n.startswith("stride")}
     log = io.StringIO()
     with contextlib.redirect_stdout(log):
         k = compile(GluonASTSource(fn=m._moe_decode_kernel, signature=sig, constexprs=cst, attrs=attrs),
-                    target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+                    target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": m.DECODE_MAXNREG[rows]})
     ptx, log = k.asm["ptx"], log.getvalue()
-    out[f"s{stages}_rt{rt}"] = {
+    out[f"s{stages}_rt{rt}_r{rows}"] = {
         "shared": k.metadata.shared, "registers": int(re.findall(r"Used (\d+) registers", log)[-1]),
         "spill_bytes": sum(int(v) for v in re.findall(r"(\d+) bytes spill stores", log)),
         "wgmma": sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx))),
@@ -208,21 +214,27 @@ print(json.dumps(out))
 
 
 def test_wgmma_moe_decode_kernel_compiles_for_sm90(tmp_path):
-    """The fused decode kernel compiled for sm_90 (PTX + ptxas, no GPU): its w13 and w2 tiles are the 8-pair decode
-    path's MMAs (m64n8k16, 32 per K step in each), its ring that path's shared memory (plus the 4 bytes through which
-    one thread's atomic reaches the CTA), no spills, two CTAs per SM; and its synchronisation in program order: a
+    """The fused decode kernel compiled for sm_90 (PTX + ptxas, no GPU), with 128- and 64-row programs: its w13 and
+    w2 tiles are the 8-pair decode path's MMAs (m64n8k16, 32 or 16 per K step in each), its ring that path's shared
+    memory (plus the 4 bytes through which one thread's atomic reaches the CTA), no spills, two (four) CTAs per SM as
+    the launcher's grid assumes; and its synchronisation: a
     relaxed ticket, w13's release of ready[slot] after a GPU-scope fence, w2's acquire polls of it followed by a
     fence, its acq_rel count of the row range between fences (the combine's), the next ticket, the exit count, each
     done by one thread; no programmatic dependent launch."""
     pytest.importorskip("triton.experimental.gluon")
     facts = run_sm90_script(tmp_path, _SM90_COMPILE_DECODE)
-    assert len(facts) == 4, facts
+    assert len(facts) == 6, facts
     for name, f in facts.items():
-        stages = int(name[1])
-        ring = stages * (4 * 8 * 64 * 2 + 128 * 32 * 4 + 128 * 8 * 2)
-        assert f["shared"] in (ring, ring + 4) and 2 * f["shared"] <= 227 * 1024, (name, f)
-        assert f["spill_bytes"] == 0 and 2 * 128 * f["registers"] <= 65536, (name, f)
-        assert f["wgmma"] == ["m64n8k16"] and f["n_wgmma"] == 64, (name, f)
+        stages, rows = int(name[1]), int(name.rsplit("_r", 1)[1])
+        per_sm = 2 if rows == 128 else 4  # the launcher's grid: as many as fit
+        ring = stages * (4 * 8 * 64 * 2 + rows * 32 * 4 + rows * 8 * 2)
+        # + the 4 bytes of the atomics' broadcast; 64 rows: + w13's epilogue buffer [64, 8] fp32 (reusing none)
+        assert ring + 4 <= f["shared"] <= ring + 4 + (0 if rows == 128 else 64 * 8 * 4) \
+            or ring < f["shared"] == ring + 64 * 8 * 4, (name, f)  # (the broadcast may sit in the buffer's place)
+        assert per_sm * (f["shared"] + 1024) <= 228 * 1024, (name, f)
+        # 64 rows under DECODE_MAXNREG's 128 registers: a few bytes of spills (4 with Triton 3.9's ptxas)
+        assert f["spill_bytes"] <= (0 if rows == 128 else 16) and per_sm * 128 * f["registers"] <= 65536, (name, f)
+        assert f["wgmma"] == ["m64n8k16"] and f["n_wgmma"] == (64 if rows == 128 else 32), (name, f)
         # (PTX lays the blocks out in its own order: counted, not sequenced)
         assert collections.Counter(f["sync"]) == {
             "atom.global.gpu.relaxed.add": 2,  # the first ticket and the next one
@@ -250,7 +262,11 @@ run_wgmma = functools.partial(run_poisoned, int4_moe_wgmma)
                             dict(warpgroups=2), dict(block_pairs=32, small_pairs=8, stages=2, warpgroups=2),
                             dict(block_pairs=8, stages=4, pdl=True, row_tiles=2, warpgroups=2),
                             # the fused decode (one token: rows and K past the tiles, 2 or 3 slots, 2 row tiles)
-                            dict(fused=True), dict(fused=True, stages=3, row_tiles=2), dict(fused=True, stages=2)])
+                            dict(fused=True), dict(fused=True, stages=3, row_tiles=2), dict(fused=True, stages=2),
+                            # 64-row programs: decode, both tiers, row tiles, fused
+                            dict(rows=64), dict(rows=64, block_pairs=32, small_pairs=8, stages=2, maxnreg=168),
+                            dict(rows=64, block_pairs=16, small_pairs=8, row_tiles=2), dict(rows=64, fused=True),
+                            dict(rows=64, fused=True, row_tiles=2, stages=3)])
 def test_int4_moe_wgmma_vs_reference(T, k, E, D, inter, sched):
     check_layout_path(int4_moe_wgmma, repack_int4_moe_for_wgmma, T, k, E, D, inter, **sched)
 
@@ -273,7 +289,7 @@ def test_int4_moe_wgmma_kimi_shapes(kimi_wgmma, T):
 @sm90
 @pytest.mark.gpu
 @pytest.mark.parametrize("sched", [dict(block_pairs=8, stages=4), dict(block_pairs=16), dict(block_pairs=64),
-                                   dict(block_pairs=32, small_pairs=8, stages=2, maxnreg=168), {}])
+                                   dict(block_pairs=32, small_pairs=8, stages=2, maxnreg=168), {}, dict(rows=64)])
 def test_int4_moe_wgmma_batch_invariance(kimi_wgmma, sched):
     """Token 37 alone, as row 37 of a batch of 64, and with its experts crowded by other tokens (64 pairs on four of
     its experts, 20 on a fifth: full and partly empty blocks): bitwise equal (DESIGN 3.5)."""
@@ -308,7 +324,9 @@ def test_int4_moe_wgmma_schedules_agree(kimi_wgmma):
                dict(block_pairs=32, small_pairs=8, stages=2, maxnreg=168, row_tiles=4), dict(row_tiles=8),
                dict(warpgroups=2), dict(block_pairs=16, small_pairs=8, stages=2, warpgroups=2),
                dict(block_pairs=64, stages=2, warpgroups=2), dict(block_pairs=32, small_pairs=8, row_tiles=2,
-                                                                  warpgroups=2)]
+                                                                  warpgroups=2),
+               dict(rows=64), dict(rows=64, block_pairs=16, small_pairs=8, stages=2, maxnreg=128),
+               dict(rows=64, block_pairs=64, stages=3, row_tiles=2)]
     for sched in scheds:
         assert_bitwise(run_wgmma(x, ids, tw, ww, **sched), ref, str(sched))
 
@@ -328,7 +346,9 @@ def test_int4_moe_wgmma_decode_options_agree(kimi_wgmma):
         for sched in (dict(direct=True), dict(pdl=True), dict(direct=True, pdl=True),
                       dict(direct=True, pdl=True, row_tiles=2), dict(row_tiles=4),
                       dict(direct=True, pdl=True, warpgroups=2), dict(warpgroups=2, row_tiles=2),
-                      dict(fused=True), dict(fused=True, row_tiles=2), dict(fused=True, stages=3)):
+                      dict(fused=True), dict(fused=True, row_tiles=2), dict(fused=True, stages=3), dict(rows=64),
+                      dict(rows=64, direct=False, pdl=False), dict(rows=64, fused=True),
+                      dict(rows=64, fused=True, row_tiles=2)):
             assert_bitwise(run_wgmma(*one, ww, **sched)[0], batch[t], f"token {t}, {sched}")
 
 
@@ -365,7 +385,8 @@ def test_int4_moe_wgmma_pdl_in_a_cuda_graph(kimi_wgmma, T, direct):
 
 @sm90
 @pytest.mark.gpu
-@pytest.mark.parametrize("sched", [dict(fused=True), dict(fused=True, row_tiles=2, stages=3)])
+@pytest.mark.parametrize("sched", [dict(fused=True), dict(fused=True, row_tiles=2, stages=3),
+                                   dict(fused=True, rows=64)])
 def test_int4_moe_wgmma_fused_decode_repeats(kimi_wgmma, sched):
     """The fused decode's counters go back to zero after every launch (its last CTA zeroes them): 40 launches in a
     row with new tokens and routing, eager, then a CUDA graph replayed with new inputs 20 times, each bitwise equal
@@ -429,6 +450,7 @@ def test_resolve_schedule(monkeypatch):
     for opt in ("row_tiles", "warpgroups"):  # not measured yet: off
         assert auto_schedule(1)[opt] == auto_schedule(10**6)[opt] == 1, opt
     assert resolve_schedule(1, fused=True) == {**auto_schedule(1), "fused": True}
+    assert resolve_schedule(1, rows=64) == {**auto_schedule(1), "rows": 64}
     assert not auto_schedule(10**6)["fused"]
     # two warpgroups: auto's caps (sized for 4-warp programs) go unless given
     assert resolve_schedule(72, warpgroups=2) == {**auto_schedule(72), "warpgroups": 2, "maxnreg": None}
@@ -449,7 +471,8 @@ def test_bad_schedule_is_refused():
     ids, tw = torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, 1)
     for bad in (dict(block_pairs=12), dict(block_pairs=8, small_pairs=8), dict(block_pairs=8, stages=5),
                 dict(block_pairs=32, small_pairs=12), dict(maxnreg=7), dict(pdl="yes"), dict(direct=1),
-                dict(row_tiles=3), dict(row_tiles=True), dict(warpgroups=4), dict(warpgroups=True), dict(fused=1)):
+                dict(row_tiles=3), dict(row_tiles=True), dict(warpgroups=4), dict(warpgroups=True), dict(fused=1),
+                dict(rows=32), dict(rows=64, warpgroups=2)):
         with pytest.raises(ValueError, match="block_pairs=.*small_pairs=.*stages=.*row_tiles=.*warpgroups="):
             int4_moe_wgmma(x, ids, tw, *(None,) * 4, **bad)
     if not SM90:  # a schedule it takes gets as far as the device check
