@@ -237,6 +237,30 @@ def weights_for(w, overrides: dict):
     return _tiled(w, (32, 64) if tiles is True else tuple(tiles))
 
 
+def layers_record(args, T, gen, path, opts, wgl, per_expert, ceil, info, gname, config):
+    """args.layers layers of T tokens back to back in one CUDA graph, each with its own tokens and routing (so its
+    own experts' weights), timed as one replay: the per-layer time and floor (bytes / copy bandwidth, averaged)."""
+    run = int4_moe_wgmma if path == "wgmma" else int4_moe_gluon
+    calls, nbytes = [], 0
+    for _ in range(args.layers):
+        ids, tw = routing(T, gen, args.pool)
+        x = torch.randn(T, D, generator=gen, device="cuda").to(torch.bfloat16)
+        calls.append(functools.partial(run, x, ids, tw, *wgl, out=torch.empty_like(x), **opts))
+        nbytes += int(ids.unique().numel()) * per_expert + 2 * x.numel() * x.element_size() + ids.numel() * 12
+    try:
+        ms = graph_ms(lambda: [c() for c in calls]) / args.layers
+    except Exception as exc:  # noqa: BLE001 - reported, not fatal
+        print(f"T={T} {gname} x {args.layers} layers: {exc!r}"[:600], flush=True)
+        return
+    floor_ms = nbytes / args.layers / (ceil["copy_bw_GBps"] * 1e9) * 1e3
+    params = dict(T=T, E=E, D=D, I=INTER, topk=TOPK, layers=args.layers, bytes=nbytes // args.layers, pool=args.pool,
+                  timing="cuda_graph_replay_per_layer", variant=gname, config=config)
+    write_jsonl(args.out, [dict(name=f"int4_moe_{path}_layers", params=params, **info, ms=ms, floor_ms=floor_ms,
+                                ratio=floor_ms / ms, peers={}, **ceil)])
+    print(f"{T:>4} {'':>7} {ms:8.4f} {floor_ms:8.4f} {floor_ms / ms:6.3f} {nbytes / args.layers / ms / 1e6:6.0f}  "
+          f"per layer of {args.layers} back to back  {gname}", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results/int4_moe.jsonl")
@@ -250,13 +274,19 @@ def main():
                     help="also time the Gluon paths (int4_moe_gluon, int4_moe_wgmma: the wgmma_* names) in these "
                     "GLUON_VARIANTS (none given: all); records int4_moe_gluon / int4_moe_wgmma with the Triton "
                     "default as a peer")
+    ap.add_argument("--layers", type=int, default=0, help="also time each Gluon variant as LAYERS layers back to "
+                    "back in one CUDA graph (each its own tokens and routing, so its own experts' weights; as the "
+                    "model runs its layers), recorded per layer as <name>_layers; 0: not")
     args = ap.parse_args()
     names = [n for c in args.configs for n in CONFIG_GROUPS.get(c, [c])] if args.configs else []
     if args.sweep and not names:
         names = list(SWEEP)
     info = env_info()
     ceil = measure_ceilings()
-    print(f"{info['gpu']}  copy {ceil['copy_bw_GBps']:.0f} GB/s  bf16 mm {ceil['mm_tflops']:.0f} TFLOP/s", flush=True)
+    tiny = torch.zeros(1, device="cuda")
+    ceil["graph_launch_ms"] = graph_ms(functools.partial(tiny.add_, 1))  # this timing's cost of one tiny kernel
+    print(f"{info['gpu']}  copy {ceil['copy_bw_GBps']:.0f} GB/s  bf16 mm {ceil['mm_tflops']:.0f} TFLOP/s  a one-kernel "
+          f"graph {ceil['graph_launch_ms'] * 1e3:.1f} us", flush=True)
     gen = torch.Generator(device="cuda").manual_seed(0)
     w = tuple(gpu_layout_weights(gen))
     per_expert = sum(t[0].numel() * t.element_size() for t in w)
@@ -328,6 +358,8 @@ def main():
             pe = "  ".join(f"{k}={v:.3f}" for k, v in peers.items())
             print(f"{T:>4} {touched:>7} {ms:8.4f} {floor_ms:8.4f} {floor_ms / ms:6.3f} {nbytes / ms / 1e6:6.0f}  "
                   f"{pe}  {gname}", flush=True)
+            if args.layers:
+                layers_record(args, T, gen, path, opts, wgl, per_expert, ceil, info, gname, config)
     for (kernel, _, options), programs in _RESIDENT.items():  # default persistent grids: registers / smem bound
         shown = {k: v for k, v in options if k in ("BLOCK_I", "BLOCK_D", "K_UNROLL", "num_warps", "num_stages",
                                                   "maxnreg", "PRESCALE", "SWAP", "SCALE_TILE")}

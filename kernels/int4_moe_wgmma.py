@@ -196,8 +196,8 @@ def int4_moe_wgmma(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, block_pai
             raise ValueError(f"int4_moe_wgmma: the fused decode counts in {SYNC_WORDS} words; top-{ids.numel()} with "
                              f"{ranges} row ranges needs more (use more row_tiles or fused=False)")
         items = ids.numel() * (-(-inter // (R // 2)) + ranges)
-        per_sm = 4 if R == 64 else 2  # as many as fit (more only start once tickets ran out: harmless)
-        grid = min(items, per_sm * torch.cuda.get_device_properties(x.device).multi_processor_count)
+        # at least as many as fit at once (2-4 per SM by the ring and rows; the others start when tickets ran out)
+        grid = min(items, 4 * torch.cuda.get_device_properties(x.device).multi_processor_count)
         _moe_decode_kernel[(grid,)](
             x, w13, s13, w2, s2, a, y, out, ids, tw, sync, inter, D, w13.shape[2] * PACK_FACTOR // STEP,
             w2.shape[2] * PACK_FACTOR // STEP, x.stride(0), a.stride(0), y.stride(0), w13.stride(0), w13.stride(1),
