@@ -7,6 +7,10 @@ plus x and out) / copy bandwidth measured in the same run. Peers, same run, same
   int4pack_loop   torch._weight_int4pack_mm (tinygemm, group 32) per touched expert
   triton_eager    our kernels launched eagerly (the headline `ms` replays them from a CUDA graph,
                   since at T=1 host launch overhead of the 4 launches would dominate)
+  read_experts    one launch that only reads the touched experts' bytes (`bench/expert_read.py`), timed by the same
+                  harness: what streaming those bytes costs at all from one launch (also without --no-peers)
+The header also times a one-kernel graph (`graph_launch_ms`): what this harness adds to any launch. `--layers N`
+also times each Gluon variant as N layers back to back in one graph (per layer, records <name>_layers).
 Sweep (`--sweep`, records named `int4_moe_sweep`): the configurations in SWEEP, each a dict of overrides of
 the default launcher options, timed like the default on the same inputs (`params.variant`, `params.config`).
 Run from the repo root:  PYTHONPATH=. python bench/bench_int4_moe.py [--sweep] [--configs NAME ..]
@@ -25,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from bench._common import bench_ms, env_info, graph_ms, measure_ceilings, write_jsonl
+from bench.expert_read import read_experts, read_plan
 from kernels.int4_moe import _RESIDENT, int4_moe_triton, tile_int4_moe_weights
 from kernels.int4_moe_gluon import int4_moe_gluon
 from kernels.int4_moe_wgmma import int4_moe_wgmma, resolve_schedule
@@ -241,14 +246,17 @@ def layers_record(args, T, gen, path, opts, wgl, per_expert, ceil, info, gname, 
     """args.layers layers of T tokens back to back in one CUDA graph, each with its own tokens and routing (so its
     own experts' weights), timed as one replay: the per-layer time and floor (bytes / copy bandwidth, averaged)."""
     run = int4_moe_wgmma if path == "wgmma" else int4_moe_gluon
-    calls, nbytes = [], 0
+    calls, reads, nbytes = [], [], 0
     for _ in range(args.layers):
         ids, tw = routing(T, gen, args.pool)
         x = torch.randn(T, D, generator=gen, device="cuda").to(torch.bfloat16)
         calls.append(functools.partial(run, x, ids, tw, *wgl, out=torch.empty_like(x), **opts))
+        plan = read_plan(wgl, ids)
+        reads.append(functools.partial(read_experts, plan, read_experts(plan)))
         nbytes += int(ids.unique().numel()) * per_expert + 2 * x.numel() * x.element_size() + ids.numel() * 12
     try:
         ms = graph_ms(lambda: [c() for c in calls]) / args.layers
+        read_ms = graph_ms(lambda: [r() for r in reads]) / args.layers
     except Exception as exc:  # noqa: BLE001 - reported, not fatal
         print(f"T={T} {gname} x {args.layers} layers: {exc!r}"[:600], flush=True)
         return
@@ -256,9 +264,10 @@ def layers_record(args, T, gen, path, opts, wgl, per_expert, ceil, info, gname, 
     params = dict(T=T, E=E, D=D, I=INTER, topk=TOPK, layers=args.layers, bytes=nbytes // args.layers, pool=args.pool,
                   timing="cuda_graph_replay_per_layer", variant=gname, config=config)
     write_jsonl(args.out, [dict(name=f"int4_moe_{path}_layers", params=params, **info, ms=ms, floor_ms=floor_ms,
-                                ratio=floor_ms / ms, peers={}, **ceil)])
+                                ratio=floor_ms / ms, peers={"read_experts": read_ms}, **ceil)])
     print(f"{T:>4} {'':>7} {ms:8.4f} {floor_ms:8.4f} {floor_ms / ms:6.3f} {nbytes / args.layers / ms / 1e6:6.0f}  "
-          f"per layer of {args.layers} back to back  {gname}", flush=True)
+          f"per layer of {args.layers} back to back (read_experts {read_ms:.4f} ms, {floor_ms / read_ms:.3f})  "
+          f"{gname}", flush=True)
 
 
 def main():
@@ -311,6 +320,11 @@ def main():
         touched = int(ids.unique().numel())
         nbytes = touched * per_expert + 2 * x.numel() * x.element_size() + ids.numel() * 12
         floor_ms = nbytes / (ceil["copy_bw_GBps"] * 1e9) * 1e3
+        plan = read_plan(w, ids)  # the same run's streaming read of the touched experts' bytes, one launch
+        read_ms = graph_ms(functools.partial(read_experts, plan, torch.empty(read_experts(plan).numel(),
+                                                                               dtype=torch.int32, device="cuda")))
+        print(f"{T:>4} {touched:>7} {read_ms:8.4f} {floor_ms:8.4f} {floor_ms / read_ms:6.3f} "
+              f"{nbytes / read_ms / 1e6:6.0f}  read of the touched experts' bytes (peer read_experts)", flush=True)
         default_ms = None
         for name in [None, *names]:
             overrides = {} if name is None else SWEEP[name]
@@ -322,7 +336,7 @@ def main():
             except Exception as exc:  # noqa: BLE001 - a config that does not compile is reported, not fatal
                 print(f"T={T} {name}: {exc!r}"[:300], flush=True)
                 continue
-            peers = {"triton_eager": eager}
+            peers = {"triton_eager": eager, "read_experts": read_ms}
             if name is None:
                 default_ms = ms
                 if "bf16" in peers_w:
@@ -349,7 +363,8 @@ def main():
             except Exception as exc:  # noqa: BLE001 - reported, not fatal
                 print(f"T={T} {gname}: {exc!r}"[:600], flush=True)
                 continue
-            peers = {"gluon_eager": eager, **({"triton_default": default_ms} if default_ms else {})}
+            peers = {"gluon_eager": eager, "read_experts": read_ms,
+                     **({"triton_default": default_ms} if default_ms else {})}
             config = resolve_schedule(ids.numel(), **opts) if path == "wgmma" else opts or "default"
             params = dict(T=T, E=E, D=D, I=INTER, topk=TOPK, experts_touched=touched, bytes=nbytes, pool=args.pool,
                           timing="cuda_graph_replay", variant=gname, config=config)
