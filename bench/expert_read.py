@@ -42,8 +42,9 @@ def _xor(a, b):
 
 
 def read_plan(tensors, ids: torch.Tensor):
-    """(base, offsets, lengths) in int32 words from `base` (the lowest data pointer among `tensors`) of each distinct
-    expert's slice of each tensor: a host-side plan, made once (the experts of `ids`, read on the host)."""
+    """(base, offsets, lengths, chunks): int32 words from `base` (the lowest data pointer among `tensors`) of each
+    distinct expert's slice of each tensor, and the chunks of the longest: a host-side plan, made once (the experts of
+    `ids` are read on the host), so that `read_experts` launches without a host sync (CUDA-graph capturable)."""
     experts = sorted(set(ids.reshape(-1).tolist()))
     base = min(tensors, key=lambda t: t.data_ptr())
     offs, lens = [], []
@@ -56,13 +57,13 @@ def read_plan(tensors, ids: torch.Tensor):
             lens.append(per)
     dev = base.device
     return (base.view(torch.int32) if base.dtype != torch.int32 else base,
-            torch.tensor(offs, dtype=torch.int64, device=dev), torch.tensor(lens, dtype=torch.int32, device=dev))
+            torch.tensor(offs, dtype=torch.int64, device=dev), torch.tensor(lens, dtype=torch.int32, device=dev),
+            -(-max(lens) // CHUNK))
 
 
 def read_experts(plan, out: torch.Tensor | None = None, block: int = 1024) -> torch.Tensor:
     """One launch reading every slice of `plan` (`read_plan`); returns the per-program XOR words."""
-    base, offs, lens = plan
-    chunks = -(-int(lens.max()) // CHUNK)
+    base, offs, lens, chunks = plan
     grid = offs.numel() * chunks
     if out is None:
         out = torch.empty(grid, dtype=torch.int32, device=base.device)

@@ -34,7 +34,7 @@ def test_read_experts_folds_every_routed_word(monkeypatch, chunk):
                torch.randn(9, 61, 2, generator=g).to(torch.bfloat16).to(dev)]
     ids = torch.tensor([[4, 0, 8, 4]], device=dev)
     plan = expert_read.read_plan(tensors, ids)
-    assert plan[1].numel() == 4 * 3  # 4 tensors x 3 distinct experts
+    assert plan[1].numel() == 4 * 3 and plan[3] == -(-37 * 50 // chunk)  # 4 tensors x 3 experts; longest slice
     words = expert_read.read_experts(plan, block=64).cpu().numpy()
     assert int(np.bitwise_xor.reduce(words)) == expert_read.read_experts_ref(tensors, ids)
     # another expert set folds to another word (the plan reads what it names)
