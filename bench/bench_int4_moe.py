@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from bench._common import bench_ms, env_info, graph_ms, measure_ceilings, write_jsonl
-from bench.expert_read import read_experts, read_plan
+from bench.expert_read import CONFIGS, read_experts, read_plan
 from kernels.int4_moe import _RESIDENT, int4_moe_triton, tile_int4_moe_weights
 from kernels.int4_moe_gluon import int4_moe_gluon
 from kernels.int4_moe_wgmma import int4_moe_wgmma, resolve_schedule
@@ -242,6 +242,20 @@ def weights_for(w, overrides: dict):
     return _tiled(w, (32, 64) if tiles is True else tuple(tiles))
 
 
+def best_read(weights, routings) -> tuple[float, tuple]:
+    """(ms, config) of the fastest of expert_read.CONFIGS (chunk, block, warps) at reading the experts of each routing
+    in `routings` one after the other, one launch each, replayed from one CUDA graph."""
+    best = None
+    for chunk, block, warps in CONFIGS:
+        calls = []
+        for ids in routings:
+            plan = read_plan(weights, ids, chunk)
+            calls.append(functools.partial(read_experts, plan, read_experts(plan), block=block, warps=warps))
+        ms = graph_ms(lambda calls=calls: [c() for c in calls])
+        best = min(best or (ms, (chunk, block, warps)), (ms, (chunk, block, warps)))
+    return best
+
+
 def layers_record(args, T, gen, path, opts, wgl, per_expert, ceil, info, gname, config):
     """args.layers layers of T tokens back to back in one CUDA graph, each with its own tokens and routing (so its
     own experts' weights), timed as one replay: the per-layer time and floor (bytes / copy bandwidth, averaged)."""
@@ -251,12 +265,11 @@ def layers_record(args, T, gen, path, opts, wgl, per_expert, ceil, info, gname, 
         ids, tw = routing(T, gen, args.pool)
         x = torch.randn(T, D, generator=gen, device="cuda").to(torch.bfloat16)
         calls.append(functools.partial(run, x, ids, tw, *wgl, out=torch.empty_like(x), **opts))
-        plan = read_plan(wgl, ids)
-        reads.append(functools.partial(read_experts, plan, read_experts(plan)))
+        reads.append(ids)
         nbytes += int(ids.unique().numel()) * per_expert + 2 * x.numel() * x.element_size() + ids.numel() * 12
     try:
         ms = graph_ms(lambda: [c() for c in calls]) / args.layers
-        read_ms = graph_ms(lambda: [r() for r in reads]) / args.layers
+        read_ms = best_read(wgl, reads)[0] / args.layers
     except Exception as exc:  # noqa: BLE001 - reported, not fatal
         print(f"T={T} {gname} x {args.layers} layers: {exc!r}"[:600], flush=True)
         return
@@ -320,11 +333,10 @@ def main():
         touched = int(ids.unique().numel())
         nbytes = touched * per_expert + 2 * x.numel() * x.element_size() + ids.numel() * 12
         floor_ms = nbytes / (ceil["copy_bw_GBps"] * 1e9) * 1e3
-        plan = read_plan(w, ids)  # the same run's streaming read of the touched experts' bytes, one launch
-        read_ms = graph_ms(functools.partial(read_experts, plan, torch.empty(read_experts(plan).numel(),
-                                                                               dtype=torch.int32, device="cuda")))
+        read_ms, read_cfg = best_read(w, [ids])
         print(f"{T:>4} {touched:>7} {read_ms:8.4f} {floor_ms:8.4f} {floor_ms / read_ms:6.3f} "
-              f"{nbytes / read_ms / 1e6:6.0f}  read of the touched experts' bytes (peer read_experts)", flush=True)
+              f"{nbytes / read_ms / 1e6:6.0f}  read of the touched experts' bytes (peer read_experts, chunk / block / "
+              f"warps {read_cfg})", flush=True)
         default_ms = None
         for name in [None, *names]:
             overrides = {} if name is None else SWEEP[name]

@@ -16,7 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-CHUNK = 16384  # int32 words per program (64 KiB)
+CHUNK = 16384  # int32 words per program (64 KiB), the default
+CONFIGS = ((16384, 1024, 4), (16384, 4096, 4), (65536, 4096, 8), (4096, 2048, 4))  # (chunk, block, warps) tried
 
 
 @triton.jit
@@ -41,10 +42,12 @@ def _xor(a, b):
     return a ^ b
 
 
-def read_plan(tensors, ids: torch.Tensor):
-    """(base, offsets, lengths, chunks): int32 words from `base` (the lowest data pointer among `tensors`) of each
-    distinct expert's slice of each tensor, and the chunks of the longest: a host-side plan, made once (the experts of
-    `ids` are read on the host), so that `read_experts` launches without a host sync (CUDA-graph capturable)."""
+def read_plan(tensors, ids: torch.Tensor, chunk: int | None = None):
+    """(base, offsets, lengths, chunks, chunk): int32 words from `base` (the lowest data pointer among `tensors`) of
+    each distinct expert's slice of each tensor, the chunks of `chunk` words (default CHUNK) of the longest, and that
+    chunk: a host-side plan, made once (the experts of `ids` are read on the host), so that `read_experts` launches
+    without a host sync (CUDA-graph capturable)."""
+    chunk = chunk or CHUNK
     experts = sorted(set(ids.reshape(-1).tolist()))
     base = min(tensors, key=lambda t: t.data_ptr())
     offs, lens = [], []
@@ -58,16 +61,17 @@ def read_plan(tensors, ids: torch.Tensor):
     dev = base.device
     return (base.view(torch.int32) if base.dtype != torch.int32 else base,
             torch.tensor(offs, dtype=torch.int64, device=dev), torch.tensor(lens, dtype=torch.int32, device=dev),
-            -(-max(lens) // CHUNK))
+            -(-max(lens) // chunk), chunk)
 
 
-def read_experts(plan, out: torch.Tensor | None = None, block: int = 1024) -> torch.Tensor:
-    """One launch reading every slice of `plan` (`read_plan`); returns the per-program XOR words."""
-    base, offs, lens, chunks = plan
+def read_experts(plan, out: torch.Tensor | None = None, block: int = 1024, warps: int = 4) -> torch.Tensor:
+    """One launch reading every slice of `plan` (`read_plan`) in loads of `block` words; returns the per-program XOR
+    words."""
+    base, offs, lens, chunks, chunk = plan
     grid = offs.numel() * chunks
     if out is None:
         out = torch.empty(grid, dtype=torch.int32, device=base.device)
-    _read_kernel[(grid,)](base, offs, lens, out, offs.numel(), CHUNK=CHUNK, BLOCK=block)
+    _read_kernel[(grid,)](base, offs, lens, out, offs.numel(), CHUNK=chunk, BLOCK=block, num_warps=warps)
     return out
 
 

@@ -22,10 +22,9 @@ def _device():
 
 
 @pytest.mark.parametrize("chunk", [16384, 100])
-def test_read_experts_folds_every_routed_word(monkeypatch, chunk):
+def test_read_experts_folds_every_routed_word(chunk):
     """Four expert-major tensors of awkward sizes (bf16 and int32, slices not a multiple of the chunk): the XOR of
     the programs' words is the XOR of exactly the routed experts' words (one expert routed twice counts once)."""
-    monkeypatch.setattr(expert_read, "CHUNK", chunk)
     g = torch.Generator().manual_seed(3)
     dev = _device()
     tensors = [torch.randint(-2**31, 2**31 - 1, (9, 37, 50), generator=g, dtype=torch.int32).to(dev),
@@ -33,12 +32,12 @@ def test_read_experts_folds_every_routed_word(monkeypatch, chunk):
                torch.randint(-2**31, 2**31 - 1, (9, 61, 14), generator=g, dtype=torch.int32).to(dev),
                torch.randn(9, 61, 2, generator=g).to(torch.bfloat16).to(dev)]
     ids = torch.tensor([[4, 0, 8, 4]], device=dev)
-    plan = expert_read.read_plan(tensors, ids)
+    plan = expert_read.read_plan(tensors, ids, chunk)
     assert plan[1].numel() == 4 * 3 and plan[3] == -(-37 * 50 // chunk)  # 4 tensors x 3 experts; longest slice
     words = expert_read.read_experts(plan, block=64).cpu().numpy()
     assert int(np.bitwise_xor.reduce(words)) == expert_read.read_experts_ref(tensors, ids)
     # another expert set folds to another word (the plan reads what it names)
-    other = expert_read.read_plan(tensors, torch.tensor([[1, 2]], device=dev))
+    other = expert_read.read_plan(tensors, torch.tensor([[1, 2]], device=dev), chunk)
     assert int(np.bitwise_xor.reduce(expert_read.read_experts(other, block=64).cpu().numpy())) == \
         expert_read.read_experts_ref(tensors, torch.tensor([[1, 2]]))
     assert os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available()
