@@ -357,7 +357,7 @@ def main():
                     peers["int4pack_loop"] = bench_ms(
                         functools.partial(int4pack_loop, x, ids, tw, *peers_w["int4pack"]))
             params = dict(T=T, E=E, D=D, I=INTER, topk=TOPK, experts_touched=touched, bytes=nbytes, pool=args.pool,
-                          timing="cuda_graph_replay", variant=name or "default",
+                          read_config=read_cfg, timing="cuda_graph_replay", variant=name or "default",
                           config={**kw, **{k: v for k, v in overrides.items() if k == "tiled"}} or "default")
             rec = dict(name="int4_moe" if name is None else "int4_moe_sweep", params=params,
                        **info, ms=ms, floor_ms=floor_ms, ratio=floor_ms / ms, peers=peers, **ceil)
@@ -379,7 +379,7 @@ def main():
                      **({"triton_default": default_ms} if default_ms else {})}
             config = resolve_schedule(ids.numel(), **opts) if path == "wgmma" else opts or "default"
             params = dict(T=T, E=E, D=D, I=INTER, topk=TOPK, experts_touched=touched, bytes=nbytes, pool=args.pool,
-                          timing="cuda_graph_replay", variant=gname, config=config)
+                          read_config=read_cfg, timing="cuda_graph_replay", variant=gname, config=config)
             write_jsonl(args.out, [dict(name=f"int4_moe_{path}", params=params, **info, ms=ms, floor_ms=floor_ms,
                                         ratio=floor_ms / ms, peers=peers, **ceil)])
             pe = "  ".join(f"{k}={v:.3f}" for k, v in peers.items())
