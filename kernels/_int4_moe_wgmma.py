@@ -545,7 +545,7 @@ if HAVE_GLUON:
 
         Work items, handed out in order by a ticket counter: first the TOPK x cdiv(I, R / 2) w13 tiles (slot-major),
         then the cdiv(D, R ROW_TILES) x TOPK w2 tiles (row-major, so each row range's slots finish together). A
-        w13 tile stores its 64 columns of `a` and counts itself in ready[slot]; a w2 tile puts its first weight steps
+        w13 tile stores its R / 2 columns of `a` and counts itself in ready[slot]; a w2 tile puts its first weight steps
         in flight, waits until ready[slot] has every w13 tile of its slot, runs, and counts itself in its row range's
         rows_done; the CTA that completes a row range (the TOPK-th) combines it. No deadlock whatever the residency:
         a w2 tile only waits for w13 tiles, whose tickets all went out before any w2 ticket to CTAs already running.
