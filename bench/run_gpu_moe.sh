@@ -4,15 +4,16 @@
 # prefix 4096) with the default schedule and with each schedule in SCHEDULES (JSON options laid over
 # int4_moe_wgmma.auto_schedule, `;`-separated). About 8 minutes with the defaults (~250 s of them the tests). Logs
 # and JSONL go to $OUT (bench/results/run when unset); run from the repo root. Overrides: VARIANTS (bench_int4_moe --gluon names),
-# TOKENS, POOL_TOKENS, STEP_ARGS; section time limits T_TESTS / T_LAYER / T_STEP (seconds); TESTS=0 / STEP=0 skip.
+# TOKENS, POOL_TOKENS, LAYERS (0: no back-to-back timing), STEP_ARGS; section time limits T_TESTS / T_LAYER / T_STEP
+# (seconds); TESTS=0 / STEP=0 skip.
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-bench/results/run}
 mkdir -p "$OUT"
-# auto_schedule beside the same with two warpgroups per program and / or w2's row tiles (sixteenth session, never
-# run on a GPU before this script's next run)
-VARIANTS=${VARIANTS:-"wgmma_auto wgmma_auto_wg2 wgmma_auto_rt2 wgmma_auto_wg2_rt2 wgmma_auto_rt4"}
-SCHEDULES=${SCHEDULES:-'{"warpgroups": 2};{"warpgroups": 2, "row_tiles": 2}'}
+# auto_schedule beside w2's row tiles and the fused decode (twenty-third session; at T = 1 each is also timed as 8
+# layers back to back, LAYERS, and every T beside the read peer: bench_int4_moe.py's docstring)
+VARIANTS=${VARIANTS:-"wgmma_auto wgmma_auto_rt2 wgmma_fused"}
+SCHEDULES=${SCHEDULES:-'{"row_tiles": 2};{"fused": true}'}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv 2>&1 | tee "$OUT/gpu.txt"
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
 status=0
@@ -22,7 +23,7 @@ if [ "${TESTS:-1}" != 0 ]; then
 fi
 # shellcheck disable=SC2086  # word splitting of the lists is intended
 timeout "${T_LAYER:-150}" python bench/bench_int4_moe.py --no-peers --tokens ${TOKENS:-1 9 33 129} --gluon $VARIANTS \
-  --out "$OUT/int4_moe_schedules.jsonl" 2>&1 | tee "$OUT/bench_int4_moe_schedules.log" || status=1
+  --layers "${LAYERS:-8}" --out "$OUT/int4_moe_schedules.jsonl" 2>&1 | tee "$OUT/bench_int4_moe_schedules.log" || status=1
 # shellcheck disable=SC2086
 timeout "${T_LAYER:-150}" python bench/bench_int4_moe.py --no-peers --pool 64 --tokens ${POOL_TOKENS:-144 528} \
   --gluon $VARIANTS --out "$OUT/int4_moe_schedules.jsonl" 2>&1 | tee "$OUT/bench_int4_moe_schedules_pool.log" \
