@@ -33,7 +33,7 @@ STEP = 256  # K columns per kernel step (and the K padding)
 BLOCK_PAIRS = (8, 16, 32, 64)  # pairs per expert block; every size gives the same bits (GPU test)
 STAGES = (2, 3, 4)  # ring slots: weights, scales and activations of STAGES - 1 steps in flight
 DEFAULT_SCHEDULE = {}  # read at each call: `int4_moe_wgmma` options for every launch (the rest: as `resolve_schedule`)
-ROW_TILES = (1, 2, 4, 8)  # w2 row tiles (of 128 rows) per program, one after the other through one ring
+ROW_TILES = (1, 2, 4, 8)  # w2 row tiles (of `rows` rows) per program, one after the other through one ring
 WARPGROUPS = (1, 2)  # warpgroups per program: 1 does both weight tensors' 64 rows, 2 split them (one tensor each)
 ROWS = (128, 64)  # weight rows per program: 64 gate + 64 up rows (w13) / 128 output rows (w2), or half that
 PLAIN = dict(block_pairs=8, small_pairs=0, stages=2, maxnreg=None, pdl=False, direct=False, row_tiles=1,
@@ -149,8 +149,8 @@ def int4_moe_wgmma(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, block_pai
     that small; `stages` (STAGES), the ring depth; `maxnreg`, a register cap; `pdl`, programmatic dependent launch
     (ignored with an expert subset or `reduce_pairs`, whose extra launches sit between the GEMMs and the combine);
     `direct`, one token's pairs as blocks without the grouping launch (ignored unless one token with every expert
-    held); `row_tiles` (ROW_TILES), w2's 128-row tiles per program, streamed one after the other through one ring
-    that runs on across them (fewer, longer programs: at one token w2 has 448 programs of 8 K steps);
+    held); `row_tiles` (ROW_TILES), w2's row tiles (of `rows` rows) per program, streamed one after the other
+    through one ring that runs on across them (fewer, longer programs: at one token w2 has 448 programs of 8 K steps);
     `warpgroups` (WARPGROUPS), 2: 8-warp programs whose two warpgroups take one weight tensor each (the same MMAs per
     row, twice the warps per SM where the grid is small: at one token w13 has 256 programs); `fused`, one token's
     w13, w2 and combine as one persistent launch (`_moe_decode_kernel`: 8-pair tiles, `stages` and `row_tiles` as
