@@ -1,8 +1,9 @@
 """A streaming read of the routed experts' bytes, no arithmetic: the INT4 MoE benchmark's "read" peer.
 
-`read_experts(tensors, ids)` reads, for every distinct expert in `ids`, its whole slice of each expert-major tensor
-(w13 words and scales, w2 words and scales: [E, ...], contiguous) in chunks of CHUNK bytes, one program per chunk,
-XOR-folding each chunk into one word so nothing is written but a word per program. One launch for all tensors. Timed
+`read_experts(read_plan(tensors, ids, chunk), ...)` reads, for every distinct expert in `ids`, its whole slice of
+each expert-major tensor (w13 words and scales, w2 words and scales: [E, ...], contiguous) in chunks of `chunk` int32
+words, one program per chunk, XOR-folding each chunk into one word so nothing is written but a word per program. One
+launch for all tensors (CONFIGS: the chunk / load / warps settings the benchmark tries, keeping the fastest). Timed
 with the same CUDA-graph harness as the MoE kernels it is the same run's answer to "how fast can these bytes be
 streamed at all from one launch" (the copy floor is a 2 GiB copy with no launch or ramp in sight).
 
