@@ -19,13 +19,8 @@ import functools
 
 import torch
 
-from kernels._int4_moe_wgmma import (
-    DECODE_MAXNREG,
-    HAVE_GLUON,
-    _moe_decode_kernel,
-    _moe_w2_wgmma_kernel,
-    _moe_w13_wgmma_kernel,
-)
+from kernels._int4_moe_decode import DECODE_MAXNREG, _moe_decode_kernel
+from kernels._int4_moe_wgmma import HAVE_GLUON, _moe_w2_wgmma_kernel, _moe_w13_wgmma_kernel
 from kernels._moe_frame import routed_moe
 from kernels.int4_pack import PACK_FACTOR, permute_steps
 
@@ -153,7 +148,7 @@ def int4_moe_wgmma(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, block_pai
     through one ring that runs on across them (fewer, longer programs: at one token w2 has 448 programs of 8 K steps);
     `warpgroups` (WARPGROUPS), 2: 8-warp programs whose two warpgroups take one weight tensor each (the same MMAs per
     row, twice the warps per SM where the grid is small: at one token w13 has 256 programs); `fused`, one token's
-    w13, w2 and combine as one persistent launch (`_moe_decode_kernel`: 8-pair tiles, `stages` and `row_tiles` as
+    w13, w2 and combine as one persistent launch (`_int4_moe_decode`: 8-pair tiles, `stages` and `row_tiles` as
     given; ignored unless one token with every expert held and one warpgroup); `rows` (ROWS), the weight rows of a
     program, 64: one [64, N] accumulator (w13: 32 gate rows and their 32 up rows; w2: 64 output rows), half the
     registers and shared memory, twice the programs (at one token 512 w13 programs, 4 per SM). Same arithmetic,

@@ -184,7 +184,7 @@ import contextlib, io, json, re
 from triton.backends.compiler import GPUTarget
 from triton.compiler import compile
 from triton.experimental.gluon._runtime import GluonASTSource
-from kernels import _int4_moe_wgmma as m
+from kernels import _int4_moe_decode as m
 out = {}
 names = ["x_ptr", "w13_ptr", "s13_ptr", "w2_ptr", "s2_ptr", "a_ptr", "y_ptr", "out_ptr", "ids_ptr", "tw_ptr",
          "sync_ptr"]
