@@ -16,6 +16,8 @@ each, params.chunk_rule; params.chunks = KV chunks over all query rows, each one
 `--impl triton gluon gluon_ws` times each tile kernel on the same inputs (params.impl; gluon = the sm_90 kernel
 of `kernels/_mla_gluon.py`, which computes S once per tile; gluon_ws = the experimental warp-specialized one of
 `kernels/_mla_gluon_ws.py`; the choices are `kernels.mla_attention.IMPLS`).
+`--tma on off` times the gluon kernel with and without TMA loads of whole committed tiles (params.tma; same bits;
+on needs a page size that is a multiple of 64, `--page`, default 64; the serving page size is 16).
 Run from the repo root:  PYTHONPATH=. python bench/bench_mla_attention.py [--sweep] [--out FILE]
 """
 
@@ -55,7 +57,7 @@ FLEX_OPTIONS = {"BLOCK_M": 64, "BLOCK_N": 16, "num_stages": 1, "num_warps": 4}
 FLEX_BUDGET_S = 120.0  # stop compiling FlexAttention for new shapes after this much time
 
 
-def make_case(B, L, n, gen, cgen):
+def make_case(B, L, n, gen, cgen, page=PAGE):
     parents = []
     for _ in range(B):
         parents.append([-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)])
@@ -65,16 +67,16 @@ def make_case(B, L, n, gen, cgen):
     bits = pack_mask_bits(anc).reshape(B * n, -1)
     if bits.shape[1] == 1:
         bits = torch.cat([bits, torch.zeros_like(bits)], 1)
-    P = -(-(L + n) // PAGE)
+    P = -(-(L + n) // page)
     pages = torch.randperm(B * P, generator=gen)
     bt = pages.view(B, P).int()
-    kv = torch.randn(B * P * PAGE, DL + DR, generator=cgen, device="cuda").to(torch.bfloat16)
+    kv = torch.randn(B * P * page, DL + DR, generator=cgen, device="cuda").to(torch.bfloat16)
     q = torch.randn(B * n, H, DL, generator=cgen, device="cuda").to(torch.bfloat16)
     qpe = torch.randn(B * n, H, DR, generator=cgen, device="cuda").to(torch.bfloat16)
     cu = torch.arange(0, B * n + 1, n, dtype=torch.int32)
     pre = torch.full((B,), L, dtype=torch.int32)
     dev = dict(device="cuda")
-    args = (q, qpe, kv, bt.to(**dev), PAGE, cu.to(**dev), pre.to(**dev), bits.to(**dev))
+    args = (q, qpe, kv, bt.to(**dev), page, cu.to(**dev), pre.to(**dev), bits.to(**dev))
     return args, anc.to(**dev), depth
 
 
@@ -86,9 +88,9 @@ def dense_mask_mod(dense):
 
 
 def peer_inputs(args, B, L, n):
-    q, qpe, kv, bt, _, _, _, _ = args
+    q, qpe, kv, bt, page, _, _, _ = args
     idx = torch.arange(L + n, device="cuda")
-    slots = bt[:, idx // PAGE].long() * PAGE + idx % PAGE  # [B, L+n]
+    slots = bt[:, idx // page].long() * page + idx % page  # [B, L+n]
     k = kv[slots][:, None]  # [B, 1, L+n, 576] contiguous
     qf = torch.cat([q, qpe], -1).view(B, n, H, DL + DR).transpose(1, 2)  # [B, H, n, 576]
     return qf, k, k[..., :DL]
@@ -108,6 +110,9 @@ def main():
     ap.add_argument("--prefix", nargs="+", type=int, default=None, help=f"committed lengths (default {PREFIX})")
     ap.add_argument("--tree", nargs="+", type=int, default=list(TREE), help="tree sizes, <= 128 nodes")
     ap.add_argument("--quick", action="store_true", help=f"prefixes {QUICK_PREFIX} (unless --prefix)")
+    ap.add_argument("--tma", nargs="+", default=["default"], choices=("default", "on", "off"),
+                    help="gluon: TMA loads of whole committed tiles (default: the kernel's GLUON_TMA)")
+    ap.add_argument("--page", type=int, default=PAGE, help="KV page size (rows)")
     args_cli = ap.parse_args()
     prefixes = args_cli.prefix or (QUICK_PREFIX if args_cli.quick else PREFIX)
     info = env_info()
@@ -125,15 +130,15 @@ def main():
     for B in args_cli.batch:
         for L in prefixes:
             for n in args_cli.tree:
-                args, anc, depth = make_case(B, L, n, gen, cgen)
+                args, anc, depth = make_case(B, L, n, gen, cgen, args_cli.page)
                 nbytes = B * (L + n) * (DL + DR) * 2 + B * n * H * (DL + DR) * 2 + B * n * H * DL * 2
                 flops = 2 * H * (DL + DR + DL) * float((L + depth + 1).sum())
                 floor_ms = max(nbytes / (ceil["copy_bw_GBps"] * 1e9), flops / (ceil["mm_tflops"] * 1e12)) * 1e3
                 out = torch.empty_like(args[0])
                 cfgs = [None] + (SWEEP if args_cli.sweep and n != 33 else [])
-                combos = [(r, c, b, i) for r in args_cli.chunk_rule for c in cfgs for b in args_cli.block_n
-                          for i in args_cli.impl]
-                for rule, cfg, bn, impl in combos:
+                combos = [(r, c, b, i, tm) for r in args_cli.chunk_rule for c in cfgs for b in args_cli.block_n
+                          for i in args_cli.impl for tm in (args_cli.tma if i in ("gluon", "auto") else ["default"])]
+                for rule, cfg, bn, impl, tm in combos:
                     kw = {} if cfg is None else dict(block_n=cfg[0], num_warps=cfg[1], num_stages=cfg[2], nch=cfg[3],
                                                      c_min=cfg[4])
                     if bn is not None:
@@ -141,7 +146,7 @@ def main():
                     knobs = {k: kw[k] for k in ("block_n", "nch", "c_min") if k in kw}
                     chunks = sum(len(chunk_spans(L + int(d), rule, **knobs)) for d in depth.flatten().tolist())
                     fn = functools.partial(mla_attention_triton, *args, SCALE, out=out, chunk_rule=rule, impl=impl,
-                                           **kw)
+                                           tma={"default": None, "on": True, "off": False}[tm], **kw)
                     try:
                         ms = graph_ms(fn)
                         eager = bench_ms(fn)
@@ -149,7 +154,8 @@ def main():
                         print(f"B={B} L={L} n={n} rule={rule} cfg={cfg}: {exc!r}"[:300], flush=True)
                         continue
                     peers = {"triton_eager": eager}
-                    first = (rule, bn, impl) == (args_cli.chunk_rule[0], args_cli.block_n[0], args_cli.impl[0])
+                    first = (rule, bn, impl, tm) == (args_cli.chunk_rule[0], args_cli.block_n[0], args_cli.impl[0],
+                                                     args_cli.tma[0])
                     if cfg is None and first and not args_cli.no_peers:
                         qf, k, v = peer_inputs(args, B, L, n)
                         dense = torch.ones(B, n, L + n, dtype=torch.bool, device="cuda")
@@ -173,15 +179,16 @@ def main():
                                 peers["sdpa_dense_error"] = repr(exc)[:200]
                         del qf, k, v, dense
                     rec = dict(name="mla_attention" if cfg is None else "mla_attention_sweep",
-                               params=dict(batch=B, prefix=L, tree=n, heads=H, latent=DL, rope=DR, page=PAGE,
+                               params=dict(batch=B, prefix=L, tree=n, heads=H, latent=DL, rope=DR, page=args_cli.page,
                                            bytes=nbytes, flops=flops, timing="cuda_graph_replay",
                                            config=kw or "default", chunk_rule=rule, chunks=chunks,
-                                           block_n=kw.get("block_n", DEFAULT_BLOCK_N), impl=impl),
+                                           block_n=kw.get("block_n", DEFAULT_BLOCK_N), impl=impl,
+                                           tma=tm if impl in ("gluon", "auto") else None),
                                **info, ms=ms, floor_ms=floor_ms, ratio=floor_ms / ms, peers=peers, **ceil)
                     write_jsonl(args_cli.out, [rec])  # one line at a time: a cut-off run keeps what it measured
                     pe = "  ".join(f"{a}={b:.3f}" for a, b in peers.items() if isinstance(b, float))
                     print(f"{B:>3} {L:>6} {n:>3} {rule:>8} {chunks:>6} {ms:8.4f} {floor_ms:8.4f} {floor_ms / ms:6.3f} "
-                          f"{flops / ms / 1e9:7.0f}  {impl}  {pe}  {kw or ''}", flush=True)
+                          f"{flops / ms / 1e9:7.0f}  {impl} tma={tm}  {pe}  {kw or ''}", flush=True)
                 del args, out
                 torch.cuda.empty_cache()
 

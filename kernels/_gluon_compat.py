@@ -9,6 +9,11 @@ try:  # Gluon ships with Triton >= 3.5
     # renamed in Triton 3.7+: async_copy_global_to_shared -> async_load (same arguments)
     cp_async = getattr(cp, "async_load", None) or cp.async_copy_global_to_shared
     cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # renamed barrier() in Triton 3.7+
+    from triton.experimental.gluon.language.nvidia.hopper import tma as _tma
+
+    # TMA tile load (descriptor, coordinates, mbarrier, destination): async_copy_global_to_shared in 3.6, async_load
+    # from 3.7 (where the old name raises)
+    tma_load = getattr(_tma, "async_load", None) or _tma.async_copy_global_to_shared
     HAVE_GLUON = True
 except ImportError:  # pragma: no cover - depends on the installed Triton
     HAVE_GLUON = False

@@ -32,12 +32,15 @@ try:  # Gluon ships with Triton >= 3.5; without it the Triton kernel is the only
     from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared,
+        mbarrier,
         warpgroup_mma,
         warpgroup_mma_wait,
     )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from kernels._gluon_compat import cp_async as _cp_async
     from kernels._gluon_compat import cta_barrier as _cta_barrier
+    from kernels._gluon_compat import tma_load as _tma_load
     HAVE_GLUON = True
 except ImportError:  # pragma: no cover - depends on the installed Triton
     HAVE_GLUON = False
@@ -50,6 +53,23 @@ GLUON_DL = 512
 GLUON_DR = 64
 GLUON_WARPS = 8
 GLUON_STAGES = 2
+GLUON_TMA = True  # whole prefix tiles by TMA where the page holds whole tiles (same data, same bits as cp.async)
+
+
+def tma_pages(page_size: int) -> bool:
+    """Whether a 64-key tile at an absolute multiple of 64 lies inside one page (the TMA path's condition)."""
+    return page_size % GLUON_BLOCK_N == 0
+
+
+def kv_descriptors(kv_cache):
+    """TMA descriptors of the flat pool [slots, DL + DR] for one tile's latent [64, DL] and rope [64, DR] columns,
+    in the shared layouts the kernel's stages have."""
+    shape, strides = list(kv_cache.shape), list(kv_cache.stride())
+    # the layouts depend on the element width only: the same for the bf16 and fp16 caches the kernel takes
+    lat = gl.NVMMASharedLayout.get_default_for([GLUON_BLOCK_N, GLUON_DL], gl.bfloat16)
+    rope = gl.NVMMASharedLayout.get_default_for([GLUON_BLOCK_N, GLUON_DR], gl.bfloat16)
+    return (TensorDescriptor(kv_cache, shape, strides, [GLUON_BLOCK_N, GLUON_DL], lat),
+            TensorDescriptor(kv_cache, shape, strides, [GLUON_BLOCK_N, GLUON_DR], rope))
 
 if HAVE_GLUON:
 
@@ -79,6 +99,37 @@ if HAVE_GLUON:
         return (page.to(gl.int64) * PAGE + idx % PAGE), valid
 
     @gluon.jit
+    def _tile_row0(k0, end, bt_row, PAGE: gl.constexpr, TMA: gl.constexpr):
+        """The pool row of position k0 (the first of a tile that lies inside one page): a TMA tile's coordinate."""
+        if TMA:
+            page = gl.load(bt_row + k0 // PAGE, mask=k0 < end, other=0)
+            return page * PAGE + k0 % PAGE
+        else:
+            return 0
+
+    @gluon.jit
+    def _load_tile(j, n_tma, row0, kv_ptr, stride_kv, rows, valid, ckv_buf, kpe_buf, bar, desc_l, desc_r,
+                   DL: gl.constexpr, DR: gl.constexpr, LKV: gl.constexpr, LPE: gl.constexpr):
+        """Tile j into one stage: by TMA when it is one of the chunk's first n_tma tiles (whole, committed rows
+        inside one page, arriving on `bar`), else by cp.async (gathered or ragged rows, zero-filled)."""
+        if j < n_tma:
+            mbarrier.expect(bar, desc_l.block_type.nbytes + desc_r.block_type.nbytes)
+            _tma_load(desc_l, [row0, 0], bar, ckv_buf)
+            _tma_load(desc_r, [row0, DL], bar, kpe_buf)
+        else:
+            _issue_tile(kv_ptr, stride_kv, rows, valid, ckv_buf, kpe_buf, DL, DR, LKV, LPE)
+
+    @gluon.jit
+    def _wait_tile(j, n_tma, bars, N_CP: gl.constexpr, STAGES: gl.constexpr):
+        """Wait for tile j (at most N_CP cp.async groups still in flight): its TMA phase (tile j is the
+        (j // STAGES)-th TMA load of its stage: TMA tiles are a chunk's first), then make it visible to wgmma."""
+        cp.wait_group(N_CP)
+        if j < n_tma:
+            mbarrier.wait(bars.index(j % STAGES), (j // STAGES) & 1)
+        fence_async_shared()
+        _cta_barrier()
+
+    @gluon.jit
     def _issue_tile(kv_ptr, stride_kv, rows, valid, ckv_buf, kpe_buf, DL: gl.constexpr, DR: gl.constexpr,
                     LKV: gl.constexpr, LPE: gl.constexpr):
         # cp.async the tile's latent and rope columns into one stage; masked rows are zero-filled
@@ -106,14 +157,15 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _mla_fwd_gluon_kernel(
-        q_ptr, qpe_ptr, kv_ptr, bt_ptr, cu_ptr, pre_ptr, bits_ptr, out_ptr, po_ptr, pml_ptr, nc_ptr,
+        q_ptr, qpe_ptr, kv_ptr, bt_ptr, cu_ptr, pre_ptr, bits_ptr, out_ptr, po_ptr, pml_ptr, nc_ptr, desc_l, desc_r,
         S, H, HT, GC, qk_scale,
         stride_qt, stride_qh, stride_pt, stride_ph, stride_kv, stride_bt, stride_bits, stride_ot, stride_oh,
         DL: gl.constexpr, DR: gl.constexpr, PAGE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         NCH: gl.constexpr, C_MIN: gl.constexpr, RULE: gl.constexpr, S_PAD: gl.constexpr, TREE: gl.constexpr,
-        NB: gl.constexpr, STAGES: gl.constexpr,
+        NB: gl.constexpr, STAGES: gl.constexpr, TMA: gl.constexpr,
     ):
         gl.static_assert(BLOCK_M == 64 and BLOCK_N == 64 and DL == 512 and DR == 64)
+        gl.static_assert(not TMA or PAGE % BLOCK_N == 0)  # a TMA tile lies inside one page
         gl.static_assert(gl.num_warps() == 8)
         # --- layouts ---
         L1: gl.constexpr = gl.BlockedLayout([1], [32], [8], [0])
@@ -160,6 +212,10 @@ if HAVE_GLUON:
             ident = end
         bt_row = bt_ptr + s.to(gl.int64) * stride_bt
         t64 = t.to(gl.int64)
+        if TMA:  # the chunk's first tiles whose keys are all committed rows (identity-mapped, all visible)
+            n_tma = gl.maximum(ident - start, 0) // BLOCK_N
+        else:
+            n_tma = 0
 
         # --- shared memory: Q once, a ring of KV stages, P ---
         q_smem = gl.allocate_shared_memory(dt, [BLOCK_M, DL], SH_KV)
@@ -167,20 +223,30 @@ if HAVE_GLUON:
         ckv_smem = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, DL], SH_KV)
         kpe_smem = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, DR], SH_PE)
         p_smem = gl.allocate_shared_memory(dt, [BLOCK_M, BLOCK_N], SH_P)
+        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())  # TMA tiles' arrivals
+        if TMA:
+            for i in gl.static_range(STAGES):
+                mbarrier.init(bars.index(i), count=1)
+            fence_async_shared()
 
         n_tiles = (end - start + BLOCK_N - 1) // BLOCK_N
         # prologue: tiles 0 and 1 in flight, tile 2's pool rows looked up (used at the end of iteration 0)
         rows, valid = _tile_rows(start, start, end, ident, L, bit, rank, bt_row, PAGE, BLOCK_N, NB, TREE, L1, LB2)
-        _issue_tile(kv_ptr, stride_kv, rows, valid, ckv_smem.index(0), kpe_smem.index(0), DL, DR, LKV, LPE)
+        row0 = _tile_row0(start, end, bt_row, PAGE, TMA)
+        _load_tile(0, n_tma, row0, kv_ptr, stride_kv, rows, valid, ckv_smem.index(0), kpe_smem.index(0),
+                   bars.index(0), desc_l, desc_r, DL, DR, LKV, LPE)
         cp.commit_group()
         if n_tiles > 1:
             rows, valid = _tile_rows(start + BLOCK_N, start, end, ident, L, bit, rank, bt_row, PAGE, BLOCK_N, NB,
                                      TREE, L1, LB2)
-            _issue_tile(kv_ptr, stride_kv, rows, valid, ckv_smem.index(1), kpe_smem.index(1), DL, DR, LKV, LPE)
+            row0 = _tile_row0(start + BLOCK_N, end, bt_row, PAGE, TMA)
+            _load_tile(1, n_tma, row0, kv_ptr, stride_kv, rows, valid, ckv_smem.index(1), kpe_smem.index(1),
+                       bars.index(1), desc_l, desc_r, DL, DR, LKV, LPE)
         cp.commit_group()
         if n_tiles > 2:
             rows, valid = _tile_rows(start + 2 * BLOCK_N, start, end, ident, L, bit, rank, bt_row, PAGE, BLOCK_N,
                                      NB, TREE, L1, LB2)
+            row0 = _tile_row0(start + 2 * BLOCK_N, end, bt_row, PAGE, TMA)
 
         h1 = hb * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LKV))
         c1 = gl.arange(0, DL, layout=gl.SliceLayout(0, LKV))
@@ -197,9 +263,7 @@ if HAVE_GLUON:
         li = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, S_L))
         o = gl.zeros([BLOCK_M, DL], gl.float32, layout=O_L)
         cols_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_L))
-        cp.wait_group(1)  # tile 0 landed
-        fence_async_shared()
-        _cta_barrier()
+        _wait_tile(0, n_tma, bars, 1, STAGES)  # tile 0 landed
         sc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=S_L)
         sc = warpgroup_mma(q_smem, ckv_smem.index(0).permute((1, 0)), sc, use_acc=False, is_async=True)
         sc = warpgroup_mma(qpe_smem, kpe_smem.index(0).permute((1, 0)), sc, is_async=True)
@@ -215,9 +279,7 @@ if HAVE_GLUON:
             o = o * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, O_L)), 1)
             o = warpgroup_mma(p_smem, ckv_smem.index(j % STAGES), o, is_async=True)
             if j + 1 < n_tiles:
-                cp.wait_group(0)  # tile j + 1 landed (the only group in flight)
-                fence_async_shared()
-                _cta_barrier()
+                _wait_tile(j + 1, n_tma, bars, 0, STAGES)  # tile j + 1 landed (the only group in flight)
                 nxt = (j + 1) % STAGES
                 sc = warpgroup_mma(q_smem, ckv_smem.index(nxt).permute((1, 0)), sc, use_acc=False, is_async=True)
                 sc = warpgroup_mma(qpe_smem, kpe_smem.index(nxt).permute((1, 0)), sc, is_async=True)
@@ -225,13 +287,17 @@ if HAVE_GLUON:
             o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
             _cta_barrier()  # every warp is done with stage j and P before they are rewritten
             if j + 2 < n_tiles:
-                _issue_tile(kv_ptr, stride_kv, rows, valid, ckv_smem.index(j % STAGES), kpe_smem.index(j % STAGES),
-                            DL, DR, LKV, LPE)
+                _load_tile(j + 2, n_tma, row0, kv_ptr, stride_kv, rows, valid, ckv_smem.index(j % STAGES),
+                           kpe_smem.index(j % STAGES), bars.index(j % STAGES), desc_l, desc_r, DL, DR, LKV, LPE)
             cp.commit_group()
             if j + 3 < n_tiles:
                 rows, valid = _tile_rows(start + (j + 3) * BLOCK_N, start, end, ident, L, bit, rank, bt_row, PAGE,
                                          BLOCK_N, NB, TREE, L1, LB2)
+                row0 = _tile_row0(start + (j + 3) * BLOCK_N, end, bt_row, PAGE, TMA)
         cp.wait_group(0)
+        if TMA:
+            for i in gl.static_range(STAGES):
+                mbarrier.invalidate(bars.index(i))
 
         rm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, O_L))
         dl = gl.arange(0, DL, layout=gl.SliceLayout(0, O_L))

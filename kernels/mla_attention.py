@@ -185,7 +185,7 @@ def mla_attention_ref(
 def mla_attention_triton(q_lat, q_pe, kv_cache, block_table, page_size, cu_q, prefix_lens, tree_bits,
                          sm_scale, *, out=None, block_n: int = DEFAULT_BLOCK_N, num_warps: int = 8,
                          num_stages: int = 2, nch: int = _NCH, c_min: int = _C_MIN,
-                         chunk_rule: str = DEFAULT_CHUNK_RULE, impl: str | None = None):
+                         chunk_rule: str = DEFAULT_CHUNK_RULE, impl: str | None = None, tma: bool | None = None):
     """The Triton path on any device (tests call it on CPU under TRITON_INTERPRET=1).
 
     q_lat/q_pe are cast to the cache dtype; `out` ([T, H, Dl], optional) is written in place.
@@ -195,7 +195,9 @@ def mla_attention_triton(q_lat, q_pe, kv_cache, block_table, page_size, cu_q, pr
     "triton", "gluon" (`_mla_gluon`: sm_90, Kimi head shapes; ValueError elsewhere, with the reason),
     "gluon_ws" (`_mla_gluon_ws`: the same, warp-specialized, experimental) or "auto" (gluon where it can
     run); None: the module's `DEFAULT_IMPL`, read at each call. They give different bits from each other,
-    so the impl is fixed per deployment too."""
+    so the impl is fixed per deployment too. `tma` (gluon only; None: `_mla_gluon.GLUON_TMA`): whole tiles of
+    committed rows by TMA where a page holds whole 64-key tiles (page sizes that are multiples of 64), the other
+    tiles by cp.async; the same data lands in the same layout, so the same bits either way."""
     T, H, Dl = q_lat.shape
     Dr = q_pe.shape[-1]
     S = prefix_lens.shape[0]
@@ -252,10 +254,11 @@ def mla_attention_triton(q_lat, q_pe, kv_cache, block_table, page_size, cu_q, pr
             RULE=rule, S_PAD=s_pad, TREE=tree_bits is not None, NB=nb, STAGES=_mla_gluon_ws.WS_STAGES,
             num_warps=_mla_gluon_ws.WS_WARPS)
     elif impl == "gluon":
+        use_tma = (_mla_gluon.GLUON_TMA if tma is None else tma) and _mla_gluon.tma_pages(page_size)
         _mla_gluon._mla_fwd_gluon_kernel[(tiles, grid_c)](
-            *common, DL=Dl, DR=Dr, PAGE=page_size, BLOCK_M=block_m, BLOCK_N=block_n, NCH=nch, C_MIN=c_min,
-            RULE=rule, S_PAD=s_pad, TREE=tree_bits is not None, NB=nb, STAGES=_mla_gluon.GLUON_STAGES,
-            num_warps=num_warps)
+            *common[:11], *_mla_gluon.kv_descriptors(kv_cache), *common[11:], DL=Dl, DR=Dr, PAGE=page_size,
+            BLOCK_M=block_m, BLOCK_N=block_n, NCH=nch, C_MIN=c_min, RULE=rule, S_PAD=s_pad,
+            TREE=tree_bits is not None, NB=nb, STAGES=_mla_gluon.GLUON_STAGES, TMA=use_tma, num_warps=num_warps)
     else:
         _mla_fwd_kernel[(tiles, grid_c)](
             *common, DL=Dl, DR=Dr, BDL=bdl, BDR=bdr, PAGE=page_size, BLOCK_M=block_m, BLOCK_N=block_n, NCH=nch,
