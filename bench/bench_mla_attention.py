@@ -17,7 +17,7 @@ each, params.chunk_rule; params.chunks = KV chunks over all query rows, each one
 of `kernels/_mla_gluon.py`, which computes S once per tile; gluon_ws = the experimental warp-specialized one of
 `kernels/_mla_gluon_ws.py`; the choices are `kernels.mla_attention.IMPLS`).
 `--tma on off` times the gluon kernel with and without TMA loads of whole committed tiles (params.tma; same bits;
-on needs a page size that is a multiple of 64, `--page`, default 64; the serving page size is 16).
+TMA runs with pages of 16 or 32 rows or a multiple of 64, `--page`, default 64; the serving page size is 16).
 Run from the repo root:  PYTHONPATH=. python bench/bench_mla_attention.py [--sweep] [--out FILE]
 """
 

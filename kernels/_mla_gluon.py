@@ -53,23 +53,31 @@ GLUON_DL = 512
 GLUON_DR = 64
 GLUON_WARPS = 8
 GLUON_STAGES = 2
-GLUON_TMA = True  # whole prefix tiles by TMA where the page holds whole tiles (same data, same bits as cp.async)
+GLUON_TMA = True  # whole committed tiles by TMA where `tma_box_rows` allows (same data, same bits as cp.async)
 
 
-def tma_pages(page_size: int) -> bool:
-    """Whether a 64-key tile at an absolute multiple of 64 lies inside one page (the TMA path's condition)."""
-    return page_size % GLUON_BLOCK_N == 0
+TMA_MAX_BOXES = 4  # page runs per 64-key tile the TMA path loads (pages of 16 rows and more)
 
 
-def kv_descriptors(kv_cache):
-    """TMA descriptors of the flat pool [slots, DL + DR] for one tile's latent [64, DL] and rope [64, DR] columns,
-    in the shared layouts the kernel's stages have."""
+def tma_box_rows(page_size: int) -> int:
+    """Rows of one TMA box: a 64-key tile (at an absolute multiple of 64) is 64 // box runs of contiguous pool
+    rows, a page each (or one run inside a larger page); 0 where the TMA path does not apply."""
+    if page_size % GLUON_BLOCK_N == 0:
+        return GLUON_BLOCK_N
+    if GLUON_BLOCK_N % page_size == 0 and GLUON_BLOCK_N // page_size <= TMA_MAX_BOXES:
+        return page_size
+    return 0
+
+
+def kv_descriptors(kv_cache, box: int):
+    """TMA descriptors of the flat pool [slots, DL + DR] for `box` rows of a tile's latent [box, DL] and rope
+    [box, DR] columns, in the shared layouts the kernel's stages have (a box lands in rows of a stage)."""
     shape, strides = list(kv_cache.shape), list(kv_cache.stride())
     # the layouts depend on the element width only: the same for the bf16 and fp16 caches the kernel takes
     lat = gl.NVMMASharedLayout.get_default_for([GLUON_BLOCK_N, GLUON_DL], gl.bfloat16)
     rope = gl.NVMMASharedLayout.get_default_for([GLUON_BLOCK_N, GLUON_DR], gl.bfloat16)
-    return (TensorDescriptor(kv_cache, shape, strides, [GLUON_BLOCK_N, GLUON_DL], lat),
-            TensorDescriptor(kv_cache, shape, strides, [GLUON_BLOCK_N, GLUON_DR], rope))
+    return (TensorDescriptor(kv_cache, shape, strides, [box, GLUON_DL], lat),
+            TensorDescriptor(kv_cache, shape, strides, [box, GLUON_DR], rope))
 
 if HAVE_GLUON:
 
@@ -99,23 +107,37 @@ if HAVE_GLUON:
         return (page.to(gl.int64) * PAGE + idx % PAGE), valid
 
     @gluon.jit
-    def _tile_row0(k0, end, bt_row, PAGE: gl.constexpr, TMA: gl.constexpr):
-        """The pool row of position k0 (the first of a tile that lies inside one page): a TMA tile's coordinate."""
-        if TMA:
-            page = gl.load(bt_row + k0 // PAGE, mask=k0 < end, other=0)
-            return page * PAGE + k0 % PAGE
+    def _page_row(k0, q: gl.constexpr, end, bt_row, PAGE: gl.constexpr, BOX: gl.constexpr):
+        """Pool row of position k0 + q * BOX (a box's first row; 0 for a box the tile does not have)."""
+        if q * BOX < 64:
+            pos = k0 + q * BOX
+            page = gl.load(bt_row + pos // PAGE, mask=pos < end, other=0)
+            return page * PAGE + pos % PAGE
         else:
             return 0
 
     @gluon.jit
-    def _load_tile(j, n_tma, row0, kv_ptr, stride_kv, rows, valid, ckv_buf, kpe_buf, bar, desc_l, desc_r,
-                   DL: gl.constexpr, DR: gl.constexpr, LKV: gl.constexpr, LPE: gl.constexpr):
-        """Tile j into one stage: by TMA when it is one of the chunk's first n_tma tiles (whole, committed rows
-        inside one page, arriving on `bar`), else by cp.async (gathered or ragged rows, zero-filled)."""
-        if j < n_tma:
-            mbarrier.expect(bar, desc_l.block_type.nbytes + desc_r.block_type.nbytes)
-            _tma_load(desc_l, [row0, 0], bar, ckv_buf)
-            _tma_load(desc_r, [row0, DL], bar, kpe_buf)
+    def _tile_boxes(k0, end, bt_row, PAGE: gl.constexpr, BOX: gl.constexpr):
+        """A TMA tile's coordinates: the first pool row of each of its 64 // BOX runs of contiguous rows (up to 4;
+        the unused ones 0); all 0 without TMA (BOX == 0)."""
+        if BOX > 0:
+            return (_page_row(k0, 0, end, bt_row, PAGE, BOX), _page_row(k0, 1, end, bt_row, PAGE, BOX),
+                    _page_row(k0, 2, end, bt_row, PAGE, BOX), _page_row(k0, 3, end, bt_row, PAGE, BOX))
+        else:
+            return 0, 0, 0, 0
+
+    @gluon.jit
+    def _load_tile(j, n_tma, boxes, kv_ptr, stride_kv, rows, valid, ckv_buf, kpe_buf, bar, desc_l, desc_r,
+                   DL: gl.constexpr, DR: gl.constexpr, BOX: gl.constexpr, LKV: gl.constexpr, LPE: gl.constexpr):
+        """Tile j into one stage: by TMA when it is one of the chunk's first n_tma tiles (whole, committed rows,
+        64 // BOX runs of BOX contiguous pool rows at `boxes`, arriving on `bar`), else by cp.async (gathered or
+        ragged rows, zero-filled)."""
+        if BOX > 0 and j < n_tma:
+            NBOX: gl.constexpr = 64 // BOX if BOX > 0 else 1
+            mbarrier.expect(bar, NBOX * (desc_l.block_type.nbytes + desc_r.block_type.nbytes))
+            for q in gl.static_range(NBOX):
+                _tma_load(desc_l, [boxes[q], 0], bar, ckv_buf.slice(q * BOX, BOX))
+                _tma_load(desc_r, [boxes[q], DL], bar, kpe_buf.slice(q * BOX, BOX))
         else:
             _issue_tile(kv_ptr, stride_kv, rows, valid, ckv_buf, kpe_buf, DL, DR, LKV, LPE)
 
@@ -162,10 +184,12 @@ if HAVE_GLUON:
         stride_qt, stride_qh, stride_pt, stride_ph, stride_kv, stride_bt, stride_bits, stride_ot, stride_oh,
         DL: gl.constexpr, DR: gl.constexpr, PAGE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         NCH: gl.constexpr, C_MIN: gl.constexpr, RULE: gl.constexpr, S_PAD: gl.constexpr, TREE: gl.constexpr,
-        NB: gl.constexpr, STAGES: gl.constexpr, TMA: gl.constexpr,
+        NB: gl.constexpr, STAGES: gl.constexpr, BOX: gl.constexpr,
     ):
         gl.static_assert(BLOCK_M == 64 and BLOCK_N == 64 and DL == 512 and DR == 64)
-        gl.static_assert(not TMA or PAGE % BLOCK_N == 0)  # a TMA tile lies inside one page
+        # BOX > 0: whole committed tiles by TMA, as runs of BOX contiguous pool rows (a page, or a tile in a page)
+        gl.static_assert(BOX == 0 or (BOX % 8 == 0 and (PAGE % BLOCK_N == 0 if BOX == BLOCK_N else BOX == PAGE)
+                                      and BLOCK_N // BOX <= 4))
         gl.static_assert(gl.num_warps() == 8)
         # --- layouts ---
         L1: gl.constexpr = gl.BlockedLayout([1], [32], [8], [0])
@@ -212,7 +236,7 @@ if HAVE_GLUON:
             ident = end
         bt_row = bt_ptr + s.to(gl.int64) * stride_bt
         t64 = t.to(gl.int64)
-        if TMA:  # the chunk's first tiles whose keys are all committed rows (identity-mapped, all visible)
+        if BOX > 0:  # the chunk's first tiles whose keys are all committed rows (identity-mapped, all visible)
             n_tma = gl.maximum(ident - start, 0) // BLOCK_N
         else:
             n_tma = 0
@@ -224,7 +248,7 @@ if HAVE_GLUON:
         kpe_smem = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, DR], SH_PE)
         p_smem = gl.allocate_shared_memory(dt, [BLOCK_M, BLOCK_N], SH_P)
         bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())  # TMA tiles' arrivals
-        if TMA:
+        if BOX > 0:
             for i in gl.static_range(STAGES):
                 mbarrier.init(bars.index(i), count=1)
             fence_async_shared()
@@ -232,21 +256,21 @@ if HAVE_GLUON:
         n_tiles = (end - start + BLOCK_N - 1) // BLOCK_N
         # prologue: tiles 0 and 1 in flight, tile 2's pool rows looked up (used at the end of iteration 0)
         rows, valid = _tile_rows(start, start, end, ident, L, bit, rank, bt_row, PAGE, BLOCK_N, NB, TREE, L1, LB2)
-        row0 = _tile_row0(start, end, bt_row, PAGE, TMA)
-        _load_tile(0, n_tma, row0, kv_ptr, stride_kv, rows, valid, ckv_smem.index(0), kpe_smem.index(0),
-                   bars.index(0), desc_l, desc_r, DL, DR, LKV, LPE)
+        boxes = _tile_boxes(start, end, bt_row, PAGE, BOX)
+        _load_tile(0, n_tma, boxes, kv_ptr, stride_kv, rows, valid, ckv_smem.index(0), kpe_smem.index(0),
+                   bars.index(0), desc_l, desc_r, DL, DR, BOX, LKV, LPE)
         cp.commit_group()
         if n_tiles > 1:
             rows, valid = _tile_rows(start + BLOCK_N, start, end, ident, L, bit, rank, bt_row, PAGE, BLOCK_N, NB,
                                      TREE, L1, LB2)
-            row0 = _tile_row0(start + BLOCK_N, end, bt_row, PAGE, TMA)
-            _load_tile(1, n_tma, row0, kv_ptr, stride_kv, rows, valid, ckv_smem.index(1), kpe_smem.index(1),
-                       bars.index(1), desc_l, desc_r, DL, DR, LKV, LPE)
+            boxes = _tile_boxes(start + BLOCK_N, end, bt_row, PAGE, BOX)
+            _load_tile(1, n_tma, boxes, kv_ptr, stride_kv, rows, valid, ckv_smem.index(1), kpe_smem.index(1),
+                       bars.index(1), desc_l, desc_r, DL, DR, BOX, LKV, LPE)
         cp.commit_group()
         if n_tiles > 2:
             rows, valid = _tile_rows(start + 2 * BLOCK_N, start, end, ident, L, bit, rank, bt_row, PAGE, BLOCK_N,
                                      NB, TREE, L1, LB2)
-            row0 = _tile_row0(start + 2 * BLOCK_N, end, bt_row, PAGE, TMA)
+            boxes = _tile_boxes(start + 2 * BLOCK_N, end, bt_row, PAGE, BOX)
 
         h1 = hb * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LKV))
         c1 = gl.arange(0, DL, layout=gl.SliceLayout(0, LKV))
@@ -287,15 +311,16 @@ if HAVE_GLUON:
             o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
             _cta_barrier()  # every warp is done with stage j and P before they are rewritten
             if j + 2 < n_tiles:
-                _load_tile(j + 2, n_tma, row0, kv_ptr, stride_kv, rows, valid, ckv_smem.index(j % STAGES),
-                           kpe_smem.index(j % STAGES), bars.index(j % STAGES), desc_l, desc_r, DL, DR, LKV, LPE)
+                _load_tile(j + 2, n_tma, boxes, kv_ptr, stride_kv, rows, valid, ckv_smem.index(j % STAGES),
+                           kpe_smem.index(j % STAGES), bars.index(j % STAGES), desc_l, desc_r, DL, DR, BOX, LKV,
+                           LPE)
             cp.commit_group()
             if j + 3 < n_tiles:
                 rows, valid = _tile_rows(start + (j + 3) * BLOCK_N, start, end, ident, L, bit, rank, bt_row, PAGE,
                                          BLOCK_N, NB, TREE, L1, LB2)
-                row0 = _tile_row0(start + (j + 3) * BLOCK_N, end, bt_row, PAGE, TMA)
+                boxes = _tile_boxes(start + (j + 3) * BLOCK_N, end, bt_row, PAGE, BOX)
         cp.wait_group(0)
-        if TMA:
+        if BOX > 0:
             for i in gl.static_range(STAGES):
                 mbarrier.invalidate(bars.index(i))
 

@@ -184,22 +184,22 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from triton.experimental.gluon import language as gl
 mod = __import__(sys.argv[1], fromlist=[sys.argv[2]])
 kernel, num_warps, stages = getattr(mod, sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-tma = json.loads(sys.argv[5])  # None: a kernel without TMA descriptors, else its TMA constexpr
+box = json.loads(sys.argv[5])  # None: a kernel without TMA descriptors, else its BOX constexpr (0: no TMA)
 out = {}
 for tree in (True, False):
     sig = {n: "*bf16" for n in ("q_ptr", "qpe_ptr", "kv_ptr", "out_ptr")}
     sig.update({"bt_ptr": "*i32", "cu_ptr": "*i32", "pre_ptr": "*i32", "bits_ptr": "*i64" if tree else "*i32",
                 "po_ptr": "*fp32", "pml_ptr": "*fp32", "nc_ptr": "*i32"})
-    if tma is not None:  # the pool's TMA descriptors: a tile's latent [64, 512] and rope [64, 64] columns
+    if box is not None:  # the pool's TMA descriptors: BOX rows of a tile's latent [., 512] and rope [., 64] columns
         for name, cols in (("desc_l", 512), ("desc_r", 64)):
             lay = gl.NVMMASharedLayout.get_default_for([64, cols], gl.bfloat16)
-            sig[name] = f"tensordesc<bf16[64,{cols}],{lay!r}>"
+            sig[name] = f"tensordesc<bf16[{box or 64},{cols}],{lay!r}>"
     sig.update({"S": "i32", "H": "i32", "HT": "i32", "GC": "i32", "qk_scale": "fp32"})
     strides = ("stride_qt", "stride_qh", "stride_pt", "stride_ph", "stride_kv", "stride_bt", "stride_bits",
                "stride_ot", "stride_oh")
     sig.update({n: "i32" for n in strides})
-    cst = dict(DL=512, DR=64, PAGE=64, BLOCK_M=64, BLOCK_N=64, NCH=16, C_MIN=512, RULE=1, S_PAD=16, TREE=tree,
-               NB=128 if tree else 64, STAGES=stages, **({} if tma is None else {"TMA": tma}))
+    cst = dict(DL=512, DR=64, PAGE=box or 64, BLOCK_M=64, BLOCK_N=64, NCH=16, C_MIN=512, RULE=1, S_PAD=16,
+               TREE=tree, NB=128 if tree else 64, STAGES=stages, **({} if box is None else {"BOX": box}))
     sig.update({k: "constexpr" for k in cst})
     names = list(sig)
     aligned = {(names.index(n),): [["tt.divisibility", 16]] for n in names
@@ -225,12 +225,12 @@ print(json.dumps(out))
 _SM90_SMEM = 232448  # bytes of shared memory one block may have on sm_90 (227 KB)
 
 
-def compile_for_sm90(tmp_path, module: str, kernel: str, num_warps: int, stages: int, tma: bool | None = None
+def compile_for_sm90(tmp_path, module: str, kernel: str, num_warps: int, stages: int, box: int | None = None
                      ) -> dict:
     """Compile a Gluon tile kernel for sm_90 in a subprocess (no GPU needed; this process may run Triton in
-    interpreter mode), bf16, tree and causal: {"True"/"False": PTX counts, shared bytes, ptxas -v facts}. `tma`:
-    None for a kernel without TMA descriptors, else the value of its TMA constexpr."""
-    return run_sm90_script(tmp_path, _SM90_COMPILE, module, kernel, str(num_warps), str(stages), json.dumps(tma),
+    interpreter mode), bf16, tree and causal: {"True"/"False": PTX counts, shared bytes, ptxas -v facts}. `box`:
+    None for a kernel without TMA descriptors, else its BOX constexpr (the page size is the box, 64 for 0)."""
+    return run_sm90_script(tmp_path, _SM90_COMPILE, module, kernel, str(num_warps), str(stages), json.dumps(box),
                            timeout=300)
 
 
@@ -242,15 +242,16 @@ def test_mla_gluon_kernel_compiles_for_sm90_with_s_once(tmp_path):
     within the sm_90 limit (227 KB per block)."""
     from kernels import _mla_gluon
 
-    for tma in (False, True):
+    for box in (0, 64, 16):
         for tree, n in compile_for_sm90(tmp_path, "kernels._mla_gluon", "_mla_fwd_gluon_kernel",
-                                        _mla_gluon.GLUON_WARPS, _mla_gluon.GLUON_STAGES, tma).items():
-            what = f"tma={tma} tree={tree}: {n}"
+                                        _mla_gluon.GLUON_WARPS, _mla_gluon.GLUON_STAGES, box).items():
+            what = f"box={box} tree={tree}: {n}"
             assert n["wgmma"] == {"m64n32k16": 2 * 36, "m64n256k16": 4}, what
             assert n["cp_async"] > 0 and 0 < n["shared"] <= _SM90_SMEM, what
-            # TMA: three load sites (tiles 0, 1, j + 2), each one expect_tx and the latent's 8 column blocks of
-            # 64 (one per warp) + the rope's one as 2D tensor copies
-            assert (n["tma"], n["expect_tx"]) == ((3 * 2, 3) if tma else (0, 0)), what
+            # TMA: three load sites (tiles 0, 1, j + 2), each one expect_tx and, per box of rows, the latent's 8
+            # column blocks of 64 (one per warp: one copy instruction) + the rope's one, as 2D tensor copies
+            boxes = 64 // box if box else 0
+            assert (n["tma"], n["expect_tx"]) == ((3 * 2 * boxes, 3) if box else (0, 0)), what
 
 
 def test_mla_gluon_ws_kernel_compiles_for_sm90(tmp_path):
@@ -469,7 +470,7 @@ def test_mla_kimi_shapes_bf16(prefix, ns, tree, page, impl):
 
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("page", [64, 128])
+@pytest.mark.parametrize("page", [16, 32, 64, 128])
 @pytest.mark.parametrize("tree,prefix,ns", [
     # prefixes on, just below and just past tile and page edges; a tree whose first ancestor tile is ragged; 16
     # chunks past 8192 keys; prefix 0 (no whole committed tile: every tile by cp.async)
@@ -477,9 +478,10 @@ def test_mla_kimi_shapes_bf16(prefix, ns, tree, page, impl):
     (False, [0, 127, 2048, 9001], [70, 3, 64, 1]),
 ])
 def test_mla_gluon_tma_loads_give_the_cp_async_bits(tree, prefix, ns, page):
-    """The Gluon kernel with whole committed tiles loaded by TMA (pages of 64 and 128 rows: a tile is a page or
-    half of one) equals, bit for bit, the same kernel gathering every tile with cp.async, and the reference
-    within tolerance; the pool is a layer of a stacked cache (an offset view), unused slots NaN."""
+    """The Gluon kernel with whole committed tiles loaded by TMA (pages of 16 and 32 rows: a tile is 4 or 2 boxes,
+    one per page; 64 and 128: a tile is a page or half of one) equals, bit for bit, the same kernel gathering every
+    tile with cp.async, and the reference within tolerance; the pool is a layer of a stacked cache (an offset
+    view), unused slots NaN."""
     args = make_batch(prefix, ns, KIMI["H"], KIMI["Dl"], KIMI["Dr"], page, torch.bfloat16, tree, seed=7)
     q, qpe, kv, *rest = args
     stack = torch.full((3, *kv.shape), float("nan"), dtype=kv.dtype, device=kv.device)
