@@ -316,8 +316,9 @@ if HAVE_GLUON:
                            LPE)
             cp.commit_group()
             if j + 3 < n_tiles:
-                rows, valid = _tile_rows(start + (j + 3) * BLOCK_N, start, end, ident, L, bit, rank, bt_row, PAGE,
-                                         BLOCK_N, NB, TREE, L1, LB2)
+                if j + 3 >= n_tma:  # a cp.async tile: its pool rows (a TMA tile needs only its boxes)
+                    rows, valid = _tile_rows(start + (j + 3) * BLOCK_N, start, end, ident, L, bit, rank, bt_row,
+                                             PAGE, BLOCK_N, NB, TREE, L1, LB2)
                 boxes = _tile_boxes(start + (j + 3) * BLOCK_N, end, bt_row, PAGE, BOX)
         cp.wait_group(0)
         if BOX > 0:
