@@ -69,6 +69,21 @@ def tma_box_rows(page_size: int) -> int:
     return 0
 
 
+def q_descriptors(q_lat, q_pe):
+    """TMA descriptors of one token's 64-head query tile ([64, DL] and [64, DR] boxes of the [T * H, .] views), or
+    None where the heads of a token are not rows of one 2D view with 16-byte aligned rows (the kernel then loads
+    the tile with plain loads)."""
+    T, H, _ = q_lat.shape
+    views = []
+    for t, cols in ((q_lat, GLUON_DL), (q_pe, GLUON_DR)):
+        if t.stride(0) != H * t.stride(1) or t.stride(1) % 8 or t.data_ptr() % 16 or t.stride(2) != 1:
+            return None
+        lay = gl.NVMMASharedLayout.get_default_for([GLUON_BLOCK_M, cols], gl.bfloat16)
+        flat = t.as_strided((T * H, cols), (t.stride(1), 1))
+        views.append(TensorDescriptor(flat, [T * H, cols], [t.stride(1), 1], [GLUON_BLOCK_M, cols], lay))
+    return tuple(views)
+
+
 def kv_descriptors(kv_cache, box: int):
     """TMA descriptors of the flat pool [slots, DL + DR] for `box` rows of a tile's latent [box, DL] and rope
     [box, DR] columns, in the shared layouts the kernel's stages have (a box lands in rows of a stage)."""
@@ -180,11 +195,12 @@ if HAVE_GLUON:
     @gluon.jit
     def _mla_fwd_gluon_kernel(
         q_ptr, qpe_ptr, kv_ptr, bt_ptr, cu_ptr, pre_ptr, bits_ptr, out_ptr, po_ptr, pml_ptr, nc_ptr, desc_l, desc_r,
+        desc_q, desc_qpe,
         S, H, HT, GC, qk_scale,
         stride_qt, stride_qh, stride_pt, stride_ph, stride_kv, stride_bt, stride_bits, stride_ot, stride_oh,
         DL: gl.constexpr, DR: gl.constexpr, PAGE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         NCH: gl.constexpr, C_MIN: gl.constexpr, RULE: gl.constexpr, S_PAD: gl.constexpr, TREE: gl.constexpr,
-        NB: gl.constexpr, STAGES: gl.constexpr, BOX: gl.constexpr,
+        NB: gl.constexpr, STAGES: gl.constexpr, BOX: gl.constexpr, QTMA: gl.constexpr,
     ):
         gl.static_assert(BLOCK_M == 64 and BLOCK_N == 64 and DL == 512 and DR == 64)
         # BOX > 0: whole committed tiles by TMA, as runs of BOX contiguous pool rows (a page, or a tile in a page)
@@ -247,11 +263,17 @@ if HAVE_GLUON:
         ckv_smem = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, DL], SH_KV)
         kpe_smem = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, DR], SH_PE)
         p_smem = gl.allocate_shared_memory(dt, [BLOCK_M, BLOCK_N], SH_P)
-        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())  # TMA tiles' arrivals
-        if BOX > 0:
-            for i in gl.static_range(STAGES):
+        # TMA arrivals: bars[s] the tiles of stage s, bars[STAGES] the query tile
+        bars = gl.allocate_shared_memory(gl.int64, [STAGES + 1, 1], mbarrier.MBarrierLayout())
+        if BOX > 0 or QTMA:
+            for i in gl.static_range(STAGES + 1):
                 mbarrier.init(bars.index(i), count=1)
             fence_async_shared()
+        if QTMA:  # the token's 64 heads (rows t * H + hb * 64 .. of the [T * H, .] views) while the tiles load
+            q_bar = bars.index(STAGES)
+            mbarrier.expect(q_bar, desc_q.block_type.nbytes + desc_qpe.block_type.nbytes)
+            _tma_load(desc_q, [t * H + hb * BLOCK_M, 0], q_bar, q_smem)
+            _tma_load(desc_qpe, [t * H + hb * BLOCK_M, 0], q_bar, qpe_smem)
 
         n_tiles = (end - start + BLOCK_N - 1) // BLOCK_N
         # prologue: tiles 0 and 1 in flight, tile 2's pool rows looked up (used at the end of iteration 0)
@@ -272,16 +294,19 @@ if HAVE_GLUON:
                                      NB, TREE, L1, LB2)
             boxes = _tile_boxes(start + 2 * BLOCK_N, end, bt_row, PAGE, BOX)
 
-        h1 = hb * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LKV))
-        c1 = gl.arange(0, DL, layout=gl.SliceLayout(0, LKV))
-        q = gl.load(q_ptr + t64 * stride_qt + gl.expand_dims(h1 * stride_qh, 1) + gl.expand_dims(c1, 0),
-                    mask=gl.expand_dims(h1 < H, 1) & gl.expand_dims(c1 < DL, 0), other=0.0)
-        q_smem.store(q.to(dt))
-        h2 = hb * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LPE))
-        c2 = gl.arange(0, DR, layout=gl.SliceLayout(0, LPE))
-        qpe = gl.load(qpe_ptr + t64 * stride_pt + gl.expand_dims(h2 * stride_ph, 1) + gl.expand_dims(c2, 0),
-                      mask=gl.expand_dims(h2 < H, 1) & gl.expand_dims(c2 < DR, 0), other=0.0)
-        qpe_smem.store(qpe.to(dt))
+        if QTMA:
+            mbarrier.wait(bars.index(STAGES), 0)
+        else:
+            h1 = hb * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LKV))
+            c1 = gl.arange(0, DL, layout=gl.SliceLayout(0, LKV))
+            q = gl.load(q_ptr + t64 * stride_qt + gl.expand_dims(h1 * stride_qh, 1) + gl.expand_dims(c1, 0),
+                        mask=gl.expand_dims(h1 < H, 1) & gl.expand_dims(c1 < DL, 0), other=0.0)
+            q_smem.store(q.to(dt))
+            h2 = hb * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LPE))
+            c2 = gl.arange(0, DR, layout=gl.SliceLayout(0, LPE))
+            qpe = gl.load(qpe_ptr + t64 * stride_pt + gl.expand_dims(h2 * stride_ph, 1) + gl.expand_dims(c2, 0),
+                          mask=gl.expand_dims(h2 < H, 1) & gl.expand_dims(c2 < DR, 0), other=0.0)
+            qpe_smem.store(qpe.to(dt))
 
         m = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_L))
         li = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, S_L))
@@ -321,8 +346,8 @@ if HAVE_GLUON:
                                              PAGE, BLOCK_N, NB, TREE, L1, LB2)
                 boxes = _tile_boxes(start + (j + 3) * BLOCK_N, end, bt_row, PAGE, BOX)
         cp.wait_group(0)
-        if BOX > 0:
-            for i in gl.static_range(STAGES):
+        if BOX > 0 or QTMA:
+            for i in gl.static_range(STAGES + 1):
                 mbarrier.invalidate(bars.index(i))
 
         rm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, O_L))

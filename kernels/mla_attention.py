@@ -195,9 +195,9 @@ def mla_attention_triton(q_lat, q_pe, kv_cache, block_table, page_size, cu_q, pr
     "triton", "gluon" (`_mla_gluon`: sm_90, Kimi head shapes; ValueError elsewhere, with the reason),
     "gluon_ws" (`_mla_gluon_ws`: the same, warp-specialized, experimental) or "auto" (gluon where it can
     run); None: the module's `DEFAULT_IMPL`, read at each call. They give different bits from each other,
-    so the impl is fixed per deployment too. `tma` (gluon only; None: `_mla_gluon.GLUON_TMA`): whole tiles of
-    committed rows by TMA (as runs of a page's rows: pages of 16, 32 or a multiple of 64 rows), the other tiles
-    by cp.async; the same data lands in the same layout, so the same bits either way."""
+    so the impl is fixed per deployment too. `tma` (gluon only; None: `_mla_gluon.GLUON_TMA`): the query tile and
+    whole tiles of committed rows by TMA (as runs of a page's rows: pages of 16, 32 or a multiple of 64 rows), the
+    other tiles by cp.async; the same data lands in the same layout, so the same bits either way."""
     T, H, Dl = q_lat.shape
     Dr = q_pe.shape[-1]
     S = prefix_lens.shape[0]
@@ -254,11 +254,14 @@ def mla_attention_triton(q_lat, q_pe, kv_cache, block_table, page_size, cu_q, pr
             RULE=rule, S_PAD=s_pad, TREE=tree_bits is not None, NB=nb, STAGES=_mla_gluon_ws.WS_STAGES,
             num_warps=_mla_gluon_ws.WS_WARPS)
     elif impl == "gluon":
-        box = _mla_gluon.tma_box_rows(page_size) if (_mla_gluon.GLUON_TMA if tma is None else tma) else 0
+        use_tma = _mla_gluon.GLUON_TMA if tma is None else tma
+        box = _mla_gluon.tma_box_rows(page_size) if use_tma else 0
+        qdesc = _mla_gluon.q_descriptors(q_lat, q_pe) if use_tma else None
+        kvdesc = _mla_gluon.kv_descriptors(kv_cache, box or block_n)
         _mla_gluon._mla_fwd_gluon_kernel[(tiles, grid_c)](
-            *common[:11], *_mla_gluon.kv_descriptors(kv_cache, box or block_n), *common[11:], DL=Dl, DR=Dr,
-            PAGE=page_size, BLOCK_M=block_m, BLOCK_N=block_n, NCH=nch, C_MIN=c_min, RULE=rule, S_PAD=s_pad,
-            TREE=tree_bits is not None, NB=nb, STAGES=_mla_gluon.GLUON_STAGES, BOX=box, num_warps=num_warps)
+            *common[:11], *kvdesc, *(qdesc or kvdesc), *common[11:], DL=Dl, DR=Dr, PAGE=page_size, BLOCK_M=block_m,
+            BLOCK_N=block_n, NCH=nch, C_MIN=c_min, RULE=rule, S_PAD=s_pad, TREE=tree_bits is not None, NB=nb,
+            STAGES=_mla_gluon.GLUON_STAGES, BOX=box, QTMA=qdesc is not None, num_warps=num_warps)
     else:
         _mla_fwd_kernel[(tiles, grid_c)](
             *common, DL=Dl, DR=Dr, BDL=bdl, BDR=bdr, PAGE=page_size, BLOCK_M=block_m, BLOCK_N=block_n, NCH=nch,

@@ -190,16 +190,19 @@ for tree in (True, False):
     sig = {n: "*bf16" for n in ("q_ptr", "qpe_ptr", "kv_ptr", "out_ptr")}
     sig.update({"bt_ptr": "*i32", "cu_ptr": "*i32", "pre_ptr": "*i32", "bits_ptr": "*i64" if tree else "*i32",
                 "po_ptr": "*fp32", "pml_ptr": "*fp32", "nc_ptr": "*i32"})
-    if box is not None:  # the pool's TMA descriptors: BOX rows of a tile's latent [., 512] and rope [., 64] columns
-        for name, cols in (("desc_l", 512), ("desc_r", 64)):
+    if box is not None:  # TMA descriptors: BOX rows of the pool's latent [., 512] and rope [., 64] columns, then
+        # the query tile's (64 rows of each)
+        for name, rows, cols in (("desc_l", box or 64, 512), ("desc_r", box or 64, 64), ("desc_q", 64, 512),
+                                 ("desc_qpe", 64, 64)):
             lay = gl.NVMMASharedLayout.get_default_for([64, cols], gl.bfloat16)
-            sig[name] = f"tensordesc<bf16[{box or 64},{cols}],{lay!r}>"
+            sig[name] = f"tensordesc<bf16[{rows},{cols}],{lay!r}>"
     sig.update({"S": "i32", "H": "i32", "HT": "i32", "GC": "i32", "qk_scale": "fp32"})
     strides = ("stride_qt", "stride_qh", "stride_pt", "stride_ph", "stride_kv", "stride_bt", "stride_bits",
                "stride_ot", "stride_oh")
     sig.update({n: "i32" for n in strides})
     cst = dict(DL=512, DR=64, PAGE=box or 64, BLOCK_M=64, BLOCK_N=64, NCH=16, C_MIN=512, RULE=1, S_PAD=16,
-               TREE=tree, NB=128 if tree else 64, STAGES=stages, **({} if box is None else {"BOX": box}))
+               TREE=tree, NB=128 if tree else 64, STAGES=stages,
+               **({} if box is None else {"BOX": box, "QTMA": box > 0}))
     sig.update({k: "constexpr" for k in cst})
     names = list(sig)
     aligned = {(names.index(n),): [["tt.divisibility", 16]] for n in names
@@ -248,10 +251,11 @@ def test_mla_gluon_kernel_compiles_for_sm90_with_s_once(tmp_path):
             what = f"box={box} tree={tree}: {n}"
             assert n["wgmma"] == {"m64n32k16": 2 * 36, "m64n256k16": 4}, what
             assert n["cp_async"] > 0 and 0 < n["shared"] <= _SM90_SMEM, what
-            # TMA: three load sites (tiles 0, 1, j + 2), each one expect_tx and, per box of rows, the latent's 8
-            # column blocks of 64 (one per warp: one copy instruction) + the rope's one, as 2D tensor copies
+            # TMA (with the query tile's, compiled with it): three tile load sites (tiles 0, 1, j + 2), each one
+            # expect_tx and, per box of rows, the latent's 8 column blocks of 64 (one per warp: one copy
+            # instruction) + the rope's one, as 2D tensor copies; the query tile one expect_tx and two copies
             boxes = 64 // box if box else 0
-            assert (n["tma"], n["expect_tx"]) == ((3 * 2 * boxes, 3) if box else (0, 0)), what
+            assert (n["tma"], n["expect_tx"]) == ((3 * 2 * boxes + 2, 4) if box else (0, 0)), what
 
 
 def test_mla_gluon_ws_kernel_compiles_for_sm90(tmp_path):
@@ -490,6 +494,14 @@ def test_mla_gluon_tma_loads_give_the_cp_async_bits(tree, prefix, ns, page):
     with_tma = run_kernel(layer, SCALE, impl="gluon", tma=True)
     assert_bitwise(with_tma, run_kernel(layer, SCALE, impl="gluon", tma=False), f"tma page {page} tree={tree}")
     assert_close(with_tma, reference(args, SCALE), TOL[torch.bfloat16], f"tma page {page} {prefix} {ns}")
+    # queries as views: rows of 1024 (the query tile still by TMA) and every other head of 128 (plain loads)
+    T, H = q.shape[:2]
+    wide = torch.full((T, H, 1024), float("nan"), dtype=q.dtype, device=q.device)
+    wide[..., :KIMI["Dl"]] = q
+    spread = torch.full((T, 2 * H, KIMI["Dr"]), float("nan"), dtype=q.dtype, device=q.device)
+    spread[:, ::2] = qpe
+    views = (wide[..., :KIMI["Dl"]], spread[:, ::2], stack[1], *rest)
+    assert_bitwise(run_kernel(views, SCALE, impl="gluon", tma=True), with_tma, f"query views, page {page}")
 
 
 @gpu
