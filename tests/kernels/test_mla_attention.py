@@ -494,13 +494,14 @@ def test_mla_gluon_tma_loads_give_the_cp_async_bits(tree, prefix, ns, page):
     with_tma = run_kernel(layer, SCALE, impl="gluon", tma=True)
     assert_bitwise(with_tma, run_kernel(layer, SCALE, impl="gluon", tma=False), f"tma page {page} tree={tree}")
     assert_close(with_tma, reference(args, SCALE), TOL[torch.bfloat16], f"tma page {page} {prefix} {ns}")
-    # queries as views: rows of 1024 (the query tile still by TMA) and every other head of 128 (plain loads)
+    # queries as views: rows of 1024 (the query tile still by TMA), every other token of a larger batch (a token's
+    # heads are not rows of one 2D view: plain loads)
     T, H = q.shape[:2]
     wide = torch.full((T, H, 1024), float("nan"), dtype=q.dtype, device=q.device)
     wide[..., :KIMI["Dl"]] = q
-    spread = torch.full((T, 2 * H, KIMI["Dr"]), float("nan"), dtype=q.dtype, device=q.device)
-    spread[:, ::2] = qpe
-    views = (wide[..., :KIMI["Dl"]], spread[:, ::2], stack[1], *rest)
+    spread = torch.full((2 * T, H, KIMI["Dr"]), float("nan"), dtype=q.dtype, device=q.device)
+    spread[::2] = qpe
+    views = (wide[..., :KIMI["Dl"]], spread[::2], stack[1], *rest)
     assert_bitwise(run_kernel(views, SCALE, impl="gluon", tma=True), with_tma, f"query views, page {page}")
 
 
