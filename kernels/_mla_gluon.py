@@ -148,13 +148,18 @@ if HAVE_GLUON:
         64 // BOX runs of BOX contiguous pool rows at `boxes`, arriving on `bar`), else by cp.async (gathered or
         ragged rows, zero-filled)."""
         if BOX > 0 and j < n_tma:
-            NBOX: gl.constexpr = 64 // BOX if BOX > 0 else 1
-            mbarrier.expect(bar, NBOX * (desc_l.block_type.nbytes + desc_r.block_type.nbytes))
-            for q in gl.static_range(NBOX):
-                _tma_load(desc_l, [boxes[q], 0], bar, ckv_buf.slice(q * BOX, BOX))
-                _tma_load(desc_r, [boxes[q], DL], bar, kpe_buf.slice(q * BOX, BOX))
+            _tma_tile(boxes, ckv_buf, kpe_buf, bar, desc_l, desc_r, DL, BOX)
         else:
             _issue_tile(kv_ptr, stride_kv, rows, valid, ckv_buf, kpe_buf, DL, DR, LKV, LPE)
+
+    @gluon.jit
+    def _tma_tile(boxes, ckv_buf, kpe_buf, bar, desc_l, desc_r, DL: gl.constexpr, BOX: gl.constexpr):
+        """A whole committed tile into one stage by TMA: 64 // BOX runs of BOX pool rows from `boxes`, on `bar`."""
+        NBOX: gl.constexpr = 64 // BOX if BOX > 0 else 1
+        mbarrier.expect(bar, NBOX * (desc_l.block_type.nbytes + desc_r.block_type.nbytes))
+        for q in gl.static_range(NBOX):
+            _tma_load(desc_l, [boxes[q], 0], bar, ckv_buf.slice(q * BOX, BOX))
+            _tma_load(desc_r, [boxes[q], DL], bar, kpe_buf.slice(q * BOX, BOX))
 
     @gluon.jit
     def _wait_tile(j, n_tma, bars, N_CP: gl.constexpr, STAGES: gl.constexpr):
@@ -233,13 +238,8 @@ if HAVE_GLUON:
             w = gl.load(bits_ptr + t.to(gl.int64) * stride_bits + kk // 64)
             bit = ((w >> (kk % 64).to(gl.int64)) & 1).to(gl.int32)
             p = L + gl.sum(bit, 0) - 1
-            # depth of each ancestor (where bit is set) = set bits before it ([NB, NB] sum, once per program)
-            kr = gl.arange(0, NB, layout=gl.SliceLayout(1, LB2))
-            below = gl.expand_dims(kk, 0) < gl.expand_dims(kr, 1)
-            rank = gl.convert_layout(gl.sum(gl.where(below, gl.expand_dims(bit, 0), 0), 1), gl.SliceLayout(0, LB2))
         else:
             bit = gl.zeros([NB], gl.int32, layout=gl.SliceLayout(0, LB2))
-            rank = bit
             p = L + t - gl.load(cu_ptr + s)
         nc, start, end = chunk_span(p + 1, pid_c, RULE, BLOCK_N, NCH, C_MIN)
         if pid_c == 0:
@@ -276,19 +276,33 @@ if HAVE_GLUON:
             _tma_load(desc_qpe, [t * H + hb * BLOCK_M, 0], q_bar, qpe_smem)
 
         n_tiles = (end - start + BLOCK_N - 1) // BLOCK_N
-        # prologue: tiles 0 and 1 in flight, tile 2's pool rows looked up (used at the end of iteration 0)
+        # prologue: tiles 0 and 1 in flight (TMA ones first: they need no ancestor ranks), tile 2's pool rows
+        # looked up (used at the end of iteration 0)
+        if BOX > 0:
+            if n_tma > 0:
+                _tma_tile(_tile_boxes(start, end, bt_row, PAGE, BOX), ckv_smem.index(0), kpe_smem.index(0),
+                          bars.index(0), desc_l, desc_r, DL, BOX)
+            if n_tma > 1:
+                _tma_tile(_tile_boxes(start + BLOCK_N, end, bt_row, PAGE, BOX), ckv_smem.index(1),
+                          kpe_smem.index(1), bars.index(1), desc_l, desc_r, DL, BOX)
+        if TREE:
+            # depth of each ancestor (where bit is set) = set bits before it ([NB, NB] sum, once per program)
+            kr = gl.arange(0, NB, layout=gl.SliceLayout(1, LB2))
+            below = gl.expand_dims(kk, 0) < gl.expand_dims(kr, 1)
+            rank = gl.convert_layout(gl.sum(gl.where(below, gl.expand_dims(bit, 0), 0), 1), gl.SliceLayout(0, LB2))
+        else:
+            rank = bit
         rows, valid = _tile_rows(start, start, end, ident, L, bit, rank, bt_row, PAGE, BLOCK_N, NB, TREE, L1, LB2)
-        boxes = _tile_boxes(start, end, bt_row, PAGE, BOX)
-        _load_tile(0, n_tma, boxes, kv_ptr, stride_kv, rows, valid, ckv_smem.index(0), kpe_smem.index(0),
-                   bars.index(0), desc_l, desc_r, DL, DR, BOX, LKV, LPE)
+        if n_tma <= 0:
+            _issue_tile(kv_ptr, stride_kv, rows, valid, ckv_smem.index(0), kpe_smem.index(0), DL, DR, LKV, LPE)
         cp.commit_group()
         if n_tiles > 1:
             rows, valid = _tile_rows(start + BLOCK_N, start, end, ident, L, bit, rank, bt_row, PAGE, BLOCK_N, NB,
                                      TREE, L1, LB2)
-            boxes = _tile_boxes(start + BLOCK_N, end, bt_row, PAGE, BOX)
-            _load_tile(1, n_tma, boxes, kv_ptr, stride_kv, rows, valid, ckv_smem.index(1), kpe_smem.index(1),
-                       bars.index(1), desc_l, desc_r, DL, DR, BOX, LKV, LPE)
+            if n_tma <= 1:
+                _issue_tile(kv_ptr, stride_kv, rows, valid, ckv_smem.index(1), kpe_smem.index(1), DL, DR, LKV, LPE)
         cp.commit_group()
+        boxes = _tile_boxes(start, end, bt_row, PAGE, BOX)  # (defined for the loop; tile 2's are looked up next)
         if n_tiles > 2:
             rows, valid = _tile_rows(start + 2 * BLOCK_N, start, end, ident, L, bit, rank, bt_row, PAGE, BLOCK_N,
                                      NB, TREE, L1, LB2)
