@@ -12,9 +12,13 @@ PV GEMM, is laid out with all 8 warps along the 64 query rows, so both warpgroup
   P -> shared  bf16 [64, 64], then O [64, 512] += P x V: wgmma with warps [4, 2], each warpgroup owns
                256 of the 512 value columns (its half of the fp32 accumulator: 128 registers/thread)
 
-so every MMA is done once. KV tiles are gathered through the block table into a 2-stage shared ring
-with cp.async (rows may be paged or tree ancestors); per tile the PV product and the next tile's S go
-to the tensor cores back to back, the copies run one tile ahead and the block-table loads two. Every
+so every MMA is done once. KV tiles go into a 2-stage shared ring: a chunk's whole tiles of committed rows by
+TMA (`BOX` > 0: 64 // BOX runs of contiguous pool rows, a page of 16 or 32 rows or 64 rows of a larger page, each one
+2D tensor copy of the latent and one of the rope columns, completing the stage's mbarrier phase), the others
+(ragged ends, tree ancestors) gathered through the block table with zero-filling cp.async; the query tile by TMA
+too where a token's heads are rows of one 2D view (`QTMA`). Both paths put the same bytes in the same layout, so
+the bits do not depend on them. Per tile the PV product and the next tile's S go to the tensor cores back to back,
+the copies run one tile ahead and the block-table loads two. Every
 tile, hot or ragged, runs the same code with a runtime mask (masked rows are zero-filled and their
 scores are -inf), so the result of a row depends only on its position and keys: batch invariance and
 position alignment hold as in the Triton kernel. The two kernels do not give the same bits as each
