@@ -30,6 +30,8 @@ Shared memory: Q 72 KB + 2 x 72 KB KV stages + P 8 KB = 224 KB (one CTA per SM).
 
 from __future__ import annotations
 
+import functools
+
 try:  # Gluon ships with Triton >= 3.5; without it the Triton kernel is the only path
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -73,6 +75,14 @@ def tma_box_rows(page_size: int) -> int:
     return 0
 
 
+@functools.cache
+def _tile_layout(cols: int):
+    """The shared layout of a [64, cols] 16-bit tile (the query tile's, the stages' and so the TMA boxes'): it depends
+    on the element width only, the same for the bf16 and fp16 caches the kernel takes; made once (a launch without a
+    CUDA graph builds its descriptors every call)."""
+    return gl.NVMMASharedLayout.get_default_for([GLUON_BLOCK_N, cols], gl.bfloat16)
+
+
 def q_descriptors(q_lat, q_pe):
     """TMA descriptors of one token's 64-head query tile ([64, DL] and [64, DR] boxes of the [T * H, .] views), or
     None where the heads of a token are not rows of one 2D view with 16-byte aligned rows (the kernel then loads
@@ -82,9 +92,9 @@ def q_descriptors(q_lat, q_pe):
     for t, cols in ((q_lat, GLUON_DL), (q_pe, GLUON_DR)):
         if t.stride(0) != H * t.stride(1) or t.stride(1) % 8 or t.data_ptr() % 16 or t.stride(2) != 1:
             return None
-        lay = gl.NVMMASharedLayout.get_default_for([GLUON_BLOCK_M, cols], gl.bfloat16)
         flat = t.as_strided((T * H, cols), (t.stride(1), 1))
-        views.append(TensorDescriptor(flat, [T * H, cols], [t.stride(1), 1], [GLUON_BLOCK_M, cols], lay))
+        views.append(TensorDescriptor(flat, [T * H, cols], [t.stride(1), 1], [GLUON_BLOCK_M, cols],
+                                      _tile_layout(cols)))
     return tuple(views)
 
 
@@ -92,11 +102,8 @@ def kv_descriptors(kv_cache, box: int):
     """TMA descriptors of the flat pool [slots, DL + DR] for `box` rows of a tile's latent [box, DL] and rope
     [box, DR] columns, in the shared layouts the kernel's stages have (a box lands in rows of a stage)."""
     shape, strides = list(kv_cache.shape), list(kv_cache.stride())
-    # the layouts depend on the element width only: the same for the bf16 and fp16 caches the kernel takes
-    lat = gl.NVMMASharedLayout.get_default_for([GLUON_BLOCK_N, GLUON_DL], gl.bfloat16)
-    rope = gl.NVMMASharedLayout.get_default_for([GLUON_BLOCK_N, GLUON_DR], gl.bfloat16)
-    return (TensorDescriptor(kv_cache, shape, strides, [box, GLUON_DL], lat),
-            TensorDescriptor(kv_cache, shape, strides, [box, GLUON_DR], rope))
+    return (TensorDescriptor(kv_cache, shape, strides, [box, GLUON_DL], _tile_layout(GLUON_DL)),
+            TensorDescriptor(kv_cache, shape, strides, [box, GLUON_DR], _tile_layout(GLUON_DR)))
 
 if HAVE_GLUON:
 
