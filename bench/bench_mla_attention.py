@@ -16,6 +16,9 @@ each, params.chunk_rule; params.chunks = KV chunks over all query rows, each one
 `--impl triton gluon gluon_ws` times each tile kernel on the same inputs (params.impl; gluon = the sm_90 kernel
 of `kernels/_mla_gluon.py`, which computes S once per tile; gluon_ws = the experimental warp-specialized one of
 `kernels/_mla_gluon_ws.py`; the choices are `kernels.mla_attention.IMPLS`).
+`--persistent on off` times the gluon kernel as one program per SM walking its share of the (query tile, chunk)
+items (`kernels/_mla_gluon_persistent.py`; same bits) and as one program per item (params.persistent).
+`--nch 8 16` times other chunk-count caps (params.config.nch; like the chunk rule, a deployment's reduction order).
 `--tma on off` times the gluon kernel with and without TMA loads of whole committed tiles (params.tma; same bits;
 TMA runs with pages of 16 or 32 rows or a multiple of 64, `--page`, default 64; the serving page size is 16).
 Run from the repo root:  PYTHONPATH=. python bench/bench_mla_attention.py [--sweep] [--out FILE]
@@ -113,6 +116,10 @@ def main():
     ap.add_argument("--tma", nargs="+", default=["default"], choices=("default", "on", "off"),
                     help="gluon: TMA loads of whole committed tiles (default: the kernel's GLUON_TMA)")
     ap.add_argument("--page", type=int, default=PAGE, help="KV page size (rows)")
+    ap.add_argument("--persistent", nargs="+", default=["default"], choices=("default", "on", "off"),
+                    help="gluon: one program per SM over the (query tile, chunk) items, or one per item")
+    ap.add_argument("--nch", nargs="+", type=int, default=[None],
+                    help="most KV chunks per row (a reduction-order knob like the chunk rule; default the kernel's)")
     args_cli = ap.parse_args()
     prefixes = args_cli.prefix or (QUICK_PREFIX if args_cli.quick else PREFIX)
     info = env_info()
@@ -136,17 +143,23 @@ def main():
                 floor_ms = max(nbytes / (ceil["copy_bw_GBps"] * 1e9), flops / (ceil["mm_tflops"] * 1e12)) * 1e3
                 out = torch.empty_like(args[0])
                 cfgs = [None] + (SWEEP if args_cli.sweep and n != 33 else [])
-                combos = [(r, c, b, i, tm) for r in args_cli.chunk_rule for c in cfgs for b in args_cli.block_n
-                          for i in args_cli.impl for tm in (args_cli.tma if i in ("gluon", "auto") else ["default"])]
-                for rule, cfg, bn, impl, tm in combos:
+                gluon_knobs = [(tm, pm) for tm in args_cli.tma for pm in args_cli.persistent]
+                combos = [(r, c, b, i, tm, pm, nch) for r in args_cli.chunk_rule for c in cfgs for b in args_cli.block_n
+                          for i in args_cli.impl
+                          for tm, pm in (gluon_knobs if i in ("gluon", "auto") else [("default", "default")])
+                          for nch in args_cli.nch]
+                onoff = {"default": None, "on": True, "off": False}
+                for rule, cfg, bn, impl, tm, pm, nch in combos:
                     kw = {} if cfg is None else dict(block_n=cfg[0], num_warps=cfg[1], num_stages=cfg[2], nch=cfg[3],
                                                      c_min=cfg[4])
                     if bn is not None:
                         kw["block_n"] = bn
+                    if nch is not None:
+                        kw["nch"] = nch
                     knobs = {k: kw[k] for k in ("block_n", "nch", "c_min") if k in kw}
                     chunks = sum(len(chunk_spans(L + int(d), rule, **knobs)) for d in depth.flatten().tolist())
                     fn = functools.partial(mla_attention_triton, *args, SCALE, out=out, chunk_rule=rule, impl=impl,
-                                           tma={"default": None, "on": True, "off": False}[tm], **kw)
+                                           tma=onoff[tm], persistent=onoff[pm], **kw)
                     try:
                         ms = graph_ms(fn)
                         eager = bench_ms(fn)
@@ -154,8 +167,9 @@ def main():
                         print(f"B={B} L={L} n={n} rule={rule} cfg={cfg}: {exc!r}"[:300], flush=True)
                         continue
                     peers = {"triton_eager": eager}
-                    first = (rule, bn, impl, tm) == (args_cli.chunk_rule[0], args_cli.block_n[0], args_cli.impl[0],
-                                                     args_cli.tma[0])
+                    first = (rule, bn, impl, tm, pm, nch) == (args_cli.chunk_rule[0], args_cli.block_n[0],
+                                                              args_cli.impl[0], args_cli.tma[0],
+                                                              args_cli.persistent[0], args_cli.nch[0])
                     if cfg is None and first and not args_cli.no_peers:
                         qf, k, v = peer_inputs(args, B, L, n)
                         dense = torch.ones(B, n, L + n, dtype=torch.bool, device="cuda")
@@ -183,12 +197,13 @@ def main():
                                            bytes=nbytes, flops=flops, timing="cuda_graph_replay",
                                            config=kw or "default", chunk_rule=rule, chunks=chunks,
                                            block_n=kw.get("block_n", DEFAULT_BLOCK_N), impl=impl,
-                                           tma=tm if impl in ("gluon", "auto") else None),
+                                           tma=tm if impl in ("gluon", "auto") else None,
+                                           persistent=pm if impl in ("gluon", "auto") else None),
                                **info, ms=ms, floor_ms=floor_ms, ratio=floor_ms / ms, peers=peers, **ceil)
                     write_jsonl(args_cli.out, [rec])  # one line at a time: a cut-off run keeps what it measured
                     pe = "  ".join(f"{a}={b:.3f}" for a, b in peers.items() if isinstance(b, float))
                     print(f"{B:>3} {L:>6} {n:>3} {rule:>8} {chunks:>6} {ms:8.4f} {floor_ms:8.4f} {floor_ms / ms:6.3f} "
-                          f"{flops / ms / 1e9:7.0f}  {impl} tma={tm}  {pe}  {kw or ''}", flush=True)
+                          f"{flops / ms / 1e9:7.0f}  {impl} tma={tm} persistent={pm}  {pe}  {kw or ''}", flush=True)
                 del args, out
                 torch.cuda.empty_cache()
 

@@ -53,7 +53,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable without PYTHONPATH too
 
 from bench._common import bench_ms, commit, env_info, measure_ceilings, write_jsonl  # noqa: E402
-from kernels import _mla_gluon, int4_moe, int4_moe_gluon, int4_moe_wgmma, mla_attention  # noqa: E402
+from kernels import _mla_gluon, _mla_gluon_persistent, int4_moe, int4_moe_gluon, int4_moe_wgmma, mla_attention  # noqa: E402
 from kernels import matmul as matmul_mod  # noqa: E402
 from kernels.tree_mask import ancestor_mask, pack_mask_bits  # noqa: E402
 from verifier_service import moe as moe_mod  # noqa: E402
@@ -412,6 +412,7 @@ def run_case(model, pool, cfg, case: dict, invariant: bool, ceil: dict, info: di
         bytes_floor_ms=fl["bytes_floor_ms"], flops_floor_ms=fl["flops_floor_ms"],
         dtype=str(pool.kv.dtype).removeprefix("torch."), build_s=state.get("build_s"),
         **({"gemm": gemm} if invariant else {}), mla_impl=mla_attention.DEFAULT_IMPL, mla_tma=_mla_gluon.GLUON_TMA,
+        mla_persistent=_mla_gluon_persistent.GLUON_PERSISTENT,
         moe_block_m=int4_moe.DEFAULT_BLOCK_M,
         moe_zp_mma=int4_moe.DEFAULT_ZP_MMA, moe_layout=layout,
         **({"moe_block_pairs": int4_moe_gluon.DEFAULT_BLOCK_PAIRS} if layout == "gluon" else {}),
@@ -483,6 +484,9 @@ def parse_args(argv=None):
     ap.add_argument("--mla-tma", choices=("on", "off"), default=None,
                     help="gluon MLA kernel: TMA loads of the query tile and whole committed KV tiles (default: "
                          "_mla_gluon.GLUON_TMA; same bits either way)")
+    ap.add_argument("--mla-persistent", choices=("on", "off"), default=None,
+                    help="gluon MLA kernel: one program per SM over the (query tile, chunk) items (default: "
+                         "_mla_gluon_persistent.GLUON_PERSISTENT; same bits either way)")
     args = ap.parse_args(argv)
     base = dict(DEFAULTS, layers=8, page_size=16, max_session_len=8192)
     if args.quick:
@@ -514,6 +518,8 @@ def main(argv=None) -> list[dict]:
         mla_attention.DEFAULT_IMPL = args.mla_impl  # read by the launcher at each call
     if args.mla_tma is not None:
         _mla_gluon.GLUON_TMA = args.mla_tma == "on"  # read by the launcher at each call
+    if args.mla_persistent is not None:
+        _mla_gluon_persistent.GLUON_PERSISTENT = args.mla_persistent == "on"
     if args.moe_block_m is not None:
         int4_moe.DEFAULT_BLOCK_M = args.moe_block_m
     if args.moe_zp_mma is not None:

@@ -115,6 +115,45 @@ if HAVE_GLUON:
         return gl.sum((hi <= t).to(gl.int32), 0)
 
     @gluon.jit
+    def _item_query(pid_t, cu_ptr, pre_ptr, bits_ptr, S, HT, stride_bits, S_PAD: gl.constexpr, TREE: gl.constexpr,
+                    NB: gl.constexpr, L1: gl.constexpr, LB2: gl.constexpr):
+        """Query tile pid_t's token t, session s, prefix L, ancestor bits [NB] (layout SliceLayout(0, LB2); all 0
+        when causal) and position p (as _mla_kernels._query_row)."""
+        t = pid_t // HT
+        s = _session_of(t, cu_ptr, S, S_PAD, L1)
+        L = gl.load(pre_ptr + s)
+        kk = gl.arange(0, NB, layout=gl.SliceLayout(0, LB2))
+        if TREE:
+            w = gl.load(bits_ptr + t.to(gl.int64) * stride_bits + kk // 64)
+            bit = ((w >> (kk % 64).to(gl.int64)) & 1).to(gl.int32)
+            p = L + gl.sum(bit, 0) - 1
+        else:
+            bit = gl.zeros([NB], gl.int32, layout=gl.SliceLayout(0, LB2))
+            p = L + t - gl.load(cu_ptr + s)
+        return t, s, L, bit, p
+
+    @gluon.jit
+    def _store_item(o, m, li, pid_t, pid_c, nc, HT, GC, out_ptr, po_ptr, pml_ptr, stride_ot, stride_oh, H,
+                    BLOCK_M: gl.constexpr, DL: gl.constexpr, S_L: gl.constexpr, O_L: gl.constexpr):
+        """A finished (query tile, chunk): the output when the row has one chunk, else the fp32 partial (o, m, l)
+        that `_mla_combine_kernel` folds."""
+        rm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, O_L))
+        dl = gl.arange(0, DL, layout=gl.SliceLayout(0, O_L))
+        if nc == 1:
+            lo = gl.convert_layout(li, gl.SliceLayout(1, O_L))
+            out = o / gl.expand_dims(gl.where(lo == 0.0, 1.0, lo), 1)  # l == 0 only for a row that sees nothing
+            h = (pid_t % HT) * BLOCK_M + rm
+            t64 = (pid_t // HT).to(gl.int64)
+            gl.store(out_ptr + t64 * stride_ot + gl.expand_dims(h * stride_oh, 1) + gl.expand_dims(dl, 0),
+                     out.to(out_ptr.dtype.element_ty), mask=gl.expand_dims(h < H, 1) & gl.expand_dims(dl < DL, 0))
+        else:
+            part = (pid_t * GC + pid_c).to(gl.int64)
+            gl.store(po_ptr + part * (BLOCK_M * DL) + gl.expand_dims(rm * DL, 1) + gl.expand_dims(dl, 0), o)
+            rs = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, S_L))
+            gl.store(pml_ptr + part * (2 * BLOCK_M) + rs, m)
+            gl.store(pml_ptr + part * (2 * BLOCK_M) + BLOCK_M + rs, li)
+
+    @gluon.jit
     def _tile_rows(k0, start, end, ident, L, bit, rank, bt_row, PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
                    NB: gl.constexpr, TREE: gl.constexpr, LR: gl.constexpr, LB2: gl.constexpr):
         """Physical pool rows [BLOCK_N] (layout LR) of the tile at positions k0.. and which of them count."""
@@ -240,18 +279,9 @@ if HAVE_GLUON:
         # --- which query row and chunk (as _mla_kernels._query_row) ---
         pid_t = gl.program_id(0)
         pid_c = gl.program_id(1)
-        t = pid_t // HT
         hb = pid_t % HT
-        s = _session_of(t, cu_ptr, S, S_PAD, L1)
-        L = gl.load(pre_ptr + s)
+        t, s, L, bit, p = _item_query(pid_t, cu_ptr, pre_ptr, bits_ptr, S, HT, stride_bits, S_PAD, TREE, NB, L1, LB2)
         kk = gl.arange(0, NB, layout=gl.SliceLayout(0, LB2))
-        if TREE:
-            w = gl.load(bits_ptr + t.to(gl.int64) * stride_bits + kk // 64)
-            bit = ((w >> (kk % 64).to(gl.int64)) & 1).to(gl.int32)
-            p = L + gl.sum(bit, 0) - 1
-        else:
-            bit = gl.zeros([NB], gl.int32, layout=gl.SliceLayout(0, LB2))
-            p = L + t - gl.load(cu_ptr + s)
         nc, start, end = chunk_span(p + 1, pid_c, RULE, BLOCK_N, NCH, C_MIN)
         if pid_c == 0:
             gl.store(nc_ptr + pid_t, nc)
@@ -375,17 +405,5 @@ if HAVE_GLUON:
             for i in gl.static_range(STAGES + 1):
                 mbarrier.invalidate(bars.index(i))
 
-        rm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, O_L))
-        dl = gl.arange(0, DL, layout=gl.SliceLayout(0, O_L))
-        if nc == 1:
-            lo = gl.convert_layout(li, gl.SliceLayout(1, O_L))
-            out = o / gl.expand_dims(gl.where(lo == 0.0, 1.0, lo), 1)  # l == 0 only for a row that sees nothing
-            h = hb * BLOCK_M + rm
-            gl.store(out_ptr + t64 * stride_ot + gl.expand_dims(h * stride_oh, 1) + gl.expand_dims(dl, 0),
-                     out.to(out_ptr.dtype.element_ty), mask=gl.expand_dims(h < H, 1) & gl.expand_dims(dl < DL, 0))
-        else:
-            part = (pid_t * GC + pid_c).to(gl.int64)
-            gl.store(po_ptr + part * (BLOCK_M * DL) + gl.expand_dims(rm * DL, 1) + gl.expand_dims(dl, 0), o)
-            rs = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, S_L))
-            gl.store(pml_ptr + part * (2 * BLOCK_M) + rs, m)
-            gl.store(pml_ptr + part * (2 * BLOCK_M) + BLOCK_M + rs, li)
+        _store_item(o, m, li, pid_t, pid_c, nc, HT, GC, out_ptr, po_ptr, pml_ptr, stride_ot, stride_oh, H, BLOCK_M,
+                    DL, S_L, O_L)

@@ -37,7 +37,7 @@ import functools
 import torch
 import triton
 
-from kernels import _mla_gluon, _mla_gluon_ws
+from kernels import _mla_gluon, _mla_gluon_persistent, _mla_gluon_ws
 from kernels._mla_kernels import _mla_combine_kernel, _mla_fwd_kernel, chunk_span
 
 _BLOCK_M = 64  # largest query tile: the heads of one token (64 at Kimi)
@@ -98,6 +98,11 @@ def max_chunks(cap: int, chunk_rule: str = DEFAULT_CHUNK_RULE, block_n: int = DE
 @functools.cache
 def _capability(index: int | None) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)  # asked once per device: the launcher runs every layer
+
+
+@functools.cache
+def _sm_count(index: int | None) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _gluon_unsupported_shape(device: torch.device, heads: int, latent: int, rope: int, dtype: torch.dtype,
@@ -185,7 +190,8 @@ def mla_attention_ref(
 def mla_attention_triton(q_lat, q_pe, kv_cache, block_table, page_size, cu_q, prefix_lens, tree_bits,
                          sm_scale, *, out=None, block_n: int = DEFAULT_BLOCK_N, num_warps: int = 8,
                          num_stages: int = 2, nch: int = _NCH, c_min: int = _C_MIN,
-                         chunk_rule: str = DEFAULT_CHUNK_RULE, impl: str | None = None, tma: bool | None = None):
+                         chunk_rule: str = DEFAULT_CHUNK_RULE, impl: str | None = None, tma: bool | None = None,
+                         persistent: bool | None = None):
     """The Triton path on any device (tests call it on CPU under TRITON_INTERPRET=1).
 
     q_lat/q_pe are cast to the cache dtype; `out` ([T, H, Dl], optional) is written in place.
@@ -197,7 +203,9 @@ def mla_attention_triton(q_lat, q_pe, kv_cache, block_table, page_size, cu_q, pr
     run); None: the module's `DEFAULT_IMPL`, read at each call. They give different bits from each other,
     so the impl is fixed per deployment too. `tma` (gluon only; None: `_mla_gluon.GLUON_TMA`): the query tile and
     whole tiles of committed rows by TMA (as runs of a page's rows: pages of 16, 32 or a multiple of 64 rows), the
-    other tiles by cp.async; the same data lands in the same layout, so the same bits either way."""
+    other tiles by cp.async; the same data lands in the same layout, so the same bits either way. `persistent` (gluon
+    with the query tile by TMA; None: `_mla_gluon_persistent.GLUON_PERSISTENT`): one program per SM runs its share
+    of the (query tile, chunk) items as one stream of tiles (`_mla_gluon_persistent`), the same bits again."""
     T, H, Dl = q_lat.shape
     Dr = q_pe.shape[-1]
     S = prefix_lens.shape[0]
@@ -258,10 +266,18 @@ def mla_attention_triton(q_lat, q_pe, kv_cache, block_table, page_size, cu_q, pr
         box = _mla_gluon.tma_box_rows(page_size) if use_tma else 0
         qdesc = _mla_gluon.q_descriptors(q_lat, q_pe) if use_tma else None
         kvdesc = _mla_gluon.kv_descriptors(kv_cache, box or block_n)
-        _mla_gluon._mla_fwd_gluon_kernel[(tiles, grid_c)](
-            *common[:11], *kvdesc, *(qdesc or kvdesc), *common[11:], DL=Dl, DR=Dr, PAGE=page_size, BLOCK_M=block_m,
-            BLOCK_N=block_n, NCH=nch, C_MIN=c_min, RULE=rule, S_PAD=s_pad, TREE=tree_bits is not None, NB=nb,
-            STAGES=_mla_gluon.GLUON_STAGES, BOX=box, QTMA=qdesc is not None, num_warps=num_warps)
+        shape = dict(DL=Dl, DR=Dr, PAGE=page_size, BLOCK_M=block_m, BLOCK_N=block_n, NCH=nch, C_MIN=c_min, RULE=rule,
+                     S_PAD=s_pad, TREE=tree_bits is not None, NB=nb, STAGES=_mla_gluon.GLUON_STAGES, BOX=box,
+                     num_warps=num_warps)
+        if persistent is None:
+            persistent = _mla_gluon_persistent.GLUON_PERSISTENT
+        if persistent and qdesc is not None:  # (it loads every query tile by TMA)
+            nprog = min(tiles * grid_c, _sm_count(q_lat.device.index))
+            _mla_gluon_persistent._mla_fwd_gluon_persistent_kernel[(nprog,)](
+                *common[:11], *kvdesc, *qdesc, *common[11:], tiles, nprog, **shape)
+        else:
+            _mla_gluon._mla_fwd_gluon_kernel[(tiles, grid_c)](
+                *common[:11], *kvdesc, *(qdesc or kvdesc), *common[11:], QTMA=qdesc is not None, **shape)
     else:
         _mla_fwd_kernel[(tiles, grid_c)](
             *common, DL=Dl, DR=Dr, BDL=bdl, BDR=bdr, PAGE=page_size, BLOCK_M=block_m, BLOCK_N=block_n, NCH=nch,

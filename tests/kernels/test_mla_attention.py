@@ -185,6 +185,7 @@ from triton.experimental.gluon import language as gl
 mod = __import__(sys.argv[1], fromlist=[sys.argv[2]])
 kernel, num_warps, stages = getattr(mod, sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 box = json.loads(sys.argv[5])  # None: a kernel without TMA descriptors, else its BOX constexpr (0: no TMA)
+persistent = len(sys.argv) > 6 and sys.argv[6] == "persistent"  # (TILES, NPROG after the strides; no QTMA)
 out = {}
 for tree in (True, False):
     sig = {n: "*bf16" for n in ("q_ptr", "qpe_ptr", "kv_ptr", "out_ptr")}
@@ -200,9 +201,11 @@ for tree in (True, False):
     strides = ("stride_qt", "stride_qh", "stride_pt", "stride_ph", "stride_kv", "stride_bt", "stride_bits",
                "stride_ot", "stride_oh")
     sig.update({n: "i32" for n in strides})
+    if persistent:
+        sig.update({"TILES": "i32", "NPROG": "i32"})
     cst = dict(DL=512, DR=64, PAGE=box or 64, BLOCK_M=64, BLOCK_N=64, NCH=16, C_MIN=512, RULE=1, S_PAD=16,
                TREE=tree, NB=128 if tree else 64, STAGES=stages,
-               **({} if box is None else {"BOX": box, "QTMA": box > 0}))
+               **({} if box is None else {"BOX": box} if persistent else {"BOX": box, "QTMA": box > 0}))
     sig.update({k: "constexpr" for k in cst})
     names = list(sig)
     aligned = {(names.index(n),): [["tt.divisibility", 16]] for n in names
@@ -228,13 +231,14 @@ print(json.dumps(out))
 _SM90_SMEM = 232448  # bytes of shared memory one block may have on sm_90 (227 KB)
 
 
-def compile_for_sm90(tmp_path, module: str, kernel: str, num_warps: int, stages: int, box: int | None = None
-                     ) -> dict:
+def compile_for_sm90(tmp_path, module: str, kernel: str, num_warps: int, stages: int, box: int | None = None,
+                     persistent: bool = False) -> dict:
     """Compile a Gluon tile kernel for sm_90 in a subprocess (no GPU needed; this process may run Triton in
     interpreter mode), bf16, tree and causal: {"True"/"False": PTX counts, shared bytes, ptxas -v facts}. `box`:
-    None for a kernel without TMA descriptors, else its BOX constexpr (the page size is the box, 64 for 0)."""
+    None for a kernel without TMA descriptors, else its BOX constexpr (the page size is the box, 64 for 0);
+    `persistent`: the signature of `_mla_gluon_persistent`'s kernel."""
     return run_sm90_script(tmp_path, _SM90_COMPILE, module, kernel, str(num_warps), str(stages), json.dumps(box),
-                           timeout=300)
+                           "persistent" if persistent else "grid", timeout=300)
 
 
 def test_mla_gluon_kernel_compiles_for_sm90_with_s_once(tmp_path):
@@ -256,6 +260,24 @@ def test_mla_gluon_kernel_compiles_for_sm90_with_s_once(tmp_path):
             # instruction) + the rope's one, as 2D tensor copies; the query tile one expect_tx and two copies
             boxes = 64 // box if box else 0
             assert (n["tma"], n["expect_tx"]) == ((3 * 2 * boxes + 2, 4) if box else (0, 0)), what
+
+
+def test_mla_gluon_persistent_kernel_compiles_for_sm90(tmp_path):
+    """The persistent Gluon kernel compiled for sm_90 (PTX, no GPU): the grid kernel's MMAs (S as 36 m64n32k16 per
+    site: tile 0's and the stream's; O += P V as 4 m64n256k16), TMA at its three tile sites (tile 0, tile 1, the
+    stream's g + 2) and three query sites (the first item's, tile 1's item, a new item in the stream), one
+    expect_tx each, and the grid kernel's shared memory."""
+    from kernels import _mla_gluon, _mla_gluon_persistent
+
+    for box in (0, 64, 16):
+        for tree, n in compile_for_sm90(tmp_path, "kernels._mla_gluon_persistent", "_mla_fwd_gluon_persistent_kernel",
+                                        _mla_gluon.GLUON_WARPS, _mla_gluon.GLUON_STAGES, box, persistent=True).items():
+            what = f"box={box} tree={tree}: {n}"
+            assert n["wgmma"] == {"m64n32k16": 2 * 36, "m64n256k16": 4}, what
+            assert n["cp_async"] > 0 and 0 < n["shared"] <= _SM90_SMEM, what
+            boxes = 64 // box if box else 0
+            assert n["tma"] == 3 * 2 * boxes + 3 * 2 and n["expect_tx"] == (3 if box else 0) + 3, what
+    assert _mla_gluon_persistent.HAVE_GLUON
 
 
 def test_mla_gluon_ws_kernel_compiles_for_sm90(tmp_path):
@@ -503,6 +525,42 @@ def test_mla_gluon_tma_loads_give_the_cp_async_bits(tree, prefix, ns, page):
     spread[::2] = qpe
     views = (wide[..., :KIMI["Dl"]], spread[::2], stack[1], *rest)
     assert_bitwise(run_kernel(views, SCALE, impl="gluon", tma=True), with_tma, f"query views, page {page}")
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("programs", [None, 1, 5])
+@pytest.mark.parametrize("page", [8, 16, 64])
+@pytest.mark.parametrize("tree,prefix,ns", [
+    # one-tile items next to 16-chunk rows, a session without queries, a row with nothing committed
+    (True, [0, 63, 64, 65, 1000, 0, 4097, 9001], [9, 65, 1, 33, 17, 0, 5, 40]),
+    (False, [0, 127, 2048, 5], [70, 3, 64, 1]),
+    (True, [0], [1]),  # one item in all
+])
+def test_mla_gluon_persistent_gives_the_grid_kernels_bits(tree, prefix, ns, page, programs, monkeypatch):
+    """The persistent kernel (one program per SM walking its items as one stream of tiles; here also 1 and 5
+    programs, so a program runs hundreds of items and crosses every kind of item boundary) equals, bit for bit, the
+    grid kernel (one program per item) with the same loads, and the reference within tolerance. Page 8: every
+    tile by cp.async (only the query tiles by TMA); 16 / 64: the TMA tiles too."""
+    import kernels.mla_attention as mla
+
+    if programs is not None:
+        monkeypatch.setattr(mla, "_sm_count", lambda index: programs)
+    args = make_batch(prefix, ns, KIMI["H"], KIMI["Dl"], KIMI["Dr"], page, torch.bfloat16, tree, seed=11)
+    out = run_kernel(args, SCALE, impl="gluon", persistent=True)
+    assert_bitwise(out, run_kernel(args, SCALE, impl="gluon", persistent=False), f"page {page} tree={tree}")
+    assert_close(out, reference(args, SCALE), TOL[torch.bfloat16], f"persistent page {page} {prefix} {ns}")
+    # launched twice in a row (the stream leaves no state behind) and from a CUDA graph
+    assert_bitwise(run_kernel(args, SCALE, impl="gluon", persistent=True), out, "second launch")
+    graph_out = torch.full_like(out, float("nan"))
+    mla.mla_attention_triton(*args, SCALE, out=graph_out, impl="gluon", persistent=True)  # compiled before capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        mla.mla_attention_triton(*args, SCALE, out=graph_out, impl="gluon", persistent=True)
+    graph_out.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    assert_bitwise(graph_out, out, "graph replay")
 
 
 @gpu
