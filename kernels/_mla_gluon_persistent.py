@@ -52,7 +52,7 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
 
 from kernels._mla_kernels import chunk_span
 
-GLUON_PERSISTENT = True  # the launcher's default for the gluon impl (same bits as `_mla_gluon`'s grid)
+GLUON_PERSISTENT = False  # opt-in until it has run on a GPU (written in a session without one; same bits by design)
 
 if HAVE_GLUON:
 
