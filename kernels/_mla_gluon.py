@@ -106,6 +106,13 @@ def kv_descriptors(kv_cache, box: int):
             TensorDescriptor(kv_cache, shape, strides, [box, GLUON_DR], _tile_layout(GLUON_DR)))
 
 if HAVE_GLUON:
+    # the tile kernels' register layouts (8 warps; shared by `_mla_gluon_persistent`)
+    _L1 = gl.constexpr(gl.BlockedLayout([1], [32], [8], [0]))
+    _LB2 = gl.constexpr(gl.BlockedLayout([1, 1], [1, 32], [8, 1], [1, 0]))  # [BLOCK_N, NB] tree lookups
+    _LKV = gl.constexpr(gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0]))  # [rows, 512]: 16-byte copies
+    _LPE = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0]))  # [rows, 64]
+    _S_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16]))
+    _O_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 256, 16]))
 
     @gluon.jit
     def _session_of(t, cu_ptr, S, S_PAD: gl.constexpr, L1: gl.constexpr):
@@ -131,6 +138,18 @@ if HAVE_GLUON:
             bit = gl.zeros([NB], gl.int32, layout=gl.SliceLayout(0, LB2))
             p = L + t - gl.load(cu_ptr + s)
         return t, s, L, bit, p
+
+    @gluon.jit
+    def _ancestor_ranks(bit, NB: gl.constexpr, TREE: gl.constexpr, LB2: gl.constexpr):
+        """Depth of each ancestor (where bit is set) = the set bits before it ([NB, NB] sum, once per query row);
+        `bit` itself when causal (unused there)."""
+        if TREE:
+            kk = gl.arange(0, NB, layout=gl.SliceLayout(0, LB2))
+            kr = gl.arange(0, NB, layout=gl.SliceLayout(1, LB2))
+            below = gl.expand_dims(kk, 0) < gl.expand_dims(kr, 1)
+            return gl.convert_layout(gl.sum(gl.where(below, gl.expand_dims(bit, 0), 0), 1), gl.SliceLayout(0, LB2))
+        else:
+            return bit
 
     @gluon.jit
     def _store_item(o, m, li, pid_t, pid_c, nc, HT, GC, out_ptr, po_ptr, pml_ptr, stride_ot, stride_oh, H,
@@ -262,15 +281,6 @@ if HAVE_GLUON:
         gl.static_assert(BOX == 0 or (BOX % 8 == 0 and (PAGE % BLOCK_N == 0 if BOX == BLOCK_N else BOX == PAGE)
                                       and BLOCK_N // BOX <= 4))
         gl.static_assert(gl.num_warps() == 8)
-        # --- layouts ---
-        L1: gl.constexpr = gl.BlockedLayout([1], [32], [8], [0])
-        LB2: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [8, 1], [1, 0])  # [BLOCK_N, NB] tree lookups
-        LKV: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0])  # [rows, 512]: 16-byte copies
-        LPE: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])  # [rows, 64]
-        S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                      instr_shape=[16, 32, 16])
-        O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                      instr_shape=[16, 256, 16])
         dt: gl.constexpr = kv_ptr.dtype.element_ty
         SH_KV: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, DL], dt)
         SH_PE: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, DR], dt)
@@ -280,8 +290,7 @@ if HAVE_GLUON:
         pid_t = gl.program_id(0)
         pid_c = gl.program_id(1)
         hb = pid_t % HT
-        t, s, L, bit, p = _item_query(pid_t, cu_ptr, pre_ptr, bits_ptr, S, HT, stride_bits, S_PAD, TREE, NB, L1, LB2)
-        kk = gl.arange(0, NB, layout=gl.SliceLayout(0, LB2))
+        t, s, L, bit, p = _item_query(pid_t, cu_ptr, pre_ptr, bits_ptr, S, HT, stride_bits, S_PAD, TREE, NB, _L1, _LB2)
         nc, start, end = chunk_span(p + 1, pid_c, RULE, BLOCK_N, NCH, C_MIN)
         if pid_c == 0:
             gl.store(nc_ptr + pid_t, nc)
@@ -326,49 +335,43 @@ if HAVE_GLUON:
             if n_tma > 1:
                 _tma_tile(_tile_boxes(start + BLOCK_N, end, bt_row, PAGE, BOX), ckv_smem.index(1),
                           kpe_smem.index(1), bars.index(1), desc_l, desc_r, DL, BOX)
-        if TREE:
-            # depth of each ancestor (where bit is set) = set bits before it ([NB, NB] sum, once per program)
-            kr = gl.arange(0, NB, layout=gl.SliceLayout(1, LB2))
-            below = gl.expand_dims(kk, 0) < gl.expand_dims(kr, 1)
-            rank = gl.convert_layout(gl.sum(gl.where(below, gl.expand_dims(bit, 0), 0), 1), gl.SliceLayout(0, LB2))
-        else:
-            rank = bit
-        rows, valid = _tile_rows(start, start, end, ident, L, bit, rank, bt_row, PAGE, BLOCK_N, NB, TREE, L1, LB2)
+        rank = _ancestor_ranks(bit, NB, TREE, _LB2)
+        rows, valid = _tile_rows(start, start, end, ident, L, bit, rank, bt_row, PAGE, BLOCK_N, NB, TREE, _L1, _LB2)
         if n_tma <= 0:
-            _issue_tile(kv_ptr, stride_kv, rows, valid, ckv_smem.index(0), kpe_smem.index(0), DL, DR, LKV, LPE)
+            _issue_tile(kv_ptr, stride_kv, rows, valid, ckv_smem.index(0), kpe_smem.index(0), DL, DR, _LKV, _LPE)
         cp.commit_group()
         if n_tiles > 1:
             rows, valid = _tile_rows(start + BLOCK_N, start, end, ident, L, bit, rank, bt_row, PAGE, BLOCK_N, NB,
-                                     TREE, L1, LB2)
+                                     TREE, _L1, _LB2)
             if n_tma <= 1:
-                _issue_tile(kv_ptr, stride_kv, rows, valid, ckv_smem.index(1), kpe_smem.index(1), DL, DR, LKV, LPE)
+                _issue_tile(kv_ptr, stride_kv, rows, valid, ckv_smem.index(1), kpe_smem.index(1), DL, DR, _LKV, _LPE)
         cp.commit_group()
         boxes = _tile_boxes(start, end, bt_row, PAGE, BOX)  # (defined for the loop; tile 2's are looked up next)
         if n_tiles > 2:
             rows, valid = _tile_rows(start + 2 * BLOCK_N, start, end, ident, L, bit, rank, bt_row, PAGE, BLOCK_N,
-                                     NB, TREE, L1, LB2)
+                                     NB, TREE, _L1, _LB2)
             boxes = _tile_boxes(start + 2 * BLOCK_N, end, bt_row, PAGE, BOX)
 
         if QTMA:
             mbarrier.wait(bars.index(STAGES), 0)
         else:
-            h1 = hb * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LKV))
-            c1 = gl.arange(0, DL, layout=gl.SliceLayout(0, LKV))
+            h1 = hb * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, _LKV))
+            c1 = gl.arange(0, DL, layout=gl.SliceLayout(0, _LKV))
             q = gl.load(q_ptr + t64 * stride_qt + gl.expand_dims(h1 * stride_qh, 1) + gl.expand_dims(c1, 0),
                         mask=gl.expand_dims(h1 < H, 1) & gl.expand_dims(c1 < DL, 0), other=0.0)
             q_smem.store(q.to(dt))
-            h2 = hb * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LPE))
-            c2 = gl.arange(0, DR, layout=gl.SliceLayout(0, LPE))
+            h2 = hb * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, _LPE))
+            c2 = gl.arange(0, DR, layout=gl.SliceLayout(0, _LPE))
             qpe = gl.load(qpe_ptr + t64 * stride_pt + gl.expand_dims(h2 * stride_ph, 1) + gl.expand_dims(c2, 0),
                           mask=gl.expand_dims(h2 < H, 1) & gl.expand_dims(c2 < DR, 0), other=0.0)
             qpe_smem.store(qpe.to(dt))
 
-        m = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_L))
-        li = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, S_L))
-        o = gl.zeros([BLOCK_M, DL], gl.float32, layout=O_L)
-        cols_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_L))
+        m = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, _S_L))
+        li = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, _S_L))
+        o = gl.zeros([BLOCK_M, DL], gl.float32, layout=_O_L)
+        cols_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, _S_L))
         _wait_tile(0, n_tma, bars, 1, STAGES)  # tile 0 landed
-        sc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=S_L)
+        sc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=_S_L)
         sc = warpgroup_mma(q_smem, ckv_smem.index(0).permute((1, 0)), sc, use_acc=False, is_async=True)
         sc = warpgroup_mma(qpe_smem, kpe_smem.index(0).permute((1, 0)), sc, is_async=True)
         sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
@@ -380,7 +383,7 @@ if HAVE_GLUON:
             p_smem.store(pr.to(dt))
             fence_async_shared()
             _cta_barrier()
-            o = o * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, O_L)), 1)
+            o = o * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, _O_L)), 1)
             o = warpgroup_mma(p_smem, ckv_smem.index(j % STAGES), o, is_async=True)
             if j + 1 < n_tiles:
                 _wait_tile(j + 1, n_tma, bars, 0, STAGES)  # tile j + 1 landed (the only group in flight)
@@ -392,13 +395,13 @@ if HAVE_GLUON:
             _cta_barrier()  # every warp is done with stage j and P before they are rewritten
             if j + 2 < n_tiles:
                 _load_tile(j + 2, n_tma, boxes, kv_ptr, stride_kv, rows, valid, ckv_smem.index(j % STAGES),
-                           kpe_smem.index(j % STAGES), bars.index(j % STAGES), desc_l, desc_r, DL, DR, BOX, LKV,
-                           LPE)
+                           kpe_smem.index(j % STAGES), bars.index(j % STAGES), desc_l, desc_r, DL, DR, BOX, _LKV,
+                           _LPE)
             cp.commit_group()
             if j + 3 < n_tiles:
                 if j + 3 >= n_tma:  # a cp.async tile: its pool rows (a TMA tile needs only its boxes)
                     rows, valid = _tile_rows(start + (j + 3) * BLOCK_N, start, end, ident, L, bit, rank, bt_row,
-                                             PAGE, BLOCK_N, NB, TREE, L1, LB2)
+                                             PAGE, BLOCK_N, NB, TREE, _L1, _LB2)
                 boxes = _tile_boxes(start + (j + 3) * BLOCK_N, end, bt_row, PAGE, BOX)
         cp.wait_group(0)
         if BOX > 0 or QTMA:
@@ -406,4 +409,4 @@ if HAVE_GLUON:
                 mbarrier.invalidate(bars.index(i))
 
         _store_item(o, m, li, pid_t, pid_c, nc, HT, GC, out_ptr, po_ptr, pml_ptr, stride_ot, stride_oh, H, BLOCK_M,
-                    DL, S_L, O_L)
+                    DL, _S_L, _O_L)

@@ -76,7 +76,7 @@ if HAVE_GLUON:
         warpgroup_mma_wait,
     )
 
-    from kernels._mla_gluon import _cp_async, _session_of, _softmax_tile
+    from kernels._mla_gluon import _ancestor_ranks, _cp_async, _item_query, _softmax_tile
 
 from kernels._mla_kernels import chunk_span
 
@@ -277,20 +277,10 @@ if HAVE_GLUON:
         # --- which query row and chunk (as _mla_gluon) ---
         pid_t = gl.program_id(0)
         pid_c = gl.program_id(1)
-        t = pid_t // HT
         hb = pid_t % HT
-        s = _session_of(t, cu_ptr, S, S_PAD, L1)
-        L = gl.load(pre_ptr + s)
+        t, s, L, bit, p = _item_query(pid_t, cu_ptr, pre_ptr, bits_ptr, S, HT, stride_bits, S_PAD, TREE, NB, L1, LB2)
         kk = gl.arange(0, NB, layout=gl.SliceLayout(0, LB2))
-        if TREE:
-            w = gl.load(bits_ptr + t.to(gl.int64) * stride_bits + kk // 64)
-            bit = ((w >> (kk % 64).to(gl.int64)) & 1).to(gl.int32)
-            p = L + gl.sum(bit, 0) - 1
-            kr = gl.arange(0, NB, layout=gl.SliceLayout(1, LB2))
-            below = gl.expand_dims(kk, 0) < gl.expand_dims(kr, 1)
-            rank = gl.convert_layout(gl.sum(gl.where(below, gl.expand_dims(bit, 0), 0), 1), gl.SliceLayout(0, LB2))
-        else:
-            p = L + t - gl.load(cu_ptr + s)
+        rank = _ancestor_ranks(bit, NB, TREE, LB2)
         nc, start, end = chunk_span(p + 1, pid_c, RULE, BLOCK_N, NCH, C_MIN)
         if pid_c == 0:
             gl.store(nc_ptr + pid_t, nc)

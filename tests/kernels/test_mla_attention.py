@@ -264,9 +264,9 @@ def test_mla_gluon_kernel_compiles_for_sm90_with_s_once(tmp_path):
 
 def test_mla_gluon_persistent_kernel_compiles_for_sm90(tmp_path):
     """The persistent Gluon kernel compiled for sm_90 (PTX, no GPU): the grid kernel's MMAs (S as 36 m64n32k16 per
-    site: tile 0's and the stream's; O += P V as 4 m64n256k16), TMA at its three tile sites (tile 0, tile 1, the
-    stream's g + 2) and three query sites (the first item's, tile 1's item, a new item in the stream), one
-    expect_tx each, and the grid kernel's shared memory."""
+    site: tile 0's and the stream's; O += P V as 4 m64n256k16), TMA at its two load sites (tile 0 and the stream's
+    tile g + 1, each with a query tile for a new item), one expect_tx per tile and per query tile, and the grid
+    kernel's shared memory."""
     from kernels import _mla_gluon, _mla_gluon_persistent
 
     for box in (0, 64, 16):
@@ -276,7 +276,7 @@ def test_mla_gluon_persistent_kernel_compiles_for_sm90(tmp_path):
             assert n["wgmma"] == {"m64n32k16": 2 * 36, "m64n256k16": 4}, what
             assert n["cp_async"] > 0 and 0 < n["shared"] <= _SM90_SMEM, what
             boxes = 64 // box if box else 0
-            assert n["tma"] == 3 * 2 * boxes + 3 * 2 and n["expect_tx"] == (3 if box else 0) + 3, what
+            assert n["tma"] == 2 * 2 * boxes + 2 * 2 and n["expect_tx"] == (2 if box else 0) + 2, what
     assert _mla_gluon_persistent.HAVE_GLUON
 
 

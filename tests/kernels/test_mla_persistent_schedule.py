@@ -64,7 +64,7 @@ def run_program(item, TOTAL, NPROG, pid):
     g_load = 0  # next global tile index the loader issues
     s_done = -1  # the last tile whose S is done
 
-    def find(w):
+    def next_item(w):  # _next_item / _find_item: None when nothing is left
         while w < TOTAL:
             it = item(w)
             if it.pid_c < it.nc:
@@ -72,15 +72,27 @@ def run_program(item, TOTAL, NPROG, pid):
             w += NPROG
         return None
 
-    def load(lit, lj, stage):
+    def issue(stage, lit, lj, pend):  # _issue
         nonlocal g_load
+        if lit is None:
+            return pend
         assert reading[stage] is None, f"stage {stage} reloaded while tile {reading[stage]} is read"
         stage_tiles[stage].append((g_load, lj < lit.n_tma))
         g_load += 1
+        if lj == 0:  # a new item's query tile: every earlier tile's S must be done
+            assert s_done == g_load - 2, "query tile reloaded while an S may read it"
+            assert pend is None, "pending record overwritten"
+            q_loads.append(lit.w)
+            pend = lit
+        return pend
 
-    def issue_q(lit):  # with the item's first tile (loaded just before): every earlier tile's S must be done
-        assert s_done == g_load - 2, "query tile reloaded while an S may read it"
-        q_loads.append(lit.w)
+    def advance(lit, lj):
+        if lit is None:
+            return None, lj
+        lj += 1
+        if lj == lit.n_tiles:
+            return next_item(lit.w + NPROG), 0
+        return lit, lj
 
     def wait_tile(g, stage, tma, ph):
         assert stage_tiles[stage][-1][0] == g, f"tile {g} is no longer in stage {stage}"
@@ -91,37 +103,25 @@ def run_program(item, TOTAL, NPROG, pid):
             assert sum(t for _, t in stage_tiles[stage]) == done + 1, "a TMA tile waited twice or skipped"
             stage_waits[stage] += 1
 
-    # prologue
-    lit = find(pid)
+    # prologue: tile 0 and the first query tile, taken by the computer at once
+    lit = next_item(pid)
     if lit is None:
         return log, stored
-    cit = lit
-    q_loads.append(lit.w)
-    load(lit, 0, 0)
-    lj = 1
-    if lit.n_tiles == 1:
-        lit = find(lit.w + NPROG)
-        lj = 0
+    lj = 0
+    cit = issue(0, lit, lj, None)
+    pending = None
+    lit, lj = advance(lit, lj)
     tph = 0
     wait_tile(0, 0, cit.n_tma > 0, 0)
     if cit.n_tma > 0:
         tph = 1
     assert q_loads[q_waits] == cit.w
     q_waits += 1
-    s_done = 0  # S_0, waited before the loads below
-    pending = None
-    if lit is not None:
-        load(lit, lj, 1)
-        if lj == 0:
-            issue_q(lit)
-            pending = lit
-    if lit is not None:
-        lj += 1
-        if lj == lit.n_tiles:
-            lit = find(lit.w + NPROG)
-            lj = 0
+    s_done = 0  # S_0, then a CTA barrier
     cj, stage, g = 0, 0, 0
     while cit is not None:
+        pending = issue(1 - stage, lit, lj, pending)  # tile g + 1
+        lit, lj = advance(lit, lj)
         log.append((cit.w, cj))
         reading[stage] = g  # PV_g in flight
         last = cj + 1 == cit.n_tiles
@@ -135,22 +135,14 @@ def run_program(item, TOTAL, NPROG, pid):
                 assert q_loads[q_waits] == pending.w, "S of a new item before its query tile was loaded"
                 q_waits += 1
             s_done = g + 1  # S_{g+1} issued and waited here
+        else:
+            assert lit is None, "the loader has tiles the computer will never reach"
         reading[stage] = None  # PV_g waited, CTA barrier
         if last:
             stored.append(cit.w)
             cit, pending, cj = pending, None, 0
         else:
             cj += 1
-        if lit is not None:
-            load(lit, lj, stage)
-            if lj == 0:
-                issue_q(lit)
-                assert pending is None, "pending record overwritten"
-                pending = lit
-            lj += 1
-            if lj == lit.n_tiles:
-                lit = find(lit.w + NPROG)
-                lj = 0
         stage = 1 - stage
         g += 1
     assert g_load == g, "tiles loaded and never computed"
