@@ -1,21 +1,31 @@
 #!/usr/bin/env bash
-# One device call for the MLA tile kernels: their GPU tests (the Gluon ones by default), then the kernel bench with
-# the persistent kernel off and on (page 64, then the serving page 16 at 4k / 32k), and with STEP=1 the whole verify
-# step (8 K2.6 layers) with it off and on. Logs and JSONL under $OUT (bench/results/run when unset). Stops after the
-# tests when they fail (a kernel that hangs is cut off by T_TESTS). Run from the repo root; set DDTREE_COMMIT.
+# One device call for the MLA tile kernels written in the twenty-fifth session without a GPU (read
+# docs/performance.md, "Twenty-fifth session"):
+#   1. the Gluon GPU tests of the grid and persistent kernels (`-k "gluon and not gluon_ws and not seesaw"`), then the
+#      kernel bench with the persistent kernel off and on (page 64; PAGE16=1: also the serving page 16 at 4k / 32k);
+#   2. the seesaw kernel's GPU tests (`-k seesaw`, its own time limit: a hang there costs only T_SEESAW), then, if
+#      they pass, the bench of gluon against gluon_seesaw;
+#   3. STEP=1: the whole verify step (8 K2.6 layers, 32k prefix, 33-node trees) with the persistent kernel off / on.
+# Logs and JSONL under $OUT (bench/results/run when unset). Run from the repo root; set DDTREE_COMMIT.
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 OUT=${OUT:-bench/results/run}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv 2>&1 | tee "$OUT/gpu.txt"
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
-timeout "${T_TESTS:-300}" python -m pytest tests/kernels/test_mla_attention.py -q -x -rs --durations=8 \
-  -k "${TESTS_K:-gluon and not gluon_ws}" 2>&1 | tee "$OUT/tests_mla.log" || exit 1
-timeout "${T_MLA:-200}" python bench/bench_mla_attention.py --no-peers --impl gluon --persistent off on \
-  --out "$OUT/mla_attention.jsonl" $MLA_ARGS 2>&1 | tee "$OUT/bench_mla_attention.log"
-if [ "${PAGE16:-1}" = 1 ]; then
-  timeout "${T_MLA16:-120}" python bench/bench_mla_attention.py --no-peers --impl gluon --persistent off on \
-    --page 16 --prefix 4096 32768 --out "$OUT/mla_attention_page16.jsonl" 2>&1 | tee "$OUT/bench_mla_page16.log"
+if timeout "${T_TESTS:-240}" python -m pytest tests/kernels/test_mla_attention.py -q -x -rs --durations=8 \
+    -k "gluon and not gluon_ws and not seesaw" 2>&1 | tee "$OUT/tests_mla.log"; then
+  timeout "${T_MLA:-200}" python bench/bench_mla_attention.py --no-peers --impl gluon --persistent off on \
+    --out "$OUT/mla_attention.jsonl" $MLA_ARGS 2>&1 | tee "$OUT/bench_mla_attention.log"
+  if [ "${PAGE16:-0}" = 1 ]; then
+    timeout "${T_MLA16:-120}" python bench/bench_mla_attention.py --no-peers --impl gluon --persistent off on \
+      --page 16 --prefix 4096 32768 --out "$OUT/mla_attention_page16.jsonl" 2>&1 | tee "$OUT/bench_mla_page16.log"
+  fi
+fi
+if [ "${SEESAW:-1}" = 1 ] && timeout "${T_SEESAW:-150}" python -m pytest tests/kernels/test_mla_attention.py -q -x \
+    -rs -k seesaw 2>&1 | tee "$OUT/tests_mla_seesaw.log"; then
+  timeout "${T_MLA_SEESAW:-150}" python bench/bench_mla_attention.py --no-peers --impl gluon gluon_seesaw \
+    --out "$OUT/mla_attention_seesaw.jsonl" 2>&1 | tee "$OUT/bench_mla_seesaw.log"
 fi
 if [ "${STEP:-0}" = 1 ]; then
   for p in off on; do

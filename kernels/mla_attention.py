@@ -12,7 +12,9 @@ Scores: (q_lat . c_kv + q_pe . k_pe) * sm_scale; output is the latent-space valu
 `mla_attention_ref` is the definition of correctness. `mla_attention` is the launcher: GPU kernels
 on CUDA, the reference elsewhere. Three tile kernels share the work split, the chunks and the combine:
 `_mla_gluon` (sm_90 with the Kimi head shapes: S computed once per tile, the default there),
-`_mla_gluon_ws` (the same shapes, warp-specialized; experimental, only when asked for: impl="gluon_ws") and
+`_mla_gluon_ws` (the same shapes, warp-specialized; experimental, only when asked for: impl="gluon_ws"),
+`_mla_gluon_seesaw` (the same shapes, FlashMLA's two-warpgroup "seesaw" schedule; experimental and not yet run on a
+GPU, only when asked for: impl="gluon_seesaw") and
 `_mla_kernels` (any GPU and the interpreter); `impl` / `DEFAULT_IMPL` pick one. The kernels are position aligned: a
 query at absolute position p (L + depth for a tree node, L + j for a causal row) reduces over its
 keys at positions 0..p (committed rows, then its ancestors by depth, then itself) in an order that
@@ -37,7 +39,7 @@ import functools
 import torch
 import triton
 
-from kernels import _mla_gluon, _mla_gluon_persistent, _mla_gluon_ws
+from kernels import _mla_gluon, _mla_gluon_persistent, _mla_gluon_seesaw, _mla_gluon_ws
 from kernels._mla_kernels import _mla_combine_kernel, _mla_fwd_kernel, chunk_span
 
 _BLOCK_M = 64  # largest query tile: the heads of one token (64 at Kimi)
@@ -46,9 +48,10 @@ _NCH = 16  # at most this many KV chunks per query row
 _C_MIN = 512  # base chunk size (keys) for rows of < NCH * C_MIN keys: bounds the partial traffic
 CHUNK_RULES = {"legacy": 0, "balanced": 1}  # `_mla_kernels.chunk_span`'s RULE
 DEFAULT_CHUNK_RULE = "balanced"
-IMPLS = ("triton", "gluon", "gluon_ws", "auto")  # tile kernel: `_mla_kernels` (any GPU, the interpreter),
-# `_mla_gluon` (sm_90) or `_mla_gluon_ws` (sm_90, warp-specialized, experimental: never picked by "auto")
-_GLUON_IMPLS = ("gluon", "gluon_ws")  # both need `gluon_unsupported(...) is None`
+IMPLS = ("triton", "gluon", "gluon_ws", "gluon_seesaw", "auto")  # tile kernel: `_mla_kernels` (any GPU, the
+# interpreter), `_mla_gluon` (sm_90), `_mla_gluon_ws` or `_mla_gluon_seesaw` (sm_90, warp-specialized, experimental:
+# never picked by "auto")
+_GLUON_IMPLS = ("gluon", "gluon_ws", "gluon_seesaw")  # all need `gluon_unsupported(...) is None`
 DEFAULT_IMPL = "auto"  # Gluon where it runs (H200, Kimi shapes: 1.6x the Triton kernel), else Triton
 _LOG2E = 1.4426950408889634
 
@@ -133,9 +136,9 @@ def gluon_unsupported(q_lat, q_pe, kv_cache, block_n: int, num_warps: int) -> st
 
 def configure(impl: str, device, heads: int, latent: int, rope: int, dtype: torch.dtype) -> str:
     """Fix the tile kernel of a deployment: set `DEFAULT_IMPL` (every later launch that does not pass
-    `impl` uses it) and return what it runs for this device and model: "gluon", "gluon_ws", "triton" or
+    `impl` uses it) and return what it runs for this device and model: "gluon", "gluon_ws", "gluon_seesaw", "triton" or
     "reference" (not CUDA: `mla_attention` runs the torch reference). ValueError, with the reason, for
-    "gluon" or "gluon_ws" where it cannot run, so a server refuses the flag at start rather than failing
+    one of the Gluon kernels where it cannot run, so a server refuses the flag at start rather than failing
     requests."""
     global DEFAULT_IMPL
     if impl not in IMPLS:
@@ -149,7 +152,7 @@ def configure(impl: str, device, heads: int, latent: int, rope: int, dtype: torc
         return "reference"
     if impl == "triton" or why is not None:
         return "triton"
-    return "gluon_ws" if impl == "gluon_ws" else "gluon"
+    return impl if impl in _GLUON_IMPLS else "gluon"
 
 
 def mla_attention_ref(
@@ -187,6 +190,14 @@ def mla_attention_ref(
     return out
 
 
+def _tma_descriptors(q_lat, q_pe, kv_cache, page_size: int, block_n: int, tma: bool | None):
+    """The Gluon kernels' TMA inputs: (BOX, the query tile's descriptors or None, the pool's descriptors)."""
+    use_tma = _mla_gluon.GLUON_TMA if tma is None else tma
+    box = _mla_gluon.tma_box_rows(page_size) if use_tma else 0
+    qdesc = _mla_gluon.q_descriptors(q_lat, q_pe) if use_tma else None
+    return box, qdesc, _mla_gluon.kv_descriptors(kv_cache, box or block_n)
+
+
 def mla_attention_triton(q_lat, q_pe, kv_cache, block_table, page_size, cu_q, prefix_lens, tree_bits,
                          sm_scale, *, out=None, block_n: int = DEFAULT_BLOCK_N, num_warps: int = 8,
                          num_stages: int = 2, nch: int = _NCH, c_min: int = _C_MIN,
@@ -199,9 +210,10 @@ def mla_attention_triton(q_lat, q_pe, kv_cache, block_table, page_size, cu_q, pr
     reduction order, so a deployment must keep them fixed (position alignment holds for any fixed
     value; "legacy" is the previous chunk rule, kept for comparisons). `impl` picks the tile kernel:
     "triton", "gluon" (`_mla_gluon`: sm_90, Kimi head shapes; ValueError elsewhere, with the reason),
-    "gluon_ws" (`_mla_gluon_ws`: the same, warp-specialized, experimental) or "auto" (gluon where it can
-    run); None: the module's `DEFAULT_IMPL`, read at each call. They give different bits from each other,
-    so the impl is fixed per deployment too. `tma` (gluon only; None: `_mla_gluon.GLUON_TMA`): the query tile and
+    "gluon_ws" (`_mla_gluon_ws`: the same, warp-specialized, experimental), "gluon_seesaw" (`_mla_gluon_seesaw`:
+    the same, two consumer warpgroups on pairs of tiles, experimental) or "auto" (gluon where it can run); None: the
+    module's `DEFAULT_IMPL`, read at each call. They give different bits from each other, so the impl is fixed per
+    deployment too. `tma` (gluon and gluon_seesaw; None: `_mla_gluon.GLUON_TMA`): the query tile and
     whole tiles of committed rows by TMA (as runs of a page's rows: pages of 16, 32 or a multiple of 64 rows), the
     other tiles by cp.async; the same data lands in the same layout, so the same bits either way. `persistent` (gluon
     with the query tile by TMA; None: `_mla_gluon_persistent.GLUON_PERSISTENT`): one program per SM runs its share
@@ -261,11 +273,15 @@ def mla_attention_triton(q_lat, q_pe, kv_cache, block_table, page_size, cu_q, pr
             *common, DL=Dl, DR=Dr, PAGE=page_size, BLOCK_M=block_m, BLOCK_N=block_n, NCH=nch, C_MIN=c_min,
             RULE=rule, S_PAD=s_pad, TREE=tree_bits is not None, NB=nb, STAGES=_mla_gluon_ws.WS_STAGES,
             num_warps=_mla_gluon_ws.WS_WARPS)
+    elif impl == "gluon_seesaw":
+        box, qdesc, kvdesc = _tma_descriptors(q_lat, q_pe, kv_cache, page_size, block_n, tma)
+        _mla_gluon_seesaw._mla_fwd_gluon_seesaw_kernel[(tiles, grid_c)](
+            *common[:11], *kvdesc, *(qdesc or kvdesc), *common[11:], DL=Dl, DR=Dr, PAGE=page_size, BLOCK_M=block_m,
+            BLOCK_N=block_n, NCH=nch, C_MIN=c_min, RULE=rule, S_PAD=s_pad, TREE=tree_bits is not None, NB=nb,
+            STAGES=_mla_gluon_seesaw.SEESAW_STAGES, BOX=box, QTMA=qdesc is not None,
+            num_warps=_mla_gluon_seesaw.SEESAW_WARPS)
     elif impl == "gluon":
-        use_tma = _mla_gluon.GLUON_TMA if tma is None else tma
-        box = _mla_gluon.tma_box_rows(page_size) if use_tma else 0
-        qdesc = _mla_gluon.q_descriptors(q_lat, q_pe) if use_tma else None
-        kvdesc = _mla_gluon.kv_descriptors(kv_cache, box or block_n)
+        box, qdesc, kvdesc = _tma_descriptors(q_lat, q_pe, kv_cache, page_size, block_n, tma)
         shape = dict(DL=Dl, DR=Dr, PAGE=page_size, BLOCK_M=block_m, BLOCK_N=block_n, NCH=nch, C_MIN=c_min, RULE=rule,
                      S_PAD=s_pad, TREE=tree_bits is not None, NB=nb, STAGES=_mla_gluon.GLUON_STAGES, BOX=box,
                      num_warps=num_warps)

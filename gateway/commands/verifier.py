@@ -67,7 +67,9 @@ def add_parser(sub) -> None:
                         "of silence takes ~0.4 ms longer on loopback); 0: off")
     s.add_argument("--mla-kernel", choices=IMPLS, default="auto",
                    help="MLA attention tile kernel: gluon (sm_90 with Kimi head shapes; refused at start "
-                        "elsewhere), gluon_ws (the same, warp-specialized; experimental, slower so far), triton "
+                        "elsewhere), gluon_ws (the same, warp-specialized; experimental, slower so far), "
+                        "gluon_seesaw (the same, two warpgroups on pairs of tiles; experimental, not yet run on a "
+                        "GPU), triton "
                         "(any GPU), auto (gluon where it runs; the default). They give different bits: every "
                         "rank and every restart of a deployment should use the same")
     s.set_defaults(func=run)

@@ -280,6 +280,37 @@ def test_mla_gluon_persistent_kernel_compiles_for_sm90(tmp_path):
     assert _mla_gluon_persistent.HAVE_GLUON
 
 
+def test_mla_gluon_seesaw_kernel_compiles_for_sm90(tmp_path):
+    """The seesaw kernel (`_mla_gluon_seesaw`) compiled for sm_90 (PTX and the ptxas -v log, no GPU), per consumer:
+    S of its whole tile as 32 m64n64k16 with Q's latent columns from shared memory plus 4 with the rope columns from
+    registers (K = 512 + 64), O += P V for both tiles of a pair as 4 m64n256k16 with its own P from registers and 4
+    with the other's from shared memory; no other shape. 12 warps (two consumer warpgroups + the producer warp,
+    padded), setmaxnreg for both consumers and the producer; TMA for whole tiles (one expect_tx, the latent's eight
+    column blocks and the rope per box) and the query tile (latent into Q's buffer, rope into P0's) when the page size
+    allows, the rest by
+    cp.async arriving on mbarriers (query and gathered tiles without TMA); ptxas neither serializes the wgmma nor
+    injects waits; shared memory within 227 KB; spills bounded as for `_mla_gluon_ws`."""
+    import triton
+
+    from kernels import _mla_gluon_seesaw as ss
+
+    max_spill = 16 if triton.__version__.startswith("3.6") else 512
+    for box in (0, 16, 64):
+        for tree, n in compile_for_sm90(tmp_path, "kernels._mla_gluon_seesaw", "_mla_fwd_gluon_seesaw_kernel",
+                                        ss.SEESAW_WARPS, ss.SEESAW_STAGES, box).items():
+            what = f"box={box} tree={tree}: {n}"
+            assert n["wgmma"] == {"m64n64k16": 2 * 32, "m64n64k16_rs": 2 * 4, "m64n256k16_rs": 2 * 4,
+                                  "m64n256k16": 2 * 4}, what
+            assert n["warps"] == 12 and {ss.CONSUMER_REGS, ss.PRODUCER_REGS} <= set(n["setmaxnreg"]), what
+            boxes = 64 // box if box else 0
+            # one producer warp issues every 128-byte column block of a box itself: 8 latent + 1 rope copies per
+            # box of a tile, and the same for the query tile
+            assert (n["tma"], n["expect_tx"]) == ((9 * boxes + 9, 2) if box else (0, 0)), what
+            assert n["cp_async"] > 0 and n["cp_async_arrive"] == (1 if box else 2) and n["mbarrier_wait"] > 0, what
+            assert n["ptxas_perf"] == [] and n["spill_bytes"] <= max_spill, what
+            assert 0 < n["shared"] <= _SM90_SMEM, what
+
+
 def test_mla_gluon_ws_kernel_compiles_for_sm90(tmp_path):
     """The warp-specialized kernel (`_mla_gluon_ws`) compiled for sm_90 (PTX and the ptxas -v log, no GPU):
     S as 36 m64n64k16 wgmma per site (one warpgroup computes all 64 keys of its tile over K = 576; three
@@ -475,7 +506,7 @@ def test_chunk_rule_examples():
 # ---------------------------------------------------------------- GPU: Kimi K2.6 shapes
 
 KIMI = dict(H=64, Dl=512, Dr=64, page=64)
-IMPLS_GPU = ["triton", "gluon", "gluon_ws"]
+IMPLS_GPU = ["triton", "gluon", "gluon_ws", "gluon_seesaw"]
 SCALE = 192**-0.5 * (0.1 * torch.log(torch.tensor(64.0)).item() + 1) ** 2
 
 

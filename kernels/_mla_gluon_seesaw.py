@@ -1,0 +1,353 @@
+"""Seesaw Gluon (Hopper) kernel of `kernels.mla_attention` (experimental, opt-in: impl="gluon_seesaw"; written in a
+session without a GPU and not yet run on one).
+
+Same work unit, keys, chunks, partials and combine as `_mla_gluon._mla_fwd_gluon_kernel` (a query tile is the 64
+heads of one token, a chunk a `chunk_span` of whole 64-key tiles at absolute positions; nc == 1 writes the output,
+else fp32 partials that `_mla_combine_kernel` folds in chunk order). What differs is the schedule inside a program,
+after FlashMLA's "seesaw" (its 2025-04 deep dive): the output O [64, 512] fp32 is too large for one warpgroup's
+registers, so it is split by columns, O_L in consumer 0 and O_R in consumer 1, and the chunk's 64-key tiles are
+taken in PAIRS (tile 2i in stage 0, tile 2i + 1 in stage 1; an odd chunk ends with a zero-filled, fully masked
+phantom tile). Per pair, in base 2 with m the running row max:
+
+  consumer 0                                       consumer 1
+  S0 = Q K0^T (its whole tile, N = 64)             S1 = Q K1^T
+  m0 = max(m, rowmax S0), s0 = 2^(m - m0)   ->     (waits m0, s0)  m1 = max(m0, rowmax S1), s1 = 2^(m0 - m1)
+  p0 = 2^(S0 - m0); O_L = O_L s0 + p0 V0L          p1 = 2^(S1 - m1), published with m1, s1
+  (waits s1, p1)  publish p0 s1               <-   O_R = O_R s0 s1 + p1 V1R
+  O_L = O_L s1 + p1 V1L                      ->    (waits p0 s1)  O_R += (p0 s1) V0R
+
+which is FlashAttention's online softmax over the pair, rearranged so that each warpgroup computes S of a whole
+tile (half the shared-memory traffic per S flop of `_mla_gluon`'s split S) and one warpgroup's softmax overlaps the
+other's MMAs; only the row max passes from consumer 0 to consumer 1 before consumer 1's softmax. The row sums are
+kept per consumer (even / odd tiles, rescaled as O) and added once at the end, consumer 0's first.
+
+Partitions (`gl.warp_specialize`): consumer 0 (the default partition, 4 warps), consumer 1 (4 warps) and a one-warp
+producer. The producer loads the query tile (by TMA where the token's heads are rows of one 2D view, `QTMA`; else by
+cp.async) and the chunk's tiles: whole committed tiles by TMA (`BOX` > 0: as `_mla_gluon`), the others (ragged
+ends, tree ancestors, the phantom) gathered with zero-filling cp.async, each kind on its own barrier per stage
+(`full_tma[s]`: the chunk's first n_tma tiles, so tile j completes phase (j // 2) & 1; `full_cp[s]`: phase
+((j - n_tma) // 2) & 1). A stage is refilled once both consumers released it (`empty[s]`, two arrivals).
+
+Shared memory (227 KB max): Q's latent 64 KB + 2 KV stages of 72 KB + P0 and P1 8 KB each + row statistics; the
+query's rope columns [64, 64] arrive in P0's buffer and each consumer keeps them in registers (the A operand of S's
+rope part) before P0 is first written. Hand-offs (mbarriers, one completion per pair, phase i & 1): `m0_bar` (m0,
+s0), `s1_bar` (m1, s1 and P1), `p0_bar` (P0 s1); `fin_bar` (two arrivals) exchanges the row sums at the end. Every
+buffer is rewritten only after its reader's wgmma was waited for (see the comments at each arrive).
+
+Determinism: the pairing is by tile index within a chunk, chunks start at absolute positions that depend only on
+the row's position, and each tile always goes through the same consumer with the same instructions: results are
+batch-invariant and position-aligned within this impl (not bitwise equal to the other impls).
+"""
+
+from __future__ import annotations
+
+from kernels._mla_gluon import HAVE_GLUON
+
+if HAVE_GLUON:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+
+    from kernels._gluon_compat import tma_load as _tma_load
+    from kernels._mla_gluon import _ancestor_ranks, _item_query, _tile_boxes, _tma_tile
+    from kernels._mla_gluon_ws import _copy_rows, _opaque_zero
+
+from kernels._mla_kernels import chunk_span
+
+SEESAW_WARPS = 4  # the launch's num_warps: consumer 0 (the default partition); consumer 1 and the producer are workers
+SEESAW_STAGES = 2  # one pair of KV tiles
+CONSUMER_REGS = 232  # setmaxnreg of consumer 1 (consumer 0 gets the rest: 232)
+PRODUCER_REGS = 48  # the producer warp's warpgroup
+
+if HAVE_GLUON:
+    _SS_REGS = gl.constexpr([CONSUMER_REGS, PRODUCER_REGS])
+
+    # ----------------------------------------------------------------------------------------- producer
+
+    @gluon.jit
+    def _ss_producer(q_ptr, qpe_ptr, kv_ptr, bt_row, q_smem, p0_smem, ckv_smem, kpe_smem, rows_smem, tree_smem,
+                     q_bar, full_tma, full_cp, empty, desc_l, desc_r, desc_q, desc_qpe, t, t64, hb, H, L, start, end,
+                     ident, n_tma, stride_qt, stride_qh, stride_pt, stride_ph, stride_kv, DL: gl.constexpr,
+                     DR: gl.constexpr, PAGE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                     TREE: gl.constexpr, BOX: gl.constexpr, QTMA: gl.constexpr):
+        LR: gl.constexpr = gl.BlockedLayout([BLOCK_N // 32], [32], [1], [0])  # [BLOCK_N] row lookups, one warp
+        # the query tile: latent columns into Q's buffer, rope columns into P0's (the consumers take them to
+        # registers before P0 is first written)
+        if QTMA:
+            mbarrier.expect(q_bar, desc_q.block_type.nbytes + desc_qpe.block_type.nbytes)
+            _tma_load(desc_q, [t * H + hb * BLOCK_M, 0], q_bar, q_smem.index(0))
+            _tma_load(desc_qpe, [t * H + hb * BLOCK_M, 0], q_bar, p0_smem)
+        else:
+            rows_smem.store(gl.arange(0, BLOCK_M, layout=LR))
+            _copy_rows(q_smem.index(0), p0_smem, q_ptr + t64 * stride_qt + hb * BLOCK_M * stride_qh,
+                       qpe_ptr + t64 * stride_pt + hb * BLOCK_M * stride_ph, stride_qh, stride_ph, rows_smem,
+                       H - hb * BLOCK_M, DL, DR, BLOCK_M)
+            cp.mbarrier_arrive(q_bar, increment_count=False)
+        n_tiles = (end - start + BLOCK_N - 1) // BLOCK_N
+        for j in range(2 * ((n_tiles + 1) // 2)):  # pairs; an odd chunk ends with a phantom (all rows masked)
+            k0 = start + j * BLOCK_N
+            st = j % 2
+            # stage st is free once both consumers released tile j - 2 (phase j // 2 - 1 of its `empty` barrier)
+            mbarrier.wait(empty.index(st), (j // 2 + 1) & 1, pred=j >= 2)
+            if BOX > 0 and j < n_tma:
+                _tma_tile(_tile_boxes(k0, end, bt_row, PAGE, BOX), ckv_smem.index(st), kpe_smem.index(st),
+                          full_tma.index(st), desc_l, desc_r, DL, BOX)
+            else:
+                pos = k0 + gl.arange(0, BLOCK_N, layout=LR)
+                valid = pos < end
+                idx = pos
+                if TREE:
+                    if (k0 + BLOCK_N > ident) & (k0 < end):  # the tile reaches into the tree part
+                        idx = tree_smem.index(k0 // BLOCK_N - L // BLOCK_N).load(LR)
+                page = gl.load(bt_row + idx // PAGE, mask=valid, other=0)
+                rows_smem.store(page * PAGE + idx % PAGE)  # pool rows (int32: pools hold < 2^31 rows)
+                _copy_rows(ckv_smem.index(st), kpe_smem.index(st), kv_ptr, kv_ptr + DL, stride_kv, stride_kv,
+                           rows_smem, end - k0, DL, DR, BLOCK_N)
+                cp.mbarrier_arrive(full_cp.index(st), increment_count=False)  # each lane: when its copies landed
+
+    # ----------------------------------------------------------------------------------------- consumers
+
+    @gluon.jit
+    def _ss_wait(j, n_tma, full_tma, full_cp, BOX: gl.constexpr):
+        """Wait until tile j (stage j % 2) landed, then make it visible to wgmma."""
+        st = j % 2
+        if BOX > 0 and j < n_tma:
+            mbarrier.wait(full_tma.index(st), (j // 2) & 1)
+        else:
+            mbarrier.wait(full_cp.index(st), ((j - n_tma) // 2) & 1)
+        fence_async_shared()  # cp.async wrote through the generic proxy; wgmma reads through the async proxy
+
+    @gluon.jit
+    def _ss_scores(j, q_smem, qpe, ckv_smem, kpe_smem, start, end, qk_scale, S_L: gl.constexpr,
+                   BLOCK_N: gl.constexpr):
+        """S of our tile j (stage j % 2) in the log2 domain, -inf past the chunk's end."""
+        st = j % 2
+        z = _opaque_zero(j)
+        sc = gl.zeros([qpe.shape[0], BLOCK_N], gl.float32, layout=S_L)
+        sc = warpgroup_mma(q_smem.index(z), ckv_smem.index(st).permute((1, 0)), sc, use_acc=False, is_async=True)
+        sc = warpgroup_mma(qpe, kpe_smem.index(st).permute((1, 0)), sc, is_async=True)
+        sc = warpgroup_mma_wait(0, deps=(sc, qpe))[0]
+        pos = start + j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_L))
+        return gl.where(gl.expand_dims(pos < end, 0), sc * qk_scale, float("-inf"))
+
+    @gluon.jit
+    def _ss_consumer(q_smem, p0_smem, p1_smem, ckv_smem, kpe_smem, stats, q_bar, full_tma, full_cp, empty, hand,
+                     out_ptr, po_ptr, pml_ptr, pid_t, pid_c, GC, t64, hb, H, nc, start, end, n_tma, qk_scale,
+                     stride_ot, stride_oh, W: gl.constexpr, DL: gl.constexpr, BLOCK_M: gl.constexpr,
+                     BLOCK_N: gl.constexpr, BOX: gl.constexpr):
+        """Consumer W: S and the softmax of tile 2i + W of every pair, PV of both tiles into value columns
+        W * DL / 2 .. (W + 1) * DL / 2 - 1 (module docstring)."""
+        HALF: gl.constexpr = DL // 2
+        V_OFF: gl.constexpr = W * HALF
+        S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, BLOCK_N, 16])
+        O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, HALF, 16])
+        RS: gl.constexpr = gl.SliceLayout(1, S_L)  # one value per query row
+        m0_smem, s0_smem, m1_smem, s1_smem = stats
+        m0_bar, s1_bar, p0_bar, fin_bar = hand
+        n_pairs = (end - start + 2 * BLOCK_N - 1) // (2 * BLOCK_N)
+        mbarrier.wait(q_bar, 0)
+        fence_async_shared()
+        # the query's rope columns, kept as the A operand of S's rope part (their buffer becomes P0's)
+        qpe = p0_smem.load(gl.DotOperandLayout(operand_index=0, parent=S_L, k_width=2))
+        m = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=RS)
+        li = gl.zeros([BLOCK_M], gl.float32, layout=RS)  # row sums of our tiles, at the running max m
+        o = gl.zeros([BLOCK_M, HALF], gl.float32, layout=O_L)
+        for i in range(n_pairs):
+            j = 2 * i + W
+            _ss_wait(j, n_tma, full_tma, full_cp, BOX)
+            sc = _ss_scores(j, q_smem, qpe, ckv_smem, kpe_smem, start, end, qk_scale, S_L, BLOCK_N)
+            mp = gl.max(sc, 1)
+            if W == 0:
+                m_new = gl.maximum(m, mp)
+                m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+                s0 = gl.exp2(m - m_use)
+                m0_smem.store(m_new)
+                s0_smem.store(s0)
+                mbarrier.arrive(m0_bar, count=1)  # (after a warpgroup barrier: every warp's stores are in)
+                pr = gl.exp2(sc - gl.expand_dims(m_use, 1))
+                rs = gl.sum(pr, 1)
+                pa = gl.convert_layout(pr.to(p0_smem.dtype), gl.DotOperandLayout(operand_index=0, parent=O_L,
+                                                                                   k_width=2))
+                o = o * gl.expand_dims(gl.convert_layout(s0, gl.SliceLayout(1, O_L)), 1)
+                o = warpgroup_mma(pa, ckv_smem.index(0).slice(V_OFF, HALF, dim=1), o, is_async=True)  # P0 V0L
+                mbarrier.wait(s1_bar, i & 1)  # m1, s1 and P1 are in (consumer 1 read m0, s0: ours to rewrite)
+                m1 = m1_smem.load(RS)
+                s1 = s1_smem.load(RS)
+                # P0 at the pair's max for consumer 1. P0's buffer: consumer 1's last read of it (the previous
+                # pair's PV, or the query's rope columns) was waited for before it published s1
+                p0_smem.store((pr * gl.expand_dims(s1, 1)).to(p0_smem.dtype))
+                fence_async_shared()  # read by consumer 1's wgmma (async proxy)
+                mbarrier.arrive(p0_bar, count=1)
+                li = (li * s0 + rs) * s1
+                o = warpgroup_mma_wait(0, deps=(o, pa))[0]
+                _ss_wait(j + 1, n_tma, full_tma, full_cp, BOX)  # tile 2i + 1 landed (consumer 1 waited already)
+                o = o * gl.expand_dims(gl.convert_layout(s1, gl.SliceLayout(1, O_L)), 1)
+                o = warpgroup_mma(p1_smem, ckv_smem.index(1).slice(V_OFF, HALF, dim=1), o, is_async=True)  # P1 V1L
+                o = warpgroup_mma_wait(0, deps=(o,))
+                m = m1
+            else:
+                mbarrier.wait(m0_bar, i & 1)
+                m0 = m0_smem.load(RS)
+                s0 = s0_smem.load(RS)
+                m_new = gl.maximum(m0, mp)
+                m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+                s1 = gl.exp2(m0 - m_use)
+                pr = gl.exp2(sc - gl.expand_dims(m_use, 1))
+                # P1's buffer: consumer 0's last read of it (the previous pair's PV) was waited for before it
+                # published m0
+                p1_smem.store(pr.to(p1_smem.dtype))
+                m1_smem.store(m_new)
+                s1_smem.store(s1)
+                fence_async_shared()
+                mbarrier.arrive(s1_bar, count=1)
+                rs = gl.sum(pr, 1)
+                s01 = s0 * s1
+                li = li * s01 + rs
+                pa = gl.convert_layout(pr.to(p1_smem.dtype), gl.DotOperandLayout(operand_index=0, parent=O_L,
+                                                                                   k_width=2))
+                o = o * gl.expand_dims(gl.convert_layout(s01, gl.SliceLayout(1, O_L)), 1)
+                o = warpgroup_mma(pa, ckv_smem.index(1).slice(V_OFF, HALF, dim=1), o, is_async=True)  # P1 V1R
+                mbarrier.wait(p0_bar, i & 1)
+                _ss_wait(j - 1, n_tma, full_tma, full_cp, BOX)  # tile 2i landed (consumer 0 waited already)
+                o = warpgroup_mma(p0_smem, ckv_smem.index(0).slice(V_OFF, HALF, dim=1), o, is_async=True)  # P0 V0R
+                o = warpgroup_mma_wait(0, deps=(o, pa))[0]
+                m = m_new
+            # both stages' reads of this pair are done (every wgmma above was waited for)
+            mbarrier.arrive(empty.index(0), count=1)
+            mbarrier.arrive(empty.index(1), count=1)
+
+        # the row sums: consumer 0's (even tiles) + consumer 1's (odd tiles), through the stats' scale buffers
+        # (their last readers, of the last pair, were waited for: s0 before s1_bar, s1 before p0_bar)
+        if W == 0:
+            s0_smem.store(li)
+        else:
+            s1_smem.store(li)
+        mbarrier.arrive(fin_bar, count=1)
+        mbarrier.wait(fin_bar, 0)
+        li = s0_smem.load(RS) + s1_smem.load(RS)
+        rm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, O_L))
+        dl = gl.arange(0, HALF, layout=gl.SliceLayout(0, O_L))
+        if nc == 1:
+            lo = gl.convert_layout(li, gl.SliceLayout(1, O_L))
+            out = o / gl.expand_dims(gl.where(lo == 0.0, 1.0, lo), 1)  # l == 0 only for a row that sees nothing
+            h = hb * BLOCK_M + rm
+            gl.store(out_ptr + t64 * stride_ot + gl.expand_dims(h * stride_oh, 1) + V_OFF + gl.expand_dims(dl, 0),
+                     out.to(out_ptr.dtype.element_ty), mask=gl.expand_dims(h < H, 1) & gl.expand_dims(dl < HALF, 0))
+        else:
+            part = (pid_t * GC + pid_c).to(gl.int64)
+            gl.store(po_ptr + part * (BLOCK_M * DL) + gl.expand_dims(rm * DL, 1) + V_OFF + gl.expand_dims(dl, 0), o)
+            if W == 0:
+                rs_ = gl.arange(0, BLOCK_M, layout=RS)
+                gl.store(pml_ptr + part * (2 * BLOCK_M) + rs_, m)
+                gl.store(pml_ptr + part * (2 * BLOCK_M) + BLOCK_M + rs_, li)
+
+    # ----------------------------------------------------------------------------------------- kernel
+
+    @gluon.jit
+    def _mla_fwd_gluon_seesaw_kernel(
+        q_ptr, qpe_ptr, kv_ptr, bt_ptr, cu_ptr, pre_ptr, bits_ptr, out_ptr, po_ptr, pml_ptr, nc_ptr, desc_l, desc_r,
+        desc_q, desc_qpe,
+        S, H, HT, GC, qk_scale,
+        stride_qt, stride_qh, stride_pt, stride_ph, stride_kv, stride_bt, stride_bits, stride_ot, stride_oh,
+        DL: gl.constexpr, DR: gl.constexpr, PAGE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+        NCH: gl.constexpr, C_MIN: gl.constexpr, RULE: gl.constexpr, S_PAD: gl.constexpr, TREE: gl.constexpr,
+        NB: gl.constexpr, STAGES: gl.constexpr, BOX: gl.constexpr, QTMA: gl.constexpr,
+    ):
+        """Arguments as `_mla_gluon._mla_fwd_gluon_kernel`. The prologue (consumer 0's warps) finds the query row
+        and chunk, resolves the tree tiles' rows and sets up shared memory; then the partitions."""
+        gl.static_assert(BLOCK_M == 64 and BLOCK_N == 64 and DL == 512 and DR == 64 and STAGES == 2)
+        gl.static_assert(BOX == 0 or (BOX % 8 == 0 and (PAGE % BLOCK_N == 0 if BOX == BLOCK_N else BOX == PAGE)
+                                      and BLOCK_N // BOX <= 4))
+        gl.static_assert(gl.num_warps() == 4)
+        L1: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        LB2: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [4, 1], [1, 0])  # [BLOCK_N, NB] tree lookups
+        dt: gl.constexpr = kv_ptr.dtype.element_ty
+        SH_KV: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, DL], dt)
+        SH_PE: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, DR], dt)
+        SH_P: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dt)
+        SH_1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])  # [n] vectors and stacks of them
+        TT: gl.constexpr = NB // BLOCK_N + 1  # tiles that can hold tree positions L .. L + NB - 1
+
+        # --- which query row and chunk (as _mla_gluon) ---
+        pid_t = gl.program_id(0)
+        pid_c = gl.program_id(1)
+        hb = pid_t % HT
+        t, s, L, bit, p = _item_query(pid_t, cu_ptr, pre_ptr, bits_ptr, S, HT, stride_bits, S_PAD, TREE, NB, L1, LB2)
+        kk = gl.arange(0, NB, layout=gl.SliceLayout(0, LB2))
+        rank = _ancestor_ranks(bit, NB, TREE, LB2)
+        nc, start, end = chunk_span(p + 1, pid_c, RULE, BLOCK_N, NCH, C_MIN)
+        if pid_c == 0:
+            gl.store(nc_ptr + pid_t, nc)
+        if pid_c >= nc:
+            return
+        if TREE:
+            ident = gl.minimum(end, L)
+        else:
+            ident = end
+        if BOX > 0:  # the chunk's first tiles whose keys are all committed rows (identity-mapped, all visible)
+            n_tma = gl.maximum(ident - start, 0) // BLOCK_N
+        else:
+            n_tma = ident * 0
+
+        # --- shared memory ---
+        q_smem = gl.allocate_shared_memory(dt, [1, BLOCK_M, DL], SH_KV)  # [1, ..]: see _mla_gluon_ws._opaque_zero
+        ckv_smem = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, DL], SH_KV)
+        kpe_smem = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, DR], SH_PE)
+        p0_smem = gl.allocate_shared_memory(dt, [BLOCK_M, BLOCK_N], SH_P)  # first the query's rope columns
+        p1_smem = gl.allocate_shared_memory(dt, [BLOCK_M, BLOCK_N], SH_P)
+        stats = (gl.allocate_shared_memory(gl.float32, [BLOCK_M], SH_1),  # m0
+                 gl.allocate_shared_memory(gl.float32, [BLOCK_M], SH_1),  # s0 (at the end: consumer 0's row sums)
+                 gl.allocate_shared_memory(gl.float32, [BLOCK_M], SH_1),  # m1
+                 gl.allocate_shared_memory(gl.float32, [BLOCK_M], SH_1))  # s1 (at the end: consumer 1's row sums)
+        rows_smem = gl.allocate_shared_memory(gl.int32, [BLOCK_N], SH_1)  # the producer's current pool rows
+        tree_smem = gl.allocate_shared_memory(gl.int32, [TT, BLOCK_N], SH_1)  # logical rows of the tree tiles
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        full_tma = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        full_cp = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        hand = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())  # m0, s1, p0, fin
+        if QTMA:
+            mbarrier.init(q_bar, count=1)  # expect_tx + the query tile's two copies
+        else:
+            mbarrier.init(q_bar, count=32)  # the producer warp's lanes (cp.async.mbarrier.arrive.noinc)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(full_tma.index(i), count=1)
+            mbarrier.init(full_cp.index(i), count=32)
+            mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
+        for i in gl.static_range(3):
+            mbarrier.init(hand.index(i), count=1)
+        mbarrier.init(hand.index(3), count=2)
+        fence_async_shared()
+        if TREE:
+            if end > L:  # this chunk reaches the tree part: logical row of each position of the tiles there
+                for u in gl.static_range(TT):
+                    pos = (L // BLOCK_N + u) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LB2))
+                    e = pos - L  # depth of the ancestor at this position (< 0: committed row)
+                    hit = (gl.expand_dims(bit, 0) != 0) & (gl.expand_dims(rank, 0) == gl.expand_dims(e, 1))
+                    anc = gl.sum(gl.where(hit, gl.expand_dims(kk, 0), 0), 1)
+                    tree_smem.index(u).store(gl.where(e >= 0, L + anc, pos))
+        # (the partitions start behind a CTA barrier, which orders these barrier inits and table stores)
+
+        t64 = t.to(gl.int64)
+        bt_row = bt_ptr + s.to(gl.int64) * stride_bt
+        hands = (hand.index(0), hand.index(1), hand.index(2), hand.index(3))
+        gl.warp_specialize([
+            (_ss_consumer, (q_smem, p0_smem, p1_smem, ckv_smem, kpe_smem, stats, q_bar, full_tma, full_cp, empty,
+                            hands, out_ptr, po_ptr, pml_ptr, pid_t, pid_c, GC, t64, hb, H, nc, start, end, n_tma,
+                            qk_scale, stride_ot, stride_oh, 0, DL, BLOCK_M, BLOCK_N, BOX)),
+            (_ss_consumer, (q_smem, p0_smem, p1_smem, ckv_smem, kpe_smem, stats, q_bar, full_tma, full_cp, empty,
+                            hands, out_ptr, po_ptr, pml_ptr, pid_t, pid_c, GC, t64, hb, H, nc, start, end, n_tma,
+                            qk_scale, stride_ot, stride_oh, 1, DL, BLOCK_M, BLOCK_N, BOX)),
+            (_ss_producer, (q_ptr, qpe_ptr, kv_ptr, bt_row, q_smem, p0_smem, ckv_smem, kpe_smem, rows_smem, tree_smem,
+                            q_bar, full_tma, full_cp, empty, desc_l, desc_r, desc_q, desc_qpe, t, t64, hb, H, L,
+                            start, end, ident, n_tma, stride_qt, stride_qh, stride_pt, stride_ph, stride_kv, DL, DR,
+                            PAGE, BLOCK_M, BLOCK_N, TREE, BOX, QTMA)),
+        ], [4, 1], _SS_REGS)
