@@ -13,13 +13,17 @@ phantom tile). Per pair, in base 2 with m the running row max:
   S0 = Q K0^T (its whole tile, N = 64)             S1 = Q K1^T
   m0 = max(m, rowmax S0), s0 = 2^(m - m0)   ->     (waits m0, s0)  m1 = max(m0, rowmax S1), s1 = 2^(m0 - m1)
   p0 = 2^(S0 - m0); O_L = O_L s0 + p0 V0L          p1 = 2^(S1 - m1), published with m1, s1
-  (waits s1, p1)  publish p0 s1               <-   O_R = O_R s0 s1 + p1 V1R
-  O_L = O_L s1 + p1 V1L                      ->    (waits p0 s1)  O_R += (p0 s1) V0R
+  (waits s1, p1)  publish p0 s1               <-   O_R = O_R s0 s1
+  (tile 2i released)                         ->    (waits p0 s1)  O_R += (p0 s1) V0R  (tile 2i released)
+  O_L = O_L s1 + p1 V1L  (tile 2i + 1 released)    O_R += p1 V1R  (tile 2i + 1 released)
 
 which is FlashAttention's online softmax over the pair, rearranged so that each warpgroup computes S of a whole
 tile (half the shared-memory traffic per S flop of `_mla_gluon`'s split S) and one warpgroup's softmax overlaps the
 other's MMAs; only the row max passes from consumer 0 to consumer 1 before consumer 1's softmax. The row sums are
-kept per consumer (even / odd tiles, rescaled as O) and added once at the end, consumer 0's first.
+kept per consumer (even / odd tiles, rescaled as O) and added once at the end, consumer 0's first. Both consumers
+finish with tile 2i first, so its stage is refilled with tile 2i + 2 (consumer 0's next S) while the rest of the pair
+runs; tile 2i + 3 lands while consumer 0 computes S and its softmax, which consumer 1 waits for anyway. (FlashMLA
+goes further: 64-column TMA pieces with a barrier each, so that an S starts on the first piece.)
 
 Partitions (`gl.warp_specialize`): consumer 0 (the default partition, 4 warps), consumer 1 (4 warps) and a one-warp
 producer. The producer loads the query tile (by TMA where the token's heads are rows of one 2D view, `QTMA`; else by
@@ -188,10 +192,12 @@ if HAVE_GLUON:
                 mbarrier.arrive(p0_bar, count=1)
                 li = (li * s0 + rs) * s1
                 o = warpgroup_mma_wait(0, deps=(o, pa))[0]
+                mbarrier.arrive(empty.index(0), count=1)  # our reads of tile 2i are done (S0, P0 V0L)
                 _ss_wait(j + 1, n_tma, full_tma, full_cp, BOX)  # tile 2i + 1 landed (consumer 1 waited already)
                 o = o * gl.expand_dims(gl.convert_layout(s1, gl.SliceLayout(1, O_L)), 1)
                 o = warpgroup_mma(p1_smem, ckv_smem.index(1).slice(V_OFF, HALF, dim=1), o, is_async=True)  # P1 V1L
                 o = warpgroup_mma_wait(0, deps=(o,))
+                mbarrier.arrive(empty.index(1), count=1)  # and of tile 2i + 1 (P1 V1L)
                 m = m1
             else:
                 mbarrier.wait(m0_bar, i & 1)
@@ -214,15 +220,16 @@ if HAVE_GLUON:
                 pa = gl.convert_layout(pr.to(p1_smem.dtype), gl.DotOperandLayout(operand_index=0, parent=O_L,
                                                                                    k_width=2))
                 o = o * gl.expand_dims(gl.convert_layout(s01, gl.SliceLayout(1, O_L)), 1)
-                o = warpgroup_mma(pa, ckv_smem.index(1).slice(V_OFF, HALF, dim=1), o, is_async=True)  # P1 V1R
+                # tile 2i's product first, so that its stage is refilled while the rest of the pair runs
                 mbarrier.wait(p0_bar, i & 1)
                 _ss_wait(j - 1, n_tma, full_tma, full_cp, BOX)  # tile 2i landed (consumer 0 waited already)
                 o = warpgroup_mma(p0_smem, ckv_smem.index(0).slice(V_OFF, HALF, dim=1), o, is_async=True)  # P0 V0R
+                o = warpgroup_mma_wait(0, deps=(o,))
+                mbarrier.arrive(empty.index(0), count=1)  # our reads of tile 2i are done (P0 V0R)
+                o = warpgroup_mma(pa, ckv_smem.index(1).slice(V_OFF, HALF, dim=1), o, is_async=True)  # P1 V1R
                 o = warpgroup_mma_wait(0, deps=(o, pa))[0]
+                mbarrier.arrive(empty.index(1), count=1)  # and of tile 2i + 1 (S1, P1 V1R)
                 m = m_new
-            # both stages' reads of this pair are done (every wgmma above was waited for)
-            mbarrier.arrive(empty.index(0), count=1)
-            mbarrier.arrive(empty.index(1), count=1)
 
         # the row sums: consumer 0's (even tiles) + consumer 1's (odd tiles), through the stats' scale buffers
         # (their last readers, of the last pair, were waited for: s0 before s1_bar, s1 before p0_bar)
