@@ -13,9 +13,10 @@ already gathered into contiguous [B, 1, L+n, 576] tensors, a head start ours doe
 `--chunk-rule balanced legacy` times each case under both KV chunk rules (same inputs, one record
 each, params.chunk_rule; params.chunks = KV chunks over all query rows, each one a CTA).
 `--block-n 32 64` times each key-tile size (params.block_n; a reduction-order knob like the chunk rule).
-`--impl triton gluon gluon_ws` times each tile kernel on the same inputs (params.impl; gluon = the sm_90 kernel
-of `kernels/_mla_gluon.py`, which computes S once per tile; gluon_ws = the experimental warp-specialized one of
-`kernels/_mla_gluon_ws.py`; the choices are `kernels.mla_attention.IMPLS`).
+`--impl triton gluon gluon_ws gluon_seesaw` times each tile kernel on the same inputs (params.impl; gluon = the sm_90
+kernel of `kernels/_mla_gluon.py`, which computes S once per tile; gluon_ws = the experimental warp-specialized one of
+`kernels/_mla_gluon_ws.py`; gluon_seesaw = FlashMLA's two-warpgroup schedule, `kernels/_mla_gluon_seesaw.py`; the
+choices are `kernels.mla_attention.IMPLS`).
 `--persistent on off` times the gluon kernel as one program per SM walking its share of the (query tile, chunk)
 items (`kernels/_mla_gluon_persistent.py`; same bits) and as one program per item (params.persistent).
 `--nch 8 16` times other chunk-count caps (params.config.nch; like the chunk rule, a deployment's reduction order).
