@@ -10,8 +10,9 @@ Scores: (q_lat . c_kv + q_pe . k_pe) * sm_scale; output is the latent-space valu
 ([T, H, kv_lora_rank]); the caller applies W_UV and o_proj.
 
 `mla_attention_ref` is the definition of correctness. `mla_attention` is the launcher: GPU kernels
-on CUDA, the reference elsewhere. Three tile kernels share the work split, the chunks and the combine:
-`_mla_gluon` (sm_90 with the Kimi head shapes: S computed once per tile, the default there),
+on CUDA, the reference elsewhere. The tile kernels share the work split, the chunks and the combine:
+`_mla_gluon` (sm_90 with the Kimi head shapes: S computed once per tile, the default there; `_mla_gluon_persistent`
+runs the same tiles from one program per SM, opt-in: persistent=True),
 `_mla_gluon_ws` (the same shapes, warp-specialized; experimental, only when asked for: impl="gluon_ws"),
 `_mla_gluon_seesaw` (the same shapes, FlashMLA's two-warpgroup "seesaw" schedule; experimental and not yet run on a
 GPU, only when asked for: impl="gluon_seesaw") and
@@ -273,27 +274,25 @@ def mla_attention_triton(q_lat, q_pe, kv_cache, block_table, page_size, cu_q, pr
             *common, DL=Dl, DR=Dr, PAGE=page_size, BLOCK_M=block_m, BLOCK_N=block_n, NCH=nch, C_MIN=c_min,
             RULE=rule, S_PAD=s_pad, TREE=tree_bits is not None, NB=nb, STAGES=_mla_gluon_ws.WS_STAGES,
             num_warps=_mla_gluon_ws.WS_WARPS)
-    elif impl == "gluon_seesaw":
-        box, qdesc, kvdesc = _tma_descriptors(q_lat, q_pe, kv_cache, page_size, block_n, tma)
-        _mla_gluon_seesaw._mla_fwd_gluon_seesaw_kernel[(tiles, grid_c)](
-            *common[:11], *kvdesc, *(qdesc or kvdesc), *common[11:], DL=Dl, DR=Dr, PAGE=page_size, BLOCK_M=block_m,
-            BLOCK_N=block_n, NCH=nch, C_MIN=c_min, RULE=rule, S_PAD=s_pad, TREE=tree_bits is not None, NB=nb,
-            STAGES=_mla_gluon_seesaw.SEESAW_STAGES, BOX=box, QTMA=qdesc is not None,
-            num_warps=_mla_gluon_seesaw.SEESAW_WARPS)
-    elif impl == "gluon":
+    elif impl in ("gluon", "gluon_seesaw"):
         box, qdesc, kvdesc = _tma_descriptors(q_lat, q_pe, kv_cache, page_size, block_n, tma)
         shape = dict(DL=Dl, DR=Dr, PAGE=page_size, BLOCK_M=block_m, BLOCK_N=block_n, NCH=nch, C_MIN=c_min, RULE=rule,
-                     S_PAD=s_pad, TREE=tree_bits is not None, NB=nb, STAGES=_mla_gluon.GLUON_STAGES, BOX=box,
-                     num_warps=num_warps)
+                     S_PAD=s_pad, TREE=tree_bits is not None, NB=nb, BOX=box)
         if persistent is None:
             persistent = _mla_gluon_persistent.GLUON_PERSISTENT
-        if persistent and qdesc is not None:  # (it loads every query tile by TMA)
+        if impl == "gluon_seesaw":  # num_warps: the kernel's own (consumer 0; the other partitions add theirs)
+            _mla_gluon_seesaw._mla_fwd_gluon_seesaw_kernel[(tiles, grid_c)](
+                *common[:11], *kvdesc, *(qdesc or kvdesc), *common[11:], QTMA=qdesc is not None,
+                STAGES=_mla_gluon_seesaw.SEESAW_STAGES, num_warps=_mla_gluon_seesaw.SEESAW_WARPS, **shape)
+        elif persistent and qdesc is not None:  # (it loads every query tile by TMA)
             nprog = min(tiles * grid_c, _sm_count(q_lat.device.index))
             _mla_gluon_persistent._mla_fwd_gluon_persistent_kernel[(nprog,)](
-                *common[:11], *kvdesc, *qdesc, *common[11:], tiles, nprog, **shape)
+                *common[:11], *kvdesc, *qdesc, *common[11:], tiles, nprog, STAGES=_mla_gluon.GLUON_STAGES,
+                num_warps=num_warps, **shape)
         else:
             _mla_gluon._mla_fwd_gluon_kernel[(tiles, grid_c)](
-                *common[:11], *kvdesc, *(qdesc or kvdesc), *common[11:], QTMA=qdesc is not None, **shape)
+                *common[:11], *kvdesc, *(qdesc or kvdesc), *common[11:], QTMA=qdesc is not None,
+                STAGES=_mla_gluon.GLUON_STAGES, num_warps=num_warps, **shape)
     else:
         _mla_fwd_kernel[(tiles, grid_c)](
             *common, DL=Dl, DR=Dr, BDL=bdl, BDR=bdr, PAGE=page_size, BLOCK_M=block_m, BLOCK_N=block_n, NCH=nch,

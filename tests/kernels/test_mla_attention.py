@@ -41,6 +41,7 @@ CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else [])
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}  # ||out - ref|| / ||ref||
+SCALE_CPU = 0.05
 gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 
 
@@ -146,12 +147,54 @@ def test_mla_impl_choice_off_hopper():
     """impl="gluon" where it cannot run is refused with the reason; "auto" falls back to the Triton
     kernel (same bits); an unknown impl is refused."""
     args = make_batch([70], [5], 4, 32, 8, 16, torch.float32, True)
-    for impl in ("gluon", "gluon_ws"):
+    for impl in ("gluon", "gluon_ws", "gluon_seesaw"):
         with pytest.raises(ValueError, match=f"{impl}.*(sm_90|Gluon)"):
             run_kernel(args, 0.3, impl=impl)
     with pytest.raises(ValueError, match="impl"):
         run_kernel(args, 0.3, impl="cuda")
     assert torch.equal(run_kernel(args, 0.3, impl="auto"), run_kernel(args, 0.3, impl="triton"))
+
+
+def test_mla_launcher_routes_the_gluon_kernels(monkeypatch):
+    """Which Gluon kernel a launch runs, on which grid, with which TMA constexprs (the kernels themselves need an
+    sm_90 GPU; here they are replaced by recorders and the launcher is told Gluon can run): the grid kernel by
+    default, the persistent one on min(items, SMs) programs when asked for and the query tile goes by TMA (the grid
+    kernel otherwise), the seesaw one for impl="gluon_seesaw"; the combine after each."""
+    from kernels import mla_attention as mla
+
+    calls = []
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *a, **kw: calls.append((self.name, grid, len(a), kw))
+
+    monkeypatch.setattr(mla, "gluon_unsupported", lambda *a: None)
+    monkeypatch.setattr(mla, "_sm_count", lambda index: 7)
+    monkeypatch.setattr(mla._mla_gluon, "_mla_fwd_gluon_kernel", Recorder("grid"))
+    monkeypatch.setattr(mla._mla_gluon_persistent, "_mla_fwd_gluon_persistent_kernel", Recorder("persistent"))
+    monkeypatch.setattr(mla._mla_gluon_seesaw, "_mla_fwd_gluon_seesaw_kernel", Recorder("seesaw"))
+    monkeypatch.setattr(mla, "_mla_combine_kernel", Recorder("combine"))
+    # Kimi head shapes (the descriptors are host objects), page 16: TMA boxes of one page; 2 sessions, 3 tokens
+    args = make_batch([1500, 40], [2, 1], 64, 512, 64, 16, torch.float16, True, device="cpu")
+    tiles, grid_c = 3, max_chunks(args[3].shape[1] * 16)
+
+    def launch(*a, **kw):
+        calls.clear()
+        mla.mla_attention_triton(*a, SCALE_CPU, out=torch.empty_like(a[0]), **kw)
+        return [(n, g, kw_.get("QTMA"), kw_.get("BOX"), kw_.get("STAGES"), kw_.get("num_warps")) for n, g, _, kw_
+                in calls if n != "combine"], [n for n, *_ in calls]
+
+    assert launch(*args, impl="gluon") == ([("grid", (tiles, grid_c), True, 16, 2, 8)], ["grid", "combine"])
+    assert launch(*args, impl="gluon", tma=False)[0] == [("grid", (tiles, grid_c), False, 0, 2, 8)]
+    assert launch(*args, impl="gluon", persistent=True)[0] == [("persistent", (7,), None, 16, 2, 8)]
+    assert calls[0][2] == 11 + 4 + 5 + 9 + 2  # pointers, descriptors, scalars, strides, then TILES and NPROG
+    # no query TMA (tma off): the persistent kernel cannot run, the grid kernel does
+    assert launch(*args, impl="gluon", persistent=True, tma=False)[0] == [("grid", (tiles, grid_c), False, 0, 2, 8)]
+    assert launch(*args, impl="gluon_seesaw") == ([("seesaw", (tiles, grid_c), True, 16, 2, 4)], ["seesaw", "combine"])
+    assert launch(*args, impl="gluon_seesaw", tma=False)[0] == [("seesaw", (tiles, grid_c), False, 0, 2, 4)]
 
 
 def test_mla_configure_fixes_the_deployment_kernel(monkeypatch):
