@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One device call for the MLA tile kernels written in the twenty-fifth session without a GPU (read
 # docs/performance.md, "Twenty-fifth session"):
-#   1. the Gluon GPU tests of the grid and persistent kernels (`-k "gluon and not gluon_ws and not seesaw"`), then the
-#      kernel bench with the persistent kernel off and on (page 64; PAGE16=1: also the serving page 16 at 4k / 32k);
+#   1. the persistent kernel's GPU tests (`-k persistent`: bitwise against the grid kernel, whose PTX the session did
+#      not change; TESTS_K to widen), then the kernel bench with it off and on (page 64; PAGE16=1: also the serving
+#      page 16 at 4k / 32k);
 #   2. the seesaw kernel's GPU tests (`-k seesaw`, its own time limit: a hang there costs only T_SEESAW), then, if
 #      they pass, the bench of gluon against gluon_seesaw;
 #   3. STEP=1: the whole verify step (8 K2.6 layers, 32k prefix, 33-node trees) with the persistent kernel off / on.
@@ -14,7 +15,7 @@ mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv 2>&1 | tee "$OUT/gpu.txt"
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
 if timeout "${T_TESTS:-240}" python -m pytest tests/kernels/test_mla_attention.py -q -x -rs --durations=8 \
-    -k "gluon and not gluon_ws and not seesaw" 2>&1 | tee "$OUT/tests_mla.log"; then
+    -k "${TESTS_K:-persistent}" 2>&1 | tee "$OUT/tests_mla.log"; then
   timeout "${T_MLA:-200}" python bench/bench_mla_attention.py --no-peers --impl gluon --persistent off on \
     --out "$OUT/mla_attention.jsonl" $MLA_ARGS 2>&1 | tee "$OUT/bench_mla_attention.log"
   if [ "${PAGE16:-0}" = 1 ]; then
