@@ -59,6 +59,7 @@ try:  # Gluon ships with Triton >= 3.5; without it the Triton kernel is the only
         _tile_boxes,
         _tile_rows,
     )
+    from kernels._mla_gluon_ws import _opaque_zero
     HAVE_GLUON = True
 except ImportError:  # pragma: no cover - depends on the installed Triton
     HAVE_GLUON = False
@@ -93,7 +94,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _item_loads(s, L, bit, start, end, bt_ptr, stride_bt, BLOCK_N: gl.constexpr, TREE: gl.constexpr,
                     NB: gl.constexpr, BOX: gl.constexpr, LB2: gl.constexpr):
-        """What the loader needs of an item: (ident, n_tma, n_tiles, bt_row, rank) as `_mla_gluon`'s prologue."""
+        """What the loader needs of an item: (ident, n_tma, bt_row, rank) as `_mla_gluon`'s prologue."""
         if TREE:
             ident = gl.minimum(end, L)
         else:
@@ -103,8 +104,7 @@ if HAVE_GLUON:
             n_tma = gl.maximum(ident - start, 0) // BLOCK_N
         else:
             n_tma = ident * 0
-        n_tiles = (end - start + BLOCK_N - 1) // BLOCK_N
-        return ident, n_tma, n_tiles, bt_ptr + s.to(gl.int64) * stride_bt, rank
+        return ident, n_tma, bt_ptr + s.to(gl.int64) * stride_bt, rank
 
     @gluon.jit
     def _issue_q(t, hb, H, q_smem, qpe_smem, q_bar, desc_q, desc_qpe, BLOCK_M: gl.constexpr):
@@ -114,13 +114,13 @@ if HAVE_GLUON:
         _tma_load(desc_qpe, [t * H + hb * BLOCK_M, 0], q_bar, qpe_smem)
 
     @gluon.jit
-    def _issue(stage, lw, l_j, l_t, l_nc, l_ntma, l_ntiles, l_start, l_end, rows, valid, boxes, pend, TILES, HT, H,
+    def _issue(stage, lw, l_j, l_nc, l_ntma, l_start, l_end, rows, valid, boxes, pend, TILES, HT, H,
                kv_ptr, stride_kv, nc_ptr, ckv_smem, kpe_smem, q_smem, qpe_smem, bars, desc_l, desc_r, desc_q,
                desc_qpe, DL: gl.constexpr, DR: gl.constexpr, BOX: gl.constexpr, BLOCK_M: gl.constexpr,
                STAGES: gl.constexpr, LKV: gl.constexpr, LPE: gl.constexpr):
         """The loader's tile into `stage` (one cp.async group committed either way). The first tile of an item also
         loads its query tile (the caller has every S of the item before done) and makes it the pending record
-        pend = (ok, w, nc, start, end, n_tiles, n_tma), which is returned."""
+        pend = (nc, w, start, end, n_tma) (nc = 0: none), which is returned."""
         if l_nc > 0:
             _load_tile(l_j, l_ntma, boxes, kv_ptr, stride_kv, rows, valid, ckv_smem.index(stage),
                        kpe_smem.index(stage), bars.index(stage), desc_l, desc_r, DL, DR, BOX, LKV, LPE)
@@ -128,8 +128,9 @@ if HAVE_GLUON:
                 pid_t = lw % TILES
                 if lw < TILES:  # chunk 0 of a query tile: its chunk count, for the combine
                     gl.store(nc_ptr + pid_t, l_nc)
-                _issue_q(l_t, pid_t % HT, H, q_smem, qpe_smem, bars.index(STAGES), desc_q, desc_qpe, BLOCK_M)
-                pend = (l_nc > 0, lw, l_nc, l_start, l_end, l_ntiles, l_ntma)
+                _issue_q(pid_t // HT, pid_t % HT, H, q_smem, qpe_smem, bars.index(STAGES), desc_q, desc_qpe,
+                         BLOCK_M)
+                pend = (l_nc, lw, l_start, l_end, l_ntma)
         cp.commit_group()
         return pend
 
@@ -139,13 +140,13 @@ if HAVE_GLUON:
                    S_PAD: gl.constexpr, TREE: gl.constexpr, NB: gl.constexpr, BOX: gl.constexpr, L1: gl.constexpr,
                    LB2: gl.constexpr):
         """The loader's state at the first tile of the first non-empty item from w on (nc = 0: none left):
-        (w, t, L, bit, nc, start, end, ident, n_tma, n_tiles, bt_row, rank)."""
+        (w, L, bit, nc, start, end, ident, n_tma, bt_row, rank)."""
         w, pid_t, pid_c, t, s, L, bit, nc, start, end = _find_item(
             w, TILES, TOTAL, NPROG, cu_ptr, pre_ptr, bits_ptr, S, HT, stride_bits, RULE, BLOCK_N, NCH, C_MIN, S_PAD,
             TREE, NB, L1, LB2)
-        ident, n_tma, n_tiles, bt_row, rank = _item_loads(s, L, bit, start, end, bt_ptr, stride_bt, BLOCK_N, TREE,
-                                                          NB, BOX, LB2)
-        return w, t, L, bit, nc, start, end, ident, n_tma, n_tiles, bt_row, rank
+        ident, n_tma, bt_row, rank = _item_loads(s, L, bit, start, end, bt_ptr, stride_bt, BLOCK_N, TREE, NB, BOX,
+                                                 LB2)
+        return w, L, bit, nc, start, end, ident, n_tma, bt_row, rank
 
     @gluon.jit
     def _tile_lookup(l_j, l_L, l_bit, l_start, l_end, l_ident, l_bt, l_rank, PAGE: gl.constexpr,
@@ -186,14 +187,17 @@ if HAVE_GLUON:
         TOTAL = TILES * nc_max
 
         # --- the loader: the program's first item ---
-        lw, l_t, l_L, l_bit, l_nc, l_start, l_end, l_ident, l_ntma, l_ntiles, l_bt, l_rank = _next_item(
+        lw, l_L, l_bit, l_nc, l_start, l_end, l_ident, l_ntma, l_bt, l_rank = _next_item(
             gl.program_id(0), TILES, TOTAL, NPROG, cu_ptr, pre_ptr, bits_ptr, bt_ptr, S, HT, stride_bits, stride_bt,
             RULE, BLOCK_N, NCH, C_MIN, S_PAD, TREE, NB, BOX, _L1, _LB2)
         if l_nc == 0:
             return
 
-        q_smem = gl.allocate_shared_memory(dt, [BLOCK_M, DL], SH_KV)
-        qpe_smem = gl.allocate_shared_memory(dt, [BLOCK_M, DR], SH_PE)
+        # [1, ..]: the stream's S reads them through an opaque index (see _mla_gluon_ws._opaque_zero)
+        q_all = gl.allocate_shared_memory(dt, [1, BLOCK_M, DL], SH_KV)
+        qpe_all = gl.allocate_shared_memory(dt, [1, BLOCK_M, DR], SH_PE)
+        q_smem = q_all.index(0)
+        qpe_smem = qpe_all.index(0)
         ckv_smem = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, DL], SH_KV)
         kpe_smem = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, DR], SH_PE)
         p_smem = gl.allocate_shared_memory(dt, [BLOCK_M, BLOCK_N], SH_P)
@@ -207,15 +211,15 @@ if HAVE_GLUON:
         l_j = 0
         rows, valid, boxes = _tile_lookup(l_j, l_L, l_bit, l_start, l_end, l_ident, l_bt, l_rank, PAGE, BLOCK_N, NB,
                                           TREE, BOX, _L1, _LB2)
-        none = (l_nc < 0, lw, l_nc, l_start, l_end, l_ntiles, l_ntma)  # a record that is not ok
-        _, c_w, c_nc, c_start, c_end, c_ntiles, c_ntma = _issue(
-            0, lw, l_j, l_t, l_nc, l_ntma, l_ntiles, l_start, l_end, rows, valid, boxes, none, TILES, HT, H, kv_ptr,
-            stride_kv, nc_ptr, ckv_smem, kpe_smem, q_smem, qpe_smem, bars, desc_l, desc_r, desc_q, desc_qpe, DL, DR,
-            BOX, BLOCK_M, STAGES, _LKV, _LPE)
-        p_ok, p_w, p_nc, p_start, p_end, p_ntiles, p_ntma = none  # the pending record: none yet
+        none = (l_nc * 0, lw, l_start, l_end, l_ntma)  # no record (nc = 0)
+        c_nc, c_w, c_start, c_end, c_ntma = _issue(
+            0, lw, l_j, l_nc, l_ntma, l_start, l_end, rows, valid, boxes, none, TILES, HT, H, kv_ptr, stride_kv,
+            nc_ptr, ckv_smem, kpe_smem, q_smem, qpe_smem, bars, desc_l, desc_r, desc_q, desc_qpe, DL, DR, BOX, BLOCK_M,
+            STAGES, _LKV, _LPE)
+        p_nc, p_w, p_start, p_end, p_ntma = none  # the pending record: none yet
         l_j = 1
-        if l_j == l_ntiles:
-            lw, l_t, l_L, l_bit, l_nc, l_start, l_end, l_ident, l_ntma, l_ntiles, l_bt, l_rank = _next_item(
+        if l_start + l_j * BLOCK_N >= l_end:  # the item had one tile
+            lw, l_L, l_bit, l_nc, l_start, l_end, l_ident, l_ntma, l_bt, l_rank = _next_item(
                 lw + NPROG, TILES, TOTAL, NPROG, cu_ptr, pre_ptr, bits_ptr, bt_ptr, S, HT, stride_bits, stride_bt,
                 RULE, BLOCK_N, NCH, C_MIN, S_PAD, TREE, NB, BOX, _L1, _LB2)
             l_j = 0
@@ -247,16 +251,15 @@ if HAVE_GLUON:
         # query tile with its first: S_g, the last to read the query tile, is done) and the loader looks up the
         # tile after; then the softmax of S_g, O += P_g V_g and S_{g+1} back to back on the tensor cores; an item's
         # last tile stores its output or partial and the pending item becomes the computer's
-        while c_ntiles > 0:
-            p_ok, p_w, p_nc, p_start, p_end, p_ntiles, p_ntma = _issue(
-                1 - stage, lw, l_j, l_t, l_nc, l_ntma, l_ntiles, l_start, l_end, rows, valid, boxes,
-                (p_ok, p_w, p_nc, p_start, p_end, p_ntiles, p_ntma), TILES, HT, H, kv_ptr, stride_kv, nc_ptr,
-                ckv_smem, kpe_smem, q_smem, qpe_smem, bars, desc_l, desc_r, desc_q, desc_qpe, DL, DR, BOX, BLOCK_M,
-                STAGES, _LKV, _LPE)
+        while c_nc > 0:
+            p_nc, p_w, p_start, p_end, p_ntma = _issue(
+                1 - stage, lw, l_j, l_nc, l_ntma, l_start, l_end, rows, valid, boxes,
+                (p_nc, p_w, p_start, p_end, p_ntma), TILES, HT, H, kv_ptr, stride_kv, nc_ptr, ckv_smem, kpe_smem,
+                q_smem, qpe_smem, bars, desc_l, desc_r, desc_q, desc_qpe, DL, DR, BOX, BLOCK_M, STAGES, _LKV, _LPE)
             if l_nc > 0:
                 l_j += 1
-                if l_j == l_ntiles:
-                    lw, l_t, l_L, l_bit, l_nc, l_start, l_end, l_ident, l_ntma, l_ntiles, l_bt, l_rank = _next_item(
+                if l_start + l_j * BLOCK_N >= l_end:  # past the item's last tile
+                    lw, l_L, l_bit, l_nc, l_start, l_end, l_ident, l_ntma, l_bt, l_rank = _next_item(
                         lw + NPROG, TILES, TOTAL, NPROG, cu_ptr, pre_ptr, bits_ptr, bt_ptr, S, HT, stride_bits,
                         stride_bt, RULE, BLOCK_N, NCH, C_MIN, S_PAD, TREE, NB, BOX, _L1, _LB2)
                     l_j = 0
@@ -269,8 +272,8 @@ if HAVE_GLUON:
             _cta_barrier()
             o = o * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, _O_L)), 1)
             o = warpgroup_mma(p_smem, ckv_smem.index(stage), o, is_async=True)
-            last = c_j + 1 == c_ntiles
-            if (not last) | p_ok:  # tile g + 1 exists: wait for it (and a new item's query tile), its S
+            last = c_start + (c_j + 1) * BLOCK_N >= c_end
+            if (not last) | (p_nc > 0):  # tile g + 1 exists: wait for it (and a new item's query tile), its S
                 nxt = 1 - stage
                 if last:
                     n_tma = p_ntma > 0
@@ -285,8 +288,10 @@ if HAVE_GLUON:
                     qph += 1
                 fence_async_shared()
                 _cta_barrier()
-                sc = warpgroup_mma(q_smem, ckv_smem.index(nxt).permute((1, 0)), sc, use_acc=False, is_async=True)
-                sc = warpgroup_mma(qpe_smem, kpe_smem.index(nxt).permute((1, 0)), sc, is_async=True)
+                z = _opaque_zero(c_j)  # Q's 36 wgmma descriptors stay in the loop instead of spilled registers
+                sc = warpgroup_mma(q_all.index(z), ckv_smem.index(nxt).permute((1, 0)), sc, use_acc=False,
+                                   is_async=True)
+                sc = warpgroup_mma(qpe_all.index(z), kpe_smem.index(nxt).permute((1, 0)), sc, is_async=True)
                 sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
             o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
             _cta_barrier()  # every warp is done with stage g, P and the query tile before they are loaded again
@@ -297,13 +302,12 @@ if HAVE_GLUON:
                 li = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, _S_L))
                 o = gl.zeros([BLOCK_M, DL], gl.float32, layout=_O_L)
                 c_w = p_w
-                c_nc = p_nc
+                c_nc = p_nc  # 0: no pending item, the stream ends
                 c_start = p_start
                 c_end = p_end
-                c_ntiles = gl.where(p_ok, p_ntiles, 0)
                 c_ntma = p_ntma
                 c_j = 0
-                p_ok = p_ok & False
+                p_nc = p_nc * 0
             else:
                 c_j += 1
             stage = 1 - stage

@@ -12,10 +12,10 @@ phantom tile). Per pair, in base 2 with m the running row max:
   consumer 0                                       consumer 1
   S0 = Q K0^T (its whole tile, N = 64)             S1 = Q K1^T
   m0 = max(m, rowmax S0), s0 = 2^(m - m0)   ->     (waits m0, s0)  m1 = max(m0, rowmax S1), s1 = 2^(m0 - m1)
-  p0 = 2^(S0 - m0); O_L = O_L s0 + p0 V0L          p1 = 2^(S1 - m1), published with m1, s1
-  (waits s1, p1)  publish p0 s1               <-   O_R = O_R s0 s1
-  (tile 2i released)                         ->    (waits p0 s1)  O_R += (p0 s1) V0R  (tile 2i released)
-  O_L = O_L s1 + p1 V1L  (tile 2i + 1 released)    O_R += p1 V1R  (tile 2i + 1 released)
+  p0 = 2^(S0 - m0), published                ->    p1 = 2^(S1 - m1), published with m1, s1
+  O_L = O_L s0 + p0 V0L                            (waits p0)  O_R = O_R s0 + p0 V0R  (tile 2i released)
+  (waits s1, p1; tile 2i released)           <-
+  O_L = O_L s1 + p1 V1L  (tile 2i + 1 released)    O_R = O_R s1 + p1 V1R  (tile 2i + 1 released)
 
 which is FlashAttention's online softmax over the pair, rearranged so that each warpgroup computes S of a whole
 tile (half the shared-memory traffic per S flop of `_mla_gluon`'s split S) and one warpgroup's softmax overlaps the
@@ -34,9 +34,11 @@ ends, tree ancestors, the phantom) gathered with zero-filling cp.async, each kin
 
 Shared memory (227 KB max): Q's latent 64 KB + 2 KV stages of 72 KB + P0 and P1 8 KB each + row statistics; the
 query's rope columns [64, 64] arrive in P0's buffer and each consumer keeps them in registers (the A operand of S's
-rope part) before P0 is first written. Hand-offs (mbarriers, one completion per pair, phase i & 1): `m0_bar` (m0,
-s0), `s1_bar` (m1, s1 and P1), `p0_bar` (P0 s1); `fin_bar` (two arrivals) exchanges the row sums at the end. Every
-buffer is rewritten only after its reader's wgmma was waited for (see the comments at each arrive).
+rope part); consumer 1 says so on `qpe_bar` before consumer 0 first writes P0. Hand-offs (mbarriers, one completion
+per pair, phase i & 1): `m0_bar` (m0, s0), `s1_bar` (m1, s1 and P1), `p0_bar` (P0); `fin_bar` (two arrivals)
+exchanges the row sums at the end. Every buffer is rewritten only after its reader's wgmma was waited for (see the
+comments at each write). P0 is published unscaled (at m0) as soon as it exists, so consumer 0 keeps no fp32 P alive
+across the hand-off (registers), and consumer 1 rescales O_R by s1 between its two products instead.
 
 Determinism: the pairing is by tile index within a chunk, chunks start at absolute positions that depend only on
 the row's position, and each tile always goes through the same consumer with the same instructions: results are
@@ -131,8 +133,8 @@ if HAVE_GLUON:
     def _ss_scores(j, q_smem, qpe, ckv_smem, kpe_smem, start, end, qk_scale, S_L: gl.constexpr,
                    BLOCK_N: gl.constexpr):
         """S of our tile j (stage j % 2) in the log2 domain, -inf past the chunk's end."""
-        st = j % 2
         z = _opaque_zero(j)
+        st = z + j % 2  # (opaque too: a consumer's stage is a constant, and its hoisted descriptors would spill)
         sc = gl.zeros([qpe.shape[0], BLOCK_N], gl.float32, layout=S_L)
         sc = warpgroup_mma(q_smem.index(z), ckv_smem.index(st).permute((1, 0)), sc, use_acc=False, is_async=True)
         sc = warpgroup_mma(qpe, kpe_smem.index(st).permute((1, 0)), sc, is_async=True)
@@ -155,17 +157,22 @@ if HAVE_GLUON:
                                                       instr_shape=[16, HALF, 16])
         RS: gl.constexpr = gl.SliceLayout(1, S_L)  # one value per query row
         m0_smem, s0_smem, m1_smem, s1_smem = stats
-        m0_bar, s1_bar, p0_bar, fin_bar = hand
+        m0_bar, s1_bar, p0_bar, fin_bar, qpe_bar = hand
         n_pairs = (end - start + 2 * BLOCK_N - 1) // (2 * BLOCK_N)
         mbarrier.wait(q_bar, 0)
         fence_async_shared()
         # the query's rope columns, kept as the A operand of S's rope part (their buffer becomes P0's)
         qpe = p0_smem.load(gl.DotOperandLayout(operand_index=0, parent=S_L, k_width=2))
+        if W == 1:
+            mbarrier.arrive(qpe_bar, count=1)  # our copy of the rope columns is in registers
+        else:
+            mbarrier.wait(qpe_bar, 0)  # consumer 1's too: P0's buffer is ours to write
         m = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=RS)
         li = gl.zeros([BLOCK_M], gl.float32, layout=RS)  # row sums of our tiles, at the running max m
         o = gl.zeros([BLOCK_M, HALF], gl.float32, layout=O_L)
         for i in range(n_pairs):
             j = 2 * i + W
+            z = _opaque_zero(i)  # stage 0 = ckv_smem.index(z), stage 1 = .index(z + 1): see _ss_scores
             _ss_wait(j, n_tma, full_tma, full_cp, BOX)
             sc = _ss_scores(j, q_smem, qpe, ckv_smem, kpe_smem, start, end, qk_scale, S_L, BLOCK_N)
             mp = gl.max(sc, 1)
@@ -178,24 +185,26 @@ if HAVE_GLUON:
                 mbarrier.arrive(m0_bar, count=1)  # (after a warpgroup barrier: every warp's stores are in)
                 pr = gl.exp2(sc - gl.expand_dims(m_use, 1))
                 rs = gl.sum(pr, 1)
-                pa = gl.convert_layout(pr.to(p0_smem.dtype), gl.DotOperandLayout(operand_index=0, parent=O_L,
-                                                                                   k_width=2))
+                pb = pr.to(p0_smem.dtype)
+                # P0 (at m0) for consumer 1. P0's buffer: consumer 1's last read of it, the previous pair's P0 V0R,
+                # was waited for before it released stage 0, i.e. before tile 2i landed there (waited above); the
+                # query's rope columns, before it arrived on qpe_bar (waited before the loop)
+                p0_smem.store(pb)
+                fence_async_shared()  # read by consumer 1's wgmma (async proxy)
+                mbarrier.arrive(p0_bar, count=1)
+                pa = gl.convert_layout(pb, gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2))
                 o = o * gl.expand_dims(gl.convert_layout(s0, gl.SliceLayout(1, O_L)), 1)
-                o = warpgroup_mma(pa, ckv_smem.index(0).slice(V_OFF, HALF, dim=1), o, is_async=True)  # P0 V0L
+                o = warpgroup_mma(pa, ckv_smem.index(z).slice(V_OFF, HALF, dim=1), o, is_async=True)  # P0 V0L
                 mbarrier.wait(s1_bar, i & 1)  # m1, s1 and P1 are in (consumer 1 read m0, s0: ours to rewrite)
                 m1 = m1_smem.load(RS)
                 s1 = s1_smem.load(RS)
-                # P0 at the pair's max for consumer 1. P0's buffer: consumer 1's last read of it (the previous
-                # pair's PV, or the query's rope columns) was waited for before it published s1
-                p0_smem.store((pr * gl.expand_dims(s1, 1)).to(p0_smem.dtype))
-                fence_async_shared()  # read by consumer 1's wgmma (async proxy)
-                mbarrier.arrive(p0_bar, count=1)
                 li = (li * s0 + rs) * s1
                 o = warpgroup_mma_wait(0, deps=(o, pa))[0]
                 mbarrier.arrive(empty.index(0), count=1)  # our reads of tile 2i are done (S0, P0 V0L)
                 _ss_wait(j + 1, n_tma, full_tma, full_cp, BOX)  # tile 2i + 1 landed (consumer 1 waited already)
                 o = o * gl.expand_dims(gl.convert_layout(s1, gl.SliceLayout(1, O_L)), 1)
-                o = warpgroup_mma(p1_smem, ckv_smem.index(1).slice(V_OFF, HALF, dim=1), o, is_async=True)  # P1 V1L
+                o = warpgroup_mma(p1_smem, ckv_smem.index(z + 1).slice(V_OFF, HALF, dim=1), o,
+                                   is_async=True)  # P1 V1L
                 o = warpgroup_mma_wait(0, deps=(o,))
                 mbarrier.arrive(empty.index(1), count=1)  # and of tile 2i + 1 (P1 V1L)
                 m = m1
@@ -215,18 +224,18 @@ if HAVE_GLUON:
                 fence_async_shared()
                 mbarrier.arrive(s1_bar, count=1)
                 rs = gl.sum(pr, 1)
-                s01 = s0 * s1
-                li = li * s01 + rs
+                li = li * (s0 * s1) + rs
                 pa = gl.convert_layout(pr.to(p1_smem.dtype), gl.DotOperandLayout(operand_index=0, parent=O_L,
                                                                                    k_width=2))
-                o = o * gl.expand_dims(gl.convert_layout(s01, gl.SliceLayout(1, O_L)), 1)
-                # tile 2i's product first, so that its stage is refilled while the rest of the pair runs
+                # tile 2i's product first (O_R at m0), so that its stage is refilled while the rest of the pair runs
+                o = o * gl.expand_dims(gl.convert_layout(s0, gl.SliceLayout(1, O_L)), 1)
                 mbarrier.wait(p0_bar, i & 1)
                 _ss_wait(j - 1, n_tma, full_tma, full_cp, BOX)  # tile 2i landed (consumer 0 waited already)
-                o = warpgroup_mma(p0_smem, ckv_smem.index(0).slice(V_OFF, HALF, dim=1), o, is_async=True)  # P0 V0R
+                o = warpgroup_mma(p0_smem, ckv_smem.index(z).slice(V_OFF, HALF, dim=1), o, is_async=True)  # P0 V0R
                 o = warpgroup_mma_wait(0, deps=(o,))
                 mbarrier.arrive(empty.index(0), count=1)  # our reads of tile 2i are done (P0 V0R)
-                o = warpgroup_mma(pa, ckv_smem.index(1).slice(V_OFF, HALF, dim=1), o, is_async=True)  # P1 V1R
+                o = o * gl.expand_dims(gl.convert_layout(s1, gl.SliceLayout(1, O_L)), 1)  # O_R at m1
+                o = warpgroup_mma(pa, ckv_smem.index(z + 1).slice(V_OFF, HALF, dim=1), o, is_async=True)  # P1 V1R
                 o = warpgroup_mma_wait(0, deps=(o, pa))[0]
                 mbarrier.arrive(empty.index(1), count=1)  # and of tile 2i + 1 (S1, P1 V1R)
                 m = m_new
@@ -320,7 +329,7 @@ if HAVE_GLUON:
         full_tma = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         full_cp = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        hand = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())  # m0, s1, p0, fin
+        hand = gl.allocate_shared_memory(gl.int64, [5, 1], mbarrier.MBarrierLayout())  # m0, s1, p0, fin, qpe
         if QTMA:
             mbarrier.init(q_bar, count=1)  # expect_tx + the query tile's two copies
         else:
@@ -329,9 +338,8 @@ if HAVE_GLUON:
             mbarrier.init(full_tma.index(i), count=1)
             mbarrier.init(full_cp.index(i), count=32)
             mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
-        for i in gl.static_range(3):
-            mbarrier.init(hand.index(i), count=1)
-        mbarrier.init(hand.index(3), count=2)
+        for i in gl.static_range(5):
+            mbarrier.init(hand.index(i), count=2 if i == 3 else 1)
         fence_async_shared()
         if TREE:
             if end > L:  # this chunk reaches the tree part: logical row of each position of the tiles there
@@ -345,7 +353,7 @@ if HAVE_GLUON:
 
         t64 = t.to(gl.int64)
         bt_row = bt_ptr + s.to(gl.int64) * stride_bt
-        hands = (hand.index(0), hand.index(1), hand.index(2), hand.index(3))
+        hands = (hand.index(0), hand.index(1), hand.index(2), hand.index(3), hand.index(4))
         gl.warp_specialize([
             (_ss_consumer, (q_smem, p0_smem, p1_smem, ckv_smem, kpe_smem, stats, q_bar, full_tma, full_cp, empty,
                             hands, out_ptr, po_ptr, pml_ptr, pid_t, pid_c, GC, t64, hb, H, nc, start, end, n_tma,
