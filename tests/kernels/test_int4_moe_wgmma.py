@@ -232,11 +232,14 @@ def test_wgmma_moe_decode_kernel_compiles_for_sm90(tmp_path):
         assert ring + 4 <= f["shared"] <= ring + 4 + (0 if rows == 128 else 64 * 8 * 4) \
             or ring < f["shared"] == ring + 64 * 8 * 4, (name, f)  # (the broadcast may sit in the buffer's place)
         assert per_sm * (f["shared"] + 1024) <= 228 * 1024, (name, f)
-        # 64 rows under DECODE_MAXNREG's 128 registers: a few bytes of spills (4 with Triton 3.9's ptxas)
-        assert f["spill_bytes"] <= (0 if rows == 128 else 16) and per_sm * 128 * f["registers"] <= 65536, (name, f)
+        # 64 rows under DECODE_MAXNREG's 128 registers: a few bytes of spills (4 with Triton 3.9's ptxas, up to 40 with
+        # 3.6's, the H200's)
+        assert f["spill_bytes"] <= (0 if rows == 128 else 48) and per_sm * 128 * f["registers"] <= 65536, (name, f)
         assert f["wgmma"] == ["m64n8k16"] and f["n_wgmma"] == (64 if rows == 128 else 32), (name, f)
-        # (PTX lays the blocks out in its own order: counted, not sequenced)
-        assert collections.Counter(f["sync"]) == {
+        # (PTX lays the blocks out in its own order: counted, not sequenced; an add whose result is unused is a red
+        # in Triton 3.9's PTX, an atom in 3.6's)
+        sync = collections.Counter(op.replace("atom.global.gpu.release", "red.global.gpu.release") for op in f["sync"])
+        assert sync == {
             "atom.global.gpu.relaxed.add": 2,  # the first ticket and the next one
             "red.global.gpu.release.add": 1,  # w13: ready[slot] + 1
             "ld.global.gpu.acquire": 2,  # w2: the poll of ready[slot], before the loop and in it
