@@ -61,10 +61,9 @@ if HAVE_GLUON:
     )
 
     from kernels._gluon_compat import tma_load as _tma_load
-    from kernels._mla_gluon import _ancestor_ranks, _item_query, _tile_boxes, _tma_tile
-    from kernels._mla_gluon_ws import _copy_rows, _opaque_zero
+    from kernels._mla_gluon import _tile_boxes, _tma_tile
+    from kernels._mla_gluon_ws import _copy_rows, _opaque_zero, _tree_table, _ws_chunk
 
-from kernels._mla_kernels import chunk_span
 
 SEESAW_WARPS = 4  # the launch's num_warps: consumer 0 (the default partition); consumer 1 and the producer are workers
 SEESAW_STAGES = 2  # one pair of KV tiles
@@ -293,21 +292,10 @@ if HAVE_GLUON:
         TT: gl.constexpr = NB // BLOCK_N + 1  # tiles that can hold tree positions L .. L + NB - 1
 
         # --- which query row and chunk (as _mla_gluon) ---
-        pid_t = gl.program_id(0)
-        pid_c = gl.program_id(1)
-        hb = pid_t % HT
-        t, s, L, bit, p = _item_query(pid_t, cu_ptr, pre_ptr, bits_ptr, S, HT, stride_bits, S_PAD, TREE, NB, L1, LB2)
-        kk = gl.arange(0, NB, layout=gl.SliceLayout(0, LB2))
-        rank = _ancestor_ranks(bit, NB, TREE, LB2)
-        nc, start, end = chunk_span(p + 1, pid_c, RULE, BLOCK_N, NCH, C_MIN)
-        if pid_c == 0:
-            gl.store(nc_ptr + pid_t, nc)
+        pid_t, pid_c, hb, t, s, L, bit, rank, nc, start, end, ident = _ws_chunk(
+            cu_ptr, pre_ptr, bits_ptr, nc_ptr, S, HT, stride_bits, RULE, BLOCK_N, NCH, C_MIN, S_PAD, TREE, NB, L1, LB2)
         if pid_c >= nc:
             return
-        if TREE:
-            ident = gl.minimum(end, L)
-        else:
-            ident = end
         if BOX > 0:  # the chunk's first tiles whose keys are all committed rows (identity-mapped, all visible)
             n_tma = gl.maximum(ident - start, 0) // BLOCK_N
         else:
@@ -341,14 +329,7 @@ if HAVE_GLUON:
         for i in gl.static_range(5):
             mbarrier.init(hand.index(i), count=2 if i == 3 else 1)
         fence_async_shared()
-        if TREE:
-            if end > L:  # this chunk reaches the tree part: logical row of each position of the tiles there
-                for u in gl.static_range(TT):
-                    pos = (L // BLOCK_N + u) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LB2))
-                    e = pos - L  # depth of the ancestor at this position (< 0: committed row)
-                    hit = (gl.expand_dims(bit, 0) != 0) & (gl.expand_dims(rank, 0) == gl.expand_dims(e, 1))
-                    anc = gl.sum(gl.where(hit, gl.expand_dims(kk, 0), 0), 1)
-                    tree_smem.index(u).store(gl.where(e >= 0, L + anc, pos))
+        _tree_table(tree_smem, L, end, bit, rank, NB, BLOCK_N, TREE, TT, LB2)
         # (the partitions start behind a CTA barrier, which orders these barrier inits and table stores)
 
         t64 = t.to(gl.int64)
