@@ -4,7 +4,7 @@
       --section SpeedOfLight --section WarpStateStats --section SchedulerStats \\
       python bench/ncu_workload.py moe 9
   ncu --clock-control none --kernel-name regex:gluon --launch-skip 2 --launch-count 1 --section SpeedOfLight \\
-      python bench/ncu_workload.py mla 16 4096 33 [gluon|gluon_ws|triton]
+      python bench/ncu_workload.py mla 16 4096 33 [gluon|gluon_persistent|gluon_ws|gluon_seesaw|triton]
 
 moe T: `int4_moe_triton` on the INT4 MoE benchmark's random layer with T tokens (bench_int4_moe.py);
 moe_gluon T: `int4_moe_gluon` on the same shapes (its own random gluon-layout weights; kernels `_moe_w*_gluon_kernel`).
@@ -15,7 +15,8 @@ auto_schedule; kernels `_moe_w13_wgmma_kernel`, `_moe_w2_wgmma_kernel`, `_moe_co
 at T = 1 `_moe_decode_kernel`), e.g.
   ncu --clock-control none --kernel-name regex:_moe_ --launch-skip 3 --launch-count 3 --section SpeedOfLight \
       --section WarpStateStats --section SchedulerStats python bench/ncu_workload.py moe_wgmma 1 '{"pdl": false}'
-mla B L n [impl]: `mla_attention_triton` on the MLA benchmark's case (B sessions, prefix L, n-node trees).
+mla B L n [impl]: `mla_attention_triton` on the MLA benchmark's case (B sessions, prefix L, n-node trees);
+impl gluon_persistent = gluon with persistent=True (kernel `_mla_fwd_gluon_persistent_kernel`).
 Each runs its launcher three times (the first compiles), so skip two launches per kernel.
 Run from the repo root with PYTHONPATH=. on a CUDA machine.
 """
@@ -51,8 +52,9 @@ def mla(B: int, L: int, n: int, impl: str = "gluon") -> None:
 
     args, _, _ = make_case(B, L, n, torch.Generator().manual_seed(0), torch.Generator(device="cuda").manual_seed(0))
     out = torch.empty_like(args[0])
+    persistent = impl == "gluon_persistent"
     for _ in range(3):
-        mla_attention_triton(*args, SCALE, out=out, impl=impl)
+        mla_attention_triton(*args, SCALE, out=out, impl="gluon" if persistent else impl, persistent=persistent)
 
 
 def moe_wgmma(T: int, options: str = "{}") -> None:
