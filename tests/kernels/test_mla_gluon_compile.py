@@ -1,0 +1,180 @@
+"""The sm_90 Gluon MLA kernels compiled offline (no GPU needed): their PTX and ptxas facts.
+
+Each kernel of `kernels.mla_attention` that only runs on sm_90 (`_mla_gluon`, `_mla_gluon_persistent`,
+`_mla_gluon_seesaw`, `_mla_gluon_ws`) is compiled for sm_90 in a subprocess (this process may run Triton in
+interpreter mode), bf16, tree and causal, and the tests check what a wrong change would alter: the MMA shapes and
+counts, the TMA copies and expect_tx, the cp.async barrier arrivals, setmaxnreg, CTA barriers, shared memory within
+the 227 KB a block may have, ptxas's spills and its serialization warnings. They pass under Triton 3.9 (CI) and 3.6
+(the H200's; docs/performance.md "Rerun" says how to install it beside the other). Their numeric behaviour is
+`test_mla_attention.py`'s.
+"""
+
+from __future__ import annotations
+
+import json
+
+from tests.kernels.sm90_compile import run_sm90_script
+
+_SM90_COMPILE = r"""
+import contextlib, io, json, re, sys
+from triton.backends.compiler import GPUTarget
+from triton.compiler import compile
+from triton.experimental.gluon._runtime import GluonASTSource
+from triton.experimental.gluon import language as gl
+mod = __import__(sys.argv[1], fromlist=[sys.argv[2]])
+kernel, num_warps, stages = getattr(mod, sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+box = json.loads(sys.argv[5])  # None: a kernel without TMA descriptors, else its BOX constexpr (0: no TMA)
+persistent = len(sys.argv) > 6 and sys.argv[6] == "persistent"  # (TILES, NPROG after the strides; no QTMA)
+out = {}
+for tree in (True, False):
+    sig = {n: "*bf16" for n in ("q_ptr", "qpe_ptr", "kv_ptr", "out_ptr")}
+    sig.update({"bt_ptr": "*i32", "cu_ptr": "*i32", "pre_ptr": "*i32", "bits_ptr": "*i64" if tree else "*i32",
+                "po_ptr": "*fp32", "pml_ptr": "*fp32", "nc_ptr": "*i32"})
+    if box is not None:  # TMA descriptors: BOX rows of the pool's latent [., 512] and rope [., 64] columns, then
+        # the query tile's (64 rows of each)
+        for name, rows, cols in (("desc_l", box or 64, 512), ("desc_r", box or 64, 64), ("desc_q", 64, 512),
+                                 ("desc_qpe", 64, 64)):
+            lay = gl.NVMMASharedLayout.get_default_for([64, cols], gl.bfloat16)
+            sig[name] = f"tensordesc<bf16[{rows},{cols}],{lay!r}>"
+    sig.update({"S": "i32", "H": "i32", "HT": "i32", "GC": "i32", "qk_scale": "fp32"})
+    strides = ("stride_qt", "stride_qh", "stride_pt", "stride_ph", "stride_kv", "stride_bt", "stride_bits",
+               "stride_ot", "stride_oh")
+    sig.update({n: "i32" for n in strides})
+    if persistent:
+        sig.update({"TILES": "i32", "NPROG": "i32"})
+    cst = dict(DL=512, DR=64, PAGE=box or 64, BLOCK_M=64, BLOCK_N=64, NCH=16, C_MIN=512, RULE=1, S_PAD=16,
+               TREE=tree, NB=128 if tree else 64, STAGES=stages,
+               **({} if box is None else {"BOX": box} if persistent else {"BOX": box, "QTMA": box > 0}))
+    sig.update({k: "constexpr" for k in cst})
+    names = list(sig)
+    aligned = {(names.index(n),): [["tt.divisibility", 16]] for n in names
+               if n.endswith("_ptr") or (n in strides and n != "stride_bits")}
+    log = io.StringIO()  # the ptxas -v log (TRITON_DUMP_PTXAS_LOG; the cache is empty, so ptxas runs)
+    with contextlib.redirect_stdout(log):
+        k = compile(GluonASTSource(fn=kernel, signature=sig, constexprs=cst, attrs=aligned),
+                    target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    ptx, log = k.asm["ptx"], log.getvalue()
+    wgmma = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)\.\S+ \{[^}]*\}, (\S)", ptx)
+    rs = {"{": "_rs", "%": ""}  # operand A in registers (a "{...}" list) or a shared-memory descriptor
+    out[str(tree)] = {
+        "wgmma": {shape + rs[a]: sum(w == (shape, a) for w in wgmma) for shape, a in set(wgmma)},
+        "cp_async": ptx.count("cp.async.cg"), "cp_async_arrive": ptx.count("cp.async.mbarrier.arrive.noinc"),
+        # TMA loads: shared::cta in Triton 3.9's PTX, shared::cluster in 3.6's
+        "tma": len(re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::(?:cta|cluster)\.global", ptx)),
+        "expect_tx": ptx.count("arrive.expect_tx"),
+        "mbarrier_wait": ptx.count("mbarrier.try_wait"), "cta_bar": re.findall(r"\bbar\.sync\s+\d+;", ptx),
+        "setmaxnreg": sorted({int(v) for v in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}),
+        "shared": k.metadata.shared, "warps": k.metadata.num_warps,
+        "spill_bytes": sum(int(v) for v in re.findall(r"(\d+) bytes spill stores", log)),
+        "ptxas_perf": [ln for ln in log.splitlines() if "Performance Loss" in ln or "injected" in ln]}
+print(json.dumps(out))
+"""
+_SM90_SMEM = 232448  # bytes of shared memory one block may have on sm_90 (227 KB)
+
+
+def compile_for_sm90(tmp_path, module: str, kernel: str, num_warps: int, stages: int, box: int | None = None,
+                     persistent: bool = False) -> dict:
+    """Compile a Gluon tile kernel for sm_90 in a subprocess (no GPU needed; this process may run Triton in
+    interpreter mode), bf16, tree and causal: {"True"/"False": PTX counts, shared bytes, ptxas -v facts}. `box`:
+    None for a kernel without TMA descriptors, else its BOX constexpr (the page size is the box, 64 for 0);
+    `persistent`: the signature of `_mla_gluon_persistent`'s kernel."""
+    return run_sm90_script(tmp_path, _SM90_COMPILE, module, kernel, str(num_warps), str(stages), json.dumps(box),
+                           "persistent" if persistent else "grid", timeout=300)
+
+
+def test_mla_gluon_kernel_compiles_for_sm90_with_s_once(tmp_path):
+    """The Gluon tile kernel compiled for sm_90 (PTX, no GPU): S = Q K^T as 36 m64n32k16 wgmma per site
+    (K = 576 in steps of 16, each warpgroup its 32 of the 64 keys: S once, not per warpgroup; two sites, the
+    first tile's and the loop's) and O += P V as 4 m64n256k16 (64 keys in steps of 16, each warpgroup its 256
+    value columns), no other MMA shape, 16-byte cp.async copies for the gathered KV rows, and shared memory
+    within the sm_90 limit (227 KB per block)."""
+    from kernels import _mla_gluon
+
+    for box in (0, 64, 16):
+        for tree, n in compile_for_sm90(tmp_path, "kernels._mla_gluon", "_mla_fwd_gluon_kernel",
+                                        _mla_gluon.GLUON_WARPS, _mla_gluon.GLUON_STAGES, box).items():
+            what = f"box={box} tree={tree}: {n}"
+            assert n["wgmma"] == {"m64n32k16": 2 * 36, "m64n256k16": 4}, what
+            assert n["cp_async"] > 0 and 0 < n["shared"] <= _SM90_SMEM, what
+            # TMA (with the query tile's, compiled with it): three tile load sites (tiles 0, 1, j + 2), each one
+            # expect_tx and, per box of rows, the latent's 8 column blocks of 64 (one per warp: one copy
+            # instruction) + the rope's one, as 2D tensor copies; the query tile one expect_tx and two copies
+            boxes = 64 // box if box else 0
+            assert (n["tma"], n["expect_tx"]) == ((3 * 2 * boxes + 2, 4) if box else (0, 0)), what
+
+
+def test_mla_gluon_persistent_kernel_compiles_for_sm90(tmp_path):
+    """The persistent Gluon kernel compiled for sm_90 (PTX, no GPU): the grid kernel's MMAs (S as 36 m64n32k16 per
+    site: tile 0's and the stream's; O += P V as 4 m64n256k16), TMA at its two load sites (tile 0 and the stream's
+    tile g + 1, each with a query tile for a new item), one expect_tx per tile and per query tile, and the grid
+    kernel's shared memory."""
+    from kernels import _mla_gluon, _mla_gluon_persistent
+
+    for box in (0, 64, 16):
+        for tree, n in compile_for_sm90(tmp_path, "kernels._mla_gluon_persistent", "_mla_fwd_gluon_persistent_kernel",
+                                        _mla_gluon.GLUON_WARPS, _mla_gluon.GLUON_STAGES, box, persistent=True).items():
+            what = f"box={box} tree={tree}: {n}"
+            assert n["wgmma"] == {"m64n32k16": 2 * 36, "m64n256k16": 4}, what
+            assert n["cp_async"] > 0 and 0 < n["shared"] <= _SM90_SMEM, what
+            boxes = 64 // box if box else 0
+            assert n["tma"] == 2 * 2 * boxes + 2 * 2 and n["expect_tx"] == (2 if box else 0) + 2, what
+    assert _mla_gluon_persistent.HAVE_GLUON
+
+
+def test_mla_gluon_seesaw_kernel_compiles_for_sm90(tmp_path):
+    """The seesaw kernel (`_mla_gluon_seesaw`) compiled for sm_90 (PTX and the ptxas -v log, no GPU), per consumer:
+    S of its whole tile as 32 m64n64k16 with Q's latent columns from shared memory plus 4 with the rope columns from
+    registers (K = 512 + 64), O += P V for both tiles of a pair as 4 m64n256k16 with its own P from registers and 4
+    with the other's from shared memory; no other shape. 12 warps (two consumer warpgroups + the producer warp,
+    padded), setmaxnreg for both consumers and the producer; TMA for whole tiles (one expect_tx, the latent's eight
+    column blocks and the rope per box) and the query tile (latent into Q's buffer, rope into P0's) when the page size
+    allows, the rest by
+    cp.async arriving on mbarriers (query and gathered tiles without TMA); ptxas neither serializes the wgmma nor
+    injects waits; shared memory within 227 KB; spills bounded."""
+    import triton
+
+    from kernels import _mla_gluon_seesaw as ss
+
+    # Triton 3.6's ptxas (the H200's): 0-36 bytes over these variants (hoisted wgmma descriptors once made it ~550)
+    max_spill = 64 if triton.__version__.startswith("3.6") else 512
+    for box in (0, 16, 64):
+        for tree, n in compile_for_sm90(tmp_path, "kernels._mla_gluon_seesaw", "_mla_fwd_gluon_seesaw_kernel",
+                                        ss.SEESAW_WARPS, ss.SEESAW_STAGES, box).items():
+            what = f"box={box} tree={tree}: {n}"
+            assert n["wgmma"] == {"m64n64k16": 2 * 32, "m64n64k16_rs": 2 * 4, "m64n256k16_rs": 2 * 4,
+                                  "m64n256k16": 2 * 4}, what
+            assert n["warps"] == 12 and {ss.CONSUMER_REGS, ss.PRODUCER_REGS} <= set(n["setmaxnreg"]), what
+            boxes = 64 // box if box else 0
+            # one producer warp issues every 128-byte column block of a box itself: 8 latent + 1 rope copies per
+            # box of a tile, and the same for the query tile
+            assert (n["tma"], n["expect_tx"]) == ((9 * boxes + 9, 2) if box else (0, 0)), what
+            assert n["cp_async"] > 0 and n["cp_async_arrive"] == (1 if box else 2) and n["mbarrier_wait"] > 0, what
+            assert n["ptxas_perf"] == [] and n["spill_bytes"] <= max_spill, what
+            assert 0 < n["shared"] <= _SM90_SMEM, what
+
+
+def test_mla_gluon_ws_kernel_compiles_for_sm90(tmp_path):
+    """The warp-specialized kernel (`_mla_gluon_ws`) compiled for sm_90 (PTX and the ptxas -v log, no GPU):
+    S as 36 m64n64k16 wgmma per site (one warpgroup computes all 64 keys of its tile over K = 576; three
+    sites: consumer 0's first tile and loop, consumer 1's loop), O += P V as 4 m64n256k16 per site (7 sites:
+    4 with P from shared, 3 with the owner's P from registers), no other shape; 12 warps (2 consumer
+    warpgroups + the producer warp, padded); setmaxnreg gives the consumers and the producer their registers;
+    cp.async copies arrive on mbarriers (Q and the tiles), no CTA-wide barrier inside the partitions; ptxas
+    neither serializes the wgmma nor injects waits (an accumulator in flight across control flow would); spills:
+    at most a few bytes with Triton 3.6's ptxas (the H200's; 12.8), a few hundred with newer ones (Triton
+    3.9's ptxas 13 allocates differently; 1 KB and more is the hoisted-descriptor failure `_opaque_zero`
+    prevents); shared memory within 227 KB."""
+    import triton
+
+    from kernels import _mla_gluon_ws as ws
+
+    max_spill = 16 if triton.__version__.startswith("3.6") else 512
+
+    for tree, n in compile_for_sm90(tmp_path, "kernels._mla_gluon_ws", "_mla_fwd_gluon_ws_kernel", ws.WS_WARPS,
+                                    ws.WS_STAGES).items():
+        what = f"tree={tree}: {n}"
+        assert n["wgmma"] == {"m64n64k16": 3 * 36, "m64n256k16": 4 * 4, "m64n256k16_rs": 3 * 4}, what
+        assert n["warps"] == 12 and {ws.CONSUMER_REGS, ws.PRODUCER_REGS} <= set(n["setmaxnreg"]), what
+        assert n["cp_async"] > 0 and n["cp_async_arrive"] == 2 and n["mbarrier_wait"] > 0, what
+        assert n["cta_bar"] == [] and n["ptxas_perf"] == [] and n["spill_bytes"] <= max_spill, what
+        assert 0 < n["shared"] <= _SM90_SMEM, what
