@@ -152,6 +152,20 @@ if HAVE_GLUON:
             return bit
 
     @gluon.jit
+    def _check_box(BOX: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr):
+        """BOX > 0: whole committed tiles by TMA, as runs of BOX contiguous pool rows (a page, or a tile in a page)."""
+        gl.static_assert(BOX == 0 or (BOX % 8 == 0 and (PAGE % BLOCK_N == 0 if BOX == BLOCK_N else BOX == PAGE)
+                                      and BLOCK_N // BOX <= 4))
+
+    @gluon.jit
+    def _issue_q(t, hb, H, q_smem, qpe_smem, q_bar, desc_q, desc_qpe, BLOCK_M: gl.constexpr):
+        """A query tile (token t's heads hb * 64 .., rows t * H + hb * 64 .. of the [T * H, .] views) by TMA, on
+        q_bar."""
+        mbarrier.expect(q_bar, desc_q.block_type.nbytes + desc_qpe.block_type.nbytes)
+        _tma_load(desc_q, [t * H + hb * BLOCK_M, 0], q_bar, q_smem)
+        _tma_load(desc_qpe, [t * H + hb * BLOCK_M, 0], q_bar, qpe_smem)
+
+    @gluon.jit
     def _store_item(o, m, li, pid_t, pid_c, nc, HT, GC, out_ptr, po_ptr, pml_ptr, stride_ot, stride_oh, H,
                     BLOCK_M: gl.constexpr, DL: gl.constexpr, S_L: gl.constexpr, O_L: gl.constexpr):
         """A finished (query tile, chunk): the output when the row has one chunk, else the fp32 partial (o, m, l)
@@ -277,9 +291,7 @@ if HAVE_GLUON:
         NB: gl.constexpr, STAGES: gl.constexpr, BOX: gl.constexpr, QTMA: gl.constexpr,
     ):
         gl.static_assert(BLOCK_M == 64 and BLOCK_N == 64 and DL == 512 and DR == 64)
-        # BOX > 0: whole committed tiles by TMA, as runs of BOX contiguous pool rows (a page, or a tile in a page)
-        gl.static_assert(BOX == 0 or (BOX % 8 == 0 and (PAGE % BLOCK_N == 0 if BOX == BLOCK_N else BOX == PAGE)
-                                      and BLOCK_N // BOX <= 4))
+        _check_box(BOX, PAGE, BLOCK_N)
         gl.static_assert(gl.num_warps() == 8)
         dt: gl.constexpr = kv_ptr.dtype.element_ty
         SH_KV: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, DL], dt)
@@ -319,11 +331,8 @@ if HAVE_GLUON:
             for i in gl.static_range(STAGES + 1):
                 mbarrier.init(bars.index(i), count=1)
             fence_async_shared()
-        if QTMA:  # the token's 64 heads (rows t * H + hb * 64 .. of the [T * H, .] views) while the tiles load
-            q_bar = bars.index(STAGES)
-            mbarrier.expect(q_bar, desc_q.block_type.nbytes + desc_qpe.block_type.nbytes)
-            _tma_load(desc_q, [t * H + hb * BLOCK_M, 0], q_bar, q_smem)
-            _tma_load(desc_qpe, [t * H + hb * BLOCK_M, 0], q_bar, qpe_smem)
+        if QTMA:  # the token's 64 heads while the tiles load
+            _issue_q(t, hb, H, q_smem, qpe_smem, bars.index(STAGES), desc_q, desc_qpe, BLOCK_M)
 
         n_tiles = (end - start + BLOCK_N - 1) // BLOCK_N
         # prologue: tiles 0 and 1 in flight (TMA ones first: they need no ancestor ranks), tile 2's pool rows

@@ -43,7 +43,6 @@ try:  # Gluon ships with Triton >= 3.5; without it the Triton kernel is the only
     )
 
     from kernels._gluon_compat import cta_barrier as _cta_barrier
-    from kernels._gluon_compat import tma_load as _tma_load
     from kernels._mla_gluon import (
         _L1,
         _LB2,
@@ -52,6 +51,8 @@ try:  # Gluon ships with Triton >= 3.5; without it the Triton kernel is the only
         _O_L,
         _S_L,
         _ancestor_ranks,
+        _check_box,
+        _issue_q,
         _item_query,
         _load_tile,
         _softmax_tile,
@@ -105,13 +106,6 @@ if HAVE_GLUON:
         else:
             n_tma = ident * 0
         return ident, n_tma, bt_ptr + s.to(gl.int64) * stride_bt, rank
-
-    @gluon.jit
-    def _issue_q(t, hb, H, q_smem, qpe_smem, q_bar, desc_q, desc_qpe, BLOCK_M: gl.constexpr):
-        """An item's query tile (the token's 64 heads: rows t * H + hb * 64 .. of the [T * H, .] views) by TMA."""
-        mbarrier.expect(q_bar, desc_q.block_type.nbytes + desc_qpe.block_type.nbytes)
-        _tma_load(desc_q, [t * H + hb * BLOCK_M, 0], q_bar, q_smem)
-        _tma_load(desc_qpe, [t * H + hb * BLOCK_M, 0], q_bar, qpe_smem)
 
     @gluon.jit
     def _issue(stage, lw, l_j, l_nc, l_ntma, l_start, l_end, rows, valid, boxes, pend, TILES, HT, H,
@@ -170,8 +164,7 @@ if HAVE_GLUON:
         NB: gl.constexpr, STAGES: gl.constexpr, BOX: gl.constexpr,
     ):
         gl.static_assert(BLOCK_M == 64 and BLOCK_N == 64 and DL == 512 and DR == 64 and STAGES == 2)
-        gl.static_assert(BOX == 0 or (BOX % 8 == 0 and (PAGE % BLOCK_N == 0 if BOX == BLOCK_N else BOX == PAGE)
-                                      and BLOCK_N // BOX <= 4))
+        _check_box(BOX, PAGE, BLOCK_N)
         gl.static_assert(gl.num_warps() == 8)
         dt: gl.constexpr = kv_ptr.dtype.element_ty
         SH_KV: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, DL], dt)

@@ -60,9 +60,8 @@ if HAVE_GLUON:
         warpgroup_mma_wait,
     )
 
-    from kernels._gluon_compat import tma_load as _tma_load
-    from kernels._mla_gluon import _tile_boxes, _tma_tile
-    from kernels._mla_gluon_ws import _copy_rows, _opaque_zero, _tree_table, _ws_chunk
+    from kernels._mla_gluon import _check_box, _issue_q, _tile_boxes, _tma_tile
+    from kernels._mla_gluon_ws import _copy_query, _copy_rows, _opaque_zero, _pool_rows, _tree_table, _ws_chunk
 
 
 SEESAW_WARPS = 4  # the launch's num_warps: consumer 0 (the default partition); consumer 1 and the producer are workers
@@ -85,15 +84,10 @@ if HAVE_GLUON:
         # the query tile: latent columns into Q's buffer, rope columns into P0's (the consumers take them to
         # registers before P0 is first written)
         if QTMA:
-            mbarrier.expect(q_bar, desc_q.block_type.nbytes + desc_qpe.block_type.nbytes)
-            _tma_load(desc_q, [t * H + hb * BLOCK_M, 0], q_bar, q_smem.index(0))
-            _tma_load(desc_qpe, [t * H + hb * BLOCK_M, 0], q_bar, p0_smem)
+            _issue_q(t, hb, H, q_smem.index(0), p0_smem, q_bar, desc_q, desc_qpe, BLOCK_M)
         else:
-            rows_smem.store(gl.arange(0, BLOCK_M, layout=LR))
-            _copy_rows(q_smem.index(0), p0_smem, q_ptr + t64 * stride_qt + hb * BLOCK_M * stride_qh,
-                       qpe_ptr + t64 * stride_pt + hb * BLOCK_M * stride_ph, stride_qh, stride_ph, rows_smem,
-                       H - hb * BLOCK_M, DL, DR, BLOCK_M)
-            cp.mbarrier_arrive(q_bar, increment_count=False)
+            _copy_query(q_ptr, qpe_ptr, q_smem.index(0), p0_smem, rows_smem, q_bar, t64, hb, H, stride_qt, stride_qh,
+                        stride_pt, stride_ph, DL, DR, BLOCK_M, LR)
         n_tiles = (end - start + BLOCK_N - 1) // BLOCK_N
         for j in range(2 * ((n_tiles + 1) // 2)):  # pairs; an odd chunk ends with a phantom (all rows masked)
             k0 = start + j * BLOCK_N
@@ -103,15 +97,8 @@ if HAVE_GLUON:
             if BOX > 0 and j < n_tma:
                 _tma_tile(_tile_boxes(k0, end, bt_row, PAGE, BOX), ckv_smem.index(st), kpe_smem.index(st),
                           full_tma.index(st), desc_l, desc_r, DL, BOX)
-            else:
-                pos = k0 + gl.arange(0, BLOCK_N, layout=LR)
-                valid = pos < end
-                idx = pos
-                if TREE:
-                    if (k0 + BLOCK_N > ident) & (k0 < end):  # the tile reaches into the tree part
-                        idx = tree_smem.index(k0 // BLOCK_N - L // BLOCK_N).load(LR)
-                page = gl.load(bt_row + idx // PAGE, mask=valid, other=0)
-                rows_smem.store(page * PAGE + idx % PAGE)  # pool rows (int32: pools hold < 2^31 rows)
+            else:  # (a phantom tile: every row masked, so zero-filled)
+                _pool_rows(k0, end, ident, L, bt_row, rows_smem, tree_smem, PAGE, BLOCK_N, TREE, LR, True)
                 _copy_rows(ckv_smem.index(st), kpe_smem.index(st), kv_ptr, kv_ptr + DL, stride_kv, stride_kv,
                            rows_smem, end - k0, DL, DR, BLOCK_N)
                 cp.mbarrier_arrive(full_cp.index(st), increment_count=False)  # each lane: when its copies landed
@@ -279,8 +266,7 @@ if HAVE_GLUON:
         """Arguments as `_mla_gluon._mla_fwd_gluon_kernel`. The prologue (consumer 0's warps) finds the query row
         and chunk, resolves the tree tiles' rows and sets up shared memory; then the partitions."""
         gl.static_assert(BLOCK_M == 64 and BLOCK_N == 64 and DL == 512 and DR == 64 and STAGES == 2)
-        gl.static_assert(BOX == 0 or (BOX % 8 == 0 and (PAGE % BLOCK_N == 0 if BOX == BLOCK_N else BOX == PAGE)
-                                      and BLOCK_N // BOX <= 4))
+        _check_box(BOX, PAGE, BLOCK_N)
         gl.static_assert(gl.num_warps() == 4)
         L1: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
         LB2: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [4, 1], [1, 0])  # [BLOCK_N, NB] tree lookups

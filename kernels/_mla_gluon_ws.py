@@ -114,28 +114,47 @@ if HAVE_GLUON:
             _cp_async(dst_r.slice(r0, _ROWS_PE), ptr, mask=gl.expand_dims(r < n_valid, 1) & gl.expand_dims(c2 < DR, 0))
 
     @gluon.jit
+    def _copy_query(q_ptr, qpe_ptr, q_dst, qpe_dst, rows_smem, q_bar, t64, hb, H, stride_qt, stride_qh, stride_pt,
+                    stride_ph, DL: gl.constexpr, DR: gl.constexpr, BLOCK_M: gl.constexpr, LR: gl.constexpr):
+        """The producer warp's copy of the query tile (heads hb * BLOCK_M.. of token t: rows of q_lat / q_pe) with
+        cp.async, arriving on q_bar (its 32 lanes) when it landed."""
+        rows_smem.store(gl.arange(0, BLOCK_M, layout=LR))
+        _copy_rows(q_dst, qpe_dst, q_ptr + t64 * stride_qt + hb * BLOCK_M * stride_qh,
+                   qpe_ptr + t64 * stride_pt + hb * BLOCK_M * stride_ph, stride_qh, stride_ph, rows_smem,
+                   H - hb * BLOCK_M, DL, DR, BLOCK_M)
+        cp.mbarrier_arrive(q_bar, increment_count=False)
+
+    @gluon.jit
+    def _pool_rows(k0, end, ident, L, bt_row, rows_smem, tree_smem, PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
+                   TREE: gl.constexpr, LR: gl.constexpr, PHANTOM: gl.constexpr = False):
+        """The pool rows of the tile at positions k0.. into rows_smem (int32: pools hold < 2^31 rows): through the
+        block table, tree positions by the prologue's table; rows at or past `end` are 0 (and not copied).
+        PHANTOM: the tile may lie wholly past `end` (a seesaw pair's padding), which must not read the table."""
+        pos = k0 + gl.arange(0, BLOCK_N, layout=LR)
+        valid = pos < end
+        idx = pos
+        if TREE:
+            reaches = k0 + BLOCK_N > ident  # the tile reaches into the tree part: rows the prologue resolved
+            if PHANTOM:
+                reaches = reaches & (k0 < end)
+            if reaches:
+                idx = tree_smem.index(k0 // BLOCK_N - L // BLOCK_N).load(LR)
+        page = gl.load(bt_row + idx // PAGE, mask=valid, other=0)
+        rows_smem.store(page * PAGE + idx % PAGE)
+
+    @gluon.jit
     def _producer(q_ptr, qpe_ptr, kv_ptr, bt_row, q_smem, qpe_smem, ckv_smem, kpe_smem, rows_smem, tree_smem,
                   q_bar, full, empty, t64, hb, H, L, start, end, ident, stride_qt, stride_qh, stride_pt, stride_ph,
                   stride_kv, DL: gl.constexpr, DR: gl.constexpr, PAGE: gl.constexpr, BLOCK_M: gl.constexpr,
                   BLOCK_N: gl.constexpr, TREE: gl.constexpr, STAGES: gl.constexpr):
         LR: gl.constexpr = gl.BlockedLayout([BLOCK_N // 32], [32], [1], [0])  # [BLOCK_N] row lookups, one warp
-        # Q first: the heads hb * BLOCK_M.. of token t (rows of q_lat / q_pe), its own barrier
-        rows_smem.store(gl.arange(0, BLOCK_M, layout=LR))
-        _copy_rows(q_smem.index(0), qpe_smem.index(0), q_ptr + t64 * stride_qt + hb * BLOCK_M * stride_qh,
-                   qpe_ptr + t64 * stride_pt + hb * BLOCK_M * stride_ph, stride_qh, stride_ph, rows_smem,
-                   H - hb * BLOCK_M, DL, DR, BLOCK_M)
-        cp.mbarrier_arrive(q_bar, increment_count=False)
+        # Q first, its own barrier
+        _copy_query(q_ptr, qpe_ptr, q_smem.index(0), qpe_smem.index(0), rows_smem, q_bar, t64, hb, H, stride_qt,
+                    stride_qh, stride_pt, stride_ph, DL, DR, BLOCK_M, LR)
         n_tiles = (end - start + BLOCK_N - 1) // BLOCK_N
         for j in range(n_tiles):
             k0 = start + j * BLOCK_N
-            pos = k0 + gl.arange(0, BLOCK_N, layout=LR)
-            valid = pos < end
-            idx = pos
-            if TREE:
-                if k0 + BLOCK_N > ident:  # the tile reaches into the tree part: rows the prologue resolved
-                    idx = tree_smem.index(k0 // BLOCK_N - L // BLOCK_N).load(LR)
-            page = gl.load(bt_row + idx // PAGE, mask=valid, other=0)
-            rows_smem.store(page * PAGE + idx % PAGE)  # pool rows (int32: pools hold < 2^31 rows)
+            _pool_rows(k0, end, ident, L, bt_row, rows_smem, tree_smem, PAGE, BLOCK_N, TREE, LR)
             st = j % STAGES
             # the block-table loads above overlap this wait: stage st is free once both consumers released tile
             # j - STAGES (phase j // STAGES - 1 of its `empty` barrier)
