@@ -226,15 +226,16 @@ if HAVE_GLUON:
                 mbarrier.arrive(empty.index(1), count=1)  # and of tile 2i + 1 (S1, P1 V1R)
                 m = m_new
 
-        # the row sums: consumer 0's (even tiles) + consumer 1's (odd tiles), through the stats' scale buffers
-        # (their last readers, of the last pair, were waited for: s0 before s1_bar, s1 before p0_bar)
+        # the row sums: consumer 0's (even tiles) + consumer 1's (odd tiles), through the buffers of m0 and s0, the
+        # two that consumer 0 wrote last and consumer 1 read last (before it arrived on s1_bar, which consumer 0
+        # waited for). Not m1 / s1: consumer 0 may still be reading the last pair's while consumer 1 gets here.
         if W == 0:
             s0_smem.store(li)
         else:
-            s1_smem.store(li)
+            m0_smem.store(li)
         mbarrier.arrive(fin_bar, count=1)
         mbarrier.wait(fin_bar, 0)
-        li = s0_smem.load(RS) + s1_smem.load(RS)
+        li = s0_smem.load(RS) + m0_smem.load(RS)
         rm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, O_L))
         dl = gl.arange(0, HALF, layout=gl.SliceLayout(0, O_L))
         if nc == 1:

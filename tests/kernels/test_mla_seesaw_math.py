@@ -2,11 +2,12 @@
 
 Gluon has no interpreter, so the kernel itself only runs on a GPU (test_mla_attention.py's gluon_seesaw cases). This
 file replays its per-pair arithmetic in torch, step for step as the two consumers do it (base-2 scores, the row max
-handed from consumer 0 to consumer 1, P rounded to the cache dtype, P0 rescaled by s1 before consumer 1 takes it,
-the row sums kept per consumer and added at the end), and checks the algebra against a plain softmax: rows that see
-nothing, fully masked tiles (the phantom tile of an odd chunk), masked rows inside tiles, very different score
-ranges between tiles (the max moving in either direction), and the (m, l, o) partials folded as the combine kernel
-folds them. Keep it in step with the kernel.
+handed from consumer 0 to consumer 1, P rounded to the cache dtype, P0 published at m0 and O_R rescaled by s1
+between consumer 1's two products, the row sums kept per consumer and added at the end), and checks the algebra
+against a plain softmax: rows that see nothing, fully masked tiles (the phantom tile of an odd chunk), masked rows
+inside tiles, very different score ranges between tiles (the max moving in either direction), and the (m, l, o)
+partials folded as the combine kernel folds them. Keep it in step with the kernel (the barrier protocol:
+test_mla_seesaw_protocol.py).
 """
 
 from __future__ import annotations
@@ -47,9 +48,8 @@ def seesaw_chunk(sc: torch.Tensor, v: torch.Tensor, dtype=torch.float32):
         p1 = torch.exp2(s1_ - mu1[:, None])
         rs1 = p1.sum(1)
         l1 = l1 * (sc0 * sc1) + rs1
-        o_r = o_r * (sc0 * sc1)[:, None]
-        o_r = o_r + (p0 * sc1[:, None]).to(dtype).float() @ v0[:, half:]  # P0 V0R first (P0 at the pair's max)
-        o_r = o_r + p1.to(dtype).float() @ v1[:, half:]
+        o_r = o_r * sc0[:, None] + p0.to(dtype).float() @ v0[:, half:]  # P0 V0R first, at m0 (P0 as published)
+        o_r = o_r * sc1[:, None] + p1.to(dtype).float() @ v1[:, half:]  # then at m1
         # consumer 0 (after m1, s1, P1)
         l0 = (l0 * sc0 + rs0) * sc1
         o_l = o_l * sc1[:, None] + p1.to(dtype).float() @ v1[:, :half]
