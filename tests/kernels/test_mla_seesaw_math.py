@@ -7,7 +7,7 @@ between consumer 1's two products, the row sums kept per consumer and added at t
 against a plain softmax: rows that see nothing, fully masked tiles (the phantom tile of an odd chunk), masked rows
 inside tiles, very different score ranges between tiles (the max moving in either direction), and the (m, l, o)
 partials folded as the combine kernel folds them. Keep it in step with the kernel (the barrier protocol:
-test_mla_seesaw_protocol.py).
+test_mla_gluon_protocols.py).
 """
 
 from __future__ import annotations

@@ -1,14 +1,16 @@
-"""The seesaw MLA kernel's barrier protocol (kernels/_mla_gluon_seesaw.py), checked on the CPU.
+"""The warp-specialized MLA kernels' barrier protocols, checked on the CPU: the seesaw kernel
+(kernels/_mla_gluon_seesaw.py, never run on a GPU yet) and, as a control, the ws kernel (kernels/_mla_gluon_ws.py,
+validated on the H200).
 
-Gluon has no interpreter, so the kernel only runs on a GPU, where a protocol mistake is a hang or a silent race. This
-file replays its three partitions (the producer warp, consumers 0 and 1) line for line as the shared-memory and
-mbarrier operations they perform, and runs them with `tests.kernels.mbarrier_sim` under every fixed priority order of
-the partitions and many random interleavings, for chunks of 1 to 7 tiles with every split between TMA and cp.async
-tiles. It checks: no deadlock; every wait passes on the phase of the tile / pair it is meant for; every buffer (Q,
-the two KV stages, P0 with the query's rope columns first, P1, the four row-statistics vectors) is rewritten only
-after its readers, MMAs included, are done with it, and read only after its writer is. Keep it in step with the
-kernel; `VARIANTS` holds known-wrong versions (one of them the kernel's row-sum exchange before this file found it
-racing) that must each fail.
+Gluon has no interpreter, so these kernels only run on a GPU, where a protocol mistake is a hang or a silent race.
+This file replays each kernel's partitions (a producer warp, consumers 0 and 1) line for line as the shared-memory
+and mbarrier operations they perform, and runs them with `tests.kernels.mbarrier_sim` under every fixed priority
+order of the partitions and many random interleavings, for chunks of 1 to 7 tiles (the seesaw: with every split
+between TMA and cp.async tiles). It checks: no deadlock; every wait passes on the phase of the tile / pair it is meant
+for; every buffer (Q, the two KV stages, the P buffers, the row statistics) is rewritten only after its readers, MMAs
+included, are done with it, and read only after its writer is. Keep it in step with the kernels; `VARIANTS` holds
+known-wrong versions of the seesaw (one of them its row-sum exchange before this file found it racing) that must each
+fail.
 """
 
 from __future__ import annotations
@@ -26,9 +28,9 @@ def tile(j):
     return ("tile", j)
 
 
-def protocol(n_tiles: int, n_tma: int, box: bool, variant: str = ""):
-    """The kernel's partitions for one (query tile, chunk) of n_tiles 64-key tiles, the first n_tma of them by TMA
-    (n_tma is 0 without TMA, as the kernel sets it)."""
+def seesaw(n_tiles: int, n_tma: int, box: bool, variant: str = ""):
+    """The seesaw kernel's partitions for one (query tile, chunk) of n_tiles 64-key tiles, the first n_tma of them by
+    TMA (n_tma is 0 without TMA, as the kernel sets it)."""
     n_tma = n_tma if box else 0
 
     def by_tma(j):
@@ -122,7 +124,7 @@ CASES = [(n, 0, False) for n in range(1, 8)] + [(n, t, True) for n in range(1, 8
 @pytest.mark.parametrize("n_tiles,n_tma,box", CASES)
 def test_seesaw_protocol_has_no_deadlock_or_race(n_tiles, n_tma, box):
     for pick in schedules(3, seeds=40):
-        steps = run(protocol(n_tiles, n_tma, box), BARRIERS, pick, NAMES)
+        steps = run(seesaw(n_tiles, n_tma, box), BARRIERS, pick, NAMES)
         assert steps > 0
 
 
@@ -145,7 +147,66 @@ def test_wrong_protocols_fail(variant):
     errors = []
     for pick in schedules(3, seeds=40):
         try:
-            run(protocol(n_tiles, n_tma, box, variant), BARRIERS, pick, NAMES)
+            run(seesaw(n_tiles, n_tma, box, variant), BARRIERS, pick, NAMES)
         except ProtocolError as e:
             errors.append(str(e))
     assert errors, f"{variant} passed every schedule"
+
+
+WS_BARRIERS = {"q_bar": 1, "full0": 1, "full1": 1, "empty0": 2, "empty1": 2, "p_bar": 1}
+
+
+def ws(n_tiles: int):
+    """The ws kernel's partitions: tile j is owned by consumer j % 2 (S, softmax, P_j published), both add P_j V_j."""
+
+    def producer():  # _producer
+        yield write("q", "q", "query")
+        yield arrive("q_bar", "q")
+        for j in range(n_tiles):
+            st = j % 2
+            if j >= 2:
+                yield wait(f"empty{st}", (j // 2 + 1) & 1, tile(j - 2), f"stage {st} free for tile {j}")
+            yield write(f"kv{st}", tile(j), f"tile {j}")
+            yield arrive(f"full{st}", tile(j))
+
+    def own(j):  # _own_tile
+        st = j % 2
+        yield wait(f"full{st}", (j // 2) & 1, tile(j), f"tile {j}")
+        yield read_async("q", "q", "S", f"S of tile {j}")
+        yield read_async(f"kv{st}", tile(j), "S", f"S of tile {j}")
+        yield retire("S")
+        yield write("p", ("p", j), f"P of tile {j}")
+        yield write("stats", ("stats", j), f"m, l, alpha of tile {j}")
+        yield arrive("p_bar", ("p", j))
+        yield read_async(f"kv{st}", tile(j), "PV", f"PV of tile {j}")  # P from registers
+        yield retire("PV")
+        yield arrive(f"empty{st}", tile(j))
+
+    def take_other(j):  # _take_other
+        st = j % 2
+        yield wait("p_bar", j & 1, ("p", j), f"P of tile {j}")
+        yield wait(f"full{st}", (j // 2) & 1, tile(j), f"tile {j}")
+        yield read("stats", ("stats", j))
+        yield read_async("p", ("p", j), "PV", f"PV of tile {j}")
+        yield read_async(f"kv{st}", tile(j), "PV", f"PV of tile {j}")
+        yield retire("PV")
+        yield arrive(f"empty{st}", tile(j))
+
+    def consumer(W):  # _consumer
+        yield wait("q_bar", 0, "q", "query tile")
+        if W == 0:
+            yield from own(0)
+        for j in range(2 - W, n_tiles, 2):
+            yield from take_other(j - 1)
+            yield from own(j)
+        if (n_tiles - 1) % 2 != W:
+            yield from take_other(n_tiles - 1)
+
+    return [producer, lambda: consumer(0), lambda: consumer(1)]
+
+
+@pytest.mark.parametrize("n_tiles", range(1, 8))
+def test_ws_protocol_has_no_deadlock_or_race(n_tiles):
+    """The control: the GPU-validated ws kernel passes the checks the seesaw is held to."""
+    for pick in schedules(3, seeds=40):
+        assert run(ws(n_tiles), WS_BARRIERS, pick, NAMES) > 0
