@@ -19,7 +19,9 @@ kernel of `kernels/_mla_gluon.py`, which computes S once per tile; gluon_ws = th
 choices are `kernels.mla_attention.IMPLS`).
 `--persistent on off` times the gluon kernel as one program per SM walking its share of the (query tile, chunk)
 items (`kernels/_mla_gluon_persistent.py`; same bits) and as one program per item (params.persistent).
-`--nch 8 16` times other chunk-count caps (params.config.nch; like the chunk rule, a deployment's reduction order).
+`--nch 8 16` times other chunk-count caps (params.config.nch; like the chunk rule, a deployment's reduction order);
+`--c-min 512 1024` other base chunk sizes (params.config.c_min: fewer, longer chunks below NCH * C_MIN keys, so less
+partial traffic and fixed cost per row at 4k prefixes, and fewer programs for one token; also a reduction order).
 `--tma on off` times the gluon kernel with and without TMA loads of whole committed tiles (params.tma; same bits;
 TMA runs with pages of 16 or 32 rows or a multiple of 64, `--page`, default 64; the serving page size is 16).
 Run from the repo root:  PYTHONPATH=. python bench/bench_mla_attention.py [--sweep] [--out FILE]
@@ -121,6 +123,8 @@ def main():
                     help="gluon: one program per SM over the (query tile, chunk) items, or one per item")
     ap.add_argument("--nch", nargs="+", type=int, default=[None],
                     help="most KV chunks per row (a reduction-order knob like the chunk rule; default the kernel's)")
+    ap.add_argument("--c-min", nargs="+", type=int, default=[None],
+                    help="base KV chunk size in keys (a reduction-order knob like --nch; default the kernel's)")
     args_cli = ap.parse_args()
     prefixes = args_cli.prefix or (QUICK_PREFIX if args_cli.quick else PREFIX)
     info = env_info()
@@ -145,18 +149,20 @@ def main():
                 out = torch.empty_like(args[0])
                 cfgs = [None] + (SWEEP if args_cli.sweep and n != 33 else [])
                 gluon_knobs = [(tm, pm) for tm in args_cli.tma for pm in args_cli.persistent]
-                combos = [(r, c, b, i, tm, pm, nch) for r in args_cli.chunk_rule for c in cfgs for b in args_cli.block_n
-                          for i in args_cli.impl
+                combos = [(r, c, b, i, tm, pm, nch, cm) for r in args_cli.chunk_rule for c in cfgs
+                          for b in args_cli.block_n for i in args_cli.impl
                           for tm, pm in (gluon_knobs if i in ("gluon", "auto") else [("default", "default")])
-                          for nch in args_cli.nch]
+                          for nch in args_cli.nch for cm in args_cli.c_min]
                 onoff = {"default": None, "on": True, "off": False}
-                for rule, cfg, bn, impl, tm, pm, nch in combos:
+                for rule, cfg, bn, impl, tm, pm, nch, cm in combos:
                     kw = {} if cfg is None else dict(block_n=cfg[0], num_warps=cfg[1], num_stages=cfg[2], nch=cfg[3],
                                                      c_min=cfg[4])
                     if bn is not None:
                         kw["block_n"] = bn
                     if nch is not None:
                         kw["nch"] = nch
+                    if cm is not None:
+                        kw["c_min"] = cm
                     knobs = {k: kw[k] for k in ("block_n", "nch", "c_min") if k in kw}
                     chunks = sum(len(chunk_spans(L + int(d), rule, **knobs)) for d in depth.flatten().tolist())
                     fn = functools.partial(mla_attention_triton, *args, SCALE, out=out, chunk_rule=rule, impl=impl,
@@ -168,9 +174,10 @@ def main():
                         print(f"B={B} L={L} n={n} rule={rule} cfg={cfg}: {exc!r}"[:300], flush=True)
                         continue
                     peers = {"triton_eager": eager}
-                    first = (rule, bn, impl, tm, pm, nch) == (args_cli.chunk_rule[0], args_cli.block_n[0],
-                                                              args_cli.impl[0], args_cli.tma[0],
-                                                              args_cli.persistent[0], args_cli.nch[0])
+                    first = (rule, bn, impl, tm, pm, nch, cm) == (args_cli.chunk_rule[0], args_cli.block_n[0],
+                                                                  args_cli.impl[0], args_cli.tma[0],
+                                                                  args_cli.persistent[0], args_cli.nch[0],
+                                                                  args_cli.c_min[0])
                     if cfg is None and first and not args_cli.no_peers:
                         qf, k, v = peer_inputs(args, B, L, n)
                         dense = torch.ones(B, n, L + n, dtype=torch.bool, device="cuda")
