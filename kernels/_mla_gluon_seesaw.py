@@ -36,9 +36,10 @@ Shared memory (227 KB max): Q's latent 64 KB + 2 KV stages of 72 KB + P0 and P1 
 query's rope columns [64, 64] arrive in P0's buffer and each consumer keeps them in registers (the A operand of S's
 rope part); consumer 1 says so on `qpe_bar` before consumer 0 first writes P0. Hand-offs (mbarriers, one completion
 per pair, phase i & 1): `m0_bar` (m0, s0), `s1_bar` (m1, s1 and P1), `p0_bar` (P0); `fin_bar` (two arrivals)
-exchanges the row sums at the end. Every buffer is rewritten only after its reader's wgmma was waited for (see the
-comments at each write). P0 is published unscaled (at m0) as soon as it exists, so consumer 0 keeps no fp32 P alive
-across the hand-off (registers), and consumer 1 rescales O_R by s1 between its two products instead.
+exchanges the row sums at the end (through m0's and s0's buffers). Every buffer is rewritten only after its reader's
+wgmma was waited for (see the comments at each write; tests/kernels/test_mla_gluon_protocols.py replays the protocol
+on the CPU). P0 is published unscaled (at m0) as soon as it exists, so consumer 0 keeps no fp32 P alive across the
+hand-off (registers), and consumer 1 rescales O_R by s1 between its two products instead.
 
 Determinism: the pairing is by tile index within a chunk, chunks start at absolute positions that depend only on
 the row's position, and each tile always goes through the same consumer with the same instructions: results are
@@ -294,10 +295,10 @@ if HAVE_GLUON:
         kpe_smem = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, DR], SH_PE)
         p0_smem = gl.allocate_shared_memory(dt, [BLOCK_M, BLOCK_N], SH_P)  # first the query's rope columns
         p1_smem = gl.allocate_shared_memory(dt, [BLOCK_M, BLOCK_N], SH_P)
-        stats = (gl.allocate_shared_memory(gl.float32, [BLOCK_M], SH_1),  # m0
+        stats = (gl.allocate_shared_memory(gl.float32, [BLOCK_M], SH_1),  # m0 (at the end: consumer 1's row sums)
                  gl.allocate_shared_memory(gl.float32, [BLOCK_M], SH_1),  # s0 (at the end: consumer 0's row sums)
                  gl.allocate_shared_memory(gl.float32, [BLOCK_M], SH_1),  # m1
-                 gl.allocate_shared_memory(gl.float32, [BLOCK_M], SH_1))  # s1 (at the end: consumer 1's row sums)
+                 gl.allocate_shared_memory(gl.float32, [BLOCK_M], SH_1))  # s1
         rows_smem = gl.allocate_shared_memory(gl.int32, [BLOCK_N], SH_1)  # the producer's current pool rows
         tree_smem = gl.allocate_shared_memory(gl.int32, [TT, BLOCK_N], SH_1)  # logical rows of the tree tiles
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
