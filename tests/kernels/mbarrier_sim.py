@@ -25,6 +25,7 @@ what their mbarrier completion orders for the reader.
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
@@ -207,8 +208,6 @@ def run(partitions: Sequence[Callable[[], Partition]], barriers: dict[str, int],
 def schedules(n: int, seeds: int) -> list[Callable[[list[int]], int]]:
     """Pickers to run a protocol under: each fixed priority order of the n partitions (one runs as far as it can
     before the next moves), then `seeds` uniformly random ones."""
-    import itertools
-
     out: list[Callable[[list[int]], int]] = []
     for order in itertools.permutations(range(n)):
         rank = {p: i for i, p in enumerate(order)}
