@@ -7,7 +7,9 @@
 #   2. the seesaw kernel's GPU tests (`-k seesaw`, its own time limit: a hang there costs only T_SEESAW), then, if
 #      they pass, the bench of gluon against gluon_seesaw;
 #   3. STEP=1: the whole verify step (8 K2.6 layers, 32k prefix, 33-node trees) with the persistent kernel off / on.
-# Logs and JSONL under $OUT (bench/results/run when unset). Run from the repo root; set DDTREE_COMMIT.
+# MLA_ARGS adds options to step 1's bench (e.g. "--c-min 512 1024": the base chunk size's trade-off at 4k). At the end
+# the tables of every MLA record of the call (summary.md). Logs and JSONL under $OUT (bench/results/run when unset).
+# Run from the repo root; set DDTREE_COMMIT.
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 OUT=${OUT:-bench/results/run}
@@ -33,4 +35,7 @@ if [ "${STEP:-0}" = 1 ]; then
     timeout "${T_STEP:-200}" python bench/bench_verify_step.py --invariant on --prefix 32768 --trees 33 \
       --mla-persistent "$p" --out "$OUT/verify_step.jsonl" $STEP_ARGS 2>&1 | tee "$OUT/bench_verify_step_$p.log"
   done
+fi
+if ls "$OUT"/mla_attention*.jsonl >/dev/null 2>&1; then
+  python bench/summarize.py "$OUT"/mla_attention*.jsonl 2>&1 | tee "$OUT/summary.md"
 fi
