@@ -154,7 +154,8 @@ def main():
                           for tm, pm in (gluon_knobs if i in ("gluon", "auto") else [("default", "default")])
                           for nch in args_cli.nch for cm in args_cli.c_min]
                 onoff = {"default": None, "on": True, "off": False}
-                for rule, cfg, bn, impl, tm, pm, nch, cm in combos:
+                for combo in combos:
+                    rule, cfg, bn, impl, tm, pm, nch, cm = combo
                     kw = {} if cfg is None else dict(block_n=cfg[0], num_warps=cfg[1], num_stages=cfg[2], nch=cfg[3],
                                                      c_min=cfg[4])
                     if bn is not None:
@@ -174,11 +175,8 @@ def main():
                         print(f"B={B} L={L} n={n} rule={rule} cfg={cfg}: {exc!r}"[:300], flush=True)
                         continue
                     peers = {"triton_eager": eager}
-                    first = (rule, bn, impl, tm, pm, nch, cm) == (args_cli.chunk_rule[0], args_cli.block_n[0],
-                                                                  args_cli.impl[0], args_cli.tma[0],
-                                                                  args_cli.persistent[0], args_cli.nch[0],
-                                                                  args_cli.c_min[0])
-                    if cfg is None and first and not args_cli.no_peers:
+                    first = combo == combos[0]  # the peers run once per case, beside the first combination
+                    if first and not args_cli.no_peers:
                         qf, k, v = peer_inputs(args, B, L, n)
                         dense = torch.ones(B, n, L + n, dtype=torch.bool, device="cuda")
                         dense[:, :, L:] = anc
