@@ -412,7 +412,7 @@ def run_case(model, pool, cfg, case: dict, invariant: bool, ceil: dict, info: di
         bytes_floor_ms=fl["bytes_floor_ms"], flops_floor_ms=fl["flops_floor_ms"],
         dtype=str(pool.kv.dtype).removeprefix("torch."), build_s=state.get("build_s"),
         **({"gemm": gemm} if invariant else {}), mla_impl=mla_attention.DEFAULT_IMPL, mla_tma=_mla_gluon.GLUON_TMA,
-        mla_persistent=_mla_gluon_persistent.GLUON_PERSISTENT,
+        mla_persistent=_mla_gluon_persistent.GLUON_PERSISTENT, mla_partials=mla_attention.DEFAULT_PARTIALS,
         moe_block_m=int4_moe.DEFAULT_BLOCK_M,
         moe_zp_mma=int4_moe.DEFAULT_ZP_MMA, moe_layout=layout,
         **({"moe_block_pairs": int4_moe_gluon.DEFAULT_BLOCK_PAIRS} if layout == "gluon" else {}),
@@ -487,6 +487,9 @@ def parse_args(argv=None):
     ap.add_argument("--mla-persistent", choices=("on", "off"), default=None,
                     help="gluon MLA kernel: one program per SM over the (query tile, chunk) items (default: "
                          "_mla_gluon_persistent.GLUON_PERSISTENT; same bits either way)")
+    ap.add_argument("--mla-partials", choices=mla_attention.PARTIALS, default=None,
+                    help="dtype of a multi-chunk row's partial O (default: mla_attention.DEFAULT_PARTIALS; 'out' "
+                         "halves the partial traffic and changes the bits of rows with several KV chunks)")
     args = ap.parse_args(argv)
     base = dict(DEFAULTS, layers=8, page_size=16, max_session_len=8192)
     if args.quick:
@@ -520,6 +523,8 @@ def main(argv=None) -> list[dict]:
         _mla_gluon.GLUON_TMA = args.mla_tma == "on"  # read by the launcher at each call
     if args.mla_persistent is not None:
         _mla_gluon_persistent.GLUON_PERSISTENT = args.mla_persistent == "on"
+    if args.mla_partials is not None:
+        mla_attention.DEFAULT_PARTIALS = args.mla_partials  # read by the launcher at each call
     if args.moe_block_m is not None:
         int4_moe.DEFAULT_BLOCK_M = args.moe_block_m
     if args.moe_zp_mma is not None:

@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
-# One device call for the MLA tile kernels written in the twenty-fifth session without a GPU (read
-# docs/performance.md, "Twenty-fifth session"):
-#   1. the persistent kernel's GPU tests (`-k persistent`: bitwise against the grid kernel, whose PTX the session did
-#      not change; TESTS_K to widen), then the kernel bench with it off and on (page 64; PAGE16=1: also the serving
-#      page 16 at 4k / 32k);
+# One device call for the MLA kernel options written in the twenty-fifth to twenty-seventh sessions without a GPU
+# (read docs/performance.md, "Twenty-fifth session" and "Twenty-seventh session"):
+#   1. the GPU tests of the persistent kernel (bitwise against the grid kernel, whose PTX the sessions did not change)
+#      and of bf16 partials, batch invariance with both (TESTS_K, default `(persistent or partials or invariance) and
+#      not seesaw`), then the kernel bench with the
+#      persistent kernel off / on and the partials in fp32 / bf16 (page 64; PAGE16=1: also the serving page 16 at
+#      4k / 32k);
 #   2. the seesaw kernel's GPU tests (`-k seesaw`, its own time limit: a hang there costs only T_SEESAW), then, if
 #      they pass, the bench of gluon against gluon_seesaw;
-#   3. STEP=1: the whole verify step (8 K2.6 layers, 32k prefix, 33-node trees) with the persistent kernel off / on.
+#   3. STEP=1: the whole verify step (8 K2.6 layers, 32k prefix, 33-node trees) with the persistent kernel off / on
+#      (STEP_ARGS adds options, e.g. "--mla-partials out").
 # MLA_ARGS adds options to step 1's bench (e.g. "--c-min 512 1024": the base chunk size's trade-off at 4k). At the end
 # the tables of every MLA record of the call (summary.md). Logs and JSONL under $OUT (bench/results/run when unset).
 # Run from the repo root; set DDTREE_COMMIT.
@@ -17,12 +20,12 @@ mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv 2>&1 | tee "$OUT/gpu.txt"
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
 if timeout "${T_TESTS:-240}" python -m pytest tests/kernels/test_mla_attention.py -q -x -rs --durations=8 \
-    -k "${TESTS_K:-persistent}" 2>&1 | tee "$OUT/tests_mla.log"; then
-  timeout "${T_MLA:-200}" python bench/bench_mla_attention.py --no-peers --impl gluon --persistent off on \
-    --out "$OUT/mla_attention.jsonl" $MLA_ARGS 2>&1 | tee "$OUT/bench_mla_attention.log"
+    -k "${TESTS_K:-(persistent or partials or invariance) and not seesaw}" 2>&1 | tee "$OUT/tests_mla.log"; then
+  timeout "${T_MLA:-300}" python bench/bench_mla_attention.py --no-peers --impl gluon --persistent off on \
+    --partials fp32 out --out "$OUT/mla_attention.jsonl" $MLA_ARGS 2>&1 | tee "$OUT/bench_mla_attention.log"
   if [ "${PAGE16:-0}" = 1 ]; then
     timeout "${T_MLA16:-120}" python bench/bench_mla_attention.py --no-peers --impl gluon --persistent off on \
-      --page 16 --prefix 4096 32768 --out "$OUT/mla_attention_page16.jsonl" 2>&1 | tee "$OUT/bench_mla_page16.log"
+      --partials fp32 out --page 16 --prefix 4096 32768 --out "$OUT/mla_attention_page16.jsonl" 2>&1 | tee "$OUT/bench_mla_page16.log"
   fi
 fi
 if [ "${SEESAW:-1}" = 1 ] && timeout "${T_SEESAW:-150}" python -m pytest tests/kernels/test_mla_attention.py -q -x \

@@ -44,10 +44,10 @@ def main():
         if "int4" in name:
             keys = ["T", "experts_touched"]
         elif name == "verify_step":  # ms and floor are per decoder layer
-            keys = ["layers", "batch", "prefix", "tree", "batch_invariant"]
+            keys = ["layers", "batch", "prefix", "tree", "batch_invariant", "mla_persistent", "mla_partials"]
             shown = ("graph", "experts_touched_per_layer")
         else:
-            keys = ["batch", "prefix", "tree", "chunk_rule", "impl", "page", "tma", "persistent"]
+            keys = ["batch", "prefix", "tree", "chunk_rule", "impl", "page", "tma", "persistent", "partials"]
         print(f"## {path}\n\n{table(recs, keys, shown)}\n")
 
 

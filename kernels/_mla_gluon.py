@@ -2,7 +2,7 @@
 
 Same work unit, keys, chunks and partials as `_mla_kernels._mla_fwd_kernel` (read its docstring: a query
 tile is the 64 heads of one token, a chunk is a `chunk_span` of whole 64-key tiles at absolute positions,
-nc == 1 writes the output, else fp32 partials that `_mla_combine_kernel` folds in chunk order). What
+nc == 1 writes the output, else the partials that `_mla_combine_kernel` folds in chunk order). What
 differs is how a tile is computed. In the Triton kernel the score GEMM S = q K^T, whose result feeds the
 PV GEMM, is laid out with all 8 warps along the 64 query rows, so both warpgroups compute the same S
 (53% extra tensor work). Here the layouts are explicit (Gluon):
@@ -168,8 +168,8 @@ if HAVE_GLUON:
     @gluon.jit
     def _store_item(o, m, li, pid_t, pid_c, nc, HT, GC, out_ptr, po_ptr, pml_ptr, stride_ot, stride_oh, H,
                     BLOCK_M: gl.constexpr, DL: gl.constexpr, S_L: gl.constexpr, O_L: gl.constexpr):
-        """A finished (query tile, chunk): the output when the row has one chunk, else the fp32 partial (o, m, l)
-        that `_mla_combine_kernel` folds."""
+        """A finished (query tile, chunk): the output when the row has one chunk, else the partial (o in po's dtype,
+        m and l in fp32) that `_mla_combine_kernel` folds."""
         rm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, O_L))
         dl = gl.arange(0, DL, layout=gl.SliceLayout(0, O_L))
         if nc == 1:
@@ -181,7 +181,8 @@ if HAVE_GLUON:
                      out.to(out_ptr.dtype.element_ty), mask=gl.expand_dims(h < H, 1) & gl.expand_dims(dl < DL, 0))
         else:
             part = (pid_t * GC + pid_c).to(gl.int64)
-            gl.store(po_ptr + part * (BLOCK_M * DL) + gl.expand_dims(rm * DL, 1) + gl.expand_dims(dl, 0), o)
+            gl.store(po_ptr + part * (BLOCK_M * DL) + gl.expand_dims(rm * DL, 1) + gl.expand_dims(dl, 0),
+                     o.to(po_ptr.dtype.element_ty))
             rs = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, S_L))
             gl.store(pml_ptr + part * (2 * BLOCK_M) + rs, m)
             gl.store(pml_ptr + part * (2 * BLOCK_M) + BLOCK_M + rs, li)

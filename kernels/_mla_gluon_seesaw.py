@@ -3,7 +3,7 @@ session without a GPU and not yet run on one).
 
 Same work unit, keys, chunks, partials and combine as `_mla_gluon._mla_fwd_gluon_kernel` (a query tile is the 64
 heads of one token, a chunk a `chunk_span` of whole 64-key tiles at absolute positions; nc == 1 writes the output,
-else fp32 partials that `_mla_combine_kernel` folds in chunk order). What differs is the schedule inside a program,
+else the partials that `_mla_combine_kernel` folds in chunk order). What differs is the schedule inside a program,
 after FlashMLA's "seesaw" (its 2025-04 deep dive): the output O [64, 512] fp32 is too large for one warpgroup's
 registers, so it is split by columns, O_L in consumer 0 and O_R in consumer 1, and the chunk's 64-key tiles are
 taken in PAIRS (tile 2i in stage 0, tile 2i + 1 in stage 1; an odd chunk ends with a zero-filled, fully masked
@@ -247,7 +247,8 @@ if HAVE_GLUON:
                      out.to(out_ptr.dtype.element_ty), mask=gl.expand_dims(h < H, 1) & gl.expand_dims(dl < HALF, 0))
         else:
             part = (pid_t * GC + pid_c).to(gl.int64)
-            gl.store(po_ptr + part * (BLOCK_M * DL) + gl.expand_dims(rm * DL, 1) + V_OFF + gl.expand_dims(dl, 0), o)
+            gl.store(po_ptr + part * (BLOCK_M * DL) + gl.expand_dims(rm * DL, 1) + V_OFF + gl.expand_dims(dl, 0),
+                     o.to(po_ptr.dtype.element_ty))
             if W == 0:
                 rs_ = gl.arange(0, BLOCK_M, layout=RS)
                 gl.store(pml_ptr + part * (2 * BLOCK_M) + rs_, m)

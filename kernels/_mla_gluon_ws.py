@@ -2,7 +2,7 @@
 
 Same work unit, keys, chunks, partials and combine as `_mla_gluon._mla_fwd_gluon_kernel` (a query tile is
 the 64 heads of one token, a chunk a `chunk_span` of whole 64-key tiles at absolute positions; nc == 1
-writes the output, else fp32 partials that `_mla_combine_kernel` folds in chunk order). What differs is
+writes the output, else the partials that `_mla_combine_kernel` folds in chunk order). What differs is
 who does what inside a program. The sixth-session kernel runs every tile through all 8 warps: wait for
 the copies -> S -> softmax -> P to shared -> PV, each step behind a CTA-wide barrier, so the tensor pipe
 idles while the softmax runs (ncu: busy 29%). Here the roles are split, after FlashMLA's decode kernel:
@@ -263,7 +263,8 @@ if HAVE_GLUON:
                      out.to(out_ptr.dtype.element_ty), mask=gl.expand_dims(h < H, 1) & gl.expand_dims(dl < HALF, 0))
         else:
             part = (pid_t * GC + pid_c).to(gl.int64)
-            gl.store(po_ptr + part * (BLOCK_M * DL) + gl.expand_dims(rm * DL, 1) + V_OFF + gl.expand_dims(dl, 0), o)
+            gl.store(po_ptr + part * (BLOCK_M * DL) + gl.expand_dims(rm * DL, 1) + V_OFF + gl.expand_dims(dl, 0),
+                     o.to(po_ptr.dtype.element_ty))
             if W == 0:
                 rs = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, S_L))
                 gl.store(pml_ptr + part * (2 * BLOCK_M) + rs, m)

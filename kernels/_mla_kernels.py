@@ -28,8 +28,8 @@ the grid and the partials at long contexts:
     keys (a whole CTA and a partial for them).
 Every tile goes through the same `_attend` code with a runtime mask, whichever loop feeds it, so a
 tree node at depth d, the AR step at L + d and a causal prefill row at L + d give the same bits.
-nc == 1: the kernel writes the output; else fp32 partials (m, l, O) per chunk, folded by
-`_mla_combine_kernel` in chunk order.
+nc == 1: the kernel writes the output; else partials per chunk, (m, l) in fp32 and the unnormalized O in fp32 or
+(the launcher's `partials="out"`) in the output's dtype, folded in fp32 by `_mla_combine_kernel` in chunk order.
 """
 
 from __future__ import annotations
@@ -119,7 +119,8 @@ def _mla_fwd_kernel(
     cu_ptr, pre_ptr,  # [S+1] int32 query offsets, [S] int32 committed lengths
     bits_ptr,  # [T, NB / 64] int64 ancestor bits (unused when not TREE)
     out_ptr,  # out: [T, H, DL]
-    po_ptr, pml_ptr,  # out: partials fp32 [tiles * GC, BLOCK_M, BDL], [tiles * GC, 2, BLOCK_M]
+    po_ptr,  # out: partial O [tiles * GC, BLOCK_M, BDL], fp32 or the output's dtype
+    pml_ptr,  # out: partial (m, l) fp32 [tiles * GC, 2, BLOCK_M]
     nc_ptr,  # out: [tiles] int32 chunks of each query tile (read by the combine kernel)
     S, H, HT, GC, qk_scale,
     stride_qt, stride_qh, stride_pt, stride_ph, stride_kv, stride_bt, stride_bits, stride_ot, stride_oh,
@@ -177,7 +178,7 @@ def _mla_fwd_kernel(
     else:
         part = (pid_t * GC + pid_c).to(tl.int64)
         rm = tl.arange(0, BLOCK_M)
-        tl.store(po_ptr + part * (BLOCK_M * BDL) + rm[:, None] * BDL + dl[None, :], o)
+        tl.store(po_ptr + part * (BLOCK_M * BDL) + rm[:, None] * BDL + dl[None, :], o.to(po_ptr.dtype.element_ty))
         tl.store(pml_ptr + part * (2 * BLOCK_M) + rm, m)
         tl.store(pml_ptr + part * (2 * BLOCK_M) + BLOCK_M + rm, l)
 
@@ -202,7 +203,7 @@ def _mla_combine_kernel(
         part = (pid_t * GC + c).to(tl.int64)
         mc = tl.load(pml_ptr + part * (2 * BLOCK_M) + rm)
         lc = tl.load(pml_ptr + part * (2 * BLOCK_M) + BLOCK_M + rm)
-        oc = tl.load(po_ptr + part * (BLOCK_M * BDL) + rm[:, None] * BDL + d[None, :])
+        oc = tl.load(po_ptr + part * (BLOCK_M * BDL) + rm[:, None] * BDL + d[None, :]).to(tl.float32)
         m_new = tl.maximum(m, mc)
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         a = tl.exp2(m - m_use)

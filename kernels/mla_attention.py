@@ -49,6 +49,8 @@ _NCH = 16  # at most this many KV chunks per query row
 _C_MIN = 512  # base chunk size (keys) for rows of < NCH * C_MIN keys: bounds the partial traffic
 CHUNK_RULES = {"legacy": 0, "balanced": 1}  # `_mla_kernels.chunk_span`'s RULE
 DEFAULT_CHUNK_RULE = "balanced"
+PARTIALS = ("fp32", "out")  # how a multi-chunk row's partial O goes through memory (`mla_attention_triton`)
+DEFAULT_PARTIALS = "fp32"  # "out" (half the partial traffic) is opt-in until the GPU has measured it
 IMPLS = ("triton", "gluon", "gluon_ws", "gluon_seesaw", "auto")  # tile kernel: `_mla_kernels` (any GPU, the
 # interpreter), `_mla_gluon` (sm_90), `_mla_gluon_ws` or `_mla_gluon_seesaw` (sm_90, warp-specialized, experimental:
 # never picked by "auto")
@@ -203,7 +205,7 @@ def mla_attention_triton(q_lat, q_pe, kv_cache, block_table, page_size, cu_q, pr
                          sm_scale, *, out=None, block_n: int = DEFAULT_BLOCK_N, num_warps: int = 8,
                          num_stages: int = 2, nch: int = _NCH, c_min: int = _C_MIN,
                          chunk_rule: str = DEFAULT_CHUNK_RULE, impl: str | None = None, tma: bool | None = None,
-                         persistent: bool | None = None):
+                         persistent: bool | None = None, partials: str | None = None):
     """The Triton path on any device (tests call it on CPU under TRITON_INTERPRET=1).
 
     q_lat/q_pe are cast to the cache dtype; `out` ([T, H, Dl], optional) is written in place.
@@ -218,11 +220,19 @@ def mla_attention_triton(q_lat, q_pe, kv_cache, block_table, page_size, cu_q, pr
     whole tiles of committed rows by TMA (as runs of a page's rows: pages of 16, 32 or a multiple of 64 rows), the
     other tiles by cp.async; the same data lands in the same layout, so the same bits either way. `persistent` (gluon
     with the query tile by TMA; None: `_mla_gluon_persistent.GLUON_PERSISTENT`): one program per SM runs its share
-    of the (query tile, chunk) items as one stream of tiles (`_mla_gluon_persistent`), the same bits again."""
+    of the (query tile, chunk) items as one stream of tiles (`_mla_gluon_persistent`), the same bits again.
+    `partials` (None: the module's `DEFAULT_PARTIALS`, read at each call): the dtype of the unnormalized partial O
+    that a row of several KV chunks writes per chunk and the combine kernel reads back: "fp32", or "out" (the
+    output's dtype: bf16 at Kimi, half the bytes; the row max and sum stay fp32, the combine's arithmetic stays fp32).
+    It rounds each chunk's partial once more, so it changes the bits of multi-chunk rows: fixed per deployment too
+    (batch invariance and position alignment hold either way: a row's chunks do not depend on the batch)."""
     T, H, Dl = q_lat.shape
     Dr = q_pe.shape[-1]
     S = prefix_lens.shape[0]
     rule = _rule_id(chunk_rule)
+    partials = DEFAULT_PARTIALS if partials is None else partials
+    if partials not in PARTIALS:
+        raise ValueError(f"mla_attention: partials {partials!r} is not one of {PARTIALS}")
     impl = DEFAULT_IMPL if impl is None else impl
     if impl not in IMPLS:
         raise ValueError(f"mla_attention: impl {impl!r} is not one of {IMPLS}")
@@ -258,7 +268,8 @@ def mla_attention_triton(q_lat, q_pe, kv_cache, block_table, page_size, cu_q, pr
     cap = block_table.shape[1] * page_size  # every position a row can see is < cap
     grid_c = max_chunks(cap, chunk_rule, block_n, nch, c_min)  # >= nc(p) for any p < cap
     parts = tiles * grid_c if grid_c > 1 else 1
-    po = torch.empty(parts, block_m, bdl, dtype=torch.float32, device=q_lat.device)
+    po = torch.empty(parts, block_m, bdl, dtype=torch.float32 if partials == "fp32" else out.dtype,
+                     device=q_lat.device)
     pml = torch.empty(parts, 2, block_m, dtype=torch.float32, device=q_lat.device)
     nc = torch.empty(tiles, dtype=torch.int32, device=q_lat.device)
     bits = tree_bits if tree_bits is not None else prefix_lens  # dummy pointer when causal

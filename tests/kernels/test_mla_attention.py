@@ -7,7 +7,7 @@ prefixes on and off chunk multiples. Position alignment (exact equality): every 
 equals the causal decode, the 1-node-tree AR step and the causal prefill row at its position in a
 cache holding the AR layout (prefix + its ancestors + itself). The chunk rules themselves (pure
 Python, the kernel's own `chunk_span` on host ints): no empty or short chunk, grid bound.
-GPU (marked `gpu`): 64 heads, 512 + 64, bf16, prefixes up to 33k, batch invariance (a session
+GPU (marked `gpu`): 64 heads, 512 + 64, bf16, prefixes up to 33k, partials in fp32 and bf16, batch invariance (a session
 alone vs inside a batch of 64: bitwise equal) and the same position alignment in bf16, for every tile
 kernel (`impl` "triton" and the sm_90 Gluon kernels "gluon", "gluon_ws" and "gluon_seesaw"), and the persistent
 form of "gluon" bitwise against its grid. The Gluon kernels' compiled code (PTX, ptxas) is checked on the CPU in
@@ -125,6 +125,42 @@ def test_mla_chunk_rules_awkward_prefixes(chunk_rule, tree):
     prefix, ns = [64, 95, 128, 161, 7], [6, 3, 9, 1, 2]
     args = make_batch(prefix, ns, 4, 32, 8, 8, torch.float16, tree, seed=5 + tree)
     assert_close(run_kernel(args, 0.3, **kw), reference(args, 0.3), TOL[torch.float16], f"{kw} tree={tree}")
+
+
+def rows_by_chunks(prefix, ns, tree_bits, **knobs) -> torch.Tensor:
+    """bool [T]: which query rows have more than one KV chunk (their partials go through memory)."""
+    many = []
+    for L, n in zip(prefix, ns):
+        for j in range(n):
+            row = len(many)
+            depth = j if tree_bits is None else sum(bin(int(w) % 2**64).count("1") for w in tree_bits[row]) - 1
+            many.append(len(chunk_spans(L + depth, **knobs)) > 1)
+    return torch.tensor(many, dtype=torch.bool)
+
+
+@pytest.mark.parametrize("tree", [True, False])
+def test_mla_partials_in_the_output_dtype(tree):
+    """partials="out" (fp16 here; bf16 on the GPU): each chunk's partial O rounded to the output's dtype. Rows of
+    one chunk never write partials, so they keep their bits; rows of several chunks change bits but stay within the
+    output dtype's tolerance of the reference, and within ~2x the error the fp32 partials make; with an fp32
+    output the option is the fp32 path, bit for bit."""
+    kw = dict(nch=8, c_min=32, block_n=16)
+    prefix, ns = [3, 200, 41, 500], [5, 9, 1, 17]
+    args = make_batch(prefix, ns, 4, 32, 8, 16, torch.float16, tree, seed=21 + tree)
+    want = reference(args, 0.3)
+    fp32 = run_kernel(args, 0.3, partials="fp32", **kw)
+    half = run_kernel(args, 0.3, partials="out", **kw)
+    many = rows_by_chunks(prefix, ns, args[7], **kw).to(DEV)
+    assert bool(many.any()) and not bool(many.all())
+    assert_bitwise(half[~many], fp32[~many], "one-chunk rows")
+    assert not torch.equal(half[many], fp32[many]), "the partials did not go through fp16"
+    assert_close(half, want, TOL[torch.float16], f"tree={tree}")
+    err = lambda out: float((out.double() - want.double()).norm() / want.double().norm())  # noqa: E731
+    assert err(half) <= 2.0 * err(fp32) + 2e-4, (err(half), err(fp32))
+    args32 = make_batch(prefix, ns, 4, 32, 8, 16, torch.float32, tree, seed=21 + tree)
+    assert_bitwise(run_kernel(args32, 0.3, partials="out", **kw), run_kernel(args32, 0.3, **kw), "fp32 output")
+    with pytest.raises(ValueError, match="partials"):
+        run_kernel(args, 0.3, partials="bf16")
 
 
 def test_mla_odd_heads_and_pages():
@@ -302,12 +338,12 @@ def test_mla_tree_node_equals_ar_step_bitwise(prefix, ns, checked, H, Dl, Dr, pa
     check_alignment(prefix, ns, checked, H, Dl, Dr, page, torch.float32, words, 0.3, chunk_rule=chunk_rule, **kw)
 
 
-@pytest.mark.parametrize("chunk_rule", RULES)
-def test_mla_alignment_fp16_and_second_bit_word(chunk_rule):
+@pytest.mark.parametrize("chunk_rule,partials", [(rule, "fp32") for rule in RULES] + [("balanced", "out")])
+def test_mla_alignment_fp16_and_second_bit_word(chunk_rule, partials):
     """fp16; nodes 64.. of a 66-node tree (their paths read the second bit word); paths up to p = 66:
-    balanced 1 -> 2 chunks at p = 47, legacy 1 -> 2 -> 3 at p = 32, 64."""
+    balanced 1 -> 2 chunks at p = 47, legacy 1 -> 2 -> 3 at p = 32, 64; fp16 partials too."""
     check_alignment([29], [66], [0], 4, 32, 8, 16, torch.float16, 2, 0.3, nodes=[5, 40, 63, 64, 65],
-                    chunk_rule=chunk_rule, **SMALL)
+                    chunk_rule=chunk_rule, partials=partials, **SMALL)
 
 
 # ------------------------------------------- the chunk rules (pure Python: the kernel's chunk_span on ints)
@@ -487,9 +523,32 @@ def test_mla_fp16_and_two_head_tiles(impl):
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("impl", IMPLS_GPU)
+@pytest.mark.parametrize("tree", [True, False])
+def test_mla_bf16_partials(tree, impl):
+    """partials="out" (bf16 partial O) at Kimi shapes: one-chunk rows keep the fp32-partials bits, the others stay
+    within bf16 tolerance of the reference and within 2x the fp32 partials' error (batch invariance and alignment
+    with it: the tests below)."""
+    prefix, ns = ([5, 700, 4097, 33000], [9, 65, 17, 5]) if tree else ([0, 300, 9001], [257, 64, 3])
+    args = make_batch(prefix, ns, KIMI["H"], KIMI["Dl"], KIMI["Dr"], 16, torch.bfloat16, tree, seed=9)
+    want = reference(args, SCALE)
+    fp32 = run_kernel(args, SCALE, impl=impl, partials="fp32")
+    half = run_kernel(args, SCALE, impl=impl, partials="out")
+    many = rows_by_chunks(prefix, ns, None if args[7] is None else args[7].cpu()).to(DEV)
+    assert bool(many.any()) and not bool(many.all())
+    assert_bitwise(half[~many], fp32[~many], f"one-chunk rows, {impl}")
+    assert_close(half, want, TOL[torch.bfloat16], f"bf16 partials {impl} tree={tree}")
+    err = lambda out: float((out.double() - want.double()).norm() / want.double().norm())  # noqa: E731
+    assert err(half) <= 2.0 * err(fp32), (err(half), err(fp32))
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", IMPLS_GPU)
+@pytest.mark.parametrize("partials", ["fp32", "out"])
 @pytest.mark.parametrize("n_probe", [1, 9, 65])
-def test_mla_batch_invariance(n_probe, impl):
-    """A session alone and as session 23 of 64 others (mixed lengths): bitwise equal rows."""
+def test_mla_batch_invariance(n_probe, partials, impl):
+    """A session alone and as session 23 of 64 others (mixed lengths): bitwise equal rows (partials in fp32 and
+    in bf16)."""
     g = torch.Generator().manual_seed(n_probe)
     prefix = torch.randint(0, 3000, (64,), generator=g).tolist()
     ns = torch.randint(1, 66, (64,), generator=g).tolist()
@@ -499,13 +558,13 @@ def test_mla_batch_invariance(n_probe, impl):
     t0, t1 = int(cu[23]), int(cu[24])
     alone = (q[t0:t1], qpe[t0:t1], kv, bt[23:24], page, torch.tensor([0, t1 - t0], dtype=torch.int32, device=DEV),
              pre[23:24], bits[t0:t1])
-    out_big = run_kernel(big, SCALE, impl=impl)
-    out_alone = run_kernel(alone, SCALE, impl=impl)
+    out_big = run_kernel(big, SCALE, impl=impl, partials=partials)
+    out_alone = run_kernel(alone, SCALE, impl=impl, partials=partials)
     assert torch.equal(out_alone, out_big[t0:t1])
     # the tree's root alone (= the AR step at the same prefix) gives the root row bit for bit
     root = (q[t0:t0 + 1], qpe[t0:t0 + 1], kv, bt[23:24], page, torch.tensor([0, 1], dtype=torch.int32, device=DEV),
             pre[23:24], bits[t0:t0 + 1])
-    assert torch.equal(run_kernel(root, SCALE, impl=impl)[0], out_big[t0])
+    assert torch.equal(run_kernel(root, SCALE, impl=impl, partials=partials)[0], out_big[t0])
 
 
 @gpu
@@ -516,9 +575,9 @@ def test_mla_batch_invariance(n_probe, impl):
     # one bit word (budgets <= 63); session 0 crosses p = 8192; session 1: 16 chunks of 64-65 tiles; prefix 0
     ([8180, 33000, 0], [40, 9, 20], [0, 1, 2], 1),
 ])
-@pytest.mark.parametrize("impl", IMPLS_GPU)
-def test_mla_tree_node_equals_ar_step_bitwise_bf16(prefix, ns, checked, words, impl):
+@pytest.mark.parametrize("impl,partials", [(impl, "fp32") for impl in IMPLS_GPU] + [("gluon", "out")])
+def test_mla_tree_node_equals_ar_step_bitwise_bf16(prefix, ns, checked, words, impl, partials):
     """The position-alignment invariant at Kimi shapes in bf16: every node of the checked sessions
     equals the causal decode / AR step / prefill row at its position in the AR layout, bitwise."""
     check_alignment(prefix, ns, checked, KIMI["H"], KIMI["Dl"], KIMI["Dr"], KIMI["page"], torch.bfloat16, words,
-                    SCALE, impl=impl)
+                    SCALE, impl=impl, partials=partials)

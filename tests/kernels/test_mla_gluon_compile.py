@@ -25,11 +25,12 @@ mod = __import__(sys.argv[1], fromlist=[sys.argv[2]])
 kernel, num_warps, stages = getattr(mod, sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 box = json.loads(sys.argv[5])  # None: a kernel without TMA descriptors, else its BOX constexpr (0: no TMA)
 persistent = len(sys.argv) > 6 and sys.argv[6] == "persistent"  # (TILES, NPROG after the strides; no QTMA)
+po = sys.argv[7] if len(sys.argv) > 7 else "fp32"  # the partial O's dtype (`mla_attention_triton(partials=)`)
 out = {}
 for tree in (True, False):
     sig = {n: "*bf16" for n in ("q_ptr", "qpe_ptr", "kv_ptr", "out_ptr")}
     sig.update({"bt_ptr": "*i32", "cu_ptr": "*i32", "pre_ptr": "*i32", "bits_ptr": "*i64" if tree else "*i32",
-                "po_ptr": "*fp32", "pml_ptr": "*fp32", "nc_ptr": "*i32"})
+                "po_ptr": "*" + po, "pml_ptr": "*fp32", "nc_ptr": "*i32"})
     if box is not None:  # TMA descriptors: BOX rows of the pool's latent [., 512] and rope [., 64] columns, then
         # the query tile's (64 rows of each)
         for name, rows, cols in (("desc_l", box or 64, 512), ("desc_r", box or 64, 64), ("desc_q", 64, 512),
@@ -63,6 +64,7 @@ for tree in (True, False):
         "tma": len(re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::(?:cta|cluster)\.global", ptx)),
         "expect_tx": ptx.count("arrive.expect_tx"),
         "mbarrier_wait": ptx.count("mbarrier.try_wait"), "cta_bar": re.findall(r"\bbar\.sync\s+\d+;", ptx),
+        "st_global": {w: len(re.findall(rf"\bst\.global\.{re.escape(w)}\s", ptx)) for w in ("b32", "v2.b32", "v4.b32")},
         "setmaxnreg": sorted({int(v) for v in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}),
         "shared": k.metadata.shared, "warps": k.metadata.num_warps,
         "spill_bytes": sum(int(v) for v in re.findall(r"(\d+) bytes spill stores", log)),
@@ -73,13 +75,13 @@ _SM90_SMEM = 232448  # bytes of shared memory one block may have on sm_90 (227 K
 
 
 def compile_for_sm90(tmp_path, module: str, kernel: str, num_warps: int, stages: int, box: int | None = None,
-                     persistent: bool = False) -> dict:
+                     persistent: bool = False, po: str = "fp32") -> dict:
     """Compile a Gluon tile kernel for sm_90 in a subprocess (no GPU needed; this process may run Triton in
     interpreter mode), bf16, tree and causal: {"True"/"False": PTX counts, shared bytes, ptxas -v facts}. `box`:
     None for a kernel without TMA descriptors, else its BOX constexpr (the page size is the box, 64 for 0);
-    `persistent`: the signature of `_mla_gluon_persistent`'s kernel."""
+    `persistent`: the signature of `_mla_gluon_persistent`'s kernel; `po`: the partial O's dtype."""
     return run_sm90_script(tmp_path, _SM90_COMPILE, module, kernel, str(num_warps), str(stages), json.dumps(box),
-                           "persistent" if persistent else "grid", timeout=300)
+                           "persistent" if persistent else "grid", po, timeout=300)
 
 
 def test_mla_gluon_kernel_compiles_for_sm90_with_s_once(tmp_path):
@@ -178,3 +180,29 @@ def test_mla_gluon_ws_kernel_compiles_for_sm90(tmp_path):
         assert n["cp_async"] > 0 and n["cp_async_arrive"] == 2 and n["mbarrier_wait"] > 0, what
         assert n["cta_bar"] == [] and n["ptxas_perf"] == [] and n["spill_bytes"] <= max_spill, what
         assert 0 < n["shared"] <= _SM90_SMEM, what
+
+
+def test_mla_gluon_kernels_store_bf16_partials_as_16_bit_values(tmp_path):
+    """`partials="out"` at Kimi (bf16 partial O): in every Gluon kernel each 8-byte store of two fp32 partial values
+    becomes a 4-byte store of two bf16 ones (the same count: one per register pair of the accumulator), and nothing
+    else changes: the same MMAs, TMA copies and shared memory."""
+    from kernels import _mla_gluon, _mla_gluon_seesaw, _mla_gluon_ws
+
+    kernels = [("kernels._mla_gluon", "_mla_fwd_gluon_kernel", _mla_gluon.GLUON_WARPS, _mla_gluon.GLUON_STAGES, 64,
+                False),
+               ("kernels._mla_gluon_persistent", "_mla_fwd_gluon_persistent_kernel", _mla_gluon.GLUON_WARPS,
+                _mla_gluon.GLUON_STAGES, 64, True),
+               ("kernels._mla_gluon_seesaw", "_mla_fwd_gluon_seesaw_kernel", _mla_gluon_seesaw.SEESAW_WARPS,
+                _mla_gluon_seesaw.SEESAW_STAGES, 64, False),
+               ("kernels._mla_gluon_ws", "_mla_fwd_gluon_ws_kernel", _mla_gluon_ws.WS_WARPS, _mla_gluon_ws.WS_STAGES,
+                None, False)]
+    for module, kernel, warps, stages, box, persistent in kernels:
+        fp32, bf16 = (compile_for_sm90(tmp_path, module, kernel, warps, stages, box, persistent, po)
+                      for po in ("fp32", "bf16"))
+        for tree in fp32:
+            a, b, what = fp32[tree], bf16[tree], f"{kernel} tree={tree}"
+            assert a["st_global"]["v2.b32"] > 0 and b["st_global"]["v2.b32"] == 0, (what, a, b)
+            assert b["st_global"]["b32"] == a["st_global"]["b32"] + a["st_global"]["v2.b32"], (what, a, b)
+            assert a["st_global"]["v4.b32"] == b["st_global"]["v4.b32"], (what, a, b)
+            for key in ("wgmma", "tma", "expect_tx", "shared"):
+                assert a[key] == b[key], (what, key, a[key], b[key])
