@@ -114,6 +114,21 @@ if HAVE_GLUON:
     _S_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16]))
     _O_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 256, 16]))
 
+    def fragment_store_layout(cols: int, warps_n: int):
+        """The layout of a 16-bit partial O [64, cols] in fragment order (`_store_partial`), distributed as the
+        wgmma accumulator it came from (4 warps along the rows, `warps_n` along the columns, m64 instructions of
+        cols / warps_n columns) but with a thread's four values of a 16-column group in consecutive registers, so
+        they go out as one 8-byte store: registers cols 1, 2, then row 8, then the thread's next 16-column groups;
+        lanes cols 4, 8 and rows 1, 2, 4; warps rows 16, 32, then the column blocks."""
+        n = cols // warps_n
+        reg = [[0, 1], [0, 2], [8, 0]] + [[0, 16 << i] for i in range((n // 16).bit_length() - 1)]
+        warp = [[16, 0], [32, 0]] + [[0, n << i] for i in range(warps_n.bit_length() - 1)]
+        return gl.DistributedLinearLayout(reg_bases=reg, lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
+                                          warp_bases=warp, block_bases=[], shape=[64, cols])
+
+    _ST_L = gl.constexpr(fragment_store_layout(GLUON_DL, 2))  # the grid and persistent kernels' O
+    _ST_HALF_L = gl.constexpr(fragment_store_layout(GLUON_DL // 2, 1))  # one warpgroup's half (ws, seesaw)
+
     @gluon.jit
     def _session_of(t, cu_ptr, S, S_PAD: gl.constexpr, L1: gl.constexpr):
         # sessions that end at or before token t = the session of t
@@ -166,6 +181,25 @@ if HAVE_GLUON:
         _tma_load(desc_qpe, [t * H + hb * BLOCK_M, 0], q_bar, qpe_smem)
 
     @gluon.jit
+    def _store_partial(po_ptr, part, o, BLOCK_M: gl.constexpr, DL: gl.constexpr, COLS: gl.constexpr,
+                       C_OFF: gl.constexpr, O_L: gl.constexpr, ST_L: gl.constexpr):
+        """o [BLOCK_M, COLS] (layout O_L, a wgmma accumulator) -> columns C_OFF.. of partial `part`. fp32 as laid
+        out (a thread's two adjacent values: 8 bytes). 16-bit in fragment order (`_mla_kernels._fragment_col`):
+        each 16-column group stored with a thread's two pairs, 8 columns apart in O, side by side, so a thread
+        writes 8 bytes and four threads a 32-byte sector (plain order would take twice the 4-byte stores); a
+        reshape and permute of the logical tensor, then a register-only change of layout (ST_L)."""
+        if po_ptr.dtype.element_ty.primitive_bitwidth == 16:
+            v = gl.reshape(o.to(po_ptr.dtype.element_ty), [BLOCK_M, COLS // 16, 2, 4, 2])  # [r, g, jb, q, e]
+            v = gl.convert_layout(gl.reshape(gl.permute(v, [0, 1, 3, 2, 4]), [BLOCK_M, COLS]), ST_L)
+            rm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ST_L))
+            dl = gl.arange(0, COLS, layout=gl.SliceLayout(0, ST_L))
+        else:
+            v = o.to(po_ptr.dtype.element_ty)
+            rm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, O_L))
+            dl = gl.arange(0, COLS, layout=gl.SliceLayout(0, O_L))
+        gl.store(po_ptr + part * (BLOCK_M * DL) + gl.expand_dims(rm * DL, 1) + C_OFF + gl.expand_dims(dl, 0), v)
+
+    @gluon.jit
     def _store_item(o, m, li, pid_t, pid_c, nc, HT, GC, out_ptr, po_ptr, pml_ptr, stride_ot, stride_oh, H,
                     BLOCK_M: gl.constexpr, DL: gl.constexpr, S_L: gl.constexpr, O_L: gl.constexpr):
         """A finished (query tile, chunk): the output when the row has one chunk, else the partial (o in po's dtype,
@@ -181,8 +215,7 @@ if HAVE_GLUON:
                      out.to(out_ptr.dtype.element_ty), mask=gl.expand_dims(h < H, 1) & gl.expand_dims(dl < DL, 0))
         else:
             part = (pid_t * GC + pid_c).to(gl.int64)
-            gl.store(po_ptr + part * (BLOCK_M * DL) + gl.expand_dims(rm * DL, 1) + gl.expand_dims(dl, 0),
-                     o.to(po_ptr.dtype.element_ty))
+            _store_partial(po_ptr, part, o, BLOCK_M, DL, DL, 0, O_L, _ST_L)
             rs = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, S_L))
             gl.store(pml_ptr + part * (2 * BLOCK_M) + rs, m)
             gl.store(pml_ptr + part * (2 * BLOCK_M) + BLOCK_M + rs, li)

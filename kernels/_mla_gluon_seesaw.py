@@ -61,7 +61,7 @@ if HAVE_GLUON:
         warpgroup_mma_wait,
     )
 
-    from kernels._mla_gluon import _check_box, _issue_q, _tile_boxes, _tma_tile
+    from kernels._mla_gluon import _ST_HALF_L, _check_box, _issue_q, _store_partial, _tile_boxes, _tma_tile
     from kernels._mla_gluon_ws import _copy_query, _copy_rows, _opaque_zero, _pool_rows, _tree_table, _ws_chunk
 
 
@@ -247,8 +247,7 @@ if HAVE_GLUON:
                      out.to(out_ptr.dtype.element_ty), mask=gl.expand_dims(h < H, 1) & gl.expand_dims(dl < HALF, 0))
         else:
             part = (pid_t * GC + pid_c).to(gl.int64)
-            gl.store(po_ptr + part * (BLOCK_M * DL) + gl.expand_dims(rm * DL, 1) + V_OFF + gl.expand_dims(dl, 0),
-                     o.to(po_ptr.dtype.element_ty))
+            _store_partial(po_ptr, part, o, BLOCK_M, DL, HALF, V_OFF, O_L, _ST_HALF_L)
             if W == 0:
                 rs_ = gl.arange(0, BLOCK_M, layout=RS)
                 gl.store(pml_ptr + part * (2 * BLOCK_M) + rs_, m)

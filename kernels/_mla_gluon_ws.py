@@ -76,7 +76,7 @@ if HAVE_GLUON:
         warpgroup_mma_wait,
     )
 
-    from kernels._mla_gluon import _ancestor_ranks, _cp_async, _item_query, _softmax_tile
+    from kernels._mla_gluon import _ST_HALF_L, _ancestor_ranks, _cp_async, _item_query, _softmax_tile, _store_partial
 
 from kernels._mla_kernels import chunk_span
 
@@ -263,8 +263,7 @@ if HAVE_GLUON:
                      out.to(out_ptr.dtype.element_ty), mask=gl.expand_dims(h < H, 1) & gl.expand_dims(dl < HALF, 0))
         else:
             part = (pid_t * GC + pid_c).to(gl.int64)
-            gl.store(po_ptr + part * (BLOCK_M * DL) + gl.expand_dims(rm * DL, 1) + V_OFF + gl.expand_dims(dl, 0),
-                     o.to(po_ptr.dtype.element_ty))
+            _store_partial(po_ptr, part, o, BLOCK_M, DL, HALF, V_OFF, O_L, _ST_HALF_L)
             if W == 0:
                 rs = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, S_L))
                 gl.store(pml_ptr + part * (2 * BLOCK_M) + rs, m)

@@ -29,7 +29,8 @@ the grid and the partials at long contexts:
 Every tile goes through the same `_attend` code with a runtime mask, whichever loop feeds it, so a
 tree node at depth d, the AR step at L + d and a causal prefill row at L + d give the same bits.
 nc == 1: the kernel writes the output; else partials per chunk, (m, l) in fp32 and the unnormalized O in fp32 or
-(the launcher's `partials="out"`) in the output's dtype, folded in fp32 by `_mla_combine_kernel` in chunk order.
+(the launcher's `partials="out"`) in the output's dtype (16-bit: columns in fragment order, `_fragment_col`), folded
+in fp32 by `_mla_combine_kernel` in chunk order.
 """
 
 from __future__ import annotations
@@ -112,6 +113,15 @@ def _attend(q, qpe, m, l, o, kv_ptr, bt_row_ptr, stride_kv, idx, valid, qk_scale
 
 
 @triton.jit
+def _fragment_col(c):
+    """Where column c of a 16-bit partial O is stored: within each 16-column group, c = 16 g + 8 jb + 2 q + e (a
+    wgmma accumulator gives the thread of lane q % 4 the pairs at 2 q and 8 + 2 q) goes to 16 g + 4 q + 2 jb + e, so
+    a thread's four values are 8 contiguous bytes (`_mla_gluon._store_partial`). Every kernel stores 16-bit
+    partials this way and the combine reads them back through it; fp32 partials keep the plain order."""
+    return c // 16 * 16 + (c // 2 % 4) * 4 + (c // 8 % 2) * 2 + c % 2
+
+
+@triton.jit
 def _mla_fwd_kernel(
     q_ptr, qpe_ptr,  # [T, H, DL], [T, H, DR]
     kv_ptr,  # [num_slots, DL + DR] paged pool of one layer
@@ -178,7 +188,8 @@ def _mla_fwd_kernel(
     else:
         part = (pid_t * GC + pid_c).to(tl.int64)
         rm = tl.arange(0, BLOCK_M)
-        tl.store(po_ptr + part * (BLOCK_M * BDL) + rm[:, None] * BDL + dl[None, :], o.to(po_ptr.dtype.element_ty))
+        col = _fragment_col(dl) if po_ptr.dtype.element_ty.primitive_bitwidth == 16 else dl
+        tl.store(po_ptr + part * (BLOCK_M * BDL) + rm[:, None] * BDL + col[None, :], o.to(po_ptr.dtype.element_ty))
         tl.store(pml_ptr + part * (2 * BLOCK_M) + rm, m)
         tl.store(pml_ptr + part * (2 * BLOCK_M) + BLOCK_M + rm, l)
 
@@ -199,11 +210,12 @@ def _mla_combine_kernel(
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
     o = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    col = _fragment_col(d) if po_ptr.dtype.element_ty.primitive_bitwidth == 16 else d  # BLOCK_D: 16 | BLOCK_D
     for c in range(nc):  # chunk order: fixed
         part = (pid_t * GC + c).to(tl.int64)
         mc = tl.load(pml_ptr + part * (2 * BLOCK_M) + rm)
         lc = tl.load(pml_ptr + part * (2 * BLOCK_M) + BLOCK_M + rm)
-        oc = tl.load(po_ptr + part * (BLOCK_M * BDL) + rm[:, None] * BDL + d[None, :]).to(tl.float32)
+        oc = tl.load(po_ptr + part * (BLOCK_M * BDL) + rm[:, None] * BDL + col[None, :]).to(tl.float32)
         m_new = tl.maximum(m, mc)
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         a = tl.exp2(m - m_use)

@@ -138,6 +138,20 @@ def rows_by_chunks(prefix, ns, tree_bits, **knobs) -> torch.Tensor:
     return torch.tensor(many, dtype=torch.bool)
 
 
+def test_fragment_order_is_the_gluon_stores_reshape():
+    """`_fragment_col` (where the Triton kernel stores a 16-bit partial's column and the combine reads it) is the
+    reshape [16 g + 8 jb + 2 q + e] -> [g, jb, q, e] -> [g, q, jb, e] that `_mla_gluon._store_partial` applies to
+    the tensor before storing it in order, and a permutation of every 16-column group."""
+    from kernels._mla_kernels import _fragment_col
+
+    for cols in (16, 256, 512):
+        c = torch.arange(cols)
+        stored = c.view(cols // 16, 2, 4, 2).permute(0, 2, 1, 3).reshape(cols)  # what sits at each stored position
+        where = torch.tensor([_fragment_col.fn(int(i)) for i in c])
+        assert torch.equal(stored[where], c), cols
+        assert torch.equal(where // 16, c // 16)
+
+
 @pytest.mark.parametrize("tree", [True, False])
 def test_mla_partials_in_the_output_dtype(tree):
     """partials="out" (fp16 here; bf16 on the GPU): each chunk's partial O rounded to the output's dtype. Rows of

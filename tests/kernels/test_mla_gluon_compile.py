@@ -65,6 +65,7 @@ for tree in (True, False):
         "expect_tx": ptx.count("arrive.expect_tx"),
         "mbarrier_wait": ptx.count("mbarrier.try_wait"), "cta_bar": re.findall(r"\bbar\.sync\s+\d+;", ptx),
         "st_global": {w: len(re.findall(rf"\bst\.global\.{re.escape(w)}\s", ptx)) for w in ("b32", "v2.b32", "v4.b32")},
+        "shfl": ptx.count("shfl.sync"), "bar_sync": len(re.findall(r"\bbar\.sync\b", ptx)),
         "setmaxnreg": sorted({int(v) for v in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}),
         "shared": k.metadata.shared, "warps": k.metadata.num_warps,
         "spill_bytes": sum(int(v) for v in re.findall(r"(\d+) bytes spill stores", log)),
@@ -183,9 +184,10 @@ def test_mla_gluon_ws_kernel_compiles_for_sm90(tmp_path):
 
 
 def test_mla_gluon_kernels_store_bf16_partials_as_16_bit_values(tmp_path):
-    """`partials="out"` at Kimi (bf16 partial O): in every Gluon kernel each 8-byte store of two fp32 partial values
-    becomes a 4-byte store of two bf16 ones (the same count: one per register pair of the accumulator), and nothing
-    else changes: the same MMAs, TMA copies and shared memory."""
+    """`partials="out"` at Kimi (bf16 partial O, in fragment order): in every Gluon kernel a thread's 8-byte stores of
+    two fp32 partial values become half as many 8-byte stores of four bf16 ones (full 32-byte sectors per row), the
+    reordering costs no shuffle, barrier or shared memory (a register-only change of layout), and nothing else
+    changes: the same MMAs and TMA copies."""
     from kernels import _mla_gluon, _mla_gluon_seesaw, _mla_gluon_ws
 
     kernels = [("kernels._mla_gluon", "_mla_fwd_gluon_kernel", _mla_gluon.GLUON_WARPS, _mla_gluon.GLUON_STAGES, 64,
@@ -201,8 +203,9 @@ def test_mla_gluon_kernels_store_bf16_partials_as_16_bit_values(tmp_path):
                       for po in ("fp32", "bf16"))
         for tree in fp32:
             a, b, what = fp32[tree], bf16[tree], f"{kernel} tree={tree}"
-            assert a["st_global"]["v2.b32"] > 0 and b["st_global"]["v2.b32"] == 0, (what, a, b)
-            assert b["st_global"]["b32"] == a["st_global"]["b32"] + a["st_global"]["v2.b32"], (what, a, b)
-            assert a["st_global"]["v4.b32"] == b["st_global"]["v4.b32"], (what, a, b)
-            for key in ("wgmma", "tma", "expect_tx", "shared"):
+            # 64 8-byte stores a thread (128 fp32 values) in each code path that stores O (two consumers: 128)
+            stores = a["st_global"]["v2.b32"]
+            assert stores in (64, 128), (what, a["st_global"])
+            assert b["st_global"] == {**a["st_global"], "v2.b32": stores // 2}, (what, a["st_global"], b["st_global"])
+            for key in ("wgmma", "tma", "expect_tx", "shared", "shfl", "bar_sync"):
                 assert a[key] == b[key], (what, key, a[key], b[key])
