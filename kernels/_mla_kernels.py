@@ -117,7 +117,8 @@ def _fragment_col(c):
     """Where column c of a 16-bit partial O is stored: within each 16-column group, c = 16 g + 8 jb + 2 q + e (a
     wgmma accumulator gives the thread of lane q % 4 the pairs at 2 q and 8 + 2 q) goes to 16 g + 4 q + 2 jb + e, so
     a thread's four values are 8 contiguous bytes (`_mla_gluon._store_partial`). Every kernel stores 16-bit
-    partials this way and the combine reads them back through it; fp32 partials keep the plain order."""
+    partials this way; the combine folds them in that order (contiguous loads) and puts its result back in column
+    order in registers. fp32 partials keep the plain order."""
     return c // 16 * 16 + (c // 2 % 4) * 4 + (c // 8 % 2) * 2 + c % 2
 
 
@@ -209,13 +210,12 @@ def _mla_combine_kernel(
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
-    o = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    col = _fragment_col(d) if po_ptr.dtype.element_ty.primitive_bitwidth == 16 else d  # BLOCK_D: 16 | BLOCK_D
+    o = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)  # 16-bit partials: columns in their stored (fragment) order
     for c in range(nc):  # chunk order: fixed
         part = (pid_t * GC + c).to(tl.int64)
         mc = tl.load(pml_ptr + part * (2 * BLOCK_M) + rm)
         lc = tl.load(pml_ptr + part * (2 * BLOCK_M) + BLOCK_M + rm)
-        oc = tl.load(po_ptr + part * (BLOCK_M * BDL) + rm[:, None] * BDL + col[None, :]).to(tl.float32)
+        oc = tl.load(po_ptr + part * (BLOCK_M * BDL) + rm[:, None] * BDL + d[None, :]).to(tl.float32)
         m_new = tl.maximum(m, mc)
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         a = tl.exp2(m - m_use)
@@ -226,5 +226,8 @@ def _mla_combine_kernel(
     t = (pid_t // HT).to(tl.int64)
     h = (pid_t % HT) * BLOCK_M + rm
     out = o / tl.where(l == 0.0, 1.0, l)[:, None]
+    if po_ptr.dtype.element_ty.primitive_bitwidth == 16:  # back to column order (`_fragment_col`'s inverse)
+        out = tl.reshape(tl.permute(tl.reshape(out, [BLOCK_M, BLOCK_D // 16, 4, 2, 2]), [0, 1, 3, 2, 4]),
+                         [BLOCK_M, BLOCK_D])
     tl.store(out_ptr + t * stride_ot + h[:, None] * stride_oh + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=(h < H)[:, None] & (d < DL)[None, :])
