@@ -12,14 +12,15 @@
 #      (STEP_ARGS adds options, e.g. "--mla-partials out").
 # MLA_ARGS adds options to step 1's bench (e.g. "--c-min 512 1024": the base chunk size's trade-off at 4k). At the end
 # the tables of every MLA record of the call (summary.md). Logs and JSONL under $OUT (bench/results/run when unset).
-# Run from the repo root; set DDTREE_COMMIT.
+# Worst case the time limits add up to more than one device call (600 s): split it, MAIN=0 skips step 1 and SEESAW=0
+# step 2 (e.g. call 1 SEESAW=0, call 2 MAIN=0 STEP=1). Run from the repo root; set DDTREE_COMMIT.
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 OUT=${OUT:-bench/results/run}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv 2>&1 | tee "$OUT/gpu.txt"
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
-if timeout "${T_TESTS:-240}" python -m pytest tests/kernels/test_mla_attention.py -q -x -rs --durations=8 \
+if [ "${MAIN:-1}" = 1 ] && timeout "${T_TESTS:-240}" python -m pytest tests/kernels/test_mla_attention.py -q -x -rs --durations=8 \
     -k "${TESTS_K:-(persistent or partials or invariance) and not seesaw}" 2>&1 | tee "$OUT/tests_mla.log"; then
   timeout "${T_MLA:-300}" python bench/bench_mla_attention.py --no-peers --impl gluon --persistent off on \
     --partials fp32 out --out "$OUT/mla_attention.jsonl" $MLA_ARGS 2>&1 | tee "$OUT/bench_mla_attention.log"
