@@ -24,6 +24,8 @@ items (`kernels/_mla_gluon_persistent.py`; same bits) and as one program per ite
 partial traffic and fixed cost per row at 4k prefixes, and fewer programs for one token; also a reduction order).
 `--partials fp32 out` times multi-chunk rows with their partial O in fp32 and in the output's dtype (bf16: half the
 partial bytes written and read back; params.partials; another reduction-order knob: it rounds each partial once more).
+`--fold off on` times the Triton tile kernel (`--impl triton`) as one program per chunk + the combine kernel and as
+one program per query tile folding its chunks (params.fold; the same bits).
 `--tma on off` times the gluon kernel with and without TMA loads of whole committed tiles (params.tma; same bits;
 TMA runs with pages of 16 or 32 rows or a multiple of 64, `--page`, default 64; the serving page size is 16).
 Run from the repo root:  PYTHONPATH=. python bench/bench_mla_attention.py [--sweep] [--out FILE]
@@ -43,6 +45,7 @@ from kernels.mla_attention import (
     CHUNK_RULES,
     DEFAULT_BLOCK_N,
     DEFAULT_CHUNK_RULE,
+    DEFAULT_FOLD,
     DEFAULT_IMPL,
     DEFAULT_PARTIALS,
     IMPLS,
@@ -131,6 +134,8 @@ def main():
                     help="base KV chunk size in keys (a reduction-order knob like --nch; default the kernel's)")
     ap.add_argument("--partials", nargs="+", default=["default"], choices=("default", *PARTIALS),
                     help="dtype of a multi-chunk row's partial O (default: the kernel's DEFAULT_PARTIALS)")
+    ap.add_argument("--fold", nargs="+", default=["default"], choices=("default", "on", "off"),
+                    help="triton: one program per query tile folding its chunks (default: DEFAULT_FOLD)")
     args_cli = ap.parse_args()
     prefixes = args_cli.prefix or (QUICK_PREFIX if args_cli.quick else PREFIX)
     info = env_info()
@@ -155,13 +160,14 @@ def main():
                 out = torch.empty_like(args[0])
                 cfgs = [None] + (SWEEP if args_cli.sweep and n != 33 else [])
                 gluon_knobs = [(tm, pm) for tm in args_cli.tma for pm in args_cli.persistent]
-                combos = [(r, c, b, i, tm, pm, nch, cm, pa) for r in args_cli.chunk_rule for c in cfgs
+                combos = [(r, c, b, i, tm, pm, nch, cm, pa, fo) for r in args_cli.chunk_rule for c in cfgs
                           for b in args_cli.block_n for i in args_cli.impl
                           for tm, pm in (gluon_knobs if i in ("gluon", "auto") else [("default", "default")])
-                          for nch in args_cli.nch for cm in args_cli.c_min for pa in args_cli.partials]
+                          for nch in args_cli.nch for cm in args_cli.c_min for pa in args_cli.partials
+                          for fo in (args_cli.fold if i == "triton" else ["default"])]
                 onoff = {"default": None, "on": True, "off": False}
                 for combo in combos:
-                    rule, cfg, bn, impl, tm, pm, nch, cm, pa = combo
+                    rule, cfg, bn, impl, tm, pm, nch, cm, pa, fo = combo
                     kw = {} if cfg is None else dict(block_n=cfg[0], num_warps=cfg[1], num_stages=cfg[2], nch=cfg[3],
                                                      c_min=cfg[4])
                     if bn is not None:
@@ -174,7 +180,7 @@ def main():
                     chunks = sum(len(chunk_spans(L + int(d), rule, **knobs)) for d in depth.flatten().tolist())
                     fn = functools.partial(mla_attention_triton, *args, SCALE, out=out, chunk_rule=rule, impl=impl,
                                            tma=onoff[tm], persistent=onoff[pm],
-                                           partials=None if pa == "default" else pa, **kw)
+                                           partials=None if pa == "default" else pa, fold=onoff[fo], **kw)
                     try:
                         ms = graph_ms(fn)
                         eager = bench_ms(fn)
@@ -212,7 +218,9 @@ def main():
                                            block_n=kw.get("block_n", DEFAULT_BLOCK_N), impl=impl,
                                            tma=tm if impl in ("gluon", "auto") else None,
                                            persistent=pm if impl in ("gluon", "auto") else None,
-                                           partials=DEFAULT_PARTIALS if pa == "default" else pa),
+                                           partials=DEFAULT_PARTIALS if pa == "default" else pa,
+                                           fold=(DEFAULT_FOLD if fo == "default" else fo == "on") if impl == "triton"
+                                           else None),
                                **info, ms=ms, floor_ms=floor_ms, ratio=floor_ms / ms, peers=peers, **ceil)
                     write_jsonl(args_cli.out, [rec])  # one line at a time: a cut-off run keeps what it measured
                     pe = "  ".join(f"{a}={b:.3f}" for a, b in peers.items() if isinstance(b, float))

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # One device call for the MLA kernel options written in the twenty-fifth to twenty-seventh sessions without a GPU
 # (read docs/performance.md, "Twenty-fifth session" and "Twenty-seventh session"):
-#   1. the GPU tests of the persistent kernel (bitwise against the grid kernel, whose PTX the sessions did not change)
-#      and of bf16 partials, batch invariance with both (TESTS_K, default `(persistent or partials or invariance) and
+#   1. the GPU tests of the persistent kernel (bitwise against the grid kernel, whose PTX the sessions did not change),
+#      of bf16 partials, of the fold (bitwise against the split launch), batch invariance with both partial dtypes (TESTS_K, default `(persistent or partials or invariance) and
 #      not seesaw`), then the kernel bench with the
 #      persistent kernel off / on and the partials in fp32 / bf16 (page 64; PAGE16=1: also the serving page 16 at
-#      4k / 32k);
+#      4k / 32k), and the Triton kernel with the fold off / on (B 16, 65 nodes, 4k / 32k);
 #   2. the seesaw kernel's GPU tests (`-k seesaw`, its own time limit: a hang there costs only T_SEESAW), then, if
 #      they pass, the bench of gluon against gluon_seesaw;
 #   3. STEP=1: the whole verify step (8 K2.6 layers, 32k prefix, 33-node trees) with the persistent kernel off / on
@@ -21,9 +21,12 @@ mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv 2>&1 | tee "$OUT/gpu.txt"
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
 if [ "${MAIN:-1}" = 1 ] && timeout "${T_TESTS:-240}" python -m pytest tests/kernels/test_mla_attention.py -q -x -rs --durations=8 \
-    -k "${TESTS_K:-(persistent or partials or invariance) and not seesaw}" 2>&1 | tee "$OUT/tests_mla.log"; then
+    -k "${TESTS_K:-(persistent or partials or invariance or fold) and not seesaw}" 2>&1 | tee "$OUT/tests_mla.log"; then
   timeout "${T_MLA:-300}" python bench/bench_mla_attention.py --no-peers --impl gluon --persistent off on \
     --partials fp32 out --out "$OUT/mla_attention.jsonl" $MLA_ARGS 2>&1 | tee "$OUT/bench_mla_attention.log"
+  # the fold (Triton kernel only so far): what dropping the partials' round trip and the combine buys at B 16
+  timeout "${T_FOLD:-120}" python bench/bench_mla_attention.py --no-peers --impl triton --fold off on --batch 16 \
+    --prefix 4096 32768 --tree 65 --out "$OUT/mla_attention_fold.jsonl" 2>&1 | tee "$OUT/bench_mla_fold.log"
   if [ "${PAGE16:-0}" = 1 ]; then
     timeout "${T_MLA16:-120}" python bench/bench_mla_attention.py --no-peers --impl gluon --persistent off on \
       --partials fp32 out --page 16 --prefix 4096 32768 --out "$OUT/mla_attention_page16.jsonl" 2>&1 | tee "$OUT/bench_mla_page16.log"

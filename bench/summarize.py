@@ -47,7 +47,7 @@ def main():
             keys = ["layers", "batch", "prefix", "tree", "batch_invariant", "mla_persistent", "mla_partials"]
             shown = ("graph", "experts_touched_per_layer")
         else:
-            keys = ["batch", "prefix", "tree", "chunk_rule", "impl", "page", "tma", "persistent", "partials"]
+            keys = ["batch", "prefix", "tree", "chunk_rule", "impl", "page", "tma", "persistent", "partials", "fold"]
         print(f"## {path}\n\n{table(recs, keys, shown)}\n")
 
 

@@ -123,6 +123,49 @@ def _fragment_col(c):
 
 
 @triton.jit
+def _chunk_partial(q, qpe, kv_ptr, bt_row, stride_kv, start, end, L, bit, rank, qk_scale,
+                   DL: tl.constexpr, DR: tl.constexpr, BDL: tl.constexpr, BDR: tl.constexpr, PAGE: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TREE: tl.constexpr, NB: tl.constexpr,
+                   PREC: tl.constexpr):
+    """(m, l, O) of the query tile over the keys at positions [start, end), from a fresh state."""
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    o = tl.zeros([BLOCK_M, BDL], tl.float32)
+    cols = tl.arange(0, BLOCK_N)
+    if TREE:
+        ident = tl.minimum(end, L)  # positions < L are committed rows; later ones go through the bits
+    else:
+        ident = end  # causal: every position is its own logical row
+    a_end = start + tl.maximum(ident - start, 0) // BLOCK_N * BLOCK_N
+    for k0 in range(start, a_end, BLOCK_N):  # hot loop: whole tiles of logical row = position
+        idx = k0 + cols
+        m, l, o = _attend(q, qpe, m, l, o, kv_ptr, bt_row, stride_kv, idx, idx < end, qk_scale,
+                          DL, DR, BDL, BDR, PAGE, False, PREC)
+    for k0 in range(a_end, end, BLOCK_N):  # the rest: ragged end, tiles reaching into the tree part
+        pos = k0 + cols
+        idx = pos
+        if TREE:
+            e = pos - L  # depth of the ancestor at this position (< 0: committed row)
+            hit = (bit[None, :] != 0) & (rank[None, :] == e[:, None])  # [BLOCK_N, NB]
+            anc = tl.sum(tl.where(hit, tl.arange(0, NB)[None, :], 0), 1)  # new-row index of that ancestor
+            idx = tl.where(e >= 0, L + anc, pos)
+        m, l, o = _attend(q, qpe, m, l, o, kv_ptr, bt_row, stride_kv, idx, pos < end, qk_scale,
+                          DL, DR, BDL, BDR, PAGE, True, PREC)
+    return m, l, o
+
+
+@triton.jit
+def _fold(m, l, o, mc, lc, oc):
+    """One chunk's partial (mc, lc, oc: fp32, oc as it was read back) folded into the running (m, l, o): the
+    arithmetic of `_mla_combine_kernel`'s loop, in one place for it and the fold kernels."""
+    m_new = tl.maximum(m, mc)
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    a = tl.exp2(m - m_use)
+    b = tl.exp2(mc - m_use)
+    return m_new, tl.fma(l, a, lc * b), tl.fma(o, a[:, None], oc * b[:, None])
+
+
+@triton.jit
 def _mla_fwd_kernel(
     q_ptr, qpe_ptr,  # [T, H, DL], [T, H, DR]
     kv_ptr,  # [num_slots, DL + DR] paged pool of one layer
@@ -130,17 +173,17 @@ def _mla_fwd_kernel(
     cu_ptr, pre_ptr,  # [S+1] int32 query offsets, [S] int32 committed lengths
     bits_ptr,  # [T, NB / 64] int64 ancestor bits (unused when not TREE)
     out_ptr,  # out: [T, H, DL]
-    po_ptr,  # out: partial O [tiles * GC, BLOCK_M, BDL], fp32 or the output's dtype
+    po_ptr,  # out: partial O [tiles * GC, BLOCK_M, BDL], fp32 or the output's dtype (FOLD: only its dtype is used)
     pml_ptr,  # out: partial (m, l) fp32 [tiles * GC, 2, BLOCK_M]
     nc_ptr,  # out: [tiles] int32 chunks of each query tile (read by the combine kernel)
     S, H, HT, GC, qk_scale,
     stride_qt, stride_qh, stride_pt, stride_ph, stride_kv, stride_bt, stride_bits, stride_ot, stride_oh,
     DL: tl.constexpr, DR: tl.constexpr, BDL: tl.constexpr, BDR: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NCH: tl.constexpr, C_MIN: tl.constexpr, RULE: tl.constexpr,
-    S_PAD: tl.constexpr, TREE: tl.constexpr, NB: tl.constexpr, PREC: tl.constexpr,
+    S_PAD: tl.constexpr, TREE: tl.constexpr, NB: tl.constexpr, PREC: tl.constexpr, FOLD: tl.constexpr,
 ):
     pid_t = tl.program_id(0)  # query tile = (token, head block)
-    pid_c = tl.program_id(1)  # chunk
+    pid_c = tl.program_id(1)  # chunk (FOLD: 0, the program takes every chunk of its tile)
     t, hb, s, L, p, bit = _query_row(pid_t, HT, cu_ptr, pre_ptr, bits_ptr, stride_bits, S, S_PAD, TREE, NB)
     nc, start, end = chunk_span(p + 1, pid_c, RULE, BLOCK_N, NCH, C_MIN)  # this chunk's positions: [start, end)
     if pid_c == 0:
@@ -157,32 +200,18 @@ def _mla_fwd_kernel(
     qpe = tl.load(qpe_ptr + t * stride_pt + h[:, None] * stride_ph + dr[None, :],
                   mask=row_ok[:, None] & (dr < DR)[None, :], other=0.0)
     bt_row = bt_ptr + s.to(tl.int64) * stride_bt
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_M], tl.float32)
-    o = tl.zeros([BLOCK_M, BDL], tl.float32)
-    cols = tl.arange(0, BLOCK_N)
-    if TREE:
-        ident = tl.minimum(end, L)  # positions < L are committed rows; later ones go through the bits
-        rank = tl.cumsum(bit, 0) - 1  # [NB] depth of each ancestor (valid where bit is set)
-        kk = tl.arange(0, NB)
-    else:
-        ident = end  # causal: every position is its own logical row
-    a_end = start + tl.maximum(ident - start, 0) // BLOCK_N * BLOCK_N
-    for k0 in range(start, a_end, BLOCK_N):  # hot loop: whole tiles of logical row = position
-        idx = k0 + cols
-        m, l, o = _attend(q, qpe, m, l, o, kv_ptr, bt_row, stride_kv, idx, idx < end, qk_scale,
-                          DL, DR, BDL, BDR, PAGE, False, PREC)
-    for k0 in range(a_end, end, BLOCK_N):  # the rest: ragged end, tiles reaching into the tree part
-        pos = k0 + cols
-        idx = pos
-        if TREE:
-            e = pos - L  # depth of the ancestor at this position (< 0: committed row)
-            hit = (bit[None, :] != 0) & (rank[None, :] == e[:, None])  # [BLOCK_N, NB]
-            anc = tl.sum(tl.where(hit, kk[None, :], 0), 1)  # new-row index of that ancestor
-            idx = tl.where(e >= 0, L + anc, pos)
-        m, l, o = _attend(q, qpe, m, l, o, kv_ptr, bt_row, stride_kv, idx, pos < end, qk_scale,
-                          DL, DR, BDL, BDR, PAGE, True, PREC)
-    if nc == 1:
+    rank = tl.cumsum(bit, 0) - 1  # [NB] depth of each ancestor (valid where bit is set; TREE only)
+    m, l, o = _chunk_partial(q, qpe, kv_ptr, bt_row, stride_kv, start, end, L, bit, rank, qk_scale, DL, DR, BDL,
+                             BDR, PAGE, BLOCK_M, BLOCK_N, TREE, NB, PREC)
+    if FOLD and nc > 1:  # the tile's chunks in order, each folded as the combine kernel would fold its partial
+        m, l, o = _fold(tl.full([BLOCK_M], float("-inf"), tl.float32), tl.zeros([BLOCK_M], tl.float32),
+                        tl.zeros([BLOCK_M, BDL], tl.float32), m, l, o.to(po_ptr.dtype.element_ty).to(tl.float32))
+        for c in range(1, nc):
+            _, start, end = chunk_span(p + 1, c, RULE, BLOCK_N, NCH, C_MIN)
+            mc, lc, oc = _chunk_partial(q, qpe, kv_ptr, bt_row, stride_kv, start, end, L, bit, rank, qk_scale, DL,
+                                        DR, BDL, BDR, PAGE, BLOCK_M, BLOCK_N, TREE, NB, PREC)
+            m, l, o = _fold(m, l, o, mc, lc, oc.to(po_ptr.dtype.element_ty).to(tl.float32))
+    if nc == 1 or FOLD:
         out = o / tl.where(l == 0.0, 1.0, l)[:, None]  # l == 0 only for a row that sees nothing
         tl.store(out_ptr + t * stride_ot + h[:, None] * stride_oh + dl[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (dl < DL)[None, :])
@@ -216,13 +245,7 @@ def _mla_combine_kernel(
         mc = tl.load(pml_ptr + part * (2 * BLOCK_M) + rm)
         lc = tl.load(pml_ptr + part * (2 * BLOCK_M) + BLOCK_M + rm)
         oc = tl.load(po_ptr + part * (BLOCK_M * BDL) + rm[:, None] * BDL + d[None, :]).to(tl.float32)
-        m_new = tl.maximum(m, mc)
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        a = tl.exp2(m - m_use)
-        b = tl.exp2(mc - m_use)
-        l = tl.fma(l, a, lc * b)
-        o = tl.fma(o, a[:, None], oc * b[:, None])
-        m = m_new
+        m, l, o = _fold(m, l, o, mc, lc, oc)
     t = (pid_t // HT).to(tl.int64)
     h = (pid_t % HT) * BLOCK_M + rm
     out = o / tl.where(l == 0.0, 1.0, l)[:, None]

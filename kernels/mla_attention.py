@@ -51,6 +51,7 @@ CHUNK_RULES = {"legacy": 0, "balanced": 1}  # `_mla_kernels.chunk_span`'s RULE
 DEFAULT_CHUNK_RULE = "balanced"
 PARTIALS = ("fp32", "out")  # how a multi-chunk row's partial O goes through memory (`mla_attention_triton`)
 DEFAULT_PARTIALS = "fp32"  # "out" (half the partial traffic) is opt-in until the GPU has measured it
+DEFAULT_FOLD = False  # `mla_attention_triton(fold=)`: opt-in until the GPU has measured it (same bits either way)
 IMPLS = ("triton", "gluon", "gluon_ws", "gluon_seesaw", "auto")  # tile kernel: `_mla_kernels` (any GPU, the
 # interpreter), `_mla_gluon` (sm_90), `_mla_gluon_ws` or `_mla_gluon_seesaw` (sm_90, warp-specialized, experimental:
 # never picked by "auto")
@@ -205,7 +206,7 @@ def mla_attention_triton(q_lat, q_pe, kv_cache, block_table, page_size, cu_q, pr
                          sm_scale, *, out=None, block_n: int = DEFAULT_BLOCK_N, num_warps: int = 8,
                          num_stages: int = 2, nch: int = _NCH, c_min: int = _C_MIN,
                          chunk_rule: str = DEFAULT_CHUNK_RULE, impl: str | None = None, tma: bool | None = None,
-                         persistent: bool | None = None, partials: str | None = None):
+                         persistent: bool | None = None, partials: str | None = None, fold: bool | None = None):
     """The Triton path on any device (tests call it on CPU under TRITON_INTERPRET=1).
 
     q_lat/q_pe are cast to the cache dtype; `out` ([T, H, Dl], optional) is written in place.
@@ -225,12 +226,18 @@ def mla_attention_triton(q_lat, q_pe, kv_cache, block_table, page_size, cu_q, pr
     that a row of several KV chunks writes per chunk and the combine kernel reads back: "fp32", or "out" (the
     output's dtype: bf16 at Kimi, half the bytes; the row max and sum stay fp32, the combine's arithmetic stays fp32).
     It rounds each chunk's partial once more, so it changes the bits of multi-chunk rows: fixed per deployment too
-    (batch invariance and position alignment hold either way: a row's chunks do not depend on the batch)."""
+    (batch invariance and position alignment hold either way: a row's chunks do not depend on the batch).
+    `fold` (impl "triton" only for now; None: the module's `DEFAULT_FOLD`): one program per query tile computes its
+    chunks one after the other and folds each chunk's partial, rounded as `partials` says, with the combine kernel's
+    arithmetic (`_mla_kernels._fold`): no partials through memory and no combine launch, and the same bits as the
+    split launch, so a launcher may pick either per launch (split for parallelism when a launch has few query
+    tiles, fold when it has enough to fill the GPU)."""
     T, H, Dl = q_lat.shape
     Dr = q_pe.shape[-1]
     S = prefix_lens.shape[0]
     rule = _rule_id(chunk_rule)
     partials = DEFAULT_PARTIALS if partials is None else partials
+    fold = DEFAULT_FOLD if fold is None else fold
     if partials not in PARTIALS:
         raise ValueError(f"mla_attention: partials {partials!r} is not one of {PARTIALS}")
     impl = DEFAULT_IMPL if impl is None else impl
@@ -267,7 +274,9 @@ def mla_attention_triton(q_lat, q_pe, kv_cache, block_table, page_size, cu_q, pr
     tiles = T * ht
     cap = block_table.shape[1] * page_size  # every position a row can see is < cap
     grid_c = max_chunks(cap, chunk_rule, block_n, nch, c_min)  # >= nc(p) for any p < cap
-    parts = tiles * grid_c if grid_c > 1 else 1
+    if fold and impl != "triton":
+        raise ValueError(f"mla_attention: fold runs in the Triton tile kernel only (impl {impl!r})")
+    parts = tiles * grid_c if grid_c > 1 and not fold else 1  # (fold: no partial is stored; po gives the dtype)
     po = torch.empty(parts, block_m, bdl, dtype=torch.float32 if partials == "fp32" else out.dtype,
                      device=q_lat.device)
     pml = torch.empty(parts, 2, block_m, dtype=torch.float32, device=q_lat.device)
@@ -305,11 +314,11 @@ def mla_attention_triton(q_lat, q_pe, kv_cache, block_table, page_size, cu_q, pr
                 *common[:11], *kvdesc, *(qdesc or kvdesc), *common[11:], QTMA=qdesc is not None,
                 STAGES=_mla_gluon.GLUON_STAGES, num_warps=num_warps, **shape)
     else:
-        _mla_fwd_kernel[(tiles, grid_c)](
+        _mla_fwd_kernel[(tiles, 1 if fold else grid_c)](
             *common, DL=Dl, DR=Dr, BDL=bdl, BDR=bdr, PAGE=page_size, BLOCK_M=block_m, BLOCK_N=block_n, NCH=nch,
-            C_MIN=c_min, RULE=rule, S_PAD=s_pad, TREE=tree_bits is not None, NB=nb, PREC=prec,
+            C_MIN=c_min, RULE=rule, S_PAD=s_pad, TREE=tree_bits is not None, NB=nb, PREC=prec, FOLD=fold,
             num_warps=num_warps, num_stages=num_stages)
-    if grid_c > 1:
+    if grid_c > 1 and not fold:
         block_d = min(bdl, 128)
         _mla_combine_kernel[(tiles, triton.cdiv(bdl, block_d))](
             po, pml, nc, out, H, ht, grid_c, out.stride(0), out.stride(1),

@@ -177,6 +177,23 @@ def test_mla_partials_in_the_output_dtype(tree):
         run_kernel(args, 0.3, partials="bf16")
 
 
+@pytest.mark.parametrize("dtype,partials", [(torch.float32, "fp32"), (torch.float16, "fp32"), (torch.float16, "out")])
+@pytest.mark.parametrize("chunk_rule", RULES)
+@pytest.mark.parametrize("tree", [True, False])
+def test_mla_fold_gives_the_split_bits(tree, chunk_rule, dtype, partials):
+    """fold=True (one program per query tile folding its chunks' partials in order, as the combine kernel does)
+    equals the split launch (one program per chunk, partials through memory, the combine kernel) bit for bit:
+    rows of 1 to 8 chunks, ragged chunk ends, trees reaching across chunk edges, both partial dtypes."""
+    kw = dict(nch=8, c_min=32, block_n=16, chunk_rule=chunk_rule, partials=partials)
+    prefix, ns = [0, 37, 200, 95, 500], [3, 9, 1, 17, 5]
+    args = make_batch(prefix, ns, 4, 32, 8, 16, dtype, tree, seed=31 + tree)
+    many = rows_by_chunks(prefix, ns, args[7], **{k: kw[k] for k in ("nch", "c_min", "block_n", "chunk_rule")})
+    assert bool(many.any()) and not bool(many.all())
+    folded = run_kernel(args, 0.3, fold=True, **kw)
+    assert_bitwise(folded, run_kernel(args, 0.3, fold=False, **kw), f"tree={tree} {chunk_rule} {dtype} {partials}")
+    assert_close(folded, reference(args, 0.3), TOL[dtype], "fold vs reference")
+
+
 def test_mla_odd_heads_and_pages():
     """3 heads (tiles span tokens unevenly), latent 48 + rope 16 (padded to 64 / 16), page size 1."""
     args = make_batch([40, 9], [7, 20], 3, 48, 16, 1, torch.float32, True, seed=11)
@@ -243,6 +260,8 @@ def test_mla_launcher_routes_the_gluon_kernels(monkeypatch):
     assert launch(*args, impl="gluon", persistent=True, tma=False)[0] == [("grid", (tiles, grid_c), False, 0, 2, 8)]
     assert launch(*args, impl="gluon_seesaw") == ([("seesaw", (tiles, grid_c), True, 16, 2, 4)], ["seesaw", "combine"])
     assert launch(*args, impl="gluon_seesaw", tma=False)[0] == [("seesaw", (tiles, grid_c), False, 0, 2, 4)]
+    with pytest.raises(ValueError, match="fold runs in the Triton tile kernel only"):  # (not in the Gluon ones yet)
+        launch(*args, impl="gluon", fold=True)
 
 
 def test_mla_configure_fixes_the_deployment_kernel(monkeypatch):
@@ -553,6 +572,20 @@ def test_mla_bf16_partials(tree, impl):
     assert_close(half, want, TOL[torch.bfloat16], f"bf16 partials {impl} tree={tree}")
     err = lambda out: float((out.double() - want.double()).norm() / want.double().norm())  # noqa: E731
     assert err(half) <= 2.0 * err(fp32), (err(half), err(fp32))
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("partials", ["fp32", "out"])
+@pytest.mark.parametrize("tree", [True, False])
+def test_mla_fold_gives_the_split_bits_bf16(tree, partials):
+    """fold=True (the Triton kernel) at Kimi shapes in bf16: bitwise the split launch with its combine kernel (the
+    same exp2 / fma on the GPU), 1 to 16 chunks a row, within tolerance of the reference."""
+    prefix, ns = ([5, 700, 4097, 33000], [9, 65, 17, 5]) if tree else ([0, 300, 9001], [257, 64, 3])
+    args = make_batch(prefix, ns, KIMI["H"], KIMI["Dl"], KIMI["Dr"], 16, torch.bfloat16, tree, seed=13)
+    folded = run_kernel(args, SCALE, impl="triton", fold=True, partials=partials)
+    assert_bitwise(folded, run_kernel(args, SCALE, impl="triton", fold=False, partials=partials), f"tree={tree}")
+    assert_close(folded, reference(args, SCALE), TOL[torch.bfloat16], f"fold tree={tree} {partials}")
 
 
 @gpu
