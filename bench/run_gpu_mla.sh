@@ -2,9 +2,9 @@
 # One device call for the MLA kernel options written in the twenty-fifth to twenty-seventh sessions without a GPU
 # (read docs/performance.md, "Twenty-fifth session" and "Twenty-seventh session"):
 #   1. the GPU tests of the persistent kernel (bitwise against the grid kernel, whose PTX the sessions did not change),
-#      of bf16 partials, of the fold (bitwise against the split launch), batch invariance with both partial dtypes (TESTS_K, default `(persistent or partials or invariance) and
-#      not seesaw`), then the kernel bench with the
-#      persistent kernel off / on and the partials in fp32 / bf16 (page 64; PAGE16=1: also the serving page 16 at
+#      of bf16 partials, of the fold (bitwise against the split launch) and batch invariance with both partial dtypes
+#      (TESTS_K, default `(persistent or partials or invariance or fold) and not seesaw`), then the kernel bench with
+#      the persistent kernel off / on and the partials in fp32 / bf16 (page 64; PAGE16=1: also the serving page 16 at
 #      4k / 32k), and the Triton kernel with the fold off / on (B 16, 65 nodes, 4k / 32k);
 #   2. the seesaw kernel's GPU tests (`-k seesaw`, its own time limit: a hang there costs only T_SEESAW), then, if
 #      they pass, the bench of gluon against gluon_seesaw;
