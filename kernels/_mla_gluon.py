@@ -315,6 +315,100 @@ if HAVE_GLUON:
         return m_new, gl.fma(li, alpha, gl.sum(pr, 1)), pr, alpha
 
     @gluon.jit
+    def _chunk_o(start, end, ident, n_tma, L, bit, bt_row, t64, hb, H, q_ptr, qpe_ptr, kv_ptr, stride_qt, stride_qh,
+                 stride_pt, stride_ph, stride_kv, qk_scale, desc_l, desc_r, q_smem, qpe_smem, ckv_smem, kpe_smem,
+                 p_smem, bars, LOAD_Q: gl.constexpr, DL: gl.constexpr, DR: gl.constexpr, PAGE: gl.constexpr,
+                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, TREE: gl.constexpr, NB: gl.constexpr,
+                 STAGES: gl.constexpr, BOX: gl.constexpr, QTMA: gl.constexpr):
+        """(m, l, O) of the query tile over the keys at positions [start, end) (the chunk), from a fresh state: the
+        KV tiles through the STAGES-stage ring (the first n_tma by TMA on bars[stage], fresh barriers), returned
+        after the last copy has landed. LOAD_Q: the query tile is waited for (QTMA, on bars[STAGES]) or loaded here,
+        between the first tiles' copies and the first S."""
+        dt: gl.constexpr = kv_ptr.dtype.element_ty
+        n_tiles = (end - start + BLOCK_N - 1) // BLOCK_N
+        # prologue: tiles 0 and 1 in flight (TMA ones first: they need no ancestor ranks), tile 2's pool rows
+        # looked up (used at the end of iteration 0)
+        if BOX > 0:
+            if n_tma > 0:
+                _tma_tile(_tile_boxes(start, end, bt_row, PAGE, BOX), ckv_smem.index(0), kpe_smem.index(0),
+                          bars.index(0), desc_l, desc_r, DL, BOX)
+            if n_tma > 1:
+                _tma_tile(_tile_boxes(start + BLOCK_N, end, bt_row, PAGE, BOX), ckv_smem.index(1),
+                          kpe_smem.index(1), bars.index(1), desc_l, desc_r, DL, BOX)
+        rank = _ancestor_ranks(bit, NB, TREE, _LB2)
+        rows, valid = _tile_rows(start, start, end, ident, L, bit, rank, bt_row, PAGE, BLOCK_N, NB, TREE, _L1, _LB2)
+        if n_tma <= 0:
+            _issue_tile(kv_ptr, stride_kv, rows, valid, ckv_smem.index(0), kpe_smem.index(0), DL, DR, _LKV, _LPE)
+        cp.commit_group()
+        if n_tiles > 1:
+            rows, valid = _tile_rows(start + BLOCK_N, start, end, ident, L, bit, rank, bt_row, PAGE, BLOCK_N, NB,
+                                     TREE, _L1, _LB2)
+            if n_tma <= 1:
+                _issue_tile(kv_ptr, stride_kv, rows, valid, ckv_smem.index(1), kpe_smem.index(1), DL, DR, _LKV, _LPE)
+        cp.commit_group()
+        boxes = _tile_boxes(start, end, bt_row, PAGE, BOX)  # (defined for the loop; tile 2's are looked up next)
+        if n_tiles > 2:
+            rows, valid = _tile_rows(start + 2 * BLOCK_N, start, end, ident, L, bit, rank, bt_row, PAGE, BLOCK_N,
+                                     NB, TREE, _L1, _LB2)
+            boxes = _tile_boxes(start + 2 * BLOCK_N, end, bt_row, PAGE, BOX)
+
+        if not LOAD_Q:
+            pass
+        elif QTMA:
+            mbarrier.wait(bars.index(STAGES), 0)
+        else:
+            h1 = hb * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, _LKV))
+            c1 = gl.arange(0, DL, layout=gl.SliceLayout(0, _LKV))
+            q = gl.load(q_ptr + t64 * stride_qt + gl.expand_dims(h1 * stride_qh, 1) + gl.expand_dims(c1, 0),
+                        mask=gl.expand_dims(h1 < H, 1) & gl.expand_dims(c1 < DL, 0), other=0.0)
+            q_smem.store(q.to(dt))
+            h2 = hb * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, _LPE))
+            c2 = gl.arange(0, DR, layout=gl.SliceLayout(0, _LPE))
+            qpe = gl.load(qpe_ptr + t64 * stride_pt + gl.expand_dims(h2 * stride_ph, 1) + gl.expand_dims(c2, 0),
+                          mask=gl.expand_dims(h2 < H, 1) & gl.expand_dims(c2 < DR, 0), other=0.0)
+            qpe_smem.store(qpe.to(dt))
+
+        m = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, _S_L))
+        li = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, _S_L))
+        o = gl.zeros([BLOCK_M, DL], gl.float32, layout=_O_L)
+        cols_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, _S_L))
+        _wait_tile(0, n_tma, bars, 1, STAGES)  # tile 0 landed
+        sc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=_S_L)
+        sc = warpgroup_mma(q_smem, ckv_smem.index(0).permute((1, 0)), sc, use_acc=False, is_async=True)
+        sc = warpgroup_mma(qpe_smem, kpe_smem.index(0).permute((1, 0)), sc, is_async=True)
+        sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
+        # iteration j: softmax of S_j, then O += P_j V_j and S_{j+1} = Q K_{j+1}^T back to back on the tensor
+        # cores (one wait for both); then tile j + 2's copies go into the freed stage and tile j + 3's pool rows
+        # are looked up, so neither the copies nor the block-table loads wait in line
+        for j in range(n_tiles):
+            m, li, pr, alpha = _softmax_tile(sc, m, li, start + j * BLOCK_N + cols_s, end, qk_scale)
+            p_smem.store(pr.to(dt))
+            fence_async_shared()
+            _cta_barrier()
+            o = o * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, _O_L)), 1)
+            o = warpgroup_mma(p_smem, ckv_smem.index(j % STAGES), o, is_async=True)
+            if j + 1 < n_tiles:
+                _wait_tile(j + 1, n_tma, bars, 0, STAGES)  # tile j + 1 landed (the only group in flight)
+                nxt = (j + 1) % STAGES
+                sc = warpgroup_mma(q_smem, ckv_smem.index(nxt).permute((1, 0)), sc, use_acc=False, is_async=True)
+                sc = warpgroup_mma(qpe_smem, kpe_smem.index(nxt).permute((1, 0)), sc, is_async=True)
+                sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))  # (an async result cannot leave the if)
+            o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
+            _cta_barrier()  # every warp is done with stage j and P before they are rewritten
+            if j + 2 < n_tiles:
+                _load_tile(j + 2, n_tma, boxes, kv_ptr, stride_kv, rows, valid, ckv_smem.index(j % STAGES),
+                           kpe_smem.index(j % STAGES), bars.index(j % STAGES), desc_l, desc_r, DL, DR, BOX, _LKV,
+                           _LPE)
+            cp.commit_group()
+            if j + 3 < n_tiles:
+                if j + 3 >= n_tma:  # a cp.async tile: its pool rows (a TMA tile needs only its boxes)
+                    rows, valid = _tile_rows(start + (j + 3) * BLOCK_N, start, end, ident, L, bit, rank, bt_row,
+                                             PAGE, BLOCK_N, NB, TREE, _L1, _LB2)
+                boxes = _tile_boxes(start + (j + 3) * BLOCK_N, end, bt_row, PAGE, BOX)
+        cp.wait_group(0)
+        return m, li, o
+
+    @gluon.jit
     def _mla_fwd_gluon_kernel(
         q_ptr, qpe_ptr, kv_ptr, bt_ptr, cu_ptr, pre_ptr, bits_ptr, out_ptr, po_ptr, pml_ptr, nc_ptr, desc_l, desc_r,
         desc_q, desc_qpe,
@@ -368,85 +462,10 @@ if HAVE_GLUON:
         if QTMA:  # the token's 64 heads while the tiles load
             _issue_q(t, hb, H, q_smem, qpe_smem, bars.index(STAGES), desc_q, desc_qpe, BLOCK_M)
 
-        n_tiles = (end - start + BLOCK_N - 1) // BLOCK_N
-        # prologue: tiles 0 and 1 in flight (TMA ones first: they need no ancestor ranks), tile 2's pool rows
-        # looked up (used at the end of iteration 0)
-        if BOX > 0:
-            if n_tma > 0:
-                _tma_tile(_tile_boxes(start, end, bt_row, PAGE, BOX), ckv_smem.index(0), kpe_smem.index(0),
-                          bars.index(0), desc_l, desc_r, DL, BOX)
-            if n_tma > 1:
-                _tma_tile(_tile_boxes(start + BLOCK_N, end, bt_row, PAGE, BOX), ckv_smem.index(1),
-                          kpe_smem.index(1), bars.index(1), desc_l, desc_r, DL, BOX)
-        rank = _ancestor_ranks(bit, NB, TREE, _LB2)
-        rows, valid = _tile_rows(start, start, end, ident, L, bit, rank, bt_row, PAGE, BLOCK_N, NB, TREE, _L1, _LB2)
-        if n_tma <= 0:
-            _issue_tile(kv_ptr, stride_kv, rows, valid, ckv_smem.index(0), kpe_smem.index(0), DL, DR, _LKV, _LPE)
-        cp.commit_group()
-        if n_tiles > 1:
-            rows, valid = _tile_rows(start + BLOCK_N, start, end, ident, L, bit, rank, bt_row, PAGE, BLOCK_N, NB,
-                                     TREE, _L1, _LB2)
-            if n_tma <= 1:
-                _issue_tile(kv_ptr, stride_kv, rows, valid, ckv_smem.index(1), kpe_smem.index(1), DL, DR, _LKV, _LPE)
-        cp.commit_group()
-        boxes = _tile_boxes(start, end, bt_row, PAGE, BOX)  # (defined for the loop; tile 2's are looked up next)
-        if n_tiles > 2:
-            rows, valid = _tile_rows(start + 2 * BLOCK_N, start, end, ident, L, bit, rank, bt_row, PAGE, BLOCK_N,
-                                     NB, TREE, _L1, _LB2)
-            boxes = _tile_boxes(start + 2 * BLOCK_N, end, bt_row, PAGE, BOX)
-
-        if QTMA:
-            mbarrier.wait(bars.index(STAGES), 0)
-        else:
-            h1 = hb * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, _LKV))
-            c1 = gl.arange(0, DL, layout=gl.SliceLayout(0, _LKV))
-            q = gl.load(q_ptr + t64 * stride_qt + gl.expand_dims(h1 * stride_qh, 1) + gl.expand_dims(c1, 0),
-                        mask=gl.expand_dims(h1 < H, 1) & gl.expand_dims(c1 < DL, 0), other=0.0)
-            q_smem.store(q.to(dt))
-            h2 = hb * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, _LPE))
-            c2 = gl.arange(0, DR, layout=gl.SliceLayout(0, _LPE))
-            qpe = gl.load(qpe_ptr + t64 * stride_pt + gl.expand_dims(h2 * stride_ph, 1) + gl.expand_dims(c2, 0),
-                          mask=gl.expand_dims(h2 < H, 1) & gl.expand_dims(c2 < DR, 0), other=0.0)
-            qpe_smem.store(qpe.to(dt))
-
-        m = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, _S_L))
-        li = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, _S_L))
-        o = gl.zeros([BLOCK_M, DL], gl.float32, layout=_O_L)
-        cols_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, _S_L))
-        _wait_tile(0, n_tma, bars, 1, STAGES)  # tile 0 landed
-        sc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=_S_L)
-        sc = warpgroup_mma(q_smem, ckv_smem.index(0).permute((1, 0)), sc, use_acc=False, is_async=True)
-        sc = warpgroup_mma(qpe_smem, kpe_smem.index(0).permute((1, 0)), sc, is_async=True)
-        sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
-        # iteration j: softmax of S_j, then O += P_j V_j and S_{j+1} = Q K_{j+1}^T back to back on the tensor
-        # cores (one wait for both); then tile j + 2's copies go into the freed stage and tile j + 3's pool rows
-        # are looked up, so neither the copies nor the block-table loads wait in line
-        for j in range(n_tiles):
-            m, li, pr, alpha = _softmax_tile(sc, m, li, start + j * BLOCK_N + cols_s, end, qk_scale)
-            p_smem.store(pr.to(dt))
-            fence_async_shared()
-            _cta_barrier()
-            o = o * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, _O_L)), 1)
-            o = warpgroup_mma(p_smem, ckv_smem.index(j % STAGES), o, is_async=True)
-            if j + 1 < n_tiles:
-                _wait_tile(j + 1, n_tma, bars, 0, STAGES)  # tile j + 1 landed (the only group in flight)
-                nxt = (j + 1) % STAGES
-                sc = warpgroup_mma(q_smem, ckv_smem.index(nxt).permute((1, 0)), sc, use_acc=False, is_async=True)
-                sc = warpgroup_mma(qpe_smem, kpe_smem.index(nxt).permute((1, 0)), sc, is_async=True)
-                sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))  # (an async result cannot leave the if)
-            o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
-            _cta_barrier()  # every warp is done with stage j and P before they are rewritten
-            if j + 2 < n_tiles:
-                _load_tile(j + 2, n_tma, boxes, kv_ptr, stride_kv, rows, valid, ckv_smem.index(j % STAGES),
-                           kpe_smem.index(j % STAGES), bars.index(j % STAGES), desc_l, desc_r, DL, DR, BOX, _LKV,
-                           _LPE)
-            cp.commit_group()
-            if j + 3 < n_tiles:
-                if j + 3 >= n_tma:  # a cp.async tile: its pool rows (a TMA tile needs only its boxes)
-                    rows, valid = _tile_rows(start + (j + 3) * BLOCK_N, start, end, ident, L, bit, rank, bt_row,
-                                             PAGE, BLOCK_N, NB, TREE, _L1, _LB2)
-                boxes = _tile_boxes(start + (j + 3) * BLOCK_N, end, bt_row, PAGE, BOX)
-        cp.wait_group(0)
+        m, li, o = _chunk_o(start, end, ident, n_tma, L, bit, bt_row, t64, hb, H, q_ptr, qpe_ptr, kv_ptr, stride_qt,
+                            stride_qh, stride_pt, stride_ph, stride_kv, qk_scale, desc_l, desc_r, q_smem, qpe_smem,
+                            ckv_smem, kpe_smem, p_smem, bars, True, DL, DR, PAGE, BLOCK_M, BLOCK_N, TREE, NB, STAGES,
+                            BOX, QTMA)
         if BOX > 0 or QTMA:
             for i in gl.static_range(STAGES + 1):
                 mbarrier.invalidate(bars.index(i))
