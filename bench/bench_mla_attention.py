@@ -24,8 +24,8 @@ items (`kernels/_mla_gluon_persistent.py`; same bits) and as one program per ite
 partial traffic and fixed cost per row at 4k prefixes, and fewer programs for one token; also a reduction order).
 `--partials fp32 out` times multi-chunk rows with their partial O in fp32 and in the output's dtype (bf16: half the
 partial bytes written and read back; params.partials; another reduction-order knob: it rounds each partial once more).
-`--fold off on` times the Triton tile kernel (`--impl triton`) as one program per chunk + the combine kernel and as
-one program per query tile folding its chunks (params.fold; the same bits).
+`--fold off on` times the Triton and gluon tile kernels as one program per (query tile, chunk) + the combine kernel
+and as one program per query tile folding its chunks (params.fold; the same bits).
 `--tma on off` times the gluon kernel with and without TMA loads of whole committed tiles (params.tma; same bits;
 TMA runs with pages of 16 or 32 rows or a multiple of 64, `--page`, default 64; the serving page size is 16).
 Run from the repo root:  PYTHONPATH=. python bench/bench_mla_attention.py [--sweep] [--out FILE]
@@ -135,7 +135,7 @@ def main():
     ap.add_argument("--partials", nargs="+", default=["default"], choices=("default", *PARTIALS),
                     help="dtype of a multi-chunk row's partial O (default: the kernel's DEFAULT_PARTIALS)")
     ap.add_argument("--fold", nargs="+", default=["default"], choices=("default", "on", "off"),
-                    help="triton: one program per query tile folding its chunks (default: DEFAULT_FOLD)")
+                    help="triton / gluon: one program per query tile folding its chunks (default: DEFAULT_FOLD)")
     args_cli = ap.parse_args()
     prefixes = args_cli.prefix or (QUICK_PREFIX if args_cli.quick else PREFIX)
     info = env_info()
@@ -164,7 +164,7 @@ def main():
                           for b in args_cli.block_n for i in args_cli.impl
                           for tm, pm in (gluon_knobs if i in ("gluon", "auto") else [("default", "default")])
                           for nch in args_cli.nch for cm in args_cli.c_min for pa in args_cli.partials
-                          for fo in (args_cli.fold if i == "triton" else ["default"])]
+                          for fo in (args_cli.fold if i in ("triton", "gluon", "auto") else ["default"])]
                 onoff = {"default": None, "on": True, "off": False}
                 for combo in combos:
                     rule, cfg, bn, impl, tm, pm, nch, cm, pa, fo = combo
@@ -219,14 +219,14 @@ def main():
                                            tma=tm if impl in ("gluon", "auto") else None,
                                            persistent=pm if impl in ("gluon", "auto") else None,
                                            partials=DEFAULT_PARTIALS if pa == "default" else pa,
-                                           fold=(DEFAULT_FOLD if fo == "default" else fo == "on") if impl == "triton"
-                                           else None),
+                                           fold=(DEFAULT_FOLD if fo == "default" else fo == "on")
+                                           if impl in ("triton", "gluon", "auto") else None),
                                **info, ms=ms, floor_ms=floor_ms, ratio=floor_ms / ms, peers=peers, **ceil)
                     write_jsonl(args_cli.out, [rec])  # one line at a time: a cut-off run keeps what it measured
                     pe = "  ".join(f"{a}={b:.3f}" for a, b in peers.items() if isinstance(b, float))
                     print(f"{B:>3} {L:>6} {n:>3} {rule:>8} {chunks:>6} {ms:8.4f} {floor_ms:8.4f} {floor_ms / ms:6.3f} "
-                          f"{flops / ms / 1e9:7.0f}  {impl} tma={tm} persistent={pm} partials={pa}  {pe}  {kw or ''}",
-                          flush=True)
+                          f"{flops / ms / 1e9:7.0f}  {impl} tma={tm} persistent={pm} partials={pa} fold={fo}  {pe}  "
+                          f"{kw or ''}", flush=True)
                 del args, out
                 torch.cuda.empty_cache()
 

@@ -413,6 +413,7 @@ def run_case(model, pool, cfg, case: dict, invariant: bool, ceil: dict, info: di
         dtype=str(pool.kv.dtype).removeprefix("torch."), build_s=state.get("build_s"),
         **({"gemm": gemm} if invariant else {}), mla_impl=mla_attention.DEFAULT_IMPL, mla_tma=_mla_gluon.GLUON_TMA,
         mla_persistent=_mla_gluon_persistent.GLUON_PERSISTENT, mla_partials=mla_attention.DEFAULT_PARTIALS,
+        mla_fold=mla_attention.DEFAULT_FOLD,
         moe_block_m=int4_moe.DEFAULT_BLOCK_M,
         moe_zp_mma=int4_moe.DEFAULT_ZP_MMA, moe_layout=layout,
         **({"moe_block_pairs": int4_moe_gluon.DEFAULT_BLOCK_PAIRS} if layout == "gluon" else {}),
@@ -490,6 +491,9 @@ def parse_args(argv=None):
     ap.add_argument("--mla-partials", choices=mla_attention.PARTIALS, default=None,
                     help="dtype of a multi-chunk row's partial O (default: mla_attention.DEFAULT_PARTIALS; 'out' "
                          "halves the partial traffic and changes the bits of rows with several KV chunks)")
+    ap.add_argument("--mla-fold", choices=("on", "off"), default=None,
+                    help="MLA: one program per query tile folding its chunks (default: mla_attention.DEFAULT_FOLD; "
+                         "the same bits either way)")
     args = ap.parse_args(argv)
     base = dict(DEFAULTS, layers=8, page_size=16, max_session_len=8192)
     if args.quick:
@@ -525,6 +529,8 @@ def main(argv=None) -> list[dict]:
         _mla_gluon_persistent.GLUON_PERSISTENT = args.mla_persistent == "on"
     if args.mla_partials is not None:
         mla_attention.DEFAULT_PARTIALS = args.mla_partials  # read by the launcher at each call
+    if args.mla_fold is not None:
+        mla_attention.DEFAULT_FOLD = args.mla_fold == "on"  # read by the launcher at each call
     if args.moe_block_m is not None:
         int4_moe.DEFAULT_BLOCK_M = args.moe_block_m
     if args.moe_zp_mma is not None:

@@ -200,6 +200,38 @@ if HAVE_GLUON:
         gl.store(po_ptr + part * (BLOCK_M * DL) + gl.expand_dims(rm * DL, 1) + C_OFF + gl.expand_dims(dl, 0), v)
 
     @gluon.jit
+    def _fold_chunk(o, m, li, m_run, l_run, o_run, have_run, last, out_ptr, t64, hb, H, stride_ot,
+                    stride_oh, ROUND: gl.constexpr, BLOCK_M: gl.constexpr, DL: gl.constexpr, O_L: gl.constexpr):
+        """A chunk's (m, l, O) folded into the running (m_run, l_run, O at o_run [64, DL] fp32) with the combine
+        kernel's arithmetic (`_mla_kernels._fold`; O first rounded to the output's dtype when ROUND, as a 16-bit
+        partial is): the running O read back unless this is the first chunk (have_run false: it folds into +0.0, as
+        the combine's first chunk does), then written back, or (last) divided by l and written to the output.
+        -> (m_run, l_run)."""
+        if ROUND:
+            o = o.to(out_ptr.dtype.element_ty).to(gl.float32)
+        m_new = gl.maximum(m_run, m)
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        a = gl.exp2(m_run - m_use)
+        b = gl.exp2(m - m_use)
+        l_new = gl.fma(l_run, a, li * b)
+        rm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, O_L))
+        dl = gl.arange(0, DL, layout=gl.SliceLayout(0, O_L))
+        at = gl.expand_dims(rm * DL, 1) + gl.expand_dims(dl, 0)
+        a2 = gl.expand_dims(gl.convert_layout(a, gl.SliceLayout(1, O_L)), 1)
+        ob = o * gl.expand_dims(gl.convert_layout(b, gl.SliceLayout(1, O_L)), 1)
+        prev = gl.load(o_run + at, mask=(at >= 0) & have_run, other=0.0)  # the first chunk folds into +0.0
+        o_new = gl.fma(prev, a2, ob)
+        if last:
+            lo = gl.convert_layout(l_new, gl.SliceLayout(1, O_L))
+            out = o_new / gl.expand_dims(gl.where(lo == 0.0, 1.0, lo), 1)
+            h = hb * BLOCK_M + rm
+            gl.store(out_ptr + t64 * stride_ot + gl.expand_dims(h * stride_oh, 1) + gl.expand_dims(dl, 0),
+                     out.to(out_ptr.dtype.element_ty), mask=gl.expand_dims(h < H, 1) & gl.expand_dims(dl < DL, 0))
+        else:
+            gl.store(o_run + at, o_new)
+        return m_new, l_new
+
+    @gluon.jit
     def _store_item(o, m, li, pid_t, pid_c, nc, HT, GC, out_ptr, po_ptr, pml_ptr, stride_ot, stride_oh, H,
                     BLOCK_M: gl.constexpr, DL: gl.constexpr, S_L: gl.constexpr, O_L: gl.constexpr):
         """A finished (query tile, chunk): the output when the row has one chunk, else the partial (o in po's dtype,
@@ -317,13 +349,13 @@ if HAVE_GLUON:
     @gluon.jit
     def _chunk_o(start, end, ident, n_tma, L, bit, bt_row, t64, hb, H, q_ptr, qpe_ptr, kv_ptr, stride_qt, stride_qh,
                  stride_pt, stride_ph, stride_kv, qk_scale, desc_l, desc_r, q_smem, qpe_smem, ckv_smem, kpe_smem,
-                 p_smem, bars, LOAD_Q: gl.constexpr, DL: gl.constexpr, DR: gl.constexpr, PAGE: gl.constexpr,
+                 p_smem, bars, load_q, DL: gl.constexpr, DR: gl.constexpr, PAGE: gl.constexpr,
                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, TREE: gl.constexpr, NB: gl.constexpr,
                  STAGES: gl.constexpr, BOX: gl.constexpr, QTMA: gl.constexpr):
         """(m, l, O) of the query tile over the keys at positions [start, end) (the chunk), from a fresh state: the
         KV tiles through the STAGES-stage ring (the first n_tma by TMA on bars[stage], fresh barriers), returned
-        after the last copy has landed. LOAD_Q: the query tile is waited for (QTMA, on bars[STAGES]) or loaded here,
-        between the first tiles' copies and the first S."""
+        after the last copy has landed. load_q: the query tile is waited for (QTMA, on bars[STAGES]) or loaded here,
+        between the first tiles' copies and the first S (a literal True in the split kernel: no branch)."""
         dt: gl.constexpr = kv_ptr.dtype.element_ty
         n_tiles = (end - start + BLOCK_N - 1) // BLOCK_N
         # prologue: tiles 0 and 1 in flight (TMA ones first: they need no ancestor ranks), tile 2's pool rows
@@ -352,7 +384,7 @@ if HAVE_GLUON:
                                      NB, TREE, _L1, _LB2)
             boxes = _tile_boxes(start + 2 * BLOCK_N, end, bt_row, PAGE, BOX)
 
-        if not LOAD_Q:
+        if not load_q:
             pass
         elif QTMA:
             mbarrier.wait(bars.index(STAGES), 0)
@@ -416,8 +448,14 @@ if HAVE_GLUON:
         stride_qt, stride_qh, stride_pt, stride_ph, stride_kv, stride_bt, stride_bits, stride_ot, stride_oh,
         DL: gl.constexpr, DR: gl.constexpr, PAGE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         NCH: gl.constexpr, C_MIN: gl.constexpr, RULE: gl.constexpr, S_PAD: gl.constexpr, TREE: gl.constexpr,
-        NB: gl.constexpr, STAGES: gl.constexpr, BOX: gl.constexpr, QTMA: gl.constexpr,
+        NB: gl.constexpr, STAGES: gl.constexpr, BOX: gl.constexpr, QTMA: gl.constexpr, FOLD: gl.constexpr = False,
+        ROUND: gl.constexpr = False,
     ):
+        """One (query tile, chunk) per program (grid [tiles, chunks]); FOLD (grid [tiles, 1]): one program per query
+        tile, its chunks one after the other, each chunk's O rounded to the output's dtype when ROUND (as 16-bit
+        partials are) and folded with the combine kernel's arithmetic into a running O kept in `po` (fp32, one
+        [64, 512] row per query tile; L2-resident while its program runs): the split launch's bits
+        (`_mla_kernels._fold`)."""
         gl.static_assert(BLOCK_M == 64 and BLOCK_N == 64 and DL == 512 and DR == 64)
         _check_box(BOX, PAGE, BLOCK_N)
         gl.static_assert(gl.num_warps() == 8)
@@ -462,13 +500,45 @@ if HAVE_GLUON:
         if QTMA:  # the token's 64 heads while the tiles load
             _issue_q(t, hb, H, q_smem, qpe_smem, bars.index(STAGES), desc_q, desc_qpe, BLOCK_M)
 
-        m, li, o = _chunk_o(start, end, ident, n_tma, L, bit, bt_row, t64, hb, H, q_ptr, qpe_ptr, kv_ptr, stride_qt,
-                            stride_qh, stride_pt, stride_ph, stride_kv, qk_scale, desc_l, desc_r, q_smem, qpe_smem,
-                            ckv_smem, kpe_smem, p_smem, bars, True, DL, DR, PAGE, BLOCK_M, BLOCK_N, TREE, NB, STAGES,
-                            BOX, QTMA)
-        if BOX > 0 or QTMA:
-            for i in gl.static_range(STAGES + 1):
-                mbarrier.invalidate(bars.index(i))
-
-        _store_item(o, m, li, pid_t, pid_c, nc, HT, GC, out_ptr, po_ptr, pml_ptr, stride_ot, stride_oh, H, BLOCK_M,
-                    DL, _S_L, _O_L)
+        if FOLD:  # every chunk of the tile in order (one code path: the running O stays out of the tile loop)
+            o_run = po_ptr + pid_t.to(gl.int64) * (BLOCK_M * DL)  # this tile's running O
+            m_run = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, _S_L))
+            l_run = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, _S_L))
+            for c in range(nc):
+                if c > 0:
+                    _cta_barrier()  # every warp is past its last wait on the stage barriers before they are made anew
+                    if BOX > 0:
+                        for i in gl.static_range(STAGES):
+                            mbarrier.invalidate(bars.index(i))
+                            mbarrier.init(bars.index(i), count=1)
+                        fence_async_shared()
+                    _, start, end = chunk_span(p + 1, c, RULE, BLOCK_N, NCH, C_MIN)
+                    if TREE:
+                        ident = gl.minimum(end, L)
+                    else:
+                        ident = end
+                    if BOX > 0:
+                        n_tma = gl.maximum(ident - start, 0) // BLOCK_N
+                m, li, o = _chunk_o(start, end, ident, n_tma, L, bit, bt_row, t64, hb, H, q_ptr, qpe_ptr, kv_ptr,
+                                    stride_qt, stride_qh, stride_pt, stride_ph, stride_kv, qk_scale, desc_l, desc_r,
+                                    q_smem, qpe_smem, ckv_smem, kpe_smem, p_smem, bars, c == 0, DL, DR, PAGE,
+                                    BLOCK_M, BLOCK_N, TREE, NB, STAGES, BOX, QTMA)
+                if nc == 1:
+                    _store_item(o, m, li, pid_t, 0, 1, HT, GC, out_ptr, po_ptr, pml_ptr, stride_ot, stride_oh, H,
+                                BLOCK_M, DL, _S_L, _O_L)
+                else:
+                    m_run, l_run = _fold_chunk(o, m, li, m_run, l_run, o_run, c > 0, c == nc - 1, out_ptr, t64, hb,
+                                               H, stride_ot, stride_oh, ROUND, BLOCK_M, DL, _O_L)
+            if BOX > 0 or QTMA:
+                for i in gl.static_range(STAGES + 1):
+                    mbarrier.invalidate(bars.index(i))
+        else:
+            m, li, o = _chunk_o(start, end, ident, n_tma, L, bit, bt_row, t64, hb, H, q_ptr, qpe_ptr, kv_ptr,
+                                stride_qt, stride_qh, stride_pt, stride_ph, stride_kv, qk_scale, desc_l, desc_r,
+                                q_smem, qpe_smem, ckv_smem, kpe_smem, p_smem, bars, True, DL, DR, PAGE, BLOCK_M,
+                                BLOCK_N, TREE, NB, STAGES, BOX, QTMA)
+            if BOX > 0 or QTMA:
+                for i in gl.static_range(STAGES + 1):
+                    mbarrier.invalidate(bars.index(i))
+            _store_item(o, m, li, pid_t, pid_c, nc, HT, GC, out_ptr, po_ptr, pml_ptr, stride_ot, stride_oh, H,
+                        BLOCK_M, DL, _S_L, _O_L)

@@ -227,11 +227,11 @@ def mla_attention_triton(q_lat, q_pe, kv_cache, block_table, page_size, cu_q, pr
     output's dtype: bf16 at Kimi, half the bytes; the row max and sum stay fp32, the combine's arithmetic stays fp32).
     It rounds each chunk's partial once more, so it changes the bits of multi-chunk rows: fixed per deployment too
     (batch invariance and position alignment hold either way: a row's chunks do not depend on the batch).
-    `fold` (impl "triton" only for now; None: the module's `DEFAULT_FOLD`): one program per query tile computes its
-    chunks one after the other and folds each chunk's partial, rounded as `partials` says, with the combine kernel's
-    arithmetic (`_mla_kernels._fold`): no partials through memory and no combine launch, and the same bits as the
-    split launch, so a launcher may pick either per launch (split for parallelism when a launch has few query
-    tiles, fold when it has enough to fill the GPU)."""
+    `fold` (impl "triton" and "gluon", not the persistent form; None: the module's `DEFAULT_FOLD`): one program per
+    query tile computes its chunks one after the other and folds each chunk's partial, rounded as `partials` says,
+    with the combine kernel's arithmetic (`_mla_kernels._fold`): no partials through memory and no combine launch,
+    and the same bits as the split launch, so a launcher may pick either per launch (split for parallelism when a
+    launch has few query tiles, fold when it has enough to fill the GPU)."""
     T, H, Dl = q_lat.shape
     Dr = q_pe.shape[-1]
     S = prefix_lens.shape[0]
@@ -274,11 +274,14 @@ def mla_attention_triton(q_lat, q_pe, kv_cache, block_table, page_size, cu_q, pr
     tiles = T * ht
     cap = block_table.shape[1] * page_size  # every position a row can see is < cap
     grid_c = max_chunks(cap, chunk_rule, block_n, nch, c_min)  # >= nc(p) for any p < cap
-    if fold and impl != "triton":
-        raise ValueError(f"mla_attention: fold runs in the Triton tile kernel only (impl {impl!r})")
-    parts = tiles * grid_c if grid_c > 1 and not fold else 1  # (fold: no partial is stored; po gives the dtype)
-    po = torch.empty(parts, block_m, bdl, dtype=torch.float32 if partials == "fp32" else out.dtype,
-                     device=q_lat.device)
+    if fold and impl not in ("triton", "gluon"):
+        raise ValueError(f"mla_attention: fold runs in the Triton and gluon tile kernels (impl {impl!r})")
+    parts = tiles * grid_c if grid_c > 1 and not fold else 1  # partials stored (fold: none)
+    if fold and impl == "gluon":  # po: the running O of each query tile (fp32), the rounding a constexpr
+        po = torch.empty(tiles if grid_c > 1 else 1, block_m, bdl, dtype=torch.float32, device=q_lat.device)
+    else:  # (Triton fold: po only gives the rounding dtype)
+        po = torch.empty(parts, block_m, bdl, dtype=torch.float32 if partials == "fp32" else out.dtype,
+                         device=q_lat.device)
     pml = torch.empty(parts, 2, block_m, dtype=torch.float32, device=q_lat.device)
     nc = torch.empty(tiles, dtype=torch.int32, device=q_lat.device)
     bits = tree_bits if tree_bits is not None else prefix_lens  # dummy pointer when causal
@@ -304,15 +307,16 @@ def mla_attention_triton(q_lat, q_pe, kv_cache, block_table, page_size, cu_q, pr
             _mla_gluon_seesaw._mla_fwd_gluon_seesaw_kernel[(tiles, grid_c)](
                 *common[:11], *kvdesc, *(qdesc or kvdesc), *common[11:], QTMA=qdesc is not None,
                 STAGES=_mla_gluon_seesaw.SEESAW_STAGES, num_warps=_mla_gluon_seesaw.SEESAW_WARPS, **shape)
-        elif persistent and qdesc is not None:  # (it loads every query tile by TMA)
+        elif persistent and qdesc is not None and not fold:  # (it loads every query tile by TMA)
             nprog = min(tiles * grid_c, _sm_count(q_lat.device.index))
             _mla_gluon_persistent._mla_fwd_gluon_persistent_kernel[(nprog,)](
                 *common[:11], *kvdesc, *qdesc, *common[11:], tiles, nprog, STAGES=_mla_gluon.GLUON_STAGES,
                 num_warps=num_warps, **shape)
         else:
-            _mla_gluon._mla_fwd_gluon_kernel[(tiles, grid_c)](
+            _mla_gluon._mla_fwd_gluon_kernel[(tiles, 1 if fold else grid_c)](
                 *common[:11], *kvdesc, *(qdesc or kvdesc), *common[11:], QTMA=qdesc is not None,
-                STAGES=_mla_gluon.GLUON_STAGES, num_warps=num_warps, **shape)
+                STAGES=_mla_gluon.GLUON_STAGES, num_warps=num_warps, **shape,
+                **({"FOLD": True, "ROUND": partials == "out"} if fold else {}))
     else:
         _mla_fwd_kernel[(tiles, 1 if fold else grid_c)](
             *common, DL=Dl, DR=Dr, BDL=bdl, BDR=bdr, PAGE=page_size, BLOCK_M=block_m, BLOCK_N=block_n, NCH=nch,

@@ -260,8 +260,15 @@ def test_mla_launcher_routes_the_gluon_kernels(monkeypatch):
     assert launch(*args, impl="gluon", persistent=True, tma=False)[0] == [("grid", (tiles, grid_c), False, 0, 2, 8)]
     assert launch(*args, impl="gluon_seesaw") == ([("seesaw", (tiles, grid_c), True, 16, 2, 4)], ["seesaw", "combine"])
     assert launch(*args, impl="gluon_seesaw", tma=False)[0] == [("seesaw", (tiles, grid_c), False, 0, 2, 4)]
-    with pytest.raises(ValueError, match="fold runs in the Triton tile kernel only"):  # (not in the Gluon ones yet)
-        launch(*args, impl="gluon", fold=True)
+    # the fold: the grid kernel on one program per query tile (FOLD, ROUND as the partials say), no combine; the
+    # persistent form does not fold (the grid kernel runs), the seesaw kernel refuses
+    assert launch(*args, impl="gluon", fold=True) == ([("grid", (tiles, 1), True, 16, 2, 8)], ["grid"])
+    assert (calls[0][3]["FOLD"], calls[0][3]["ROUND"]) == (True, False)
+    launch(*args, impl="gluon", fold=True, partials="out")
+    assert calls[0][3]["ROUND"] is True
+    assert launch(*args, impl="gluon", fold=True, persistent=True)[0] == [("grid", (tiles, 1), True, 16, 2, 8)]
+    with pytest.raises(ValueError, match="fold runs in the Triton and gluon tile kernels"):
+        launch(*args, impl="gluon_seesaw", fold=True)
 
 
 def test_mla_configure_fixes_the_deployment_kernel(monkeypatch):
@@ -578,14 +585,24 @@ def test_mla_bf16_partials(tree, impl):
 @pytest.mark.gpu
 @pytest.mark.parametrize("partials", ["fp32", "out"])
 @pytest.mark.parametrize("tree", [True, False])
-def test_mla_fold_gives_the_split_bits_bf16(tree, partials):
-    """fold=True (the Triton kernel) at Kimi shapes in bf16: bitwise the split launch with its combine kernel (the
-    same exp2 / fma on the GPU), 1 to 16 chunks a row, within tolerance of the reference."""
+@pytest.mark.parametrize("impl,page", [("triton", 16), ("gluon", 16), ("gluon", 64), ("gluon", 8)])
+def test_mla_fold_gives_the_split_bits_bf16(tree, partials, impl, page):
+    """fold=True at Kimi shapes in bf16: bitwise the split launch with its combine kernel (the same exp2 / fma on
+    the GPU), 1 to 16 chunks a row (the gluon kernel's stage barriers made anew for each chunk; page 8: every tile
+    by cp.async), within tolerance of the reference; a second launch and a CUDA-graph replay give the same."""
     prefix, ns = ([5, 700, 4097, 33000], [9, 65, 17, 5]) if tree else ([0, 300, 9001], [257, 64, 3])
-    args = make_batch(prefix, ns, KIMI["H"], KIMI["Dl"], KIMI["Dr"], 16, torch.bfloat16, tree, seed=13)
-    folded = run_kernel(args, SCALE, impl="triton", fold=True, partials=partials)
-    assert_bitwise(folded, run_kernel(args, SCALE, impl="triton", fold=False, partials=partials), f"tree={tree}")
+    args = make_batch(prefix, ns, KIMI["H"], KIMI["Dl"], KIMI["Dr"], page, torch.bfloat16, tree, seed=13)
+    folded = run_kernel(args, SCALE, impl=impl, fold=True, partials=partials)
+    assert_bitwise(folded, run_kernel(args, SCALE, impl=impl, fold=False, partials=partials), f"tree={tree}")
     assert_close(folded, reference(args, SCALE), TOL[torch.bfloat16], f"fold tree={tree} {partials}")
+    assert_bitwise(run_kernel(args, SCALE, impl=impl, fold=True, partials=partials), folded, "second launch")
+    graph_out = torch.full_like(folded, float("nan"))
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        mla_attention_triton(*args, SCALE, out=graph_out, impl=impl, fold=True, partials=partials)
+    g.replay()
+    torch.cuda.synchronize()
+    assert_bitwise(graph_out, folded, "graph replay")
 
 
 @gpu

@@ -26,6 +26,8 @@ kernel, num_warps, stages = getattr(mod, sys.argv[2]), int(sys.argv[3]), int(sys
 box = json.loads(sys.argv[5])  # None: a kernel without TMA descriptors, else its BOX constexpr (0: no TMA)
 persistent = len(sys.argv) > 6 and sys.argv[6] == "persistent"  # (TILES, NPROG after the strides; no QTMA)
 po = sys.argv[7] if len(sys.argv) > 7 else "fp32"  # the partial O's dtype (`mla_attention_triton(partials=)`)
+fold = json.loads(sys.argv[8]) if len(sys.argv) > 8 else {}  # the grid kernel's FOLD / ROUND constexprs
+fold = {k: fold.get(k, False) for k in ("FOLD", "ROUND") if k in kernel.arg_names}
 out = {}
 for tree in (True, False):
     sig = {n: "*bf16" for n in ("q_ptr", "qpe_ptr", "kv_ptr", "out_ptr")}
@@ -45,7 +47,7 @@ for tree in (True, False):
         sig.update({"TILES": "i32", "NPROG": "i32"})
     cst = dict(DL=512, DR=64, PAGE=box or 64, BLOCK_M=64, BLOCK_N=64, NCH=16, C_MIN=512, RULE=1, S_PAD=16,
                TREE=tree, NB=128 if tree else 64, STAGES=stages,
-               **({} if box is None else {"BOX": box} if persistent else {"BOX": box, "QTMA": box > 0}))
+               **({} if box is None else {"BOX": box} if persistent else {"BOX": box, "QTMA": box > 0}), **fold)
     sig.update({k: "constexpr" for k in cst})
     names = list(sig)
     aligned = {(names.index(n),): [["tt.divisibility", 16]] for n in names
@@ -76,13 +78,14 @@ _SM90_SMEM = 232448  # bytes of shared memory one block may have on sm_90 (227 K
 
 
 def compile_for_sm90(tmp_path, module: str, kernel: str, num_warps: int, stages: int, box: int | None = None,
-                     persistent: bool = False, po: str = "fp32") -> dict:
+                     persistent: bool = False, po: str = "fp32", fold: dict | None = None) -> dict:
     """Compile a Gluon tile kernel for sm_90 in a subprocess (no GPU needed; this process may run Triton in
     interpreter mode), bf16, tree and causal: {"True"/"False": PTX counts, shared bytes, ptxas -v facts}. `box`:
     None for a kernel without TMA descriptors, else its BOX constexpr (the page size is the box, 64 for 0);
-    `persistent`: the signature of `_mla_gluon_persistent`'s kernel; `po`: the partial O's dtype."""
+    `persistent`: the signature of `_mla_gluon_persistent`'s kernel; `po`: the partial O's dtype; `fold`: the grid
+    kernel's FOLD / ROUND constexprs."""
     return run_sm90_script(tmp_path, _SM90_COMPILE, module, kernel, str(num_warps), str(stages), json.dumps(box),
-                           "persistent" if persistent else "grid", po, timeout=300)
+                           "persistent" if persistent else "grid", po, json.dumps(fold or {}), timeout=300)
 
 
 def test_mla_gluon_kernel_compiles_for_sm90_with_s_once(tmp_path):
@@ -104,6 +107,27 @@ def test_mla_gluon_kernel_compiles_for_sm90_with_s_once(tmp_path):
             # instruction) + the rope's one, as 2D tensor copies; the query tile one expect_tx and two copies
             boxes = 64 // box if box else 0
             assert (n["tma"], n["expect_tx"]) == ((3 * 2 * boxes + 2, 4) if box else (0, 0)), what
+
+
+def test_mla_gluon_fold_compiles_for_sm90_like_the_split_kernel(tmp_path):
+    """The grid kernel with FOLD (one program per query tile folding its chunks; ROUND: each chunk's O rounded to
+    bf16 first) compiled for sm_90: one tile loop, so the split kernel's MMAs, TMA copies, expect_tx and shared
+    memory exactly; spills bounded (Triton 3.6's ptxas, the H200's: 0-188 bytes, none of them among the loop's
+    wgmma, checked with nvdisasm when this was written; the split kernel 4-24)."""
+    import triton
+
+    from kernels import _mla_gluon
+
+    max_spill = 256 if triton.__version__.startswith("3.6") else 1024
+    for box in (0, 64):
+        args = ("kernels._mla_gluon", "_mla_fwd_gluon_kernel", _mla_gluon.GLUON_WARPS, _mla_gluon.GLUON_STAGES, box)
+        split = compile_for_sm90(tmp_path, *args)
+        fold = compile_for_sm90(tmp_path, *args, fold={"FOLD": True, "ROUND": True})
+        for tree in split:
+            a, b, what = split[tree], fold[tree], f"box={box} tree={tree}"
+            for key in ("wgmma", "tma", "expect_tx", "shared"):
+                assert a[key] == b[key], (what, key, a[key], b[key])
+            assert b["spill_bytes"] <= max_spill and b["ptxas_perf"] == [], (what, b["spill_bytes"], b["ptxas_perf"])
 
 
 def test_mla_gluon_persistent_kernel_compiles_for_sm90(tmp_path):
