@@ -134,7 +134,7 @@ def main():
                     help="base KV chunk size in keys (a reduction-order knob like --nch; default the kernel's)")
     ap.add_argument("--partials", nargs="+", default=["default"], choices=("default", *PARTIALS),
                     help="dtype of a multi-chunk row's partial O (default: the kernel's DEFAULT_PARTIALS)")
-    ap.add_argument("--fold", nargs="+", default=["default"], choices=("default", "on", "off"),
+    ap.add_argument("--fold", nargs="+", default=["default"], choices=("default", "on", "off", "auto"),
                     help="triton / gluon: one program per query tile folding its chunks (default: DEFAULT_FOLD)")
     args_cli = ap.parse_args()
     prefixes = args_cli.prefix or (QUICK_PREFIX if args_cli.quick else PREFIX)
@@ -180,7 +180,8 @@ def main():
                     chunks = sum(len(chunk_spans(L + int(d), rule, **knobs)) for d in depth.flatten().tolist())
                     fn = functools.partial(mla_attention_triton, *args, SCALE, out=out, chunk_rule=rule, impl=impl,
                                            tma=onoff[tm], persistent=onoff[pm],
-                                           partials=None if pa == "default" else pa, fold=onoff[fo], **kw)
+                                           partials=None if pa == "default" else pa,
+                                           fold="auto" if fo == "auto" else onoff[fo], **kw)
                     try:
                         ms = graph_ms(fn)
                         eager = bench_ms(fn)
@@ -219,8 +220,8 @@ def main():
                                            tma=tm if impl in ("gluon", "auto") else None,
                                            persistent=pm if impl in ("gluon", "auto") else None,
                                            partials=DEFAULT_PARTIALS if pa == "default" else pa,
-                                           fold=(DEFAULT_FOLD if fo == "default" else fo == "on")
-                                           if impl in ("triton", "gluon", "auto") else None),
+                                           fold=(DEFAULT_FOLD if fo == "default" else "auto" if fo == "auto"
+                                                 else fo == "on") if impl in ("triton", "gluon", "auto") else None),
                                **info, ms=ms, floor_ms=floor_ms, ratio=floor_ms / ms, peers=peers, **ceil)
                     write_jsonl(args_cli.out, [rec])  # one line at a time: a cut-off run keeps what it measured
                     pe = "  ".join(f"{a}={b:.3f}" for a, b in peers.items() if isinstance(b, float))

@@ -52,6 +52,7 @@ DEFAULT_CHUNK_RULE = "balanced"
 PARTIALS = ("fp32", "out")  # how a multi-chunk row's partial O goes through memory (`mla_attention_triton`)
 DEFAULT_PARTIALS = "fp32"  # "out" (half the partial traffic) is opt-in until the GPU has measured it
 DEFAULT_FOLD = False  # `mla_attention_triton(fold=)`: opt-in until the GPU has measured it (same bits either way)
+FOLD_MIN_TILES_PER_SM = 4  # fold="auto" folds launches of at least this many query tiles per SM (a cost-model guess)
 IMPLS = ("triton", "gluon", "gluon_ws", "gluon_seesaw", "auto")  # tile kernel: `_mla_kernels` (any GPU, the
 # interpreter), `_mla_gluon` (sm_90), `_mla_gluon_ws` or `_mla_gluon_seesaw` (sm_90, warp-specialized, experimental:
 # never picked by "auto")
@@ -206,7 +207,8 @@ def mla_attention_triton(q_lat, q_pe, kv_cache, block_table, page_size, cu_q, pr
                          sm_scale, *, out=None, block_n: int = DEFAULT_BLOCK_N, num_warps: int = 8,
                          num_stages: int = 2, nch: int = _NCH, c_min: int = _C_MIN,
                          chunk_rule: str = DEFAULT_CHUNK_RULE, impl: str | None = None, tma: bool | None = None,
-                         persistent: bool | None = None, partials: str | None = None, fold: bool | None = None):
+                         persistent: bool | None = None, partials: str | None = None,
+                         fold: bool | str | None = None):
     """The Triton path on any device (tests call it on CPU under TRITON_INTERPRET=1).
 
     q_lat/q_pe are cast to the cache dtype; `out` ([T, H, Dl], optional) is written in place.
@@ -231,13 +233,17 @@ def mla_attention_triton(q_lat, q_pe, kv_cache, block_table, page_size, cu_q, pr
     query tile computes its chunks one after the other and folds each chunk's partial, rounded as `partials` says,
     with the combine kernel's arithmetic (`_mla_kernels._fold`): no partials through memory and no combine launch,
     and the same bits as the split launch, so a launcher may pick either per launch (split for parallelism when a
-    launch has few query tiles, fold when it has enough to fill the GPU)."""
+    launch has few query tiles, fold when it has enough to fill the GPU): "auto" folds on a GPU when the launch has
+    at least `FOLD_MIN_TILES_PER_SM` query tiles per SM (the cost model of docs/performance.md; nothing here reads the
+    GPU's data, so the choice costs no synchronisation)."""
     T, H, Dl = q_lat.shape
     Dr = q_pe.shape[-1]
     S = prefix_lens.shape[0]
     rule = _rule_id(chunk_rule)
     partials = DEFAULT_PARTIALS if partials is None else partials
     fold = DEFAULT_FOLD if fold is None else fold
+    if fold not in (True, False, "auto"):
+        raise ValueError(f"mla_attention: fold must be True, False or 'auto', got {fold!r}")
     if partials not in PARTIALS:
         raise ValueError(f"mla_attention: partials {partials!r} is not one of {PARTIALS}")
     impl = DEFAULT_IMPL if impl is None else impl
@@ -274,6 +280,9 @@ def mla_attention_triton(q_lat, q_pe, kv_cache, block_table, page_size, cu_q, pr
     tiles = T * ht
     cap = block_table.shape[1] * page_size  # every position a row can see is < cap
     grid_c = max_chunks(cap, chunk_rule, block_n, nch, c_min)  # >= nc(p) for any p < cap
+    if fold == "auto":
+        fold = (q_lat.is_cuda and impl in ("triton", "gluon")
+                and tiles >= FOLD_MIN_TILES_PER_SM * _sm_count(q_lat.device.index))
     if fold and impl not in ("triton", "gluon"):
         raise ValueError(f"mla_attention: fold runs in the Triton and gluon tile kernels (impl {impl!r})")
     parts = tiles * grid_c if grid_c > 1 and not fold else 1  # partials stored (fold: none)

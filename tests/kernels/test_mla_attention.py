@@ -269,6 +269,11 @@ def test_mla_launcher_routes_the_gluon_kernels(monkeypatch):
     assert launch(*args, impl="gluon", fold=True, persistent=True)[0] == [("grid", (tiles, 1), True, 16, 2, 8)]
     with pytest.raises(ValueError, match="fold runs in the Triton and gluon tile kernels"):
         launch(*args, impl="gluon_seesaw", fold=True)
+    # "auto": folds from FOLD_MIN_TILES_PER_SM query tiles per SM on (a CUDA tensor only; here the CPU: never)
+    assert launch(*args, impl="gluon", fold="auto")[1] == ["grid", "combine"]
+    assert launch(*args, impl="gluon_seesaw", fold="auto")[1] == ["seesaw", "combine"]
+    with pytest.raises(ValueError, match="fold must be"):
+        launch(*args, impl="gluon", fold="yes")
 
 
 def test_mla_configure_fixes_the_deployment_kernel(monkeypatch):
@@ -596,6 +601,7 @@ def test_mla_fold_gives_the_split_bits_bf16(tree, partials, impl, page):
     assert_bitwise(folded, run_kernel(args, SCALE, impl=impl, fold=False, partials=partials), f"tree={tree}")
     assert_close(folded, reference(args, SCALE), TOL[torch.bfloat16], f"fold tree={tree} {partials}")
     assert_bitwise(run_kernel(args, SCALE, impl=impl, fold=True, partials=partials), folded, "second launch")
+    assert_bitwise(run_kernel(args, SCALE, impl=impl, fold="auto", partials=partials), folded, "auto")
     graph_out = torch.full_like(folded, float("nan"))
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
