@@ -465,6 +465,19 @@ def test_chunk_rule_examples():
 
 # ---------------------------------------------------------------- GPU: Kimi K2.6 shapes
 
+def assert_graph_replay(args, want: torch.Tensor, **kw) -> None:
+    """The launch, compiled outside the capture, captured in a CUDA graph and replayed: `want`, bit for bit."""
+    out = torch.full_like(want, float("nan"))
+    mla_attention_triton(*args, SCALE, out=out, **kw)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        mla_attention_triton(*args, SCALE, out=out, **kw)
+    out.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    assert_bitwise(out, want, f"graph replay {kw}")
+
+
 KIMI = dict(H=64, Dl=512, Dr=64, page=64)
 IMPLS_GPU = ["triton", "gluon", "gluon_ws", "gluon_seesaw"]
 SCALE = 192**-0.5 * (0.1 * torch.log(torch.tensor(64.0)).item() + 1) ** 2
@@ -543,15 +556,7 @@ def test_mla_gluon_persistent_gives_the_grid_kernels_bits(tree, prefix, ns, page
     assert_close(out, reference(args, SCALE), TOL[torch.bfloat16], f"persistent page {page} {prefix} {ns}")
     # launched twice in a row (the stream leaves no state behind) and from a CUDA graph
     assert_bitwise(run_kernel(args, SCALE, impl="gluon", persistent=True), out, "second launch")
-    graph_out = torch.full_like(out, float("nan"))
-    mla.mla_attention_triton(*args, SCALE, out=graph_out, impl="gluon", persistent=True)  # compiled before capture
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        mla.mla_attention_triton(*args, SCALE, out=graph_out, impl="gluon", persistent=True)
-    graph_out.fill_(float("nan"))
-    g.replay()
-    torch.cuda.synchronize()
-    assert_bitwise(graph_out, out, "graph replay")
+    assert_graph_replay(args, out, impl="gluon", persistent=True)
 
 
 @gpu
@@ -602,13 +607,7 @@ def test_mla_fold_gives_the_split_bits_bf16(tree, partials, impl, page):
     assert_close(folded, reference(args, SCALE), TOL[torch.bfloat16], f"fold tree={tree} {partials}")
     assert_bitwise(run_kernel(args, SCALE, impl=impl, fold=True, partials=partials), folded, "second launch")
     assert_bitwise(run_kernel(args, SCALE, impl=impl, fold="auto", partials=partials), folded, "auto")
-    graph_out = torch.full_like(folded, float("nan"))
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        mla_attention_triton(*args, SCALE, out=graph_out, impl=impl, fold=True, partials=partials)
-    g.replay()
-    torch.cuda.synchronize()
-    assert_bitwise(graph_out, folded, "graph replay")
+    assert_graph_replay(args, folded, impl=impl, fold=True, partials=partials)
 
 
 @gpu
