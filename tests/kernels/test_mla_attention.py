@@ -3,16 +3,18 @@
 CPU: the Triton kernels under TRITON_INTERPRET=1 at small shapes (4 heads, latent 32 + rope 8) in
 fp32/fp16: prefix 0, ragged and multi-chunk prefixes, trees of 1 and 65 nodes, causal prefill,
 pages shuffled in the pool and every unused slot NaN; both chunk rules with small chunk knobs at
-prefixes on and off chunk multiples. Position alignment (exact equality): every tree node's row
+prefixes on and off chunk multiples; partials in the output's dtype (fragment order); the fold (one program per
+query tile) bitwise equal to the split launch + combine. Position alignment (exact equality): every tree node's row
 equals the causal decode, the 1-node-tree AR step and the causal prefill row at its position in a
 cache holding the AR layout (prefix + its ancestors + itself). The chunk rules themselves (pure
 Python, the kernel's own `chunk_span` on host ints): no empty or short chunk, grid bound.
-GPU (marked `gpu`): 64 heads, 512 + 64, bf16, prefixes up to 33k, partials in fp32 and bf16, batch invariance (a session
-alone vs inside a batch of 64: bitwise equal) and the same position alignment in bf16, for every tile
-kernel (`impl` "triton" and the sm_90 Gluon kernels "gluon", "gluon_ws" and "gluon_seesaw"), and the persistent
-form of "gluon" bitwise against its grid. The Gluon kernels' compiled code (PTX, ptxas) is checked on the CPU in
-test_mla_gluon_compile.py; the persistent kernel's scheduling and the seesaw kernel's arithmetic are replayed on the
-CPU in test_mla_persistent_schedule.py and test_mla_seesaw_math.py.
+GPU (marked `gpu`): 64 heads, 512 + 64, bf16, prefixes up to 33k, partials in fp32 and bf16, batch invariance (a
+session alone vs inside a batch of 64: bitwise equal) and the same position alignment in bf16, for every tile
+kernel (`impl` "triton" and the sm_90 Gluon kernels "gluon", "gluon_ws" and "gluon_seesaw"), the persistent
+form of "gluon" bitwise against its grid, and the fold (Triton and gluon) bitwise against the split launch. The
+Gluon kernels' compiled code (PTX, ptxas) is checked on the CPU in test_mla_gluon_compile.py; the persistent
+kernel's scheduling and the seesaw kernel's arithmetic are replayed on the CPU in test_mla_persistent_schedule.py and
+test_mla_seesaw_math.py.
 """
 
 from __future__ import annotations

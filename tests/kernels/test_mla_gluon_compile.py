@@ -4,9 +4,10 @@ Each kernel of `kernels.mla_attention` that only runs on sm_90 (`_mla_gluon`, `_
 `_mla_gluon_seesaw`, `_mla_gluon_ws`) is compiled for sm_90 in a subprocess (this process may run Triton in
 interpreter mode), bf16, tree and causal, and the tests check what a wrong change would alter: the MMA shapes and
 counts, the TMA copies and expect_tx, the cp.async barrier arrivals, setmaxnreg, CTA barriers, shared memory within
-the 227 KB a block may have, ptxas's spills and its serialization warnings. They pass under Triton 3.9 (CI) and 3.6
-(the H200's; docs/performance.md "Rerun" says how to install it beside the other). Their numeric behaviour is
-`test_mla_attention.py`'s.
+the 227 KB a block may have, ptxas's spills and its serialization warnings; also the grid kernel's fold against its
+split form, the 16-bit partials' stores in every kernel and the combine kernel's loads of them. They pass under Triton
+3.9 (CI) and 3.6 (the H200's; docs/performance.md "Rerun" says how to install it beside the other). Their numeric
+behaviour is `test_mla_attention.py`'s.
 """
 
 from __future__ import annotations
