@@ -347,26 +347,35 @@ if HAVE_GLUON:
         return m_new, gl.fma(li, alpha, gl.sum(pr, 1)), pr, alpha
 
     @gluon.jit
+    def _issue_first_tiles(start, end, n_tma, bt_row, desc_l, desc_r, ckv_smem, kpe_smem, bars, DL: gl.constexpr,
+                           PAGE: gl.constexpr, BLOCK_N: gl.constexpr, BOX: gl.constexpr):
+        """A chunk's tiles 0 and 1 by TMA into stages 0 and 1, those of them that are TMA tiles (n_tma)."""
+        if n_tma > 0:
+            _tma_tile(_tile_boxes(start, end, bt_row, PAGE, BOX), ckv_smem.index(0), kpe_smem.index(0),
+                      bars.index(0), desc_l, desc_r, DL, BOX)
+        if n_tma > 1:
+            _tma_tile(_tile_boxes(start + BLOCK_N, end, bt_row, PAGE, BOX), ckv_smem.index(1),
+                      kpe_smem.index(1), bars.index(1), desc_l, desc_r, DL, BOX)
+
+    @gluon.jit
     def _chunk_o(start, end, ident, n_tma, L, bit, bt_row, t64, hb, H, q_ptr, qpe_ptr, kv_ptr, stride_qt, stride_qh,
                  stride_pt, stride_ph, stride_kv, qk_scale, desc_l, desc_r, q_smem, qpe_smem, ckv_smem, kpe_smem,
-                 p_smem, bars, load_q, DL: gl.constexpr, DR: gl.constexpr, PAGE: gl.constexpr,
+                 p_smem, bars, load_q, tma_issued, DL: gl.constexpr, DR: gl.constexpr, PAGE: gl.constexpr,
                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, TREE: gl.constexpr, NB: gl.constexpr,
                  STAGES: gl.constexpr, BOX: gl.constexpr, QTMA: gl.constexpr):
         """(m, l, O) of the query tile over the keys at positions [start, end) (the chunk), from a fresh state: the
         KV tiles through the STAGES-stage ring (the first n_tma by TMA on bars[stage], fresh barriers), returned
         after the last copy has landed. load_q: the query tile is waited for (QTMA, on bars[STAGES]) or loaded here,
-        between the first tiles' copies and the first S (a literal True in the split kernel: no branch)."""
+        between the first tiles' copies and the first S (a literal True in the split kernel: no branch).
+        tma_issued: the chunk's first two TMA tiles are already in flight (`_issue_first_tiles`; a literal False in
+        the split kernel)."""
         dt: gl.constexpr = kv_ptr.dtype.element_ty
         n_tiles = (end - start + BLOCK_N - 1) // BLOCK_N
         # prologue: tiles 0 and 1 in flight (TMA ones first: they need no ancestor ranks), tile 2's pool rows
         # looked up (used at the end of iteration 0)
-        if BOX > 0:
-            if n_tma > 0:
-                _tma_tile(_tile_boxes(start, end, bt_row, PAGE, BOX), ckv_smem.index(0), kpe_smem.index(0),
-                          bars.index(0), desc_l, desc_r, DL, BOX)
-            if n_tma > 1:
-                _tma_tile(_tile_boxes(start + BLOCK_N, end, bt_row, PAGE, BOX), ckv_smem.index(1),
-                          kpe_smem.index(1), bars.index(1), desc_l, desc_r, DL, BOX)
+        if BOX > 0 and not tma_issued:
+            _issue_first_tiles(start, end, n_tma, bt_row, desc_l, desc_r, ckv_smem, kpe_smem, bars, DL, PAGE,
+                               BLOCK_N, BOX)
         rank = _ancestor_ranks(bit, NB, TREE, _LB2)
         rows, valid = _tile_rows(start, start, end, ident, L, bit, rank, bt_row, PAGE, BLOCK_N, NB, TREE, _L1, _LB2)
         if n_tma <= 0:
@@ -505,24 +514,25 @@ if HAVE_GLUON:
             m_run = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, _S_L))
             l_run = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, _S_L))
             for c in range(nc):
-                if c > 0:
+                m, li, o = _chunk_o(start, end, ident, n_tma, L, bit, bt_row, t64, hb, H, q_ptr, qpe_ptr, kv_ptr,
+                                    stride_qt, stride_qh, stride_pt, stride_ph, stride_kv, qk_scale, desc_l, desc_r,
+                                    q_smem, qpe_smem, ckv_smem, kpe_smem, p_smem, bars, c == 0, c > 0, DL, DR, PAGE,
+                                    BLOCK_M, BLOCK_N, TREE, NB, STAGES, BOX, QTMA)
+                if c + 1 < nc:  # the next chunk's first TMA tiles in flight while this one is folded
                     _cta_barrier()  # every warp is past its last wait on the stage barriers before they are made anew
-                    if BOX > 0:
-                        for i in gl.static_range(STAGES):
-                            mbarrier.invalidate(bars.index(i))
-                            mbarrier.init(bars.index(i), count=1)
-                        fence_async_shared()
-                    _, start, end = chunk_span(p + 1, c, RULE, BLOCK_N, NCH, C_MIN)
+                    _, start, end = chunk_span(p + 1, c + 1, RULE, BLOCK_N, NCH, C_MIN)
                     if TREE:
                         ident = gl.minimum(end, L)
                     else:
                         ident = end
                     if BOX > 0:
+                        for i in gl.static_range(STAGES):
+                            mbarrier.invalidate(bars.index(i))
+                            mbarrier.init(bars.index(i), count=1)
+                        fence_async_shared()
                         n_tma = gl.maximum(ident - start, 0) // BLOCK_N
-                m, li, o = _chunk_o(start, end, ident, n_tma, L, bit, bt_row, t64, hb, H, q_ptr, qpe_ptr, kv_ptr,
-                                    stride_qt, stride_qh, stride_pt, stride_ph, stride_kv, qk_scale, desc_l, desc_r,
-                                    q_smem, qpe_smem, ckv_smem, kpe_smem, p_smem, bars, c == 0, DL, DR, PAGE,
-                                    BLOCK_M, BLOCK_N, TREE, NB, STAGES, BOX, QTMA)
+                        _issue_first_tiles(start, end, n_tma, bt_row, desc_l, desc_r, ckv_smem, kpe_smem, bars, DL,
+                                           PAGE, BLOCK_N, BOX)
                 if nc == 1:
                     _store_item(o, m, li, pid_t, 0, 1, HT, GC, out_ptr, po_ptr, pml_ptr, stride_ot, stride_oh, H,
                                 BLOCK_M, DL, _S_L, _O_L)
@@ -535,7 +545,7 @@ if HAVE_GLUON:
         else:
             m, li, o = _chunk_o(start, end, ident, n_tma, L, bit, bt_row, t64, hb, H, q_ptr, qpe_ptr, kv_ptr,
                                 stride_qt, stride_qh, stride_pt, stride_ph, stride_kv, qk_scale, desc_l, desc_r,
-                                q_smem, qpe_smem, ckv_smem, kpe_smem, p_smem, bars, True, DL, DR, PAGE, BLOCK_M,
+                                q_smem, qpe_smem, ckv_smem, kpe_smem, p_smem, bars, True, False, DL, DR, PAGE, BLOCK_M,
                                 BLOCK_N, TREE, NB, STAGES, BOX, QTMA)
             if BOX > 0 or QTMA:
                 for i in gl.static_range(STAGES + 1):

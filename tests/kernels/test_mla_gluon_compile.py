@@ -112,22 +112,25 @@ def test_mla_gluon_kernel_compiles_for_sm90_with_s_once(tmp_path):
 
 def test_mla_gluon_fold_compiles_for_sm90_like_the_split_kernel(tmp_path):
     """The grid kernel with FOLD (one program per query tile folding its chunks; ROUND: each chunk's O rounded to
-    bf16 first) compiled for sm_90: one tile loop, so the split kernel's MMAs, TMA copies, expect_tx and shared
-    memory exactly; spills bounded (Triton 3.6's ptxas, the H200's: 0-188 bytes, none of them among the loop's
-    wgmma, checked with nvdisasm when this was written; the split kernel 4-24)."""
+    bf16 first) compiled for sm_90: one tile loop, so the split kernel's MMAs and shared memory exactly, and its TMA
+    copies plus one more site (the next chunk's tiles 0 and 1, issued before the fold: one expect_tx each, per box
+    the latent's and the rope's copy); spills bounded (Triton 3.6's ptxas, the H200's: 0-192 bytes, none among the
+    loop's wgmma by nvdisasm when this was written; the split kernel 4-24)."""
     import triton
 
     from kernels import _mla_gluon
 
     max_spill = 256 if triton.__version__.startswith("3.6") else 1024
-    for box in (0, 64):
+    for box in (0, 16):
         args = ("kernels._mla_gluon", "_mla_fwd_gluon_kernel", _mla_gluon.GLUON_WARPS, _mla_gluon.GLUON_STAGES, box)
         split = compile_for_sm90(tmp_path, *args)
         fold = compile_for_sm90(tmp_path, *args, fold={"FOLD": True, "ROUND": True})
+        boxes = 64 // box if box else 0
         for tree in split:
             a, b, what = split[tree], fold[tree], f"box={box} tree={tree}"
-            for key in ("wgmma", "tma", "expect_tx", "shared"):
+            for key in ("wgmma", "shared"):
                 assert a[key] == b[key], (what, key, a[key], b[key])
+            assert (b["tma"], b["expect_tx"]) == (a["tma"] + 2 * 2 * boxes, a["expect_tx"] + (2 if box else 0)), what
             assert b["spill_bytes"] <= max_spill and b["ptxas_perf"] == [], (what, b["spill_bytes"], b["ptxas_perf"])
 
 
