@@ -264,7 +264,7 @@ def test_mla_launcher_routes_the_gluon_kernels(monkeypatch):
     assert launch(*args, impl="gluon_seesaw", tma=False)[0] == [("seesaw", (tiles, grid_c), False, 0, 2, 4)]
     # the fold: the grid kernel on one program per query tile (FOLD, ROUND as the partials say), no combine; the
     # persistent form does not fold (the grid kernel runs), the seesaw kernel refuses
-    assert launch(*args, impl="gluon", fold=True) == ([("grid", (tiles, 1), True, 16, 2, 8)], ["grid"])
+    assert launch(*args, impl="gluon", fold=True, partials="fp32") == ([("grid", (tiles, 1), True, 16, 2, 8)], ["grid"])
     assert (calls[0][3]["FOLD"], calls[0][3]["ROUND"]) == (True, False)
     launch(*args, impl="gluon", fold=True, partials="out")
     assert calls[0][3]["ROUND"] is True
