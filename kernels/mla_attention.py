@@ -50,7 +50,7 @@ _C_MIN = 512  # base chunk size (keys) for rows of < NCH * C_MIN keys: bounds th
 CHUNK_RULES = {"legacy": 0, "balanced": 1}  # `_mla_kernels.chunk_span`'s RULE
 DEFAULT_CHUNK_RULE = "balanced"
 PARTIALS = ("fp32", "out")  # how a multi-chunk row's partial O goes through memory (`mla_attention_triton`)
-DEFAULT_PARTIALS = "out"  # bf16 partials at Kimi: 5-14% faster than "fp32" in every bench case (H200, 2026-12-05)
+DEFAULT_PARTIALS = "out"  # bf16 partials at Kimi: 3-16% faster than "fp32" in every bench case (H200, 2026-12-05)
 DEFAULT_FOLD = False  # `mla_attention_triton(fold=)`: opt-in until the GPU has measured it (same bits either way)
 FOLD_MIN_TILES_PER_SM = 4  # fold="auto" folds launches of at least this many query tiles per SM (a cost-model guess)
 IMPLS = ("triton", "gluon", "gluon_ws", "gluon_seesaw", "auto")  # tile kernel: `_mla_kernels` (any GPU, the
