@@ -51,7 +51,7 @@ CHUNK_RULES = {"legacy": 0, "balanced": 1}  # `_mla_kernels.chunk_span`'s RULE
 DEFAULT_CHUNK_RULE = "balanced"
 PARTIALS = ("fp32", "out")  # how a multi-chunk row's partial O goes through memory (`mla_attention_triton`)
 DEFAULT_PARTIALS = "out"  # bf16 partials at Kimi: 3-16% faster than "fp32" in every bench case (H200, 2026-12-05)
-DEFAULT_FOLD = False  # `mla_attention_triton(fold=)`: opt-in until the GPU has measured it (same bits either way)
+DEFAULT_FOLD = False  # `mla_attention_triton(fold=)`: the same bits; slower than the bf16 split (H200, 2026-12-05)
 FOLD_MIN_TILES_PER_SM = 4  # fold="auto" folds launches of at least this many query tiles per SM (a cost-model guess)
 IMPLS = ("triton", "gluon", "gluon_ws", "gluon_seesaw", "auto")  # tile kernel: `_mla_kernels` (any GPU, the
 # interpreter), `_mla_gluon` (sm_90), `_mla_gluon_ws` or `_mla_gluon_seesaw` (sm_90, warp-specialized, experimental:
