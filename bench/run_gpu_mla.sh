@@ -23,7 +23,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv 
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
 ok=1
 if [ "${TESTS:-1}" = 1 ]; then
-  timeout "${T_TESTS:-240}" python -m pytest tests/kernels/test_mla_attention.py -q -x -rs --durations=8 \
+  timeout "${T_TESTS:-240}" python -m pytest tests/kernels/test_mla_attention_gpu.py -q -x -rs --durations=8 \
     -k "${TESTS_K:-(persistent or partials or invariance or fold) and not seesaw}" 2>&1 | tee "$OUT/tests_mla.log" || ok=0
 fi
 if [ "$ok" = 1 ] && [ "${BENCH:-1}" = 1 ]; then
@@ -39,7 +39,7 @@ if [ "$ok" = 1 ] && [ "${FOLD:-1}" = 1 ]; then
   timeout "${T_FOLD:-300}" python bench/bench_mla_attention.py --no-peers --impl gluon triton --fold off on \
     --partials fp32 out --out "$OUT/mla_attention_fold.jsonl" 2>&1 | tee "$OUT/bench_mla_fold.log"
 fi
-if [ "${SEESAW:-1}" = 1 ] && timeout "${T_SEESAW:-150}" python -m pytest tests/kernels/test_mla_attention.py -q -x \
+if [ "${SEESAW:-1}" = 1 ] && timeout "${T_SEESAW:-150}" python -m pytest tests/kernels/test_mla_attention_gpu.py -q -x \
     -rs -k seesaw 2>&1 | tee "$OUT/tests_mla_seesaw.log"; then
   timeout "${T_MLA_SEESAW:-150}" python bench/bench_mla_attention.py --no-peers --impl gluon gluon_seesaw \
     --out "$OUT/mla_attention_seesaw.jsonl" 2>&1 | tee "$OUT/bench_mla_seesaw.log"

@@ -7,7 +7,7 @@ counts, the TMA copies and expect_tx, the cp.async barrier arrivals, setmaxnreg,
 the 227 KB a block may have, ptxas's spills and its serialization warnings; also the grid kernel's fold against its
 split form, the 16-bit partials' stores in every kernel and the combine kernel's loads of them. They pass under Triton
 3.9 (CI) and 3.6 (the H200's; docs/performance.md "Rerun" says how to install it beside the other). Their numeric
-behaviour is `test_mla_attention.py`'s.
+behaviour is `test_mla_attention_gpu.py`'s.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The persistent MLA kernel's bookkeeping (kernels/_mla_gluon_persistent.py), checked on the CPU.
 
-Gluon has no interpreter, so the kernel itself only runs on a GPU (tests/kernels/test_mla_attention.py's
+Gluon has no interpreter, so the kernel itself only runs on a GPU (tests/kernels/test_mla_attention_gpu.py's
 persistent tests). This file replays the kernel's scalar control flow (the loader, the computer, the pending record,
 the stage and query barriers, the cp.async groups) line for line in Python over real work lists (the kernel's own
 chunk rule on host ints) and checks what a mistake there would break on the GPU: every non-empty (query tile, chunk)

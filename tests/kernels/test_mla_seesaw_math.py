@@ -1,6 +1,6 @@
 """The seesaw MLA kernel's arithmetic (kernels/_mla_gluon_seesaw.py), checked on the CPU.
 
-Gluon has no interpreter, so the kernel itself only runs on a GPU (test_mla_attention.py's gluon_seesaw cases). This
+Gluon has no interpreter, so the kernel itself only runs on a GPU (test_mla_attention_gpu.py's gluon_seesaw cases). This
 file replays its per-pair arithmetic in torch, step for step as the two consumers do it (base-2 scores, the row max
 handed from consumer 0 to consumer 1, P rounded to the cache dtype, P0 published at m0 and O_R rescaled by s1
 between consumer 1's two products, the row sums kept per consumer and added at the end), and checks the algebra

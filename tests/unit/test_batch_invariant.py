@@ -15,8 +15,8 @@ from torch import nn
 
 from kernels.mla_attention import mla_attention_ref
 from kernels.tree_mask import ancestor_mask, pack_mask_bits
+from tests.kernels.mla_cases import make_batch
 from tests.kernels.test_matmul import assert_close
-from tests.kernels.test_mla_attention import make_batch
 from verifier_service.aligned_attention import aligned_mla_attention, key_slots
 from verifier_service.batch_invariant import is_batch_invariant, make_batch_invariant, remove_batch_invariance
 from verifier_service.forward_batch import ForwardBatch
