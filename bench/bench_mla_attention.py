@@ -26,6 +26,10 @@ partial traffic and fixed cost per row at 4k prefixes, and fewer programs for on
 partial bytes written and read back; params.partials; another reduction-order knob: it rounds each partial once more).
 `--fold off on` times the Triton and gluon tile kernels as one program per (query tile, chunk) + the combine kernel
 and as one program per query tile folding its chunks (params.fold; the same bits).
+`--layers N` also times each combination as N layers back to back in one CUDA graph (per layer; name
+mla_attention_layers, params.layers): every layer its own KV pool, queries and output over the same block table, cu and
+trees, as a model's layers run its attention; the one-kernel graph's launch cost (~4.7 us on the H200, `graph_launch_ms`
+in the record) is then paid once for N launches, and L2 still starts cold (do_bench clears it before each replay).
 `--tma on off` times the gluon kernel with and without TMA loads of whole committed tiles (params.tma; same bits;
 TMA runs with pages of 16 or 32 rows or a multiple of 64, `--page`, default 64; the serving page size is 16).
 Run from the repo root:  PYTHONPATH=. python bench/bench_mla_attention.py [--sweep] [--out FILE]
@@ -93,6 +97,25 @@ def make_case(B, L, n, gen, cgen, page=PAGE):
     return args, anc.to(**dev), depth
 
 
+def layer_copies(args, count, cgen):
+    """`count` more layers of a case: each its own KV pool, queries and output (random, like the first), sharing the
+    block table, cu, prefix lengths and trees (one stacked cache's layers)."""
+    q, qpe, kv, *rest = args
+    fresh = lambda t: torch.randn(t.shape, generator=cgen, device="cuda").to(t.dtype)  # noqa: E731
+    return [(fresh(q), fresh(qpe), fresh(kv), *rest) for _ in range(count)]
+
+
+def run_all(calls) -> None:
+    for call in calls:
+        call()
+
+
+def one_kernel_graph_ms() -> float:
+    """What this harness adds to any launch: a graph of one empty-ish kernel, replayed and timed like the cases."""
+    x = torch.zeros(1, device="cuda")
+    return graph_ms(functools.partial(x.add_, 1))
+
+
 def dense_mask_mod(dense):
     """FlexAttention mask_mod reading a dense [B, n, L+n] visibility tensor."""
     def mask_mod(b, h, q_idx, kv_idx):
@@ -125,6 +148,8 @@ def main():
     ap.add_argument("--quick", action="store_true", help=f"prefixes {QUICK_PREFIX} (unless --prefix)")
     ap.add_argument("--tma", nargs="+", default=["default"], choices=("default", "on", "off"),
                     help="gluon: TMA loads of whole committed tiles (default: the kernel's GLUON_TMA)")
+    ap.add_argument("--layers", type=int, default=0, help="also time each combination as LAYERS layers back to "
+                    "back in one graph (per layer, name mla_attention_layers); 0: not")
     ap.add_argument("--page", type=int, default=PAGE, help="KV page size (rows)")
     ap.add_argument("--persistent", nargs="+", default=["default"], choices=("default", "on", "off"),
                     help="gluon: one program per SM over the (query tile, chunk) items, or one per item")
@@ -146,6 +171,9 @@ def main():
     if not args_cli.no_peers:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
         flex = torch.compile(flex_attention, dynamic=False)
+    if args_cli.layers:
+        ceil["graph_launch_ms"] = one_kernel_graph_ms()
+        print(f"one-kernel graph {ceil['graph_launch_ms'] * 1e3:.1f} us", flush=True)
     gen = torch.Generator().manual_seed(0)
     cgen = torch.Generator(device="cuda").manual_seed(0)
     print(f"{'B':>3} {'L':>6} {'n':>3} {'rule':>8} {'chunks':>6} {'ms':>8} {'floor':>8} {'ratio':>6} {'TFLOP/s':>7}"
@@ -158,6 +186,8 @@ def main():
                 flops = 2 * H * (DL + DR + DL) * float((L + depth + 1).sum())
                 floor_ms = max(nbytes / (ceil["copy_bw_GBps"] * 1e9), flops / (ceil["mm_tflops"] * 1e12)) * 1e3
                 out = torch.empty_like(args[0])
+                more = layer_copies(args, args_cli.layers - 1, cgen) if args_cli.layers > 1 else []
+                outs = [torch.empty_like(a[0]) for a in more]
                 cfgs = [None] + (SWEEP if args_cli.sweep and n != 33 else [])
                 gluon_knobs = [(tm, pm) for tm in args_cli.tma for pm in args_cli.persistent]
                 combos = [(r, c, b, i, tm, pm, nch, cm, pa, fo) for r in args_cli.chunk_rule for c in cfgs
@@ -178,10 +208,10 @@ def main():
                         kw["c_min"] = cm
                     knobs = {k: kw[k] for k in ("block_n", "nch", "c_min") if k in kw}
                     chunks = sum(len(chunk_spans(L + int(d), rule, **knobs)) for d in depth.flatten().tolist())
-                    fn = functools.partial(mla_attention_triton, *args, SCALE, out=out, chunk_rule=rule, impl=impl,
-                                           tma=onoff[tm], persistent=onoff[pm],
-                                           partials=None if pa == "default" else pa,
-                                           fold="auto" if fo == "auto" else onoff[fo], **kw)
+                    opts = dict(chunk_rule=rule, impl=impl, tma=onoff[tm], persistent=onoff[pm],
+                                partials=None if pa == "default" else pa, fold="auto" if fo == "auto" else onoff[fo],
+                                **kw)
+                    fn = functools.partial(mla_attention_triton, *args, SCALE, out=out, **opts)
                     try:
                         ms = graph_ms(fn)
                         eager = bench_ms(fn)
@@ -212,23 +242,31 @@ def main():
                             except Exception as exc:  # noqa: BLE001
                                 peers["sdpa_dense_error"] = repr(exc)[:200]
                         del qf, k, v, dense
-                    rec = dict(name="mla_attention" if cfg is None else "mla_attention_sweep",
-                               params=dict(batch=B, prefix=L, tree=n, heads=H, latent=DL, rope=DR, page=args_cli.page,
-                                           bytes=nbytes, flops=flops, timing="cuda_graph_replay",
-                                           config=kw or "default", chunk_rule=rule, chunks=chunks,
-                                           block_n=kw.get("block_n", DEFAULT_BLOCK_N), impl=impl,
-                                           tma=tm if impl in ("gluon", "auto") else None,
-                                           persistent=pm if impl in ("gluon", "auto") else None,
-                                           partials=DEFAULT_PARTIALS if pa == "default" else pa,
-                                           fold=(DEFAULT_FOLD if fo == "default" else "auto" if fo == "auto"
-                                                 else fo == "on") if impl in ("triton", "gluon", "auto") else None),
+                    params = dict(batch=B, prefix=L, tree=n, heads=H, latent=DL, rope=DR, page=args_cli.page,
+                                  bytes=nbytes, flops=flops, timing="cuda_graph_replay", config=kw or "default",
+                                  chunk_rule=rule, chunks=chunks, block_n=kw.get("block_n", DEFAULT_BLOCK_N), impl=impl,
+                                  tma=tm if impl in ("gluon", "auto") else None,
+                                  persistent=pm if impl in ("gluon", "auto") else None,
+                                  partials=DEFAULT_PARTIALS if pa == "default" else pa,
+                                  fold=(DEFAULT_FOLD if fo == "default" else "auto" if fo == "auto" else fo == "on")
+                                  if impl in ("triton", "gluon", "auto") else None)
+                    rec = dict(name="mla_attention" if cfg is None else "mla_attention_sweep", params=params,
                                **info, ms=ms, floor_ms=floor_ms, ratio=floor_ms / ms, peers=peers, **ceil)
                     write_jsonl(args_cli.out, [rec])  # one line at a time: a cut-off run keeps what it measured
                     pe = "  ".join(f"{a}={b:.3f}" for a, b in peers.items() if isinstance(b, float))
                     print(f"{B:>3} {L:>6} {n:>3} {rule:>8} {chunks:>6} {ms:8.4f} {floor_ms:8.4f} {floor_ms / ms:6.3f} "
                           f"{flops / ms / 1e9:7.0f}  {impl} tma={tm} persistent={pm} partials={pa} fold={fo}  {pe}  "
                           f"{kw or ''}", flush=True)
-                del args, out
+                    if more:
+                        calls = [fn] + [functools.partial(mla_attention_triton, *a, SCALE, out=o, **opts)
+                                        for a, o in zip(more, outs)]
+                        per_layer = graph_ms(functools.partial(run_all, calls)) / args_cli.layers
+                        write_jsonl(args_cli.out, [dict(rec, name=rec["name"] + "_layers",
+                                                        params=dict(params, layers=args_cli.layers), ms=per_layer,
+                                                        ratio=floor_ms / per_layer, peers={"one_layer": ms})])
+                        print(f"{'':>35} {per_layer:8.4f} {floor_ms:8.4f} {floor_ms / per_layer:6.3f}  per layer of "
+                              f"{args_cli.layers} back to back", flush=True)
+                del args, out, more, outs
                 torch.cuda.empty_cache()
 
 

@@ -48,7 +48,8 @@ def main():
                     "mla_fold"]
             shown = ("graph", "experts_touched_per_layer")
         else:
-            keys = ["batch", "prefix", "tree", "chunk_rule", "impl", "page", "tma", "persistent", "partials", "fold"]
+            keys = ["batch", "prefix", "tree", "chunk_rule", "impl", "page", "tma", "persistent", "partials", "fold",
+                    "layers"]
         print(f"## {path}\n\n{table(recs, keys, shown)}\n")
 
 
