@@ -11,11 +11,11 @@ Scores: (q_lat . c_kv + q_pe . k_pe) * sm_scale; output is the latent-space valu
 
 `mla_attention_ref` is the definition of correctness. `mla_attention` is the launcher: GPU kernels
 on CUDA, the reference elsewhere. The tile kernels share the work split, the chunks and the combine:
-`_mla_gluon` (sm_90 with the Kimi head shapes: S computed once per tile, the default there; `_mla_gluon_persistent`
+`_mla_gluon_seesaw` (sm_90 with the Kimi head shapes, FlashMLA's two-warpgroup "seesaw" schedule: the default there
+since 2026-12-05, 1.0-1.27x `_mla_gluon` on the H200 bench), `_mla_gluon` (the same shapes, one warpgroup, S computed
+once per tile; `_mla_gluon_persistent`
 runs the same tiles from one program per SM, opt-in: persistent=True),
 `_mla_gluon_ws` (the same shapes, warp-specialized; experimental, only when asked for: impl="gluon_ws"),
-`_mla_gluon_seesaw` (the same shapes, FlashMLA's two-warpgroup "seesaw" schedule; experimental and not yet run on a
-GPU, only when asked for: impl="gluon_seesaw") and
 `_mla_kernels` (any GPU and the interpreter); `impl` / `DEFAULT_IMPL` pick one. The kernels are position aligned: a
 query at absolute position p (L + depth for a tree node, L + j for a causal row) reduces over its
 keys at positions 0..p (committed rows, then its ancestors by depth, then itself) in an order that
@@ -54,10 +54,10 @@ DEFAULT_PARTIALS = "out"  # bf16 partials at Kimi: 3-16% faster than "fp32" in e
 DEFAULT_FOLD = False  # `mla_attention_triton(fold=)`: the same bits; slower than the bf16 split (H200, 2026-12-05)
 FOLD_MIN_TILES_PER_SM = 4  # fold="auto" folds launches of at least this many query tiles per SM (a cost-model guess)
 IMPLS = ("triton", "gluon", "gluon_ws", "gluon_seesaw", "auto")  # tile kernel: `_mla_kernels` (any GPU, the
-# interpreter), `_mla_gluon` (sm_90), `_mla_gluon_ws` or `_mla_gluon_seesaw` (sm_90, warp-specialized, experimental:
-# never picked by "auto")
+# interpreter), `_mla_gluon_seesaw` (sm_90, warp-specialized: what "auto" picks there), `_mla_gluon` (sm_90; "auto"
+# picks it for the options only it has: fold, persistent), `_mla_gluon_ws` (sm_90, warp-specialized, experimental)
 _GLUON_IMPLS = ("gluon", "gluon_ws", "gluon_seesaw")  # all need `gluon_unsupported(...) is None`
-DEFAULT_IMPL = "auto"  # Gluon where it runs (H200, Kimi shapes: 1.6x the Triton kernel), else Triton
+DEFAULT_IMPL = "auto"  # the seesaw Gluon kernel where it runs (H200, Kimi shapes), else Triton
 _LOG2E = 1.4426950408889634
 
 
@@ -146,18 +146,33 @@ def configure(impl: str, device, heads: int, latent: int, rope: int, dtype: torc
     one of the Gluon kernels where it cannot run, so a server refuses the flag at start rather than failing
     requests."""
     global DEFAULT_IMPL
+    kernel = resolved_impl(impl, device, heads, latent, rope, dtype)
+    DEFAULT_IMPL = impl
+    return kernel
+
+
+def resolved_impl(impl: str, device, heads: int, latent: int, rope: int, dtype: torch.dtype) -> str:
+    """What `impl` runs for this device and model (as `configure` says, without setting anything)."""
     if impl not in IMPLS:
         raise ValueError(f"mla kernel {impl!r} is not one of {IMPLS}")
     device = torch.device(device)
     why = _gluon_unsupported_shape(device, heads, latent, rope, dtype)
     if impl in _GLUON_IMPLS and why is not None:
         raise ValueError(f"mla kernel {impl!r}: {why}")
-    DEFAULT_IMPL = impl
     if device.type != "cuda":
         return "reference"
     if impl == "triton" or why is not None:
         return "triton"
-    return impl if impl in _GLUON_IMPLS else "gluon"
+    return impl if impl in _GLUON_IMPLS else _auto_gluon(None, None)
+
+
+def _auto_gluon(fold, persistent) -> str:
+    """The Gluon kernel "auto" runs where Gluon can: the seesaw kernel (1.0-1.27x the one-warpgroup kernel in every
+    case of the H200 bench, 2026-12-05), or `_mla_gluon` when the launch asks for what only it has (fold=True, the
+    persistent form)."""
+    if fold is True or (_mla_gluon_persistent.GLUON_PERSISTENT if persistent is None else persistent):
+        return "gluon"
+    return "gluon_seesaw"
 
 
 def mla_attention_ref(
@@ -217,7 +232,8 @@ def mla_attention_triton(q_lat, q_pe, kv_cache, block_table, page_size, cu_q, pr
     value; "legacy" is the previous chunk rule, kept for comparisons). `impl` picks the tile kernel:
     "triton", "gluon" (`_mla_gluon`: sm_90, Kimi head shapes; ValueError elsewhere, with the reason),
     "gluon_ws" (`_mla_gluon_ws`: the same, warp-specialized, experimental), "gluon_seesaw" (`_mla_gluon_seesaw`:
-    the same, two consumer warpgroups on pairs of tiles, experimental) or "auto" (gluon where it can run); None: the
+    the same, two consumer warpgroups on pairs of tiles) or "auto" (gluon_seesaw where Gluon can run, gluon for
+    fold=True or the persistent form, triton elsewhere); None: the
     module's `DEFAULT_IMPL`, read at each call. They give different bits from each other, so the impl is fixed per
     deployment too. `tma` (gluon and gluon_seesaw; None: `_mla_gluon.GLUON_TMA`): the query tile and
     whole tiles of committed rows by TMA (as runs of a page's rows: pages of 16, 32 or a multiple of 64 rows), the
@@ -253,7 +269,7 @@ def mla_attention_triton(q_lat, q_pe, kv_cache, block_table, page_size, cu_q, pr
         why = gluon_unsupported(q_lat, q_pe, kv_cache, block_n, num_warps)
         if why is not None and impl in _GLUON_IMPLS:
             raise ValueError(f"mla_attention: impl {impl!r}: {why}")
-        impl = "triton" if why else ("gluon" if impl == "auto" else impl)
+        impl = "triton" if why else (_auto_gluon(fold, persistent) if impl == "auto" else impl)
     if block_n not in (16, 32, 64, 128) or c_min < block_n or c_min % block_n or nch < 1:
         raise ValueError("mla_attention: block_n must be 16, 32, 64 or 128 and divide c_min > 0; nch >= 1")
     q_lat = q_lat.to(kv_cache.dtype)

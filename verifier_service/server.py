@@ -74,7 +74,7 @@ class VerifierServerConfig:
     metrics_listen: str | None = None  # HOST:PORT of the Prometheus endpoint; None = not served
     dist: DistConfig | None = None  # this rank's place in an expert-parallel group; None = one process
     cuda_graphs: bool | None = None  # verify forwards and tree checks through CUDA graphs; None = on for CUDA
-    mla_kernel: str = "auto"  # MLA tile kernel (`kernels.mla_attention.IMPLS`): auto = Gluon where it runs
+    mla_kernel: str = "auto"  # MLA tile kernel (`kernels.mla_attention.IMPLS`): auto = gluon_seesaw where it runs
     doorbell: bool = True  # on a GPU: queue the verify step behind a doorbell (StreamClientConfig.doorbell)
     trees_in_place: str = "auto"  # co-located with the doorbell: StreamClientConfig.trees_in_place (auto, on, off)
     keepwarm_ms: float = 3.0  # gRPC stream: the KeepWarm period (StreamClientConfig.keepwarm_ms; 0: none)

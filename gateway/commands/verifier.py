@@ -66,11 +66,10 @@ def add_parser(sub) -> None:
                         "one overruns, so that both processes' gRPC threads are warm for it (a message after ~5 ms "
                         "of silence takes ~0.4 ms longer on loopback); 0: off")
     s.add_argument("--mla-kernel", choices=IMPLS, default="auto",
-                   help="MLA attention tile kernel: gluon (sm_90 with Kimi head shapes; refused at start "
-                        "elsewhere), gluon_ws (the same, warp-specialized; experimental, slower so far), "
-                        "gluon_seesaw (the same, two warpgroups on pairs of tiles; experimental, not yet run on a "
-                        "GPU), triton "
-                        "(any GPU), auto (gluon where it runs; the default). They give different bits: every "
+                   help="MLA attention tile kernel: gluon_seesaw (sm_90 with Kimi head shapes, two warpgroups "
+                        "on pairs of tiles; refused at start elsewhere), gluon (the same shapes, one warpgroup), "
+                        "gluon_ws (the same, warp-specialized; experimental, slower so far), triton (any GPU), auto "
+                        "(gluon_seesaw where it runs, else triton; the default). They give different bits: every "
                         "rank and every restart of a deployment should use the same")
     s.set_defaults(func=run)
 

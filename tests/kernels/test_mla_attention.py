@@ -161,9 +161,10 @@ def test_mla_impl_choice_off_hopper():
 
 def test_mla_launcher_routes_the_gluon_kernels(monkeypatch):
     """Which Gluon kernel a launch runs, on which grid, with which TMA constexprs (the kernels themselves need an
-    sm_90 GPU; here they are replaced by recorders and the launcher is told Gluon can run): the grid kernel by
-    default, the persistent one on min(items, SMs) programs when asked for and the query tile goes by TMA (the grid
-    kernel otherwise), the seesaw one for impl="gluon_seesaw"; the combine after each."""
+    sm_90 GPU; here they are replaced by recorders and the launcher is told Gluon can run): for impl="gluon" the grid
+    kernel by default, the persistent one on min(items, SMs) programs when asked for and the query tile goes by TMA
+    (the grid kernel otherwise), the seesaw one for impl="gluon_seesaw" and for "auto" (the default; the grid kernel
+    when the launch asks for the fold or the persistent form, which only it has); the combine after each."""
     from kernels import mla_attention as mla
 
     calls = []
@@ -213,6 +214,15 @@ def test_mla_launcher_routes_the_gluon_kernels(monkeypatch):
     assert launch(*args, impl="gluon_seesaw", fold="auto")[1] == ["seesaw", "combine"]
     with pytest.raises(ValueError, match="fold must be"):
         launch(*args, impl="gluon", fold="yes")
+    # "auto" (and the module default, impl=None): the seesaw kernel; the grid kernel for what only it has
+    assert mla.DEFAULT_IMPL == "auto"
+    for impl in ("auto", None):
+        assert launch(*args, impl=impl) == ([("seesaw", (tiles, grid_c), True, 16, 2, 4)], ["seesaw", "combine"])
+        assert launch(*args, impl=impl, fold="auto")[1] == ["seesaw", "combine"]
+        assert launch(*args, impl=impl, fold=True)[1] == ["grid"]
+        assert launch(*args, impl=impl, persistent=True)[0] == [("persistent", (7,), None, 16, 2, 8)]
+    monkeypatch.setattr(mla._mla_gluon_persistent, "GLUON_PERSISTENT", True)
+    assert launch(*args, impl="auto")[0] == [("persistent", (7,), None, 16, 2, 8)]
 
 
 def test_mla_configure_fixes_the_deployment_kernel(monkeypatch):
@@ -230,13 +240,15 @@ def test_mla_configure_fixes_the_deployment_kernel(monkeypatch):
         assert mla.DEFAULT_IMPL == "auto"  # unchanged by the refusal
     with pytest.raises(ValueError, match="one of"):
         mla.configure("flash", "cpu", 64, 512, 64, torch.bfloat16)
+    # where Gluon runs (told so here): "auto" runs the seesaw kernel, a named one itself
+    monkeypatch.setattr(mla, "_gluon_unsupported_shape", lambda *a: None)
+    assert mla.configure("auto", "cuda", 64, 512, 64, torch.bfloat16) == "gluon_seesaw"
+    assert mla.configure("gluon", "cuda", 64, 512, 64, torch.bfloat16) == "gluon"
     if CUDA:
         return
     args = make_batch([70], [5], 4, 32, 8, 16, torch.float32, True)
     mla.configure("triton", "cpu", 4, 32, 8, torch.float32)
     assert torch.equal(run_kernel(args, 0.3), run_kernel(args, 0.3, impl="triton"))  # impl=None reads it
-
-
 
 
 SMALL = dict(nch=4, c_min=32, block_n=16)
