@@ -191,7 +191,8 @@ def test_mla_batch_invariance(n_probe, partials, impl):
     # one bit word (budgets <= 63); session 0 crosses p = 8192; session 1: 16 chunks of 64-65 tiles; prefix 0
     ([8180, 33000, 0], [40, 9, 20], [0, 1, 2], 1),
 ])
-@pytest.mark.parametrize("impl,partials", [(impl, "fp32") for impl in IMPLS_GPU] + [("gluon", "out")])
+@pytest.mark.parametrize("impl,partials",
+                         [(impl, "fp32") for impl in IMPLS_GPU] + [("gluon", "out"), ("gluon_seesaw", "out")])
 def test_mla_tree_node_equals_ar_step_bitwise_bf16(prefix, ns, checked, words, impl, partials):
     """The position-alignment invariant at Kimi shapes in bf16: every node of the checked sessions
     equals the causal decode / AR step / prefill row at its position in the AR layout, bitwise."""
