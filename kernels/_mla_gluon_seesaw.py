@@ -1,6 +1,6 @@
 """Seesaw Gluon (Hopper) kernel of `kernels.mla_attention` (impl="gluon_seesaw"; what impl="auto" runs on sm_90 since
 2026-12-05). Written in a session without a GPU; first run on the H200 three sessions later: every GPU test passed
-(reference, batch invariance, tree node == AR step bitwise, bf16 partials) and it was 1.0-1.27x `_mla_gluon` in all 18
+(reference, batch invariance, tree node == AR step bitwise, bf16 partials) and it was 1.01-1.29x `_mla_gluon` in all 18
 cases of the bench (ratio 0.78 at B 16 / 32k / 65 nodes; docs/performance.md, "Twenty-eighth session").
 
 Same work unit, keys, chunks, partials and combine as `_mla_gluon._mla_fwd_gluon_kernel` (a query tile is the 64

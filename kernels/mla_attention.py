@@ -12,7 +12,7 @@ Scores: (q_lat . c_kv + q_pe . k_pe) * sm_scale; output is the latent-space valu
 `mla_attention_ref` is the definition of correctness. `mla_attention` is the launcher: GPU kernels
 on CUDA, the reference elsewhere. The tile kernels share the work split, the chunks and the combine:
 `_mla_gluon_seesaw` (sm_90 with the Kimi head shapes, FlashMLA's two-warpgroup "seesaw" schedule: the default there
-since 2026-12-05, 1.0-1.27x `_mla_gluon` on the H200 bench), `_mla_gluon` (the same shapes, one warpgroup, S computed
+since 2026-12-05, 1.01-1.29x `_mla_gluon` on the H200 bench), `_mla_gluon` (the same shapes, one warpgroup, S computed
 once per tile; `_mla_gluon_persistent`
 runs the same tiles from one program per SM, opt-in: persistent=True),
 `_mla_gluon_ws` (the same shapes, warp-specialized; experimental, only when asked for: impl="gluon_ws"),
@@ -167,7 +167,7 @@ def resolved_impl(impl: str, device, heads: int, latent: int, rope: int, dtype: 
 
 
 def _auto_gluon(fold, persistent) -> str:
-    """The Gluon kernel "auto" runs where Gluon can: the seesaw kernel (1.0-1.27x the one-warpgroup kernel in every
+    """The Gluon kernel "auto" runs where Gluon can: the seesaw kernel (1.01-1.29x the one-warpgroup kernel in every
     case of the H200 bench, 2026-12-05), or `_mla_gluon` when the launch asks for what only it has (fold=True, the
     persistent form)."""
     if fold is True or (_mla_gluon_persistent.GLUON_PERSISTENT if persistent is None else persistent):
