@@ -9,6 +9,7 @@ that host launch overhead is not what is measured (the record says which).
 
 from __future__ import annotations
 
+import collections
 import functools
 import json
 import os
@@ -91,3 +92,24 @@ def write_jsonl(path: str, records: list[dict]) -> None:
     with open(path, "a") as f:
         for r in records:
             f.write(json.dumps(r) + "\n")
+
+
+def kernel_split_us(fn, reps: int = 50) -> dict[str, float]:
+    """Mean device time (us) of each kernel `fn` launches, by name (first 40 characters), over `reps` replays of it
+    from a CUDA graph under torch.profiler (fn is called once first to compile)."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            g.replay()
+        torch.cuda.synchronize()
+    times: dict[str, float] = collections.defaultdict(float)
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            times[ev.name[:40]] += ev.device_time / reps
+    return dict(times)

@@ -12,7 +12,6 @@ words (same shapes at these K, as in bench_int4_moe).
 from __future__ import annotations
 
 import argparse
-import collections
 import functools
 import json
 import sys
@@ -22,31 +21,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench._common import kernel_split_us  # noqa: E402
 from bench.bench_int4_moe import gluon_layout_weights, gpu_layout_weights, routing  # noqa: E402
 from kernels.int4_moe import int4_moe_triton  # noqa: E402
 from kernels.int4_moe_gluon import int4_moe_gluon  # noqa: E402
 from kernels.int4_moe_wgmma import int4_moe_wgmma  # noqa: E402
 
 D = 7168
-
-
-def split(fn, reps: int = 50) -> dict[str, float]:
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            g.replay()
-        torch.cuda.synchronize()
-    times: dict[str, float] = collections.defaultdict(float)
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            times[ev.name[:40]] += ev.device_time / reps
-    return dict(times)
 
 
 def main() -> None:
@@ -67,7 +48,7 @@ def main() -> None:
                "gluon": functools.partial(int4_moe_gluon, x, ids, tw, *wg, out=out, **opts["gluon"]),
                "wgmma": functools.partial(int4_moe_wgmma, x, ids, tw, *wg, out=out, **opts["wgmma"])}
         for name in args.paths:
-            t = split(fns[name])
+            t = kernel_split_us(fns[name])
             parts = "  ".join(f"{k} {v:.1f}" for k, v in sorted(t.items(), key=lambda kv: -kv[1]))
             print(f"T={T:<4} {name:7} sum {sum(t.values()):7.1f} us  {parts}", flush=True)
 
