@@ -116,6 +116,23 @@ def test_mla_gluon_persistent_gives_the_grid_kernels_bits(tree, prefix, ns, page
     assert_graph_replay(args, out, impl="gluon", persistent=True)
 
 
+@pytest.mark.parametrize("page", [16, 64])
+def test_mla_default_kernel_is_the_seesaw_and_replays_from_a_graph(page):
+    """impl=None (the module default, "auto") runs the seesaw kernel on sm_90: its bits, a second launch's bits, and
+    the same from a CUDA graph (as the engine's verify step replays it), tree and causal, 1 to 16 chunks a row."""
+    import kernels.mla_attention as mla
+
+    assert mla.resolved_impl(mla.DEFAULT_IMPL, "cuda", KIMI["H"], KIMI["Dl"], KIMI["Dr"], torch.bfloat16) == \
+        "gluon_seesaw"
+    for tree, prefix, ns in ((True, [5, 700, 4097, 33000], [9, 65, 17, 5]), (False, [0, 300, 9001], [257, 64, 3])):
+        args = make_batch(prefix, ns, KIMI["H"], KIMI["Dl"], KIMI["Dr"], page, torch.bfloat16, tree, seed=17)
+        out = run_kernel(args, SCALE)
+        assert_bitwise(out, run_kernel(args, SCALE, impl="gluon_seesaw"), f"default vs seesaw tree={tree}")
+        assert_bitwise(run_kernel(args, SCALE), out, "second launch")
+        assert_graph_replay(args, out)
+        assert_close(out, reference(args, SCALE), TOL[torch.bfloat16], f"default page {page} tree={tree}")
+
+
 @pytest.mark.parametrize("impl", IMPLS_GPU)
 def test_mla_fp16_and_two_head_tiles(impl):
     """fp16 cache and 128 heads (two 64-head tiles per token), tree and causal, against the reference."""
