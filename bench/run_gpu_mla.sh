@@ -1,20 +1,23 @@
 #!/usr/bin/env bash
-# Device calls for the MLA kernel options written in the twenty-fifth to twenty-seventh sessions without a GPU (read
-# docs/performance.md, "Twenty-fifth session" to "Twenty-seventh session"). Steps, each switched by its variable:
+# Device calls for the MLA kernel options (read docs/performance.md, "Twenty-fifth session" to "Twenty-eighth session").
+# Steps, each switched by its variable:
 #   TESTS=1   the GPU tests of the persistent kernel (bitwise against the grid kernel), of bf16 partials, of the fold
-#             (bitwise against the split launch) and of batch invariance with both partial dtypes (TESTS_K, default
-#             `(persistent or partials or invariance or fold) and not seesaw`); the benches below run only if they
-#             pass (or with TESTS=0);
+#             (bitwise against the split launch), of batch invariance with both partial dtypes and of the default
+#             kernel (the seesaw one since the twenty-eighth session; TESTS_K, default `(persistent or partials or
+#             invariance or fold or default_kernel) and not seesaw`); the benches below run only if they pass (or with
+#             TESTS=0);
 #   BENCH=1   the kernel bench, gluon, persistent kernel off / on x partials fp32 / bf16 (page 64; MLA_ARGS adds
 #             options, e.g. "--c-min 512 1024"; PAGE16=1: also the serving page 16 at 4k / 32k);
 #   FOLD=1    the bench of the fold off / on, gluon and Triton, partials fp32 / bf16;
-#   SEESAW=1  the seesaw kernel's GPU tests (`-k seesaw`, under their own time limit: a hang costs only T_SEESAW),
-#             then, if they pass, the bench of gluon against gluon_seesaw;
-#   STEP=1    (default 0) the whole verify step (8 K2.6 layers, 32k prefix, 33-node trees) with the persistent
-#             kernel off / on (STEP_ARGS adds options, e.g. "--mla-partials out").
+#   SEESAW=1  the seesaw kernel's GPU tests (`-k seesaw`, under their own time limit; the first run's compiles take
+#             most of two minutes), then, if they pass, the bench of gluon against gluon_seesaw and the seesaw kernel
+#             at c_min 512 / 1024 (1k and 4k prefixes, 1-65 nodes);
+#   PROFILE=1 (default 0) the per-kernel split of the default kernel and of gluon (bench/profile_mla_attention.py);
+#   STEP=1    (default 0) the whole verify step (8 K2.6 layers, 4k prefix, batch 1 / 16, 1-33 nodes) with the MLA
+#             kernel auto (the seesaw one on sm_90) and gluon (STEP_ARGS adds options, e.g. "--prefix 32768").
 # At the end the tables of every MLA record of the call (summary.md). Logs and JSONL under $OUT (bench/results/run
-# when unset). All of it does not fit one device call (600 s): e.g. call 1 `FOLD=0 SEESAW=0`, call 2 `TESTS=0
-# BENCH=0`. Run from the repo root; set DDTREE_COMMIT.
+# when unset). All of it does not fit one device call (600 s): e.g. call 1 `BENCH=0 FOLD=0 SEESAW=0 PROFILE=1 STEP=1`,
+# call 2 `TESTS=0 BENCH=0 FOLD=0`. Run from the repo root; set DDTREE_COMMIT.
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 OUT=${OUT:-bench/results/run}
@@ -24,7 +27,7 @@ python -c "import torch, triton; print('torch', torch.__version__, 'triton', tri
 ok=1
 if [ "${TESTS:-1}" = 1 ]; then
   timeout "${T_TESTS:-240}" python -m pytest tests/kernels/test_mla_attention_gpu.py -q -x -rs --durations=8 \
-    -k "${TESTS_K:-(persistent or partials or invariance or fold) and not seesaw}" 2>&1 | tee "$OUT/tests_mla.log" || ok=0
+    -k "${TESTS_K:-(persistent or partials or invariance or fold or default_kernel) and not seesaw}" 2>&1 | tee "$OUT/tests_mla.log" || ok=0
 fi
 if [ "$ok" = 1 ] && [ "${BENCH:-1}" = 1 ]; then
   timeout "${T_MLA:-300}" python bench/bench_mla_attention.py --no-peers --impl gluon --persistent off on \
@@ -43,11 +46,17 @@ if [ "${SEESAW:-1}" = 1 ] && timeout "${T_SEESAW:-150}" python -m pytest tests/k
     -rs -k seesaw 2>&1 | tee "$OUT/tests_mla_seesaw.log"; then
   timeout "${T_MLA_SEESAW:-150}" python bench/bench_mla_attention.py --no-peers --impl gluon gluon_seesaw \
     --out "$OUT/mla_attention_seesaw.jsonl" 2>&1 | tee "$OUT/bench_mla_seesaw.log"
+  timeout "${T_MLA_CMIN:-120}" python bench/bench_mla_attention.py --no-peers --impl gluon_seesaw --c-min 512 1024 \
+    --tree 1 9 33 65 --prefix 1024 4096 --out "$OUT/mla_attention_seesaw_cmin.jsonl" 2>&1 \
+    | tee "$OUT/bench_mla_seesaw_cmin.log"
+fi
+if [ "${PROFILE:-0}" = 1 ]; then
+  timeout "${T_PROFILE:-90}" python bench/profile_mla_attention.py --impl auto gluon 2>&1 | tee "$OUT/profile_mla.log"
 fi
 if [ "${STEP:-0}" = 1 ]; then
-  for p in off on; do
-    timeout "${T_STEP:-200}" python bench/bench_verify_step.py --invariant on --prefix 32768 --trees 33 \
-      --mla-persistent "$p" --out "$OUT/verify_step.jsonl" $STEP_ARGS 2>&1 | tee "$OUT/bench_verify_step_$p.log"
+  for impl in auto gluon; do
+    timeout "${T_STEP:-120}" python bench/bench_verify_step.py --invariant on --mla-impl "$impl" \
+      --out "$OUT/verify_step.jsonl" $STEP_ARGS 2>&1 | tee "$OUT/bench_verify_step_$impl.log"
   done
 fi
 if ls "$OUT"/mla_attention*.jsonl >/dev/null 2>&1; then

@@ -44,8 +44,8 @@ def main():
         if "int4" in name:
             keys = ["T", "experts_touched"]
         elif name == "verify_step":  # ms and floor are per decoder layer
-            keys = ["layers", "batch", "prefix", "tree", "batch_invariant", "mla_persistent", "mla_partials",
-                    "mla_fold"]
+            keys = ["layers", "batch", "prefix", "tree", "batch_invariant", "mla_kernel", "mla_persistent",
+                    "mla_partials", "mla_fold"]
             shown = ("graph", "experts_touched_per_layer")
         else:
             keys = ["batch", "prefix", "tree", "chunk_rule", "impl", "page", "tma", "persistent", "partials", "fold",
