@@ -169,7 +169,9 @@ def resolved_impl(impl: str, device, heads: int, latent: int, rope: int, dtype: 
 def _auto_gluon(fold, persistent) -> str:
     """The Gluon kernel "auto" runs where Gluon can: the seesaw kernel (1.01-1.29x the one-warpgroup kernel in every
     case of the H200 bench, 2026-12-05), or `_mla_gluon` when the launch asks for what only it has (fold=True, the
-    persistent form)."""
+    persistent form). The launcher also keeps `_mla_gluon` for a launch without both TMA paths (the query tile of
+    one 2D view, pages of 16, 32 or a multiple of 64 rows, tma not off): the seesaw kernel ran on the GPU with them
+    only. The serving path has both (contiguous queries, pages of 16)."""
     if fold is True or (_mla_gluon_persistent.GLUON_PERSISTENT if persistent is None else persistent):
         return "gluon"
     return "gluon_seesaw"
@@ -269,6 +271,7 @@ def mla_attention_triton(q_lat, q_pe, kv_cache, block_table, page_size, cu_q, pr
         why = gluon_unsupported(q_lat, q_pe, kv_cache, block_n, num_warps)
         if why is not None and impl in _GLUON_IMPLS:
             raise ValueError(f"mla_attention: impl {impl!r}: {why}")
+        auto_seesaw = not why and impl == "auto" and _auto_gluon(fold, persistent) == "gluon_seesaw"
         impl = "triton" if why else (_auto_gluon(fold, persistent) if impl == "auto" else impl)
     if block_n not in (16, 32, 64, 128) or c_min < block_n or c_min % block_n or nch < 1:
         raise ValueError("mla_attention: block_n must be 16, 32, 64 or 128 and divide c_min > 0; nch >= 1")
@@ -324,6 +327,8 @@ def mla_attention_triton(q_lat, q_pe, kv_cache, block_table, page_size, cu_q, pr
             num_warps=_mla_gluon_ws.WS_WARPS)
     elif impl in ("gluon", "gluon_seesaw"):
         box, qdesc, kvdesc = _tma_descriptors(q_lat, q_pe, kv_cache, page_size, block_n, tma)
+        if auto_seesaw and (not box or qdesc is None):  # auto: the seesaw kernel as validated on the GPU (both TMA
+            impl = "gluon"  # paths); its cp.async-only forms have not run on one yet
         shape = dict(DL=Dl, DR=Dr, PAGE=page_size, BLOCK_M=block_m, BLOCK_N=block_n, NCH=nch, C_MIN=c_min, RULE=rule,
                      S_PAD=s_pad, TREE=tree_bits is not None, NB=nb, BOX=box)
         if persistent is None:

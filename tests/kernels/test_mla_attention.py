@@ -221,6 +221,13 @@ def test_mla_launcher_routes_the_gluon_kernels(monkeypatch):
         assert launch(*args, impl=impl, fold="auto")[1] == ["seesaw", "combine"]
         assert launch(*args, impl=impl, fold=True)[1] == ["grid"]
         assert launch(*args, impl=impl, persistent=True)[0] == [("persistent", (7,), None, 16, 2, 8)]
+        # without both TMA paths (tma off; a query tile that is not rows of one 2D view): the grid kernel
+        assert launch(*args, impl=impl, tma=False)[0] == [("grid", (tiles, grid_c), False, 0, 2, 8)]
+        views = (args[0].transpose(0, 1).contiguous().transpose(0, 1), *args[1:])
+        assert launch(*views, impl=impl)[0] == [("grid", (tiles, grid_c), False, 16, 2, 8)]
+        assert launch(*views, impl="gluon_seesaw")[0] == [("seesaw", (tiles, grid_c), False, 16, 2, 4)]
+    page8 = make_batch([1500, 40], [2, 1], 64, 512, 64, 8, torch.float16, True, device="cpu")  # no TMA boxes
+    assert launch(*page8)[0] == [("grid", (tiles, max_chunks(page8[3].shape[1] * 8)), True, 0, 2, 8)]
     monkeypatch.setattr(mla._mla_gluon_persistent, "GLUON_PERSISTENT", True)
     assert launch(*args, impl="auto")[0] == [("persistent", (7,), None, 16, 2, 8)]
 
