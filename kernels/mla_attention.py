@@ -139,20 +139,24 @@ def gluon_unsupported(q_lat, q_pe, kv_cache, block_n: int, num_warps: int) -> st
     return why
 
 
-def configure(impl: str, device, heads: int, latent: int, rope: int, dtype: torch.dtype) -> str:
+def configure(impl: str, device, heads: int, latent: int, rope: int, dtype: torch.dtype,
+              page_size: int | None = None) -> str:
     """Fix the tile kernel of a deployment: set `DEFAULT_IMPL` (every later launch that does not pass
     `impl` uses it) and return what it runs for this device and model: "gluon", "gluon_ws", "gluon_seesaw", "triton" or
     "reference" (not CUDA: `mla_attention` runs the torch reference). ValueError, with the reason, for
     one of the Gluon kernels where it cannot run, so a server refuses the flag at start rather than failing
     requests."""
     global DEFAULT_IMPL
-    kernel = resolved_impl(impl, device, heads, latent, rope, dtype)
+    kernel = resolved_impl(impl, device, heads, latent, rope, dtype, page_size)
     DEFAULT_IMPL = impl
     return kernel
 
 
-def resolved_impl(impl: str, device, heads: int, latent: int, rope: int, dtype: torch.dtype) -> str:
-    """What `impl` runs for this device and model (as `configure` says, without setting anything)."""
+def resolved_impl(impl: str, device, heads: int, latent: int, rope: int, dtype: torch.dtype,
+                  page_size: int | None = None) -> str:
+    """What `impl` runs for this device and model (as `configure` says, without setting anything); with `page_size`,
+    also whether "auto" has the seesaw kernel's TMA boxes at it (see `_auto_gluon`; the query tile's TMA depends on
+    each launch's views and is not known here)."""
     if impl not in IMPLS:
         raise ValueError(f"mla kernel {impl!r} is not one of {IMPLS}")
     device = torch.device(device)
@@ -163,7 +167,13 @@ def resolved_impl(impl: str, device, heads: int, latent: int, rope: int, dtype: 
         return "reference"
     if impl == "triton" or why is not None:
         return "triton"
-    return impl if impl in _GLUON_IMPLS else _auto_gluon(None, None)
+    if impl in _GLUON_IMPLS:
+        return impl
+    kernel = _auto_gluon(DEFAULT_FOLD, None)
+    if kernel == "gluon_seesaw" and page_size is not None and not (
+            _mla_gluon.GLUON_TMA and _mla_gluon.tma_box_rows(page_size)):
+        return "gluon"
+    return kernel
 
 
 def _auto_gluon(fold, persistent) -> str:
@@ -267,6 +277,7 @@ def mla_attention_triton(q_lat, q_pe, kv_cache, block_table, page_size, cu_q, pr
     impl = DEFAULT_IMPL if impl is None else impl
     if impl not in IMPLS:
         raise ValueError(f"mla_attention: impl {impl!r} is not one of {IMPLS}")
+    auto_seesaw = False  # "auto" picked the seesaw kernel (kept only with both TMA paths, below)
     if impl != "triton":
         why = gluon_unsupported(q_lat, q_pe, kv_cache, block_n, num_warps)
         if why is not None and impl in _GLUON_IMPLS:

@@ -267,7 +267,7 @@ def _configure_mla(cfg: VerifierServerConfig, tcfg, device: str, dtype: torch.dt
     """Fix the MLA tile kernel before any forward (every rank of a group the same: the replicated
     attention must agree bit for bit); ValueError at start for a kernel that cannot run here."""
     kernel = mla_attention.configure(cfg.mla_kernel, device, tcfg.num_attention_heads, tcfg.kv_lora_rank,
-                                     tcfg.qk_rope_head_dim, dtype)
+                                     tcfg.qk_rope_head_dim, dtype, cfg.page_size)
     log.info("MLA attention: %s kernel (--mla-kernel %s)", kernel, cfg.mla_kernel)
     return kernel
 

@@ -251,6 +251,9 @@ def test_mla_configure_fixes_the_deployment_kernel(monkeypatch):
     monkeypatch.setattr(mla, "_gluon_unsupported_shape", lambda *a: None)
     assert mla.configure("auto", "cuda", 64, 512, 64, torch.bfloat16) == "gluon_seesaw"
     assert mla.configure("gluon", "cuda", 64, 512, 64, torch.bfloat16) == "gluon"
+    assert mla.resolved_impl("auto", "cuda", 64, 512, 64, torch.bfloat16, 16) == "gluon_seesaw"
+    assert mla.resolved_impl("auto", "cuda", 64, 512, 64, torch.bfloat16, 8) == "gluon"  # no TMA boxes
+    assert mla.resolved_impl("gluon_seesaw", "cuda", 64, 512, 64, torch.bfloat16, 8) == "gluon_seesaw"
     if CUDA:
         return
     args = make_batch([70], [5], 4, 32, 8, 16, torch.float32, True)
