@@ -71,6 +71,12 @@ def _graph_ms(fn, warmup_ms: int, rep_ms: int) -> float:
     return bench_ms(g.replay, warmup_ms, rep_ms)
 
 
+def graph_launch_ms() -> float:
+    """What this harness adds to any launch: a CUDA graph of one tiny kernel, replayed and timed like the cases."""
+    tiny = torch.zeros(1, device="cuda")
+    return graph_ms(functools.partial(tiny.add_, 1))
+
+
 def measure_ceilings() -> dict:
     n = 1 << 30  # 1 Gi bf16 = 2 GiB per buffer
     src = torch.randn(n, device="cuda", dtype=torch.bfloat16)

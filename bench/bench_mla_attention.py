@@ -44,7 +44,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from bench._common import bench_ms, env_info, graph_ms, measure_ceilings, write_jsonl
+from bench._common import bench_ms, env_info, graph_launch_ms, graph_ms, measure_ceilings, write_jsonl
 from kernels.mla_attention import (
     CHUNK_RULES,
     DEFAULT_BLOCK_N,
@@ -110,12 +110,6 @@ def run_all(calls) -> None:
         call()
 
 
-def one_kernel_graph_ms() -> float:
-    """What this harness adds to any launch: a graph of one empty-ish kernel, replayed and timed like the cases."""
-    x = torch.zeros(1, device="cuda")
-    return graph_ms(functools.partial(x.add_, 1))
-
-
 def dense_mask_mod(dense):
     """FlexAttention mask_mod reading a dense [B, n, L+n] visibility tensor."""
     def mask_mod(b, h, q_idx, kv_idx):
@@ -172,7 +166,7 @@ def main():
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
         flex = torch.compile(flex_attention, dynamic=False)
     if args_cli.layers:
-        ceil["graph_launch_ms"] = one_kernel_graph_ms()
+        ceil["graph_launch_ms"] = graph_launch_ms()
         print(f"one-kernel graph {ceil['graph_launch_ms'] * 1e3:.1f} us", flush=True)
     gen = torch.Generator().manual_seed(0)
     cgen = torch.Generator(device="cuda").manual_seed(0)

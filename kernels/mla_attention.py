@@ -170,8 +170,7 @@ def resolved_impl(impl: str, device, heads: int, latent: int, rope: int, dtype: 
     if impl in _GLUON_IMPLS:
         return impl
     kernel = _auto_gluon(DEFAULT_FOLD, None)
-    if kernel == "gluon_seesaw" and page_size is not None and not (
-            _mla_gluon.GLUON_TMA and _mla_gluon.tma_box_rows(page_size)):
+    if kernel == "gluon_seesaw" and page_size is not None and not _tma_box(page_size, None):
         return "gluon"
     return kernel
 
@@ -225,9 +224,14 @@ def mla_attention_ref(
 def _tma_descriptors(q_lat, q_pe, kv_cache, page_size: int, block_n: int, tma: bool | None):
     """The Gluon kernels' TMA inputs: (BOX, the query tile's descriptors or None, the pool's descriptors)."""
     use_tma = _mla_gluon.GLUON_TMA if tma is None else tma
-    box = _mla_gluon.tma_box_rows(page_size) if use_tma else 0
+    box = _tma_box(page_size, tma)
     qdesc = _mla_gluon.q_descriptors(q_lat, q_pe) if use_tma else None
     return box, qdesc, _mla_gluon.kv_descriptors(kv_cache, box or block_n)
+
+
+def _tma_box(page_size: int, tma: bool | None) -> int:
+    """Rows of the Gluon kernels' TMA box for this page size (0: whole committed tiles go by cp.async too)."""
+    return _mla_gluon.tma_box_rows(page_size) if (_mla_gluon.GLUON_TMA if tma is None else tma) else 0
 
 
 def mla_attention_triton(q_lat, q_pe, kv_cache, block_table, page_size, cu_q, prefix_lens, tree_bits,
@@ -277,13 +281,12 @@ def mla_attention_triton(q_lat, q_pe, kv_cache, block_table, page_size, cu_q, pr
     impl = DEFAULT_IMPL if impl is None else impl
     if impl not in IMPLS:
         raise ValueError(f"mla_attention: impl {impl!r} is not one of {IMPLS}")
-    auto_seesaw = False  # "auto" picked the seesaw kernel (kept only with both TMA paths, below)
+    auto = impl == "auto"  # (its seesaw pick is kept only with both TMA paths, below)
     if impl != "triton":
         why = gluon_unsupported(q_lat, q_pe, kv_cache, block_n, num_warps)
         if why is not None and impl in _GLUON_IMPLS:
             raise ValueError(f"mla_attention: impl {impl!r}: {why}")
-        auto_seesaw = not why and impl == "auto" and _auto_gluon(fold, persistent) == "gluon_seesaw"
-        impl = "triton" if why else (_auto_gluon(fold, persistent) if impl == "auto" else impl)
+        impl = "triton" if why else (_auto_gluon(fold, persistent) if auto else impl)
     if block_n not in (16, 32, 64, 128) or c_min < block_n or c_min % block_n or nch < 1:
         raise ValueError("mla_attention: block_n must be 16, 32, 64 or 128 and divide c_min > 0; nch >= 1")
     q_lat = q_lat.to(kv_cache.dtype)
@@ -338,8 +341,8 @@ def mla_attention_triton(q_lat, q_pe, kv_cache, block_table, page_size, cu_q, pr
             num_warps=_mla_gluon_ws.WS_WARPS)
     elif impl in ("gluon", "gluon_seesaw"):
         box, qdesc, kvdesc = _tma_descriptors(q_lat, q_pe, kv_cache, page_size, block_n, tma)
-        if auto_seesaw and (not box or qdesc is None):  # auto: the seesaw kernel as validated on the GPU (both TMA
-            impl = "gluon"  # paths); its cp.async-only forms have not run on one yet
+        if auto and impl == "gluon_seesaw" and (not box or qdesc is None):  # the seesaw kernel as validated on
+            impl = "gluon"  # the GPU (both TMA paths); its cp.async-only forms have not run on one yet
         shape = dict(DL=Dl, DR=Dr, PAGE=page_size, BLOCK_M=block_m, BLOCK_N=block_n, NCH=nch, C_MIN=c_min, RULE=rule,
                      S_PAD=s_pad, TREE=tree_bits is not None, NB=nb, BOX=box)
         if persistent is None:
