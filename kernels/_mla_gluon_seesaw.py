@@ -91,16 +91,32 @@ if HAVE_GLUON:
         else:
             _copy_query(q_ptr, qpe_ptr, q_smem.index(0), p0_smem, rows_smem, q_bar, t64, hb, H, stride_qt, stride_qh,
                         stride_pt, stride_ph, DL, DR, BLOCK_M, LR)
+        _ss_tiles(kv_ptr, bt_row, ckv_smem, kpe_smem, rows_smem, tree_smem, full_tma, full_cp, empty, desc_l, desc_r,
+                  L, start, end, ident, n_tma, 0, stride_kv, q_bar, 0, DL, DR, PAGE, BLOCK_N, TREE, BOX, LR)
+
+    @gluon.jit
+    def _ss_tiles(kv_ptr, bt_row, ckv_smem, kpe_smem, rows_smem, tree_smem, full_tma, full_cp, empty, desc_l, desc_r,
+                  L, start, end, ident, n_tma, pairs0, stride_kv, tree_bar, ip, DL: gl.constexpr, DR: gl.constexpr,
+                  PAGE: gl.constexpr, BLOCK_N: gl.constexpr, TREE: gl.constexpr, BOX: gl.constexpr, LR: gl.constexpr,
+                  TREE_WAIT: gl.constexpr = False):
+        """The producer's loads of one (query tile, chunk)'s KV tiles. `pairs0`: pairs the program's stages went
+        through before it (0 in the grid kernel; the persistent kernel's running count), so tile j of the item is
+        the (pairs0 + j // 2)-th tile of its stage. TREE_WAIT (persistent kernel): the tree table is consumer 0's
+        per item, so the first tile that reaches the tree part waits for it on `tree_bar` (phase: the item's
+        parity `ip`)."""
         n_tiles = (end - start + BLOCK_N - 1) // BLOCK_N
         for j in range(2 * ((n_tiles + 1) // 2)):  # pairs; an odd chunk ends with a phantom (all rows masked)
             k0 = start + j * BLOCK_N
             st = j % 2
-            # stage st is free once both consumers released tile j - 2 (phase j // 2 - 1 of its `empty` barrier)
-            mbarrier.wait(empty.index(st), (j // 2 + 1) & 1, pred=j >= 2)
+            # stage st is free once both consumers released the tile before this one in it (the previous phase of
+            # its `empty` barrier)
+            mbarrier.wait(empty.index(st), (pairs0 + j // 2 + 1) & 1, pred=pairs0 * 2 + j >= 2)
             if BOX > 0 and j < n_tma:
                 _tma_tile(_tile_boxes(k0, end, bt_row, PAGE, BOX), ckv_smem.index(st), kpe_smem.index(st),
                           full_tma.index(st), desc_l, desc_r, DL, BOX)
             else:  # (a phantom tile: every row masked, so zero-filled)
+                if TREE_WAIT:  # before the first tile that reads the tree table (consumer 0 writes it per item)
+                    mbarrier.wait(tree_bar, ip, pred=(end > L) & (j == gl.maximum(ident - start, 0) // BLOCK_N))
                 _pool_rows(k0, end, ident, L, bt_row, rows_smem, tree_smem, PAGE, BLOCK_N, TREE, LR, True)
                 _copy_rows(ckv_smem.index(st), kpe_smem.index(st), kv_ptr, kv_ptr + DL, stride_kv, stride_kv,
                            rows_smem, end - k0, DL, DR, BLOCK_N)
@@ -109,13 +125,14 @@ if HAVE_GLUON:
     # ----------------------------------------------------------------------------------------- consumers
 
     @gluon.jit
-    def _ss_wait(j, n_tma, full_tma, full_cp, BOX: gl.constexpr):
-        """Wait until tile j (stage j % 2) landed, then make it visible to wgmma."""
+    def _ss_wait(j, n_tma, full_tma, full_cp, ph, BOX: gl.constexpr):
+        """Wait until tile j (stage j % 2) landed, then make it visible to wgmma. `ph` (`_ss_consumer`): bit st of
+        ph[1] / ph[2] is the parity of the TMA / cp.async completions stage st had before this item."""
         st = j % 2
         if BOX > 0 and j < n_tma:
-            mbarrier.wait(full_tma.index(st), (j // 2) & 1)
+            mbarrier.wait(full_tma.index(st), ((j // 2) ^ (ph[1] >> st)) & 1)
         else:
-            mbarrier.wait(full_cp.index(st), ((j - n_tma) // 2) & 1)
+            mbarrier.wait(full_cp.index(st), (((j - n_tma) // 2) ^ (ph[2] >> st)) & 1)
         fence_async_shared()  # cp.async wrote through the generic proxy; wgmma reads through the async proxy
 
     @gluon.jit
@@ -134,10 +151,14 @@ if HAVE_GLUON:
     @gluon.jit
     def _ss_consumer(q_smem, p0_smem, p1_smem, ckv_smem, kpe_smem, stats, q_bar, full_tma, full_cp, empty, hand,
                      out_ptr, po_ptr, pml_ptr, pid_t, pid_c, GC, t64, hb, H, nc, start, end, n_tma, qk_scale,
-                     stride_ot, stride_oh, W: gl.constexpr, DL: gl.constexpr, BLOCK_M: gl.constexpr,
+                     stride_ot, stride_oh, ph, W: gl.constexpr, DL: gl.constexpr, BLOCK_M: gl.constexpr,
                      BLOCK_N: gl.constexpr, BOX: gl.constexpr):
         """Consumer W: S and the softmax of tile 2i + W of every pair, PV of both tiles into value columns
-        W * DL / 2 .. (W + 1) * DL / 2 - 1 (module docstring)."""
+        W * DL / 2 .. (W + 1) * DL / 2 - 1 (module docstring), for one (query tile, chunk). `ph` = (pairs before
+        it, TMA and cp.async parities per stage as bit masks (`_ss_wait`), its parity among the program's items):
+        all 0 in the grid kernel; the persistent kernel's running counts."""
+        pair0 = ph[0]
+        ip = ph[3]
         HALF: gl.constexpr = DL // 2
         V_OFF: gl.constexpr = W * HALF
         S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -148,21 +169,21 @@ if HAVE_GLUON:
         m0_smem, s0_smem, m1_smem, s1_smem = stats
         m0_bar, s1_bar, p0_bar, fin_bar, qpe_bar = hand
         n_pairs = (end - start + 2 * BLOCK_N - 1) // (2 * BLOCK_N)
-        mbarrier.wait(q_bar, 0)
+        mbarrier.wait(q_bar, ip)
         fence_async_shared()
         # the query's rope columns, kept as the A operand of S's rope part (their buffer becomes P0's)
         qpe = p0_smem.load(gl.DotOperandLayout(operand_index=0, parent=S_L, k_width=2))
         if W == 1:
             mbarrier.arrive(qpe_bar, count=1)  # our copy of the rope columns is in registers
         else:
-            mbarrier.wait(qpe_bar, 0)  # consumer 1's too: P0's buffer is ours to write
+            mbarrier.wait(qpe_bar, ip)  # consumer 1's too: P0's buffer is ours to write
         m = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=RS)
         li = gl.zeros([BLOCK_M], gl.float32, layout=RS)  # row sums of our tiles, at the running max m
         o = gl.zeros([BLOCK_M, HALF], gl.float32, layout=O_L)
         for i in range(n_pairs):
             j = 2 * i + W
             z = _opaque_zero(i)  # stage 0 = ckv_smem.index(z), stage 1 = .index(z + 1): see _ss_scores
-            _ss_wait(j, n_tma, full_tma, full_cp, BOX)
+            _ss_wait(j, n_tma, full_tma, full_cp, ph, BOX)
             sc = _ss_scores(j, q_smem, qpe, ckv_smem, kpe_smem, start, end, qk_scale, S_L, BLOCK_N)
             mp = gl.max(sc, 1)
             if W == 0:
@@ -184,13 +205,13 @@ if HAVE_GLUON:
                 pa = gl.convert_layout(pb, gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2))
                 o = o * gl.expand_dims(gl.convert_layout(s0, gl.SliceLayout(1, O_L)), 1)
                 o = warpgroup_mma(pa, ckv_smem.index(z).slice(V_OFF, HALF, dim=1), o, is_async=True)  # P0 V0L
-                mbarrier.wait(s1_bar, i & 1)  # m1, s1 and P1 are in (consumer 1 read m0, s0: ours to rewrite)
+                mbarrier.wait(s1_bar, (pair0 + i) & 1)  # m1, s1 and P1 are in (consumer 1 read m0, s0: ours to rewrite)
                 m1 = m1_smem.load(RS)
                 s1 = s1_smem.load(RS)
                 li = (li * s0 + rs) * s1
                 o = warpgroup_mma_wait(0, deps=(o, pa))[0]
                 mbarrier.arrive(empty.index(0), count=1)  # our reads of tile 2i are done (S0, P0 V0L)
-                _ss_wait(j + 1, n_tma, full_tma, full_cp, BOX)  # tile 2i + 1 landed (consumer 1 waited already)
+                _ss_wait(j + 1, n_tma, full_tma, full_cp, ph, BOX)  # tile 2i + 1 landed (consumer 1 waited already)
                 o = o * gl.expand_dims(gl.convert_layout(s1, gl.SliceLayout(1, O_L)), 1)
                 o = warpgroup_mma(p1_smem, ckv_smem.index(z + 1).slice(V_OFF, HALF, dim=1), o,
                                    is_async=True)  # P1 V1L
@@ -198,7 +219,7 @@ if HAVE_GLUON:
                 mbarrier.arrive(empty.index(1), count=1)  # and of tile 2i + 1 (P1 V1L)
                 m = m1
             else:
-                mbarrier.wait(m0_bar, i & 1)
+                mbarrier.wait(m0_bar, (pair0 + i) & 1)
                 m0 = m0_smem.load(RS)
                 s0 = s0_smem.load(RS)
                 m_new = gl.maximum(m0, mp)
@@ -218,8 +239,8 @@ if HAVE_GLUON:
                                                                                    k_width=2))
                 # tile 2i's product first (O_R at m0), so that its stage is refilled while the rest of the pair runs
                 o = o * gl.expand_dims(gl.convert_layout(s0, gl.SliceLayout(1, O_L)), 1)
-                mbarrier.wait(p0_bar, i & 1)
-                _ss_wait(j - 1, n_tma, full_tma, full_cp, BOX)  # tile 2i landed (consumer 0 waited already)
+                mbarrier.wait(p0_bar, (pair0 + i) & 1)
+                _ss_wait(j - 1, n_tma, full_tma, full_cp, ph, BOX)  # tile 2i landed (consumer 0 waited already)
                 o = warpgroup_mma(p0_smem, ckv_smem.index(z).slice(V_OFF, HALF, dim=1), o, is_async=True)  # P0 V0R
                 o = warpgroup_mma_wait(0, deps=(o,))
                 mbarrier.arrive(empty.index(0), count=1)  # our reads of tile 2i are done (P0 V0R)
@@ -237,7 +258,7 @@ if HAVE_GLUON:
         else:
             m0_smem.store(li)
         mbarrier.arrive(fin_bar, count=1)
-        mbarrier.wait(fin_bar, 0)
+        mbarrier.wait(fin_bar, ip)
         li = s0_smem.load(RS) + m0_smem.load(RS)
         rm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, O_L))
         dl = gl.arange(0, HALF, layout=gl.SliceLayout(0, O_L))
@@ -328,10 +349,10 @@ if HAVE_GLUON:
         gl.warp_specialize([
             (_ss_consumer, (q_smem, p0_smem, p1_smem, ckv_smem, kpe_smem, stats, q_bar, full_tma, full_cp, empty,
                             hands, out_ptr, po_ptr, pml_ptr, pid_t, pid_c, GC, t64, hb, H, nc, start, end, n_tma,
-                            qk_scale, stride_ot, stride_oh, 0, DL, BLOCK_M, BLOCK_N, BOX)),
+                            qk_scale, stride_ot, stride_oh, (0, 0, 0, 0), 0, DL, BLOCK_M, BLOCK_N, BOX)),
             (_ss_consumer, (q_smem, p0_smem, p1_smem, ckv_smem, kpe_smem, stats, q_bar, full_tma, full_cp, empty,
                             hands, out_ptr, po_ptr, pml_ptr, pid_t, pid_c, GC, t64, hb, H, nc, start, end, n_tma,
-                            qk_scale, stride_ot, stride_oh, 1, DL, BLOCK_M, BLOCK_N, BOX)),
+                            qk_scale, stride_ot, stride_oh, (0, 0, 0, 0), 1, DL, BLOCK_M, BLOCK_N, BOX)),
             (_ss_producer, (q_ptr, qpe_ptr, kv_ptr, bt_row, q_smem, p0_smem, ckv_smem, kpe_smem, rows_smem, tree_smem,
                             q_bar, full_tma, full_cp, empty, desc_l, desc_r, desc_q, desc_qpe, t, t64, hb, H, L,
                             start, end, ident, n_tma, stride_qt, stride_qh, stride_pt, stride_ph, stride_kv, DL, DR,
