@@ -12,9 +12,9 @@ Scores: (q_lat . c_kv + q_pe . k_pe) * sm_scale; output is the latent-space valu
 `mla_attention_ref` is the definition of correctness. `mla_attention` is the launcher: GPU kernels
 on CUDA, the reference elsewhere. The tile kernels share the work split, the chunks and the combine:
 `_mla_gluon_seesaw` (sm_90 with the Kimi head shapes, FlashMLA's two-warpgroup "seesaw" schedule: the default there
-since 2026-12-05, 1.01-1.29x `_mla_gluon` on the H200 bench), `_mla_gluon` (the same shapes, one warpgroup, S computed
-once per tile; `_mla_gluon_persistent`
-runs the same tiles from one program per SM, opt-in: persistent=True),
+since 2026-12-05, 1.01-1.29x `_mla_gluon` on the H200 bench; `_mla_gluon_seesaw_persistent` runs its items from one
+program per SM, opt-in: persistent=True, not yet run on a GPU), `_mla_gluon` (the same shapes, one warpgroup, S computed
+once per tile; `_mla_gluon_persistent` runs the same tiles from one program per SM, opt-in: persistent=True),
 `_mla_gluon_ws` (the same shapes, warp-specialized; experimental, only when asked for: impl="gluon_ws"),
 `_mla_kernels` (any GPU and the interpreter); `impl` / `DEFAULT_IMPL` pick one. The kernels are position aligned: a
 query at absolute position p (L + depth for a tree node, L + j for a causal row) reduces over its
@@ -40,7 +40,7 @@ import functools
 import torch
 import triton
 
-from kernels import _mla_gluon, _mla_gluon_persistent, _mla_gluon_seesaw, _mla_gluon_ws
+from kernels import _mla_gluon, _mla_gluon_persistent, _mla_gluon_seesaw, _mla_gluon_seesaw_persistent, _mla_gluon_ws
 from kernels._mla_kernels import _mla_combine_kernel, _mla_fwd_kernel, chunk_span
 
 _BLOCK_M = 64  # largest query tile: the heads of one token (64 at Kimi)
@@ -55,7 +55,7 @@ DEFAULT_FOLD = False  # `mla_attention_triton(fold=)`: the same bits; slower tha
 FOLD_MIN_TILES_PER_SM = 4  # fold="auto" folds launches of at least this many query tiles per SM (a cost-model guess)
 IMPLS = ("triton", "gluon", "gluon_ws", "gluon_seesaw", "auto")  # tile kernel: `_mla_kernels` (any GPU, the
 # interpreter), `_mla_gluon_seesaw` (sm_90, warp-specialized: what "auto" picks there), `_mla_gluon` (sm_90; "auto"
-# picks it for the options only it has: fold, persistent), `_mla_gluon_ws` (sm_90, warp-specialized, experimental)
+# picks it for the option only it has: fold), `_mla_gluon_ws` (sm_90, warp-specialized, experimental)
 _GLUON_IMPLS = ("gluon", "gluon_ws", "gluon_seesaw")  # all need `gluon_unsupported(...) is None`
 DEFAULT_IMPL = "auto"  # the seesaw Gluon kernel where it runs (H200, Kimi shapes), else Triton
 _LOG2E = 1.4426950408889634
@@ -169,21 +169,19 @@ def resolved_impl(impl: str, device, heads: int, latent: int, rope: int, dtype: 
         return "triton"
     if impl in _GLUON_IMPLS:
         return impl
-    kernel = _auto_gluon(DEFAULT_FOLD, None)
+    kernel = _auto_gluon(DEFAULT_FOLD)
     if kernel == "gluon_seesaw" and page_size is not None and not _tma_box(page_size, None):
         return "gluon"
     return kernel
 
 
-def _auto_gluon(fold, persistent) -> str:
+def _auto_gluon(fold) -> str:
     """The Gluon kernel "auto" runs where Gluon can: the seesaw kernel (1.01-1.29x the one-warpgroup kernel in every
-    case of the H200 bench, 2026-12-05), or `_mla_gluon` when the launch asks for what only it has (fold=True, the
-    persistent form). The launcher also keeps `_mla_gluon` for a launch without both TMA paths (the query tile of
-    one 2D view, pages of 16, 32 or a multiple of 64 rows, tma not off): the seesaw kernel ran on the GPU with them
-    only. The serving path has both (contiguous queries, pages of 16)."""
-    if fold is True or (_mla_gluon_persistent.GLUON_PERSISTENT if persistent is None else persistent):
-        return "gluon"
-    return "gluon_seesaw"
+    case of the H200 bench, 2026-12-05), or `_mla_gluon` when the launch asks for what only it has (fold=True). The
+    launcher also keeps `_mla_gluon` for a launch without both TMA paths (the query tile of one 2D view, pages of 16,
+    32 or a multiple of 64 rows, tma not off): the seesaw kernel ran on the GPU with them only. The serving path has
+    both (contiguous queries, pages of 16). `persistent` then picks the form of whichever kernel runs."""
+    return "gluon" if fold is True else "gluon_seesaw"
 
 
 def mla_attention_ref(
@@ -249,13 +247,15 @@ def mla_attention_triton(q_lat, q_pe, kv_cache, block_table, page_size, cu_q, pr
     "triton", "gluon" (`_mla_gluon`: sm_90, Kimi head shapes; ValueError elsewhere, with the reason),
     "gluon_ws" (`_mla_gluon_ws`: the same, warp-specialized, experimental), "gluon_seesaw" (`_mla_gluon_seesaw`:
     the same, two consumer warpgroups on pairs of tiles) or "auto" (gluon_seesaw where Gluon can run, gluon for
-    fold=True or the persistent form, triton elsewhere); None: the
+    fold=True, triton elsewhere); None: the
     module's `DEFAULT_IMPL`, read at each call. They give different bits from each other, so the impl is fixed per
     deployment too. `tma` (gluon and gluon_seesaw; None: `_mla_gluon.GLUON_TMA`): the query tile and
     whole tiles of committed rows by TMA (as runs of a page's rows: pages of 16, 32 or a multiple of 64 rows), the
     other tiles by cp.async; the same data lands in the same layout, so the same bits either way. `persistent` (gluon
-    with the query tile by TMA; None: `_mla_gluon_persistent.GLUON_PERSISTENT`): one program per SM runs its share
-    of the (query tile, chunk) items as one stream of tiles (`_mla_gluon_persistent`), the same bits again.
+    and gluon_seesaw with the query tile by TMA; None: `_mla_gluon_persistent.GLUON_PERSISTENT` for gluon,
+    `_mla_gluon_seesaw_persistent.SEESAW_PERSISTENT` for gluon_seesaw): one program per SM runs its share of the
+    (query tile, chunk) items (`_mla_gluon_persistent`: as one stream of tiles; `_mla_gluon_seesaw_persistent`: its
+    producer warp loads the next item's tiles while the consumers finish the current one), the same bits again.
     `partials` (None: the module's `DEFAULT_PARTIALS`, read at each call): the dtype of the unnormalized partial O
     that a row of several KV chunks writes per chunk and the combine kernel reads back: "fp32", or "out" (the
     output's dtype: bf16 at Kimi, half the bytes; the row max and sum stay fp32, the combine's arithmetic stays fp32).
@@ -286,7 +286,7 @@ def mla_attention_triton(q_lat, q_pe, kv_cache, block_table, page_size, cu_q, pr
         why = gluon_unsupported(q_lat, q_pe, kv_cache, block_n, num_warps)
         if why is not None and impl in _GLUON_IMPLS:
             raise ValueError(f"mla_attention: impl {impl!r}: {why}")
-        impl = "triton" if why else (_auto_gluon(fold, persistent) if auto else impl)
+        impl = "triton" if why else (_auto_gluon(fold) if auto else impl)
     if block_n not in (16, 32, 64, 128) or c_min < block_n or c_min % block_n or nch < 1:
         raise ValueError("mla_attention: block_n must be 16, 32, 64 or 128 and divide c_min > 0; nch >= 1")
     q_lat = q_lat.to(kv_cache.dtype)
@@ -346,8 +346,14 @@ def mla_attention_triton(q_lat, q_pe, kv_cache, block_table, page_size, cu_q, pr
         shape = dict(DL=Dl, DR=Dr, PAGE=page_size, BLOCK_M=block_m, BLOCK_N=block_n, NCH=nch, C_MIN=c_min, RULE=rule,
                      S_PAD=s_pad, TREE=tree_bits is not None, NB=nb, BOX=box)
         if persistent is None:
-            persistent = _mla_gluon_persistent.GLUON_PERSISTENT
-        if impl == "gluon_seesaw":  # num_warps: the kernel's own (consumer 0; the other partitions add theirs)
+            persistent = (_mla_gluon_seesaw_persistent.SEESAW_PERSISTENT if impl == "gluon_seesaw"
+                          else _mla_gluon_persistent.GLUON_PERSISTENT)
+        if impl == "gluon_seesaw" and persistent and qdesc is not None:  # (it loads every query tile by TMA)
+            nprog = min(tiles * grid_c, _sm_count(q_lat.device.index))
+            _mla_gluon_seesaw_persistent._mla_fwd_gluon_seesaw_persistent_kernel[(nprog,)](
+                *common[:11], *kvdesc, *qdesc, *common[11:], tiles, nprog, STAGES=_mla_gluon_seesaw.SEESAW_STAGES,
+                num_warps=_mla_gluon_seesaw.SEESAW_WARPS, **shape)
+        elif impl == "gluon_seesaw":  # num_warps: the kernel's own (consumer 0; the other partitions add theirs)
             _mla_gluon_seesaw._mla_fwd_gluon_seesaw_kernel[(tiles, grid_c)](
                 *common[:11], *kvdesc, *(qdesc or kvdesc), *common[11:], QTMA=qdesc is not None,
                 STAGES=_mla_gluon_seesaw.SEESAW_STAGES, num_warps=_mla_gluon_seesaw.SEESAW_WARPS, **shape)

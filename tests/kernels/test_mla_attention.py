@@ -164,7 +164,8 @@ def test_mla_launcher_routes_the_gluon_kernels(monkeypatch):
     sm_90 GPU; here they are replaced by recorders and the launcher is told Gluon can run): for impl="gluon" the grid
     kernel by default, the persistent one on min(items, SMs) programs when asked for and the query tile goes by TMA
     (the grid kernel otherwise), the seesaw one for impl="gluon_seesaw" and for "auto" (the default; the grid kernel
-    when the launch asks for the fold or the persistent form, which only it has); the combine after each."""
+    when the launch asks for the fold, which only it has), its persistent form on min(items, SMs) programs when asked
+    for with the query tile by TMA; the combine after each."""
     from kernels import mla_attention as mla
 
     calls = []
@@ -181,6 +182,8 @@ def test_mla_launcher_routes_the_gluon_kernels(monkeypatch):
     monkeypatch.setattr(mla._mla_gluon, "_mla_fwd_gluon_kernel", Recorder("grid"))
     monkeypatch.setattr(mla._mla_gluon_persistent, "_mla_fwd_gluon_persistent_kernel", Recorder("persistent"))
     monkeypatch.setattr(mla._mla_gluon_seesaw, "_mla_fwd_gluon_seesaw_kernel", Recorder("seesaw"))
+    monkeypatch.setattr(mla._mla_gluon_seesaw_persistent, "_mla_fwd_gluon_seesaw_persistent_kernel",
+                        Recorder("seesaw_persistent"))
     monkeypatch.setattr(mla, "_mla_combine_kernel", Recorder("combine"))
     # Kimi head shapes (the descriptors are host objects), page 16: TMA boxes of one page; 2 sessions, 3 tokens
     args = make_batch([1500, 40], [2, 1], 64, 512, 64, 16, torch.float16, True, device="cpu")
@@ -200,6 +203,11 @@ def test_mla_launcher_routes_the_gluon_kernels(monkeypatch):
     assert launch(*args, impl="gluon", persistent=True, tma=False)[0] == [("grid", (tiles, grid_c), False, 0, 2, 8)]
     assert launch(*args, impl="gluon_seesaw") == ([("seesaw", (tiles, grid_c), True, 16, 2, 4)], ["seesaw", "combine"])
     assert launch(*args, impl="gluon_seesaw", tma=False)[0] == [("seesaw", (tiles, grid_c), False, 0, 2, 4)]
+    assert launch(*args, impl="gluon_seesaw", persistent=True) == ([("seesaw_persistent", (7,), None, 16, 2, 4)],
+                                                                   ["seesaw_persistent", "combine"])
+    assert calls[0][2] == 11 + 4 + 5 + 9 + 2  # as the one-warpgroup persistent kernel's
+    assert launch(*args, impl="gluon_seesaw", persistent=True, tma=False)[0] == [("seesaw", (tiles, grid_c), False, 0,
+                                                                                  2, 4)]
     # the fold: the grid kernel on one program per query tile (FOLD, ROUND as the partials say), no combine; the
     # persistent form does not fold (the grid kernel runs), the seesaw kernel refuses
     assert launch(*args, impl="gluon", fold=True, partials="fp32") == ([("grid", (tiles, 1), True, 16, 2, 8)], ["grid"])
@@ -220,7 +228,7 @@ def test_mla_launcher_routes_the_gluon_kernels(monkeypatch):
         assert launch(*args, impl=impl) == ([("seesaw", (tiles, grid_c), True, 16, 2, 4)], ["seesaw", "combine"])
         assert launch(*args, impl=impl, fold="auto")[1] == ["seesaw", "combine"]
         assert launch(*args, impl=impl, fold=True)[1] == ["grid"]
-        assert launch(*args, impl=impl, persistent=True)[0] == [("persistent", (7,), None, 16, 2, 8)]
+        assert launch(*args, impl=impl, persistent=True)[0] == [("seesaw_persistent", (7,), None, 16, 2, 4)]
         # without both TMA paths (tma off; a query tile that is not rows of one 2D view): the grid kernel
         assert launch(*args, impl=impl, tma=False)[0] == [("grid", (tiles, grid_c), False, 0, 2, 8)]
         views = (args[0].transpose(0, 1).contiguous().transpose(0, 1), *args[1:])
@@ -228,8 +236,12 @@ def test_mla_launcher_routes_the_gluon_kernels(monkeypatch):
         assert launch(*views, impl="gluon_seesaw")[0] == [("seesaw", (tiles, grid_c), False, 16, 2, 4)]
     page8 = make_batch([1500, 40], [2, 1], 64, 512, 64, 8, torch.float16, True, device="cpu")  # no TMA boxes
     assert launch(*page8)[0] == [("grid", (tiles, max_chunks(page8[3].shape[1] * 8)), True, 0, 2, 8)]
-    monkeypatch.setattr(mla._mla_gluon_persistent, "GLUON_PERSISTENT", True)
-    assert launch(*args, impl="auto")[0] == [("persistent", (7,), None, 16, 2, 8)]
+    monkeypatch.setattr(mla._mla_gluon_persistent, "GLUON_PERSISTENT", True)  # the one-warpgroup kernel's default
+    assert launch(*args, impl="gluon")[0] == [("persistent", (7,), None, 16, 2, 8)]
+    assert launch(*args, impl="auto")[0] == [("seesaw", (tiles, grid_c), True, 16, 2, 4)]
+    monkeypatch.setattr(mla._mla_gluon_seesaw_persistent, "SEESAW_PERSISTENT", True)
+    assert launch(*args, impl="auto")[0] == [("seesaw_persistent", (7,), None, 16, 2, 4)]
+    assert launch(*page8)[0] == [("persistent", (7,), None, 0, 2, 8)]  # (no TMA boxes: the one-warpgroup kernel's)
 
 
 def test_mla_configure_fixes_the_deployment_kernel(monkeypatch):

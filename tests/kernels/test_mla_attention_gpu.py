@@ -1,7 +1,7 @@
 """Absorbed MLA attention kernel (kernels/mla_attention.py) on the GPU at Kimi K2.6 shapes: 64 heads, 512 + 64, bf16,
 prefixes up to 33k, for every tile kernel (`impl` "triton" and the sm_90 Gluon kernels "gluon", "gluon_ws" and
-"gluon_seesaw"): within tolerance of the reference; TMA loads bitwise the cp.async ones; the persistent form of
-"gluon" bitwise its grid; partials in fp32 and bf16; the fold (Triton and gluon) bitwise the split launch; batch
+"gluon_seesaw"): within tolerance of the reference; TMA loads bitwise the cp.async ones; the persistent forms of
+"gluon" and "gluon_seesaw" bitwise their grids; partials in fp32 and bf16; the fold (Triton and gluon) bitwise the split launch; batch
 invariance (a session alone vs inside a batch of 64: bitwise equal) and position alignment (a tree node == the AR
 step at its position, bitwise) in bf16. The CPU side of the same checks: test_mla_attention.py.
 """
@@ -90,6 +90,7 @@ def test_mla_gluon_tma_loads_give_the_cp_async_bits(tree, prefix, ns, page):
     assert_bitwise(run_kernel(views, SCALE, impl="gluon", tma=True), with_tma, f"query views, page {page}")
 
 
+@pytest.mark.parametrize("impl", ["gluon", "gluon_seesaw"])
 @pytest.mark.parametrize("programs", [None, 1, 5])
 @pytest.mark.parametrize("page", [8, 16, 64])
 @pytest.mark.parametrize("tree,prefix,ns", [
@@ -98,22 +99,22 @@ def test_mla_gluon_tma_loads_give_the_cp_async_bits(tree, prefix, ns, page):
     (False, [0, 127, 2048, 5], [70, 3, 64, 1]),
     (True, [0], [1]),  # one item in all
 ])
-def test_mla_gluon_persistent_gives_the_grid_kernels_bits(tree, prefix, ns, page, programs, monkeypatch):
-    """The persistent kernel (one program per SM walking its items as one stream of tiles; here also 1 and 5
-    programs, so a program runs hundreds of items and crosses every kind of item boundary) equals, bit for bit, the
-    grid kernel (one program per item) with the same loads, and the reference within tolerance. Page 8: every
-    tile by cp.async (only the query tiles by TMA); 16 / 64: the TMA tiles too."""
+def test_mla_gluon_persistent_gives_the_grid_kernels_bits(tree, prefix, ns, page, programs, impl, monkeypatch):
+    """The persistent kernels (`_mla_gluon_persistent`, `_mla_gluon_seesaw_persistent`: one program per SM walking
+    its items; here also 1 and 5 programs, so a program runs hundreds of items and crosses every kind of item
+    boundary) equal, bit for bit, their grid kernels (one program per item) with the same loads, and the reference
+    within tolerance. Page 8: every tile by cp.async (only the query tiles by TMA); 16 / 64: the TMA tiles too."""
     import kernels.mla_attention as mla
 
     if programs is not None:
         monkeypatch.setattr(mla, "_sm_count", lambda index: programs)
     args = make_batch(prefix, ns, KIMI["H"], KIMI["Dl"], KIMI["Dr"], page, torch.bfloat16, tree, seed=11)
-    out = run_kernel(args, SCALE, impl="gluon", persistent=True)
-    assert_bitwise(out, run_kernel(args, SCALE, impl="gluon", persistent=False), f"page {page} tree={tree}")
-    assert_close(out, reference(args, SCALE), TOL[torch.bfloat16], f"persistent page {page} {prefix} {ns}")
+    out = run_kernel(args, SCALE, impl=impl, persistent=True)
+    assert_bitwise(out, run_kernel(args, SCALE, impl=impl, persistent=False), f"{impl} page {page} tree={tree}")
+    assert_close(out, reference(args, SCALE), TOL[torch.bfloat16], f"persistent {impl} page {page} {prefix} {ns}")
     # launched twice in a row (the stream leaves no state behind) and from a CUDA graph
-    assert_bitwise(run_kernel(args, SCALE, impl="gluon", persistent=True), out, "second launch")
-    assert_graph_replay(args, out, impl="gluon", persistent=True)
+    assert_bitwise(run_kernel(args, SCALE, impl=impl, persistent=True), out, "second launch")
+    assert_graph_replay(args, out, impl=impl, persistent=True)
 
 
 @pytest.mark.parametrize("page", [16, 64])

@@ -274,3 +274,32 @@ def test_mla_combine_reads_bf16_partials_in_stored_order(tmp_path):
     shared_ops = {k: v for k, v in a["mem"].items() if ".shared" in k}
     assert {k: v for k, v in b["mem"].items() if ".shared" in k} == shared_ops, res
     assert (b["shared"], b["bar"]) == (a["shared"], a["bar"]), res
+
+
+def test_mla_gluon_seesaw_persistent_kernel_compiles_for_sm90(tmp_path):
+    """The persistent seesaw kernel (`_mla_gluon_seesaw_persistent`) compiled for sm_90: the grid seesaw kernel's MMAs
+    exactly (the same `_ss_consumer` per item), its warps and setmaxnreg, TMA for the query tile (always) and whole
+    committed tiles (BOX > 0), cp.async arriving on mbarriers for the rest; no CTA-wide barrier inside the partitions
+    (each consumer's end-of-item barrier is its warpgroup's); shared memory within 227 KB; no wgmma serialization; spills bounded. With Triton 3.6's ptxas (the H200's) when this was written:
+    none at boxes 16 / 64; 80 bytes at box 0 with trees, by nvdisasm nearly all in the producer warp's item set-up (48
+    registers) and one 4-byte value reloaded three times among consumer 1's HGMMA."""
+    import triton
+
+    from kernels import _mla_gluon_seesaw as ss
+
+    max_spill = 128 if triton.__version__.startswith("3.6") else 512
+    for box in (0, 16, 64):
+        grid = compile_for_sm90(tmp_path, "kernels._mla_gluon_seesaw", "_mla_fwd_gluon_seesaw_kernel", ss.SEESAW_WARPS,
+                                ss.SEESAW_STAGES, box)
+        pers = compile_for_sm90(tmp_path, "kernels._mla_gluon_seesaw_persistent",
+                                "_mla_fwd_gluon_seesaw_persistent_kernel", ss.SEESAW_WARPS, ss.SEESAW_STAGES, box,
+                                persistent=True, po="bf16")
+        for tree, n in pers.items():
+            what = f"box={box} tree={tree}: {n}"
+            assert n["wgmma"] == grid[tree]["wgmma"], what
+            assert n["warps"] == 12 and {ss.CONSUMER_REGS, ss.PRODUCER_REGS} <= set(n["setmaxnreg"]), what
+            boxes = 64 // box if box else 0
+            assert (n["tma"], n["expect_tx"]) == (9 * boxes + 9, 2 if box else 1), what  # tiles' site + the query's
+            assert n["cp_async"] > 0 and n["cp_async_arrive"] == 1 and n["cta_bar"] == [], what
+            assert n["ptxas_perf"] == [] and n["spill_bytes"] <= max_spill, what
+            assert 0 < n["shared"] <= _SM90_SMEM, what
