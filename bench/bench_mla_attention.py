@@ -17,8 +17,9 @@ each, params.chunk_rule; params.chunks = KV chunks over all query rows, each one
 kernel of `kernels/_mla_gluon.py`, which computes S once per tile; gluon_ws = the experimental warp-specialized one of
 `kernels/_mla_gluon_ws.py`; gluon_seesaw = FlashMLA's two-warpgroup schedule, `kernels/_mla_gluon_seesaw.py`; the
 choices are `kernels.mla_attention.IMPLS`).
-`--persistent on off` times the gluon kernel as one program per SM walking its share of the (query tile, chunk)
-items (`kernels/_mla_gluon_persistent.py`; same bits) and as one program per item (params.persistent).
+`--persistent on off` times the gluon and gluon_seesaw kernels as one program per SM walking its share of the (query
+tile, chunk) items (`kernels/_mla_gluon_persistent.py`, `kernels/_mla_gluon_seesaw_persistent.py`; same bits) and as
+one program per item (params.persistent).
 `--nch 8 16` times other chunk-count caps (params.config.nch; like the chunk rule, a deployment's reduction order);
 `--c-min 512 1024` other base chunk sizes (params.config.c_min: fewer, longer chunks below NCH * C_MIN keys, so less
 partial traffic and fixed cost per row at 4k prefixes, and fewer programs for one token; also a reduction order).
@@ -186,7 +187,8 @@ def main():
                 gluon_knobs = [(tm, pm) for tm in args_cli.tma for pm in args_cli.persistent]
                 combos = [(r, c, b, i, tm, pm, nch, cm, pa, fo) for r in args_cli.chunk_rule for c in cfgs
                           for b in args_cli.block_n for i in args_cli.impl
-                          for tm, pm in (gluon_knobs if i in ("gluon", "auto") else [("default", "default")])
+                          for tm, pm in (gluon_knobs if i in ("gluon", "gluon_seesaw", "auto")
+                                         else [("default", "default")])
                           for nch in args_cli.nch for cm in args_cli.c_min for pa in args_cli.partials
                           for fo in (args_cli.fold if i in ("triton", "gluon", "auto") else ["default"])]
                 onoff = {"default": None, "on": True, "off": False}
@@ -239,8 +241,8 @@ def main():
                     params = dict(batch=B, prefix=L, tree=n, heads=H, latent=DL, rope=DR, page=args_cli.page,
                                   bytes=nbytes, flops=flops, timing="cuda_graph_replay", config=kw or "default",
                                   chunk_rule=rule, chunks=chunks, block_n=kw.get("block_n", DEFAULT_BLOCK_N), impl=impl,
-                                  tma=tm if impl in ("gluon", "auto") else None,
-                                  persistent=pm if impl in ("gluon", "auto") else None,
+                                  tma=tm if impl in ("gluon", "gluon_seesaw", "auto") else None,
+                                  persistent=pm if impl in ("gluon", "gluon_seesaw", "auto") else None,
                                   partials=DEFAULT_PARTIALS if pa == "default" else pa,
                                   fold=(DEFAULT_FOLD if fo == "default" else "auto" if fo == "auto" else fo == "on")
                                   if impl in ("triton", "gluon", "auto") else None)

@@ -12,12 +12,15 @@
 #   SEESAW=1  the seesaw kernel's GPU tests (`-k seesaw`, under their own time limit; the first run's compiles take
 #             most of two minutes), then, if they pass, the bench of gluon against gluon_seesaw and the seesaw kernel
 #             at c_min 512 / 1024 (1k and 4k prefixes, 1-65 nodes);
+#   SSP=1     the persistent seesaw kernel (twenty-ninth session, never run on a GPU): its GPU tests (bitwise its grid
+#             form, `-k "persistent and gluon_seesaw"`), then, if they pass, the bench of the seesaw kernel with the
+#             persistent form off / on (every case, page 64);
 #   PROFILE=1 (default 0) the per-kernel split of the default kernel and of gluon (bench/profile_mla_attention.py);
 #   STEP=1    (default 0) the whole verify step (8 K2.6 layers, 4k prefix, batch 1 / 16, 1-33 nodes) with the MLA
 #             kernel auto (the seesaw one on sm_90) and gluon (STEP_ARGS adds options, e.g. "--prefix 32768").
 # At the end the tables of every MLA record of the call (summary.md). Logs and JSONL under $OUT (bench/results/run
-# when unset). All of it does not fit one device call (600 s): e.g. call 1 `BENCH=0 FOLD=0 SEESAW=0 PROFILE=1 STEP=1`,
-# call 2 `TESTS=0 BENCH=0 FOLD=0`. Run from the repo root; set DDTREE_COMMIT.
+# when unset). All of it does not fit one device call (600 s): e.g. call 1 `TESTS=0 BENCH=0 FOLD=0 SEESAW=0` (the
+# persistent seesaw), call 2 `BENCH=0 FOLD=0 SEESAW=0 SSP=0 PROFILE=1 STEP=1`, call 3 `TESTS=0 BENCH=0 FOLD=0 SSP=0`. Run from the repo root; set DDTREE_COMMIT.
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 OUT=${OUT:-bench/results/run}
@@ -49,6 +52,11 @@ if [ "${SEESAW:-1}" = 1 ] && timeout "${T_SEESAW:-150}" python -m pytest tests/k
   timeout "${T_MLA_CMIN:-120}" python bench/bench_mla_attention.py --no-peers --impl gluon_seesaw --c-min 512 1024 \
     --tree 1 9 33 65 --prefix 1024 4096 --out "$OUT/mla_attention_seesaw_cmin.jsonl" 2>&1 \
     | tee "$OUT/bench_mla_seesaw_cmin.log"
+fi
+if [ "${SSP:-1}" = 1 ] && timeout "${T_SSP:-200}" python -m pytest tests/kernels/test_mla_attention_gpu.py -q -x \
+    -rs -k "persistent and gluon_seesaw" 2>&1 | tee "$OUT/tests_mla_seesaw_persistent.log"; then
+  timeout "${T_MLA_SSP:-150}" python bench/bench_mla_attention.py --no-peers --impl gluon_seesaw --persistent off on \
+    --out "$OUT/mla_attention_seesaw_persistent.jsonl" 2>&1 | tee "$OUT/bench_mla_seesaw_persistent.log"
 fi
 if [ "${PROFILE:-0}" = 1 ]; then
   timeout "${T_PROFILE:-90}" python bench/profile_mla_attention.py --impl auto gluon 2>&1 | tee "$OUT/profile_mla.log"

@@ -1,9 +1,9 @@
 """Absorbed MLA attention kernel (kernels/mla_attention.py) on the GPU at Kimi K2.6 shapes: 64 heads, 512 + 64, bf16,
 prefixes up to 33k, for every tile kernel (`impl` "triton" and the sm_90 Gluon kernels "gluon", "gluon_ws" and
 "gluon_seesaw"): within tolerance of the reference; TMA loads bitwise the cp.async ones; the persistent forms of
-"gluon" and "gluon_seesaw" bitwise their grids; partials in fp32 and bf16; the fold (Triton and gluon) bitwise the split launch; batch
-invariance (a session alone vs inside a batch of 64: bitwise equal) and position alignment (a tree node == the AR
-step at its position, bitwise) in bf16. The CPU side of the same checks: test_mla_attention.py.
+"gluon" and "gluon_seesaw" bitwise their grids; partials in fp32 and bf16; the fold (Triton and gluon) bitwise the
+split launch; batch invariance (a session alone vs inside a batch of 64: bitwise equal) and position alignment (a
+tree node == the AR step at its position, bitwise) in bf16. The CPU side of the same checks: test_mla_attention.py.
 """
 
 from __future__ import annotations

@@ -277,12 +277,13 @@ def test_mla_combine_reads_bf16_partials_in_stored_order(tmp_path):
 
 
 def test_mla_gluon_seesaw_persistent_kernel_compiles_for_sm90(tmp_path):
-    """The persistent seesaw kernel (`_mla_gluon_seesaw_persistent`) compiled for sm_90: the grid seesaw kernel's MMAs
-    exactly (the same `_ss_consumer` per item), its warps and setmaxnreg, TMA for the query tile (always) and whole
-    committed tiles (BOX > 0), cp.async arriving on mbarriers for the rest; no CTA-wide barrier inside the partitions
-    (each consumer's end-of-item barrier is its warpgroup's); shared memory within 227 KB; no wgmma serialization; spills bounded. With Triton 3.6's ptxas (the H200's) when this was written:
-    none at boxes 16 / 64; 80 bytes at box 0 with trees, by nvdisasm nearly all in the producer warp's item set-up (48
-    registers) and one 4-byte value reloaded three times among consumer 1's HGMMA."""
+    """The persistent seesaw kernel (`_mla_gluon_seesaw_persistent`) compiled for sm_90: the grid seesaw kernel's
+    MMAs exactly (the same `_ss_consumer` per item), its warps and setmaxnreg, TMA for the query tile (always) and
+    whole committed tiles (BOX > 0), cp.async arriving on mbarriers for the rest; no CTA-wide barrier inside the
+    partitions (each consumer's end-of-item barrier is its warpgroup's); shared memory within 227 KB; no wgmma
+    serialization; spills bounded. With Triton 3.6's ptxas (the H200's) when this was written: none at boxes 16 / 64;
+    80 bytes at box 0 with trees, by nvdisasm nearly all in the producer warp's item set-up (48 registers) and one
+    4-byte value reloaded three times among consumer 1's HGMMA."""
     import triton
 
     from kernels import _mla_gluon_seesaw as ss

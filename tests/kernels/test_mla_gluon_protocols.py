@@ -50,7 +50,7 @@ def seesaw_items(items, box: bool, variant: str = "", persistent: bool = True):
 
     def producer():  # _ssp_producer / _ss_producer, then _ss_tiles
         pairs = 0
-        for k, (n_tiles, n_tma, tree_first) in enumerate(items):
+        for k, (n_tiles, _, tree_first) in enumerate(items):
             if pairs >= 1 and variant != "q_before_release":  # the query's buffers: last read before stage 0's release
                 yield wait("empty0", (pairs + 1) & 1, tile(2 * pairs_of(items[k - 1][0]) - 2, k - 1),
                            f"item {k}: Q's and P0's readers done")
@@ -81,7 +81,7 @@ def seesaw_items(items, box: bool, variant: str = "", persistent: bool = True):
                 phase = (j - n_tma) // 2 if variant != "cp_phase_from_j" else j // 2
                 yield wait(f"full_cp{st}", cb[st] + phase, tile(j, k), f"tile {k}.{j} by cp.async")
 
-        for k, (n_tiles, n_tma, tree_first) in enumerate(items):
+        for k, (n_tiles, n_tma, _) in enumerate(items):
             if persistent and W == 0 and tree:  # every item of a tree launch, whether it reaches the tree part
                 yield write("tree", ("tree", k), "tree table")
                 yield arrive("tree_bar", ("tree", k))
