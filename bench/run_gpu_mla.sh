@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Device calls for the MLA kernel options (read docs/performance.md, "Twenty-fifth session" to "Twenty-eighth session").
+# Device calls for the MLA kernel options (read docs/performance.md, "Twenty-fifth session" to "Twenty-ninth session").
 # Steps, each switched by its variable:
 #   TESTS=1   the GPU tests of the persistent kernel (bitwise against the grid kernel), of bf16 partials, of the fold
 #             (bitwise against the split launch), of batch invariance with both partial dtypes and of the default
@@ -20,7 +20,8 @@
 #             kernel auto (the seesaw one on sm_90) and gluon (STEP_ARGS adds options, e.g. "--prefix 32768").
 # At the end the tables of every MLA record of the call (summary.md). Logs and JSONL under $OUT (bench/results/run
 # when unset). All of it does not fit one device call (600 s): e.g. call 1 `TESTS=0 BENCH=0 FOLD=0 SEESAW=0` (the
-# persistent seesaw), call 2 `BENCH=0 FOLD=0 SEESAW=0 SSP=0 PROFILE=1 STEP=1`, call 3 `TESTS=0 BENCH=0 FOLD=0 SSP=0`. Run from the repo root; set DDTREE_COMMIT.
+# persistent seesaw), call 2 `BENCH=0 FOLD=0 SEESAW=0 SSP=0 PROFILE=1 STEP=1`, call 3 `TESTS=0 BENCH=0 FOLD=0 SSP=0`.
+# Run from the repo root; set DDTREE_COMMIT.
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 OUT=${OUT:-bench/results/run}
