@@ -34,6 +34,15 @@ if HAVE_GLUON:
         gl.inline_asm_elementwise("fence.acq_rel.gpu; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
+    def _publish():
+        """Before one thread's release of a counter that announces this CTA's global stores: every thread fences its
+        own stores at GPU scope, then a CTA barrier, so that all of them precede the release (the counting thread's
+        fence alone covers only its own stores: a scalar atomic is thread 0's, and Triton puts no barrier before it;
+        without this, a reader could see the count before another warp's last stores)."""
+        _fence_gpu()
+        cta_barrier()
+
+    @gluon.jit
     def _combine_rows(y_ptr, tw_ptr, out_ptr, row0, D, stride_y, TOPK: gl.constexpr, R: gl.constexpr):
         """out[row0 : row0 + R] = sum over slots k = 0..TOPK-1, in that order, of tw[k] * y[k] (fp32; the separate
         combine kernel's arithmetic, so the same bits). y is read past L1 (other CTAs wrote it)."""
@@ -100,7 +109,7 @@ if HAVE_GLUON:
                 _ring_gemm(x_ptr, a_ptr, ids_ptr, k, r, TOPK, I, kb13, stride_x, stride_a, w_src, w_ok, s_src, s_ok,
                            gw, gs, stride_w13n, stride_s13n8, xring, wring, sring, TOPK, True, NP, NP, STAGES, False,
                            True, 1, _W_L1, CW_L, CS_L, 1)
-                _fence_gpu()
+                _publish()
                 gl.atomic_add(ready_ptr + k, 1, sem="release", scope="gpu")
             else:
                 j = item - n13
@@ -119,7 +128,7 @@ if HAVE_GLUON:
                 _ring_gemm(a_ptr, y_ptr, ids_ptr, k, r, TOPK, D, kb2, stride_a, stride_y, w_src, w_ok, s_src, s_ok,
                            gw, gs, stride_w2n, stride_s2n8, xring, wring, sring, TOPK, False, NP, NP, STAGES, True,
                            True, ROW_TILES, _W_L1, CW_L, CS_L, 1)
-                _fence_gpu()
+                _publish()
                 if gl.atomic_add(rows_ptr + r, 1, sem="acq_rel", scope="gpu") == TOPK - 1:
                     _fence_gpu()
                     _combine_rows(y_ptr, tw_ptr, out_ptr, r * (R * ROW_TILES), D, stride_y, TOPK, R * ROW_TILES)

@@ -186,6 +186,20 @@ from triton.compiler import compile
 from triton.experimental.gluon._runtime import GluonASTSource
 from kernels import _int4_moe_decode as m
 out = {}
+
+
+def publishes(ptx):  # per release / acq_rel counter add: [a fence, a CTA barrier] after the last global store
+    lines = ptx.splitlines()
+    found = []
+    for i, ln in enumerate(lines):
+        if re.search(r"\b(atom|red)\.global\.gpu\.(release|acq_rel)\.add", ln):
+            j = max((n for n in range(i) if re.search(r"\bst\.global\.", lines[n])), default=-1)
+            span = lines[j + 1:i]
+            found.append([any("fence.acq_rel.gpu" in x for x in span),
+                          any(re.search(r"\bbar\.sync\b", x) for x in span)])
+    return found
+
+
 names = ["x_ptr", "w13_ptr", "s13_ptr", "w2_ptr", "s2_ptr", "a_ptr", "y_ptr", "out_ptr", "ids_ptr", "tw_ptr",
          "sync_ptr"]
 sig = dict(zip(names, ["*bf16", "*i32", "*bf16", "*i32", "*bf16", "*bf16", "*fp32", "*bf16", "*i64", "*fp32", "*i32"]))
@@ -208,7 +222,8 @@ for stages, rt, rows in ((4, 1, 128), (4, 2, 128), (3, 2, 128), (2, 1, 128), (4,
         "wgmma": sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx))),
         "n_wgmma": len(re.findall(r"wgmma\.mma_async", ptx)),
         "sync": re.findall(r"(atom\.global\.gpu\.\w+\.add|red\.global\.gpu\.\w+\.add|ld\.global\.gpu\.acquire"
-                           r"|fence\.acq_rel\.gpu|griddepcontrol\.\w+)", ptx)}
+                           r"|fence\.acq_rel\.gpu|griddepcontrol\.\w+)", ptx),
+        "publish": publishes(ptx)}
 print(json.dumps(out))
 """
 
@@ -245,6 +260,9 @@ def test_wgmma_moe_decode_kernel_compiles_for_sm90(tmp_path):
             "ld.global.gpu.acquire": 2,  # w2: the poll of ready[slot], before the loop and in it
             "atom.global.gpu.acq_rel.add": 2,  # w2: its row range's count; the exit count
             "fence.acq_rel.gpu": 4}, (name, f)  # before the release, after the poll, around the row count
+        # a tile's stores are announced only after every warp made them: fence, CTA barrier, then thread 0's count
+        # (ready[slot], its row range's count); the exit count announces no stores (either way)
+        assert len(f["publish"]) == 3 and f["publish"].count([True, True]) >= 2, (name, f)
 
 
 # --- GPU ----------------------------------------------------------------------------------------------------
