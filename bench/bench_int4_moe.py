@@ -128,6 +128,8 @@ GLUON_VARIANTS = {  # name -> int4_moe_gluon options (--gluon)
     "wgmma_r64_nopdl": dict(path="wgmma", rows=64, pdl=False),
     "wgmma_fused_r64": dict(path="wgmma", fused=True, rows=64),
     "wgmma_fused_r64_rt2": dict(path="wgmma", fused=True, rows=64, row_tiles=2),
+    # T = 1: w2's last program of each row range does the combine (no combine launch; other T: auto_schedule's)
+    "wgmma_w2c": dict(path="wgmma", w2_combine=True), "wgmma_w2c_rt2": dict(path="wgmma", w2_combine=True, row_tiles=2),
     **{f"wgmma_np{bp}_s{st}": dict(path="wgmma", block_pairs=bp, stages=st) for bp in (8, 16, 32, 64) for st in (2, 4)},
     "wgmma_np8_s3": dict(path="wgmma", block_pairs=8, stages=3),
     "wgmma_np32_s2_r168": dict(path="wgmma", block_pairs=32, stages=2, maxnreg=168),

@@ -18,7 +18,10 @@ try:
         _W_L1,
         _W_SL,
         HAVE_GLUON,
+        _combine_rows,
+        _fence_gpu,
         _prefetch_w,
+        _publish,
         _ring_gemm,
         _weight_src,
     )
@@ -26,34 +29,6 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
     HAVE_GLUON = False
 
 if HAVE_GLUON:
-
-    @gluon.jit
-    def _fence_gpu():
-        """This thread's writes before it / reads after it ordered at GPU scope (with a CTA barrier and one thread's
-        atomic: the CTA's stores published to, or another CTA's stores seen by, every thread of the CTA)."""
-        gl.inline_asm_elementwise("fence.acq_rel.gpu; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-
-    @gluon.jit
-    def _publish():
-        """Before one thread's release of a counter that announces this CTA's global stores: every thread fences its
-        own stores at GPU scope, then a CTA barrier, so that all of them precede the release (the counting thread's
-        fence alone covers only its own stores: a scalar atomic is thread 0's, and Triton puts no barrier before it;
-        without this, a reader could see the count before another warp's last stores)."""
-        _fence_gpu()
-        cta_barrier()
-
-    @gluon.jit
-    def _combine_rows(y_ptr, tw_ptr, out_ptr, row0, D, stride_y, TOPK: gl.constexpr, R: gl.constexpr):
-        """out[row0 : row0 + R] = sum over slots k = 0..TOPK-1, in that order, of tw[k] * y[k] (fp32; the separate
-        combine kernel's arithmetic, so the same bits). y is read past L1 (other CTAs wrote it)."""
-        L: gl.constexpr = gl.BlockedLayout([(R + 127) // 128], [32], [4], [0])
-        cols = row0 + gl.arange(0, R, layout=L)
-        m = cols < D
-        acc = gl.zeros([R], gl.float32, L)
-        for k in gl.static_range(TOPK):
-            wk = gl.load(tw_ptr + k).to(gl.float32)
-            acc += wk * gl.load(y_ptr + k * stride_y + cols, mask=m, other=0.0, cache_modifier=".cg")
-        gl.store(out_ptr + cols, acc.to(out_ptr.dtype.element_ty), mask=m)
 
     @gluon.jit
     def _moe_decode_kernel(

@@ -131,6 +131,35 @@ if HAVE_GLUON:
                                   is_pure=False, pack=1)
 
     @gluon.jit
+    def _fence_gpu():
+        """This thread's writes before it / reads after it ordered at GPU scope (with a CTA barrier and one thread's
+        atomic: the CTA's stores published to, or another CTA's stores seen by, every thread of the CTA)."""
+        gl.inline_asm_elementwise("fence.acq_rel.gpu; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _publish():
+        """Before one thread's release of a counter that announces this CTA's global stores: every thread fences its
+        own stores at GPU scope, then a CTA barrier, so that all of them precede the release (the counting thread's
+        fence alone covers only its own stores: a scalar atomic is thread 0's, and Triton 3.6 puts no barrier before
+        it (3.9 does, triton-lang/triton#10816); without this, a reader could see the count before another warp's
+        last stores)."""
+        _fence_gpu()
+        cta_barrier()
+
+    @gluon.jit
+    def _combine_rows(y_ptr, tw_ptr, out_ptr, row0, D, stride_y, TOPK: gl.constexpr, R: gl.constexpr):
+        """out[row0 : row0 + R] = sum over slots k = 0..TOPK-1, in that order, of tw[k] * y[k] (fp32; the separate
+        combine kernel's arithmetic, so the same bits). y is read past L1 (other CTAs wrote it)."""
+        L: gl.constexpr = gl.BlockedLayout([(R + 127) // 128], [32], [4], [0])
+        cols = row0 + gl.arange(0, R, layout=L)
+        m = cols < D
+        acc = gl.zeros([R], gl.float32, L)
+        for k in gl.static_range(TOPK):
+            wk = gl.load(tw_ptr + k).to(gl.float32)
+            acc += wk * gl.load(y_ptr + k * stride_y + cols, mask=m, other=0.0, cache_modifier=".cg")
+        gl.store(out_ptr + cols, acc.to(out_ptr.dtype.element_ty), mask=m)
+
+    @gluon.jit
     def _words_from(smem, W_L: gl.constexpr):
         """[R rows, 32 words] of a ring slot (R = 64: one warpgroup's tensor; 128: both tensors over two warpgroups)
         -> [R, 4 t, 8 j] in W_L (a lane reads its 8 contiguous words)."""
@@ -420,8 +449,11 @@ if HAVE_GLUON:
         stride_x, stride_we, stride_wn, stride_se8, stride_sn8, stride_o,  # scale strides in 16-byte units
         TOPK: gl.constexpr, GATED: gl.constexpr, NP: gl.constexpr, SMALL: gl.constexpr, STAGES: gl.constexpr,
         PDL: gl.constexpr, DIRECT: gl.constexpr, ROW_TILES: gl.constexpr, WG: gl.constexpr, R: gl.constexpr,
+        tw_ptr, comb_ptr, rows_ptr,  # COMBINE: the token's routing weights [TOPK], its output [D], row-range counts
+        COMBINE: gl.constexpr,
     ):
         gl.static_assert(gl.num_warps() == 4 * WG)  # WG warpgroups: 1, or 2 splitting the 128 weight rows
+        gl.static_assert(not COMBINE or (DIRECT and not GATED and WG == 1))  # w2 of one token, one warpgroup
         gl.static_assert(R == 128 or (R == 64 and WG == 1))  # weight rows per program (ring slot)
         gl.static_assert(STAGES >= 2)
         gl.static_assert(ROW_TILES == 1 or not GATED)  # row tiles per program: w2 only
@@ -484,6 +516,15 @@ if HAVE_GLUON:
             _ring_gemm(x_ptr, out_ptr, pairs_ptr, blk, pid_r, P, N_OUT, num_kb, stride_x, stride_o, w_src, w_ok,
                        s_src, s_ok, gw, gs, stride_wn, stride_sn8, xring, wring, sring, TOPK, GATED, N1, NP, STAGES,
                        WPRE, DIRECT, ROW_TILES, W_L, CW_L, CS_L, WG)
+        if COMBINE:
+            # the TOPK programs of a row range (one per slot) each count themselves once their y rows are stored; the
+            # last one combines the range in slot order (the combine kernel's arithmetic) and re-arms the count
+            _publish()
+            if gl.atomic_add(rows_ptr + pid_r, 1, sem="acq_rel", scope="gpu") == TOPK - 1:
+                _fence_gpu()
+                _combine_rows(out_ptr, tw_ptr, comb_ptr, pid_r * (R * ROW_TILES), N_OUT, stride_o, TOPK,
+                              R * ROW_TILES)
+                gl.atomic_xchg(rows_ptr + pid_r, 0, sem="relaxed", scope="gpu")
 
     @gluon.jit
     def _moe_w13_wgmma_kernel(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, bexp_ptr, P, N_OUT, num_kb, stride_x,
@@ -493,7 +534,7 @@ if HAVE_GLUON:
         """w13: a[pair, i] = silu(gate) * up for ROWS / 2 intermediate columns (N_OUT = I)."""
         _wgmma_body(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, bexp_ptr, P, N_OUT, num_kb, stride_x, stride_we,
                     stride_wn, stride_se8, stride_sn8, stride_o, TOPK, True, NP, SMALL, STAGES, PDL, DIRECT, 1, WG,
-                    ROWS)
+                    ROWS, out_ptr, out_ptr, pairs_ptr, False)
 
     @gluon.jit
     def _moe_w2_wgmma_kernel(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, bexp_ptr, P, N_OUT, num_kb, stride_x,
@@ -504,4 +545,18 @@ if HAVE_GLUON:
         """w2: y[pair, d] (fp32, unweighted) for ROW_TILES x ROWS output rows (N_OUT = D)."""
         _wgmma_body(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, bexp_ptr, P, N_OUT, num_kb, stride_x, stride_we,
                     stride_wn, stride_se8, stride_sn8, stride_o, TOPK, False, NP, SMALL, STAGES, PDL, DIRECT,
-                    ROW_TILES, WG, ROWS)
+                    ROW_TILES, WG, ROWS, out_ptr, out_ptr, pairs_ptr, False)
+
+    @gluon.jit
+    def _moe_w2_combine_wgmma_kernel(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, bexp_ptr, P, N_OUT, num_kb, stride_x,
+                                     stride_we, stride_wn, stride_se8, stride_sn8, stride_o, tw_ptr, comb_ptr,
+                                     rows_ptr, TOPK: gl.constexpr, NP: gl.constexpr, SMALL: gl.constexpr,
+                                     STAGES: gl.constexpr, PDL: gl.constexpr, ROW_TILES: gl.constexpr,
+                                     ROWS: gl.constexpr):
+        """w2 of one token with direct blocks (`_moe_w2_wgmma_kernel`'s y rows, the same bits), and the combine:
+        comb[d] = sum over slots k in order of tw[k] * y[k, d], by the last of a row range's TOPK programs, found by
+        its count in rows_ptr[row range] (zero at launch, zero again when that program is done with it). No
+        combine launch after it."""
+        _wgmma_body(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, bexp_ptr, P, N_OUT, num_kb, stride_x, stride_we,
+                    stride_wn, stride_se8, stride_sn8, stride_o, TOPK, False, NP, SMALL, STAGES, PDL, True,
+                    ROW_TILES, 1, ROWS, tw_ptr, comb_ptr, rows_ptr, True)

@@ -23,14 +23,16 @@ Gemm = Callable[..., None]
 
 def routed_moe(name: str, x, topk_ids, topk_w, w13, s13, w2, s2, out, *, k_align: int, block_pairs: int,
                experts: range | None, reduce_pairs, w13_gemm: Gemm, w2_gemm: Gemm, pdl: bool = False,
-               direct: bool = False, fused: Callable[..., None] | None = None) -> torch.Tensor:
+               direct: bool = False, fused: Callable[..., None] | None = None,
+               combined: bool = False) -> torch.Tensor:
     """The routed-expert op around `w13_gemm(x, a, pairs, bexp, topk, P)` (a [P, Kp2] = silu(gate) * up, zeros
     past I) and `w2_gemm(a, y, pairs, bexp, topk, P)` (y [P, D] fp32, unweighted); `name` labels the errors. `pdl`:
     the combine is launched with programmatic dependent launch (it waits for the previous grid before it reads).
     `direct` (one token, all experts held): no grouping launch; the GEMMs get as bexp the pairs' expert ids (int64,
     one block per pair: a token's top-k experts are distinct) and the same tensor, not to be read, as pairs.
     `fused(x, a, y, out, topk_ids[0], topk_w[0])` (one token, all experts held): the whole layer as one launch
-    instead of the grouping, the GEMMs and the combine."""
+    instead of the grouping, the GEMMs and the combine. `combined`: `w2_gemm` also wrote the combine into `out`
+    (one token, no `reduce_pairs`), so no combine launch follows it."""
     T, D = x.shape
     E, two_i, kw13 = w13.shape
     inter = two_i // 2
@@ -47,6 +49,8 @@ def routed_moe(name: str, x, topk_ids, topk_w, w13, s13, w2, s2, out, *, k_align
     if D != kp13:  # the kernels read whole steps: zeros past D (the weights there are 0 too, but 0 * NaN is not)
         x = F.pad(x, (0, kp13 - D))
     x = x.contiguous()
+    if combined and (T != 1 or reduce_pairs is not None):
+        raise ValueError(f"{name}: the combine in w2 needs one token and no reduce_pairs")
     if direct or fused is not None:
         if T != 1 or experts is not None:
             raise ValueError(f"{name}: direct blocks and the fused decode need one token and every expert held")
@@ -60,6 +64,8 @@ def routed_moe(name: str, x, topk_ids, topk_w, w13, s13, w2, s2, out, *, k_align
         return out
     w13_gemm(x, a, sorted_pairs, bexp, topk, P)
     w2_gemm(a, y, sorted_pairs, bexp, topk, P)
+    if combined:
+        return out
     if reduce_pairs is not None:
         reduce_pairs(y)
     _moe_combine_kernel[(T, -(-D // 1024))](

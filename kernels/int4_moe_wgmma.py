@@ -20,7 +20,12 @@ import functools
 import torch
 
 from kernels._int4_moe_decode import DECODE_MAXNREG, _moe_decode_kernel
-from kernels._int4_moe_wgmma import HAVE_GLUON, _moe_w2_wgmma_kernel, _moe_w13_wgmma_kernel
+from kernels._int4_moe_wgmma import (
+    HAVE_GLUON,
+    _moe_w2_combine_wgmma_kernel,
+    _moe_w2_wgmma_kernel,
+    _moe_w13_wgmma_kernel,
+)
 from kernels._moe_frame import routed_moe
 from kernels.int4_pack import PACK_FACTOR, permute_steps
 
@@ -32,8 +37,9 @@ ROW_TILES = (1, 2, 4, 8)  # w2 row tiles (of `rows` rows) per program, one after
 WARPGROUPS = (1, 2)  # warpgroups per program: 1 does both weight tensors' 64 rows, 2 split them (one tensor each)
 ROWS = (128, 64)  # weight rows per program: 64 gate + 64 up rows (w13) / 128 output rows (w2), or half that
 PLAIN = dict(block_pairs=8, small_pairs=0, stages=2, maxnreg=None, pdl=False, direct=False, row_tiles=1,
-             warpgroups=1, fused=False, rows=128)  # one block size
-SYNC_WORDS = 256  # the fused decode kernel's counters per device: ticket, exits, ready[topk], rows_done[row ranges]
+             warpgroups=1, fused=False, rows=128, w2_combine=False)  # one block size
+SYNC_WORDS = 256  # counters per device and use: the fused decode's ticket, exits, ready[topk], rows_done[row ranges];
+# w2_combine's row-range counts
 SMALL_LAUNCH = 128  # pairs: the largest launch of auto_schedule's middle tier
 MAXNREG = 168  # the tiered schedule's register cap: 3 CTAs per SM (171 uncapped; no spills at 168 with Triton 3.6)
 
@@ -72,14 +78,14 @@ def resolve_schedule(pairs: int, **given) -> dict:
     bp, small, stages, cap = sched["block_pairs"], sched["small_pairs"], sched["stages"], sched["maxnreg"]
     if (bp not in BLOCK_PAIRS or stages not in STAGES or (small and (small not in BLOCK_PAIRS or small >= bp))
             or not (cap is None or (isinstance(cap, int) and 32 <= cap <= 255))
-            or not all(isinstance(sched[k], bool) for k in ("pdl", "direct", "fused"))
+            or not all(isinstance(sched[k], bool) for k in ("pdl", "direct", "fused", "w2_combine"))
             or any(sched[k] not in allowed or isinstance(sched[k], bool)
                    for k, allowed in (("row_tiles", ROW_TILES), ("warpgroups", WARPGROUPS), ("rows", ROWS)))
             or (sched["rows"] == 64 and sched["warpgroups"] != 1)):
         raise ValueError(f"int4_moe_wgmma: block_pairs={bp} (one of {BLOCK_PAIRS}), small_pairs={small} "
                          f"(0 or a smaller one), stages={stages} (one of {STAGES}), maxnreg={cap} (None or 32-255), "
-                         f"pdl={sched['pdl']!r}, direct={sched['direct']!r} and fused={sched['fused']!r} "
-                         f"(true / false), "
+                         f"pdl={sched['pdl']!r}, direct={sched['direct']!r}, fused={sched['fused']!r} and "
+                         f"w2_combine={sched['w2_combine']!r} (true / false), "
                          f"row_tiles={sched['row_tiles']!r} (one of {ROW_TILES}), "
                          f"warpgroups={sched['warpgroups']!r} (one of {WARPGROUPS}), rows={sched['rows']!r} (one "
                          f"of {ROWS}; 64 with one warpgroup)")
@@ -136,7 +142,7 @@ def int4_moe_wgmma(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, block_pai
                    small_pairs: int | None = None, stages: int | None = None, maxnreg: int | None = None,
                    pdl: bool | None = None, direct: bool | None = None, row_tiles: int | None = None,
                    warpgroups: int | None = None, fused: bool | None = None, rows: int | None = None,
-                   experts: range | None = None, reduce_pairs=None):
+                   w2_combine: bool | None = None, experts: range | None = None, reduce_pairs=None):
     """The wgmma path (sm_90, bf16, wgmma layout); arguments as `kernels.int4_moe.int4_moe`. The schedule
     options, each None for DEFAULT_SCHEDULE's, `auto_schedule`'s or PLAIN's (`resolve_schedule`):
     `block_pairs` (BLOCK_PAIRS), the pairs per expert block (an expert's weights are streamed once per block);
@@ -151,13 +157,15 @@ def int4_moe_wgmma(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, block_pai
     w13, w2 and combine as one persistent launch (`_int4_moe_decode`: 8-pair tiles, `stages` and `row_tiles` as
     given; ignored unless one token with every expert held and one warpgroup); `rows` (ROWS), the weight rows of a
     program, 64: one [64, N] accumulator (w13: 32 gate rows and their 32 up rows; w2: 64 output rows), half the
-    registers and shared memory, twice the programs (at one token 512 w13 programs, 4 per SM). Same arithmetic,
-    same bits for every schedule."""
+    registers and shared memory, twice the programs (at one token 512 w13 programs, 4 per SM); `w2_combine`, the
+    combine done by w2's last program of each row range (a count per range) instead of its own launch (ignored unless
+    direct blocks run, with one warpgroup, not fused, without `reduce_pairs`). Same arithmetic, same bits for every
+    schedule."""
     if not HAVE_GLUON:
         raise RuntimeError("int4_moe_wgmma needs Triton with Gluon (3.5 or newer)")
     sched = resolve_schedule(topk_ids.numel(), block_pairs=block_pairs, small_pairs=small_pairs, stages=stages,
                              maxnreg=maxnreg, pdl=pdl, direct=direct, row_tiles=row_tiles, warpgroups=warpgroups,
-                             fused=fused, rows=rows)
+                             fused=fused, rows=rows, w2_combine=w2_combine)
     block_pairs, small, stages, cap = sched["block_pairs"], sched["small_pairs"], sched["stages"], sched["maxnreg"]
     pdl = bool(sched["pdl"]) and experts is None and reduce_pairs is None
     direct = bool(sched["direct"]) and x.shape[0] == 1 and experts is None
@@ -177,15 +185,30 @@ def int4_moe_wgmma(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, block_pai
             x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0) // 8, s13.stride(1) // 8, a.stride(0),
             TOPK=topk, **const)
 
+    fuse = sched["fused"] and x.shape[0] == 1 and experts is None and reduce_pairs is None and wg == 1
+    combine = sched["w2_combine"] and direct and not fuse and reduce_pairs is None and wg == 1
+    if combine:
+        ranges = -(-D // (R * sched["row_tiles"]))
+        if ranges > SYNC_WORDS:
+            raise ValueError(f"int4_moe_wgmma: w2_combine counts in {SYNC_WORDS} words; {ranges} row ranges need more "
+                             "(use more row_tiles or w2_combine=False)")
+        counts = _sync_words(x.device, "w2_combine")
+        out = torch.empty_like(x) if out is None else out
+        tw1 = topk_w.reshape(-1).contiguous()
+
     def w2_gemm(a, y, pairs, bexp, topk, P):
         rt = sched["row_tiles"]
-        _moe_w2_wgmma_kernel[(-(-D // (R * rt)), bexp.shape[0])](
-            a, w2, s2, y, pairs, bexp, P, D, w2.shape[2] * PACK_FACTOR // STEP,
-            a.stride(0), w2.stride(0), w2.stride(1), s2.stride(0) // 8, s2.stride(1) // 8, y.stride(0),
-            TOPK=topk, ROW_TILES=rt, **const)
+        args = (a, w2, s2, y, pairs, bexp, P, D, w2.shape[2] * PACK_FACTOR // STEP,
+                a.stride(0), w2.stride(0), w2.stride(1), s2.stride(0) // 8, s2.stride(1) // 8, y.stride(0))
+        grid = (-(-D // (R * rt)), bexp.shape[0])
+        if combine:
+            _moe_w2_combine_wgmma_kernel[grid](*args, tw1, out, counts, TOPK=topk, ROW_TILES=rt,
+                                               **{k: v for k, v in const.items() if k not in ("DIRECT", "WG")})
+        else:
+            _moe_w2_wgmma_kernel[grid](*args, TOPK=topk, ROW_TILES=rt, **const)
 
     def decode(x, a, y, out, ids, tw):
-        rt, sync = sched["row_tiles"], _sync_words(x.device)
+        rt, sync = sched["row_tiles"], _sync_words(x.device, "fused")
         ranges = -(-D // (R * rt))
         if 2 + ids.numel() + ranges > SYNC_WORDS:
             raise ValueError(f"int4_moe_wgmma: the fused decode counts in {SYNC_WORDS} words; top-{ids.numel()} with "
@@ -200,23 +223,24 @@ def int4_moe_wgmma(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, block_pai
             TOPK=ids.numel(), STAGES=stages, ROW_TILES=rt, R=R, num_warps=4,
             **({"maxnreg": cap or DECODE_MAXNREG[R]} if cap or DECODE_MAXNREG[R] else {}))
 
-    fuse = sched["fused"] and x.shape[0] == 1 and experts is None and reduce_pairs is None and wg == 1
     return routed_moe("int4_moe_wgmma", x, topk_ids, topk_w, w13, s13, w2, s2, out, k_align=STEP,
                       block_pairs=block_pairs, experts=experts, reduce_pairs=reduce_pairs, w13_gemm=w13_gemm,
-                      w2_gemm=w2_gemm, pdl=pdl, direct=direct and not fuse, fused=decode if fuse else None)
+                      w2_gemm=w2_gemm, pdl=pdl, direct=direct and not fuse, fused=decode if fuse else None,
+                      combined=combine)
 
 
-_SYNC: dict[torch.device, torch.Tensor] = {}
+_SYNC: dict[tuple[torch.device, str], torch.Tensor] = {}
 
 
-def _sync_words(device: torch.device) -> torch.Tensor:
-    """The fused decode kernel's counters on `device`, zero between launches (each launch's last CTA zeroes them):
-    made at the first call, which must not be inside a CUDA graph capture. Launches on one device must be stream
-    ordered (the verifier's one stream; a CUDA graph captures the buffer and replays in order)."""
+def _sync_words(device: torch.device, use: str) -> torch.Tensor:
+    """The counters of `use` ("fused": the fused decode kernel's; "w2_combine": w2's row-range counts) on `device`,
+    zero between launches (each launch zeroes what it counted): made at the first call, which must not be inside a
+    CUDA graph capture. Launches on one device must be stream ordered (the verifier's one stream; a CUDA graph
+    captures the buffer and replays in order)."""
     device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
-    if device not in _SYNC:
+    if (device, use) not in _SYNC:
         if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("int4_moe_wgmma: run the fused decode once outside a CUDA graph capture first (its "
-                               "counters are made there)")
-        _SYNC[device] = torch.zeros(SYNC_WORDS, dtype=torch.int32, device=device)
-    return _SYNC[device]
+            raise RuntimeError(f"int4_moe_wgmma: run a one-token launch with {use}=True once outside a CUDA graph "
+                               "capture first (its counters are made there)")
+        _SYNC[device, use] = torch.zeros(SYNC_WORDS, dtype=torch.int32, device=device)
+    return _SYNC[device, use]

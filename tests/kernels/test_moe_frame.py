@@ -76,3 +76,44 @@ def test_direct_blocks_need_one_token_and_every_expert():
             routed_moe("test", xx, torch.zeros(xx.shape[0], 2, dtype=torch.long), torch.ones(xx.shape[0], 2), w, None,
                        w2, None, None, k_align=64, block_pairs=8, experts=held, reduce_pairs=None, w13_gemm=None,
                        w2_gemm=None, direct=True)
+
+
+def test_a_w2_that_combines_is_not_followed_by_the_combine(monkeypatch):
+    """`combined`: the w2 launch also wrote each token's combine into `out` (int4_moe_wgmma's w2_combine), so the frame
+    launches no combine kernel after it and returns `out` as w2 left it: one token with direct blocks reproduces the
+    reference; a combine over several tokens or before an expert-parallel reduction is refused before any launch."""
+    import kernels._moe_frame as frame
+
+    k, E, D, inter, align = 3, 7, 40, 24, 64
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(1, D, generator=g, dtype=torch.float64)
+    ids = torch.randperm(E, generator=g)[:k].view(1, k)
+    tw = torch.rand(1, k, generator=g, dtype=torch.float64)
+    w13 = torch.randn(E, 2 * inter, D, generator=g, dtype=torch.float64) / D**0.5
+    w2 = torch.randn(E, D, inter, generator=g, dtype=torch.float64) / inter**0.5
+    w13p, w2p = F.pad(w13, (0, align - D)), F.pad(w2, (0, align - inter))
+    words13 = torch.zeros(E, 2 * inter, align // 8, dtype=torch.int32)
+    words2 = torch.zeros(E, D, align // 8, dtype=torch.int32)
+    g13, g2 = _gemms(w13p, w2p, 8, direct=True)
+    out = torch.full_like(x, float("nan"))
+
+    def w2_and_combine(a, y, pairs, bexp, topk, P):
+        g2(a, y, pairs, bexp, topk, P)
+        out[0] = (tw[0].view(k, 1) * y[:k].double()).sum(0).to(out.dtype)
+
+    def no_combine(*args, **kwargs):
+        raise AssertionError("a combine launch after a w2 that combined")
+
+    # a launch (the kernel indexed with its grid, then called) fails the test
+    monkeypatch.setattr(frame, "_moe_combine_kernel", type("NoLaunch", (), {"__getitem__": lambda s, g: no_combine})())
+    got = routed_moe("test", x, ids, tw.float(), words13, None, words2, None, out, k_align=align, block_pairs=8,
+                     experts=None, reduce_pairs=None, w13_gemm=g13, w2_gemm=w2_and_combine, direct=True, combined=True)
+    assert got is out
+    torch.testing.assert_close(out, moe_dense_ref(x, ids, tw, w13, w2, None, None).to(out.dtype), rtol=1e-5,
+                               atol=1e-6)
+    x2 = torch.randn(2, D, dtype=torch.float64)
+    for xx, reduce in ((x2, None), (x, lambda rows: None)):
+        with pytest.raises(ValueError, match="combine in w2"):
+            routed_moe("test", xx, ids.expand(xx.shape[0], k), tw.float().expand(xx.shape[0], k), words13, None,
+                       words2, None, None, k_align=align, block_pairs=8, experts=None, reduce_pairs=reduce,
+                       w13_gemm=no_combine, w2_gemm=no_combine, combined=True)
