@@ -4,8 +4,8 @@
 # prefix 4096) with the default schedule and with each schedule in SCHEDULES (JSON options laid over
 # int4_moe_wgmma.auto_schedule, `;`-separated). About 8 minutes with the defaults (~250 s of them the tests). Logs
 # and JSONL go to $OUT (bench/results/run when unset); run from the repo root. Overrides: VARIANTS (bench_int4_moe --gluon names),
-# TOKENS, POOL_TOKENS, LAYERS (0: no back-to-back timing), STEP_ARGS; section time limits T_TESTS / T_LAYER / T_STEP
-# (seconds); TESTS=0 / STEP=0 skip.
+# TOKENS, POOL_TOKENS, LAYERS (0: no back-to-back timing), STEP_ARGS, TESTS_K (a pytest -k filter of the tests, e.g.
+# "counted or decode_options or cuda_graph"); section time limits T_TESTS / T_LAYER / T_STEP (seconds); TESTS=0 / STEP=0 skip.
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-bench/results/run}
@@ -20,7 +20,7 @@ python -c "import torch, triton; print('torch', torch.__version__, 'triton', tri
 status=0
 if [ "${TESTS:-1}" != 0 ]; then
   timeout "${T_TESTS:-300}" python -m pytest -q -rs -m gpu --durations=5 tests/kernels/test_int4_moe_wgmma.py \
-    2>&1 | tee "$OUT/moe_tests.log" || status=1
+    ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tee "$OUT/moe_tests.log" || status=1
 fi
 # shellcheck disable=SC2086  # word splitting of the lists is intended
 timeout "${T_LAYER:-150}" python bench/bench_int4_moe.py --no-peers --tokens ${TOKENS:-1 9 33 129} --gluon $VARIANTS \
