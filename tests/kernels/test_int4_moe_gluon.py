@@ -63,11 +63,9 @@ def test_gluon_layout_moves_every_column():
 
 
 _SM90_COMPILE = r"""
-import contextlib, io, json, re, sys
-from triton.backends.compiler import GPUTarget
-from triton.compiler import compile
-from triton.experimental.gluon._runtime import GluonASTSource
+import json, re, sys
 from kernels import _int4_moe_gluon as m
+from tests.kernels.sm90_compile import compile_gluon_sm90
 out = {}
 for gated in (True, False):
     for sub in (1, 4):
@@ -75,16 +73,9 @@ for gated in (True, False):
                "pairs_ptr": "*i32", "bexp_ptr": "*i32", "P": "i32", "N_OUT": "i32", "num_kb": "i32"}
         sig.update({n: "i32" for n in ("stride_x", "stride_we", "stride_wn", "stride_se", "stride_sn", "stride_o")})
         cst = dict(TOPK=8, EVEN=True, SUB=sub, RT=1 if gated else 2)
-        sig.update({k: "constexpr" for k in cst})
-        names = list(sig)
-        attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
-                 if n.endswith("_ptr") or n.startswith("stride")}
-        log = io.StringIO()
-        with contextlib.redirect_stdout(log):
-            kernel = m._moe_w13_gluon_kernel if gated else m._moe_w2_gluon_kernel
-            k = compile(GluonASTSource(fn=kernel, signature=sig, constexprs=cst, attrs=attrs),
-                        target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-        ptx, log = k.asm["ptx"], log.getvalue()
+        k, ptx, log = compile_gluon_sm90(m._moe_w13_gluon_kernel if gated else m._moe_w2_gluon_kernel, sig, cst,
+                                         [n for n in sig if n.endswith("_ptr") or n.startswith("stride")],
+                                         num_warps=4)
         regs = re.findall(r"Used (\d+) registers", log)
         out[f"{'w13' if gated else 'w2'}_sub{sub}"] = {
             "shared": k.metadata.shared, "bar_sync": len(re.findall(r"\bbar\.sync\b", ptx)),

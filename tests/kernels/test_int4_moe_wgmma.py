@@ -78,11 +78,9 @@ def test_wgmma_layout_moves_every_column():
 
 
 _SM90_COMPILE = r"""
-import contextlib, io, json, re
-from triton.backends.compiler import GPUTarget
-from triton.compiler import compile
-from triton.experimental.gluon._runtime import GluonASTSource
+import json, re
 from kernels import _int4_moe_wgmma as m
+from tests.kernels.sm90_compile import compile_gluon_sm90
 out = {}
 configs = ((8, 0, 4, False, False, None, 1, 1, 128), (64, 0, 2, False, False, None, 1, 1, 128),
            (32, 8, 2, False, False, 168, 1, 1, 128), (32, 8, 2, True, False, 168, 1, 1, 128),
@@ -99,16 +97,9 @@ for gated, np_, small, stages, pdl, direct, cap, rt, wg, rows in [(g, *c) for g 
         sig.update({n: "i32" for n in ("stride_x", "stride_we", "stride_wn", "stride_se8", "stride_sn8", "stride_o")})
         cst = dict(TOPK=8, NP=np_, SMALL=small, STAGES=stages, PDL=pdl, DIRECT=direct, WG=wg,
                    **({} if gated else {"ROW_TILES": rt}), ROWS=rows)
-        sig.update({k: "constexpr" for k in cst})
-        names = list(sig)
-        attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
-                 if n.endswith("_ptr") or n.startswith("stride")}
-        log = io.StringIO()
-        with contextlib.redirect_stdout(log):
-            kernel = m._moe_w13_wgmma_kernel if gated else m._moe_w2_wgmma_kernel
-            k = compile(GluonASTSource(fn=kernel, signature=sig, constexprs=cst, attrs=attrs),
-                        target=GPUTarget("cuda", 90, 32), options={"num_warps": 4 * wg, "maxnreg": cap})
-        ptx, log = k.asm["ptx"], log.getvalue()
+        k, ptx, log = compile_gluon_sm90(m._moe_w13_wgmma_kernel if gated else m._moe_w2_wgmma_kernel, sig, cst,
+                                         [n for n in sig if n.endswith("_ptr") or n.startswith("stride")],
+                                         num_warps=4 * wg, maxnreg=cap)
         lines = ptx.splitlines()
         first = {key: next((i for i, line in enumerate(lines) if pat in line), -1) for key, pat in
                  (("wait", "griddepcontrol.wait"), ("launch", "griddepcontrol.launch_dependents"),
@@ -180,11 +171,9 @@ def test_wgmma_moe_kernels_compile_for_sm90(tmp_path):
 
 
 _SM90_COMPILE_DECODE = r"""
-import contextlib, io, json, re
-from triton.backends.compiler import GPUTarget
-from triton.compiler import compile
-from triton.experimental.gluon._runtime import GluonASTSource
+import json, re
 from kernels import _int4_moe_decode as m
+from tests.kernels.sm90_compile import compile_gluon_sm90
 out = {}
 
 
@@ -208,14 +197,9 @@ sig.update({n: "i32" for n in ("I", "D", "kb13", "kb2", "stride_x", "stride_a", 
                                "stride_s2e8", "stride_s2n8")})
 for stages, rt, rows in ((4, 1, 128), (4, 2, 128), (3, 2, 128), (2, 1, 128), (4, 1, 64), (4, 2, 64)):
     cst = dict(TOPK=8, STAGES=stages, ROW_TILES=rt, R=rows)
-    sig.update({k: "constexpr" for k in cst})
-    nm = list(sig)
-    attrs = {(nm.index(n),): [["tt.divisibility", 16]] for n in nm if n.endswith("_ptr") or n.startswith("stride")}
-    log = io.StringIO()
-    with contextlib.redirect_stdout(log):
-        k = compile(GluonASTSource(fn=m._moe_decode_kernel, signature=sig, constexprs=cst, attrs=attrs),
-                    target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": m.DECODE_MAXNREG[rows]})
-    ptx, log = k.asm["ptx"], log.getvalue()
+    k, ptx, log = compile_gluon_sm90(m._moe_decode_kernel, sig, cst,
+                                     [n for n in sig if n.endswith("_ptr") or n.startswith("stride")], num_warps=4,
+                                     maxnreg=m.DECODE_MAXNREG[rows])
     out[f"s{stages}_rt{rt}_r{rows}"] = {
         "shared": k.metadata.shared, "registers": int(re.findall(r"Used (\d+) registers", log)[-1]),
         "spill_bytes": sum(int(v) for v in re.findall(r"(\d+) bytes spill stores", log)),
@@ -266,11 +250,9 @@ def test_wgmma_moe_decode_kernel_compiles_for_sm90(tmp_path):
 
 
 _SM90_COMPILE_W2_COMBINE = r"""
-import contextlib, io, json, re
-from triton.backends.compiler import GPUTarget
-from triton.compiler import compile
-from triton.experimental.gluon._runtime import GluonASTSource
+import json, re
 from kernels import _int4_moe_wgmma as m
+from tests.kernels.sm90_compile import compile_gluon_sm90
 out = {}
 for stages, pdl, rt, rows in ((4, True, 1, 128), (4, True, 2, 128), (2, False, 1, 128), (4, True, 1, 64)):
     sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "out_ptr": "*fp32", "pairs_ptr": "*i64",
@@ -278,15 +260,8 @@ for stages, pdl, rt, rows in ((4, True, 1, 128), (4, True, 2, 128), (2, False, 1
     sig.update({n: "i32" for n in ("stride_x", "stride_we", "stride_wn", "stride_se8", "stride_sn8", "stride_o")})
     sig.update({"tw_ptr": "*fp32", "comb_ptr": "*bf16", "rows_ptr": "*i32"})
     cst = dict(TOPK=8, NP=8, SMALL=0, STAGES=stages, PDL=pdl, ROW_TILES=rt, ROWS=rows)
-    sig.update({k: "constexpr" for k in cst})
-    names = list(sig)
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
-             if n.endswith("_ptr") or n.startswith("stride")}
-    log = io.StringIO()
-    with contextlib.redirect_stdout(log):
-        k = compile(GluonASTSource(fn=m._moe_w2_combine_wgmma_kernel, signature=sig, constexprs=cst, attrs=attrs),
-                    target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-    ptx, log = k.asm["ptx"], log.getvalue()
+    k, ptx, log = compile_gluon_sm90(m._moe_w2_combine_wgmma_kernel, sig, cst,
+                                     [n for n in sig if n.endswith("_ptr") or n.startswith("stride")], num_warps=4)
     lines = ptx.splitlines()
     first = {key: next((i for i, line in enumerate(lines) if pat in line), -1) for key, pat in
              (("wait", "griddepcontrol.wait"), ("launch", "griddepcontrol.launch_dependents"),

@@ -17,11 +17,9 @@ import json
 from tests.kernels.sm90_compile import run_sm90_script
 
 _SM90_COMPILE = r"""
-import contextlib, io, json, re, sys
-from triton.backends.compiler import GPUTarget
-from triton.compiler import compile
-from triton.experimental.gluon._runtime import GluonASTSource
+import json, re, sys
 from triton.experimental.gluon import language as gl
+from tests.kernels.sm90_compile import compile_gluon_sm90
 mod = __import__(sys.argv[1], fromlist=[sys.argv[2]])
 kernel, num_warps, stages = getattr(mod, sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 box = json.loads(sys.argv[5])  # None: a kernel without TMA descriptors, else its BOX constexpr (0: no TMA)
@@ -49,15 +47,9 @@ for tree in (True, False):
     cst = dict(DL=512, DR=64, PAGE=box or 64, BLOCK_M=64, BLOCK_N=64, NCH=16, C_MIN=512, RULE=1, S_PAD=16,
                TREE=tree, NB=128 if tree else 64, STAGES=stages,
                **({} if box is None else {"BOX": box} if persistent else {"BOX": box, "QTMA": box > 0}), **fold)
-    sig.update({k: "constexpr" for k in cst})
-    names = list(sig)
-    aligned = {(names.index(n),): [["tt.divisibility", 16]] for n in names
-               if n.endswith("_ptr") or (n in strides and n != "stride_bits")}
-    log = io.StringIO()  # the ptxas -v log (TRITON_DUMP_PTXAS_LOG; the cache is empty, so ptxas runs)
-    with contextlib.redirect_stdout(log):
-        k = compile(GluonASTSource(fn=kernel, signature=sig, constexprs=cst, attrs=aligned),
-                    target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
-    ptx, log = k.asm["ptx"], log.getvalue()
+    k, ptx, log = compile_gluon_sm90(kernel, sig, cst, [n for n in sig if n.endswith("_ptr")
+                                                         or (n in strides and n != "stride_bits")],
+                                     num_warps=num_warps)
     wgmma = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)\.\S+ \{[^}]*\}, (\S)", ptx)
     rs = {"{": "_rs", "%": ""}  # operand A in registers (a "{...}" list) or a shared-memory descriptor
     out[str(tree)] = {
