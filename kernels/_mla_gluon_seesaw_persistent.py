@@ -1,8 +1,10 @@
 """Persistent form of the seesaw Gluon kernel (`_mla_gluon_seesaw`): one program per SM walks its share of the
 (query tile, KV chunk) items, so an item's fixed cost (the CTA's start, its query tile and first KV tiles arriving
 from memory) overlaps the previous item's last pair and epilogue. Opt-in (`SEESAW_PERSISTENT`,
-`mla_attention_triton(..., impl="gluon_seesaw", persistent=True)`) until it has run on a GPU: written in a session
-without one.
+`mla_attention_triton(..., impl="gluon_seesaw", persistent=True)`). Written in a session without a GPU. It first ran
+on an H100 in the thirtieth session: the grid kernel's bits in every GPU test, but 3-14% slower in every bench case.
+Its tile kernel is slower both per item (+3.8 us with one item a program) and per tile (+13% at 32k).
+`docs/performance.md` has the figures.
 
 Why it may pay where `_mla_gluon_persistent` did not (9-15% slower than its grid form on the H200, 2026-12-05): both
 grid kernels hold one CTA per SM (224-227 KB of shared memory), so nothing hides a grid CTA's start and its first
@@ -45,7 +47,7 @@ from __future__ import annotations
 from kernels._mla_gluon import HAVE_GLUON
 from kernels._mla_kernels import chunk_span
 
-SEESAW_PERSISTENT = False  # opt-in until it has run on a GPU (same bits as the grid seesaw kernel by design)
+SEESAW_PERSISTENT = False  # opt-in: the grid seesaw kernel's bits, measured slower (H100, thirtieth session)
 
 if HAVE_GLUON:
     from triton.experimental import gluon
