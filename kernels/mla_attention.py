@@ -13,8 +13,9 @@ Scores: (q_lat . c_kv + q_pe . k_pe) * sm_scale; output is the latent-space valu
 on CUDA, the reference elsewhere. The tile kernels share the work split, the chunks and the combine:
 `_mla_gluon_seesaw` (sm_90 with the Kimi head shapes, FlashMLA's two-warpgroup "seesaw" schedule: the default there
 since 2026-12-05, 1.01-1.29x `_mla_gluon` on the H200 bench; `_mla_gluon_seesaw_persistent` runs its items from one
-program per SM, opt-in: persistent=True, not yet run on a GPU), `_mla_gluon` (the same shapes, one warpgroup, S computed
-once per tile; `_mla_gluon_persistent` runs the same tiles from one program per SM, opt-in: persistent=True),
+program per SM, opt-in: persistent=True, the same bits, measured 3-14% slower on an H100), `_mla_gluon` (the
+same shapes, one warpgroup, S computed once per tile; `_mla_gluon_persistent` runs the same tiles from one program
+per SM, opt-in: persistent=True),
 `_mla_gluon_ws` (the same shapes, warp-specialized; experimental, only when asked for: impl="gluon_ws"),
 `_mla_kernels` (any GPU and the interpreter); `impl` / `DEFAULT_IMPL` pick one. The kernels are position aligned: a
 query at absolute position p (L + depth for a tree node, L + j for a causal row) reduces over its
