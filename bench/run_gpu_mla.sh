@@ -12,9 +12,9 @@
 #   SEESAW=1  the seesaw kernel's GPU tests (`-k "seesaw and not persistent"`, under their own time limit; the
 #             first run's compiles take most of two minutes), then, if they pass, the bench of gluon against
 #             gluon_seesaw and the seesaw kernel at c_min 512 / 1024 (1k and 4k prefixes, 1-65 nodes);
-#   SSP=1     the persistent seesaw kernel (twenty-ninth session, never run on a GPU): its GPU tests (bitwise its grid
-#             form, `-k "persistent and gluon_seesaw"`), then, if they pass, the bench of the seesaw kernel with the
-#             persistent form off / on (every case, page 64);
+#   SSP=1     the persistent seesaw kernel (twenty-ninth session; on an H100 in the thirtieth: right, slower): its
+#             GPU tests (bitwise its grid form, `-k "persistent and gluon_seesaw"`), then, if they pass, the bench of
+#             the seesaw kernel with the persistent form off / on (every case, page 64);
 #   PROFILE=1 (default 0) the per-kernel split of the default kernel and of gluon (bench/profile_mla_attention.py);
 #   STEP=1    (default 0) the whole verify step (8 K2.6 layers, 4k prefix, batch 1 / 16, 1-33 nodes) with the MLA
 #             kernel auto (the seesaw one on sm_90) and gluon (STEP_ARGS adds options, e.g. "--prefix 32768").

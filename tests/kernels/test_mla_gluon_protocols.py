@@ -1,5 +1,5 @@
 """The warp-specialized MLA kernels' barrier protocols, checked on the CPU: the seesaw kernel
-(kernels/_mla_gluon_seesaw.py, never run on a GPU yet) and, as a control, the ws kernel (kernels/_mla_gluon_ws.py,
+(kernels/_mla_gluon_seesaw.py, and its persistent form) and, as a control, the ws kernel (kernels/_mla_gluon_ws.py,
 validated on the H200).
 
 Gluon has no interpreter, so these kernels only run on a GPU, where a protocol mistake is a hang or a silent race.
