@@ -46,3 +46,38 @@ def compile_gluon_sm90(fn, sig: dict, constexprs: dict, aligned, **options):
         k = compile(GluonASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
                     target=GPUTarget("cuda", 90, 32), options=options)
     return k, k.asm["ptx"], log.getvalue()
+
+
+def hgmma_loops(cubin: bytes) -> list[dict]:
+    """In a compile script: the innermost loops of a compiled kernel that issue warpgroup MMAs, by the SASS of the
+    installed Triton's nvdisasm, in code order: {"n": instructions, and the count of each opcode that says where the
+    loop computes its wgmma descriptors: HGMMA, R2UR (a vector value moved to a uniform register), UIADD3, IMAD,
+    IADD3, and the spill traffic LDL / STL}. A loop is a backward branch to a label."""
+    import collections
+    import re
+    import tempfile
+
+    import triton
+
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
+    ins, labels = [], {}
+    for line in sass.splitlines():
+        if m := re.match(r"^(\.L_x_\d+):", line.strip()):
+            labels[m.group(1)] = len(ins)
+        elif m := re.match(r"^\s+/\*[0-9a-f]+\*/\s+(.*?)\s*;", line):
+            ins.append(m.group(1))
+    loops = []
+    for i, s in enumerate(ins):
+        m = re.search(r"\bBRA(?:\.\w+)* `?\(?(\.L_x_\d+)", s)
+        if m and labels.get(m.group(1), len(ins)) <= i:
+            ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", b).split()[0].split(".")[0]
+                                      for b in ins[labels[m.group(1)]:i + 1])
+            if ops["HGMMA"]:
+                loops.append((labels[m.group(1)], i, ops))
+    inner = [x for x in loops if not any(y is not x and x[0] <= y[0] and y[1] <= x[1] for y in loops)]
+    return [{"n": i - a + 1, **{k: ops[k] for k in ("HGMMA", "R2UR", "UIADD3", "IMAD", "IADD3", "LDL", "STL")}}
+            for a, i, ops in inner]
