@@ -303,7 +303,7 @@ if HAVE_GLUON:
         TT: gl.constexpr = NB // BLOCK_N + 1  # tiles that can hold tree positions L .. L + NB - 1
 
         # --- which query row and chunk (as _mla_gluon) ---
-        pid_t, pid_c, hb, t, s, L, bit, rank, nc, start, end, ident = _ws_chunk(
+        pid_t, pid_c, hb, t, s, L, bit, nc, start, end, ident = _ws_chunk(
             cu_ptr, pre_ptr, bits_ptr, nc_ptr, S, HT, stride_bits, RULE, BLOCK_N, NCH, C_MIN, S_PAD, TREE, NB, L1, LB2)
         if pid_c >= nc:
             return
@@ -340,7 +340,7 @@ if HAVE_GLUON:
         for i in gl.static_range(5):
             mbarrier.init(hand.index(i), count=2 if i == 3 else 1)
         fence_async_shared()
-        _tree_table(tree_smem, L, end, bit, rank, NB, BLOCK_N, TREE, TT, LB2)
+        _tree_table(tree_smem, L, end, bit, NB, BLOCK_N, TREE, TT, LB2)
         # (the partitions start behind a CTA barrier, which orders these barrier inits and table stores)
 
         t64 = t.to(gl.int64)

@@ -55,7 +55,7 @@ if HAVE_GLUON:
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
     from kernels._gluon_compat import cta_barrier
-    from kernels._mla_gluon import _ancestor_ranks, _check_box, _issue_q, _item_query
+    from kernels._mla_gluon import _check_box, _issue_q, _item_query
     from kernels._mla_gluon_seesaw import _SS_REGS, _ss_consumer, _ss_tiles
     from kernels._mla_gluon_ws import _opaque_zero, _tree_table
 
@@ -133,8 +133,7 @@ if HAVE_GLUON:
                     if pid_c == 0:
                         gl.store(nc_ptr + pid_t, nc)  # for the combine kernel
                     if TREE:
-                        _tree_table(tree_smem, L, end, bit, _ancestor_ranks(bit, NB, TREE, LB2), NB, BLOCK_N, TREE,
-                                    TT, LB2)
+                        _tree_table(tree_smem, L, end, bit, NB, BLOCK_N, TREE, TT, LB2)
                         mbarrier.arrive(tree_bar, count=1)  # (after a warpgroup barrier: every warp's stores are in)
                 _ss_consumer(q_smem, p0_smem, p1_smem, ckv_smem, kpe_smem, stats, q_bar, full_tma, full_cp, empty,
                              hand, out_ptr, po_ptr, pml_ptr, pid_t, pid_c, GC, t.to(gl.int64), hb, H, nc, start, end,

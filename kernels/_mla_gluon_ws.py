@@ -276,12 +276,11 @@ if HAVE_GLUON:
                   NCH: gl.constexpr, C_MIN: gl.constexpr, S_PAD: gl.constexpr, TREE: gl.constexpr, NB: gl.constexpr,
                   L1: gl.constexpr, LB2: gl.constexpr):
         """This program's query row and chunk (as _mla_gluon), with the chunk count stored for the combine by chunk
-        0: (pid_t, pid_c, hb, t, s, L, bit, rank, nc, start, end, ident); the caller returns when pid_c >= nc."""
+        0: (pid_t, pid_c, hb, t, s, L, bit, nc, start, end, ident); the caller returns when pid_c >= nc."""
         pid_t = gl.program_id(0)
         pid_c = gl.program_id(1)
         hb = pid_t % HT
         t, s, L, bit, p = _item_query(pid_t, cu_ptr, pre_ptr, bits_ptr, S, HT, stride_bits, S_PAD, TREE, NB, L1, LB2)
-        rank = _ancestor_ranks(bit, NB, TREE, LB2)
         nc, start, end = chunk_span(p + 1, pid_c, RULE, BLOCK_N, NCH, C_MIN)
         if pid_c == 0:
             gl.store(nc_ptr + pid_t, nc)
@@ -289,15 +288,17 @@ if HAVE_GLUON:
             ident = gl.minimum(end, L)
         else:
             ident = end
-        return pid_t, pid_c, hb, t, s, L, bit, rank, nc, start, end, ident
+        return pid_t, pid_c, hb, t, s, L, bit, nc, start, end, ident
 
     @gluon.jit
-    def _tree_table(tree_smem, L, end, bit, rank, NB: gl.constexpr, BLOCK_N: gl.constexpr, TREE: gl.constexpr,
+    def _tree_table(tree_smem, L, end, bit, NB: gl.constexpr, BLOCK_N: gl.constexpr, TREE: gl.constexpr,
                     TT: gl.constexpr, LB2: gl.constexpr):
         """The producer's tree table: the logical row of each position of the TT tiles from L // BLOCK_N on
-        (ancestors by depth), when this chunk reaches the tree part."""
+        (ancestors by depth), when this chunk reaches the tree part. The ancestors' ranks are computed here, under
+        that branch: the chunks of the committed rows alone (all but a row's last) never pay for them."""
         if TREE:
             if end > L:
+                rank = _ancestor_ranks(bit, NB, TREE, LB2)
                 kk = gl.arange(0, NB, layout=gl.SliceLayout(0, LB2))
                 for u in gl.static_range(TT):
                     pos = (L // BLOCK_N + u) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LB2))
@@ -331,7 +332,7 @@ if HAVE_GLUON:
         TT: gl.constexpr = NB // BLOCK_N + 1  # tiles that can hold tree positions L .. L + NB - 1
 
         # --- which query row and chunk (as _mla_gluon) ---
-        pid_t, pid_c, hb, t, s, L, bit, rank, nc, start, end, ident = _ws_chunk(
+        pid_t, pid_c, hb, t, s, L, bit, nc, start, end, ident = _ws_chunk(
             cu_ptr, pre_ptr, bits_ptr, nc_ptr, S, HT, stride_bits, RULE, BLOCK_N, NCH, C_MIN, S_PAD, TREE, NB, L1, LB2)
         if pid_c >= nc:
             return
@@ -358,7 +359,7 @@ if HAVE_GLUON:
             mbarrier.init(full.index(i), count=32)
             mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
         mbarrier.init(p_bar, count=1)
-        _tree_table(tree_smem, L, end, bit, rank, NB, BLOCK_N, TREE, TT, LB2)
+        _tree_table(tree_smem, L, end, bit, NB, BLOCK_N, TREE, TT, LB2)
         # (the partitions start behind a CTA barrier, which orders these barrier inits and table stores)
 
         t64 = t.to(gl.int64)
