@@ -31,6 +31,10 @@ and as one program per query tile folding its chunks (params.fold; the same bits
 mla_attention_layers, params.layers): every layer its own KV pool, queries and output over the same block table, cu and
 trees, as a model's layers run its attention; the one-kernel graph's launch cost (~4.7 us on the H200, `graph_launch_ms`
 in the record) is then paid once for N launches, and L2 still starts cold (do_bench clears it before each replay).
+`--table-len 0 131072` times each case with the block table as wide as the case needs (0) and as wide as a serving
+pool's rows for that many keys (params.table_len): the launch's chunk grid is sized by the table's width (graph
+capturable), so in serving a short row's programs past its last chunk exist and return early; the kernel bench's tight
+table never shows what they cost.
 `--tma on off` times the gluon kernel with and without TMA loads of whole committed tiles (params.tma; same bits;
 TMA runs with pages of 16 or 32 rows or a multiple of 64, `--page`, default 64; the serving page size is 16).
 Run from the repo root:  PYTHONPATH=. python bench/bench_mla_attention.py [--sweep] [--out FILE]
@@ -73,6 +77,18 @@ SWEEP = [  # (block_n, num_warps, num_stages, nch, c_min) beside the default (se
 # BLOCK_M must hold the whole GQA group of 64 query heads
 FLEX_OPTIONS = {"BLOCK_M": 64, "BLOCK_N": 16, "num_stages": 1, "num_warps": 4}
 FLEX_BUDGET_S = 120.0  # stop compiling FlexAttention for new shapes after this much time
+
+
+def wide_table(args, table_len, page=PAGE):
+    """The case's arguments with its block table widened to table_len keys (a serving pool's row width); the new
+    columns hold page 0, which no query reads (they lie past every position)."""
+    bt = args[3]
+    cols = -(-table_len // page)
+    if cols <= bt.shape[1]:
+        return args
+    wide = torch.zeros(bt.shape[0], cols, dtype=bt.dtype, device=bt.device)
+    wide[:, : bt.shape[1]] = bt
+    return (*args[:3], wide, *args[4:])
 
 
 def make_case(B, L, n, gen, cgen, page=PAGE):
@@ -156,6 +172,8 @@ def main():
                     help="dtype of a multi-chunk row's partial O (default: the kernel's DEFAULT_PARTIALS)")
     ap.add_argument("--fold", nargs="+", default=["default"], choices=("default", "on", "off", "auto"),
                     help="triton / gluon: one program per query tile folding its chunks (default: DEFAULT_FOLD)")
+    ap.add_argument("--table-len", nargs="+", type=int, default=[0],
+                    help="block-table width in keys (0: what the case needs; e.g. 131072: a 128k serving pool's rows)")
     args_cli = ap.parse_args()
     prefixes = args_cli.prefix or (QUICK_PREFIX if args_cli.quick else PREFIX)
     info = env_info()
@@ -190,10 +208,12 @@ def main():
                           for tm, pm in (gluon_knobs if i in ("gluon", "gluon_seesaw", "auto")
                                          else [("default", "default")])
                           for nch in args_cli.nch for cm in args_cli.c_min for pa in args_cli.partials
-                          for fo in (args_cli.fold if i in ("triton", "gluon", "auto") else ["default"])]
+                          for fo in (args_cli.fold if i in ("triton", "gluon", "auto") else ["default"])
+                          for tl in args_cli.table_len]
                 onoff = {"default": None, "on": True, "off": False}
                 for combo in combos:
-                    rule, cfg, bn, impl, tm, pm, nch, cm, pa, fo = combo
+                    rule, cfg, bn, impl, tm, pm, nch, cm, pa, fo, tl = combo
+                    case = wide_table(args, tl, args_cli.page)
                     kw = {} if cfg is None else dict(block_n=cfg[0], num_warps=cfg[1], num_stages=cfg[2], nch=cfg[3],
                                                      c_min=cfg[4])
                     if bn is not None:
@@ -207,7 +227,7 @@ def main():
                     opts = dict(chunk_rule=rule, impl=impl, tma=onoff[tm], persistent=onoff[pm],
                                 partials=None if pa == "default" else pa, fold="auto" if fo == "auto" else onoff[fo],
                                 **kw)
-                    fn = functools.partial(mla_attention_triton, *args, SCALE, out=out, **opts)
+                    fn = functools.partial(mla_attention_triton, *case, SCALE, out=out, **opts)
                     try:
                         ms = graph_ms(fn)
                         eager = bench_ms(fn)
@@ -245,17 +265,19 @@ def main():
                                   persistent=pm if impl in ("gluon", "gluon_seesaw", "auto") else None,
                                   partials=DEFAULT_PARTIALS if pa == "default" else pa,
                                   fold=(DEFAULT_FOLD if fo == "default" else "auto" if fo == "auto" else fo == "on")
-                                  if impl in ("triton", "gluon", "auto") else None)
+                                  if impl in ("triton", "gluon", "auto") else None,
+                                  table_len=max(tl, args[3].shape[1] * args_cli.page))
                     rec = dict(name="mla_attention" if cfg is None else "mla_attention_sweep", params=params,
                                **info, ms=ms, floor_ms=floor_ms, ratio=floor_ms / ms, peers=peers, **ceil)
                     write_jsonl(args_cli.out, [rec])  # one line at a time: a cut-off run keeps what it measured
                     pe = "  ".join(f"{a}={b:.3f}" for a, b in peers.items() if isinstance(b, float))
                     print(f"{B:>3} {L:>6} {n:>3} {rule:>8} {chunks:>6} {ms:8.4f} {floor_ms:8.4f} {floor_ms / ms:6.3f} "
-                          f"{flops / ms / 1e9:7.0f}  {impl} tma={tm} persistent={pm} partials={pa} fold={fo}  {pe}  "
+                          f"{flops / ms / 1e9:7.0f}  {impl} tma={tm} persistent={pm} partials={pa} fold={fo} "
+                          f"table={params['table_len']}  {pe}  "
                           f"{kw or ''}", flush=True)
                     if more:
-                        calls = [fn] + [functools.partial(mla_attention_triton, *a, SCALE, out=o, **opts)
-                                        for a, o in zip(more, outs)]
+                        calls = [fn] + [functools.partial(mla_attention_triton, *wide_table(a, tl, args_cli.page),
+                                                          SCALE, out=o, **opts) for a, o in zip(more, outs)]
                         per_layer = graph_ms(functools.partial(run_all, calls)) / args_cli.layers
                         write_jsonl(args_cli.out, [dict(rec, name=rec["name"] + "_layers",
                                                         params=dict(params, layers=args_cli.layers), ms=per_layer,
