@@ -80,9 +80,28 @@ if HAVE_GLUON:
         return pid_t, pid_c, pid_t % HT, t, s, L, bit, nc, start, end, ident, n_tma
 
     @gluon.jit
+    def _ssp_total(cu_ptr, pre_ptr, S, TILES, GC, RULE: gl.constexpr, BLOCK_N: gl.constexpr, NCH: gl.constexpr,
+                   C_MIN: gl.constexpr, S_PAD: gl.constexpr, L1: gl.constexpr):
+        """How many items the programs walk: TILES x the chunk count of the launch's longest row, at most GC (the
+        grid's chunk slots, sized by the block table's width). Items go chunk-major (w = pid_c * TILES + pid_t), so
+        this drops exactly the slots past every row's last chunk, which a serving pool's wide table makes most of a
+        short batch's (a 1k row has 2 of 16): each would cost every partition a lookup. A row of session s sits at
+        position p < prefix_lens[s] + n_s, and the balanced rule's count does not decrease with the keys; the legacy
+        rule's can, so it keeps GC."""
+        offs = gl.arange(0, S_PAD, layout=L1)
+        m = offs < S
+        n = gl.load(cu_ptr + offs + 1, mask=m, other=0) - gl.load(cu_ptr + offs, mask=m, other=0)
+        kmax = gl.max(gl.load(pre_ptr + offs, mask=m, other=0) + n, 0)
+        if RULE == 0:
+            nc = GC
+        else:
+            nc = gl.minimum(chunk_span(gl.maximum(kmax, 1), 0, RULE, BLOCK_N, NCH, C_MIN)[0], GC)
+        return TILES * nc
+
+    @gluon.jit
     def _ssp_producer(kv_ptr, bt_ptr, cu_ptr, pre_ptr, bits_ptr, q_smem, p0_smem, ckv_smem, kpe_smem, rows_smem,
                       tree_smem, q_bar, full_tma, full_cp, empty, tree_bar, desc_l, desc_r, desc_q, desc_qpe, S, H, HT,
-                      TILES, TOTAL, NPROG, stride_bits, stride_bt, stride_kv, DL: gl.constexpr, DR: gl.constexpr,
+                      TILES, GC, NPROG, stride_bits, stride_bt, stride_kv, DL: gl.constexpr, DR: gl.constexpr,
                       PAGE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NCH: gl.constexpr,
                       C_MIN: gl.constexpr, RULE: gl.constexpr, S_PAD: gl.constexpr, TREE: gl.constexpr,
                       NB: gl.constexpr, BOX: gl.constexpr):
@@ -91,7 +110,8 @@ if HAVE_GLUON:
         LB2: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, 1], [1, 0])
         pairs = 0
         ip = 0
-        for w in range(gl.program_id(0), TOTAL, NPROG):
+        total = _ssp_total(cu_ptr, pre_ptr, S, TILES, GC, RULE, BLOCK_N, NCH, C_MIN, S_PAD, L1)
+        for w in range(gl.program_id(0), total, NPROG):
             pid_t, pid_c, hb, t, s, L, bit, nc, start, end, ident, n_tma = _ssp_item(
                 w, TILES, cu_ptr, pre_ptr, bits_ptr, S, HT, stride_bits, RULE, BLOCK_N, NCH, C_MIN, S_PAD, TREE, NB,
                 BOX, L1, LB2)
@@ -111,7 +131,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _ssp_consumer(q_smem, p0_smem, p1_smem, ckv_smem, kpe_smem, stats, q_bar, full_tma, full_cp, empty, hand,
                       tree_smem, tree_bar, out_ptr, po_ptr, pml_ptr, nc_ptr, cu_ptr, pre_ptr, bits_ptr, S, H, HT, GC,
-                      TILES, TOTAL, NPROG, stride_bits, qk_scale, stride_ot, stride_oh, W: gl.constexpr,
+                      TILES, NPROG, stride_bits, qk_scale, stride_ot, stride_oh, W: gl.constexpr,
                       DL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NCH: gl.constexpr,
                       C_MIN: gl.constexpr, RULE: gl.constexpr, S_PAD: gl.constexpr, TREE: gl.constexpr,
                       NB: gl.constexpr, BOX: gl.constexpr):
@@ -124,7 +144,8 @@ if HAVE_GLUON:
         tb = 0  # bit st: parity of the TMA completions of stage st so far
         cb = 0  # the same for the cp.async completions
         ip = 0
-        for w in range(gl.program_id(0), TOTAL, NPROG):
+        total = _ssp_total(cu_ptr, pre_ptr, S, TILES, GC, RULE, BLOCK_N, NCH, C_MIN, S_PAD, L1)
+        for w in range(gl.program_id(0), total, NPROG):
             pid_t, pid_c, hb, t, s, L, bit, nc, start, end, ident, n_tma = _ssp_item(
                 w, TILES, cu_ptr, pre_ptr, bits_ptr, S, HT, stride_bits, RULE, BLOCK_N, NCH, C_MIN, S_PAD, TREE, NB,
                 BOX, L1, LB2)
@@ -169,7 +190,6 @@ if HAVE_GLUON:
         SH_P: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dt)
         SH_1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
         TT: gl.constexpr = NB // BLOCK_N + 1
-        TOTAL = TILES * GC
 
         # --- shared memory: the grid kernel's ---
         q_smem = gl.allocate_shared_memory(dt, [1, BLOCK_M, DL], SH_KV)
@@ -207,14 +227,14 @@ if HAVE_GLUON:
         gl.warp_specialize([
             (_ssp_consumer, (q_smem, p0_smem, p1_smem, ckv_smem, kpe_smem, stats, q_bar, full_tma, full_cp, empty,
                              hands, tree_smem, hand.index(5), out_ptr, po_ptr, pml_ptr, nc_ptr, cu_ptr, pre_ptr,
-                             bits_ptr, S, H, HT, GC, TILES, TOTAL, NPROG, stride_bits, qk_scale, stride_ot, stride_oh,
+                             bits_ptr, S, H, HT, GC, TILES, NPROG, stride_bits, qk_scale, stride_ot, stride_oh,
                              0, DL, BLOCK_M, BLOCK_N, NCH, C_MIN, RULE, S_PAD, TREE, NB, BOX)),
             (_ssp_consumer, (q_smem, p0_smem, p1_smem, ckv_smem, kpe_smem, stats, q_bar, full_tma, full_cp, empty,
                              hands, tree_smem, hand.index(5), out_ptr, po_ptr, pml_ptr, nc_ptr, cu_ptr, pre_ptr,
-                             bits_ptr, S, H, HT, GC, TILES, TOTAL, NPROG, stride_bits, qk_scale, stride_ot, stride_oh,
+                             bits_ptr, S, H, HT, GC, TILES, NPROG, stride_bits, qk_scale, stride_ot, stride_oh,
                              1, DL, BLOCK_M, BLOCK_N, NCH, C_MIN, RULE, S_PAD, TREE, NB, BOX)),
             (_ssp_producer, (kv_ptr, bt_ptr, cu_ptr, pre_ptr, bits_ptr, q_smem, p0_smem, ckv_smem, kpe_smem, rows_smem,
                              tree_smem, q_bar, full_tma, full_cp, empty, hand.index(5), desc_l, desc_r, desc_q,
-                             desc_qpe, S, H, HT, TILES, TOTAL, NPROG, stride_bits, stride_bt, stride_kv, DL, DR, PAGE,
+                             desc_qpe, S, H, HT, TILES, GC, NPROG, stride_bits, stride_bt, stride_kv, DL, DR, PAGE,
                              BLOCK_M, BLOCK_N, NCH, C_MIN, RULE, S_PAD, TREE, NB, BOX)),
         ], [4, 1], _SS_REGS)

@@ -21,12 +21,14 @@ def random_tree_bits(n: int, g: torch.Generator) -> torch.Tensor:
     return bits if bits.shape[1] == 2 else torch.cat([bits, torch.zeros_like(bits)], 1)
 
 
-def make_batch(prefix, ns, H, Dl, Dr, page, dtype, tree, seed=0, device=DEV):
-    """Paged pool with shuffled pages; every slot no session owns is NaN."""
+def make_batch(prefix, ns, H, Dl, Dr, page, dtype, tree, seed=0, device=DEV, table_len=0):
+    """Paged pool with shuffled pages; every slot no session owns is NaN. `table_len`: the block table at least that
+    many keys wide (a serving pool's rows, whose width sizes a launch's chunk grid)."""
     g = torch.Generator().manual_seed(seed)
     S = len(prefix)
     lens = [p + n for p, n in zip(prefix, ns)]
     P = max(1, max(-(-ln // page) for ln in lens)) + 1  # one spare page per row of the table
+    P = max(P, -(-table_len // page))
     pages = S * P + 2
     bt = torch.randperm(pages, generator=g)[: S * P].view(S, P).int()
     kv = torch.full((pages * page, Dl + Dr), float("nan"))

@@ -93,13 +93,17 @@ def test_mla_gluon_tma_loads_give_the_cp_async_bits(tree, prefix, ns, page):
 @pytest.mark.parametrize("impl", ["gluon", "gluon_seesaw"])
 @pytest.mark.parametrize("programs", [None, 1, 5])
 @pytest.mark.parametrize("page", [8, 16, 64])
-@pytest.mark.parametrize("tree,prefix,ns", [
+@pytest.mark.parametrize("tree,prefix,ns,table_len", [
     # one-tile items next to 16-chunk rows, a session without queries, a row with nothing committed
-    (True, [0, 63, 64, 65, 1000, 0, 4097, 9001], [9, 65, 1, 33, 17, 0, 5, 40]),
-    (False, [0, 127, 2048, 5], [70, 3, 64, 1]),
-    (True, [0], [1]),  # one item in all
+    (True, [0, 63, 64, 65, 1000, 0, 4097, 9001], [9, 65, 1, 33, 17, 0, 5, 40], 0),
+    (False, [0, 127, 2048, 5], [70, 3, 64, 1], 0),
+    (True, [0], [1], 0),  # one item in all
+    # a serving pool's wide table (16 chunk slots) under rows of at most 6 chunks: the persistent seesaw walks
+    # only the slots below the longest row's count (`_ssp_total`)
+    (True, [1000, 64, 3000, 2900], [9, 65, 33, 0], 16384),
 ])
-def test_mla_gluon_persistent_gives_the_grid_kernels_bits(tree, prefix, ns, page, programs, impl, monkeypatch):
+def test_mla_gluon_persistent_gives_the_grid_kernels_bits(tree, prefix, ns, table_len, page, programs, impl,
+                                                          monkeypatch):
     """The persistent kernels (`_mla_gluon_persistent`, `_mla_gluon_seesaw_persistent`: one program per SM walking
     its items; here also 1 and 5 programs, so a program runs hundreds of items and crosses every kind of item
     boundary) equal, bit for bit, their grid kernels (one program per item) with the same loads, and the reference
@@ -108,7 +112,8 @@ def test_mla_gluon_persistent_gives_the_grid_kernels_bits(tree, prefix, ns, page
 
     if programs is not None:
         monkeypatch.setattr(mla, "_sm_count", lambda index: programs)
-    args = make_batch(prefix, ns, KIMI["H"], KIMI["Dl"], KIMI["Dr"], page, torch.bfloat16, tree, seed=11)
+    args = make_batch(prefix, ns, KIMI["H"], KIMI["Dl"], KIMI["Dr"], page, torch.bfloat16, tree, seed=11,
+                      table_len=table_len)
     out = run_kernel(args, SCALE, impl=impl, persistent=True)
     assert_bitwise(out, run_kernel(args, SCALE, impl=impl, persistent=False), f"{impl} page {page} tree={tree}")
     assert_close(out, reference(args, SCALE), TOL[torch.bfloat16], f"persistent {impl} page {page} {prefix} {ns}")
