@@ -203,7 +203,7 @@ def main():
                 outs = [torch.empty_like(a[0]) for a in more]
                 cfgs = [None] + (SWEEP if args_cli.sweep and n != 33 else [])
                 gluon_knobs = [(tm, pm) for tm in args_cli.tma for pm in args_cli.persistent]
-                combos = [(r, c, b, i, tm, pm, nch, cm, pa, fo) for r in args_cli.chunk_rule for c in cfgs
+                combos = [(r, c, b, i, tm, pm, nch, cm, pa, fo, tl) for r in args_cli.chunk_rule for c in cfgs
                           for b in args_cli.block_n for i in args_cli.impl
                           for tm, pm in (gluon_knobs if i in ("gluon", "gluon_seesaw", "auto")
                                          else [("default", "default")])
