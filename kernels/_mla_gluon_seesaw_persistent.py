@@ -2,8 +2,10 @@
 (query tile, KV chunk) items, so an item's fixed cost (the CTA's start, its query tile and first KV tiles arriving
 from memory) overlaps the previous item's last pair and epilogue. Opt-in (`SEESAW_PERSISTENT`,
 `mla_attention_triton(..., impl="gluon_seesaw", persistent=True)`). Written in a session without a GPU. It first ran
-on an H100 in the thirtieth session: the grid kernel's bits in every GPU test, but 3-14% slower in every bench case.
-Its tile kernel is slower both per item (+3.8 us with one item a program) and per tile (+13% at 32k).
+on an H100 in the thirtieth session: the grid kernel's bits in every GPU test, but 3-14% slower in every bench case,
+its tile loop included. The thirty-first found that loop's wgmma descriptors on the vector datapath in the SASS
+(see the rows buffer's allocation) and fixed it: 1.4-4.4% slower than the grid kernel with a case-sized block table,
+and 1.5-6.7% faster at batch 16 (2-2.5% slower at batch 1) with a serving pool's (`_ssp_total`), on an H100.
 `docs/performance.md` has the figures.
 
 Why it may pay where `_mla_gluon_persistent` did not (9-15% slower than its grid form on the H200, 2026-12-05): both
@@ -47,7 +49,7 @@ from __future__ import annotations
 from kernels._mla_gluon import HAVE_GLUON
 from kernels._mla_kernels import chunk_span
 
-SEESAW_PERSISTENT = False  # opt-in: the grid seesaw kernel's bits, measured slower (H100, thirtieth session)
+SEESAW_PERSISTENT = False  # opt-in: the grid seesaw kernel's bits; faster only with wide tables at batch 16 (H100)
 
 if HAVE_GLUON:
     from triton.experimental import gluon
