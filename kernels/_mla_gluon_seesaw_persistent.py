@@ -203,11 +203,12 @@ if HAVE_GLUON:
                  gl.allocate_shared_memory(gl.float32, [BLOCK_M], SH_1),
                  gl.allocate_shared_memory(gl.float32, [BLOCK_M], SH_1),
                  gl.allocate_shared_memory(gl.float32, [BLOCK_M], SH_1))
-        # [1, ..] and indexed by an opaque zero per item (`_ssp_producer`): with a plain [BLOCK_N] buffer, LLVM hoists
-        # the producer's per-lane address of it out of the partitions' dispatch loop, the shared-memory base then
-        # lives in a vector register from the kernel's entry on, and ptxas (Triton 3.6's) built every wgmma
-        # descriptor of the first worker consumer's tile loop from it: 1137 instructions a pair (160 R2UR) instead
-        # of ~800 on the uniform datapath (the grid kernel's: 771 / 832). The compile test checks the tile loops.
+        # [1, ..] and indexed by an opaque zero per item (`_ssp_producer`). With a plain [BLOCK_N] buffer LLVM hoisted
+        # the producer's per-lane address of it into the partitions' dispatch preheader, and ptxas (Triton 3.6's)
+        # then built every wgmma descriptor of the worker consumer's tile loop on the vector datapath from a
+        # shared-memory base held in a vector register: 1137 instructions a pair (160 R2UR) instead of ~800 on the
+        # uniform datapath (the grid kernel's: 771 / 832). That is our reading of the PTX and SASS; the compile test
+        # checks the tile loops.
         rows_smem = gl.allocate_shared_memory(gl.int32, [1, BLOCK_N], SH_1)
         tree_smem = gl.allocate_shared_memory(gl.int32, [TT, BLOCK_N], SH_1)
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
