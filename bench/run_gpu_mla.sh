@@ -12,7 +12,7 @@
 #   SEESAW=1  the seesaw kernel's GPU tests (`-k "seesaw and not persistent"`, under their own time limit; the
 #             first run's compiles take most of two minutes), then, if they pass, the bench of gluon against
 #             gluon_seesaw and the seesaw kernel at c_min 512 / 1024 (1k and 4k prefixes, 1-65 nodes);
-#   SSP=1     the persistent seesaw kernel (twenty-ninth session; on an H100 in the thirtieth: right, slower): its
+#   SSP=1     the persistent seesaw kernel (twenty-ninth session; H100, thirty-first: right, near the grid): its
 #             GPU tests (bitwise its grid form, `-k "persistent and gluon_seesaw"`), then, if they pass, the bench of
 #             the seesaw kernel with the persistent form off / on (every case, page 64);
 #   PROFILE=1 (default 0) the per-kernel split of the default kernel and of gluon (bench/profile_mla_attention.py);

@@ -13,7 +13,8 @@ Scores: (q_lat . c_kv + q_pe . k_pe) * sm_scale; output is the latent-space valu
 on CUDA, the reference elsewhere. The tile kernels share the work split, the chunks and the combine:
 `_mla_gluon_seesaw` (sm_90 with the Kimi head shapes, FlashMLA's two-warpgroup "seesaw" schedule: the default there
 since 2026-12-05, 1.01-1.29x `_mla_gluon` on the H200 bench; `_mla_gluon_seesaw_persistent` runs its items from one
-program per SM, opt-in: persistent=True, the same bits, measured 3-14% slower on an H100), `_mla_gluon` (the
+program per SM, opt-in: persistent=True, the same bits; on an H100 1.4-4.4% slower with a case-sized block
+table, faster at batch 16 with a serving pool's wide one), `_mla_gluon` (the
 same shapes, one warpgroup, S computed once per tile; `_mla_gluon_persistent` runs the same tiles from one program
 per SM, opt-in: persistent=True),
 `_mla_gluon_ws` (the same shapes, warp-specialized; experimental, only when asked for: impl="gluon_ws"),
