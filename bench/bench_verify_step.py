@@ -53,7 +53,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable without PYTHONPATH too
 
 from bench._common import bench_ms, commit, env_info, measure_ceilings, write_jsonl  # noqa: E402
-from kernels import _mla_gluon, _mla_gluon_persistent, int4_moe, int4_moe_gluon, int4_moe_wgmma, mla_attention  # noqa: E402
+from kernels import (  # noqa: E402
+    _mla_gluon,
+    _mla_gluon_persistent,
+    _mla_gluon_seesaw_persistent,
+    int4_moe,
+    int4_moe_gluon,
+    int4_moe_wgmma,
+    mla_attention,
+)
 from kernels import matmul as matmul_mod  # noqa: E402
 from kernels.tree_mask import ancestor_mask, pack_mask_bits  # noqa: E402
 from verifier_service import moe as moe_mod  # noqa: E402
@@ -416,8 +424,9 @@ def run_case(model, pool, cfg, case: dict, invariant: bool, ceil: dict, info: di
                                                cfg.kv_lora_rank, cfg.qk_rope_head_dim, pool.kv.dtype,
                                                pool.page_size),
         mla_tma=_mla_gluon.GLUON_TMA,
-        mla_persistent=_mla_gluon_persistent.GLUON_PERSISTENT, mla_partials=mla_attention.DEFAULT_PARTIALS,
-        mla_fold=mla_attention.DEFAULT_FOLD,
+        mla_persistent=_mla_gluon_persistent.GLUON_PERSISTENT,
+        mla_seesaw_persistent=_mla_gluon_seesaw_persistent.SEESAW_PERSISTENT,
+        mla_partials=mla_attention.DEFAULT_PARTIALS, mla_fold=mla_attention.DEFAULT_FOLD,
         moe_block_m=int4_moe.DEFAULT_BLOCK_M,
         moe_zp_mma=int4_moe.DEFAULT_ZP_MMA, moe_layout=layout,
         **({"moe_block_pairs": int4_moe_gluon.DEFAULT_BLOCK_PAIRS} if layout == "gluon" else {}),
@@ -490,8 +499,9 @@ def parse_args(argv=None):
                     help="gluon MLA kernel: TMA loads of the query tile and whole committed KV tiles (default: "
                          "_mla_gluon.GLUON_TMA; same bits either way)")
     ap.add_argument("--mla-persistent", choices=("on", "off"), default=None,
-                    help="gluon MLA kernel: one program per SM over the (query tile, chunk) items (default: "
-                         "_mla_gluon_persistent.GLUON_PERSISTENT; same bits either way)")
+                    help="gluon and gluon_seesaw MLA kernels: one program per SM over the (query tile, chunk) items "
+                         "(default: _mla_gluon_persistent.GLUON_PERSISTENT and _mla_gluon_seesaw_persistent."
+                         "SEESAW_PERSISTENT; same bits either way)")
     ap.add_argument("--mla-partials", choices=mla_attention.PARTIALS, default=None,
                     help="dtype of a multi-chunk row's partial O (default: mla_attention.DEFAULT_PARTIALS; 'out' "
                          "halves the partial traffic and changes the bits of rows with several KV chunks)")
@@ -531,6 +541,7 @@ def main(argv=None) -> list[dict]:
         _mla_gluon.GLUON_TMA = args.mla_tma == "on"  # read by the launcher at each call
     if args.mla_persistent is not None:
         _mla_gluon_persistent.GLUON_PERSISTENT = args.mla_persistent == "on"
+        _mla_gluon_seesaw_persistent.SEESAW_PERSISTENT = args.mla_persistent == "on"
     if args.mla_partials is not None:
         mla_attention.DEFAULT_PARTIALS = args.mla_partials  # read by the launcher at each call
     if args.mla_fold is not None:
