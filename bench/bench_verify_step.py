@@ -64,7 +64,6 @@ from kernels import (  # noqa: E402
     mla_attention,
 )
 from kernels import matmul as matmul_mod  # noqa: E402
-from kernels.mla_attention import table_columns  # noqa: E402
 from kernels.tree_mask import ancestor_mask, pack_mask_bits  # noqa: E402
 from verifier_service import moe as moe_mod  # noqa: E402
 from verifier_service import presets  # noqa: E402
@@ -156,14 +155,10 @@ def make_pool(cfg: KimiConfig, layers: int, sessions: int, rows_per_session: int
 
 
 def make_batch(pool: KVPool, cfg: KimiConfig, batch: int, prefix: int, n: int, gen: torch.Generator,
-               max_depth: int = MAX_DEPTH, table: str = "rung") -> tuple[ForwardBatch, dict]:
+               max_depth: int = MAX_DEPTH) -> tuple[ForwardBatch, dict]:
     """The flat verify batch of `batch` sessions (pool rows 0..batch-1) with `prefix` committed rows and an
-    n-node tree each (n = 1: the AR step, a 1-node tree as the engine runs it); plus its shape stats. `table`:
-    "rung" = the block table as the engine narrows it (`kernels.mla_attention.table_columns`), "full" = all
-    of the pool's columns (max_session_len; the engine before the thirty-second session)."""
+    n-node tree each (n = 1: the AR step, a 1-node tree as the engine runs it); plus its shape stats."""
     dev = pool.kv.device
-    full = pool.max_pages_per_session
-    cols = full if table == "full" else table_columns(prefix + n, full, pool.page_size)
     parent = torch.tensor([random_parents(n, max_depth, gen) for _ in range(batch)])  # [B, n]
     anc = ancestor_mask(parent)  # [B, n, n]
     depth = anc.sum(-1) - 1
@@ -175,9 +170,9 @@ def make_batch(pool: KVPool, cfg: KimiConfig, batch: int, prefix: int, n: int, g
         write_slots=pool.slots(rows, prefix + local).view(-1),
         cu_q=torch.arange(0, batch * n + 1, n, dtype=torch.int32, device=dev),
         prefix_lens=torch.full((batch,), prefix, dtype=torch.int32, device=dev),
-        block_table=pool.block_table[:batch, :cols].contiguous(), page_size=pool.page_size,
+        block_table=pool.block_table[:batch], page_size=pool.page_size,
         tree_bits=pack_mask_bits(anc).view(batch * n, -1).contiguous().to(dev))
-    shape = dict(tokens=batch * n, table_columns=cols, kv_rows_read=batch * (prefix + n),
+    shape = dict(tokens=batch * n, kv_rows_read=batch * (prefix + n),
                  visible_rows=batch * n * prefix + int((depth + 1).sum()), max_depth=int(depth.max()))
     return fb, shape
 
@@ -357,15 +352,14 @@ def _set_gemm(model, variant: str) -> None:
 
 
 def run_case(model, pool, cfg, case: dict, invariant: bool, ceil: dict, info: dict, args, state: dict,
-             gemm: str = "now", table: str = "rung") -> dict:
+             gemm: str = "now") -> dict:
     B, L, n = case["batch"], case["prefix"], case["tree"]
     dev = args.device
     cuda = dev.startswith("cuda")
     (make_batch_invariant if invariant else remove_batch_invariance)(model)
     if invariant:
         _set_gemm(model, gemm)
-    fb, shape = make_batch(pool, cfg, B, L, n, torch.Generator().manual_seed(args.seed * 7919 + B * 131 + L + n),
-                           table=table)
+    fb, shape = make_batch(pool, cfg, B, L, n, torch.Generator().manual_seed(args.seed * 7919 + B * 131 + L + n))
     fn = functools.partial(model, fb, pool.kv)
     first_ms = once_ms(fn, dev)  # compiles the kernels for new shapes
     est = once_ms(fn, dev)
@@ -418,7 +412,7 @@ def run_case(model, pool, cfg, case: dict, invariant: bool, ceil: dict, info: di
     E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
     params = dict(
         layers=N, batch=B, prefix=L, tree=n, tokens=shape["tokens"], batch_invariant=invariant,
-        table_width=table, table_columns=shape["table_columns"], max_session_len=pool.max_session_len,
+        max_session_len=pool.max_session_len,
         graph=graph_err is None, timing="cuda_graph_replay" if graph_err is None else "eager",
         experts_touched_per_layer=statistics.mean(touched) if touched else 0, experts_touched=touched,
         experts_uniform=round(E * (1 - (1 - k / E) ** shape["tokens"]), 1) if touched else 0,
@@ -456,10 +450,11 @@ def run_case(model, pool, cfg, case: dict, invariant: bool, ceil: dict, info: di
 def print_row(r: dict) -> None:
     p = r["params"]
     lm = f"{p['lm_head_ms']:8.3f}" if "lm_head_ms" in p else f"{'-':>8}"
+    persistent = p["mla_seesaw_persistent" if p["mla_kernel"] == "gluon_seesaw" else "mla_persistent"]
     print(f"{p['batch']:>3} {p['prefix']:>6} {p['tree']:>3} {p['tokens']:>5} {str(p['batch_invariant'])[0]:>3} "
           f"{str(p['graph'])[0]:>5} {p['experts_touched_per_layer']:7.1f} {r['ms']:9.4f} {r['peers']['eager']:9.4f} "
           f"{r['floor_ms']:8.4f} {r['ratio']:6.3f} {p['bytes_per_layer'] / 1e6:8.1f} {lm} {p.get('gemm', '')} "
-          f"{p['table_columns']}/{p['table_width']} {'persistent' if p['mla_seesaw_persistent'] else ''}",
+          f"{'persistent' if persistent else ''}",
           flush=True)
 
 
@@ -511,10 +506,6 @@ def parse_args(argv=None):
                     help="gluon and gluon_seesaw MLA kernels: one program per SM over the (query tile, chunk) items "
                          "(default: _mla_gluon_persistent.GLUON_PERSISTENT and _mla_gluon_seesaw_persistent."
                          "SEESAW_PERSISTENT; same bits either way); several: each case with each, in this order")
-    ap.add_argument("--table-width", choices=("rung", "full"), nargs="+", default=["rung"],
-                    help="the block table's width: 'rung' as the engine narrows it to the batch's rows "
-                         "(kernels.mla_attention.table_columns; default), 'full' = the pool's max_session_len "
-                         "(the engine up to the thirty-second session); several: each case with each")
     ap.add_argument("--mla-partials", choices=mla_attention.PARTIALS, default=None,
                     help="dtype of a multi-chunk row's partial O (default: mla_attention.DEFAULT_PARTIALS; 'out' "
                          "halves the partial traffic and changes the bits of rows with several KV chunks)")
@@ -609,15 +600,15 @@ def main(argv=None) -> list[dict]:
                                   flush=True)
                             continue
                         case = dict(batch=B, prefix=L, tree=n)
-                        for gemm, table, pers in itertools.product(args.gemm if inv else ["now"], args.table_width,
-                                                                   args.mla_persistent or [None]):
+                        gemms = args.gemm if inv else ["now"]
+                        for gemm, pers in itertools.product(gemms, args.mla_persistent or [None]):
                             if pers is not None:  # read by the launcher at each call (so at each capture)
                                 _mla_gluon_persistent.GLUON_PERSISTENT = pers == "on"
                                 _mla_gluon_seesaw_persistent.SEESAW_PERSISTENT = pers == "on"
                             try:
-                                rec = run_case(model, pool, cfg, case, inv, ceil, info, args, state, gemm, table)
+                                rec = run_case(model, pool, cfg, case, inv, ceil, info, args, state, gemm)
                             except Exception as exc:  # noqa: BLE001 - report and go on with the next case
-                                print(f"B={B} L={L} n={n} inv={inv} gemm={gemm} table={table} persistent={pers}: "
+                                print(f"B={B} L={L} n={n} inv={inv} gemm={gemm} persistent={pers}: "
                                       f"{type(exc).__name__}: {exc}"[:400], flush=True)
                                 if cuda:
                                     _settle()

@@ -105,30 +105,6 @@ def max_chunks(cap: int, chunk_rule: str = DEFAULT_CHUNK_RULE, block_n: int = DE
     return max(1, min(nch, triton.cdiv(cap, c_min)))
 
 
-def table_columns(need: int, full: int, page_size: int, chunk_rule: str = DEFAULT_CHUNK_RULE,
-                  block_n: int = DEFAULT_BLOCK_N, nch: int = _NCH, c_min: int = _C_MIN) -> int:
-    """Block-table columns to launch with when no row sees `need` or more keys (committed + new) of a table
-    `full` columns wide: the first rung of the ladder c_min * 2^k keys (in whole pages) that holds `need`,
-    or `full` once a rung's split-KV grid is the full table's.
-
-    The grid along chunks is sized by the table (`max_chunks(columns * page_size)`, a static bound, so CUDA
-    graphs can hold it), and a short row's extra chunk slots are programs that only return: a serving table
-    (`max_session_len` 8192+ gives NCH = 16 slots) costs a 1k-key batch 14 such programs per query tile. Each
-    row's chunks are a function of its own length alone (`chunk_spans`), so a narrower table gives the same
-    bits. The ladder keeps the distinct widths (the graphs' keys) to log2(NCH) + 2."""
-    if need > full * page_size:
-        raise ValueError(f"table_columns: {need} keys do not fit {full} columns of {page_size}")
-    top = max_chunks(full * page_size, chunk_rule, block_n, nch, c_min)
-    cap = c_min
-    while True:
-        cols = -(-cap // page_size)
-        if cols >= full or max_chunks(cols * page_size, chunk_rule, block_n, nch, c_min) >= top:
-            return full
-        if cols * page_size >= need:
-            return cols
-        cap *= 2
-
-
 @functools.cache
 def _capability(index: int | None) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)  # asked once per device: the launcher runs every layer

@@ -28,11 +28,8 @@ What the forward derives from host values, and how each is made capture-safe:
   - S (sessions): the MLA kernel's S_PAD constexpr and the cu_q / prefix_lens / block-table shapes
     -> fixed at max_sessions + 1 (S_PAD = next_pow2(max_sessions + 1) loads per query tile: cheap);
   - the MLA split-KV grid: sized by `max_chunks(block-table width * page_size)`, a static bound, never by
-    a prefix length; prefix lengths, positions, offsets and tree bits are read on the device only. The
-    engine passes a table only as wide as the step's longest row needs, one rung of a short ladder
-    (`kernels.mla_attention.table_columns`) -> the width P is part of the graph key (T, W, P), and the
-    graph reads the first P columns of the static table;
-  - the page size: fixed by the pool (a batch with another one, or a wider table, runs eagerly).
+    a prefix length; prefix lengths, positions, offsets and tree bits are read on the device only;
+  - the page size and the block-table width: fixed by the pool (a batch with other values runs eagerly).
 Host syncs that would break a capture, and where they are:
   - `verifier_service.aligned_attention` (int(cu[-1]), n.max(), count.max(), nonzero): the "aligned"
     cross-check mode -> `capture_blockers` reports it and such steps run eagerly;
@@ -104,8 +101,7 @@ def capture_blockers(target: torch.nn.Module) -> list[str]:
 
 
 class GraphRunner:
-    """Runs tree-verify forwards from CUDA graphs keyed by (padded tokens, ancestor-mask words, block-table
-    columns).
+    """Runs tree-verify forwards from CUDA graphs keyed by (padded tokens, ancestor-mask words).
 
     forward: ForwardBatch -> (hidden [T, D], taps [T, F]) (the engine's `forward`; it writes the batch's
     latent KV at fb.write_slots); logits: hidden -> [T, V] logits, or None to leave them out of the graph;
@@ -138,8 +134,8 @@ class GraphRunner:
         self.block_table = torch.full((S, pool.max_pages_per_session), pool.scratch_page, dtype=torch.int32,
                                       device=dev)
         self._dirty = 0  # token rows [0, _dirty) may hold a real batch's values (else: pad values)
-        self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, tuple]] = {}
-        self.failed: dict[tuple[int, int, int], str] = {}  # key -> why its capture failed (runs eagerly)
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, tuple]] = {}
+        self.failed: dict[tuple[int, int], str] = {}  # key -> why its capture failed (runs eagerly)
         self.stats: collections.Counter = collections.Counter()  # replays, captures, padded_eager, eager
         self.enabled = True
         self._capturer = GraphCapture(pool.kv.device)
@@ -182,24 +178,18 @@ class GraphRunner:
         return hidden[:T], taps[:T], None if logits is None else logits[:T]
 
     @torch.no_grad()
-    def warmup(self, buckets: Iterable[int] | None = None, words: int = 1,
-               columns: int | None = None) -> list[tuple[int, int, int]]:
+    def warmup(self, buckets: Iterable[int] | None = None, words: int = 1) -> list[tuple[int, int]]:
         """Capture now the graphs of these token counts (default: every bucket) for trees of `words` mask
-        words and a block table `columns` wide (default: the pool's whole width), over an all-padding batch
-        (every token in the padding session: only the scratch page is written). -> the keys that have a
-        graph. A no-op in padded-eager mode."""
+        words, over an all-padding batch (every token in the padding session: only the scratch page is
+        written). -> the keys that have a graph. A no-op in padded-eager mode."""
         if not self.capture or not self.enabled or self._blocked():
             return []
         if not 1 <= words <= MAX_TREE_WORDS:
             raise ValueError(f"warmup: words must be 1..{MAX_TREE_WORDS}, got {words}")
-        full = self.block_table.shape[1]
-        columns = full if columns is None else columns
-        if not 1 <= columns <= full:
-            raise ValueError(f"warmup: columns must be 1..{full}, got {columns}")
         keys = []
         for n in sorted({b for b in (self.bucket(x) for x in (buckets or self.buckets)) if b is not None},
                         reverse=True):  # largest first: later captures reuse its pool blocks
-            key = (n, words, columns)
+            key = (n, words)
             if key not in self.graphs and key not in self.failed:
                 self._load_padding(n)
                 self._capture(key)
@@ -216,28 +206,27 @@ class GraphRunner:
         self._capturer.reset()
 
     # --- internals ----------------------------------------------------------------------------------
-    def _key(self, fb: ForwardBatch) -> tuple[int, int, int] | None:
+    def _key(self, fb: ForwardBatch) -> tuple[int, int] | None:
         if not self.enabled or fb.tree_bits is None:
             return None
-        T, S, W, P = fb.num_tokens, fb.prefix_lens.shape[0], fb.tree_bits.shape[1], fb.block_table.shape[1]
+        T, S, W = fb.num_tokens, fb.prefix_lens.shape[0], fb.tree_bits.shape[1]
         n = self.bucket(T)
         if (n is None or T == 0 or S > self.max_sessions or W > MAX_TREE_WORDS or fb.page_size != self.pool.page_size
-                or P > self.block_table.shape[1]):
+                or fb.block_table.shape[1] != self.block_table.shape[1]):
             return None
-        return n, W, P
+        return n, W
 
     def _with_logits(self, n: int) -> bool:
         return self.logits is not None and n * max(self.vocab_size, 1) * 4 <= self.logits_max_bytes
 
-    def _static_batch(self, n: int, W: int, P: int) -> ForwardBatch:
+    def _static_batch(self, n: int, W: int) -> ForwardBatch:
         return ForwardBatch(tokens=self.tokens[:n], positions=self.positions[:n], write_slots=self.write_slots[:n],
-                            cu_q=self.cu_q, prefix_lens=self.prefix_lens, block_table=self.block_table[:, :P],
+                            cu_q=self.cu_q, prefix_lens=self.prefix_lens, block_table=self.block_table,
                             page_size=self.pool.page_size, tree_bits=self.tree_bits[:n, :W])
 
-    def _body(self, n: int, W: int, P: int) -> tuple:
-        """What a graph holds: the forward over the static buffers (n tokens, W mask words, the table's first P
-        columns: a row's pages past them are never read, as its length fits P pages), then logits."""
-        hidden, taps = self.forward(self._static_batch(n, W, P))
+    def _body(self, n: int, W: int) -> tuple:
+        """What a graph holds: the forward over the static buffers (n tokens, W mask words), then logits."""
+        hidden, taps = self.forward(self._static_batch(n, W))
         return hidden, taps, self.logits(hidden) if self._with_logits(n) else None
 
     def _reset_tokens(self, start: int) -> None:
@@ -253,7 +242,7 @@ class GraphRunner:
 
     def _load(self, fb: ForwardBatch, n: int) -> None:
         """Copy the step into the static buffers, padded to n tokens (device copies; nothing is synced)."""
-        T, S, W, P = fb.num_tokens, fb.prefix_lens.shape[0], fb.tree_bits.shape[1], fb.block_table.shape[1]
+        T, S, W = fb.num_tokens, fb.prefix_lens.shape[0], fb.tree_bits.shape[1]
         self.tokens[:T].copy_(fb.tokens)
         self.positions[:T].copy_(fb.positions)
         self.write_slots[:T].copy_(fb.write_slots)
@@ -264,7 +253,7 @@ class GraphRunner:
         self.cu_q[S + 1 : -1] = T  # empty sessions S..max_sessions-1 (their other rows are never read)
         self.cu_q[-1:] = n  # the padding session owns [T, n)
         self.prefix_lens[:S].copy_(fb.prefix_lens)
-        self.block_table[:S, :P].copy_(fb.block_table)
+        self.block_table[:S].copy_(fb.block_table)
 
     def _load_padding(self, n: int) -> None:
         """An all-padding batch of n tokens (warm-up captures)."""
@@ -285,9 +274,9 @@ class GraphRunner:
     def _warn(self, msg: str) -> None:
         warn_once(log, self._warned, msg)
 
-    def _capture(self, key: tuple[int, int, int]):
+    def _capture(self, key: tuple[int, int]):
         """Warm up on a side stream, then capture the body over the static buffers (already loaded)."""
-        entry = self._capturer.capture_or_record(key, lambda: self._body(*key), self.graphs, self.failed, self._warn,
-                                                 f"{key[0]} tokens x {key[1]} mask words x {key[2]} table columns")
+        entry = self._capturer.capture_or_record(key, lambda: self._body(*key), self.graphs, self.failed,
+                                                 self._warn, f"{key[0]} tokens x {key[1]} mask words")
         self.stats["captures"] += entry is not None
         return entry

@@ -30,7 +30,6 @@ from drafter_service.api import DraftRequest
 from drafter_service.context_projection import ContextProjection
 from drafter_service.device_copy import int64_to_device
 from kernels.kv_compact import compact_kv, path_moves
-from kernels.mla_attention import table_columns
 from kernels.tree_accept import accept_greedy
 from kernels.tree_build import TreeBatch, tree_size
 from kernels.tree_mask import ancestor_mask, pack_mask_bits
@@ -202,8 +201,7 @@ class Engine:
             write_slots=self.kv.slots(torch.tensor([row], device=self.device), pos[None])[0],
             cu_q=torch.tensor([0, P], dtype=torch.int32, device=self.device),
             prefix_lens=torch.tensor([start], dtype=torch.int32, device=self.device),
-            block_table=self.kv.block_table[row : row + 1, : self._table_columns(start + P)],
-            page_size=self.kv.page_size, tree_bits=None)
+            block_table=self.kv.block_table[row : row + 1], page_size=self.kv.page_size, tree_bits=None)
         hidden, taps = self.forward(fb)
         # the last chain token (position start+P-1) predicts position start+P
         first = int(self.sampler.posterior(self.target.logits(hidden[-1:]), [row], [start + P],
@@ -292,12 +290,6 @@ class Engine:
             max_depth = self.drafter.depth
         return tok, parent, depth, n, max_depth
 
-    def _table_columns(self, need: int) -> int:
-        """Block-table columns for a forward whose rows hold at most `need` keys: a rung of the MLA kernel's
-        ladder (`kernels.mla_attention.table_columns`), since its split-KV grid is sized by the table's width;
-        a narrower table gives the same bits, and CUDA graphs key on the width."""
-        return table_columns(need, self.kv.max_pages_per_session, self.kv.page_size)
-
     def _layout(self, active: list[Session], n: list[int]) -> _StepLayout:
         """The parts of the verify batch that depend on the node counts only, not on the trees. Its host values go
         up with one pinned copy that does not make the host wait for the GPU."""
@@ -308,10 +300,9 @@ class Engine:
         host = [s.row for s in active] + [s.committed for s in active] + list(n) + cu + gather
         rows, committed, n_t, cu_t, gather_t = int64_to_device(host, dev).split([S, S, S, S + 1, len(gather)])
         local = torch.arange(M, device=dev)[None, :]
-        cols = self._table_columns(max(s.committed + k for s, k in zip(active, n)))
         return _StepLayout(list(n), gather_t, rows, committed, cu_q=cu_t.to(torch.int32),
                            write_slots=self.kv.slots(rows, committed[:, None] + local).view(-1)[gather_t],
-                           block_table=self.kv.block_table[rows, :cols], n_t=n_t, starts=cu_t[:-1])
+                           block_table=self.kv.block_table[rows], n_t=n_t, starts=cu_t[:-1])
 
     @torch.no_grad()
     def step(self) -> dict[str, list[int]]:

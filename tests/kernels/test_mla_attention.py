@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.mla_attention import _C_MIN, CHUNK_RULES, max_chunks, mla_attention, table_columns
+from kernels.mla_attention import _C_MIN, CHUNK_RULES, max_chunks, mla_attention
 from tests.kernels.compare import assert_close
 from tests.kernels.mla_cases import (
     CUDA,
@@ -131,22 +131,6 @@ def test_mla_fold_gives_the_split_bits(tree, chunk_rule, dtype, partials):
     folded = run_kernel(args, 0.3, fold=True, **kw)
     assert_bitwise(folded, run_kernel(args, 0.3, fold=False, **kw), f"tree={tree} {chunk_rule} {dtype} {partials}")
     assert_close(folded, reference(args, 0.3), TOL[dtype], "fold vs reference")
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_mla_narrowed_table_gives_the_full_tables_bits(dtype):
-    """The engine's narrowed block table (`table_columns`, its first columns): the split-KV grid shrinks from a
-    serving table's 16 chunk slots to the batch's rung, and every row's output keeps its bits (each row's chunks
-    are a function of its own length)."""
-    prefix, ns = [37, 2 * _C_MIN - 70, 0], [3, 9, 2]
-    args = make_batch(prefix, ns, 4, 32, 8, 16, dtype, True, seed=5, table_len=16 * _C_MIN)
-    full = args[3].shape[1]
-    cols = table_columns(max(p + n for p, n in zip(prefix, ns)), full, 16)
-    assert max_chunks(cols * 16) == 2 < max_chunks(full * 16) == 16
-    narrow = (*args[:3], args[3][:, :cols], *args[4:])
-    out = run_kernel(narrow, 0.3)
-    assert_bitwise(out, run_kernel(args, 0.3), f"{cols} of {full} columns, {dtype}")
-    assert_close(out, reference(narrow, 0.3), TOL[dtype], "narrowed table vs reference")
 
 
 def test_mla_odd_heads_and_pages():

@@ -122,25 +122,6 @@ def test_mla_gluon_persistent_gives_the_grid_kernels_bits(tree, prefix, ns, tabl
     assert_graph_replay(args, out, impl=impl, persistent=True)
 
 
-@pytest.mark.parametrize("impl", [None, *IMPLS_GPU])
-def test_mla_narrowed_table_gives_the_full_tables_bits(impl):
-    """The engine's block table narrowed to its batch's rung (`table_columns`: here 2048 keys, 4 chunk slots, of a
-    serving table of 8192 keys' 16) gives every kernel's own full-table bits, eagerly and from a CUDA graph."""
-    from kernels.mla_attention import max_chunks, table_columns
-
-    prefix, ns = [5, 1000, 1900, 64], [9, 65, 33, 0]
-    args = make_batch(prefix, ns, KIMI["H"], KIMI["Dl"], KIMI["Dr"], 16, torch.bfloat16, True, seed=23,
-                      table_len=8192)
-    full = args[3].shape[1]
-    cols = table_columns(max(p + n for p, n in zip(prefix, ns)), full, 16)
-    assert cols == 128 and max_chunks(cols * 16) == 4 and max_chunks(full * 16) == 16
-    narrow = (*args[:3], args[3][:, :cols].contiguous(), *args[4:])
-    kw = {} if impl is None else dict(impl=impl)
-    out = run_kernel(narrow, SCALE, **kw)
-    assert_bitwise(out, run_kernel(args, SCALE, **kw), f"{impl}: {cols} of {full} columns")
-    assert_graph_replay(narrow, out, **kw)
-
-
 @pytest.mark.parametrize("page", [16, 64])
 def test_mla_default_kernel_is_the_seesaw_and_replays_from_a_graph(page):
     """impl=None (the module default, "auto") runs the seesaw kernel on sm_90: its bits, a second launch's bits, and

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from kernels.mla_attention import _C_MIN, _NCH, CHUNK_RULES, DEFAULT_BLOCK_N, chunk_spans, max_chunks, table_columns
+from kernels.mla_attention import _C_MIN, _NCH, CHUNK_RULES, DEFAULT_BLOCK_N, chunk_spans, max_chunks
 
 RULES = sorted(CHUNK_RULES)
 
@@ -78,38 +78,3 @@ def test_chunk_rule_examples():
     assert len(chunk_spans(766)) == 1 and len(chunk_spans(767)) == 2
     with pytest.raises(ValueError):
         chunk_spans(5, "new")
-
-
-@pytest.mark.parametrize("chunk_rule", RULES)
-@pytest.mark.parametrize("page", [1, 16, 64, 96])
-@pytest.mark.parametrize("full_keys", [300, 4096, 8192, 131072 + 40])
-def test_table_columns_ladder(full_keys, page, chunk_rule):
-    """The narrowed block table (`table_columns`): it holds the keys asked for, its grid covers every position
-    below them, it never gives a grid the full table's width would not, a rung whose grid is the full one's is
-    the full width, and over every need there are at most log2(NCH) + 2 widths (the CUDA graphs' keys)."""
-    full = -(-full_keys // page)
-    grid = lambda cols: max_chunks(cols * page, chunk_rule)  # noqa: E731
-    widths = set()
-    for need in sorted({*range(1, min(full * page, 3000) + 1, 7), *(2**k + d for k in range(20) for d in (-1, 0, 1)),
-                        full * page}):
-        if not 1 <= need <= full * page:
-            continue
-        cols = table_columns(need, full, page, chunk_rule)
-        widths.add(cols)
-        assert 1 <= cols <= full and cols * page >= need, (need, cols)
-        assert len(chunk_spans(need - 1, chunk_rule)) <= grid(cols), (need, cols)  # the longest row fits the grid
-        assert cols == full or grid(cols) < grid(full), (need, cols)
-    assert len(widths) <= _NCH.bit_length() + 1, sorted(widths)
-    with pytest.raises(ValueError, match="do not fit"):
-        table_columns(full * page + 1, full, page, chunk_rule)
-
-
-def test_table_columns_examples():
-    """A serving table of 8192 keys in 16-key pages (512 columns, 16 chunk slots): a batch of 1k rows with 65-node
-    trees gets 2048 keys' worth (4 slots), a 4k one 8192 (the full table), short rows 512 (one slot)."""
-    assert table_columns(1024 + 65, 512, 16) == 128 and max_chunks(128 * 16) == 4
-    assert table_columns(4096 + 65, 512, 16) == 512
-    assert table_columns(100, 512, 16) == 32 and max_chunks(32 * 16) == 1
-    assert table_columns(40, 8, 8) == 8  # a table narrower than one rung: always the full width
-    assert table_columns(3000, 131072 // 64, 64) == 4096 // 64  # a 128k table in 64-key pages: 8 slots, not 16
-    assert table_columns(5000, 131072 // 64, 64) == 131072 // 64  # 8192 keys already take all 16: the full width

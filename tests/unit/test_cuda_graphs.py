@@ -21,7 +21,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.mla_attention import table_columns
 from kernels.tree_mask import ancestor_mask, pack_mask_bits
 from tests.helpers import OracleDrafter
 from verifier_service.cuda_graphs import GraphRunner, capture_blockers, token_buckets
@@ -255,9 +254,7 @@ def test_capture_logic_with_fake_graphs(tiny_target64, monkeypatch, caplog):
         out2, _ = decode_all(eng, PROMPTS, 16, new=12)
     assert out == ar and out2 == ar
     r = eng.graphs
-    cols = table_columns(64, eng.kv.max_pages_per_session, eng.kv.page_size)  # short sessions: the first rung
-    assert cols < eng.kv.max_pages_per_session and {k[2] for k in r.graphs} == {cols}
-    assert r.stats["captures"] == len(r.graphs) > 0 and (64, 1, cols) in r.failed and (64, 1, cols) not in r.graphs
+    assert r.stats["captures"] == len(r.graphs) > 0 and (64, 1) in r.failed and (64, 1) not in r.graphs
     assert fake.entered.count(64) == 1  # a failed bucket is not tried again
     assert sum("failed" in m for m in caplog.messages) == 1
     steps = 2 * max(len(s.accepted_per_step) for s in sessions)
@@ -265,34 +262,11 @@ def test_capture_logic_with_fake_graphs(tiny_target64, monkeypatch, caplog):
     assert r.stats["eager"] >= 2  # the failed bucket, in both runs
     s = eng.add(PROMPTS[1], DecodeParams(max_new_tokens=4, budget=0), sid="live")
     before = eng.kv.kv.clone()
-    full = eng.kv.max_pages_per_session
-    assert r.warmup([2, 100], words=2) == [(128, 2, full), (2, 2, full)]
-    assert r.warmup([2], words=2, columns=cols) == [(2, 2, cols)]
-    with pytest.raises(ValueError, match="columns"):
-        r.warmup([2], columns=full + 1)
+    assert r.warmup([2, 100], words=2) == [(128, 2), (2, 2)]
     owned = slice(0, eng.kv.scratch_page * eng.kv.page_size)
     assert torch.equal(eng.kv.kv[:, owned], before[:, owned])
     eng.run_until_done()
     assert s.output == ar[1][:4]
-
-
-def test_graph_keys_follow_the_table_width(tiny_target64, monkeypatch):
-    """A session growing past rungs of the block table's ladder (`table_columns`: 512 and 1024 keys at page 8):
-    the engine's steps narrow the table to their rung, the graphs are keyed by it (one per width), and the
-    output is AR's token for token. A table narrower than a row's keys would fail the CPU reference (its page
-    lookups index past the table), so the tokens also check every step's width holds its rows."""
-    cfg = EngineConfig(page_size=8, num_pages=512, max_sessions=2, max_session_len=4096, cuda_graphs=True)
-    prompt = torch.randint(0, 250, (500,), generator=torch.Generator().manual_seed(7)).tolist()
-    plain = Engine(tiny_target64, None, (), dataclasses.replace(cfg, cuda_graphs=False))
-    ar, _ = decode_all(plain, [prompt], 0, new=40)
-    eng = Engine(tiny_target64, OracleDrafter({"g0": prompt + ar[0]}, tiny_target64.cfg.vocab_size, 8, seed=3), (),
-                 cfg)
-    FakeCuda(monkeypatch, eng.graphs)
-    out, _ = decode_all(eng, [prompt], 8, new=40)
-    assert out == ar
-    full, page = eng.kv.max_pages_per_session, eng.kv.page_size
-    assert {k[2] for k in eng.graphs.graphs} == {512 // page, 1024 // page} and 1024 // page < full
-    assert eng.graphs.stats["eager"] == 0
 
 
 def test_flags():
@@ -399,9 +373,8 @@ def test_gpu_warmup_captures_without_touching_sessions(mini):
     s = engine.add(prompts[0], DecodeParams(max_new_tokens=8, budget=4, topk=4), sid="warm")
     kv = engine.kv
     before = kv.kv.clone()
-    cols = table_columns(64, kv.max_pages_per_session, kv.page_size)  # the width its steps run at
-    keys = runner.warmup([3, 8, 40], words=1, columns=cols)
-    assert keys == [(48, 1, cols), (8, 1, cols), (4, 1, cols)], (keys, runner.failed)
+    keys = runner.warmup([3, 8, 40], words=1)
+    assert keys == [(48, 1), (8, 1), (4, 1)], (keys, runner.failed)
     owned = torch.ones(kv.kv.shape[1], dtype=torch.bool, device=kv.kv.device)
     owned[kv.scratch_page * kv.page_size :] = False
     assert torch.equal(kv.kv[:, owned], before[:, owned]), "warm-up captures wrote outside the scratch page"
