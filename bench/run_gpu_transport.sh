@@ -11,7 +11,13 @@
 # processes (--torch-trace) and `bench/trace_steps.py`'s step-by-step GPU timeline of both into
 # $OUT/trace_steps_<label>.txt for each engine label of TRACE_LABELS (default grpc; e.g. "colocated inprocess"), and
 # the traces themselves as $OUT/traces.tgz (TRACE_TGZ=0: not; the device returns few files).
+# The device image lacks grpcio-health-checking, grpcio-reflection and opentelemetry-sdk: carry `.whl/` (the wheels,
+# git-ignored) and they are installed into /tmp/site here. K26=1 needs ~78 GB on the GPU (the verifier 66 GB, the
+# drafter process 11 GB): an H200, not an H100.
 set -o pipefail
+if ! python -c "import grpc_health" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
+  pip install -q --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
 export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-bench/results/run}
 mkdir -p "$OUT"
@@ -32,6 +38,8 @@ if [ "${TESTS:-1}" != 0 ]; then
   tests=$?
 fi
 if [ "${K26:-0}" != 0 ]; then
+  python -c "import torch, sys; sys.exit(torch.cuda.get_device_properties(0).total_memory < 100e9)" \
+    || { echo "K26=1: the K2.6 pair needs ~78 GB of GPU memory, more than this GPU has (use an H200)" >&2; exit 2; }
   pair=${K26_DIR:-/tmp/k26}
   [ -d "$pair/target" ] || { time python -m gateway.cli init-random --preset kimi-k2.6 --layers 5 --out "$pair" ; } \
     2>&1 | tail -3
