@@ -7,7 +7,8 @@ its tile loop included. The thirty-first found that loop's wgmma descriptors on 
 (see the rows buffer's allocation) and fixed it: 1.4-4.4% slower than the grid kernel with a case-sized block table,
 and 1.5-6.7% faster at batch 16 (2-2.5% slower at batch 1) with a serving pool's (`_ssp_total`), on an H100. In
 the whole verify step (the thirty-second session, H100, 6 K2.6 layers with the engine's 8192-key rows) it was slower
-in all 18 cases, +0.5% to +4.9%, so it stays off. `docs/performance.md` has the figures.
+in all 18 cases, +0.5% to +4.3% (a second run of each: one tie, the rest +0.3% to +4.9%), so it stays off.
+`docs/performance.md` has the figures.
 
 Why it may pay where `_mla_gluon_persistent` did not (9-15% slower than its grid form on the H200, 2026-12-05): both
 grid kernels hold one CTA per SM (224-227 KB of shared memory), so nothing hides a grid CTA's start and its first
