@@ -70,6 +70,17 @@ TILES_BY_M = (
 )
 PIPELINED_GRID = 2
 
+# Programmatic dependent launch (opt-in, read at each call; written without a GPU in the thirty-second session, not yet
+# run on one): a launch whose programs all fit on the GPU at once (<= PIPELINED_GRID per SM: the decode-sized GEMMs)
+# goes out with the launch_pdl attribute. Each program first prefetches its first PDL_PREFETCH K tiles of weights into
+# L2 (the weights are not written by the kernels before it), then waits for the previous grid (`gdc_wait`: its
+# writes, e.g. x, are visible after it) and lets the next grid launch (`gdc_launch_dependents`), so a chain of small
+# GEMMs overlaps each one's ramp (launch, first DRAM reads) with the previous one's tail. The same bits: only when
+# the data arrive changes. A grid larger than that would hold SMs with waiting programs (the MoE's PDL measured
+# erratic there: docs/performance.md, fifteenth session).
+PDL = False
+PDL_PREFETCH = 4
+
 
 @functools.cache
 def _sm_count(device_index: int) -> int:
@@ -112,7 +123,7 @@ def _matmul_kernel(
     K_SPLIT,  # K positions per program (a multiple of BLOCK_K); with several splits, program_id(2) is the
     # split and y is the fp32 partials [splits, M, N] (stride_yb between splits); else it is the batch
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
-    SPLIT: tl.constexpr,
+    SPLIT: tl.constexpr, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -128,6 +139,10 @@ def _matmul_kernel(
     n_ok = offs_n < N
     x_rows = x_ptr + b * stride_xb + offs_m.to(tl.int64)[:, None] * stride_xm  # [BLOCK_M, 1]
     w_rows = w_ptr + b * stride_wb + offs_n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
+    if PDL:  # launched with launch_pdl: the first weight tiles into L2, then wait for the grid before this one
+        _prefetch_weights(w_rows, k_lo, k_hi, n_ok, stride_wk, BLOCK_K, PREFETCH)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):  # fixed order over this program's K range
         kk = k0 + offs_k
@@ -140,8 +155,26 @@ def _matmul_kernel(
 
 
 @triton.jit
-def _sum_splits_kernel(p_ptr, y_ptr, MN, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+def _prefetch_weights(w_rows, k_lo, k_hi, n_ok, stride_wk, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr):
+    """`prefetch.global.L2` of the program's first PREFETCH K tiles of its weight rows, one 128-byte line at a time
+    (rows are contiguous in K: stride_wk 1 in every caller that sets PDL)."""
+    LINE: tl.constexpr = 1024 // w_rows.dtype.element_ty.primitive_bitwidth  # elements per 128-byte line
+    rows = tl.reshape(w_rows, [w_rows.shape[0]])
+    for t in tl.static_range(PREFETCH):
+        for j in tl.static_range(max(1, BLOCK_K // LINE)):
+            k = k_lo + t * BLOCK_K + j * LINE
+            ptrs = rows + k * stride_wk
+            tl.inline_asm_elementwise(
+                "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }", "=r,l,r",
+                [ptrs, (n_ok & (k < k_hi)).to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _sum_splits_kernel(p_ptr, y_ptr, MN, SPLITS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """y[i] = sum over s = 0, 1, ... of p[s, i] (fp32, in split order), cast to y's dtype."""
+    if PDL:  # the partials are the previous grid's writes
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < MN
     acc = tl.zeros([BLOCK], tl.float32)
@@ -214,8 +247,18 @@ def batched_matmul_triton(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, t
         x.stride(0), x.stride(1), x.stride(2), w.stride(0), w.stride(1), w.stride(2),
         out.stride(0), out.stride(1), out.stride(2), K,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PREC=_prec(x.dtype), SPLIT=False,
-        num_warps=warps, num_stages=stages)
+        num_warps=warps, num_stages=stages, **_pdl_options(x, w, grid[0] * grid[1] * grid[2]))
     return out
+
+
+def _pdl_options(x: torch.Tensor, w: torch.Tensor, programs: int) -> dict:
+    """The kernel's PDL constexprs and launch option for a launch of `programs` programs (module doc, `PDL`)."""
+    if not (PDL and x.is_cuda and w.stride(-1) == 1):
+        return {}
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    if programs > PIPELINED_GRID * _sm_count(index):
+        return {}
+    return dict(PDL=True, PREFETCH=PDL_PREFETCH, launch_pdl=True)
 
 
 def _prec(dtype: torch.dtype) -> str:
@@ -236,15 +279,18 @@ def matmul_triton(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tiles: tu
         tiles = tile_config(M, triton.cdiv(N, CONFIGS[x.dtype][1]) * splits, x.dtype, x.device)
     block_m, block_n, block_k, warps, stages = tiles
     part = torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
-    _matmul_kernel[(triton.cdiv(M, block_m), triton.cdiv(N, block_n), splits)](
+    grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n), splits)
+    pdl = _pdl_options(x, w, grid[0] * grid[1] * grid[2])
+    _matmul_kernel[grid](
         x, w, part, M, N, K,
         0, x.stride(0), x.stride(1), 0, w.stride(0), w.stride(1),
         part.stride(0), part.stride(1), part.stride(2), per,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PREC=_prec(x.dtype), SPLIT=True,
-        num_warps=warps, num_stages=stages)
+        num_warps=warps, num_stages=stages, **pdl)
     y = out if out.is_contiguous() else torch.empty_like(out, memory_format=torch.contiguous_format)
     block = 1024
-    _sum_splits_kernel[(triton.cdiv(M * N, block),)](part, y, M * N, SPLITS=splits, BLOCK=block)
+    _sum_splits_kernel[(triton.cdiv(M * N, block),)](part, y, M * N, SPLITS=splits, BLOCK=block,
+                                                      **({"PDL": True, "launch_pdl": True} if pdl else {}))
     if y is not out:
         out.copy_(y)
     return out

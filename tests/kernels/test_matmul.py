@@ -301,3 +301,120 @@ def test_tile_shapes_give_the_same_bits(N, K):
     for t in TILE_SHAPES:
         got = batched_matmul_triton(xh, wh, torch.empty(64, 70, 128, dtype=torch.bfloat16, device="cuda"), t)
         assert torch.equal(got, want), f"head products: tiles {t}"
+
+
+# --- programmatic dependent launch (`PDL`, opt-in) ---------------------------------------------------
+def test_pdl_stays_off_the_cpu_path_and_wide_grids(monkeypatch):
+    """`PDL` changes nothing off CUDA (the interpreter has no griddepcontrol): the same results with it on; on CUDA
+    only launches whose programs fit at once (<= PIPELINED_GRID per SM) and whose weight rows are contiguous get it."""
+    import kernels.matmul as mm
+
+    x, w = rand(3, 200, seed=1), rand(70, 200, seed=2)
+    want = matmul_triton(x, w, poisoned(3, 70, dtype=torch.float32))
+    monkeypatch.setattr(mm, "PDL", True)
+    assert torch.equal(matmul_triton(x, w, poisoned(3, 70, dtype=torch.float32)), want)
+    assert mm._pdl_options(x, w, 1) == {}
+
+    class OnGpu:  # what _pdl_options reads of a CUDA tensor
+        is_cuda, device = True, torch.device("cuda", 0)
+
+        def __init__(self, last_stride=1):
+            self.last = last_stride
+
+        def stride(self, dim):
+            return self.last
+
+    monkeypatch.setattr(mm, "_sm_count", lambda index: 132)
+    on = dict(PDL=True, PREFETCH=mm.PDL_PREFETCH, launch_pdl=True)
+    assert mm._pdl_options(OnGpu(), OnGpu(), 264) == on
+    assert mm._pdl_options(OnGpu(), OnGpu(), 265) == {}  # more programs than fit: they would hold SMs waiting
+    assert mm._pdl_options(OnGpu(), OnGpu(last_stride=3), 10) == {}  # prefetches assume rows contiguous in K
+    monkeypatch.setattr(mm, "PDL", False)
+    assert mm._pdl_options(OnGpu(), OnGpu(), 10) == {}
+
+
+_SM90_PDL = r"""
+import json, re
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, compile
+from kernels import matmul as mm
+
+def ptx(pdl, split):
+    sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*fp32" if split else "*bf16", "M": "i32", "N": "i32",
+           "K": "i32"}
+    sig.update({n: "i32" for n in ("stride_xb", "stride_xm", "stride_xk", "stride_wb", "stride_wn", "stride_wk",
+                                   "stride_yb", "stride_ym", "stride_yn", "K_SPLIT")})
+    cst = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, PREC="tf32", SPLIT=split, PDL=pdl, PREFETCH=4 if pdl else 0)
+    sig.update({k: "constexpr" for k in cst})
+    names = list(sig)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in ("x_ptr", "w_ptr", "y_ptr")}
+    k = compile(ASTSource(fn=mm._matmul_kernel, signature=sig, constexprs=cst, attrs=attrs),
+                target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=6))
+    return k.asm["ptx"].splitlines()
+
+out = {}
+for pdl in (False, True):
+    for split in (False, True):
+        lines = ptx(pdl, split)
+        first = lambda pat: next((i for i, l in enumerate(lines) if re.search(pat, l)), -1)
+        out[f"{int(pdl)}{int(split)}"] = dict(
+            wait=first(r"griddepcontrol\.wait"), launch=first(r"griddepcontrol\.launch_dependents"),
+            prefetch=sum("prefetch.global.L2" in l for l in lines), first_prefetch=first(r"prefetch\.global\.L2"),
+            last_prefetch=max((i for i, l in enumerate(lines) if "prefetch.global.L2" in l), default=-1),
+            first_load=first(r"cp\.async|ld\.global"), mmas=sum("wgmma.mma_async" in l for l in lines))
+print(json.dumps(out))
+"""
+
+
+def test_pdl_matmul_compiles_for_sm90_in_the_right_order(tmp_path):
+    """The PDL kernel for sm_90 (PTX, no GPU needed): its weight prefetches come before the wait for the previous
+    grid, every global load of data (x, and the weights' real loads) after it, the next grid's launch is allowed
+    after the wait, and the loop's MMAs are the plain kernel's; without PDL none of it is there."""
+    from tests.kernels.sm90_compile import run_sm90_script
+
+    facts = run_sm90_script(tmp_path, _SM90_PDL)
+    for split in "01":
+        off, on = facts["0" + split], facts["1" + split]
+        assert off["wait"] == off["launch"] == off["first_prefetch"] == -1 and off["prefetch"] == 0, off
+        assert on["prefetch"] >= 4 and 0 <= on["first_prefetch"] <= on["last_prefetch"] < on["wait"], on
+        assert on["wait"] < on["launch"] < on["first_load"], on
+        assert on["mmas"] == off["mmas"] > 0, (on, off)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_pdl_gives_the_same_bits_eager_and_in_a_graph(monkeypatch):
+    """A chain of decode-sized GEMMs as a layer runs them (q_a + kv_a split 4 ways -> q_b in one pass -> o_proj-like,
+    each reading the one before): with PDL the bits of the plain launches, eagerly and replayed from a CUDA graph
+    with new inputs (a missing wait would read the previous GEMM's output before it is written)."""
+    import kernels.matmul as mm
+
+    dev = "cuda"
+    w1 = rand(2112, 7168, dtype=torch.bfloat16, seed=1, device=dev) * 7168**-0.5
+    w2 = rand(12288, 2112, dtype=torch.bfloat16, seed=2, device=dev) * 2112**-0.5
+    w3 = rand(7168, 12288, dtype=torch.bfloat16, seed=3, device=dev) * 12288**-0.5
+
+    def chain(x):
+        return matmul(matmul(matmul(x, w1), w2), w3)
+
+    for M in (1, 3):
+        x = rand(M, 7168, dtype=torch.bfloat16, seed=M, device=dev)
+        monkeypatch.setattr(mm, "PDL", False)
+        want = chain(x)
+        monkeypatch.setattr(mm, "PDL", True)
+        assert mm._pdl_options(x, w1, 33 * 4) != {}, "the test's first GEMM must take the PDL path"
+        assert torch.equal(chain(x), want), f"M={M}: eager PDL launches differ"
+        static = x.clone()
+        chain(static)  # compiled outside the capture
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = chain(static)
+        for seed in (11, 12):
+            x2 = rand(M, 7168, dtype=torch.bfloat16, seed=seed, device=dev)
+            monkeypatch.setattr(mm, "PDL", False)
+            want2 = chain(x2)
+            static.copy_(x2)
+            g.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, want2), f"M={M}: graph replay with PDL differs (seed {seed})"
+        monkeypatch.setattr(mm, "PDL", True)
