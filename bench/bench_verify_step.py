@@ -64,6 +64,7 @@ from kernels import (  # noqa: E402
     mla_attention,
 )
 from kernels import matmul as matmul_mod  # noqa: E402
+from kernels import pdl as pdl_mod  # noqa: E402
 from kernels.tree_mask import ancestor_mask, pack_mask_bits  # noqa: E402
 from verifier_service import moe as moe_mod  # noqa: E402
 from verifier_service import presets  # noqa: E402
@@ -428,7 +429,7 @@ def run_case(model, pool, cfg, case: dict, invariant: bool, ceil: dict, info: di
         mla_tma=_mla_gluon.GLUON_TMA,
         mla_persistent=_mla_gluon_persistent.GLUON_PERSISTENT,
         mla_seesaw_persistent=_mla_gluon_seesaw_persistent.SEESAW_PERSISTENT,
-        mla_partials=mla_attention.DEFAULT_PARTIALS, mla_fold=mla_attention.DEFAULT_FOLD, matmul_pdl=matmul_mod.PDL,
+        mla_partials=mla_attention.DEFAULT_PARTIALS, mla_fold=mla_attention.DEFAULT_FOLD, pdl=pdl_mod.ENABLED,
         moe_block_m=int4_moe.DEFAULT_BLOCK_M,
         moe_zp_mma=int4_moe.DEFAULT_ZP_MMA, moe_layout=layout,
         **({"moe_block_pairs": int4_moe_gluon.DEFAULT_BLOCK_PAIRS} if layout == "gluon" else {}),
@@ -454,7 +455,7 @@ def print_row(r: dict) -> None:
     print(f"{p['batch']:>3} {p['prefix']:>6} {p['tree']:>3} {p['tokens']:>5} {str(p['batch_invariant'])[0]:>3} "
           f"{str(p['graph'])[0]:>5} {p['experts_touched_per_layer']:7.1f} {r['ms']:9.4f} {r['peers']['eager']:9.4f} "
           f"{r['floor_ms']:8.4f} {r['ratio']:6.3f} {p['bytes_per_layer'] / 1e6:8.1f} {lm} {p.get('gemm', '')} "
-          f"{'persistent' if persistent else ''} {'gemm-pdl' if p['matmul_pdl'] else ''}",
+          f"{'persistent' if persistent else ''} {'pdl' if p['pdl'] else ''}",
           flush=True)
 
 
@@ -506,9 +507,9 @@ def parse_args(argv=None):
                     help="gluon and gluon_seesaw MLA kernels: one program per SM over the (query tile, chunk) items "
                          "(default: _mla_gluon_persistent.GLUON_PERSISTENT and _mla_gluon_seesaw_persistent."
                          "SEESAW_PERSISTENT; same bits either way); several: each case with each, in this order")
-    ap.add_argument("--matmul-pdl", choices=("on", "off"), nargs="+", default=None,
-                    help="batch-invariant GEMMs: programmatic dependent launch where the grid fits at once "
-                         "(kernels.matmul.PDL, default off; same bits); several: each case with each, in this order")
+    ap.add_argument("--pdl", choices=("on", "off"), nargs="+", default=None,
+                    help="programmatic dependent launch of the decode-sized GEMMs and the norms before them "
+                         "(kernels.pdl.ENABLED, default off; same bits); several: each case with each, in this order")
     ap.add_argument("--mla-partials", choices=mla_attention.PARTIALS, default=None,
                     help="dtype of a multi-chunk row's partial O (default: mla_attention.DEFAULT_PARTIALS; 'out' "
                          "halves the partial traffic and changes the bits of rows with several KV chunks)")
@@ -605,12 +606,12 @@ def main(argv=None) -> list[dict]:
                         case = dict(batch=B, prefix=L, tree=n)
                         gemms = args.gemm if inv else ["now"]
                         for gemm, pers, pdl in itertools.product(gemms, args.mla_persistent or [None],
-                                                                 args.matmul_pdl or [None]):
+                                                                 args.pdl or [None]):
                             if pers is not None:  # read by the launchers at each call (so at each capture)
                                 _mla_gluon_persistent.GLUON_PERSISTENT = pers == "on"
                                 _mla_gluon_seesaw_persistent.SEESAW_PERSISTENT = pers == "on"
                             if pdl is not None:
-                                matmul_mod.PDL = pdl == "on"
+                                pdl_mod.ENABLED = pdl == "on"
                             try:
                                 rec = run_case(model, pool, cfg, case, inv, ceil, info, args, state, gemm)
                             except Exception as exc:  # noqa: BLE001 - report and go on with the next case

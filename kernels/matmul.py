@@ -43,6 +43,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
+
 # dtype of x/w -> (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): the split rule's tiles (its bits: a deployment
 # keeps them constant), fp32's only tiles, and 16-bit tiles where `tile_config` has no better one
 CONFIGS = {
@@ -70,15 +72,12 @@ TILES_BY_M = (
 )
 PIPELINED_GRID = 2
 
-# Programmatic dependent launch (opt-in, read at each call; written without a GPU in the thirty-second session, not yet
-# run on one): a launch whose programs all fit on the GPU at once (<= PIPELINED_GRID per SM: the decode-sized GEMMs)
-# goes out with the launch_pdl attribute. Each program first prefetches its first PDL_PREFETCH K tiles of weights into
-# L2 (the weights are not written by the kernels before it), then waits for the previous grid (`gdc_wait`: its
-# writes, e.g. x, are visible after it) and lets the next grid launch (`gdc_launch_dependents`), so a chain of small
-# GEMMs overlaps each one's ramp (launch, first DRAM reads) with the previous one's tail. The same bits: only when
-# the data arrive changes. A grid larger than that would hold SMs with waiting programs (the MoE's PDL measured
-# erratic there: docs/performance.md, fifteenth session).
-PDL = False
+# Programmatic dependent launch (`kernels.pdl.ENABLED`, opt-in): a launch whose programs all fit on the GPU at once
+# (<= PIPELINED_GRID per SM: the decode-sized GEMMs) goes out with the launch_pdl attribute. Each program first
+# prefetches its first PDL_PREFETCH K tiles of weights into L2 (the weights are not written by the kernels before it),
+# then waits for the previous grid (`gdc_wait`: its writes, e.g. x, are visible after it) and lets the next grid
+# launch (`gdc_launch_dependents`). The same bits: only when the data arrive changes. A grid larger than that would
+# hold SMs with waiting programs (the MoE's PDL measured erratic there: docs/performance.md, fifteenth session).
 PDL_PREFETCH = 4
 
 
@@ -252,8 +251,8 @@ def batched_matmul_triton(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, t
 
 
 def _pdl_options(x: torch.Tensor, w: torch.Tensor, programs: int) -> dict:
-    """The kernel's PDL constexprs and launch option for a launch of `programs` programs (module doc, `PDL`)."""
-    if not (PDL and x.is_cuda and w.stride(-1) == 1):
+    """The kernel's PDL constexprs and launch option for a launch of `programs` programs (`PDL_PREFETCH`)."""
+    if not (pdl.ENABLED and x.is_cuda and w.stride(-1) == 1):
         return {}
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()
     if programs > PIPELINED_GRID * _sm_count(index):

@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
+
 _MAX_BLOCK = 8192  # the whole row in one chunk up to D = 8192 (Kimi: 7168, 1536, 512)
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -28,8 +30,10 @@ def _rmsnorm_kernel(
     w_ptr,  # [D]
     y_ptr,  # out: [R, D] rows at stride_yr
     D, stride_xr, stride_yr, eps,
-    BLOCK_D: tl.constexpr, ONE_CHUNK: tl.constexpr,
+    BLOCK_D: tl.constexpr, ONE_CHUNK: tl.constexpr, TRIGGER: tl.constexpr = False,
 ):
+    if TRIGGER:  # `kernels.pdl`: a PDL launch after this one may start now (it waits for our end to read)
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     x_row = x_ptr + row * stride_xr
@@ -88,7 +92,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torc
     y2 = out.view(-1, D)
     warps = 4 if bd <= 2048 else 8
     _rmsnorm_kernel[(R,)](x2, weight, y2, D, x2.stride(0), y2.stride(0), eps, BLOCK_D=bd, ONE_CHUNK=bd >= D,
-                          num_warps=warps)
+                          num_warps=warps, **(pdl.trigger() if x.is_cuda else {}))
     return out
 
 

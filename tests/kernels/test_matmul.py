@@ -303,15 +303,17 @@ def test_tile_shapes_give_the_same_bits(N, K):
         assert torch.equal(got, want), f"head products: tiles {t}"
 
 
-# --- programmatic dependent launch (`PDL`, opt-in) ---------------------------------------------------
+# --- programmatic dependent launch (`kernels.pdl`, opt-in) -------------------------------------------
 def test_pdl_stays_off_the_cpu_path_and_wide_grids(monkeypatch):
-    """`PDL` changes nothing off CUDA (the interpreter has no griddepcontrol): the same results with it on; on CUDA
-    only launches whose programs fit at once (<= PIPELINED_GRID per SM) and whose weight rows are contiguous get it."""
+    """`kernels.pdl.ENABLED` changes nothing off CUDA (the interpreter has no griddepcontrol): the same results with
+    it on; on CUDA only launches whose programs fit at once (<= PIPELINED_GRID per SM) and whose weight rows are
+    contiguous get it."""
     import kernels.matmul as mm
+    from kernels import pdl
 
     x, w = rand(3, 200, seed=1), rand(70, 200, seed=2)
     want = matmul_triton(x, w, poisoned(3, 70, dtype=torch.float32))
-    monkeypatch.setattr(mm, "PDL", True)
+    monkeypatch.setattr(pdl, "ENABLED", True)
     assert torch.equal(matmul_triton(x, w, poisoned(3, 70, dtype=torch.float32)), want)
     assert mm._pdl_options(x, w, 1) == {}
 
@@ -329,7 +331,7 @@ def test_pdl_stays_off_the_cpu_path_and_wide_grids(monkeypatch):
     assert mm._pdl_options(OnGpu(), OnGpu(), 264) == on
     assert mm._pdl_options(OnGpu(), OnGpu(), 265) == {}  # more programs than fit: they would hold SMs waiting
     assert mm._pdl_options(OnGpu(), OnGpu(last_stride=3), 10) == {}  # prefetches assume rows contiguous in K
-    monkeypatch.setattr(mm, "PDL", False)
+    monkeypatch.setattr(pdl, "ENABLED", False)
     assert mm._pdl_options(OnGpu(), OnGpu(), 10) == {}
 
 
@@ -362,6 +364,17 @@ for pdl in (False, True):
             prefetch=sum("prefetch.global.L2" in l for l in lines), first_prefetch=first(r"prefetch\.global\.L2"),
             last_prefetch=max((i for i, l in enumerate(lines) if "prefetch.global.L2" in l), default=-1),
             first_load=first(r"cp\.async|ld\.global"), mmas=sum("wgmma.mma_async" in l for l in lines))
+from kernels import rmsnorm
+sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "D": "i32", "stride_xr": "i32", "stride_yr": "i32",
+       "eps": "fp32"}
+for trig in (False, True):
+    cst = dict(BLOCK_D=2048, ONE_CHUNK=True, TRIGGER=trig)
+    k = compile(ASTSource(fn=rmsnorm._rmsnorm_kernel, signature={**sig, **{n: "constexpr" for n in cst}},
+                          constexprs=cst), target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+    lines = k.asm["ptx"].splitlines()
+    first = lambda pat: next((i for i, l in enumerate(lines) if re.search(pat, l)), -1)
+    out[f"norm{int(trig)}"] = dict(launch=first(r"griddepcontrol\.launch_dependents"),
+                                   wait=first(r"griddepcontrol\.wait"), first_load=first(r"ld\.global"))
 print(json.dumps(out))
 """
 
@@ -369,7 +382,8 @@ print(json.dumps(out))
 def test_pdl_matmul_compiles_for_sm90_in_the_right_order(tmp_path):
     """The PDL kernel for sm_90 (PTX, no GPU needed): its weight prefetches come before the wait for the previous
     grid, every global load of data (x, and the weights' real loads) after it, the next grid's launch is allowed
-    after the wait, and the loop's MMAs are the plain kernel's; without PDL none of it is there."""
+    after the wait, and the loop's MMAs are the plain kernel's; without PDL none of it is there. The RMSNorm with
+    TRIGGER lets the next grid launch at its start and waits for nothing."""
     from tests.kernels.sm90_compile import run_sm90_script
 
     facts = run_sm90_script(tmp_path, _SM90_PDL)
@@ -379,29 +393,36 @@ def test_pdl_matmul_compiles_for_sm90_in_the_right_order(tmp_path):
         assert on["prefetch"] >= 4 and 0 <= on["first_prefetch"] <= on["last_prefetch"] < on["wait"], on
         assert on["wait"] < on["launch"] < on["first_load"], on
         assert on["mmas"] == off["mmas"] > 0, (on, off)
+    plain, trig = facts["norm0"], facts["norm1"]  # the norm only lets the next grid start: it never waits
+    assert plain["launch"] == plain["wait"] == trig["wait"] == -1 and 0 <= trig["launch"] < trig["first_load"], facts
 
 
 @pytest.mark.gpu
 @needs_cuda
 def test_pdl_gives_the_same_bits_eager_and_in_a_graph(monkeypatch):
-    """A chain of decode-sized GEMMs as a layer runs them (q_a + kv_a split 4 ways -> q_b in one pass -> o_proj-like,
-    each reading the one before): with PDL the bits of the plain launches, eagerly and replayed from a CUDA graph
-    with new inputs (a missing wait would read the previous GEMM's output before it is written)."""
+    """A chain of decode-sized GEMMs as a layer runs them (q_a + kv_a split 4 ways -> an RMSNorm that triggers the
+    next launch -> q_b in one pass -> o_proj-like, each reading the one before): with PDL the bits of the plain
+    launches, eagerly and replayed from a CUDA graph with new inputs (a missing wait would read the previous kernel's
+    output before it is written)."""
     import kernels.matmul as mm
+    from kernels import pdl
+    from kernels.rmsnorm import rms_norm
 
     dev = "cuda"
     w1 = rand(2112, 7168, dtype=torch.bfloat16, seed=1, device=dev) * 7168**-0.5
     w2 = rand(12288, 2112, dtype=torch.bfloat16, seed=2, device=dev) * 2112**-0.5
     w3 = rand(7168, 12288, dtype=torch.bfloat16, seed=3, device=dev) * 12288**-0.5
 
-    def chain(x):
-        return matmul(matmul(matmul(x, w1), w2), w3)
+    norm = rand(2112, dtype=torch.bfloat16, seed=4, device=dev)
+
+    def chain(x):  # the norm before q_b lets the PDL GEMM after it start early (`TRIGGER`)
+        return matmul(matmul(rms_norm(matmul(x, w1), norm, 1e-6), w2), w3)
 
     for M in (1, 3):
         x = rand(M, 7168, dtype=torch.bfloat16, seed=M, device=dev)
-        monkeypatch.setattr(mm, "PDL", False)
+        monkeypatch.setattr(pdl, "ENABLED", False)
         want = chain(x)
-        monkeypatch.setattr(mm, "PDL", True)
+        monkeypatch.setattr(pdl, "ENABLED", True)
         assert mm._pdl_options(x, w1, 33 * 4) != {}, "the test's first GEMM must take the PDL path"
         assert torch.equal(chain(x), want), f"M={M}: eager PDL launches differ"
         static = x.clone()
@@ -411,10 +432,10 @@ def test_pdl_gives_the_same_bits_eager_and_in_a_graph(monkeypatch):
             out = chain(static)
         for seed in (11, 12):
             x2 = rand(M, 7168, dtype=torch.bfloat16, seed=seed, device=dev)
-            monkeypatch.setattr(mm, "PDL", False)
+            monkeypatch.setattr(pdl, "ENABLED", False)
             want2 = chain(x2)
             static.copy_(x2)
             g.replay()
             torch.cuda.synchronize()
             assert torch.equal(out, want2), f"M={M}: graph replay with PDL differs (seed {seed})"
-        monkeypatch.setattr(mm, "PDL", True)
+        monkeypatch.setattr(pdl, "ENABLED", True)

@@ -1,0 +1,22 @@
+"""Programmatic dependent launch (PDL) for the one-token layer's chain of small kernels (opt-in).
+
+A decode-sized GEMM streams 7-28 us of weights after a few microseconds of launch and first DRAM reads, and nothing
+overlaps that start with the end of the kernel before it. With `ENABLED` (read at each launch; written without a GPU
+in the thirty-second session, not yet run on one):
+  - `kernels.matmul` launches whose programs all fit at once go out with the `launch_pdl` attribute; each program
+    prefetches its first weight tiles into L2, then waits for the previous grid (`griddepcontrol.wait`: its writes
+    are visible after it), then lets the next grid launch (`griddepcontrol.launch_dependents`);
+  - kernels that feed those GEMMs and are launched plainly (`kernels.rmsnorm`) let the next grid launch at their
+    start (`TRIGGER`), so a PDL GEMM after them is scheduled while they run and its prefetches overlap them. A trigger
+    is a no-op when the next launch is not a PDL one.
+A kernel launched with PDL reads nothing another kernel writes before its wait, so the bits are the plain launches'.
+"""
+
+from __future__ import annotations
+
+ENABLED = False
+
+
+def trigger() -> dict:
+    """The TRIGGER constexpr for a plainly launched kernel that feeds a PDL launch."""
+    return {"TRIGGER": True} if ENABLED else {}
