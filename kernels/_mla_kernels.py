@@ -229,8 +229,10 @@ def _mla_combine_kernel(
     po_ptr, pml_ptr, nc_ptr,  # partials and chunk counts from _mla_fwd_kernel
     out_ptr,  # out: [T, H, DL] (rows of single-chunk tiles were written by _mla_fwd_kernel)
     H, HT, GC, stride_ot, stride_oh,
-    DL: tl.constexpr, BDL: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    DL: tl.constexpr, BDL: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, TRIGGER: tl.constexpr = False,
 ):
+    if TRIGGER:  # `kernels.pdl`: a PDL launch after this one may start now (it waits for our end to read)
+        tl.extra.cuda.gdc_launch_dependents()
     pid_t = tl.program_id(0)
     nc = tl.load(nc_ptr + pid_t)
     if nc == 1:

@@ -42,7 +42,14 @@ import functools
 import torch
 import triton
 
-from kernels import _mla_gluon, _mla_gluon_persistent, _mla_gluon_seesaw, _mla_gluon_seesaw_persistent, _mla_gluon_ws
+from kernels import (
+    _mla_gluon,
+    _mla_gluon_persistent,
+    _mla_gluon_seesaw,
+    _mla_gluon_seesaw_persistent,
+    _mla_gluon_ws,
+    pdl,
+)
 from kernels._mla_kernels import _mla_combine_kernel, _mla_fwd_kernel, chunk_span
 
 _BLOCK_M = 64  # largest query tile: the heads of one token (64 at Kimi)
@@ -378,7 +385,7 @@ def mla_attention_triton(q_lat, q_pe, kv_cache, block_table, page_size, cu_q, pr
         block_d = min(bdl, 128)
         _mla_combine_kernel[(tiles, triton.cdiv(bdl, block_d))](
             po, pml, nc, out, H, ht, grid_c, out.stride(0), out.stride(1),
-            DL=Dl, BDL=bdl, BLOCK_D=block_d, BLOCK_M=block_m, num_warps=4)
+            DL=Dl, BDL=bdl, BLOCK_D=block_d, BLOCK_M=block_m, num_warps=4, **(pdl.trigger() if out.is_cuda else {}))
     return out
 
 

@@ -247,7 +247,7 @@ out = {}
 for po in ("fp32", "bf16"):
     sig = {"po_ptr": "*" + po, "pml_ptr": "*fp32", "nc_ptr": "*i32", "out_ptr": "*bf16", "H": "i32", "HT": "i32",
            "GC": "i32", "stride_ot": "i32", "stride_oh": "i32"}
-    cst = dict(DL=512, BDL=512, BLOCK_D=128, BLOCK_M=64)
+    cst = dict(DL=512, BDL=512, BLOCK_D=128, BLOCK_M=64, TRIGGER=False)
     sig.update({k: "constexpr" for k in cst})
     names = list(sig)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names

@@ -417,3 +417,39 @@ def test_gpu_graphs_ddtree_equals_ar_and_eager(mini):
         assert results[True, budget] == results[True, 0], f"budget {budget}: DDTree with graphs diverged from AR"
         assert results[True, budget] == results[False, budget], f"budget {budget}: graphs != eager"
     assert results[True, 0] == results[False, 0]
+
+
+@gpu_test
+def test_gpu_pdl_gives_the_plain_bits(mini, monkeypatch):
+    """`kernels.pdl` on (written without a GPU): the verify forward with PDL launches gives the plain launches' bits
+    eagerly, its graphs captured with PDL replay them (hidden, taps, logits, KV rows), and greedy DDTree == AR."""
+    from kernels import pdl
+
+    engine, prompts = mini
+    runner, kv = engine.graphs, engine.kv
+    sessions = open_sessions(engine, 8, seed=3)
+    try:
+        fbs = [verify_batch(engine, sessions[: len(sz)], sz, seed=50 + k) for k, sz in enumerate(CASES)]
+        before = kv.kv.clone()
+        plain = []
+        for fb in fbs:
+            kv.kv.copy_(before)
+            plain.append([t.clone() for t in engine.forward(fb)])
+        monkeypatch.setattr(pdl, "ENABLED", True)
+        runner.reset()  # graphs captured from here on launch with PDL
+        for sizes, fb, want in zip(CASES, fbs, plain):
+            kv.kv.copy_(before)
+            got = engine.forward(fb)
+            assert all(torch.equal(a, b) for a, b in zip(got, want)), f"{sizes}: PDL launches changed the forward"
+        kv.kv.copy_(before)
+        check_padded_forward(engine, sessions, CASES, exact=True)
+    finally:
+        for s in sessions:
+            engine.release(s.sid)
+    try:
+        ddtree, _ = decode_all(engine, prompts, 16, topk=8, new=24)
+    finally:
+        monkeypatch.setattr(pdl, "ENABLED", False)
+        runner.reset()
+    ar, _ = decode_all(engine, prompts, 0, topk=8, new=24)
+    assert ddtree == ar, "greedy DDTree with PDL launches diverged from AR"
