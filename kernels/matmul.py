@@ -279,17 +279,17 @@ def matmul_triton(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tiles: tu
     block_m, block_n, block_k, warps, stages = tiles
     part = torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n), splits)
-    pdl = _pdl_options(x, w, grid[0] * grid[1] * grid[2])
+    pdl_opts = _pdl_options(x, w, grid[0] * grid[1] * grid[2])
     _matmul_kernel[grid](
         x, w, part, M, N, K,
         0, x.stride(0), x.stride(1), 0, w.stride(0), w.stride(1),
         part.stride(0), part.stride(1), part.stride(2), per,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PREC=_prec(x.dtype), SPLIT=True,
-        num_warps=warps, num_stages=stages, **pdl)
+        num_warps=warps, num_stages=stages, **pdl_opts)
     y = out if out.is_contiguous() else torch.empty_like(out, memory_format=torch.contiguous_format)
     block = 1024
     _sum_splits_kernel[(triton.cdiv(M * N, block),)](part, y, M * N, SPLITS=splits, BLOCK=block,
-                                                      **({"PDL": True, "launch_pdl": True} if pdl else {}))
+                                                      **({"PDL": True, "launch_pdl": True} if pdl_opts else {}))
     if y is not out:
         out.copy_(y)
     return out
