@@ -27,8 +27,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import pdl
-
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     if factor <= 1:
@@ -128,10 +126,7 @@ def rotate_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
 
 @triton.jit
 def _rotate_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, R, stride_xt, stride_xr, stride_c, HALF: tl.constexpr,
-                   BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr,
-                   TRIGGER: tl.constexpr = False):
-    if TRIGGER:  # `kernels.pdl`: a PDL launch after this one may start now (it waits for our end to read)
-        tl.extra.cuda.gdc_launch_dependents()
+                   BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     i = tl.arange(0, BLOCK_H)
@@ -169,6 +164,5 @@ def rotate_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interle
     block_r = min(triton.next_power_of_2(R), 64)
     _rotate_kernel[(T, triton.cdiv(R, block_r))](x3, cos, sin, out, R, x3.stride(0), x3.stride(1), cos.stride(0),
                                                  HALF=dim // 2, BLOCK_R=block_r,
-                                                 BLOCK_H=triton.next_power_of_2(dim // 2), INTERLEAVED=interleaved,
-                                                 **(pdl.trigger() if x.is_cuda else {}))
+                                                 BLOCK_H=triton.next_power_of_2(dim // 2), INTERLEAVED=interleaved)
     return out

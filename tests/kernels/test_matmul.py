@@ -364,14 +364,11 @@ for pdl in (False, True):
             prefetch=sum("prefetch.global.L2" in l for l in lines), first_prefetch=first(r"prefetch\.global\.L2"),
             last_prefetch=max((i for i, l in enumerate(lines) if "prefetch.global.L2" in l), default=-1),
             first_load=first(r"cp\.async|ld\.global"), mmas=sum("wgmma.mma_async" in l for l in lines))
-from kernels import _mla_kernels, rmsnorm, rope
+from kernels import _mla_kernels, rmsnorm
 feeders = {  # the plainly launched kernels that let a PDL launch after them start early: (fn, signature, constexprs)
     "norm": (rmsnorm._rmsnorm_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "D": "i32",
                                        "stride_xr": "i32", "stride_yr": "i32", "eps": "fp32"},
              dict(BLOCK_D=2048, ONE_CHUNK=True)),
-    "rope": (rope._rotate_kernel, {"x_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "out_ptr": "*bf16",
-                                   "R": "i32", "stride_xt": "i32", "stride_xr": "i32", "stride_c": "i32"},
-             dict(HALF=32, BLOCK_R=16, BLOCK_H=32, INTERLEAVED=True)),
     "combine": (_mla_kernels._mla_combine_kernel, {"po_ptr": "*bf16", "pml_ptr": "*fp32", "nc_ptr": "*i32",
                                                    "out_ptr": "*bf16", "H": "i32", "HT": "i32", "GC": "i32",
                                                    "stride_ot": "i32", "stride_oh": "i32"},
@@ -393,8 +390,8 @@ print(json.dumps(out))
 def test_pdl_matmul_compiles_for_sm90_in_the_right_order(tmp_path):
     """The PDL kernel for sm_90 (PTX, no GPU needed): its weight prefetches come before the wait for the previous
     grid, every global load of data (x, and the weights' real loads) after it, the next grid's launch is allowed
-    after the wait, and the loop's MMAs are the plain kernel's; without PDL none of it is there. The RMSNorm, rope
-    and MLA combine kernels with TRIGGER let the next grid launch at their start and wait for nothing."""
+    after the wait, and the loop's MMAs are the plain kernel's; without PDL none of it is there. The RMSNorm and MLA
+    combine kernels with TRIGGER let the next grid launch at their start and wait for nothing."""
     from tests.kernels.sm90_compile import run_sm90_script
 
     facts = run_sm90_script(tmp_path, _SM90_PDL)
@@ -404,7 +401,7 @@ def test_pdl_matmul_compiles_for_sm90_in_the_right_order(tmp_path):
         assert on["prefetch"] >= 4 and 0 <= on["first_prefetch"] <= on["last_prefetch"] < on["wait"], on
         assert on["wait"] < on["launch"] < on["first_load"], on
         assert on["mmas"] == off["mmas"] > 0, (on, off)
-    for name in ("norm", "rope", "combine"):  # these only let the next grid start, before their first load
+    for name in ("norm", "combine"):  # these only let the next grid start, before their first load
         plain, trig = facts[name + "0"], facts[name + "1"]
         assert plain["launch"] == plain["wait"] == trig["wait"] == -1, (name, plain, trig)
         assert 0 <= trig["launch"] < trig["first_load"], (name, trig)
