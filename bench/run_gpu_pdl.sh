@@ -8,8 +8,8 @@ set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 OUT=${OUT:-bench/results/run}
 mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv 2>&1 | tee "$OUT/gpu.txt"
-python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
+python -c "import torch, triton; print(torch.cuda.get_device_name(), '| torch', torch.__version__, '| triton', \
+triton.__version__)" | tee "$OUT/gpu.txt"
 timeout "${T_TESTS:-200}" python -m pytest -q -rs -x -k pdl tests/kernels/test_matmul.py tests/unit/test_cuda_graphs.py \
   2>&1 | tee "$OUT/tests_pdl.log" || exit 1
 layers=$(python -c "import torch; print(8 if torch.cuda.get_device_properties(0).total_memory >= 100e9 else 6)")
