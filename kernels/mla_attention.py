@@ -385,7 +385,7 @@ def mla_attention_triton(q_lat, q_pe, kv_cache, block_table, page_size, cu_q, pr
         block_d = min(bdl, 128)
         _mla_combine_kernel[(tiles, triton.cdiv(bdl, block_d))](
             po, pml, nc, out, H, ht, grid_c, out.stride(0), out.stride(1),
-            DL=Dl, BDL=bdl, BLOCK_D=block_d, BLOCK_M=block_m, num_warps=4, **(pdl.trigger() if out.is_cuda else {}))
+            DL=Dl, BDL=bdl, BLOCK_D=block_d, BLOCK_M=block_m, num_warps=4, **pdl.trigger(out))
     return out
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 ENABLED = False
 
 
-def trigger() -> dict:
-    """The TRIGGER constexpr for a plainly launched kernel that feeds a PDL launch."""
-    return {"TRIGGER": True} if ENABLED else {}
+def trigger(x) -> dict:
+    """The TRIGGER constexpr for a plainly launched kernel that feeds a PDL launch, given one of its tensors (none off
+    CUDA: the interpreter has no griddepcontrol)."""
+    return {"TRIGGER": True} if ENABLED and x.is_cuda else {}

@@ -92,7 +92,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torc
     y2 = out.view(-1, D)
     warps = 4 if bd <= 2048 else 8
     _rmsnorm_kernel[(R,)](x2, weight, y2, D, x2.stride(0), y2.stride(0), eps, BLOCK_D=bd, ONE_CHUNK=bd >= D,
-                          num_warps=warps, **(pdl.trigger() if x.is_cuda else {}))
+                          num_warps=warps, **pdl.trigger(x))
     return out
 
 
