@@ -252,7 +252,7 @@ def batched_matmul_triton(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, t
 
 def _pdl_options(x: torch.Tensor, w: torch.Tensor, programs: int) -> dict:
     """The kernel's PDL constexprs and launch option for a launch of `programs` programs (`PDL_PREFETCH`)."""
-    if not (pdl.ENABLED and x.is_cuda and w.stride(-1) == 1):
+    if not (pdl.active(x) and w.stride(-1) == 1):
         return {}
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()
     if programs > PIPELINED_GRID * _sm_count(index):

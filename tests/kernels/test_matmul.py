@@ -327,12 +327,27 @@ def test_pdl_stays_off_the_cpu_path_and_wide_grids(monkeypatch):
             return self.last
 
     monkeypatch.setattr(mm, "_sm_count", lambda index: 132)
+    monkeypatch.setattr(pdl, "_capable", lambda index: True)
     on = dict(PDL=True, PREFETCH=mm.PDL_PREFETCH, launch_pdl=True)
     assert mm._pdl_options(OnGpu(), OnGpu(), 264) == on
+    assert pdl.trigger(OnGpu()) == {"TRIGGER": True}
     assert mm._pdl_options(OnGpu(), OnGpu(), 265) == {}  # more programs than fit: they would hold SMs waiting
     assert mm._pdl_options(OnGpu(), OnGpu(last_stride=3), 10) == {}  # prefetches assume rows contiguous in K
+    monkeypatch.setattr(pdl, "_capable", lambda index: False)  # before sm_90: no griddepcontrol
+    assert mm._pdl_options(OnGpu(), OnGpu(), 10) == {} and pdl.trigger(OnGpu()) == {}
+    monkeypatch.setattr(pdl, "_capable", lambda index: True)
     monkeypatch.setattr(pdl, "ENABLED", False)
-    assert mm._pdl_options(OnGpu(), OnGpu(), 10) == {}
+    assert mm._pdl_options(OnGpu(), OnGpu(), 10) == {} and pdl.trigger(OnGpu()) == {}
+
+
+def test_pdl_switch_from_the_environment():
+    """DDTREE_PDL: unset / empty / 0 off, 1 on, anything else refused with a message naming the variable."""
+    from kernels import pdl
+
+    assert [pdl._from_env(v) for v in (None, "", "0", "1")] == [False, False, False, True]
+    for bad in ("true", "2", "on"):
+        with pytest.raises(ValueError, match="DDTREE_PDL"):
+            pdl._from_env(bad)
 
 
 _SM90_PDL = r"""
