@@ -421,8 +421,9 @@ def test_gpu_graphs_ddtree_equals_ar_and_eager(mini):
 
 @gpu_test
 def test_gpu_pdl_gives_the_plain_bits(mini, monkeypatch):
-    """`kernels.pdl` on (written without a GPU): the verify forward with PDL launches gives the plain launches' bits
-    eagerly, its graphs captured with PDL replay them (hidden, taps, logits, KV rows), and greedy DDTree == AR."""
+    """`kernels.pdl` on (passed on an H100, thirty-third session): the verify forward with PDL launches gives the plain
+    launches' bits eagerly, its graphs captured with PDL replay them (hidden, taps, logits, KV rows), and greedy DDTree
+    == AR."""
     from kernels import pdl
 
     engine, prompts = mini
