@@ -41,8 +41,8 @@ ENABLED = _from_env(os.environ.get("DDTREE_PDL"))
 
 
 @functools.cache
-def _capable(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9
+def _capable(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def active(x: torch.Tensor) -> bool:
@@ -50,7 +50,7 @@ def active(x: torch.Tensor) -> bool:
     and older GPUs have no griddepcontrol)."""
     if not (ENABLED and x.is_cuda):
         return False
-    return _capable(x.device.index if x.device.index is not None else torch.cuda.current_device())
+    return _capable(x.device)
 
 
 def trigger(x: torch.Tensor) -> dict:

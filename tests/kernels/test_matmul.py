@@ -327,15 +327,15 @@ def test_pdl_stays_off_the_cpu_path_and_wide_grids(monkeypatch):
             return self.last
 
     monkeypatch.setattr(mm, "_sm_count", lambda index: 132)
-    monkeypatch.setattr(pdl, "_capable", lambda index: True)
+    monkeypatch.setattr(pdl, "_capable", lambda device: True)
     on = dict(PDL=True, PREFETCH=mm.PDL_PREFETCH, launch_pdl=True)
     assert mm._pdl_options(OnGpu(), OnGpu(), 264) == on
     assert pdl.trigger(OnGpu()) == {"TRIGGER": True}
     assert mm._pdl_options(OnGpu(), OnGpu(), 265) == {}  # more programs than fit: they would hold SMs waiting
     assert mm._pdl_options(OnGpu(), OnGpu(last_stride=3), 10) == {}  # prefetches assume rows contiguous in K
-    monkeypatch.setattr(pdl, "_capable", lambda index: False)  # before sm_90: no griddepcontrol
+    monkeypatch.setattr(pdl, "_capable", lambda device: False)  # before sm_90: no griddepcontrol
     assert mm._pdl_options(OnGpu(), OnGpu(), 10) == {} and pdl.trigger(OnGpu()) == {}
-    monkeypatch.setattr(pdl, "_capable", lambda index: True)
+    monkeypatch.setattr(pdl, "_capable", lambda device: True)
     monkeypatch.setattr(pdl, "ENABLED", False)
     assert mm._pdl_options(OnGpu(), OnGpu(), 10) == {} and pdl.trigger(OnGpu()) == {}
 
