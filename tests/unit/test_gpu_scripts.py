@@ -24,3 +24,11 @@ def test_run_gpu_moe_defaults_are_known_variants_and_runnable_schedules():
     schedules = _default("run_gpu_moe.sh", "SCHEDULES").split(";")
     for s in schedules:
         check_schedule(json.loads(s))  # ValueError for an option or value the kernels cannot run
+
+
+def test_run_gpu_moe_stalls_names_the_kernels_and_a_runnable_schedule():
+    script = (BENCH / "run_gpu_moe_stalls.sh").read_text()
+    check_schedule(json.loads(_default("run_gpu_moe_stalls.sh", "OPTIONS")))
+    kernels = (BENCH.parent / "kernels" / "_int4_moe_wgmma.py").read_text()
+    for k in re.search(r"^for k in (.*); do$", script, re.M).group(1).split():
+        assert f"def _moe_{k}_wgmma_kernel(" in kernels
