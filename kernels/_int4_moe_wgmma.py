@@ -223,13 +223,18 @@ if HAVE_GLUON:
         step `nkb`, its weight sources `nw_src` / `ns_src` at that step, `nlive` False past the end), then its MMAs.
         One accumulator [R, N] (R = the slot's rows = 64 WG: one tensor of 64 rows, or WG = 2's two over two
         warpgroups): acc_a and acc_b are it (both names, so the loops are the same)."""
+        # two CTA barriers a step. The compiler puts one right after the wait (its rule after every cp.async wait):
+        # every warp is then done with step f - 1, whose slot the copies below refill. Ours comes after the copies:
+        # everyone's copies of step f have landed and are fenced for the MMAs (async proxy). It is also the one the
+        # compiler would put before the reads below, since it cannot tell the ring's slots apart (before: a third,
+        # right after the fence, which left the copies' issue and the fence's latency on the critical path)
         cp.wait_group(STAGES - 2)  # this thread's copies of step f landed
         fence_async_shared()
-        cta_barrier()  # everyone's; and every warp is done with step f - 1: its slot is free
         ns = (f + STAGES - 1) % STAGES
         _copy_stage(x_rows, nw_src, nw_ok, ns_src, ns_ok, nkb, nlive, xring.index(ns).slice(0, 4 * N), wring.index(ns),
                     sring.index(ns), XC_L)
         cp.commit_group()
+        cta_barrier()
         slot = f % STAGES
         ws = wring.index(slot)
         ss = sring.index(slot)

@@ -81,3 +81,37 @@ def hgmma_loops(cubin: bytes) -> list[dict]:
     inner = [x for x in loops if not any(y is not x and x[0] <= y[0] and y[1] <= x[1] for y in loops)]
     return [{"n": i - a + 1, **{k: ops[k] for k in ("HGMMA", "R2UR", "UIADD3", "IMAD", "IADD3", "LDL", "STL")}}
             for a, i, ops in inner]
+
+
+RING_STEP_SYNC = ["wait", "bar", "fence", "cp", "commit", "bar", "lds"]
+
+
+def ring_loop_syncs(ptx: str) -> list[list[str]]:
+    """In a compile script: for each innermost PTX loop that issues warpgroup MMAs, the order in which its body first
+    does each of: `wait` (cp.async.wait_group), `bar` (bar.sync), `fence` (fence.proxy.async), `cp` (cp.async),
+    `commit`, `lds` (ld.shared), `mma` (wgmma.mma_async), repeats of the same kind merged. A ring step of
+    `kernels._int4_moe_wgmma` begins RING_STEP_SYNC: two CTA barriers before its reads of the step's slot."""
+    import re
+
+    lines = ptx.splitlines()
+    kinds = (("wait", "cp.async.wait_group"), ("bar", "bar.sync"), ("fence", "fence.proxy.async"),
+             ("cp", "cp.async.cg"), ("commit", "cp.async.commit_group"), ("lds", "ld.shared"),
+             ("mma", "wgmma.mma_async"))
+    out = []
+    for i, line in enumerate(lines):
+        if "Inner Loop Header" not in line:
+            continue
+        # the loop's label: on the header line, or (a nested loop) a few comment lines above it
+        m = next(m for k in range(i, -1, -1) if (m := re.match(r"^(\$L__BB\d+_\d+):", lines[k])))
+        end = next(j for j in range(i + 1, len(lines)) if re.search(rf"\bbra(\.uni)?\s+{re.escape(m.group(1))};",
+                                                                    lines[j]))
+        body = lines[i:end + 1]
+        if not any("wgmma.mma_async" in b for b in body):
+            continue
+        seq: list[str] = []
+        for b in body:
+            for key, pat in kinds:
+                if pat in b and (not seq or seq[-1] != key):
+                    seq.append(key)
+        out.append(seq)
+    return out

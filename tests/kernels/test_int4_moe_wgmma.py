@@ -27,7 +27,7 @@ from kernels.int4_moe_wgmma import (
     wgmma_layout_dense,
 )
 from kernels.int4_pack import dequantize_int4
-from tests.kernels.sm90_compile import run_sm90_script
+from tests.kernels.sm90_compile import RING_STEP_SYNC, run_sm90_script
 from tests.kernels.test_int4_moe import (
     KIMI,
     assert_bitwise,
@@ -80,7 +80,7 @@ def test_wgmma_layout_moves_every_column():
 _SM90_COMPILE = r"""
 import json, re
 from kernels import _int4_moe_wgmma as m
-from tests.kernels.sm90_compile import compile_gluon_sm90
+from tests.kernels.sm90_compile import compile_gluon_sm90, ring_loop_syncs
 out = {}
 configs = ((8, 0, 4, False, False, None, 1, 1, 128), (64, 0, 2, False, False, None, 1, 1, 128),
            (32, 8, 2, False, False, 168, 1, 1, 128), (32, 8, 2, True, False, 168, 1, 1, 128),
@@ -115,7 +115,8 @@ for gated, np_, small, stages, pdl, direct, cap, rt, wg, rows in [(g, *c) for g 
             "st_shared": ptx.count("st.shared"), "ld_shared": ptx.count("ld.shared") + ptx.count("ldmatrix"),
             "cp_async_16": len(re.findall(r"cp\.async\.cg\.shared\.global \[[^]]+\], \[[^]]+\], 0x10", ptx)),
             "ld_v4": ptx.count("ld.global.v4"), "ld_shared_v4": ptx.count("ld.shared.v4.b32"),
-            "spill_bytes": sum(int(v) for v in re.findall(r"(\d+) bytes spill stores", log))}
+            "spill_bytes": sum(int(v) for v in re.findall(r"(\d+) bytes spill stores", log)),
+            "loops": ring_loop_syncs(ptx)}
 print(json.dumps(out))
 """
 
@@ -168,12 +169,15 @@ def test_wgmma_moe_kernels_compile_for_sm90(tmp_path):
         assert half == 2 or f["ld_shared"] == f["ld_shared_v4"], (name, f)
         assert f["cap"] is None or f["registers"] <= f["cap"], (name, f)
         assert wg == 1 or f["registers"] <= 128, (name, f)  # two 8-warp programs per SM
+        # each ring step: the compiler's barrier after the wait, the fence, the next step's copies, then one barrier
+        # of ours before the slot is read (three before the thirty-fourth session: a second one after the fence)
+        assert f["loops"] and all(seq[:len(RING_STEP_SYNC)] == RING_STEP_SYNC for seq in f["loops"]), (name, f)
 
 
 _SM90_COMPILE_DECODE = r"""
 import json, re
 from kernels import _int4_moe_decode as m
-from tests.kernels.sm90_compile import compile_gluon_sm90
+from tests.kernels.sm90_compile import compile_gluon_sm90, ring_loop_syncs
 out = {}
 
 
@@ -207,7 +211,7 @@ for stages, rt, rows in ((4, 1, 128), (4, 2, 128), (3, 2, 128), (2, 1, 128), (4,
         "n_wgmma": len(re.findall(r"wgmma\.mma_async", ptx)),
         "sync": re.findall(r"(atom\.global\.gpu\.\w+\.add|red\.global\.gpu\.\w+\.add|ld\.global\.gpu\.acquire"
                            r"|fence\.acq_rel\.gpu|griddepcontrol\.\w+)", ptx),
-        "publish": publishes(ptx)}
+        "publish": publishes(ptx), "loops": ring_loop_syncs(ptx)}
 print(json.dumps(out))
 """
 
@@ -247,6 +251,7 @@ def test_wgmma_moe_decode_kernel_compiles_for_sm90(tmp_path):
         # a tile's stores are announced only after every warp made them: fence, CTA barrier, then thread 0's count
         # (ready[slot], its row range's count); the exit count announces no stores (either way)
         assert len(f["publish"]) == 3 and f["publish"].count([True, True]) >= 2, (name, f)
+        assert f["loops"] and all(seq[:len(RING_STEP_SYNC)] == RING_STEP_SYNC for seq in f["loops"]), (name, f)
 
 
 _SM90_COMPILE_W2_COMBINE = r"""
