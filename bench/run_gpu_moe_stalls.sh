@@ -4,7 +4,9 @@
 # each kernel is measured alone), the question the twenty-third session left open: which instructions the warps wait
 # at while the schedulers find no eligible warp. For each kernel, under $OUT: `ncu_details_moe_<k>_T<T>.txt`
 # (SpeedOfLight, Occupancy, SchedulerStats, WarpStateStats, SourceCounters) and `ncu_sass_moe_<k>_T<T>.csv.gz` (the
-# SASS with its stall samples per instruction; `bench/sass_stalls.py` ranks them). About 40 s. T=1 unless set;
+# SASS with its stall samples per instruction; `bench/sass_stalls.py` ranks them). Then `bench/tile_read.py`: the
+# kernels' read order against the same bytes read in address order, no arithmetic (`tile_read.jsonl`, `tile_read.log`;
+# TILE_READ=0 skips it). About 80 s. T=1 unless set;
 # OPTIONS: JSON laid over the schedule (default '{"pdl": false}'). Run from the repo root.
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -24,4 +26,7 @@ for k in w13 w2; do
     "$OUT/ncu_sass_moe_${k}_T$T.csv.gz" || status=1
   python bench/sass_stalls.py "$OUT/ncu_sass_moe_${k}_T$T.csv.gz" --top 25 2>&1 | tee "$OUT/stalls_moe_${k}_T$T.txt"
 done
+if [ "${TILE_READ:-1}" != 0 ]; then
+  timeout "${T_READ:-150}" python bench/tile_read.py --out "$OUT/tile_read.jsonl" 2>&1 | tee "$OUT/tile_read.log" || status=1
+fi
 exit $status
