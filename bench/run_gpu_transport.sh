@@ -15,9 +15,8 @@
 # git-ignored) and they are installed into /tmp/site here. K26=1 needs ~78 GB on the GPU (the verifier 66 GB, the
 # drafter process 11 GB): an H200, not an H100.
 set -o pipefail
-if ! python -c "import grpc_health" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
-  pip install -q --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
+# shellcheck source=bench/_wheels.sh
+. bench/_wheels.sh
 export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-bench/results/run}
 mkdir -p "$OUT"

@@ -32,3 +32,13 @@ def test_run_gpu_moe_stalls_names_the_kernels_and_a_runnable_schedule():
     kernels = (BENCH.parent / "kernels" / "_int4_moe_wgmma.py").read_text()
     for k in re.search(r"^for k in (.*); do$", script, re.M).group(1).split():
         assert f"def _moe_{k}_wgmma_kernel(" in kernels
+
+
+def test_every_device_script_parses_and_sources_what_exists():
+    import subprocess
+
+    for script in sorted(BENCH.glob("*.sh")):
+        res = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+        assert res.returncode == 0, (script.name, res.stderr)
+        for sourced in re.findall(r"^\s*\.\s+(\S+)$", script.read_text(), re.M):
+            assert (BENCH.parent / sourced).is_file(), (script.name, sourced)
