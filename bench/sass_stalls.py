@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import csv
 import gzip
-import io
 import sys
 from collections import Counter
 from dataclasses import dataclass, field
@@ -32,12 +31,11 @@ class Kernel:
 
 def read(path: str) -> list[Kernel]:
     """The export's kernels, each with its instruction rows (dicts by column name)."""
-    raw = gzip.open(path, "rt") if path.endswith(".gz") else open(path)
-    with raw:
-        lines = raw.read().splitlines()
     kernels: list[Kernel] = []
     header: list[str] | None = None
-    for rec in csv.reader(io.StringIO("\n".join(lines))):
+    with gzip.open(path, "rt") if path.endswith(".gz") else open(path) as raw:
+        records = list(csv.reader(raw))
+    for rec in records:
         if not rec:
             continue
         if rec[0] == "Kernel Name":
