@@ -143,6 +143,11 @@ GLUON_VARIANTS = {  # name -> int4_moe_gluon options (--gluon)
     "wgmma_np8_s3_pdl_direct": dict(path="wgmma", block_pairs=8, stages=3, pdl=True, direct=True),
     "wgmma_np8_s3_r168_pdl_direct": dict(path="wgmma", block_pairs=8, stages=3, maxnreg=168, pdl=True, direct=True),
     "wgmma_np8_s2_r128_pdl_direct": dict(path="wgmma", block_pairs=8, stages=2, maxnreg=128, pdl=True, direct=True),
+    # the same kernels on the step-major order of the words and scales ("wgmma_steps": a program's rows of a K step
+    # contiguous; same shapes, so the same random words serve)
+    **{f"wgmma_steps_{n}": dict(path="wgmma", layout="wgmma_steps", **o) for n, o in (
+        ("auto", {}), ("w2c", dict(w2_combine=True)), ("fused", dict(fused=True)), ("r64", dict(rows=64)),
+        ("auto_rt2", dict(row_tiles=2)), ("auto_wg2", dict(warpgroups=2)))},
 }
 
 
@@ -378,7 +383,11 @@ def main():
                 continue
             peers = {"gluon_eager": eager, "read_experts": read_ms,
                      **({"triton_default": default_ms} if default_ms else {})}
-            config = resolve_schedule(ids.numel(), **opts) if path == "wgmma" else opts or "default"
+            if path == "wgmma":
+                config = {**resolve_schedule(ids.numel(), **{k: v for k, v in opts.items() if k != "layout"}),
+                          "layout": opts.get("layout", "wgmma")}
+            else:
+                config = opts or "default"
             params = dict(T=T, E=E, D=D, I=INTER, topk=TOPK, experts_touched=touched, bytes=nbytes, pool=args.pool,
                           read_config=read_cfg, timing="cuda_graph_replay", variant=gname, config=config)
             write_jsonl(args.out, [dict(name=f"int4_moe_{path}", params=params, **info, ms=ms, floor_ms=floor_ms,

@@ -433,7 +433,8 @@ def run_case(model, pool, cfg, case: dict, invariant: bool, ceil: dict, info: di
         moe_block_m=int4_moe.DEFAULT_BLOCK_M,
         moe_zp_mma=int4_moe.DEFAULT_ZP_MMA, moe_layout=layout,
         **({"moe_block_pairs": int4_moe_gluon.DEFAULT_BLOCK_PAIRS} if layout == "gluon" else {}),
-        **({"moe_schedule": int4_moe_wgmma.resolve_schedule(shape["tokens"] * k)} if layout == "wgmma" else {}), **lm)
+        **({"moe_schedule": int4_moe_wgmma.resolve_schedule(shape["tokens"] * k)}
+           if layout in int4_moe_wgmma.LAYOUTS else {}), **lm)
     if args.profile and cuda:
         params["kernel_breakdown"] = state["breakdowns"][-1][2]
     if graph_err is not None:
@@ -488,7 +489,7 @@ def parse_args(argv=None):
                     help="INT4 MoE pairs per expert block (default: kernels.int4_moe.DEFAULT_BLOCK_M)")
     ap.add_argument("--moe-zp-mma", choices=("on", "off"), default=None,
                     help="INT4 MoE zero point by an MMA on group sums (default: kernels.int4_moe.DEFAULT_ZP_MMA)")
-    ap.add_argument("--moe-layout", choices=("auto", "gpu", "gluon", "wgmma"), default=None,
+    ap.add_argument("--moe-layout", choices=("auto", "gpu", "gluon", *int4_moe_wgmma.LAYOUTS), default=None,
                     help="INT4 MoE kernels (moe.GPU_LAYOUT, default 'auto': wgmma on sm_90, else the Triton 'gpu')")
     ap.add_argument("--moe-block-pairs", type=int, choices=int4_moe_gluon.BLOCK_PAIRS, default=None,
                     help="with --moe-layout gluon: pairs per expert block (default int4_moe_gluon.DEFAULT_BLOCK_PAIRS)")

@@ -41,7 +41,8 @@ if HAVE_GLUON:
         tw_ptr,  # [TOPK]: its routing weights
         sync_ptr,  # int32 [SYNC_WORDS], zero at launch, zero again at exit: ticket, exits, ready[TOPK], rows_done[]
         I, D, kb13, kb2, stride_x, stride_a, stride_y,
-        stride_w13e, stride_w13n, stride_s13e8, stride_s13n8, stride_w2e, stride_w2n, stride_s2e8, stride_s2n8,
+        stride_w13e, stride_w13n, stride_w13k, stride_s13e8, stride_s13n8, stride_s13k8,
+        stride_w2e, stride_w2n, stride_w2k, stride_s2e8, stride_s2n8, stride_s2k8,  # _k / _k8: between K steps
         TOPK: gl.constexpr, STAGES: gl.constexpr, ROW_TILES: gl.constexpr, R: gl.constexpr,
     ):
         """One token's whole routed-expert layer in one persistent launch (decode): w13, w2 and the combine.
@@ -82,8 +83,8 @@ if HAVE_GLUON:
                 w_src, w_ok, s_src, s_ok, gw, gs = _weight_src(w13_ptr, s13_ptr, e, r, I, stride_w13e, stride_w13n,
                                                                stride_s13e8, stride_s13n8, True, 1, CW_L, CS_L, R)
                 _ring_gemm(x_ptr, a_ptr, ids_ptr, k, r, TOPK, I, kb13, stride_x, stride_a, w_src, w_ok, s_src, s_ok,
-                           gw, gs, stride_w13n, stride_s13n8, xring, wring, sring, TOPK, True, NP, NP, STAGES, False,
-                           True, 1, _W_L1, CW_L, CS_L, 1)
+                           gw, gs, stride_w13n, stride_s13n8, stride_w13k, stride_s13k8, xring, wring, sring, TOPK,
+                           True, NP, NP, STAGES, False, True, 1, _W_L1, CW_L, CS_L, 1)
                 _publish()
                 gl.atomic_add(ready_ptr + k, 1, sem="release", scope="gpu")
             else:
@@ -94,15 +95,15 @@ if HAVE_GLUON:
                 w_src, w_ok, s_src, s_ok, gw, gs = _weight_src(w2_ptr, s2_ptr, e, r, D, stride_w2e, stride_w2n,
                                                                stride_s2e8, stride_s2n8, False, ROW_TILES, CW_L,
                                                                CS_L, R)
-                _prefetch_w(w_src, w_ok, s_src, s_ok, gw, gs, D, kb2, stride_w2n, stride_s2n8, wring, sring, STAGES,
-                            ROW_TILES, CW_L, CS_L)
+                _prefetch_w(w_src, w_ok, s_src, s_ok, gw, gs, D, kb2, stride_w2n, stride_s2n8, stride_w2k, stride_s2k8,
+                            wring, sring, STAGES, ROW_TILES, CW_L, CS_L)
                 got = gl.atomic_add(ready_ptr + k, 0, sem="acquire", scope="gpu")
                 while got < n_r13:
                     got = gl.atomic_add(ready_ptr + k, 0, sem="acquire", scope="gpu")
                 _fence_gpu()
                 _ring_gemm(a_ptr, y_ptr, ids_ptr, k, r, TOPK, D, kb2, stride_a, stride_y, w_src, w_ok, s_src, s_ok,
-                           gw, gs, stride_w2n, stride_s2n8, xring, wring, sring, TOPK, False, NP, NP, STAGES, True,
-                           True, ROW_TILES, _W_L1, CW_L, CS_L, 1)
+                           gw, gs, stride_w2n, stride_s2n8, stride_w2k, stride_s2k8, xring, wring, sring, TOPK, False,
+                           NP, NP, STAGES, True, True, ROW_TILES, _W_L1, CW_L, CS_L, 1)
                 _publish()
                 if gl.atomic_add(rows_ptr + r, 1, sem="acq_rel", scope="gpu") == TOPK - 1:
                     _fence_gpu()

@@ -105,17 +105,20 @@ if HAVE_GLUON:
         cp_async(dst, base, mask=(gl.expand_dims(col, 0) < 64) & live)
 
     @gluon.jit
-    def _copy_w(w_src, w_ok, s_src, s_ok, kb, live, w_dst, s_dst):
+    def _copy_w(w_src, w_ok, s_src, s_ok, kb, live, w_dst, s_dst, stride_wk, stride_sk8):
         """Step kb of both weight tensors' words [128 rows, 32] and scales [128 rows, 8] into one ring slot (rows
-        0-63: tensor a, 64-127: tensor b; rows past the projection and steps past the end are zero-filled)."""
-        cp_async(w_dst, w_src + kb * 32, mask=w_ok & live)
-        cp_async(s_dst, s_src + kb * 8, mask=s_ok & live)
+        0-63: tensor a, 64-127: tensor b; rows past the projection and steps past the end are zero-filled). A row's
+        steps are stride_wk words and stride_sk8 16-byte scale units apart (32 and 1 in the row-major layout, N * 32
+        and N in the step-major one)."""
+        cp_async(w_dst, w_src + kb * stride_wk, mask=w_ok & live)
+        cp_async(s_dst, s_src + kb * (stride_sk8 * 8), mask=s_ok & live)
 
     @gluon.jit
-    def _copy_stage(x_rows, w_src, w_ok, s_src, s_ok, kb, live, x_dst, w_dst, s_dst, XC_L: gl.constexpr):
+    def _copy_stage(x_rows, w_src, w_ok, s_src, s_ok, kb, live, x_dst, w_dst, s_dst, stride_wk, stride_sk8,
+                    XC_L: gl.constexpr):
         """Step kb of the block's activations and of both weight tensors into one ring slot."""
         _copy_x(x_rows, kb, live, x_dst, XC_L)
-        _copy_w(w_src, w_ok, s_src, s_ok, kb, live, w_dst, s_dst)
+        _copy_w(w_src, w_ok, s_src, s_ok, kb, live, w_dst, s_dst, stride_wk, stride_sk8)
 
     @gluon.jit
     def _gdc_wait():
@@ -217,7 +220,7 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _ring_step(f, x_rows, nw_src, nw_ok, ns_src, ns_ok, nkb, nlive, xring, wring, sring, acc_a, acc_b,
-                   N: gl.constexpr, STAGES: gl.constexpr, W_L: gl.constexpr, A_L: gl.constexpr,
+                   stride_wk, stride_sk8, N: gl.constexpr, STAGES: gl.constexpr, W_L: gl.constexpr, A_L: gl.constexpr,
                    XC_L: gl.constexpr, WG: gl.constexpr):
         """Ring step f: wait for its slot's copies, put the copies of step f + STAGES - 1 in flight (its activation
         step `nkb`, its weight sources `nw_src` / `ns_src` at that step, `nlive` False past the end), then its MMAs.
@@ -232,7 +235,7 @@ if HAVE_GLUON:
         fence_async_shared()
         ns = (f + STAGES - 1) % STAGES
         _copy_stage(x_rows, nw_src, nw_ok, ns_src, ns_ok, nkb, nlive, xring.index(ns).slice(0, 4 * N), wring.index(ns),
-                    sring.index(ns), XC_L)
+                    sring.index(ns), stride_wk, stride_sk8, XC_L)
         cp.commit_group()
         cta_barrier()
         slot = f % STAGES
@@ -294,17 +297,20 @@ if HAVE_GLUON:
         return w_src, w_ok, s_src, s_ok, gw, gs
 
     @gluon.jit
-    def _prefetch_w(w_src, w_ok, s_src, s_ok, gw, gs, N_OUT, num_kb, stride_wn, stride_sn8, wring, sring,
-                    STAGES: gl.constexpr, ROW_TILES: gl.constexpr, CW_L: gl.constexpr, CS_L: gl.constexpr):
+    def _prefetch_w(w_src, w_ok, s_src, s_ok, gw, gs, N_OUT, num_kb, stride_wn, stride_sn8, stride_wk, stride_sk8,
+                    wring, sring, STAGES: gl.constexpr, ROW_TILES: gl.constexpr, CW_L: gl.constexpr,
+                    CS_L: gl.constexpr):
         """The weights of the ring's first STAGES - 1 steps in flight, one commit group each (`_ring_gemm`'s WPRE:
         its activation copies follow as groups of their own)."""
         for st in gl.static_range(STAGES - 1):
             if ROW_TILES == 1:
-                _copy_w(w_src, w_ok, s_src, s_ok, st, st < num_kb, wring.index(st), sring.index(st))
+                _copy_w(w_src, w_ok, s_src, s_ok, st, st < num_kb, wring.index(st), sring.index(st), stride_wk,
+                        stride_sk8)
             else:  # ring step st of the program's tiles (tile st // num_kb)
                 sw, okw, ss, oks = _tile_src(w_src, s_src, gw, gs, N_OUT, stride_wn, stride_sn8,
                                              gl.minimum(st // num_kb, ROW_TILES - 1), CW_L, CS_L)
-                _copy_w(sw, okw, ss, oks, st % num_kb, st < ROW_TILES * num_kb, wring.index(st), sring.index(st))
+                _copy_w(sw, okw, ss, oks, st % num_kb, st < ROW_TILES * num_kb, wring.index(st), sring.index(st),
+                        stride_wk, stride_sk8)
             cp.commit_group()
 
     @gluon.jit
@@ -367,7 +373,8 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _ring_gemm(x_ptr, out_ptr, pairs_ptr, blk, pid_r, P, N_OUT, num_kb, stride_x, stride_o, w_src, w_ok, s_src,
-                   s_ok, gw, gs, stride_wn, stride_sn8, xring, wring, sring, TOPK: gl.constexpr, GATED: gl.constexpr,
+                   s_ok, gw, gs, stride_wn, stride_sn8, stride_wk, stride_sk8, xring, wring, sring, TOPK: gl.constexpr,
+                   GATED: gl.constexpr,
                    N: gl.constexpr, NP: gl.constexpr, STAGES: gl.constexpr, WPRE: gl.constexpr, DIRECT: gl.constexpr,
                    ROW_TILES: gl.constexpr, W_L: gl.constexpr, CW_L: gl.constexpr, CS_L: gl.constexpr,
                    WG: gl.constexpr):
@@ -402,14 +409,14 @@ if HAVE_GLUON:
                     _copy_x(x_rows, st, st < num_kb, xring.index(st).slice(0, 4 * N), XC_L)
                 else:
                     _copy_stage(x_rows, w_src, w_ok, s_src, s_ok, st, st < num_kb, xring.index(st).slice(0, 4 * N),
-                                wring.index(st), sring.index(st), XC_L)
+                                wring.index(st), sring.index(st), stride_wk, stride_sk8, XC_L)
                 cp.commit_group()
             acc_a, acc_b = _zero_acc(N, WG, ACC_L, R)
             for kb in range(0, num_kb):
                 nk = kb + STAGES - 1
                 acc_a, acc_b = _ring_step(kb, x_rows, w_src, w_ok, s_src, s_ok, gl.minimum(nk, num_kb - 1),
-                                          nk < num_kb, xring, wring, sring, acc_a, acc_b, N, STAGES, W_L, A_L, XC_L,
-                                          WG)
+                                          nk < num_kb, xring, wring, sring, acc_a, acc_b, stride_wk, stride_sk8, N,
+                                          STAGES, W_L, A_L, XC_L, WG)
             cp.wait_group(0)
             if GATED:
                 _store_rows(acc_a, acc_b, out_ptr, pairs_ptr, blk, pid_r * (R // 2), P, N_OUT, stride_o, GATED, N,
@@ -427,7 +434,7 @@ if HAVE_GLUON:
                     _copy_x(x_rows, st % num_kb, st < total, xring.index(st).slice(0, 4 * N), XC_L)
                 else:
                     _copy_stage(x_rows, sw, okw, ss, oks, st % num_kb, st < total, xring.index(st).slice(0, 4 * N),
-                                wring.index(st), sring.index(st), XC_L)
+                                wring.index(st), sring.index(st), stride_wk, stride_sk8, XC_L)
                 cp.commit_group()
             for t in range(0, ROW_TILES):
                 acc_a, acc_b = _zero_acc(N, WG, ACC_L, R)
@@ -437,7 +444,8 @@ if HAVE_GLUON:
                     sw, okw, ss, oks = _tile_src(w_src, s_src, gw, gs, N_OUT, stride_wn, stride_sn8, nf // num_kb,
                                                  CW_L, CS_L)
                     acc_a, acc_b = _ring_step(f, x_rows, sw, okw, ss, oks, nf % num_kb, f + STAGES - 1 < total,
-                                              xring, wring, sring, acc_a, acc_b, N, STAGES, W_L, A_L, XC_L, WG)
+                                              xring, wring, sring, acc_a, acc_b, stride_wk, stride_sk8, N, STAGES, W_L,
+                                              A_L, XC_L, WG)
                 _store_rows(acc_a, acc_b, out_ptr, pairs_ptr, blk, (pid_r * ROW_TILES + t) * R, P, N_OUT, stride_o,
                             GATED, N, NP, DIRECT, ACC_L, WG, R)
             cp.wait_group(0)
@@ -445,13 +453,14 @@ if HAVE_GLUON:
     @gluon.jit
     def _wgmma_body(
         x_ptr,  # w13: x [T, Kp] (rows gathered by pair // TOPK); w2: a [P, Kp] (rows by pair)
-        w_ptr,  # int32 [E, N, Kp/8], "wgmma" layout
-        s_ptr,  # bf16 [E, N, Kp/32]
+        w_ptr,  # int32 [E, N, Kp/8], "wgmma" layout (or its step-major order, "wgmma_steps": the strides say)
+        s_ptr,  # bf16 [E, N, Kp/32] (likewise)
         out_ptr,  # w13: a [P, N/2] (activation dtype); w2: y [P, N] fp32
         pairs_ptr,  # int32 [blocks * NP] (DIRECT: not read)
         bexp_ptr,  # int32 [blocks] (DIRECT: the int64 expert ids of the pairs, one block per pair)
         P, N_OUT, num_kb,
-        stride_x, stride_we, stride_wn, stride_se8, stride_sn8, stride_o,  # scale strides in 16-byte units
+        stride_x, stride_we, stride_wn, stride_wk, stride_se8, stride_sn8, stride_sk8, stride_o,  # scale strides
+        # in 16-byte units; _wk / _sk8: from one of a row's K steps to the next
         TOPK: gl.constexpr, GATED: gl.constexpr, NP: gl.constexpr, SMALL: gl.constexpr, STAGES: gl.constexpr,
         PDL: gl.constexpr, DIRECT: gl.constexpr, ROW_TILES: gl.constexpr, WG: gl.constexpr, R: gl.constexpr,
         tw_ptr, comb_ptr, rows_ptr,  # COMBINE: the token's routing weights [TOPK], its output [D], row-range counts
@@ -501,8 +510,8 @@ if HAVE_GLUON:
         wring = gl.allocate_shared_memory(gl.int32, [STAGES, R, 32], W_SL)
         sring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, R, 8], S_SL)
         if WPRE:
-            _prefetch_w(w_src, w_ok, s_src, s_ok, gw, gs, N_OUT, num_kb, stride_wn, stride_sn8, wring, sring, STAGES,
-                        ROW_TILES, CW_L, CS_L)
+            _prefetch_w(w_src, w_ok, s_src, s_ok, gw, gs, N_OUT, num_kb, stride_wn, stride_sn8, stride_wk, stride_sk8,
+                        wring, sring, STAGES, ROW_TILES, CW_L, CS_L)
             _gdc_launch_dependents()  # the combine may be scheduled; it waits for this grid's end
             _gdc_wait()
         if SMALL > 0 and not DIRECT:  # pairs in this block: a block that fits SMALL slots runs with N = SMALL
@@ -510,17 +519,17 @@ if HAVE_GLUON:
                           .to(gl.int32), axis=0)
             if fill <= SMALL:
                 _ring_gemm(x_ptr, out_ptr, pairs_ptr, blk, pid_r, P, N_OUT, num_kb, stride_x, stride_o, w_src, w_ok,
-                           s_src, s_ok, gw, gs, stride_wn, stride_sn8, xring, wring, sring, TOPK, GATED, SMALL, NP,
-                           STAGES, WPRE, DIRECT, ROW_TILES, W_L, CW_L, CS_L, WG)
+                           s_src, s_ok, gw, gs, stride_wn, stride_sn8, stride_wk, stride_sk8, xring, wring, sring, TOPK,
+                           GATED, SMALL, NP, STAGES, WPRE, DIRECT, ROW_TILES, W_L, CW_L, CS_L, WG)
             else:
                 _ring_gemm(x_ptr, out_ptr, pairs_ptr, blk, pid_r, P, N_OUT, num_kb, stride_x, stride_o, w_src, w_ok,
-                           s_src, s_ok, gw, gs, stride_wn, stride_sn8, xring, wring, sring, TOPK, GATED, NP, NP,
-                           STAGES, WPRE, DIRECT, ROW_TILES, W_L, CW_L, CS_L, WG)
+                           s_src, s_ok, gw, gs, stride_wn, stride_sn8, stride_wk, stride_sk8, xring, wring, sring, TOPK,
+                           GATED, NP, NP, STAGES, WPRE, DIRECT, ROW_TILES, W_L, CW_L, CS_L, WG)
         else:  # one block size (DIRECT: one pair per block, so the small path when there is one)
             N1: gl.constexpr = SMALL if DIRECT and SMALL > 0 else NP
             _ring_gemm(x_ptr, out_ptr, pairs_ptr, blk, pid_r, P, N_OUT, num_kb, stride_x, stride_o, w_src, w_ok,
-                       s_src, s_ok, gw, gs, stride_wn, stride_sn8, xring, wring, sring, TOPK, GATED, N1, NP, STAGES,
-                       WPRE, DIRECT, ROW_TILES, W_L, CW_L, CS_L, WG)
+                       s_src, s_ok, gw, gs, stride_wn, stride_sn8, stride_wk, stride_sk8, xring, wring, sring, TOPK,
+                       GATED, N1, NP, STAGES, WPRE, DIRECT, ROW_TILES, W_L, CW_L, CS_L, WG)
         if COMBINE:
             # the TOPK programs of a row range (one per slot) each count themselves once their y rows are stored; the
             # last one combines the range in slot order (the combine kernel's arithmetic) and re-arms the count
@@ -533,35 +542,35 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _moe_w13_wgmma_kernel(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, bexp_ptr, P, N_OUT, num_kb, stride_x,
-                              stride_we, stride_wn, stride_se8, stride_sn8, stride_o, TOPK: gl.constexpr,
-                              NP: gl.constexpr, SMALL: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr,
-                              DIRECT: gl.constexpr, WG: gl.constexpr, ROWS: gl.constexpr):
+                              stride_we, stride_wn, stride_wk, stride_se8, stride_sn8, stride_sk8, stride_o,
+                              TOPK: gl.constexpr, NP: gl.constexpr, SMALL: gl.constexpr, STAGES: gl.constexpr,
+                              PDL: gl.constexpr, DIRECT: gl.constexpr, WG: gl.constexpr, ROWS: gl.constexpr):
         """w13: a[pair, i] = silu(gate) * up for ROWS / 2 intermediate columns (N_OUT = I)."""
         _wgmma_body(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, bexp_ptr, P, N_OUT, num_kb, stride_x, stride_we,
-                    stride_wn, stride_se8, stride_sn8, stride_o, TOPK, True, NP, SMALL, STAGES, PDL, DIRECT, 1, WG,
-                    ROWS, out_ptr, out_ptr, pairs_ptr, False)
+                    stride_wn, stride_wk, stride_se8, stride_sn8, stride_sk8, stride_o, TOPK, True, NP, SMALL, STAGES,
+                    PDL, DIRECT, 1, WG, ROWS, out_ptr, out_ptr, pairs_ptr, False)
 
     @gluon.jit
     def _moe_w2_wgmma_kernel(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, bexp_ptr, P, N_OUT, num_kb, stride_x,
-                             stride_we, stride_wn, stride_se8, stride_sn8, stride_o, TOPK: gl.constexpr,
-                             NP: gl.constexpr, SMALL: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr,
-                             DIRECT: gl.constexpr, ROW_TILES: gl.constexpr, WG: gl.constexpr,
+                             stride_we, stride_wn, stride_wk, stride_se8, stride_sn8, stride_sk8, stride_o,
+                             TOPK: gl.constexpr, NP: gl.constexpr, SMALL: gl.constexpr, STAGES: gl.constexpr,
+                             PDL: gl.constexpr, DIRECT: gl.constexpr, ROW_TILES: gl.constexpr, WG: gl.constexpr,
                              ROWS: gl.constexpr):
         """w2: y[pair, d] (fp32, unweighted) for ROW_TILES x ROWS output rows (N_OUT = D)."""
         _wgmma_body(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, bexp_ptr, P, N_OUT, num_kb, stride_x, stride_we,
-                    stride_wn, stride_se8, stride_sn8, stride_o, TOPK, False, NP, SMALL, STAGES, PDL, DIRECT,
-                    ROW_TILES, WG, ROWS, out_ptr, out_ptr, pairs_ptr, False)
+                    stride_wn, stride_wk, stride_se8, stride_sn8, stride_sk8, stride_o, TOPK, False, NP, SMALL, STAGES,
+                    PDL, DIRECT, ROW_TILES, WG, ROWS, out_ptr, out_ptr, pairs_ptr, False)
 
     @gluon.jit
     def _moe_w2_combine_wgmma_kernel(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, bexp_ptr, P, N_OUT, num_kb, stride_x,
-                                     stride_we, stride_wn, stride_se8, stride_sn8, stride_o, tw_ptr, comb_ptr,
-                                     rows_ptr, TOPK: gl.constexpr, NP: gl.constexpr, SMALL: gl.constexpr,
-                                     STAGES: gl.constexpr, PDL: gl.constexpr, ROW_TILES: gl.constexpr,
-                                     ROWS: gl.constexpr):
+                                     stride_we, stride_wn, stride_wk, stride_se8, stride_sn8, stride_sk8, stride_o,
+                                     tw_ptr, comb_ptr, rows_ptr, TOPK: gl.constexpr, NP: gl.constexpr,
+                                     SMALL: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr,
+                                     ROW_TILES: gl.constexpr, ROWS: gl.constexpr):
         """w2 of one token with direct blocks (`_moe_w2_wgmma_kernel`'s y rows, the same bits), and the combine:
         comb[d] = sum over slots k in order of tw[k] * y[k, d], by the last of a row range's TOPK programs, found by
         its count in rows_ptr[row range] (zero at launch, zero again when that program is done with it). No
         combine launch after it."""
         _wgmma_body(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, bexp_ptr, P, N_OUT, num_kb, stride_x, stride_we,
-                    stride_wn, stride_se8, stride_sn8, stride_o, TOPK, False, NP, SMALL, STAGES, PDL, True,
-                    ROW_TILES, 1, ROWS, tw_ptr, comb_ptr, rows_ptr, True)
+                    stride_wn, stride_wk, stride_se8, stride_sn8, stride_sk8, stride_o, TOPK, False, NP, SMALL, STAGES,
+                    PDL, True, ROW_TILES, 1, ROWS, tw_ptr, comb_ptr, rows_ptr, True)

@@ -43,11 +43,15 @@ Weight layouts (`layout=` keyword of the launcher):
                 mma.sync kernels (other bits than the Triton path's; opt-in, see that module), decoded on CPU.
   "wgmma"       made once at load by `kernels.int4_moe_wgmma.repack_int4_moe_for_wgmma`: the layout of the sm_90
                 warpgroup-MMA kernels (other bits again; the model's default on sm_90), decoded on CPU.
+  "wgmma_steps" made once at load by `kernels.int4_moe_wgmma.repack_int4_moe_for_wgmma_steps`: "wgmma"'s words
+                and scales, each expert's in step-major order (same shapes, kernels and bits as "wgmma").
 `tile_int4_moe_weights` regroups the "gpu" words per kernel tile (5-D, same bits; a benchmark option of
 `int4_moe_triton`, not a `layout=` of `int4_moe`).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -369,15 +373,16 @@ def int4_moe(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale, *,
     """
     if experts is not None and len(experts) != w13_packed.shape[0]:
         raise ValueError(f"int4_moe: {len(experts)} expert ids for {w13_packed.shape[0]} stacked experts")
-    if layout not in ("checkpoint", "gpu", "gluon", "wgmma"):
+    if layout not in ("checkpoint", "gpu", "gluon", "wgmma", "wgmma_steps"):
         raise ValueError(f"int4_moe: unknown layout {layout!r}")
-    if layout in ("gluon", "wgmma"):  # kernels/int4_moe_{gluon,wgmma}.py on CUDA, the layout decoded elsewhere
+    if layout in ("gluon", "wgmma", "wgmma_steps"):  # kernels/int4_moe_{gluon,wgmma}.py on CUDA, decoded elsewhere
         if layout == "gluon":
             from kernels.int4_moe_gluon import gluon_dense_experts as dense  # imports us
             from kernels.int4_moe_gluon import int4_moe_gluon as run
         else:
-            from kernels.int4_moe_wgmma import int4_moe_wgmma as run
-            from kernels.int4_moe_wgmma import wgmma_dense_experts as dense
+            from kernels import int4_moe_wgmma as wg
+            dense = wg.wgmma_dense_experts if layout == "wgmma" else wg.wgmma_steps_dense_experts
+            run = functools.partial(wg.int4_moe_wgmma, layout=layout)
         if x.is_cuda:
             return run(x, topk_ids, topk_w, w13_packed, w13_scale, w2_packed, w2_scale, experts=experts,
                        reduce_pairs=reduce_pairs)

@@ -11,6 +11,13 @@ layout against the checkpoint (`wgmma_layout_dense`).
 scales), words int32 [E, N, Kp/8], scales bf16 [E, N, Kp/32] (the checkpoint's, padded). In each 256-column step
 of a row, memory word 8 t + j holds the columns 32 j + 16 i1 + 8 i0 + 2 t + b (quantisation group j of the step)
 at nibble position i + 4 b, i = i0 + 2 i1, so `(word >> 4 i) & 0x000F000F` is the column pair b = 0, 1 of i.
+
+"wgmma_steps" layout (`to_step_major`, after the above): the same tensors, shapes, words and scales with each
+expert's block in step-major order: the 32 words of step kb of row n at word (kb * N + n) * 32 of the expert
+(`words.view(E, Kp/256, N, 32)`), its 8 scales at (kb * N + n) * 8. A program's rows of one step are then one
+contiguous run (64 rows of a tensor: 8 KB of words, 1 KB of scales) instead of 64 runs of 128 bytes and 64 of 16
+bytes Kp/2 and Kp/16 bytes apart: fewer DRAM pages and L2 sectors a step, and coalesced scale copies. The kernels
+read either through the strides they are given (`_layout_strides`): the same arithmetic, the same bits.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ SYNC_WORDS = 256  # counters per device and use: the fused decode's ticket, exit
 # w2_combine's row-range counts
 SMALL_LAUNCH = 128  # pairs: the largest launch of auto_schedule's middle tier
 MAXNREG = 168  # the tiered schedule's register cap: 3 CTAs per SM (171 uncapped; no spills at 168 with Triton 3.6)
+LAYOUTS = ("wgmma", "wgmma_steps")  # the weight orders the kernels read (module doc)
 
 
 def auto_schedule(pairs: int) -> dict:
@@ -117,6 +125,46 @@ def repack_int4_moe_for_wgmma(w13_packed, w13_scale, w2_packed, w2_scale):
             *permute_steps(w2_packed, w2_scale, _step_map(), STEP))
 
 
+def to_step_major(words: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One "wgmma" projection (words [E, N, Kp/8], scales [E, N, Kp/32]) -> "wgmma_steps": the same shapes, each
+    expert's steps outermost (module doc); `from_step_major` inverts it."""
+    E, N, kw = words.shape
+    kb = kw * PACK_FACTOR // STEP
+    return (words.reshape(E, N, kb, 32).transpose(1, 2).contiguous().view(E, N, kw),
+            scale.reshape(E, N, kb, 8).transpose(1, 2).contiguous().view(E, N, kb * 8))
+
+
+def from_step_major(words: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """"wgmma_steps" -> "wgmma" (`to_step_major`'s inverse, bit for bit)."""
+    E, N, kw = words.shape
+    kb = kw * PACK_FACTOR // STEP
+    return (words.reshape(E, kb, N, 32).transpose(1, 2).reshape(E, N, kw),
+            scale.reshape(E, kb, N, 8).transpose(1, 2).reshape(E, N, kb * 8))
+
+
+def repack_int4_moe_for_wgmma_steps(w13_packed, w13_scale, w2_packed, w2_scale):
+    """Checkpoint layout -> "wgmma_steps" layout (module doc); run once at load."""
+    w13, s13, w2, s2 = repack_int4_moe_for_wgmma(w13_packed, w13_scale, w2_packed, w2_scale)
+    return (*to_step_major(w13, s13), *to_step_major(w2, s2))
+
+
+def _layout_strides(words: torch.Tensor, scale: torch.Tensor, layout: str) -> tuple[int, ...]:
+    """The kernels' strides of one projection in `layout`: (expert, row, step) in words, then (expert, row, step)
+    of the scales in 16-byte units; ValueError for tensors not laid out as `layout` says."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"int4_moe_wgmma: layout {layout!r}, one of {LAYOUTS}")
+    if layout == "wgmma":
+        if any(scale.stride(i) % 8 for i in (0, 1)) or scale.stride(2) != 1 or words.stride(2) != 1:
+            raise ValueError("int4_moe_wgmma: the scales must be rows of 16 bytes and the words rows of int32 "
+                             "(repack_int4_moe_for_wgmma's layout)")
+        return (words.stride(0), words.stride(1), 32, scale.stride(0) // 8, scale.stride(1) // 8, 1)
+    if not (words.is_contiguous() and scale.is_contiguous()):
+        raise ValueError("int4_moe_wgmma: the wgmma_steps layout needs contiguous words and scales "
+                         "(repack_int4_moe_for_wgmma_steps's tensors or an expert range of them)")
+    N = words.shape[1]
+    return (words.stride(0), 32, N * 32, scale.stride(0) // 8, 1, N)
+
+
 def wgmma_layout_dense(words: torch.Tensor, scale: torch.Tensor, in_features: int,
                        dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Decode one wgmma-layout projection back to dense weights [E, N, K] (q * scale), following the kernel's reading
@@ -138,12 +186,19 @@ def wgmma_dense_experts(w13, s13, w2, s2, hidden: int, dtype: torch.dtype = torc
     return wgmma_layout_dense(w13, s13, hidden, dtype), wgmma_layout_dense(w2, s2, w13.shape[1] // 2, dtype)
 
 
+def wgmma_steps_dense_experts(w13, s13, w2, s2, hidden: int, dtype: torch.dtype = torch.float32):
+    """`wgmma_dense_experts` of a "wgmma_steps" expert stack."""
+    return wgmma_dense_experts(*from_step_major(w13, s13), *from_step_major(w2, s2), hidden, dtype)
+
+
 def int4_moe_wgmma(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, block_pairs: int | None = None,
                    small_pairs: int | None = None, stages: int | None = None, maxnreg: int | None = None,
                    pdl: bool | None = None, direct: bool | None = None, row_tiles: int | None = None,
                    warpgroups: int | None = None, fused: bool | None = None, rows: int | None = None,
-                   w2_combine: bool | None = None, experts: range | None = None, reduce_pairs=None):
-    """The wgmma path (sm_90, bf16, wgmma layout); arguments as `kernels.int4_moe.int4_moe`. The schedule
+                   w2_combine: bool | None = None, experts: range | None = None, reduce_pairs=None,
+                   layout: str = "wgmma"):
+    """The wgmma path (sm_90, bf16, weights in `layout`: one of LAYOUTS, module doc); arguments as
+    `kernels.int4_moe.int4_moe`. The schedule
     options, each None for DEFAULT_SCHEDULE's, `auto_schedule`'s or PLAIN's (`resolve_schedule`):
     `block_pairs` (BLOCK_PAIRS), the pairs per expert block (an expert's weights are streamed once per block);
     `small_pairs` (0 or a smaller BLOCK_PAIRS size), blocks holding at most that many pairs run with the MMA's N
@@ -172,8 +227,7 @@ def int4_moe_wgmma(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, block_pai
     if not x.is_cuda or x.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device)[0] != 9:
         raise ValueError(f"int4_moe_wgmma: bf16 activations on an sm_90 GPU, got {x.dtype} on {x.device}")
     inter, D = w13.shape[1] // 2, x.shape[1]
-    if any(s.stride(i) % 8 or s.stride(2) != 1 for s in (s13, s2) for i in (0, 1)):
-        raise ValueError("int4_moe_wgmma: the scales must be rows of 16 bytes (repack_int4_moe_for_wgmma's layout)")
+    st13, st2 = _layout_strides(w13, s13, layout), _layout_strides(w2, s2, layout)
     wg = sched["warpgroups"]
     opts = {"num_warps": 4 * wg, **({"maxnreg": cap} if cap else {}), **({"launch_pdl": True} if pdl else {})}
     R = sched["rows"]
@@ -181,8 +235,7 @@ def int4_moe_wgmma(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, block_pai
 
     def w13_gemm(x, a, pairs, bexp, topk, P):
         _moe_w13_wgmma_kernel[(-(-inter // (R // 2)), bexp.shape[0])](
-            x, w13, s13, a, pairs, bexp, P, inter, w13.shape[2] * PACK_FACTOR // STEP,
-            x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0) // 8, s13.stride(1) // 8, a.stride(0),
+            x, w13, s13, a, pairs, bexp, P, inter, w13.shape[2] * PACK_FACTOR // STEP, x.stride(0), *st13, a.stride(0),
             TOPK=topk, **const)
 
     fuse = sched["fused"] and x.shape[0] == 1 and experts is None and reduce_pairs is None and wg == 1
@@ -198,8 +251,7 @@ def int4_moe_wgmma(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, block_pai
 
     def w2_gemm(a, y, pairs, bexp, topk, P):
         rt = sched["row_tiles"]
-        args = (a, w2, s2, y, pairs, bexp, P, D, w2.shape[2] * PACK_FACTOR // STEP,
-                a.stride(0), w2.stride(0), w2.stride(1), s2.stride(0) // 8, s2.stride(1) // 8, y.stride(0))
+        args = (a, w2, s2, y, pairs, bexp, P, D, w2.shape[2] * PACK_FACTOR // STEP, a.stride(0), *st2, y.stride(0))
         grid = (-(-D // (R * rt)), bexp.shape[0])
         if combine:
             _moe_w2_combine_wgmma_kernel[grid](*args, tw1, out, counts, TOPK=topk, ROW_TILES=rt,
@@ -218,8 +270,7 @@ def int4_moe_wgmma(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, block_pai
         grid = min(items, 4 * torch.cuda.get_device_properties(x.device).multi_processor_count)
         _moe_decode_kernel[(grid,)](
             x, w13, s13, w2, s2, a, y, out, ids, tw, sync, inter, D, w13.shape[2] * PACK_FACTOR // STEP,
-            w2.shape[2] * PACK_FACTOR // STEP, x.stride(0), a.stride(0), y.stride(0), w13.stride(0), w13.stride(1),
-            s13.stride(0) // 8, s13.stride(1) // 8, w2.stride(0), w2.stride(1), s2.stride(0) // 8, s2.stride(1) // 8,
+            w2.shape[2] * PACK_FACTOR // STEP, x.stride(0), a.stride(0), y.stride(0), *st13, *st2,
             TOPK=ids.numel(), STAGES=stages, ROW_TILES=rt, R=R, num_warps=4,
             **({"maxnreg": cap or DECODE_MAXNREG[R]} if cap or DECODE_MAXNREG[R] else {}))
 

@@ -20,7 +20,14 @@ from torch import nn
 from kernels import int4_moe_wgmma as int4_moe_wgmma_module
 from kernels.int4_moe import int4_moe, moe_dense_ref, repack_int4_moe_for_gpu, unrepack_int4_moe
 from kernels.int4_moe_gluon import gluon_dense_experts, repack_int4_moe_for_gluon
-from kernels.int4_moe_wgmma import HAVE_GLUON, check_schedule, repack_int4_moe_for_wgmma, wgmma_dense_experts
+from kernels.int4_moe_wgmma import (
+    HAVE_GLUON,
+    check_schedule,
+    repack_int4_moe_for_wgmma,
+    repack_int4_moe_for_wgmma_steps,
+    wgmma_dense_experts,
+    wgmma_steps_dense_experts,
+)
 from kernels.int4_pack import dequantize_int4
 from kernels.router import route
 from verifier_service.config import KimiConfig
@@ -28,7 +35,8 @@ from verifier_service.config import KimiConfig
 # the INT4 layout `MoE.repack_for_gpu` makes on CUDA: "auto" (the default: "wgmma" on sm_90, else "gpu"), "gpu"
 # (the Triton kernels of kernels/int4_moe.py), "gluon" (the mma.sync Gluon kernels of kernels/int4_moe_gluon.py) or
 # "wgmma" (kernels/int4_moe_wgmma.py, sm_90 only: warpgroup MMAs with the activations in shared memory; on the
-# H200 as fast as "gpu" at one session and faster at 16, docs/performance.md). Each gives other bits; one
+# H200 as fast as "gpu" at one session and faster at 16, docs/performance.md) or "wgmma_steps" (the same kernels
+# and bits, each expert's weights in step-major order: contiguous reads per K step). Each gives other bits; one
 # deployment uses one, so AR and DDTree run the same kernels (batch invariance holds within each). The environment
 # variable DDTREE_MOE_LAYOUT sets it for a process (read at import; checked at the first repack).
 GPU_LAYOUT = os.environ.get("DDTREE_MOE_LAYOUT", "auto")
@@ -51,8 +59,10 @@ def schedule_from_env(raw: str | None) -> dict:
 
 
 int4_moe_wgmma_module.DEFAULT_SCHEDULE = schedule_from_env(os.environ.get("DDTREE_MOE_SCHEDULE"))
-_REPACK = {"gpu": repack_int4_moe_for_gpu, "gluon": repack_int4_moe_for_gluon, "wgmma": repack_int4_moe_for_wgmma}
-_DENSE = {"gluon": gluon_dense_experts, "wgmma": wgmma_dense_experts}  # their CPU decode (the "gpu" one: below)
+_REPACK = {"gpu": repack_int4_moe_for_gpu, "gluon": repack_int4_moe_for_gluon, "wgmma": repack_int4_moe_for_wgmma,
+           "wgmma_steps": repack_int4_moe_for_wgmma_steps}
+_DENSE = {"gluon": gluon_dense_experts, "wgmma": wgmma_dense_experts,
+          "wgmma_steps": wgmma_steps_dense_experts}  # their CPU decode (the "gpu" one: below)
 
 
 def _wgmma_runs_on(device: torch.device) -> bool:
@@ -66,8 +76,8 @@ def resolve_gpu_layout(layout: str, device: torch.device) -> str:
         return "wgmma" if _wgmma_runs_on(device) else "gpu"
     if layout not in _REPACK:
         raise ValueError(f"MoE layout {layout!r}: 'auto' or one of {sorted(_REPACK)} (DDTREE_MOE_LAYOUT)")
-    if layout == "wgmma" and device.type == "cuda" and not _wgmma_runs_on(device):
-        raise ValueError(f"MoE layout 'wgmma' needs an sm_90 GPU and Triton with Gluon; {device} is "
+    if layout.startswith("wgmma") and device.type == "cuda" and not _wgmma_runs_on(device):
+        raise ValueError(f"MoE layout {layout!r} needs an sm_90 GPU and Triton with Gluon; {device} is "
                          f"sm_{''.join(map(str, torch.cuda.get_device_capability(device)))}: use 'gpu' or 'auto'")
     return layout
 

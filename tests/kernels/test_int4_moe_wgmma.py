@@ -94,7 +94,8 @@ for gated, np_, small, stages, pdl, direct, cap, rt, wg, rows in [(g, *c) for g 
         sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "out_ptr": "*bf16" if gated else "*fp32",
                "pairs_ptr": "*i32", "bexp_ptr": "*i64" if direct else "*i32", "P": "i32", "N_OUT": "i32",
                "num_kb": "i32"}
-        sig.update({n: "i32" for n in ("stride_x", "stride_we", "stride_wn", "stride_se8", "stride_sn8", "stride_o")})
+        sig.update({n: "i32" for n in ("stride_x", "stride_we", "stride_wn", "stride_wk", "stride_se8", "stride_sn8",
+                                       "stride_sk8", "stride_o")})
         cst = dict(TOPK=8, NP=np_, SMALL=small, STAGES=stages, PDL=pdl, DIRECT=direct, WG=wg,
                    **({} if gated else {"ROW_TILES": rt}), ROWS=rows)
         k, ptx, log = compile_gluon_sm90(m._moe_w13_wgmma_kernel if gated else m._moe_w2_wgmma_kernel, sig, cst,
@@ -197,8 +198,8 @@ names = ["x_ptr", "w13_ptr", "s13_ptr", "w2_ptr", "s2_ptr", "a_ptr", "y_ptr", "o
          "sync_ptr"]
 sig = dict(zip(names, ["*bf16", "*i32", "*bf16", "*i32", "*bf16", "*bf16", "*fp32", "*bf16", "*i64", "*fp32", "*i32"]))
 sig.update({n: "i32" for n in ("I", "D", "kb13", "kb2", "stride_x", "stride_a", "stride_y", "stride_w13e",
-                               "stride_w13n", "stride_s13e8", "stride_s13n8", "stride_w2e", "stride_w2n",
-                               "stride_s2e8", "stride_s2n8")})
+                               "stride_w13n", "stride_w13k", "stride_s13e8", "stride_s13n8", "stride_s13k8",
+                               "stride_w2e", "stride_w2n", "stride_w2k", "stride_s2e8", "stride_s2n8", "stride_s2k8")})
 for stages, rt, rows in ((4, 1, 128), (4, 2, 128), (3, 2, 128), (2, 1, 128), (4, 1, 64), (4, 2, 64)):
     cst = dict(TOPK=8, STAGES=stages, ROW_TILES=rt, R=rows)
     k, ptx, log = compile_gluon_sm90(m._moe_decode_kernel, sig, cst,
@@ -262,7 +263,8 @@ out = {}
 for stages, pdl, rt, rows in ((4, True, 1, 128), (4, True, 2, 128), (2, False, 1, 128), (4, True, 1, 64)):
     sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "out_ptr": "*fp32", "pairs_ptr": "*i64",
            "bexp_ptr": "*i64", "P": "i32", "N_OUT": "i32", "num_kb": "i32"}
-    sig.update({n: "i32" for n in ("stride_x", "stride_we", "stride_wn", "stride_se8", "stride_sn8", "stride_o")})
+    sig.update({n: "i32" for n in ("stride_x", "stride_we", "stride_wn", "stride_wk", "stride_se8", "stride_sn8",
+                                   "stride_sk8", "stride_o")})
     sig.update({"tw_ptr": "*fp32", "comb_ptr": "*bf16", "rows_ptr": "*i32"})
     cst = dict(TOPK=8, NP=8, SMALL=0, STAGES=stages, PDL=pdl, ROW_TILES=rt, ROWS=rows)
     k, ptx, log = compile_gluon_sm90(m._moe_w2_combine_wgmma_kernel, sig, cst,

@@ -9,7 +9,7 @@ import torch
 from verifier_service.moe import MoE
 
 
-@pytest.mark.parametrize("layout", ["gpu", "gluon", "wgmma"])
+@pytest.mark.parametrize("layout", ["gpu", "gluon", "wgmma", "wgmma_steps"])
 def test_repack_for_gpu_keeps_outputs(tiny_target64, layout):
     moe = next(m for m in tiny_target64.modules() if isinstance(m, MoE))
     x = torch.randn(7, tiny_target64.cfg.hidden_size, dtype=torch.float64)
