@@ -490,7 +490,7 @@ def parse_args(argv=None):
     ap.add_argument("--moe-zp-mma", choices=("on", "off"), default=None,
                     help="INT4 MoE zero point by an MMA on group sums (default: kernels.int4_moe.DEFAULT_ZP_MMA)")
     ap.add_argument("--moe-layout", choices=("auto", "gpu", "gluon", *int4_moe_wgmma.LAYOUTS), default=None,
-                    help="INT4 MoE kernels (moe.GPU_LAYOUT, default 'auto': wgmma on sm_90, else the Triton 'gpu')")
+                    help="INT4 MoE kernels (moe.GPU_LAYOUT, default 'auto': wgmma_steps on sm_90, else Triton's 'gpu')")
     ap.add_argument("--moe-block-pairs", type=int, choices=int4_moe_gluon.BLOCK_PAIRS, default=None,
                     help="with --moe-layout gluon: pairs per expert block (default int4_moe_gluon.DEFAULT_BLOCK_PAIRS)")
     ap.add_argument("--moe-wgmma-schedule", type=json.loads, default=None, metavar="JSON",

@@ -42,9 +42,10 @@ Weight layouts (`layout=` keyword of the launcher):
   "gluon"       made once at load by `kernels.int4_moe_gluon.repack_int4_moe_for_gluon`: the layout of the Gluon
                 mma.sync kernels (other bits than the Triton path's; opt-in, see that module), decoded on CPU.
   "wgmma"       made once at load by `kernels.int4_moe_wgmma.repack_int4_moe_for_wgmma`: the layout of the sm_90
-                warpgroup-MMA kernels (other bits again; the model's default on sm_90), decoded on CPU.
+                warpgroup-MMA kernels (other bits again), decoded on CPU.
   "wgmma_steps" made once at load by `kernels.int4_moe_wgmma.repack_int4_moe_for_wgmma_steps`: "wgmma"'s words
-                and scales, each expert's in step-major order (same shapes, kernels and bits as "wgmma").
+                and scales, each expert's in step-major order (same shapes, kernels and bits as "wgmma"; the
+                model's default on sm_90, faster reads).
 `tile_int4_moe_weights` regroups the "gpu" words per kernel tile (5-D, same bits; a benchmark option of
 `int4_moe_triton`, not a `layout=` of `int4_moe`).
 """

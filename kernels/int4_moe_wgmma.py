@@ -143,9 +143,10 @@ def from_step_major(words: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Ten
 
 
 def repack_int4_moe_for_wgmma_steps(w13_packed, w13_scale, w2_packed, w2_scale):
-    """Checkpoint layout -> "wgmma_steps" layout (module doc); run once at load."""
-    w13, s13, w2, s2 = repack_int4_moe_for_wgmma(w13_packed, w13_scale, w2_packed, w2_scale)
-    return (*to_step_major(w13, s13), *to_step_major(w2, s2))
+    """Checkpoint layout -> "wgmma_steps" layout (module doc); run once at load, one projection at a time (its
+    "wgmma" copy is dropped before the next is made)."""
+    w13 = to_step_major(*permute_steps(w13_packed, w13_scale, _step_map(), STEP))
+    return (*w13, *to_step_major(*permute_steps(w2_packed, w2_scale, _step_map(), STEP)))
 
 
 def _layout_strides(words: torch.Tensor, scale: torch.Tensor, layout: str) -> tuple[int, ...]:

@@ -27,8 +27,9 @@ def test_repack_for_gpu_keeps_outputs(tiny_target64, layout):
 
 
 def test_gpu_layout_resolution(monkeypatch):
-    """"auto" is the wgmma layout on an sm_90 GPU with Gluon and the Triton one elsewhere (CPU included); an unknown
-    layout, or "wgmma" on a CUDA device without wgmma, is refused at load with a message naming the choices."""
+    """"auto" is the step-major wgmma layout on an sm_90 GPU with Gluon and the Triton one elsewhere (CPU included);
+    an unknown layout, or a wgmma one on a CUDA device without wgmma, is refused at load with a message naming the
+    choices."""
     from verifier_service import moe as moe_mod
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
@@ -36,12 +37,13 @@ def test_gpu_layout_resolution(monkeypatch):
     assert moe_mod.resolve_gpu_layout("wgmma", cpu) == "wgmma"  # the CPU decodes every layout
     with pytest.raises(ValueError, match="'auto' or one of"):
         moe_mod.resolve_gpu_layout("marlin", cpu)
-    for cap, want in (((9, 0), "wgmma"), ((8, 0), "gpu"), ((10, 0), "gpu")):
+    for cap, want in (((9, 0), "wgmma_steps"), ((8, 0), "gpu"), ((10, 0), "gpu")):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None, c=cap: c)
         assert moe_mod.resolve_gpu_layout("auto", cuda) == (want if moe_mod.HAVE_GLUON else "gpu"), cap
         if want == "gpu":
-            with pytest.raises(ValueError, match="needs an sm_90 GPU"):
-                moe_mod.resolve_gpu_layout("wgmma", cuda)
+            for layout in ("wgmma", "wgmma_steps"):
+                with pytest.raises(ValueError, match="needs an sm_90 GPU"):
+                    moe_mod.resolve_gpu_layout(layout, cuda)
 
 
 def test_moe_schedule_from_the_environment():
