@@ -4,17 +4,18 @@
 # the whole verify step (8 K2.6 layers, prefix 4096) with the default schedule and with each schedule in SCHEDULES
 # (JSON options laid over int4_moe_wgmma.auto_schedule, `;`-separated). About 8 minutes with the defaults (~250 s of
 # them the tests). Logs and JSONL go to $OUT (bench/results/run when unset); run from the repo root. Overrides:
-# VARIANTS (bench_int4_moe --gluon names), TOKENS, POOL_TOKENS, LAYERS (0: no back-to-back timing), STEP_ARGS, MOE_LAYOUTS (the verify step's, each with the
+# VARIANTS (bench_int4_moe --gluon names), TOKENS, POOL_TOKENS, LAYERS (0: no back-to-back timing), STEP_ARGS, MOE_LAYOUTS (the verify step's, default wgmma_steps, each with the
 # default schedule: "wgmma wgmma_steps" to compare the weight orders), TESTS_K (a pytest -k filter of the tests, e.g.
 # "counted or decode_options or cuda_graph"); section time limits T_TESTS / T_LAYER / T_STEP (seconds); TESTS=0 / STEP=0 skip.
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-bench/results/run}
 mkdir -p "$OUT"
-# auto_schedule beside w2's row tiles and the combine in w2 (thirtieth session), alone and with them (the fused decode,
-# measured slower in the twenty-third, is VARIANTS=wgmma_fused); at T = 1 each is also timed as 8 layers back to
-# back, LAYERS, and every T beside the read peer: bench_int4_moe.py's docstring
-VARIANTS=${VARIANTS:-"wgmma_auto wgmma_auto_rt2 wgmma_w2c wgmma_w2c_rt2"}
+# auto_schedule on the step-major weights (the default layout) beside w2's row tiles and the combine in w2, and
+# auto_schedule on the row-major "wgmma" ones (the fused decode, measured slower in the twenty-third session, is
+# VARIANTS=wgmma_steps_fused); at T = 1 each is also timed as 8 layers back to back, LAYERS, and every T beside the
+# read peer: bench_int4_moe.py's docstring
+VARIANTS=${VARIANTS:-"wgmma_steps_auto wgmma_steps_auto_rt2 wgmma_steps_w2c wgmma_auto"}
 SCHEDULES=${SCHEDULES:-'{"w2_combine": true};{"w2_combine": true, "row_tiles": 2}'}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv 2>&1 | tee "$OUT/gpu.txt"
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
@@ -33,7 +34,7 @@ timeout "${T_LAYER:-150}" python bench/bench_int4_moe.py --no-peers --pool 64 --
 if [ "${STEP:-1}" != 0 ]; then
   step=(python bench/bench_verify_step.py --prefix 4096 --batch 1 16 --trees 1 9 33 --invariant on
         --out "$OUT/verify_step_schedules.jsonl")
-  for layout in ${MOE_LAYOUTS:-wgmma}; do
+  for layout in ${MOE_LAYOUTS:-wgmma_steps}; do
     # shellcheck disable=SC2086
     timeout "${T_STEP:-150}" "${step[@]}" --moe-layout "$layout" $STEP_ARGS 2>&1 \
       | tee -a "$OUT/bench_verify_step_schedules.log" || status=1
@@ -41,7 +42,7 @@ if [ "${STEP:-1}" != 0 ]; then
   IFS=';' read -r -a scheds <<< "$SCHEDULES"
   for s in "${scheds[@]}"; do
     # shellcheck disable=SC2086
-    timeout "${T_STEP:-150}" "${step[@]}" --moe-layout wgmma --moe-wgmma-schedule "$s" $STEP_ARGS 2>&1 \
+    timeout "${T_STEP:-150}" "${step[@]}" --moe-layout wgmma_steps --moe-wgmma-schedule "$s" $STEP_ARGS 2>&1 \
       | tee -a "$OUT/bench_verify_step_schedules.log" || status=1
   done
 fi
