@@ -65,22 +65,30 @@ def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtyp
     return q * s
 
 
-def permute_steps(packed: torch.Tensor, scale: torch.Tensor, phys: torch.Tensor, k_align: int
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+def permute_steps(packed: torch.Tensor, scale: torch.Tensor, phys: torch.Tensor, k_align: int,
+                  step_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """A kernel layout that permutes the columns inside each step of 256: int32 [E, N, K/8] + scale [E, N, K/32]
     -> words [E, N, Kp/8] whose nibble n of word w of a step (w = 0..31, n = 0..7) holds the step's column
     phys[w, n], with K padded to a multiple of `k_align` (zero weights: q = 0, nibble 8) and the scales padded
-    with zeros. One expert at a time (bounded temporaries); run once at load."""
+    with zeros. `step_major`: each expert's words and scales stored step by step instead (the same shapes; step s
+    of row n at [s, n] of `.view(E, Kp/256, N, -1)`). One expert at a time (bounded temporaries); run once at
+    load."""
     E, N, k8 = packed.shape
     K = k8 * PACK_FACTOR
     kp = -(-K // k_align) * k_align
     phys = phys.to(packed.device).reshape(-1)  # [256]: word-major, nibble position minor
     shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=packed.device)
     out = torch.empty(E, N, kp // PACK_FACTOR, dtype=torch.int32, device=packed.device)
+    steps = kp // 256
+    dst = out.view(E, steps, N, -1) if step_major else out
     for e in range(E):
         u = ((packed[e].long().unsqueeze(-1) >> shifts) & 0xF).flatten(-2)  # [N, K] column order
-        u = F.pad(u, (0, kp - K), value=8).view(N, kp // 256, 256)
-        u = u[..., phys].view(N, kp // 256, 32, 8)  # [N, step, word, nibble position]
+        u = F.pad(u, (0, kp - K), value=8).view(N, steps, 256)
+        u = u[..., phys].view(N, steps, 32, 8)  # [N, step, word, nibble position]
         words = (u << shifts).sum(-1)
-        out[e] = torch.where(words >= 2**31, words - 2**32, words).view(N, -1).to(torch.int32)
-    return out, F.pad(scale, (0, kp // 32 - scale.shape[-1])).contiguous()
+        words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # [N, step, word]
+        dst[e] = words.transpose(0, 1) if step_major else words.view(N, -1)
+    scale = F.pad(scale, (0, kp // 32 - scale.shape[-1]))
+    if step_major:
+        return out, scale.view(E, N, steps, -1).transpose(1, 2).contiguous().view(E, N, -1)
+    return out, scale.contiguous()

@@ -41,7 +41,8 @@ from tests.kernels.test_int4_moe_wgmma import SM90, sm90
 @pytest.mark.parametrize("D,inter", [(544, 96), (256, 32), (1056, 160)])
 def test_step_major_reorders_words_and_scales(D, inter):
     """to_step_major: word w of step kb of row n at (kb N + n) 32 + w of its expert, its scales likewise; the
-    inverse gives the "wgmma" tensors back bit for bit; both decode to the checkpoint's weights."""
+    inverse gives the "wgmma" tensors back bit for bit; the load's repack (written step-major expert by expert) is
+    the same as to_step_major of the "wgmma" tensors; both decode to the checkpoint's weights."""
     w = make_experts(3, D, inter, device="cpu", seed=11)
     wg = repack_int4_moe_for_wgmma(*w)
     steps = repack_int4_moe_for_wgmma_steps(*w)
@@ -56,6 +57,8 @@ def test_step_major_reorders_words_and_scales(D, inter):
             assert torch.equal(flat_s[e, at * 8:(at + 1) * 8], scale[e, n, b * 8:(b + 1) * 8]), (e, n, b)
         back = from_step_major(sw, ss)
         assert torch.equal(back[0], words) and torch.equal(back[1], scale)
+        again = to_step_major(words, scale)
+        assert torch.equal(again[0], sw) and torch.equal(again[1], ss)
     a, b = wgmma_dense_experts(*wg, D), wgmma_steps_dense_experts(*steps, D)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
     ref13 = torch.stack([dequantize_int4(w[0][e], w[1][e], torch.float32) for e in range(3)])
