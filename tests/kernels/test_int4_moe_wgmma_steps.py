@@ -35,7 +35,7 @@ from tests.kernels.test_int4_moe import (
     make_routing,
     run_poisoned,
 )
-from tests.kernels.test_int4_moe_wgmma import SM90, sm90
+from tests.kernels.test_int4_moe_wgmma import kimi_wgmma, sm90  # noqa: F401 - kimi_wgmma: the fixture kimi_both asks for
 
 
 @pytest.mark.parametrize("D,inter", [(544, 96), (256, 32), (1056, 160)])
@@ -150,12 +150,9 @@ def test_int4_moe_wgmma_steps_vs_reference(T, k, E, D, inter, sched):
 
 
 @pytest.fixture(scope="module")
-def kimi_both():
-    if not SM90:
-        pytest.skip("needs an sm_90 GPU (wgmma)")
-    from tests.kernels.test_int4_moe import kimi_checkpoint_experts
-
-    wg = repack_int4_moe_for_wgmma(*kimi_checkpoint_experts())
+def kimi_both(request):
+    """All 384 Kimi K2.6 experts of one layer on the GPU in both orders (`kimi_wgmma`: skipped without sm_90)."""
+    wg = request.getfixturevalue("kimi_wgmma")[1]
     return wg, (*to_step_major(*wg[:2]), *to_step_major(*wg[2:]))
 
 
