@@ -200,8 +200,8 @@ def int4_moe_wgmma(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, block_pai
                    w2_combine: bool | None = None, experts: range | None = None, reduce_pairs=None,
                    layout: str = "wgmma"):
     """The wgmma path (sm_90, bf16, weights in `layout`: one of LAYOUTS, module doc); arguments as
-    `kernels.int4_moe.int4_moe`. The schedule
-    options, each None for DEFAULT_SCHEDULE's, `auto_schedule`'s or PLAIN's (`resolve_schedule`):
+    `kernels.int4_moe.int4_moe`. The schedule options, each None for DEFAULT_SCHEDULE's, `auto_schedule`'s or
+    PLAIN's (`resolve_schedule`):
     `block_pairs` (BLOCK_PAIRS), the pairs per expert block (an expert's weights are streamed once per block);
     `small_pairs` (0 or a smaller BLOCK_PAIRS size), blocks holding at most that many pairs run with the MMA's N
     that small; `stages` (STAGES), the ring depth; `maxnreg`, a register cap; `pdl`, programmatic dependent launch
