@@ -33,6 +33,7 @@ from kernels._int4_moe_wgmma import (
     _moe_w2_wgmma_kernel,
     _moe_w13_wgmma_kernel,
 )
+from kernels._int4_moe_ws import WS_MAXNREG, _moe_ws_kernel, ws_descriptors
 from kernels._moe_frame import routed_moe
 from kernels.int4_pack import PACK_FACTOR, permute_steps
 
@@ -44,7 +45,7 @@ ROW_TILES = (1, 2, 4, 8)  # w2 row tiles (of `rows` rows) per program, one after
 WARPGROUPS = (1, 2)  # warpgroups per program: 1 does both weight tensors' 64 rows, 2 split them (one tensor each)
 ROWS = (128, 64)  # weight rows per program: 64 gate + 64 up rows (w13) / 128 output rows (w2), or half that
 PLAIN = dict(block_pairs=8, small_pairs=0, stages=2, maxnreg=None, pdl=False, direct=False, row_tiles=1,
-             warpgroups=1, fused=False, rows=128, w2_combine=False)  # one block size
+             warpgroups=1, fused=False, rows=128, w2_combine=False, ws=False)  # one block size
 SYNC_WORDS = 256  # counters per device and use: the fused decode's ticket, exits, ready[topk], rows_done[row ranges];
 # w2_combine's row-range counts
 SMALL_LAUNCH = 128  # pairs: the largest launch of auto_schedule's middle tier
@@ -86,14 +87,14 @@ def resolve_schedule(pairs: int, **given) -> dict:
     bp, small, stages, cap = sched["block_pairs"], sched["small_pairs"], sched["stages"], sched["maxnreg"]
     if (bp not in BLOCK_PAIRS or stages not in STAGES or (small and (small not in BLOCK_PAIRS or small >= bp))
             or not (cap is None or (isinstance(cap, int) and 32 <= cap <= 255))
-            or not all(isinstance(sched[k], bool) for k in ("pdl", "direct", "fused", "w2_combine"))
+            or not all(isinstance(sched[k], bool) for k in ("pdl", "direct", "fused", "w2_combine", "ws"))
             or any(sched[k] not in allowed or isinstance(sched[k], bool)
                    for k, allowed in (("row_tiles", ROW_TILES), ("warpgroups", WARPGROUPS), ("rows", ROWS)))
             or (sched["rows"] == 64 and sched["warpgroups"] != 1)):
         raise ValueError(f"int4_moe_wgmma: block_pairs={bp} (one of {BLOCK_PAIRS}), small_pairs={small} "
                          f"(0 or a smaller one), stages={stages} (one of {STAGES}), maxnreg={cap} (None or 32-255), "
-                         f"pdl={sched['pdl']!r}, direct={sched['direct']!r}, fused={sched['fused']!r} and "
-                         f"w2_combine={sched['w2_combine']!r} (true / false), "
+                         f"pdl={sched['pdl']!r}, direct={sched['direct']!r}, fused={sched['fused']!r}, "
+                         f"w2_combine={sched['w2_combine']!r} and ws={sched['ws']!r} (true / false), "
                          f"row_tiles={sched['row_tiles']!r} (one of {ROW_TILES}), "
                          f"warpgroups={sched['warpgroups']!r} (one of {WARPGROUPS}), rows={sched['rows']!r} (one "
                          f"of {ROWS}; 64 with one warpgroup)")
@@ -197,8 +198,8 @@ def int4_moe_wgmma(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, block_pai
                    small_pairs: int | None = None, stages: int | None = None, maxnreg: int | None = None,
                    pdl: bool | None = None, direct: bool | None = None, row_tiles: int | None = None,
                    warpgroups: int | None = None, fused: bool | None = None, rows: int | None = None,
-                   w2_combine: bool | None = None, experts: range | None = None, reduce_pairs=None,
-                   layout: str = "wgmma"):
+                   w2_combine: bool | None = None, ws: bool | None = None, experts: range | None = None,
+                   reduce_pairs=None, layout: str = "wgmma"):
     """The wgmma path (sm_90, bf16, weights in `layout`: one of LAYOUTS, module doc); arguments as
     `kernels.int4_moe.int4_moe`. The schedule options, each None for DEFAULT_SCHEDULE's, `auto_schedule`'s or
     PLAIN's (`resolve_schedule`):
@@ -216,13 +217,15 @@ def int4_moe_wgmma(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, block_pai
     program, 64: one [64, N] accumulator (w13: 32 gate rows and their 32 up rows; w2: 64 output rows), half the
     registers and shared memory, twice the programs (at one token 512 w13 programs, 4 per SM); `w2_combine`, the
     combine done by w2's last program of each row range (a count per range) instead of its own launch (ignored unless
-    direct blocks run, with one warpgroup, not fused, without `reduce_pairs`). Same arithmetic, same bits for every
-    schedule."""
+    direct blocks run, with one warpgroup, not fused, without `reduce_pairs`); `ws` (experimental, not yet run on a
+    GPU), one token's w13 and w2 as the warp-specialized kernels of `_int4_moe_ws` (a producer warp puts each step in
+    flight by TMA; ignored unless direct blocks run on "wgmma_steps" weights with one warpgroup, 128 rows, one row
+    tile, not fused, without w2_combine). Same arithmetic, same bits for every schedule."""
     if not HAVE_GLUON:
         raise RuntimeError("int4_moe_wgmma needs Triton with Gluon (3.5 or newer)")
     sched = resolve_schedule(topk_ids.numel(), block_pairs=block_pairs, small_pairs=small_pairs, stages=stages,
                              maxnreg=maxnreg, pdl=pdl, direct=direct, row_tiles=row_tiles, warpgroups=warpgroups,
-                             fused=fused, rows=rows, w2_combine=w2_combine)
+                             fused=fused, rows=rows, w2_combine=w2_combine, ws=ws)
     block_pairs, small, stages, cap = sched["block_pairs"], sched["small_pairs"], sched["stages"], sched["maxnreg"]
     pdl = bool(sched["pdl"]) and experts is None and reduce_pairs is None
     direct = bool(sched["direct"]) and x.shape[0] == 1 and experts is None
@@ -236,12 +239,20 @@ def int4_moe_wgmma(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, block_pai
     const = dict(NP=block_pairs, SMALL=small or 0, STAGES=stages, PDL=pdl, DIRECT=direct, WG=wg, ROWS=R, **opts)
 
     def w13_gemm(x, a, pairs, bexp, topk, P):
+        if ws_on:
+            _moe_ws_kernel[(-(-inter // 64), P)](a, bexp, P, inter, w13.shape[2] * PACK_FACTOR // STEP, w13.shape[1],
+                                                 a.stride(0), *ws_descriptors(w13, s13, x), TOPK=topk, GATED=True,
+                                                 **ws_const)
+            return
         _moe_w13_wgmma_kernel[(-(-inter // (R // 2)), bexp.shape[0])](
             x, w13, s13, a, pairs, bexp, P, inter, w13.shape[2] * PACK_FACTOR // STEP, x.stride(0), *st13, a.stride(0),
             TOPK=topk, **const)
 
     fuse = sched["fused"] and x.shape[0] == 1 and experts is None and reduce_pairs is None and wg == 1
     combine = sched["w2_combine"] and direct and not fuse and reduce_pairs is None and wg == 1
+    ws_on = (sched["ws"] and direct and not fuse and not combine and layout == "wgmma_steps" and wg == 1 and R == 128
+             and sched["row_tiles"] == 1)
+    ws_const = dict(STAGES=stages, PDL=pdl, num_warps=4, maxnreg=WS_MAXNREG, **({"launch_pdl": True} if pdl else {}))
     if combine:
         ranges = -(-D // (R * sched["row_tiles"]))
         if ranges > SYNC_WORDS:
@@ -252,6 +263,10 @@ def int4_moe_wgmma(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, block_pai
         tw1 = topk_w.reshape(-1).contiguous()
 
     def w2_gemm(a, y, pairs, bexp, topk, P):
+        if ws_on:
+            _moe_ws_kernel[(-(-D // 128), P)](y, bexp, P, D, w2.shape[2] * PACK_FACTOR // STEP, D, y.stride(0),
+                                              *ws_descriptors(w2, s2, a), TOPK=topk, GATED=False, **ws_const)
+            return
         rt = sched["row_tiles"]
         args = (a, w2, s2, y, pairs, bexp, P, D, w2.shape[2] * PACK_FACTOR // STEP, a.stride(0), *st2, y.stride(0))
         grid = (-(-D // (R * rt)), bexp.shape[0])

@@ -1,0 +1,158 @@
+"""Warp-specialized Gluon (sm_90) GEMMs of `kernels.int4_moe_wgmma`'s one-token decode (experimental, opt-in:
+schedule option `ws`; step-major weights, "wgmma_steps", only).
+
+The ring kernels (`_int4_moe_wgmma._ring_gemm`) make every warp issue its share of a step's copies, wait for its own
+cp.async groups and meet the others at two CTA barriers a step. The thirty-fourth session's stall samples put 26-29%
+of the one-token kernels' time there and 9-15% in the copy issue. Here the roles are split:
+
+  producer   one warp: for each K step, waits until the consumers released the step's ring slot (`empty`), then
+             puts the step in flight by TMA onto the slot's `full` mbarrier: tensor a's and b's [64, 32] words and
+             [64, 8] scales (boxes of the step-major views, `_copy_w`'s rows) and the pair's 4 x 64 activations
+             (one [1, 64] box each into row 8 c of the slot, where the 8-pair MMA reads pair slot 0; the other 7
+             rows are not written, and their output columns are not stored).
+  consumer   one warpgroup: waits for `full`, reads the slot's words and scales, dequantises and runs the same MMAs
+             in the same order as the ring kernels (`_step_mmas`, N = 8), then releases the slot; at the end the
+             same store (`_store_rows`).
+
+So a step costs the consumers one mbarrier wait and the release (a warpgroup barrier, then one arrival), and the
+copies of STAGES steps run ahead of them. The arithmetic and its order are the ring kernels' direct decode path's:
+the same bits (GPU test). A TMA load issued from a kernel that is not warp-specialized gets a CTA barrier of its own
+from the compiler (docs/performance.md, thirty-fifth session); in the producer's one-warp partition it does not
+stall the consumers.
+
+Programs: w13 (GATED): 64 gate rows and their 64 up rows of one pair's expert; w2: 128 output rows. Grid (row
+tiles, pairs), one pair per program (direct blocks: `bexp` holds the pairs' expert ids).
+"""
+
+from __future__ import annotations
+
+import torch
+
+WS_MAXNREG = 128  # registers a thread at launch: 2 programs of 8 warps (4 consumer, 1 producer, 3 idle) per SM
+PRODUCER_REGS = 40  # setmaxnreg of the producer warp's warpgroup (the consumers get the rest: 216)
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from kernels._gluon_compat import tma_load
+    from kernels._int4_moe_wgmma import (
+        _W_L1,
+        HAVE_GLUON,
+        _gdc_launch_dependents,
+        _gdc_wait,
+        _scales_from,
+        _step_mmas,
+        _store_rows,
+        _words_from,
+    )
+    # the ring slots' shared layouts, which the descriptors' boxes must have: the words' is the ring kernels' XOR
+    # pattern as the 128-byte TMA swizzle, the scales' plain rows, the activations' [32, 64] bf16 (4 chunks x 8 pair
+    # slots: the 8-pair MMA's B operand) the wgmma default
+    _W_WS_LAYOUT = gl.NVMMASharedLayout(128, 32)
+    _S_WS_LAYOUT = gl.NVMMASharedLayout(0, 16)
+    _X_WS_LAYOUT = gl.NVMMASharedLayout(128, 16)
+except ImportError:  # pragma: no cover - depends on the installed Triton
+    HAVE_GLUON = False
+
+
+
+def ws_descriptors(words: torch.Tensor, scale: torch.Tensor, x: torch.Tensor) -> tuple:
+    """TMA descriptors of one projection's step-major words and scales (`_moe_ws_kernel`: [64, .] boxes of the
+    [E * steps * N, 32 | 8] views) and of its activations x [rows, Kp] ([8, 64] boxes: rows past x's end arrive as
+    zeros)."""
+    rows = words.numel() // 32
+    return (TensorDescriptor(words.view(rows, 32), [rows, 32], [32, 1], [64, 32], _W_WS_LAYOUT),
+            TensorDescriptor(scale.view(rows, 8), [rows, 8], [8, 1], [64, 8], _S_WS_LAYOUT),
+            TensorDescriptor(x, list(x.shape), [x.stride(0), 1], [8, 64], _X_WS_LAYOUT))
+
+
+if HAVE_GLUON:
+    _W_WS_SL = gl.constexpr(_W_WS_LAYOUT)
+    _S_WS_SL = gl.constexpr(_S_WS_LAYOUT)
+    _X_WS_SL = gl.constexpr(_X_WS_LAYOUT)
+    _REGS = gl.constexpr([PRODUCER_REGS])
+
+    @gluon.jit
+    def _ws_producer(wdesc, sdesc, xdesc, xring, wring, sring, full, empty, row_a, row_b, x_row, num_kb, rows_step,
+                     STAGES: gl.constexpr):
+        B: gl.constexpr = wdesc.block_type.shape[0]
+        nbytes: gl.constexpr = 2 * (wdesc.block_type.nbytes + sdesc.block_type.nbytes) + 4 * xdesc.block_type.nbytes
+        for f in range(num_kb):
+            st = f % STAGES
+            # slot st is free once the consumers released step f - STAGES (phase f // STAGES - 1 of `empty`)
+            mbarrier.wait(empty.index(st), (f // STAGES + 1) & 1, pred=f >= STAGES)
+            bar = full.index(st)
+            mbarrier.expect(bar, nbytes)
+            ra = row_a + f * rows_step
+            rb = row_b + f * rows_step
+            tma_load(wdesc, [ra, 0], bar, wring.index(st).slice(0, B))
+            tma_load(wdesc, [rb, 0], bar, wring.index(st).slice(B, B))
+            tma_load(sdesc, [ra, 0], bar, sring.index(st).slice(0, B))
+            tma_load(sdesc, [rb, 0], bar, sring.index(st).slice(B, B))
+            for c in gl.static_range(4):
+                tma_load(xdesc, [x_row, f * 256 + c * 64], bar, xring.index(st).slice(8 * c, 8))
+
+    @gluon.jit
+    def _ws_consumer(xring, wring, sring, full, empty, out_ptr, blk, row0, P, N_OUT, num_kb, stride_o,
+                     GATED: gl.constexpr, STAGES: gl.constexpr):
+        ACC_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 16])
+        A_L: gl.constexpr = gl.DotOperandLayout(0, ACC_L, 2)
+        acc_a = gl.zeros([64, 8], gl.float32, ACC_L)
+        acc_b = gl.zeros([64, 8], gl.float32, ACC_L)
+        for f in range(num_kb):
+            st = f % STAGES
+            mbarrier.wait(full.index(st), (f // STAGES) & 1)  # TMA wrote it (async proxy): no fence for wgmma
+            ws = wring.index(st)
+            ss = sring.index(st)
+            qa = _words_from(ws.slice(0, 64), _W_L1)
+            qb = _words_from(ws.slice(64, 64), _W_L1)
+            sca = _scales_from(ss.slice(0, 64), _W_L1)
+            scb = _scales_from(ss.slice(64, 64), _W_L1)
+            acc_a, acc_b = _step_mmas(qa, sca, qb, scb, xring.index(st), acc_a, acc_b, 8, A_L)  # waits its MMAs
+            mbarrier.arrive(empty.index(st), count=1)  # lowered as: warpgroup barrier, then one lane arrives
+        _store_rows(acc_a, acc_b, out_ptr, out_ptr, blk, row0, P, N_OUT, stride_o, GATED, 8, 8, True, ACC_L, 1, 128)
+
+    @gluon.jit
+    def _moe_ws_kernel(out_ptr, bexp_ptr, P, N_OUT, num_kb, rows_step, stride_o, wdesc, sdesc, xdesc,
+                       TOPK: gl.constexpr, GATED: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr):
+        """One pair's row tile of w13 (GATED: a[pair, 64 columns] = SiLU(gate) * up) or w2 (y[pair, 128 rows], fp32,
+        unweighted). wdesc / sdesc: the step-major words [E * steps * N, 32] and scales [E * steps * N, 8] in
+        [64, .] boxes (rows_step = N, the projection's rows); xdesc: the activations (w13: x [1, Kp]; w2: a [P, Kp])
+        in [1, 64] boxes. PDL: wait for the previous grid before anything is read, then let the next be scheduled."""
+        gl.static_assert(gl.num_warps() == 4)
+        pid_r = gl.program_id(0)
+        blk = gl.program_id(1)
+        if PDL:
+            _gdc_wait()
+            _gdc_launch_dependents()
+        e = gl.load(bexp_ptr + blk).to(gl.int32)
+        if e < 0:
+            return
+        if GATED:
+            row0 = pid_r * 64
+            row_a = e * (num_kb * rows_step) + row0
+            row_b = row_a + N_OUT  # the up rows of the same intermediate columns
+            x_row = blk // TOPK  # the pair's token
+        else:
+            row0 = pid_r * 128
+            row_a = e * (num_kb * rows_step) + row0
+            row_b = row_a + 64
+            x_row = blk  # the pair's row of `a`
+        xring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 32, 64], _X_WS_SL)
+        wring = gl.allocate_shared_memory(gl.int32, [STAGES, 128, 32], _W_WS_SL)
+        sring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 128, 8], _S_WS_SL)
+        full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(full.index(i), count=1)  # the producer's expect; the bytes complete it
+            mbarrier.init(empty.index(i), count=1)  # the consumer warpgroup's release
+        fence_async_shared()  # the inits, seen by the TMA unit's arrivals (the partitions start behind a CTA barrier)
+        gl.warp_specialize([
+            (_ws_consumer, (xring, wring, sring, full, empty, out_ptr, blk, row0, P, N_OUT, num_kb, stride_o, GATED,
+                            STAGES)),
+            (_ws_producer, (wdesc, sdesc, xdesc, xring, wring, sring, full, empty, row_a, row_b, x_row, num_kb,
+                            rows_step, STAGES)),
+        ], [1], _REGS)
