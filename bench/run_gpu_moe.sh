@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# One device call for the wgmma INT4 MoE kernels' schedules: their GPU tests (test_int4_moe_wgmma.py and
-# test_int4_moe_wgmma_steps.py), the layer benchmark of the schedule variants at uniform and at crowded routing, then
-# the whole verify step (8 K2.6 layers, prefix 4096) with the default schedule and with each schedule in SCHEDULES
+# One device call for the wgmma INT4 MoE kernels' schedules: their GPU tests (test_int4_moe_wgmma.py,
+# test_int4_moe_wgmma_steps.py and test_int4_moe_ws.py), the layer benchmark of the schedule variants at uniform and
+# at crowded routing, then the whole verify step (8 K2.6 layers, prefix 4096) with the default schedule and with each schedule in SCHEDULES
 # (JSON options laid over int4_moe_wgmma.auto_schedule, `;`-separated). About 8 minutes with the defaults (~250 s of
 # them the tests). Logs and JSONL go to $OUT (bench/results/run when unset); run from the repo root. Overrides:
 # VARIANTS (bench_int4_moe --gluon names), TOKENS, POOL_TOKENS, LAYERS (0: no back-to-back timing), STEP_ARGS,
@@ -23,7 +23,7 @@ python -c "import torch, triton; print('torch', torch.__version__, 'triton', tri
 status=0
 if [ "${TESTS:-1}" != 0 ]; then
   timeout "${T_TESTS:-300}" python -m pytest -q -rs -m gpu --durations=5 tests/kernels/test_int4_moe_wgmma.py \
-    tests/kernels/test_int4_moe_wgmma_steps.py ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tee "$OUT/moe_tests.log" || status=1
+    tests/kernels/test_int4_moe_wgmma_steps.py tests/kernels/test_int4_moe_ws.py ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tee "$OUT/moe_tests.log" || status=1
 fi
 # shellcheck disable=SC2086  # word splitting of the lists is intended
 timeout "${T_LAYER:-150}" python bench/bench_int4_moe.py --no-peers --tokens ${TOKENS:-1 9 33 129} --gluon $VARIANTS \
