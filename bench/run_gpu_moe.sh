@@ -3,7 +3,8 @@
 # test_int4_moe_wgmma_steps.py and test_int4_moe_ws.py), the layer benchmark of the schedule variants at uniform and
 # at crowded routing, then the whole verify step (8 K2.6 layers, prefix 4096) with the default schedule and with
 # each schedule in SCHEDULES (JSON options laid over int4_moe_wgmma.auto_schedule, `;`-separated). About 8 minutes
-# with the defaults (~250 s of them the tests). Logs and JSONL go to $OUT (bench/results/run when unset); run from the repo root. Overrides:
+# with the defaults (~250 s of them the tests). Logs and JSONL go to $OUT (bench/results/run when unset); run from
+# the repo root. Overrides:
 # VARIANTS (bench_int4_moe --gluon names), TOKENS, POOL_TOKENS, LAYERS (0: no back-to-back timing), STEP_ARGS,
 # MOE_LAYOUTS (the verify step's, default wgmma_steps, each with the default schedule: "wgmma wgmma_steps" to compare
 # the weight orders), TESTS_K (a pytest -k filter of the tests, e.g.
