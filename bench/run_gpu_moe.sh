@@ -24,7 +24,8 @@ python -c "import torch, triton; print('torch', torch.__version__, 'triton', tri
 status=0
 if [ "${TESTS:-1}" != 0 ]; then
   timeout "${T_TESTS:-300}" python -m pytest -q -rs -m gpu --durations=5 tests/kernels/test_int4_moe_wgmma.py \
-    tests/kernels/test_int4_moe_wgmma_steps.py tests/kernels/test_int4_moe_ws.py ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tee "$OUT/moe_tests.log" || status=1
+    tests/kernels/test_int4_moe_wgmma_steps.py tests/kernels/test_int4_moe_ws.py ${TESTS_K:+-k "$TESTS_K"} 2>&1 \
+    | tee "$OUT/moe_tests.log" || status=1
 fi
 # shellcheck disable=SC2086  # word splitting of the lists is intended
 timeout "${T_LAYER:-150}" python bench/bench_int4_moe.py --no-peers --tokens ${TOKENS:-1 9 33 129} --gluon $VARIANTS \
