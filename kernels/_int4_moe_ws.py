@@ -7,9 +7,12 @@ of the one-token kernels' time there and 9-15% in the copy issue. Here the roles
 
   producer   one warp: for each K step, waits until the consumers released the step's ring slot (`empty`), then
              puts the step in flight by TMA onto the slot's `full` mbarrier: tensor a's and b's [64, 32] words and
-             [64, 8] scales (boxes of the step-major views, `_copy_w`'s rows) and the pair's 4 x 64 activations
-             (one [1, 64] box each into row 8 c of the slot, where the 8-pair MMA reads pair slot 0; the other 7
-             rows are not written, and their output columns are not stored).
+             [64, 8] scales (boxes of the step-major views: a step of an expert is N rows of them) and the pair's
+             4 x 64 activations (an [8, 64] box each from the pair's row into rows 8 c .. 8 c + 7 of the slot: the
+             8-pair MMA reads its slot 0 from row 8 c; the next 7 rows of the tensor, or zeros past its end, fill
+             the other slots, whose output columns are not stored). A box cannot be one row of the slot's swizzled
+             layout. Under PDL, w2's producer puts its first STAGES steps' weights in flight before it waits for
+             w13 (as the ring kernels do).
   consumer   one warpgroup: waits for `full`, reads the slot's words and scales, dequantises and runs the same MMAs
              in the same order as the ring kernels (`_step_mmas`, N = 8), then releases the slot; at the end the
              same store (`_store_rows`).
@@ -76,28 +79,54 @@ if HAVE_GLUON:
     _REGS = gl.constexpr([PRODUCER_REGS])
 
     @gluon.jit
-    def _ws_producer(wdesc, sdesc, xdesc, xring, wring, sring, full, empty, row_a, row_b, x_row, num_kb, rows_step,
-                     STAGES: gl.constexpr):
+    def _load_w(wdesc, sdesc, bar, w_dst, s_dst, ra, rb, live):
+        """One step's weights: tensor a's and b's words and scales (boxes of B rows at view rows ra, rb)."""
         B: gl.constexpr = wdesc.block_type.shape[0]
+        tma_load(wdesc, [ra, 0], bar, w_dst.slice(0, B), pred=live)
+        tma_load(wdesc, [rb, 0], bar, w_dst.slice(B, B), pred=live)
+        tma_load(sdesc, [ra, 0], bar, s_dst.slice(0, B), pred=live)
+        tma_load(sdesc, [rb, 0], bar, s_dst.slice(B, B), pred=live)
+
+    @gluon.jit
+    def _load_x(xdesc, bar, x_dst, x_row, f, live):
+        """Step f's 4 chunks of 64 activations, each an [8, 64] box from x_row into rows 8 c .. 8 c + 7 (row 8 c is
+        the pair's: the 8-pair MMA's slot 0)."""
+        for c in gl.static_range(4):
+            tma_load(xdesc, [x_row, f * 256 + c * 64], bar, x_dst.slice(8 * c, 8), pred=live)
+
+    @gluon.jit
+    def _ws_producer(wdesc, sdesc, xdesc, xring, wring, sring, full, empty, row_a, row_b, x_row, num_kb, rows_step,
+                     STAGES: gl.constexpr, WPRE: gl.constexpr):
+        """WPRE (w2 under PDL): the first STAGES steps' weights go in flight before the wait for the previous grid
+        (w13, whose `a` the activations are), then their activations."""
         nbytes: gl.constexpr = 2 * (wdesc.block_type.nbytes + sdesc.block_type.nbytes) + 4 * xdesc.block_type.nbytes
-        for f in range(num_kb):
+        first = 0
+        if WPRE:
+            for p in gl.static_range(STAGES):
+                mbarrier.expect(full.index(p), nbytes, pred=p < num_kb)
+                _load_w(wdesc, sdesc, full.index(p), wring.index(p), sring.index(p), row_a + p * rows_step,
+                        row_b + p * rows_step, p < num_kb)
+            _gdc_launch_dependents()  # the combine may be scheduled; it waits for this grid's end
+            _gdc_wait()
+            for p in gl.static_range(STAGES):
+                _load_x(xdesc, full.index(p), xring.index(p), x_row, p, p < num_kb)
+            first = STAGES
+        for f in range(first, num_kb):
             st = f % STAGES
             # slot st is free once the consumers released step f - STAGES (phase f // STAGES - 1 of `empty`)
             mbarrier.wait(empty.index(st), (f // STAGES + 1) & 1, pred=f >= STAGES)
             bar = full.index(st)
             mbarrier.expect(bar, nbytes)
-            ra = row_a + f * rows_step
-            rb = row_b + f * rows_step
-            tma_load(wdesc, [ra, 0], bar, wring.index(st).slice(0, B))
-            tma_load(wdesc, [rb, 0], bar, wring.index(st).slice(B, B))
-            tma_load(sdesc, [ra, 0], bar, sring.index(st).slice(0, B))
-            tma_load(sdesc, [rb, 0], bar, sring.index(st).slice(B, B))
-            for c in gl.static_range(4):
-                tma_load(xdesc, [x_row, f * 256 + c * 64], bar, xring.index(st).slice(8 * c, 8))
+            _load_w(wdesc, sdesc, bar, wring.index(st), sring.index(st), row_a + f * rows_step, row_b + f * rows_step,
+                    True)
+            _load_x(xdesc, bar, xring.index(st), x_row, f, True)
 
     @gluon.jit
     def _ws_consumer(xring, wring, sring, full, empty, out_ptr, blk, row0, P, N_OUT, num_kb, stride_o,
-                     GATED: gl.constexpr, STAGES: gl.constexpr):
+                     GATED: gl.constexpr, STAGES: gl.constexpr, WPRE: gl.constexpr):
+        """WPRE: waits for the previous grid before anything else (its stores come after that grid's end)."""
+        if WPRE:
+            _gdc_wait()
         ACC_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 16])
         A_L: gl.constexpr = gl.DotOperandLayout(0, ACC_L, 2)
         acc_a = gl.zeros([64, 8], gl.float32, ACC_L)
@@ -121,14 +150,20 @@ if HAVE_GLUON:
         """One pair's row tile of w13 (GATED: a[pair, 64 columns] = SiLU(gate) * up) or w2 (y[pair, 128 rows], fp32,
         unweighted). wdesc / sdesc: the step-major words [E * steps * N, 32] and scales [E * steps * N, 8] in
         [64, .] boxes (rows_step = N, the projection's rows); xdesc: the activations (w13: x [1, Kp]; w2: a [P, Kp])
-        in [1, 64] boxes. PDL: wait for the previous grid before anything is read, then let the next be scheduled."""
+        in [8, 64] boxes. PDL (programmatic dependent launch, as the ring kernels): w13 waits for the previous grid
+        before anything is read, then lets w2 be scheduled; w2 reads its pair's expert (past L1: w13 passed its wait,
+        so the routing is complete), puts its first weight steps in flight and only then waits (`_ws_producer`)."""
         gl.static_assert(gl.num_warps() == 4)
+        WPRE: gl.constexpr = PDL and not GATED
         pid_r = gl.program_id(0)
         blk = gl.program_id(1)
-        if PDL:
+        if PDL and GATED:
             _gdc_wait()
             _gdc_launch_dependents()
-        e = gl.load(bexp_ptr + blk).to(gl.int32)
+        if WPRE:
+            e = gl.load(bexp_ptr + blk, cache_modifier=".cg").to(gl.int32)
+        else:
+            e = gl.load(bexp_ptr + blk).to(gl.int32)
         if e < 0:
             return
         if GATED:
@@ -152,7 +187,7 @@ if HAVE_GLUON:
         fence_async_shared()  # the inits, seen by the TMA unit's arrivals (the partitions start behind a CTA barrier)
         gl.warp_specialize([
             (_ws_consumer, (xring, wring, sring, full, empty, out_ptr, blk, row0, P, N_OUT, num_kb, stride_o, GATED,
-                            STAGES)),
+                            STAGES, WPRE)),
             (_ws_producer, (wdesc, sdesc, xdesc, xring, wring, sring, full, empty, row_a, row_b, x_row, num_kb,
-                            rows_step, STAGES)),
+                            rows_step, STAGES, WPRE)),
         ], [1], _REGS)

@@ -53,7 +53,11 @@ for gated in (True, False):
                           body.count("mbarrier.arrive"), len(re.findall(r"\bbar\.sync\s+\d+, 128;", body))])
         out[f"{'w13' if gated else 'w2'}_s{stages}" + ("_pdl" if pdl else "")] = {
             "loops": loops, "cp_async": ptx.count("cp.async.cg") + ptx.count("cp.async.wait_group"),
-            "griddep": ptx.count("griddepcontrol"), "n_wgmma": len(re.findall(r"wgmma\.mma_async", ptx)),
+            "griddep": ptx.count("griddepcontrol"),
+            # TMA loads before the last wait for the previous grid (w2 under PDL: the first steps' weights)
+            "tma_before_wait": sum(len(re.findall(r"cp\.async\.bulk\.tensor", ln)) for ln in lines[:max(
+                [i for i, ln in enumerate(lines) if "griddepcontrol.wait" in ln], default=0)]),
+            "n_wgmma": len(re.findall(r"wgmma\.mma_async", ptx)),
             "registers": int(re.findall(r"Used (\d+) registers", log)[-1]),
             "spill_bytes": sum(int(v) for v in re.findall(r"(\d+) bytes spill stores", log)),
             "setmaxnreg": sorted({int(v) for v in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}),
@@ -67,8 +71,9 @@ def test_ws_kernels_compile_for_sm90(tmp_path):
     one expect of 2 x (8 KB + 1 KB) + 4 x 1 KB = 22,528 bytes and no barrier (the producer); a loop of 32 m64n8k16
     MMAs behind one mbarrier wait, with no CTA-wide barrier: the release's warpgroup barrier before its arrival, and
     with Triton 3.6 one more of the warpgroup's before the wait (the consumer); no cp.async; griddepcontrol only with
-    PDL; the producer's warpgroup given PRODUCER_REGS registers; within WS_MAXNREG, no spills; the ring (STAGES x
-    22 KB) plus its barriers in shared memory."""
+    PDL, where w13 loads nothing before its wait and w2 only its first steps' weights; the producer's warpgroup given
+    PRODUCER_REGS registers; within WS_MAXNREG, no spills; the ring (STAGES x 22 KB) plus its barriers in shared
+    memory."""
     pytest.importorskip("triton.experimental.gluon")
     from kernels._int4_moe_ws import PRODUCER_REGS, WS_MAXNREG
 
@@ -85,6 +90,10 @@ def test_ws_kernels_compile_for_sm90(tmp_path):
         assert consumer[0][3] == 1 and consumer[0][5] == 1, (name, f)  # one wait, one release
         assert f["cp_async"] == 0 and f["n_wgmma"] == 32, (name, f)
         assert (f["griddep"] > 0) == name.endswith("_pdl"), (name, f)
+        # under PDL w13 loads nothing before its wait; w2 puts its first STAGES steps' weights (4 boxes each) in
+        # flight before the producer's wait, and the activations (w13's `a`) after it
+        assert f["tma_before_wait"] == (4 * stages if name.startswith("w2") and name.endswith("_pdl") else 0), \
+            (name, f)
         assert PRODUCER_REGS in f["setmaxnreg"] and f["registers"] <= WS_MAXNREG and f["spill_bytes"] == 0, (name, f)
         ring = stages * (32 * 64 * 2 + 128 * 32 * 4 + 128 * 8 * 2)
         assert ring + 2 * stages * 8 <= f["shared"] <= ring + 1024, (name, f)
