@@ -134,6 +134,21 @@ if HAVE_GLUON:
                                   is_pure=False, pack=1)
 
     @gluon.jit
+    def _block_expert(bexp_ptr, blk, PDL: gl.constexpr, GATED: gl.constexpr):
+        """Block blk's expert (int32; < 0: no block), read under programmatic dependent launch (PDL) as follows: w13
+        waits before it reads anything (the block list is the align kernel's), then lets w2 be scheduled; w2, which
+        starts while w13 still runs, reads it past L1 (w13 passed its wait, so the block list is complete); it puts
+        its first weight steps in flight before it waits for w13's `a` (its caller's part)."""
+        if PDL and GATED:
+            _gdc_wait()
+            _gdc_launch_dependents()
+        if PDL and not GATED:
+            e = gl.load(bexp_ptr + blk, cache_modifier=".cg").to(gl.int32)
+        else:
+            e = gl.load(bexp_ptr + blk).to(gl.int32)
+        return e
+
+    @gluon.jit
     def _fence_gpu():
         """This thread's writes before it / reads after it ordered at GPU scope (with a CTA barrier and one thread's
         atomic: the CTA's stores published to, or another CTA's stores seen by, every thread of the CTA)."""
@@ -491,17 +506,8 @@ if HAVE_GLUON:
 
         pid_r = gl.program_id(0)
         blk = gl.program_id(1)
-        # programmatic dependent launch (PDL): w13 waits before it reads anything (the block list is the align
-        # kernel's), then lets w2 be scheduled; w2 starts while w13 still runs (w13 passed its wait, so the block
-        # list is complete; read past L1), puts its first weight steps in flight, and waits for w13's `a`
         WPRE: gl.constexpr = PDL and not GATED
-        if PDL and GATED:
-            _gdc_wait()
-            _gdc_launch_dependents()
-        if WPRE:
-            e = gl.load(bexp_ptr + blk, cache_modifier=".cg").to(gl.int32)
-        else:
-            e = gl.load(bexp_ptr + blk).to(gl.int32)
+        e = _block_expert(bexp_ptr, blk, PDL, GATED)
         if e < 0:
             return
         w_src, w_ok, s_src, s_ok, gw, gs = _weight_src(w_ptr, s_ptr, e, pid_r, N_OUT, stride_we, stride_wn,

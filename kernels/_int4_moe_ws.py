@@ -44,6 +44,7 @@ try:
     from kernels._int4_moe_wgmma import (
         _W_L1,
         HAVE_GLUON,
+        _block_expert,
         _gdc_launch_dependents,
         _gdc_wait,
         _scales_from,
@@ -157,13 +158,7 @@ if HAVE_GLUON:
         WPRE: gl.constexpr = PDL and not GATED
         pid_r = gl.program_id(0)
         blk = gl.program_id(1)
-        if PDL and GATED:
-            _gdc_wait()
-            _gdc_launch_dependents()
-        if WPRE:
-            e = gl.load(bexp_ptr + blk, cache_modifier=".cg").to(gl.int32)
-        else:
-            e = gl.load(bexp_ptr + blk).to(gl.int32)
+        e = _block_expert(bexp_ptr, blk, PDL, GATED)
         if e < 0:
             return
         if GATED:
