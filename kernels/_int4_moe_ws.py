@@ -62,7 +62,6 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
     HAVE_GLUON = False
 
 
-
 def ws_descriptors(words: torch.Tensor, scale: torch.Tensor, x: torch.Tensor) -> tuple:
     """TMA descriptors of one projection's step-major words and scales (`_moe_ws_kernel`: [64, .] boxes of the
     [E * steps * N, 32 | 8] views) and of its activations x [rows, Kp] ([8, 64] boxes: rows past x's end arrive as
