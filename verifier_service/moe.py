@@ -77,7 +77,7 @@ def resolve_gpu_layout(layout: str, device: torch.device) -> str:
         return "wgmma_steps" if _wgmma_runs_on(device) else "gpu"
     if layout not in _REPACK:
         raise ValueError(f"MoE layout {layout!r}: 'auto' or one of {sorted(_REPACK)} (DDTREE_MOE_LAYOUT)")
-    if layout.startswith("wgmma") and device.type == "cuda" and not _wgmma_runs_on(device):
+    if layout in int4_moe_wgmma_module.LAYOUTS and device.type == "cuda" and not _wgmma_runs_on(device):
         raise ValueError(f"MoE layout {layout!r} needs an sm_90 GPU and Triton with Gluon; {device} is "
                          f"sm_{''.join(map(str, torch.cuda.get_device_capability(device)))}: use 'gpu' or 'auto'")
     return layout

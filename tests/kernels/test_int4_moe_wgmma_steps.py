@@ -65,23 +65,15 @@ def test_step_major_reorders_words_and_scales(D, inter):
     assert torch.equal(b[0], ref13)
 
 
-def kernel_words(words: torch.Tensor, strides: tuple[int, ...], rows: torch.Tensor, kb: int) -> torch.Tensor:
-    """The 32 words of step kb of each of `rows` of every expert, read as `_int4_moe_wgmma._copy_w` reads them:
-    expert e * stride_we + row * stride_wn + kb * stride_wk + word, in the tensor's storage."""
-    we, wn, wk = strides[:3]
-    flat = words.reshape(-1)  # both layouts' tensors are contiguous here
-    e = torch.arange(words.shape[0]).view(-1, 1, 1)
-    at = e * we + rows.view(1, -1, 1) * wn + kb * wk + torch.arange(32).view(1, 1, -1)
-    return flat[at]
-
-
-def kernel_scales(scale: torch.Tensor, strides: tuple[int, ...], rows: torch.Tensor, kb: int) -> torch.Tensor:
-    """The 8 scales of step kb of each of `rows`, as `_copy_w` reads them (scale strides in 16-byte units)."""
-    se8, sn8, sk8 = strides[3:]
-    flat = scale.reshape(-1)
-    e = torch.arange(scale.shape[0]).view(-1, 1, 1)
-    at = e * (se8 * 8) + rows.view(1, -1, 1) * (sn8 * 8) + kb * (sk8 * 8) + torch.arange(8).view(1, 1, -1)
-    return flat[at]
+def kernel_read(t: torch.Tensor, strides: tuple[int, ...], rows: torch.Tensor, kb: int) -> torch.Tensor:
+    """Step kb of each of `rows` of every expert of t (words: 32 of them, `strides` the launcher's three in words;
+    scales: 8, the three in 16-byte units), read as `_int4_moe_wgmma._copy_w` reads them: expert e * stride_e +
+    row * stride_n + kb * stride_k + column, in the tensor's storage (both layouts' tensors are contiguous here)."""
+    width = 32 if t.dtype == torch.int32 else 8
+    unit = 1 if width == 32 else 8
+    se, sn, sk = (v * unit for v in strides)
+    e = torch.arange(t.shape[0]).view(-1, 1, 1)
+    return t.reshape(-1)[e * se + rows.view(1, -1, 1) * sn + kb * sk + torch.arange(width).view(1, 1, -1)]
 
 
 @pytest.mark.parametrize("D,inter", [(544, 96), (1056, 160)])
@@ -98,8 +90,8 @@ def test_kernel_addressing_reads_the_same_weights_in_both_layouts(D, inter):
             a, b = _layout_strides(words, scale, "wgmma"), _layout_strides(sw, ss, "wgmma_steps")
             rows = torch.arange(words.shape[1])
             for kb in range(words.shape[2] // 32):
-                assert torch.equal(kernel_words(words, a, rows, kb), kernel_words(sw, b, rows, kb)), (lo, kb)
-                assert torch.equal(kernel_scales(scale, a, rows, kb), kernel_scales(ss, b, rows, kb)), (lo, kb)
+                assert torch.equal(kernel_read(words, a[:3], rows, kb), kernel_read(sw, b[:3], rows, kb)), (lo, kb)
+                assert torch.equal(kernel_read(scale, a[3:], rows, kb), kernel_read(ss, b[3:], rows, kb)), (lo, kb)
     for words, scale, layout, row_words, row_scales in ((*steps[:2], "wgmma_steps", 32, 8),
                                                          (*wg[:2], "wgmma", wg[0].shape[2], wg[1].shape[2])):
         st = _layout_strides(words, scale, layout)

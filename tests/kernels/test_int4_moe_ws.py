@@ -16,10 +16,11 @@ import re
 import pytest
 import torch
 
-from kernels.int4_moe_wgmma import int4_moe_wgmma, repack_int4_moe_for_wgmma_steps, to_step_major
+from kernels.int4_moe_wgmma import int4_moe_wgmma, repack_int4_moe_for_wgmma_steps
 from tests.kernels.sm90_compile import run_sm90_script
 from tests.kernels.test_int4_moe import KIMI, assert_bitwise, check_layout_path, make_routing, run_poisoned
-from tests.kernels.test_int4_moe_wgmma import kimi_wgmma, sm90  # noqa: F401 - kimi_wgmma: the fixture kimi_steps asks for
+from tests.kernels.test_int4_moe_wgmma import kimi_wgmma, sm90  # noqa: F401 - kimi_wgmma: kimi_both's
+from tests.kernels.test_int4_moe_wgmma_steps import kimi_both  # noqa: F401 - a fixture
 
 _SM90_COMPILE_WS = r"""
 import json, re
@@ -113,18 +114,12 @@ def test_ws_vs_reference(D, inter, E, sched):
     check_layout_path(run_ws, repack_int4_moe_for_wgmma_steps, 1, 3, E, D, inter, **sched)
 
 
-@pytest.fixture(scope="module")
-def kimi_steps(request):
-    """All 384 Kimi K2.6 experts of one layer on the GPU, step-major (`kimi_wgmma`: skipped without sm_90)."""
-    wg = request.getfixturevalue("kimi_wgmma")[1]
-    return (*to_step_major(*wg[:2]), *to_step_major(*wg[2:]))
-
-
 @sm90
 @pytest.mark.gpu
-def test_ws_equals_the_ring_decode_bitwise(kimi_steps):
+def test_ws_equals_the_ring_decode_bitwise(request):
     """Kimi K2.6 shapes, several tokens: the warp-specialized GEMMs give the ring kernels' decode bits (auto_schedule:
     direct blocks, PDL, 4 slots), also with 2 and 3 slots and without PDL; then 20 replays of one CUDA graph."""
+    kimi_steps = request.getfixturevalue("kimi_both")[1]  # (`kimi_wgmma`: skipped without sm_90)
     ids, tw = make_routing(5, KIMI["k"], KIMI["E"], device="cuda", seed=31)
     x = torch.randn(5, KIMI["D"], device="cuda").to(torch.bfloat16)
     for t in range(5):
