@@ -148,10 +148,12 @@ GLUON_VARIANTS = {  # name -> int4_moe_gluon options (--gluon)
     **{f"wgmma_steps_{n}": dict(path="wgmma", layout="wgmma_steps", **o) for n, o in (
         ("auto", {}), ("w2c", dict(w2_combine=True)), ("fused", dict(fused=True)), ("r64", dict(rows=64)),
         ("auto_rt2", dict(row_tiles=2)), ("auto_wg2", dict(warpgroups=2)))},
-    # T = 1: the warp-specialized GEMMs (a producer warp's TMA loads; `_int4_moe_ws`), 4 / 2 / 3 ring slots
-    "wgmma_steps_ws": dict(path="wgmma", layout="wgmma_steps", ws=True),
-    "wgmma_steps_ws_s2": dict(path="wgmma", layout="wgmma_steps", ws=True, stages=2),
-    "wgmma_steps_ws_s3": dict(path="wgmma", layout="wgmma_steps", ws=True, stages=3),
+    # T = 1: the warp-specialized GEMMs (a producer warp's TMA loads; `_int4_moe_ws`) with 2 (auto_schedule's, in a
+    # graph: so wgmma_steps_auto's timed replays run them, its eager peer the ring), 3 and 4 ring slots, eagerly too;
+    # and the ring kernels alone (4 slots)
+    **{f"wgmma_steps_ws{n}": dict(path="wgmma", layout="wgmma_steps", ws=True, ws_stages=k)
+       for n, k in (("", 2), ("_s3", 3), ("_s4", 4))},
+    "wgmma_steps_ring": dict(path="wgmma", layout="wgmma_steps", ws=False),
 }
 
 

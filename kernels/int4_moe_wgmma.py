@@ -44,8 +44,9 @@ DEFAULT_SCHEDULE = {}  # read at each call: `int4_moe_wgmma` options for every l
 ROW_TILES = (1, 2, 4, 8)  # w2 row tiles (of `rows` rows) per program, one after the other through one ring
 WARPGROUPS = (1, 2)  # warpgroups per program: 1 does both weight tensors' 64 rows, 2 split them (one tensor each)
 ROWS = (128, 64)  # weight rows per program: 64 gate + 64 up rows (w13) / 128 output rows (w2), or half that
+WS = (False, True, "graphs")  # the warp-specialized one-token GEMMs: never, always, only inside a CUDA-graph capture
 PLAIN = dict(block_pairs=8, small_pairs=0, stages=2, maxnreg=None, pdl=False, direct=False, row_tiles=1,
-             warpgroups=1, fused=False, rows=128, w2_combine=False, ws=False)  # one block size
+             warpgroups=1, fused=False, rows=128, w2_combine=False, ws=False, ws_stages=2)  # one block size
 SYNC_WORDS = 256  # counters per device and use: the fused decode's ticket, exits, ready[topk], rows_done[row ranges];
 # w2_combine's row-range counts
 SMALL_LAUNCH = 128  # pairs: the largest launch of auto_schedule's middle tier
@@ -64,9 +65,11 @@ def auto_schedule(pairs: int) -> dict:
     <= 128 registers, 4 CTAs per SM. More pairs: 32-pair blocks with the same small path under MAXNREG registers,
     3 CTAs per SM (uniform routing puts 1-3 pairs on an expert, a verify step's tree tokens crowd some experts with
     dozens: an expert's weights are streamed once per block). Only speed depends on it: the bits do not (GPU
-    test)."""
+    test). One token inside a CUDA-graph capture: the warp-specialized GEMMs (`ws`, 2 slots: H100, 1-2% faster than
+    the ring at 4 slots, whose depth they need no longer; eagerly the ring, since the ws kernels' TMA descriptors
+    are encoded on the host at each launch: 30-60 us a layer, paid once in a graph)."""
     if pairs <= 8:
-        return {**PLAIN, "stages": 4, "pdl": True, "direct": True}
+        return {**PLAIN, "stages": 4, "pdl": True, "direct": True, "ws": "graphs", "ws_stages": 2}
     if pairs <= SMALL_LAUNCH:
         return {**PLAIN, "block_pairs": 16, "small_pairs": 8, "maxnreg": 128}
     return {**PLAIN, "block_pairs": 32, "small_pairs": 8, "maxnreg": MAXNREG}
@@ -86,19 +89,31 @@ def resolve_schedule(pairs: int, **given) -> dict:
         sched["maxnreg"] = None
     bp, small, stages, cap = sched["block_pairs"], sched["small_pairs"], sched["stages"], sched["maxnreg"]
     if (bp not in BLOCK_PAIRS or stages not in STAGES or (small and (small not in BLOCK_PAIRS or small >= bp))
+            or not any(sched["ws"] is m or (isinstance(m, str) and sched["ws"] == m) for m in WS)
+            or sched["ws_stages"] not in STAGES or isinstance(sched["ws_stages"], bool)
             or not (cap is None or (isinstance(cap, int) and 32 <= cap <= 255))
-            or not all(isinstance(sched[k], bool) for k in ("pdl", "direct", "fused", "w2_combine", "ws"))
+            or not all(isinstance(sched[k], bool) for k in ("pdl", "direct", "fused", "w2_combine"))
             or any(sched[k] not in allowed or isinstance(sched[k], bool)
                    for k, allowed in (("row_tiles", ROW_TILES), ("warpgroups", WARPGROUPS), ("rows", ROWS)))
             or (sched["rows"] == 64 and sched["warpgroups"] != 1)):
         raise ValueError(f"int4_moe_wgmma: block_pairs={bp} (one of {BLOCK_PAIRS}), small_pairs={small} "
                          f"(0 or a smaller one), stages={stages} (one of {STAGES}), maxnreg={cap} (None or 32-255), "
                          f"pdl={sched['pdl']!r}, direct={sched['direct']!r}, fused={sched['fused']!r}, "
-                         f"w2_combine={sched['w2_combine']!r} and ws={sched['ws']!r} (true / false), "
+                         f"w2_combine={sched['w2_combine']!r} (true / false), ws={sched['ws']!r} (one of {WS}), "
+                         f"ws_stages={sched['ws_stages']!r} (one of {STAGES}), "
                          f"row_tiles={sched['row_tiles']!r} (one of {ROW_TILES}), "
                          f"warpgroups={sched['warpgroups']!r} (one of {WARPGROUPS}), rows={sched['rows']!r} (one "
                          f"of {ROWS}; 64 with one warpgroup)")
     return sched
+
+
+def ws_runs(sched: dict, layout: str, direct: bool, capturing: bool) -> bool:
+    """Whether a launch of the resolved schedule `sched` runs the warp-specialized GEMMs: `ws` asks for them (True,
+    or "graphs" while a CUDA graph is `capturing`), and they apply: direct blocks (`direct`: one token, every expert
+    held, neither fused nor w2_combine) on "wgmma_steps" weights, one warpgroup, 128 rows, one row tile."""
+    asked = sched["ws"] is True or (sched["ws"] == "graphs" and capturing)
+    return (asked and direct and layout == "wgmma_steps" and sched["warpgroups"] == 1 and sched["rows"] == 128
+            and sched["row_tiles"] == 1)
 
 
 def check_schedule(options: dict | None = None) -> None:
@@ -198,8 +213,8 @@ def int4_moe_wgmma(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, block_pai
                    small_pairs: int | None = None, stages: int | None = None, maxnreg: int | None = None,
                    pdl: bool | None = None, direct: bool | None = None, row_tiles: int | None = None,
                    warpgroups: int | None = None, fused: bool | None = None, rows: int | None = None,
-                   w2_combine: bool | None = None, ws: bool | None = None, experts: range | None = None,
-                   reduce_pairs=None, layout: str = "wgmma"):
+                   w2_combine: bool | None = None, ws: bool | str | None = None, ws_stages: int | None = None,
+                   experts: range | None = None, reduce_pairs=None, layout: str = "wgmma"):
     """The wgmma path (sm_90, bf16, weights in `layout`: one of LAYOUTS, module doc); arguments as
     `kernels.int4_moe.int4_moe`. The schedule options, each None for DEFAULT_SCHEDULE's, `auto_schedule`'s or
     PLAIN's (`resolve_schedule`):
@@ -217,15 +232,15 @@ def int4_moe_wgmma(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, block_pai
     program, 64: one [64, N] accumulator (w13: 32 gate rows and their 32 up rows; w2: 64 output rows), half the
     registers and shared memory, twice the programs (at one token 512 w13 programs, 4 per SM); `w2_combine`, the
     combine done by w2's last program of each row range (a count per range) instead of its own launch (ignored unless
-    direct blocks run, with one warpgroup, not fused, without `reduce_pairs`); `ws` (experimental, not yet run on a
-    GPU), one token's w13 and w2 as the warp-specialized kernels of `_int4_moe_ws` (a producer warp puts each step in
-    flight by TMA; ignored unless direct blocks run on "wgmma_steps" weights with one warpgroup, 128 rows, one row
-    tile, not fused, without w2_combine). Same arithmetic, same bits for every schedule."""
+    direct blocks run, with one warpgroup, not fused, without `reduce_pairs`); `ws` (WS), one token's w13 and w2 as
+    the warp-specialized kernels of `_int4_moe_ws` (a producer warp puts each step in flight by TMA; "graphs": only
+    inside a CUDA-graph capture; `ws_runs` says where they apply) with `ws_stages` (STAGES) ring slots. Same
+    arithmetic, same bits for every schedule."""
     if not HAVE_GLUON:
         raise RuntimeError("int4_moe_wgmma needs Triton with Gluon (3.5 or newer)")
     sched = resolve_schedule(topk_ids.numel(), block_pairs=block_pairs, small_pairs=small_pairs, stages=stages,
                              maxnreg=maxnreg, pdl=pdl, direct=direct, row_tiles=row_tiles, warpgroups=warpgroups,
-                             fused=fused, rows=rows, w2_combine=w2_combine, ws=ws)
+                             fused=fused, rows=rows, w2_combine=w2_combine, ws=ws, ws_stages=ws_stages)
     block_pairs, small, stages, cap = sched["block_pairs"], sched["small_pairs"], sched["stages"], sched["maxnreg"]
     pdl = bool(sched["pdl"]) and experts is None and reduce_pairs is None
     direct = bool(sched["direct"]) and x.shape[0] == 1 and experts is None
@@ -250,9 +265,9 @@ def int4_moe_wgmma(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, block_pai
 
     fuse = sched["fused"] and x.shape[0] == 1 and experts is None and reduce_pairs is None and wg == 1
     combine = sched["w2_combine"] and direct and not fuse and reduce_pairs is None and wg == 1
-    ws_on = (sched["ws"] and direct and not fuse and not combine and layout == "wgmma_steps" and wg == 1 and R == 128
-             and sched["row_tiles"] == 1)
-    ws_const = dict(STAGES=stages, PDL=pdl, num_warps=4, maxnreg=WS_MAXNREG, **({"launch_pdl": True} if pdl else {}))
+    ws_on = ws_runs(sched, layout, direct and not fuse and not combine, torch.cuda.is_current_stream_capturing())
+    ws_const = dict(STAGES=sched["ws_stages"], PDL=pdl, num_warps=4, maxnreg=WS_MAXNREG,
+                    **({"launch_pdl": True} if pdl else {}))
     if combine:
         ranges = -(-D // (R * sched["row_tiles"]))
         if ranges > SYNC_WORDS:

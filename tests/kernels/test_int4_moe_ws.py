@@ -16,7 +16,7 @@ import re
 import pytest
 import torch
 
-from kernels.int4_moe_wgmma import int4_moe_wgmma, repack_int4_moe_for_wgmma_steps
+from kernels.int4_moe_wgmma import int4_moe_wgmma, repack_int4_moe_for_wgmma_steps, resolve_schedule, ws_runs
 from tests.kernels.sm90_compile import run_sm90_script
 from tests.kernels.test_int4_moe import KIMI, assert_bitwise, check_layout_path, make_routing, run_poisoned
 from tests.kernels.test_int4_moe_wgmma import kimi_wgmma, sm90  # noqa: F401 - kimi_wgmma: kimi_both's
@@ -101,14 +101,43 @@ def test_ws_kernels_compile_for_sm90(tmp_path):
         assert f["ld_shared_v4"] == 12, (name, f)  # a lane's words and scales of both tensors, 16 bytes each
 
 
+def test_ws_runs_where_it_applies():
+    """auto_schedule asks for the ws GEMMs at one token inside a graph capture only, with 2 slots (its ring keeps
+    4); True asks always; they run only on "wgmma_steps" weights, direct blocks, one warpgroup, 128 rows, one row
+    tile. Other values of ws / ws_stages are refused."""
+    one = resolve_schedule(1)
+    assert one["ws"] == "graphs" and one["ws_stages"] == 2 and one["stages"] == 4
+    assert not resolve_schedule(9)["ws"] and not resolve_schedule(10**4)["ws"]
+    assert ws_runs(one, "wgmma_steps", True, capturing=True)
+    assert not ws_runs(one, "wgmma_steps", True, capturing=False)
+    assert ws_runs(resolve_schedule(1, ws=True), "wgmma_steps", True, capturing=False)
+    assert not ws_runs(resolve_schedule(1, ws=False), "wgmma_steps", True, capturing=True)
+    for layout, direct, opts in (("wgmma", True, {}), ("wgmma_steps", False, {}), ("wgmma_steps", True,
+                                 dict(warpgroups=2)), ("wgmma_steps", True, dict(rows=64)),
+                                 ("wgmma_steps", True, dict(row_tiles=2))):
+        assert not ws_runs(resolve_schedule(1, ws=True, **opts), layout, direct, capturing=True), (layout, opts)
+    for bad in (dict(ws="always"), dict(ws=1), dict(ws_stages=5), dict(ws_stages=True)):
+        with pytest.raises(ValueError, match="ws=.*ws_stages="):
+            resolve_schedule(1, **bad)
+
+
 # --- GPU ----------------------------------------------------------------------------------------------------
 run_ws = functools.partial(int4_moe_wgmma, layout="wgmma_steps", ws=True)
+ring = functools.partial(int4_moe_wgmma, layout="wgmma_steps", ws=False)
+
+
+def graph_kernels(graph: torch.cuda.CUDAGraph) -> list[str]:
+    """The names of the kernels one replay of `graph` runs (the profiler's CUDA activity)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events()]
 
 
 @sm90
 @pytest.mark.gpu
 @pytest.mark.parametrize("D,inter,E", [(544, 224, 7), (256, 64, 4), (1056, 160, 9)])
-@pytest.mark.parametrize("sched", [{}, dict(stages=2), dict(stages=3, pdl=False)])
+@pytest.mark.parametrize("sched", [{}, dict(ws_stages=4), dict(ws_stages=3, pdl=False)])
 def test_ws_vs_reference(D, inter, E, sched):
     """One token, awkward shapes (K padded, the last row tiles past the projection) against the reference."""
     check_layout_path(run_ws, repack_int4_moe_for_wgmma_steps, 1, 3, E, D, inter, **sched)
@@ -117,24 +146,35 @@ def test_ws_vs_reference(D, inter, E, sched):
 @sm90
 @pytest.mark.gpu
 def test_ws_equals_the_ring_decode_bitwise(request):
-    """Kimi K2.6 shapes, several tokens: the warp-specialized GEMMs give the ring kernels' decode bits (auto_schedule:
-    direct blocks, PDL, 4 slots), also with 2 and 3 slots and without PDL; then 20 replays of one CUDA graph."""
+    """Kimi K2.6 shapes, several tokens: the warp-specialized GEMMs give the ring kernels' decode bits (direct
+    blocks, PDL, 4 slots) with 2 (auto_schedule's), 3 and 4 slots and without PDL; then 20 replays of a CUDA graph of
+    them and of one captured with auto_schedule, which runs them there (and the ring kernels eagerly)."""
     kimi_steps = request.getfixturevalue("kimi_both")[1]  # (`kimi_wgmma`: skipped without sm_90)
     ids, tw = make_routing(5, KIMI["k"], KIMI["E"], device="cuda", seed=31)
     x = torch.randn(5, KIMI["D"], device="cuda").to(torch.bfloat16)
     for t in range(5):
         one = (x[t:t + 1], ids[t:t + 1], tw[t:t + 1])
-        ref = run_poisoned(functools.partial(int4_moe_wgmma, layout="wgmma_steps"), *one, kimi_steps)
-        for sched in ({}, dict(stages=2), dict(stages=3), dict(pdl=False)):
+        ref = run_poisoned(ring, *one, kimi_steps)
+        for sched in ({}, dict(ws_stages=3), dict(ws_stages=4), dict(pdl=False)):
             assert_bitwise(run_poisoned(run_ws, *one, kimi_steps, **sched), ref, f"token {t}, {sched}")
     one = (x[:1], ids[:1], tw[:1])
-    ref = run_poisoned(functools.partial(int4_moe_wgmma, layout="wgmma_steps"), *one, kimi_steps)
-    out = torch.full_like(one[0], float("nan"))
-    run_ws(*one, *kimi_steps, out=out)  # compiled outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run_ws(*one, *kimi_steps, out=out)
-    for i in range(20):
-        out.fill_(float("nan"))
-        graph.replay()
-        assert_bitwise(out, ref, f"replay {i}")
+    ref = run_poisoned(ring, *one, kimi_steps)
+    auto = functools.partial(int4_moe_wgmma, layout="wgmma_steps")
+    for name, run in (("ws", run_ws), ("auto", auto)):
+        out = torch.full_like(one[0], float("nan"))
+        run(*one, *kimi_steps, out=out)  # compiled outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run(*one, *kimi_steps, out=out)
+        for i in range(20):
+            out.fill_(float("nan"))
+            graph.replay()
+            assert_bitwise(out, ref, f"{name}, replay {i}")
+        names = graph_kernels(graph)
+        assert sum("_moe_ws_kernel" in n for n in names) == 2, (name, names)  # w13 and w2
+        assert not any("wgmma_kernel" in n for n in names), (name, names)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        auto(*one, *kimi_steps)
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events()]
+    assert any("_moe_w13_wgmma_kernel" in n for n in names) and not any("_moe_ws_kernel" in n for n in names), names
