@@ -510,7 +510,8 @@ def parse_args(argv=None):
                          "SEESAW_PERSISTENT; same bits either way); several: each case with each, in this order")
     ap.add_argument("--pdl", choices=("on", "off"), nargs="+", default=None,
                     help="programmatic dependent launch of the decode-sized GEMMs and the norms before them "
-                         "(kernels.pdl.ENABLED, default off; same bits); several: each case with each, in this order")
+                         "(kernels.pdl.ENABLED, default on: DDTREE_PDL; same bits); several: each case with each, in "
+                         "this order")
     ap.add_argument("--mla-partials", choices=mla_attention.PARTIALS, default=None,
                     help="dtype of a multi-chunk row's partial O (default: mla_attention.DEFAULT_PARTIALS; 'out' "
                          "halves the partial traffic and changes the bits of rows with several KV chunks)")

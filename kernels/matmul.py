@@ -72,7 +72,7 @@ TILES_BY_M = (
 )
 PIPELINED_GRID = 2
 
-# Programmatic dependent launch (`kernels.pdl.ENABLED`, opt-in): a launch whose programs all fit on the GPU at once
+# Programmatic dependent launch (`kernels.pdl.ENABLED`, default on): a launch whose programs all fit on the GPU at once
 # (<= PIPELINED_GRID per SM: the decode-sized GEMMs) goes out with the launch_pdl attribute. Each program first
 # prefetches its first PDL_PREFETCH K tiles of weights into L2 (the weights are not written by the kernels before it),
 # then waits for the previous grid (`gdc_wait`: its writes, e.g. x, are visible after it) and lets the next grid

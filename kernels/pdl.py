@@ -1,9 +1,11 @@
-"""Programmatic dependent launch (PDL) for the one-token layer's chain of small kernels (opt-in).
+"""Programmatic dependent launch (PDL) for the one-token layer's chain of small kernels (on by default on sm_90).
 
 A decode-sized GEMM streams 7-28 us of weights after a few microseconds of launch and first DRAM reads, and nothing
 overlaps that start with the end of the kernel before it. With `ENABLED` (read at each launch; written without a GPU
 in the thirty-second session; on an H100 in the thirty-third its GPU tests passed, bitwise, and a verify step was
-0.2-1.6% faster with it, less than expected, so it stays off by default):
+0.2-1.6% faster with it, less than expected; the whole GPU suite passed with it in the thirty-fourth and
+thirty-sixth sessions, and batch-1 verify steps were 0.3-0.8% faster in both orders there, so it is the default
+since then):
   - `kernels.matmul` launches whose programs all fit at once go out with the `launch_pdl` attribute; each program
     prefetches its first weight tiles into L2, then waits for the previous grid (`griddepcontrol.wait`: its writes
     are visible after it), then lets the next grid launch (`griddepcontrol.launch_dependents`);
@@ -15,7 +17,7 @@ in the thirty-second session; on an H100 in the thirty-third its GPU tests passe
 `bench/bench_verify_step.py --pdl off on` times a verify step both ways; docs/performance.md ("Thirty-second session:
 programmatic dependent launch", and the thirty-third's first GPU run) says what was checked and what was measured.
 A kernel launched with PDL reads nothing another kernel writes before its wait, so the bits are the plain launches'.
-The environment variable DDTREE_PDL (0 or 1, default 0) sets `ENABLED` for a process, read at import. Only sm_90
+The environment variable DDTREE_PDL (0 or 1, default 1) sets `ENABLED` for a process, read at import. Only sm_90
 and newer GPUs have griddepcontrol; elsewhere every launch stays plain whatever `ENABLED` says.
 """
 
@@ -28,13 +30,13 @@ import torch
 
 
 def _from_env(raw: str | None) -> bool:
-    """DDTREE_PDL -> ENABLED: unset, "0" or "1"."""
-    if raw in (None, "", "0"):
-        return False
-    if raw == "1":
+    """DDTREE_PDL -> ENABLED: unset (on), "0" or "1"."""
+    if raw in (None, "", "1"):
         return True
-    raise ValueError(f"DDTREE_PDL={raw!r}: 0 (plain launches, the default) or 1 (programmatic dependent launch for "
-                     "the decode-sized GEMMs)")
+    if raw == "0":
+        return False
+    raise ValueError(f"DDTREE_PDL={raw!r}: 1 (programmatic dependent launch for the decode-sized GEMMs, the default) "
+                     "or 0 (plain launches)")
 
 
 ENABLED = _from_env(os.environ.get("DDTREE_PDL"))

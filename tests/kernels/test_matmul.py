@@ -341,10 +341,11 @@ def test_pdl_stays_off_the_cpu_path_and_wide_grids(monkeypatch):
 
 
 def test_pdl_switch_from_the_environment():
-    """DDTREE_PDL: unset / empty / 0 off, 1 on, anything else refused with a message naming the variable."""
+    """DDTREE_PDL: unset / empty / 1 on (the default), 0 off, anything else refused with a message naming the
+    variable."""
     from kernels import pdl
 
-    assert [pdl._from_env(v) for v in (None, "", "0", "1")] == [False, False, False, True]
+    assert [pdl._from_env(v) for v in (None, "", "1", "0")] == [True, True, True, False]
     for bad in ("true", "2", "on"):
         with pytest.raises(ValueError, match="DDTREE_PDL"):
             pdl._from_env(bad)
