@@ -29,6 +29,9 @@ bf16 matmul rate), both ceilings measured in this run (`bench._common.measure_ce
            MLA attention, 2 x heads x (576 + 512) per (query row, visible key row),
 averaged over the N layers. Both terms are in the record (`bytes_floor_ms`, `flops_floor_ms`).
 
+The target and the step's inputs are built by `bench/verify_step_target.py`, the floor counted by
+`bench/verify_step_floor.py`; this file times the cases and writes the records.
+
 Run from the repo root (one H200, ~2.5 min with the defaults; `--quick` ~1.5 min):
   PYTHONPATH=. python bench/bench_verify_step.py [--layers 8] [--prefix 4096] [--batch 1 16]
       [--trees 1 9 17 33] [--invariant both|on|off] [--gemm now before] [--quick] [--out FILE]
@@ -42,7 +45,6 @@ import argparse
 import functools
 import itertools
 import json
-import math
 import platform
 import statistics
 import sys
@@ -54,6 +56,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable without PYTHONPATH too
 
 from bench._common import bench_ms, commit, env_info, measure_ceilings, write_jsonl  # noqa: E402
+from bench.verify_step_floor import lm_head_floor, step_floor, touched_experts  # noqa: E402
+from bench.verify_step_target import build_target, make_batch, make_pool  # noqa: E402
 from kernels import (  # noqa: E402
     _mla_gluon,
     _mla_gluon_persistent,
@@ -65,189 +69,16 @@ from kernels import (  # noqa: E402
 )
 from kernels import matmul as matmul_mod  # noqa: E402
 from kernels import pdl as pdl_mod  # noqa: E402
-from kernels.tree_mask import ancestor_mask, pack_mask_bits  # noqa: E402
 from verifier_service import moe as moe_mod  # noqa: E402
 from verifier_service import presets  # noqa: E402
 from verifier_service.batch_invariant import make_batch_invariant, remove_batch_invariance  # noqa: E402
-from verifier_service.checkpoint import build_empty_target  # noqa: E402
 from verifier_service.config import KimiConfig  # noqa: E402
-from verifier_service.forward_batch import ForwardBatch  # noqa: E402
-from verifier_service.kv_cache import KVPool  # noqa: E402
-from verifier_service.model import KimiForCausalLM  # noqa: E402
 from verifier_service.model_size import size_report  # noqa: E402
-from verifier_service.moe import MoE, Router  # noqa: E402
 
 NAME = "verify_step"
-MAX_DEPTH = 7  # DFlash block size 8: at most 7 draft positions below the root
 DEFAULTS = dict(prefix=[4096], batch=[1, 16], trees=[1, 9, 17, 33])
 QUICK = dict(prefix=[4096], batch=[1, 16], trees=[1, 33])
 SMOKE = dict(prefix=[40], batch=[1, 2], trees=[1, 5, 9], layers=3, page_size=8, max_session_len=64)
-ROUTED = ("w13_packed", "w13_scale", "w2_packed", "w2_scale", "w13", "w2")  # stacked [E, ...] expert tensors
-
-
-# --- the target, random weights made on the device ----------------------------------------------------------
-def _fill_(name: str, t: torch.Tensor, cfg: KimiConfig, gen: torch.Generator) -> None:
-    """Random values in place, at the scales of random_checkpoint's fast mode (rows of W ~ 1/sqrt(in))."""
-    leaf = name.rsplit(".", 1)[-1]
-    if t.dtype == torch.int32:  # packed INT4 words: any bit pattern is a valid packing of 8 nibbles
-        t.random_(-(2**31), 2**31, generator=gen)
-    elif leaf in ("w13_scale", "w2_scale"):
-        fan_in = cfg.hidden_size if leaf == "w13_scale" else cfg.moe_intermediate_size
-        s0 = 1.0 / (4.6 * math.sqrt(fan_in))  # uniform nibbles have std ~4.6
-        t.uniform_(0.75 * s0, 1.25 * s0, generator=gen)
-    elif leaf == "e_score_correction_bias":
-        t.normal_(0.0, 0.01, generator=gen)
-    elif t.dim() == 1:  # norm weights
-        t.normal_(1.0, 0.05, generator=gen)
-    elif "embed_tokens" in name:
-        t.normal_(0.0, 1.0, generator=gen)
-    else:
-        t.normal_(0.0, t.shape[-1] ** -0.5, generator=gen)
-
-
-@torch.no_grad()
-def build_target(cfg: KimiConfig, dtype: torch.dtype, device: str, seed: int = 0, log=print) -> KimiForCausalLM:
-    """The loader's `build_empty_target`, every tensor filled with random values on `device`, then (on any
-    device) each MoE repacked into the INT4 kernel's "gpu" layout by `MoE.repack_for_gpu`, as `load_target`
-    does on CUDA. Peak memory: all layers in the checkpoint layout + one layer's repack."""
-    model = build_empty_target(cfg, dtype, device)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    for name, t in [*model.named_parameters(), *model.named_buffers()]:
-        _fill_(name, t.data, cfg, gen)
-    del t  # hold no checkpoint-layout tensor past its repack
-    model.build_rope()  # rope tables were created on the meta device
-    for i, layer in enumerate(model.model.layers):
-        if isinstance(layer.mlp, MoE):
-            layer.mlp.repack_for_gpu()
-            if str(device).startswith("cuda"):
-                torch.cuda.synchronize()
-                log(f"  layer {i}: repacked, {torch.cuda.memory_allocated() / 1e9:.1f} GB allocated")
-    return model.eval()
-
-
-# --- the step's inputs ----------------------------------------------------------------------------------------
-def random_parents(n: int, max_depth: int, gen: torch.Generator) -> list[int]:
-    """A tree of n nodes, parents before children: a chain root..depth min(n-1, max_depth) (the draft's main
-    path), the other nodes hung below uniformly chosen nodes of depth < max_depth."""
-    chain = min(n, max_depth + 1)
-    parent = [-1, *range(chain - 1)]
-    depth = list(range(chain))
-    for _ in range(chain, n):
-        cand = [j for j, d in enumerate(depth) if d < max_depth]
-        p = cand[int(torch.randint(len(cand), (1,), generator=gen))]
-        parent.append(p)
-        depth.append(depth[p] + 1)
-    return parent
-
-
-def make_pool(cfg: KimiConfig, layers: int, sessions: int, rows_per_session: int, page_size: int,
-              max_session_len: int, dtype: torch.dtype, device: str, seed: int = 0) -> KVPool:
-    """The serving KV pool with `sessions` sessions of `rows_per_session` rows, their pages interleaved
-    page by page (as in a pool where sessions grew together), filled with random rows."""
-    pages_per = -(-rows_per_session // page_size)
-    pool = KVPool(layers, cfg.kv_row_dim, sessions * pages_per, page_size, sessions,
-                  max(max_session_len, rows_per_session), dtype, device)
-    rows = [pool.open() for _ in range(sessions)]
-    for k in range(1, pages_per + 1):
-        for r in rows:
-            pool.ensure(r, k * page_size)
-    pool.kv.normal_(generator=torch.Generator(device=device).manual_seed(seed + 1))
-    return pool
-
-
-def make_batch(pool: KVPool, cfg: KimiConfig, batch: int, prefix: int, n: int, gen: torch.Generator,
-               max_depth: int = MAX_DEPTH) -> tuple[ForwardBatch, dict]:
-    """The flat verify batch of `batch` sessions (pool rows 0..batch-1) with `prefix` committed rows and an
-    n-node tree each (n = 1: the AR step, a 1-node tree as the engine runs it); plus its shape stats."""
-    dev = pool.kv.device
-    parent = torch.tensor([random_parents(n, max_depth, gen) for _ in range(batch)])  # [B, n]
-    anc = ancestor_mask(parent)  # [B, n, n]
-    depth = anc.sum(-1) - 1
-    rows = torch.arange(batch, device=dev)
-    local = torch.arange(n, device=dev)[None, :].expand(batch, n)
-    fb = ForwardBatch(
-        tokens=torch.randint(0, cfg.vocab_size, (batch * n,), generator=gen).to(dev),
-        positions=(prefix + depth).view(-1).to(dev),
-        write_slots=pool.slots(rows, prefix + local).view(-1),
-        cu_q=torch.arange(0, batch * n + 1, n, dtype=torch.int32, device=dev),
-        prefix_lens=torch.full((batch,), prefix, dtype=torch.int32, device=dev),
-        block_table=pool.block_table[:batch], page_size=pool.page_size,
-        tree_bits=pack_mask_bits(anc).view(batch * n, -1).contiguous().to(dev))
-    shape = dict(tokens=batch * n, kv_rows_read=batch * (prefix + n),
-                 visible_rows=batch * n * prefix + int((depth + 1).sum()), max_depth=int(depth.max()))
-    return fb, shape
-
-
-# --- bytes and flops ----------------------------------------------------------------------------------------
-def _nbytes(ts) -> int:
-    return sum(t.numel() * t.element_size() for t in ts)
-
-
-def _routed(mlp) -> list[torch.Tensor]:
-    return [getattr(mlp, n) for n in ROUTED if isinstance(getattr(mlp, n, None), torch.Tensor)]
-
-
-def layer_bytes(layer, *, experts_touched: int, tokens: int, kv_rows_read: int, elt: int) -> dict:
-    """HBM bytes one decoder layer must move in the step: weights (all but the routed experts, plus the
-    touched experts' stored tensors: packed words + scales, as laid out), the latent KV rows read
-    (prefix + tree rows of every session) and written (the tree rows), activations (4 x tokens x hidden:
-    the residual read and written around attention and around the MLP). elt: activation/KV dtype bytes."""
-    attn = layer.self_attn
-    weights = _nbytes([*layer.parameters(), *layer.buffers()])
-    if isinstance(layer.mlp, MoE):
-        routed = _routed(layer.mlp)
-        weights += experts_touched * _nbytes(t[0] for t in routed) - _nbytes(routed)
-    kv = (kv_rows_read + tokens) * attn.cfg.kv_row_dim * elt
-    act = 4 * tokens * attn.cfg.hidden_size * elt
-    return dict(weights=weights, kv=kv, act=act, total=weights + kv + act)
-
-
-def layer_flops(layer, *, tokens: int, visible_rows: int) -> dict:
-    """2 x tokens x every matrix parameter used per token (routed experts: top-k of them, logical sizes) plus
-    the absorbed MLA attention: per (query row, visible key row) 2 x heads x (Dl + Dr) for the scores and
-    2 x heads x Dl for p . c_kv."""
-    c = layer.self_attn.cfg
-    mats = sum(p.numel() for p in layer.parameters() if p.dim() == 2)  # attention, dense/shared MLP, router
-    linear = 2 * tokens * mats
-    if isinstance(layer.mlp, MoE):
-        linear += 2 * tokens * c.num_experts_per_tok * 3 * c.hidden_size * c.moe_intermediate_size
-    attention = 2 * c.num_attention_heads * (2 * c.kv_lora_rank + c.qk_rope_head_dim) * visible_rows
-    return dict(linear=linear, attention=attention, total=linear + attention)
-
-
-def step_floor(model: KimiForCausalLM, shape: dict, touched: list[int], elt: int, ceil: dict) -> dict:
-    """Per-layer floor terms averaged over the model's decoder layers; touched = distinct experts per MoE
-    layer, in layer order."""
-    layers = list(model.model.layers)
-    it = iter(touched)
-    nb = nf = 0
-    for layer in layers:
-        k = next(it) if isinstance(layer.mlp, MoE) else 0
-        nb += layer_bytes(layer, experts_touched=k, tokens=shape["tokens"], kv_rows_read=shape["kv_rows_read"],
-                          elt=elt)["total"]
-        nf += layer_flops(layer, tokens=shape["tokens"], visible_rows=shape["visible_rows"])["total"]
-    nb, nf = nb / len(layers), nf / len(layers)
-    bytes_ms = nb / (ceil["copy_bw_GBps"] * 1e9) * 1e3
-    flops_ms = nf / (ceil["mm_tflops"] * 1e12) * 1e3
-    return dict(bytes_per_layer=nb, flops_per_layer=nf, bytes_floor_ms=bytes_ms, flops_floor_ms=flops_ms,
-                floor_ms=max(bytes_ms, flops_ms))
-
-
-def touched_experts(model: KimiForCausalLM, fb: ForwardBatch, kv: torch.Tensor) -> tuple[list[int], tuple]:
-    """One eager forward with hooks on the routers: distinct routed experts per MoE layer (host syncs; not
-    timed), and the forward's output."""
-    counts: list[int] = []
-
-    def hook(mod, inp, out):
-        counts.append(int(out[0].unique().numel()))
-
-    hooks = [m.register_forward_hook(hook) for m in model.modules() if isinstance(m, Router)]
-    try:
-        out = model(fb, kv)
-    finally:
-        for h in hooks:
-            h.remove()
-    return counts, out
 
 
 # --- timing ------------------------------------------------------------------------------------------------
@@ -401,11 +232,7 @@ def run_case(model, pool, cfg, case: dict, invariant: bool, ceil: dict, info: di
     if not args.no_lm_head:
         lm_fn = functools.partial(model.logits, hidden_ref)
         lm_ms = median_ms(lm_fn, dev, once_ms(lm_fn, dev), args.reps)
-        w = model.lm_head.weight
-        lm_bytes = _nbytes([w]) + shape["tokens"] * (w.shape[1] * w.element_size() + w.shape[0] * 4)
-        lm_floor = max(lm_bytes / (ceil["copy_bw_GBps"] * 1e9), 2 * shape["tokens"] * w.numel()
-                       / (ceil["mm_tflops"] * 1e12)) * 1e3
-        lm = dict(lm_head_ms=lm_ms, lm_head_floor_ms=lm_floor)
+        lm = dict(lm_head_ms=lm_ms, lm_head_floor_ms=lm_head_floor(model.lm_head.weight, shape["tokens"], ceil))
     N = len(model.model.layers)
     elt = pool.kv.element_size()
     fl = step_floor(model, shape, touched, elt, ceil)

@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from bench import bench_verify_step as bvs
+from bench import verify_step_floor as vsf
+from bench import verify_step_target as vst
 from kernels.tree_mask import unpack_mask_bits
 from verifier_service.forward_batch import ForwardBatch
 from verifier_service.moe import MoE
@@ -17,7 +19,7 @@ from verifier_service.moe import MoE
 @pytest.fixture(scope="module")
 def tiny():
     cfg = bvs.presets_cfg("tiny", 3)
-    model = bvs.build_target(cfg, torch.float32, "cpu", seed=3, log=lambda *a: None)
+    model = vst.build_target(cfg, torch.float32, "cpu", seed=3, log=lambda *a: None)
     return cfg, model
 
 
@@ -44,7 +46,7 @@ def test_smoke_run_writes_records(tmp_path):
         assert len(p["experts_touched"]) == 2  # layer 0 dense, 1-2 MoE
         assert all(1 <= e <= min(8, 2 * p["tokens"]) for e in p["experts_touched"])
         assert p["experts_uniform"] == round(8 * (1 - (1 - 2 / 8) ** p["tokens"]), 1)  # 8 experts, top-2
-        assert p["max_depth"] == min(p["tree"] - 1, bvs.MAX_DEPTH)
+        assert p["max_depth"] == min(p["tree"] - 1, vst.MAX_DEPTH)
         assert r["ms"] > 0 and r["ms"] == pytest.approx(p["forward_ms"] / 3)
         assert r["ratio"] == pytest.approx(r["floor_ms"] / r["ms"])
         assert r["floor_ms"] == pytest.approx(max(p["bytes_floor_ms"], p["flops_floor_ms"]))
@@ -66,7 +68,7 @@ def test_layer_bytes_and_flops_hand_count(tiny):
     kv = (kv_rows + tokens) * 40 * f32
     act = 4 * tokens * 64 * f32
 
-    dense = bvs.layer_bytes(model.model.layers[0], experts_touched=0, tokens=tokens, kv_rows_read=kv_rows, elt=4)
+    dense = vsf.layer_bytes(model.model.layers[0], experts_touched=0, tokens=tokens, kv_rows_read=kv_rows, elt=4)
     assert dense == dict(weights=(attn + norms + 3 * 64 * 128) * f32, kv=kv, act=act,
                          total=(attn + norms + 3 * 64 * 128) * f32 + kv + act)
 
@@ -76,14 +78,14 @@ def test_layer_bytes_and_flops_hand_count(tiny):
     per_expert = 2 * (64 * 32 * 4 + 8 * 64 * 2)
     assert per_expert == 18432
     rest = (attn + norms + 3 * 64 * 32 + 8 * 64) * f32 + 8 * 4  # + shared expert, router weight, fp32 bias
-    got = bvs.layer_bytes(moe, experts_touched=3, tokens=tokens, kv_rows_read=kv_rows, elt=4)
+    got = vsf.layer_bytes(moe, experts_touched=3, tokens=tokens, kv_rows_read=kv_rows, elt=4)
     assert got == dict(weights=rest + 3 * per_expert, kv=kv, act=act, total=rest + 3 * per_expert + kv + act)
 
     visible = 77
-    fl = bvs.layer_flops(moe, tokens=tokens, visible_rows=visible)
+    fl = vsf.layer_flops(moe, tokens=tokens, visible_rows=visible)
     assert fl["linear"] == 2 * tokens * (attn + 3 * 64 * 32 + 8 * 64) + 2 * tokens * 2 * 3 * 64 * 32
     assert fl["attention"] == 2 * 4 * (32 + 40) * visible
-    fl0 = bvs.layer_flops(model.model.layers[0], tokens=tokens, visible_rows=visible)
+    fl0 = vsf.layer_flops(model.model.layers[0], tokens=tokens, visible_rows=visible)
     assert fl0["total"] == 2 * tokens * (attn + 3 * 64 * 128) + 2 * 4 * 72 * visible
 
 
@@ -91,9 +93,9 @@ def test_step_floor_averages_layers(tiny):
     cfg, model = tiny
     shape = dict(tokens=4, kv_rows_read=50, visible_rows=60)
     ceil = dict(copy_bw_GBps=1.0, mm_tflops=1e-3)
-    fl = bvs.step_floor(model, shape, [2, 5], 4, ceil)
+    fl = vsf.step_floor(model, shape, [2, 5], 4, ceil)
     layers = model.model.layers
-    nb = sum(bvs.layer_bytes(layer, experts_touched=k, tokens=4, kv_rows_read=50, elt=4)["total"]
+    nb = sum(vsf.layer_bytes(layer, experts_touched=k, tokens=4, kv_rows_read=50, elt=4)["total"]
              for layer, k in zip(layers, [0, 2, 5]))
     assert fl["bytes_per_layer"] == pytest.approx(nb / 3)
     assert fl["bytes_floor_ms"] == pytest.approx(nb / 3 / 1e9 * 1e3)
@@ -103,13 +105,13 @@ def test_step_floor_averages_layers(tiny):
 def test_random_parents_shape():
     g = torch.Generator().manual_seed(0)
     for n in (1, 2, 9, 17, 33, 65):
-        parent = bvs.random_parents(n, bvs.MAX_DEPTH, g)
+        parent = vst.random_parents(n, vst.MAX_DEPTH, g)
         assert len(parent) == n and parent[0] == -1
         assert all(0 <= p < i for i, p in enumerate(parent) if i)
         depth = [0] * n
         for i in range(1, n):
             depth[i] = depth[parent[i]] + 1
-        assert max(depth) == min(n - 1, bvs.MAX_DEPTH)
+        assert max(depth) == min(n - 1, vst.MAX_DEPTH)
 
 
 def test_tree_batch_matches_chains(tiny):
@@ -117,8 +119,8 @@ def test_tree_batch_matches_chains(tiny):
     (fp32, CPU): positions, ancestor bits, write slots and block tables are consistent."""
     cfg, model = tiny
     L, n, B = 21, 9, 2
-    pool = bvs.make_pool(cfg, 3, B, L + n, 8, 64, torch.float32, "cpu", seed=5)
-    fb, shape = bvs.make_batch(pool, cfg, B, L, n, torch.Generator().manual_seed(1))
+    pool = vst.make_pool(cfg, 3, B, L + n, 8, 64, torch.float32, "cpu", seed=5)
+    fb, shape = vst.make_batch(pool, cfg, B, L, n, torch.Generator().manual_seed(1))
     assert shape["tokens"] == B * n and fb.tree_bits.shape == (B * n, 1)
     assert not torch.equal(pool.block_table[0, :4], torch.arange(4, dtype=torch.int32))  # interleaved pages
     with torch.no_grad():
