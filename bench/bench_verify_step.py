@@ -256,7 +256,7 @@ def run_case(model, pool, cfg, case: dict, invariant: bool, ceil: dict, info: di
         mla_tma=_mla_gluon.GLUON_TMA,
         mla_persistent=_mla_gluon_persistent.GLUON_PERSISTENT,
         mla_seesaw_persistent=_mla_gluon_seesaw_persistent.SEESAW_PERSISTENT,
-        mla_partials=mla_attention.DEFAULT_PARTIALS, mla_fold=mla_attention.DEFAULT_FOLD, pdl=pdl_mod.ENABLED,
+        mla_partials=mla_attention.DEFAULT_PARTIALS, mla_fold=mla_attention.DEFAULT_FOLD, pdl=pdl_mod.active(pool.kv),
         moe_block_m=int4_moe.DEFAULT_BLOCK_M,
         moe_zp_mma=int4_moe.DEFAULT_ZP_MMA, moe_layout=layout,
         **({"moe_block_pairs": int4_moe_gluon.DEFAULT_BLOCK_PAIRS} if layout == "gluon" else {}),

@@ -43,6 +43,7 @@ def test_smoke_run_writes_records(tmp_path):
         assert p["kv_rows_read"] == p["batch"] * (p["prefix"] + p["tree"])
         assert p["finite"] is True
         assert p["graph"] is False and p["timing"] == "eager" and p["graph_error"]
+        assert p["pdl"] is False  # what the launches used: no griddepcontrol off sm_90, whatever kernels.pdl says
         assert len(p["experts_touched"]) == 2  # layer 0 dense, 1-2 MoE
         assert all(1 <= e <= min(8, 2 * p["tokens"]) for e in p["experts_touched"])
         assert p["experts_uniform"] == round(8 * (1 - (1 - 2 / 8) ** p["tokens"]), 1)  # 8 experts, top-2
