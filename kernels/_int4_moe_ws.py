@@ -1,5 +1,5 @@
-"""Warp-specialized Gluon (sm_90) GEMMs of `kernels.int4_moe_wgmma`'s one-token decode (experimental, opt-in:
-schedule option `ws`; step-major weights, "wgmma_steps", only).
+"""Warp-specialized Gluon (sm_90) GEMMs of `kernels.int4_moe_wgmma`'s one-token decode (schedule option `ws`,
+auto_schedule's choice inside a CUDA-graph capture; step-major weights, "wgmma_steps", only).
 
 The ring kernels (`_int4_moe_wgmma._ring_gemm`) make every warp issue its share of a step's copies, wait for its own
 cp.async groups and meet the others at two CTA barriers a step. The thirty-fourth session's stall samples put 26-29%
@@ -23,8 +23,9 @@ the same bits (GPU test). A TMA load issued from a kernel that is not warp-speci
 from the compiler (docs/performance.md, thirty-fifth session); in the producer's one-warp partition it does not
 stall the consumers.
 
-Programs: w13 (GATED): 64 gate rows and their 64 up rows of one pair's expert; w2: 128 output rows. Grid (row
-tiles, pairs), one pair per program (direct blocks: `bexp` holds the pairs' expert ids).
+Programs: w13 (GATED): 64 gate rows and their 64 up rows of one pair's expert; w2: ROW_TILES tiles of 128 output
+rows, one after the other through the ring (the producer runs on into the next tile's steps while the consumers
+finish one). Grid (row tiles, pairs), one pair per program (direct blocks: `bexp` holds the pairs' expert ids).
 """
 
 from __future__ import annotations
@@ -95,65 +96,86 @@ if HAVE_GLUON:
             tma_load(xdesc, [x_row, f * 256 + c * 64], bar, x_dst.slice(8 * c, 8), pred=live)
 
     @gluon.jit
-    def _ws_producer(wdesc, sdesc, xdesc, xring, wring, sring, full, empty, row_a, row_b, x_row, num_kb, rows_step,
-                     STAGES: gl.constexpr, WPRE: gl.constexpr):
-        """WPRE (w2 under PDL): the first STAGES steps' weights go in flight before the wait for the previous grid
-        (w13, whose `a` the activations are), then their activations."""
+    def _step_row(row, f, num_kb, rows_step, ROW_TILES: gl.constexpr):
+        """The view row of ring step f's box at `row` (tile 0, step 0): row tile f // num_kb (128 rows on), its K
+        step f % num_kb (rows_step rows on); one row tile: step f."""
+        if ROW_TILES == 1:
+            return row + f * rows_step
+        else:
+            return row + (f // num_kb) * 128 + (f % num_kb) * rows_step
+
+    @gluon.jit
+    def _ws_producer(wdesc, sdesc, xdesc, xring, wring, sring, full, empty, row_a, row_b, x_row, num_kb, n_tiles,
+                     rows_step, STAGES: gl.constexpr, WPRE: gl.constexpr, ROW_TILES: gl.constexpr):
+        """Ring step f is row tile f // num_kb's K step f % num_kb (n_tiles row tiles, one after the other through
+        the ring). WPRE (w2 under PDL): the first STAGES steps' weights go in flight before the wait for the previous
+        grid (w13, whose `a` the activations are), then their activations."""
         nbytes: gl.constexpr = 2 * (wdesc.block_type.nbytes + sdesc.block_type.nbytes) + 4 * xdesc.block_type.nbytes
+        total = n_tiles * num_kb
         first = 0
         if WPRE:
             for p in gl.static_range(STAGES):
-                mbarrier.expect(full.index(p), nbytes, pred=p < num_kb)
-                _load_w(wdesc, sdesc, full.index(p), wring.index(p), sring.index(p), row_a + p * rows_step,
-                        row_b + p * rows_step, p < num_kb)
+                mbarrier.expect(full.index(p), nbytes, pred=p < total)
+                _load_w(wdesc, sdesc, full.index(p), wring.index(p), sring.index(p),
+                        _step_row(row_a, p, num_kb, rows_step, ROW_TILES),
+                        _step_row(row_b, p, num_kb, rows_step, ROW_TILES), p < total)
             _gdc_launch_dependents()  # the combine may be scheduled; it waits for this grid's end
             _gdc_wait()
             for p in gl.static_range(STAGES):
-                _load_x(xdesc, full.index(p), xring.index(p), x_row, p, p < num_kb)
+                _load_x(xdesc, full.index(p), xring.index(p), x_row, p if ROW_TILES == 1 else p % num_kb, p < total)
             first = STAGES
-        for f in range(first, num_kb):
+        for f in range(first, total):
             st = f % STAGES
             # slot st is free once the consumers released step f - STAGES (phase f // STAGES - 1 of `empty`)
             mbarrier.wait(empty.index(st), (f // STAGES + 1) & 1, pred=f >= STAGES)
             bar = full.index(st)
             mbarrier.expect(bar, nbytes)
-            _load_w(wdesc, sdesc, bar, wring.index(st), sring.index(st), row_a + f * rows_step, row_b + f * rows_step,
-                    True)
-            _load_x(xdesc, bar, xring.index(st), x_row, f, True)
+            ra = _step_row(row_a, f, num_kb, rows_step, ROW_TILES)
+            rb = _step_row(row_b, f, num_kb, rows_step, ROW_TILES)
+            _load_w(wdesc, sdesc, bar, wring.index(st), sring.index(st), ra, rb, True)
+            _load_x(xdesc, bar, xring.index(st), x_row, f if ROW_TILES == 1 else f % num_kb, True)
 
     @gluon.jit
-    def _ws_consumer(xring, wring, sring, full, empty, out_ptr, blk, row0, P, N_OUT, num_kb, stride_o,
+    def _ws_consumer(xring, wring, sring, full, empty, out_ptr, blk, row0, P, N_OUT, num_kb, n_tiles, stride_o,
                      GATED: gl.constexpr, STAGES: gl.constexpr, WPRE: gl.constexpr):
-        """WPRE: waits for the previous grid before anything else (its stores come after that grid's end)."""
+        """Row tile t's rows from row0 + 128 t, stored after its last K step. WPRE: waits for the previous grid
+        before anything else (its stores come after that grid's end)."""
         if WPRE:
             _gdc_wait()
         ACC_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 16])
         A_L: gl.constexpr = gl.DotOperandLayout(0, ACC_L, 2)
-        acc_a = gl.zeros([64, 8], gl.float32, ACC_L)
-        acc_b = gl.zeros([64, 8], gl.float32, ACC_L)
-        for f in range(num_kb):
-            st = f % STAGES
-            mbarrier.wait(full.index(st), (f // STAGES) & 1)  # TMA wrote it (async proxy): no fence for wgmma
-            ws = wring.index(st)
-            ss = sring.index(st)
-            qa = _words_from(ws.slice(0, 64), _W_L1)
-            qb = _words_from(ws.slice(64, 64), _W_L1)
-            sca = _scales_from(ss.slice(0, 64), _W_L1)
-            scb = _scales_from(ss.slice(64, 64), _W_L1)
-            acc_a, acc_b = _step_mmas(qa, sca, qb, scb, xring.index(st), acc_a, acc_b, 8, A_L)  # waits its MMAs
-            mbarrier.arrive(empty.index(st), count=1)  # lowered as: warpgroup barrier, then one lane arrives
-        _store_rows(acc_a, acc_b, out_ptr, out_ptr, blk, row0, P, N_OUT, stride_o, GATED, 8, 8, True, ACC_L, 1, 128)
+        for t in range(n_tiles):
+            acc_a = gl.zeros([64, 8], gl.float32, ACC_L)
+            acc_b = gl.zeros([64, 8], gl.float32, ACC_L)
+            for kb in range(num_kb):
+                f = t * num_kb + kb
+                st = f % STAGES
+                mbarrier.wait(full.index(st), (f // STAGES) & 1)  # TMA wrote it (async proxy): no fence for wgmma
+                ws = wring.index(st)
+                ss = sring.index(st)
+                qa = _words_from(ws.slice(0, 64), _W_L1)
+                qb = _words_from(ws.slice(64, 64), _W_L1)
+                sca = _scales_from(ss.slice(0, 64), _W_L1)
+                scb = _scales_from(ss.slice(64, 64), _W_L1)
+                acc_a, acc_b = _step_mmas(qa, sca, qb, scb, xring.index(st), acc_a, acc_b, 8, A_L)  # waits its MMAs
+                mbarrier.arrive(empty.index(st), count=1)  # lowered as: warpgroup barrier, then one lane arrives
+            _store_rows(acc_a, acc_b, out_ptr, out_ptr, blk, row0 + t * 128, P, N_OUT, stride_o, GATED, 8, 8, True,
+                        ACC_L, 1, 128)
 
     @gluon.jit
     def _moe_ws_kernel(out_ptr, bexp_ptr, P, N_OUT, num_kb, rows_step, stride_o, wdesc, sdesc, xdesc,
-                       TOPK: gl.constexpr, GATED: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr):
+                       TOPK: gl.constexpr, GATED: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr,
+                       ROW_TILES: gl.constexpr):
         """One pair's row tile of w13 (GATED: a[pair, 64 columns] = SiLU(gate) * up) or w2 (y[pair, 128 rows], fp32,
         unweighted). wdesc / sdesc: the step-major words [E * steps * N, 32] and scales [E * steps * N, 8] in
         [64, .] boxes (rows_step = N, the projection's rows); xdesc: the activations (w13: x [1, Kp]; w2: a [P, Kp])
         in [8, 64] boxes. PDL (programmatic dependent launch, as the ring kernels): w13 waits for the previous grid
         before anything is read, then lets w2 be scheduled; w2 reads its pair's expert (past L1: w13 passed its wait,
-        so the routing is complete), puts its first weight steps in flight and only then waits (`_ws_producer`)."""
+        so the routing is complete), puts its first weight steps in flight and only then waits (`_ws_producer`).
+        ROW_TILES (w2 only): a program's row tiles of 128 rows, one after the other through one ring (those past
+        N_OUT skipped)."""
         gl.static_assert(gl.num_warps() == 4)
+        gl.static_assert(ROW_TILES == 1 or not GATED)
         WPRE: gl.constexpr = PDL and not GATED
         pid_r = gl.program_id(0)
         blk = gl.program_id(1)
@@ -166,10 +188,14 @@ if HAVE_GLUON:
             row_b = row_a + N_OUT  # the up rows of the same intermediate columns
             x_row = blk // TOPK  # the pair's token
         else:
-            row0 = pid_r * 128
+            row0 = pid_r * (ROW_TILES * 128)
             row_a = e * (num_kb * rows_step) + row0
             row_b = row_a + 64
             x_row = blk  # the pair's row of `a`
+        if ROW_TILES == 1:
+            n_tiles = 1
+        else:
+            n_tiles = gl.minimum(gl.cdiv(N_OUT - row0, 128), ROW_TILES)
         xring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 32, 64], _X_WS_SL)
         wring = gl.allocate_shared_memory(gl.int32, [STAGES, 128, 32], _W_WS_SL)
         sring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 128, 8], _S_WS_SL)
@@ -180,8 +206,8 @@ if HAVE_GLUON:
             mbarrier.init(empty.index(i), count=1)  # the consumer warpgroup's release
         fence_async_shared()  # the inits, seen by the TMA unit's arrivals (the partitions start behind a CTA barrier)
         gl.warp_specialize([
-            (_ws_consumer, (xring, wring, sring, full, empty, out_ptr, blk, row0, P, N_OUT, num_kb, stride_o, GATED,
-                            STAGES, WPRE)),
+            (_ws_consumer, (xring, wring, sring, full, empty, out_ptr, blk, row0, P, N_OUT, num_kb, n_tiles,
+                            stride_o, GATED, STAGES, WPRE)),
             (_ws_producer, (wdesc, sdesc, xdesc, xring, wring, sring, full, empty, row_a, row_b, x_row, num_kb,
-                            rows_step, STAGES, WPRE)),
+                            n_tiles, rows_step, STAGES, WPRE, ROW_TILES)),
         ], [1], _REGS)

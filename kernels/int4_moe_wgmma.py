@@ -110,10 +110,10 @@ def resolve_schedule(pairs: int, **given) -> dict:
 def ws_runs(sched: dict, layout: str, direct: bool, capturing: bool) -> bool:
     """Whether a launch of the resolved schedule `sched` runs the warp-specialized GEMMs: `ws` asks for them (True,
     or "graphs" while a CUDA graph is `capturing`), and they apply: direct blocks (`direct`: one token, every expert
-    held, neither fused nor w2_combine) on "wgmma_steps" weights, one warpgroup, 128 rows, one row tile."""
+    held, neither fused nor w2_combine) on "wgmma_steps" weights, one warpgroup, 128 rows (w2's `row_tiles` as
+    given)."""
     asked = sched["ws"] is True or (sched["ws"] == "graphs" and capturing)
-    return (asked and direct and layout == "wgmma_steps" and sched["warpgroups"] == 1 and sched["rows"] == 128
-            and sched["row_tiles"] == 1)
+    return asked and direct and layout == "wgmma_steps" and sched["warpgroups"] == 1 and sched["rows"] == 128
 
 
 def check_schedule(options: dict | None = None) -> None:
@@ -234,7 +234,8 @@ def int4_moe_wgmma(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, block_pai
     combine done by w2's last program of each row range (a count per range) instead of its own launch (ignored unless
     direct blocks run, with one warpgroup, not fused, without `reduce_pairs`); `ws` (WS), one token's w13 and w2 as
     the warp-specialized kernels of `_int4_moe_ws` (a producer warp puts each step in flight by TMA; "graphs": only
-    inside a CUDA-graph capture; `ws_runs` says where they apply) with `ws_stages` (STAGES) ring slots. Same
+    inside a CUDA-graph capture; `ws_runs` says where they apply) with `ws_stages` (STAGES) ring slots and w2's
+    `row_tiles`. Same
     arithmetic, same bits for every schedule."""
     if not HAVE_GLUON:
         raise RuntimeError("int4_moe_wgmma needs Triton with Gluon (3.5 or newer)")
@@ -257,7 +258,7 @@ def int4_moe_wgmma(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, block_pai
         if ws_on:
             _moe_ws_kernel[(-(-inter // 64), P)](a, bexp, P, inter, w13.shape[2] * PACK_FACTOR // STEP, w13.shape[1],
                                                  a.stride(0), *ws_descriptors(w13, s13, x), TOPK=topk, GATED=True,
-                                                 **ws_const)
+                                                 ROW_TILES=1, **ws_const)
             return
         _moe_w13_wgmma_kernel[(-(-inter // (R // 2)), bexp.shape[0])](
             x, w13, s13, a, pairs, bexp, P, inter, w13.shape[2] * PACK_FACTOR // STEP, x.stride(0), *st13, a.stride(0),
@@ -279,8 +280,10 @@ def int4_moe_wgmma(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, block_pai
 
     def w2_gemm(a, y, pairs, bexp, topk, P):
         if ws_on:
-            _moe_ws_kernel[(-(-D // 128), P)](y, bexp, P, D, w2.shape[2] * PACK_FACTOR // STEP, D, y.stride(0),
-                                              *ws_descriptors(w2, s2, a), TOPK=topk, GATED=False, **ws_const)
+            rt = sched["row_tiles"]
+            _moe_ws_kernel[(-(-D // (128 * rt)), P)](y, bexp, P, D, w2.shape[2] * PACK_FACTOR // STEP, D, y.stride(0),
+                                                     *ws_descriptors(w2, s2, a), TOPK=topk, GATED=False, ROW_TILES=rt,
+                                                     **ws_const)
             return
         rt = sched["row_tiles"]
         args = (a, w2, s2, y, pairs, bexp, P, D, w2.shape[2] * PACK_FACTOR // STEP, a.stride(0), *st2, y.stride(0))

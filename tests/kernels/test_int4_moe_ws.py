@@ -27,14 +27,15 @@ import json, re
 from kernels import _int4_moe_ws as m
 from tests.kernels.sm90_compile import compile_gluon_sm90
 out = {}
-for gated in (True, False):
+for gated, rt in ((True, 1), (False, 1), (False, 2)):
     for stages, pdl in ((4, True), (2, False), (3, True)):
         sig = {"out_ptr": "*bf16" if gated else "*fp32", "bexp_ptr": "*i64", "P": "i32", "N_OUT": "i32",
                "num_kb": "i32", "rows_step": "i32", "stride_o": "i32",
                "wdesc": f"tensordesc<i32[64,32],{m._W_WS_LAYOUT!r}>",
                "sdesc": f"tensordesc<bf16[64,8],{m._S_WS_LAYOUT!r}>",
                "xdesc": f"tensordesc<bf16[8,64],{m._X_WS_LAYOUT!r}>"}
-        k, ptx, log = compile_gluon_sm90(m._moe_ws_kernel, sig, dict(TOPK=8, GATED=gated, STAGES=stages, PDL=pdl),
+        cst = dict(TOPK=8, GATED=gated, STAGES=stages, PDL=pdl, ROW_TILES=rt)
+        k, ptx, log = compile_gluon_sm90(m._moe_ws_kernel, sig, cst,
                                          [n for n in sig if n.endswith("_ptr") or n.startswith("stride")],
                                          num_warps=4, maxnreg=m.WS_MAXNREG)
         lines = ptx.splitlines()
@@ -52,7 +53,7 @@ for gated in (True, False):
                           body.count("mbarrier.try_wait"),
                           [int(v) for v in re.findall(r"expect_tx\S* _, \[[^]]+\], (\d+)", body)],
                           body.count("mbarrier.arrive"), len(re.findall(r"\bbar\.sync\s+\d+, 128;", body))])
-        out[f"{'w13' if gated else 'w2'}_s{stages}" + ("_pdl" if pdl else "")] = {
+        out[f"{'w13' if gated else 'w2'}_s{stages}" + (f"_rt{rt}" if rt > 1 else "") + ("_pdl" if pdl else "")] = {
             "loops": loops, "cp_async": ptx.count("cp.async.cg") + ptx.count("cp.async.wait_group"),
             "griddep": ptx.count("griddepcontrol"),
             # TMA loads before the last wait for the previous grid (w2 under PDL: the first steps' weights)
@@ -68,9 +69,10 @@ print(json.dumps(out))
 
 
 def test_ws_kernels_compile_for_sm90(tmp_path):
-    """w13 and w2 of the warp-specialized decode, 2-4 ring slots, with and without PDL: a loop of 8 TMA loads onto
-    one expect of 2 x (8 KB + 1 KB) + 4 x 1 KB = 22,528 bytes and no barrier (the producer); a loop of 32 m64n8k16
-    MMAs behind one mbarrier wait, with no CTA-wide barrier: the release's warpgroup barrier before its arrival, and
+    """w13 and w2 (also with 2 row tiles: the consumer's K loop inside a loop over them, the producer's one loop over
+    both) of the warp-specialized decode, 2-4 ring slots, with and without PDL: a loop of 8 TMA loads onto one
+    expect of 2 x (8 KB + 1 KB) + 4 x 1 KB = 22,528 bytes and no barrier (the producer); a loop of 32 m64n8k16 MMAs
+    behind one mbarrier wait, with no CTA-wide barrier: the release's warpgroup barrier before its arrival, and
     with Triton 3.6 one more of the warpgroup's before the wait (the consumer); no cp.async; griddepcontrol only with
     PDL, where w13 loads nothing before its wait and w2 only its first steps' weights; the producer's warpgroup given
     PRODUCER_REGS registers; within WS_MAXNREG, no spills; the ring (STAGES x 22 KB) plus its barriers in shared
@@ -79,7 +81,7 @@ def test_ws_kernels_compile_for_sm90(tmp_path):
     from kernels._int4_moe_ws import PRODUCER_REGS, WS_MAXNREG
 
     facts = run_sm90_script(tmp_path, _SM90_COMPILE_WS)
-    assert len(facts) == 6, facts
+    assert len(facts) == 9, facts
     for name, f in facts.items():
         stages = int(re.search(r"_s(\d)", name).group(1))
         producer = [lp for lp in f["loops"] if lp[0]]
@@ -103,8 +105,8 @@ def test_ws_kernels_compile_for_sm90(tmp_path):
 
 def test_ws_runs_where_it_applies():
     """auto_schedule asks for the ws GEMMs at one token inside a graph capture only, with 2 slots (its ring keeps
-    4); True asks always; they run only on "wgmma_steps" weights, direct blocks, one warpgroup, 128 rows, one row
-    tile. Other values of ws / ws_stages are refused."""
+    4); True asks always; they run only on "wgmma_steps" weights, direct blocks, one warpgroup, 128 rows (w2 with
+    any row tiles). Other values of ws / ws_stages are refused."""
     one = resolve_schedule(1)
     assert one["ws"] == "graphs" and one["ws_stages"] == 2 and one["stages"] == 4
     assert not resolve_schedule(9)["ws"] and not resolve_schedule(10**4)["ws"]
@@ -112,9 +114,9 @@ def test_ws_runs_where_it_applies():
     assert not ws_runs(one, "wgmma_steps", True, capturing=False)
     assert ws_runs(resolve_schedule(1, ws=True), "wgmma_steps", True, capturing=False)
     assert not ws_runs(resolve_schedule(1, ws=False), "wgmma_steps", True, capturing=True)
+    assert ws_runs(resolve_schedule(1, row_tiles=2), "wgmma_steps", True, capturing=True)
     for layout, direct, opts in (("wgmma", True, {}), ("wgmma_steps", False, {}), ("wgmma_steps", True,
-                                 dict(warpgroups=2)), ("wgmma_steps", True, dict(rows=64)),
-                                 ("wgmma_steps", True, dict(row_tiles=2))):
+                                 dict(warpgroups=2)), ("wgmma_steps", True, dict(rows=64))):
         assert not ws_runs(resolve_schedule(1, ws=True, **opts), layout, direct, capturing=True), (layout, opts)
     for bad in (dict(ws="always"), dict(ws=1), dict(ws_stages=5), dict(ws_stages=True)):
         with pytest.raises(ValueError, match="ws=.*ws_stages="):
@@ -137,7 +139,8 @@ def graph_kernels(graph: torch.cuda.CUDAGraph) -> list[str]:
 @sm90
 @pytest.mark.gpu
 @pytest.mark.parametrize("D,inter,E", [(544, 224, 7), (256, 64, 4), (1056, 160, 9)])
-@pytest.mark.parametrize("sched", [{}, dict(ws_stages=4), dict(ws_stages=3, pdl=False)])
+@pytest.mark.parametrize("sched", [{}, dict(ws_stages=4), dict(ws_stages=3, pdl=False), dict(row_tiles=2),
+                                   dict(row_tiles=4, ws_stages=3), dict(row_tiles=8, pdl=False)])
 def test_ws_vs_reference(D, inter, E, sched):
     """One token, awkward shapes (K padded, the last row tiles past the projection) against the reference."""
     check_layout_path(run_ws, repack_int4_moe_for_wgmma_steps, 1, 3, E, D, inter, **sched)
@@ -147,15 +150,16 @@ def test_ws_vs_reference(D, inter, E, sched):
 @pytest.mark.gpu
 def test_ws_equals_the_ring_decode_bitwise(request):
     """Kimi K2.6 shapes, several tokens: the warp-specialized GEMMs give the ring kernels' decode bits (direct
-    blocks, PDL, 4 slots) with 2 (auto_schedule's), 3 and 4 slots and without PDL; then 20 replays of a CUDA graph of
-    them and of one captured with auto_schedule, which runs them there (and the ring kernels eagerly)."""
+    blocks, PDL, 4 slots) with 2 (auto_schedule's), 3 and 4 slots, without PDL and with 2 row tiles in w2; then 20
+    replays of a CUDA graph of them and of one captured with auto_schedule, which runs them there (and the ring
+    kernels eagerly)."""
     kimi_steps = request.getfixturevalue("kimi_both")[1]  # (`kimi_wgmma`: skipped without sm_90)
     ids, tw = make_routing(5, KIMI["k"], KIMI["E"], device="cuda", seed=31)
     x = torch.randn(5, KIMI["D"], device="cuda").to(torch.bfloat16)
     for t in range(5):
         one = (x[t:t + 1], ids[t:t + 1], tw[t:t + 1])
         ref = run_poisoned(ring, *one, kimi_steps)
-        for sched in ({}, dict(ws_stages=3), dict(ws_stages=4), dict(pdl=False)):
+        for sched in ({}, dict(ws_stages=3), dict(ws_stages=4), dict(pdl=False), dict(row_tiles=2)):
             assert_bitwise(run_poisoned(run_ws, *one, kimi_steps, **sched), ref, f"token {t}, {sched}")
     one = (x[:1], ids[:1], tw[:1])
     ref = run_poisoned(ring, *one, kimi_steps)
