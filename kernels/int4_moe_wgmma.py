@@ -110,9 +110,9 @@ def resolve_schedule(pairs: int, **given) -> dict:
 def ws_runs(sched: dict, layout: str, direct: bool, capturing: bool) -> bool:
     """Whether a launch of the resolved schedule `sched` runs the warp-specialized GEMMs: `ws` asks for them (True,
     or "graphs" while a CUDA graph is `capturing`), and they apply: direct blocks (`direct`: one token, every expert
-    held, neither fused nor w2_combine) on "wgmma_steps" weights, one warpgroup, 128 rows (w2's `row_tiles` as
-    given)."""
-    asked = sched["ws"] is True or (sched["ws"] == "graphs" and capturing)
+    held, neither fused nor w2_combine) on "wgmma_steps" weights, one warpgroup, 128 rows. w2's `row_tiles` > 1 only
+    where ws is True (its ws form is not yet run on a GPU: "graphs" leaves such schedules to the ring kernels)."""
+    asked = sched["ws"] is True or (sched["ws"] == "graphs" and capturing and sched["row_tiles"] == 1)
     return asked and direct and layout == "wgmma_steps" and sched["warpgroups"] == 1 and sched["rows"] == 128
 
 

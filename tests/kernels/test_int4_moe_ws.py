@@ -105,8 +105,8 @@ def test_ws_kernels_compile_for_sm90(tmp_path):
 
 def test_ws_runs_where_it_applies():
     """auto_schedule asks for the ws GEMMs at one token inside a graph capture only, with 2 slots (its ring keeps
-    4); True asks always; they run only on "wgmma_steps" weights, direct blocks, one warpgroup, 128 rows (w2 with
-    any row tiles). Other values of ws / ws_stages are refused."""
+    4); True asks always; they run only on "wgmma_steps" weights, direct blocks, one warpgroup, 128 rows (w2's row
+    tiles only when asked for by True). Other values of ws / ws_stages are refused."""
     one = resolve_schedule(1)
     assert one["ws"] == "graphs" and one["ws_stages"] == 2 and one["stages"] == 4
     assert not resolve_schedule(9)["ws"] and not resolve_schedule(10**4)["ws"]
@@ -114,7 +114,8 @@ def test_ws_runs_where_it_applies():
     assert not ws_runs(one, "wgmma_steps", True, capturing=False)
     assert ws_runs(resolve_schedule(1, ws=True), "wgmma_steps", True, capturing=False)
     assert not ws_runs(resolve_schedule(1, ws=False), "wgmma_steps", True, capturing=True)
-    assert ws_runs(resolve_schedule(1, row_tiles=2), "wgmma_steps", True, capturing=True)
+    assert ws_runs(resolve_schedule(1, ws=True, row_tiles=2), "wgmma_steps", True, capturing=False)
+    assert not ws_runs(resolve_schedule(1, row_tiles=2), "wgmma_steps", True, capturing=True)  # not yet run: ring
     for layout, direct, opts in (("wgmma", True, {}), ("wgmma_steps", False, {}), ("wgmma_steps", True,
                                  dict(warpgroups=2)), ("wgmma_steps", True, dict(rows=64))):
         assert not ws_runs(resolve_schedule(1, ws=True, **opts), layout, direct, capturing=True), (layout, opts)
