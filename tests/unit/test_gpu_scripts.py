@@ -26,6 +26,11 @@ def test_run_gpu_moe_defaults_are_known_variants_and_runnable_schedules():
         check_schedule(json.loads(s))  # ValueError for an option or value the kernels cannot run
 
 
+def test_run_gpu_standings_defaults_are_known_variants():
+    variants = _default("run_gpu_standings.sh", "VARIANTS").split()
+    assert variants and set(variants) <= set(GLUON_VARIANTS), set(variants) - set(GLUON_VARIANTS)
+
+
 def test_run_gpu_moe_stalls_names_the_kernels_and_a_runnable_schedule():
     script = (BENCH / "run_gpu_moe_stalls.sh").read_text()
     check_schedule(json.loads(_default("run_gpu_moe_stalls.sh", "OPTIONS")))

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# One device call, on an H200, for the standings of the open speed targets that only an H200 can give (the K2.6
+# transport pair needs ~78 GB of GPU memory, and the kernels' ratios are against the H200's floors): the ws GEMMs'
+# GPU tests (their row tiles have not run yet), the INT4 MoE layer at T = 1 and 9 with the default schedule beside
+# the ring kernels, ws with w2's row tiles and the row-major weights (8 layers back to back too), then the
+# transports at C = 1 and 32 on the K2.6 pair (`run_gpu_transport.sh` with K26=1). About 8-9 minutes; carry `.whl`
+# (the transport bench imports the wheels the image lacks). Logs and JSONL under $OUT (bench/results/run when unset);
+# run from the repo root and set DDTREE_COMMIT (the device's .git is stale). Overrides: VARIANTS (bench_int4_moe
+# --gluon names), TRANSPORT_ARGS (bench_transport flags); section limits T_TESTS / T_LAYER (seconds); TESTS=0 /
+# TRANSPORT=0 skip.
+set -o pipefail
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+OUT=${OUT:-bench/results/run}
+mkdir -p "$OUT"
+VARIANTS=${VARIANTS:-"wgmma_steps_auto wgmma_steps_ring wgmma_steps_ws_rt2 wgmma_auto"}
+nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,memory.total --format=csv 2>&1 | tee "$OUT/standings_gpu.txt"
+status=0
+if [ "${TESTS:-1}" != 0 ]; then
+  timeout "${T_TESTS:-120}" python -m pytest -q -rs -m gpu tests/kernels/test_int4_moe_ws.py 2>&1 \
+    | tee "$OUT/ws_tests.log" | tail -5 || status=1
+fi
+# shellcheck disable=SC2086  # word splitting of the list is intended
+timeout "${T_LAYER:-120}" python bench/bench_int4_moe.py --no-peers --tokens 1 9 --gluon $VARIANTS --layers 8 \
+  --out "$OUT/int4_moe_standing.jsonl" 2>&1 | tee "$OUT/bench_int4_moe_standing.log" || status=1
+if [ "${TRANSPORT:-1}" != 0 ]; then
+  OUT="$OUT" K26=1 TESTS=0 ECHO=0 BENCH_ARGS="${TRANSPORT_ARGS:---transports colocated grpc --steps 40}" \
+    bash bench/run_gpu_transport.sh || status=1
+fi
+echo "exit $status" | tee -a "$OUT/standings_gpu.txt"
+exit $status
