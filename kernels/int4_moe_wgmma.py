@@ -235,8 +235,7 @@ def int4_moe_wgmma(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, block_pai
     direct blocks run, with one warpgroup, not fused, without `reduce_pairs`); `ws` (WS), one token's w13 and w2 as
     the warp-specialized kernels of `_int4_moe_ws` (a producer warp puts each step in flight by TMA; "graphs": only
     inside a CUDA-graph capture; `ws_runs` says where they apply) with `ws_stages` (STAGES) ring slots and w2's
-    `row_tiles`. Same
-    arithmetic, same bits for every schedule."""
+    `row_tiles`. Same arithmetic, same bits for every schedule."""
     if not HAVE_GLUON:
         raise RuntimeError("int4_moe_wgmma needs Triton with Gluon (3.5 or newer)")
     sched = resolve_schedule(topk_ids.numel(), block_pairs=block_pairs, small_pairs=small_pairs, stages=stages,
