@@ -178,8 +178,9 @@ def routing(T, gen, pool=0):
     return ids, (w / w.sum(-1, keepdim=True) * 2.827).float()
 
 
-def bf16_loop(x, ids, w, w13, w2):
-    """Plain PyTorch: group by expert on the host, bf16 matmuls per touched expert."""
+def per_expert_loop(x, ids, w, expert_fn):
+    """Group the (token, expert) pairs by expert on the host, then per touched expert e y = expert_fn(e, x rows of
+    its pairs), added into the output with the routing weights (fp32), in the input's dtype."""
     T = x.shape[0]
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
@@ -192,30 +193,27 @@ def bf16_loop(x, ids, w, w13, w2):
         pairs = order[start:start + c]
         start += c
         tok = pairs // TOPK
-        h = x[tok] @ w13[e].T
-        y = (F.silu(h[:, :INTER]) * h[:, INTER:]) @ w2[e].T
-        out.index_add_(0, tok, y.float() * w.reshape(-1)[pairs, None])
+        out.index_add_(0, tok, expert_fn(e, x[tok]).float() * w.reshape(-1)[pairs, None])
     return out.to(x.dtype)
+
+
+def bf16_loop(x, ids, w, w13, w2):
+    """Plain PyTorch: bf16 matmuls per touched expert."""
+    def expert(e, xt):
+        h = xt @ w13[e].T
+        return (F.silu(h[:, :INTER]) * h[:, INTER:]) @ w2[e].T
+
+    return per_expert_loop(x, ids, w, expert)
 
 
 def int4pack_loop(x, ids, w, p13, sz13, p2, sz2):
-    T = x.shape[0]
-    flat = ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=E).tolist()
-    out = torch.zeros(T, D, dtype=torch.float32, device=x.device)
-    start = 0
-    for e, c in enumerate(counts):
-        if c == 0:
-            continue
-        pairs = order[start:start + c]
-        start += c
-        tok = pairs // TOPK
-        h = torch._weight_int4pack_mm(x[tok].contiguous(), p13[e], G, sz13[e])
+    """torch._weight_int4pack_mm (tinygemm) per touched expert."""
+    def expert(e, xt):
+        h = torch._weight_int4pack_mm(xt.contiguous(), p13[e], G, sz13[e])
         a = (F.silu(h[:, :INTER]) * h[:, INTER:]).contiguous()
-        y = torch._weight_int4pack_mm(a, p2[e], G, sz2[e])
-        out.index_add_(0, tok, y.float() * w.reshape(-1)[pairs, None])
-    return out.to(x.dtype)
+        return torch._weight_int4pack_mm(a, p2[e], G, sz2[e])
+
+    return per_expert_loop(x, ids, w, expert)
 
 
 def make_int4pack(gen):
