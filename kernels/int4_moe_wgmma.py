@@ -141,21 +141,25 @@ def repack_int4_moe_for_wgmma(w13_packed, w13_scale, w2_packed, w2_scale):
             *permute_steps(w2_packed, w2_scale, _step_map(), STEP))
 
 
+def _swap_steps(words: torch.Tensor, scale: torch.Tensor, step_major: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """One projection's words [E, N, Kp/8] and scales [E, N, Kp/32] with each expert's (row, step) order swapped:
+    row-major -> step-major (`step_major`) or back; the same shapes, a contiguous copy."""
+    E, N, kw = words.shape
+    kb = kw * PACK_FACTOR // STEP
+    outer = (kb, N) if not step_major else (N, kb)  # the order the tensors are in now
+    return tuple(t.reshape(E, *outer, width).transpose(1, 2).reshape(t.shape)
+                 for t, width in ((words, 32), (scale, 8)))
+
+
 def to_step_major(words: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One "wgmma" projection (words [E, N, Kp/8], scales [E, N, Kp/32]) -> "wgmma_steps": the same shapes, each
     expert's steps outermost (module doc); `from_step_major` inverts it."""
-    E, N, kw = words.shape
-    kb = kw * PACK_FACTOR // STEP
-    return (words.reshape(E, N, kb, 32).transpose(1, 2).contiguous().view(E, N, kw),
-            scale.reshape(E, N, kb, 8).transpose(1, 2).contiguous().view(E, N, kb * 8))
+    return _swap_steps(words, scale, step_major=True)
 
 
 def from_step_major(words: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """"wgmma_steps" -> "wgmma" (`to_step_major`'s inverse, bit for bit)."""
-    E, N, kw = words.shape
-    kb = kw * PACK_FACTOR // STEP
-    return (words.reshape(E, kb, N, 32).transpose(1, 2).reshape(E, N, kw),
-            scale.reshape(E, kb, N, 8).transpose(1, 2).reshape(E, N, kb * 8))
+    return _swap_steps(words, scale, step_major=False)
 
 
 def repack_int4_moe_for_wgmma_steps(w13_packed, w13_scale, w2_packed, w2_scale):
@@ -278,13 +282,12 @@ def int4_moe_wgmma(x, topk_ids, topk_w, w13, s13, w2, s2, out=None, *, block_pai
         tw1 = topk_w.reshape(-1).contiguous()
 
     def w2_gemm(a, y, pairs, bexp, topk, P):
+        rt = sched["row_tiles"]
         if ws_on:
-            rt = sched["row_tiles"]
             _moe_ws_kernel[(-(-D // (128 * rt)), P)](y, bexp, P, D, w2.shape[2] * PACK_FACTOR // STEP, D, y.stride(0),
                                                      *ws_descriptors(w2, s2, a), TOPK=topk, GATED=False, ROW_TILES=rt,
                                                      **ws_const)
             return
-        rt = sched["row_tiles"]
         args = (a, w2, s2, y, pairs, bexp, P, D, w2.shape[2] * PACK_FACTOR // STEP, a.stride(0), *st2, y.stride(0))
         grid = (-(-D // (R * rt)), bexp.shape[0])
         if combine:
