@@ -154,9 +154,9 @@ GLUON_VARIANTS = {  # name -> int4_moe_gluon options (--gluon)
     **{f"wgmma_steps_ws{n}": dict(path="wgmma", layout="wgmma_steps", ws=True, ws_stages=k)
        for n, k in (("", 2), ("_s3", 3), ("_s4", 4))},
     "wgmma_steps_ring": dict(path="wgmma", layout="wgmma_steps", ws=False),
-    # and w2's 128-row tiles 2 / 4 to a program through its ring (at one token 224 / 112 programs of 16 / 32 steps
-    # instead of 448 of 8: one wave at 2 programs per SM)
-    **{f"wgmma_steps_ws_rt{k}": dict(path="wgmma", layout="wgmma_steps", ws=True, row_tiles=k) for k in (2, 4)},
+    # and w2's 128-row tiles 1 / 2 (auto_schedule's) / 4 to a program through its ring (at one token 448 / 224 / 112
+    # programs of 8 / 16 / 32 steps: 2 programs per SM hold 224 at once)
+    **{f"wgmma_steps_ws_rt{k}": dict(path="wgmma", layout="wgmma_steps", ws=True, ws_row_tiles=k) for k in (1, 2, 4)},
 }
 
 

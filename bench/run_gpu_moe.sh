@@ -14,10 +14,10 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-bench/results/run}
 mkdir -p "$OUT"
 # auto_schedule on the step-major weights (the default layout: at T = 1 the ws GEMMs in the timed graphs) beside the
-# ring kernels there, the ws GEMMs with w2's row tiles, the combine in w2, and auto_schedule on the row-major "wgmma"
-# ones (the fused decode, measured slower in the twenty-third session, is VARIANTS=wgmma_steps_fused); at T = 1 each
-# is also timed as 8 layers back to back, LAYERS, and every T beside the read peer: bench_int4_moe.py's docstring
-VARIANTS=${VARIANTS:-"wgmma_steps_auto wgmma_steps_ring wgmma_steps_ws_rt2 wgmma_steps_w2c wgmma_auto"}
+# ring kernels there, the ws GEMMs with one w2 row tile (the default: 2), the combine in w2, and auto_schedule on
+# the row-major "wgmma" ones (the fused decode, measured slower in the twenty-third session, is
+# VARIANTS=wgmma_steps_fused); at T = 1 each is also timed as 8 layers back to back, LAYERS, and every T beside the read peer: bench_int4_moe.py's docstring
+VARIANTS=${VARIANTS:-"wgmma_steps_auto wgmma_steps_ring wgmma_steps_ws_rt1 wgmma_steps_w2c wgmma_auto"}
 SCHEDULES=${SCHEDULES:-'{"w2_combine": true};{"w2_combine": true, "row_tiles": 2}'}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv 2>&1 | tee "$OUT/gpu.txt"
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device call, on an H200, for the standings of the open speed targets that only an H200 can give (the K2.6
 # transport pair needs ~78 GB of GPU memory, and the kernels' ratios are against the H200's floors): the ws GEMMs'
-# GPU tests (their row tiles have not run yet), the INT4 MoE layer at T = 1 and 9 with the default schedule beside
-# the ring kernels, ws with w2's row tiles and the row-major weights (8 layers back to back too), then the
+# GPU tests, the INT4 MoE layer at T = 1 and 9 with the default schedule beside the ring kernels, ws with one row
+# tile in w2 (the default: 2) and the row-major weights (8 layers back to back too), then the
 # transports at C = 1 and 32 on the K2.6 pair (`run_gpu_transport.sh` with K26=1). About 8-9 minutes; carry `.whl`
 # (the transport bench imports the wheels the image lacks). Logs and JSONL under $OUT (bench/results/run when unset);
 # run from the repo root and set DDTREE_COMMIT (the device's .git is stale). Overrides: VARIANTS (bench_int4_moe
@@ -12,7 +12,7 @@ set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-bench/results/run}
 mkdir -p "$OUT"
-VARIANTS=${VARIANTS:-"wgmma_steps_auto wgmma_steps_ring wgmma_steps_ws_rt2 wgmma_auto"}
+VARIANTS=${VARIANTS:-"wgmma_steps_auto wgmma_steps_ring wgmma_steps_ws_rt1 wgmma_auto"}
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,memory.total --format=csv 2>&1 | tee "$OUT/standings_gpu.txt"
 status=0
 if [ "${TESTS:-1}" != 0 ]; then

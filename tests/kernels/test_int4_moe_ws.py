@@ -105,22 +105,23 @@ def test_ws_kernels_compile_for_sm90(tmp_path):
 
 def test_ws_runs_where_it_applies():
     """auto_schedule asks for the ws GEMMs at one token inside a graph capture only, with 2 slots (its ring keeps
-    4); True asks always; they run only on "wgmma_steps" weights, direct blocks, one warpgroup, 128 rows (w2's row
-    tiles only when asked for by True). Other values of ws / ws_stages are refused."""
+    4) and w2's 2 row tiles a program (its ring keeps 1); True asks always; they run only on "wgmma_steps" weights,
+    direct blocks, one warpgroup, 128 rows. Other values of ws / ws_stages / ws_row_tiles are refused."""
     one = resolve_schedule(1)
     assert one["ws"] == "graphs" and one["ws_stages"] == 2 and one["stages"] == 4
+    assert one["ws_row_tiles"] == 2 and one["row_tiles"] == 1
     assert not resolve_schedule(9)["ws"] and not resolve_schedule(10**4)["ws"]
     assert ws_runs(one, "wgmma_steps", True, capturing=True)
     assert not ws_runs(one, "wgmma_steps", True, capturing=False)
     assert ws_runs(resolve_schedule(1, ws=True), "wgmma_steps", True, capturing=False)
     assert not ws_runs(resolve_schedule(1, ws=False), "wgmma_steps", True, capturing=True)
-    assert ws_runs(resolve_schedule(1, ws=True, row_tiles=2), "wgmma_steps", True, capturing=False)
-    assert not ws_runs(resolve_schedule(1, row_tiles=2), "wgmma_steps", True, capturing=True)  # not yet run: ring
+    assert ws_runs(resolve_schedule(1, row_tiles=2, ws_row_tiles=4), "wgmma_steps", True, capturing=True)
     for layout, direct, opts in (("wgmma", True, {}), ("wgmma_steps", False, {}), ("wgmma_steps", True,
                                  dict(warpgroups=2)), ("wgmma_steps", True, dict(rows=64))):
         assert not ws_runs(resolve_schedule(1, ws=True, **opts), layout, direct, capturing=True), (layout, opts)
-    for bad in (dict(ws="always"), dict(ws=1), dict(ws_stages=5), dict(ws_stages=True)):
-        with pytest.raises(ValueError, match="ws=.*ws_stages="):
+    for bad in (dict(ws="always"), dict(ws=1), dict(ws_stages=5), dict(ws_stages=True), dict(ws_row_tiles=3),
+                dict(ws_row_tiles=True)):
+        with pytest.raises(ValueError, match="ws=.*ws_stages=.*ws_row_tiles="):
             resolve_schedule(1, **bad)
 
 
@@ -140,8 +141,8 @@ def graph_kernels(graph: torch.cuda.CUDAGraph) -> list[str]:
 @sm90
 @pytest.mark.gpu
 @pytest.mark.parametrize("D,inter,E", [(544, 224, 7), (256, 64, 4), (1056, 160, 9)])
-@pytest.mark.parametrize("sched", [{}, dict(ws_stages=4), dict(ws_stages=3, pdl=False), dict(row_tiles=2),
-                                   dict(row_tiles=4, ws_stages=3), dict(row_tiles=8, pdl=False)])
+@pytest.mark.parametrize("sched", [{}, dict(ws_stages=4), dict(ws_stages=3, pdl=False), dict(ws_row_tiles=1),
+                                   dict(ws_row_tiles=4, ws_stages=3), dict(ws_row_tiles=8, pdl=False)])
 def test_ws_vs_reference(D, inter, E, sched):
     """One token, awkward shapes (K padded, the last row tiles past the projection) against the reference."""
     check_layout_path(run_ws, repack_int4_moe_for_wgmma_steps, 1, 3, E, D, inter, **sched)
@@ -151,7 +152,8 @@ def test_ws_vs_reference(D, inter, E, sched):
 @pytest.mark.gpu
 def test_ws_equals_the_ring_decode_bitwise(request):
     """Kimi K2.6 shapes, several tokens: the warp-specialized GEMMs give the ring kernels' decode bits (direct
-    blocks, PDL, 4 slots) with 2 (auto_schedule's), 3 and 4 slots, without PDL and with 2 row tiles in w2; then 20
+    blocks, PDL, 4 slots) with 2 (auto_schedule's), 3 and 4 slots, without PDL and with 1 and 4 row tiles in w2
+    (auto_schedule's: 2); then 20
     replays of a CUDA graph of them and of one captured with auto_schedule, which runs them there (and the ring
     kernels eagerly)."""
     kimi_steps = request.getfixturevalue("kimi_both")[1]  # (`kimi_wgmma`: skipped without sm_90)
@@ -160,7 +162,8 @@ def test_ws_equals_the_ring_decode_bitwise(request):
     for t in range(5):
         one = (x[t:t + 1], ids[t:t + 1], tw[t:t + 1])
         ref = run_poisoned(ring, *one, kimi_steps)
-        for sched in ({}, dict(ws_stages=3), dict(ws_stages=4), dict(pdl=False), dict(row_tiles=2)):
+        for sched in ({}, dict(ws_stages=3), dict(ws_stages=4), dict(pdl=False), dict(ws_row_tiles=1),
+                      dict(ws_row_tiles=4)):
             assert_bitwise(run_poisoned(run_ws, *one, kimi_steps, **sched), ref, f"token {t}, {sched}")
     one = (x[:1], ids[:1], tw[:1])
     ref = run_poisoned(ring, *one, kimi_steps)
