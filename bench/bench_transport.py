@@ -356,7 +356,7 @@ def main() -> int:
                                   "keepwarm_ms": keepwarm_ms(t, args), "drafter_sessions": drafter_sessions,
                                   "gc_freeze": args.gc_freeze, "check_graphs": args.check_graphs,
                                   "mps": cuda and mps_running(), "torch_trace": args.torch_trace,
-                                  "rows": args.rows},
+                                  "rows": args.rows, "target_layers": inproc.target.cfg.num_hidden_layers},
                        "device": device_name, "gpu": gpu, "dtype": dtype_name, "commit": commit(),
                        "torch": torch.__version__, "versions": versions(),
                        "ms": round(step, 4), "ratio": round(step / base[conc], 4),

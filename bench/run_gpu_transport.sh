@@ -1,19 +1,20 @@
 #!/usr/bin/env bash
 # One device call for the transports on the GPU: the GPU tests of the transports (test_transports_gpu.py,
-# test_device_copy.py, test_shared_region.py, test_tree_verdicts.py, test_doorbell.py, test_gpu_transport.py),
-# then bench_transport.py at C=1 and C=32 on cuda: kimi-mini (about 3 minutes), or with K26=1 a random-weight Kimi
-# K2.6 pair (5 target layers, ~43 GB written to K26_DIR, /tmp/k26 by default, ~2 min; about 5 minutes in all).
-# Logs and JSONL go to $OUT (bench/results/run when unset); run from the repo root. Section time limits: T_TESTS /
-# T_BENCH (seconds); extra bench flags: BENCH_ARGS; TESTS=0 skips the tests; then bench/grpc_echo.py with and
-# without a 9 ms silence and keep-warm messages (ECHO=0 skips it, T_ECHO its limit). MPS=1 runs everything under an
-# MPS control daemon of its own (pipe and log directories under /tmp/ddtree-mps; quit at the end), so the processes
-# share one GPU context. TRACE=1 adds a short gRPC run at C = 1 (TRACE_ARGS to change it) under torch.profiler in both
-# processes (--torch-trace) and `bench/trace_steps.py`'s step-by-step GPU timeline of both into
-# $OUT/trace_steps_<label>.txt for each engine label of TRACE_LABELS (default grpc; e.g. "colocated inprocess"), and
-# the traces themselves as $OUT/traces.tgz (TRACE_TGZ=0: not; the device returns few files).
-# The device image lacks grpcio-health-checking, grpcio-reflection and opentelemetry-sdk: carry `.whl/` (the wheels,
-# git-ignored) and they are installed into /tmp/site here. K26=1 needs ~78 GB on the GPU (the verifier 66 GB, the
-# drafter process 11 GB): an H200, not an H100.
+# test_device_copy.py, test_shared_region.py, test_tree_verdicts.py, test_doorbell.py, test_gpu_transport.py), then
+# bench_transport.py at C=1 and C=32 on cuda: kimi-mini (about 3 minutes), or with K26=1 a random-weight Kimi K2.6 pair
+# (K26_LAYERS target layers, 5 by default, ~43 GB written to K26_DIR, /tmp/k26_<layers> by default, ~2 min; about 5
+# minutes in all). Logs and JSONL go to $OUT (bench/results/run when unset); run from the repo root. Section time
+# limits: T_TESTS / T_BENCH (seconds); extra bench flags: BENCH_ARGS; TESTS=0 skips the tests; then bench/grpc_echo.py
+# with and without a 9 ms silence and keep-warm messages (ECHO=0 skips it, T_ECHO its limit). MPS=1 runs everything
+# under an MPS control daemon of its own (pipe and log directories under /tmp/ddtree-mps; quit at the end), so the
+# processes share one GPU context. TRACE=1 adds a short gRPC run at C = 1 (TRACE_ARGS to change it) under torch.profiler
+# in both processes (--torch-trace) and `bench/trace_steps.py`'s step-by-step GPU timeline of both into
+# $OUT/trace_steps_<label>.txt for each engine label of TRACE_LABELS (default grpc; e.g. "colocated inprocess"), and the
+# traces themselves as $OUT/traces.tgz (TRACE_TGZ=0: not; the device returns few files). The device image lacks
+# grpcio-health-checking, grpcio-reflection and opentelemetry-sdk: carry `.whl/` (the wheels, git-ignored) and they are
+# installed into /tmp/site here. K26=1 with 5 layers needs ~78 GB on the GPU (the verifier 66 GB, the drafter process 11
+# GB): an H200; each MoE layer fewer saves ~9.5 GB, so an 80 GB H100 takes K26_LAYERS=4 (a shorter in-process step: the
+# overheads' ratios come out higher than with 5 layers; params.target_layers).
 set -o pipefail
 # shellcheck source=bench/_wheels.sh
 . bench/_wheels.sh
@@ -36,12 +37,14 @@ if [ "${TESTS:-1}" != 0 ]; then
     tests/unit/test_doorbell.py tests/integration/test_gpu_transport.py 2>&1 | tee "$OUT/transport_tests.log"
   tests=$?
 fi
+pair=${K26_DIR:-/tmp/k26_${K26_LAYERS:-5}}
 if [ "${K26:-0}" != 0 ]; then
-  python -c "import torch, sys; sys.exit(torch.cuda.get_device_properties(0).total_memory < 100e9)" \
-    || { echo "K26=1: the K2.6 pair needs ~78 GB of GPU memory, more than this GPU has (use an H200)" >&2; exit 2; }
-  pair=${K26_DIR:-/tmp/k26}
-  [ -d "$pair/target" ] || { time python -m gateway.cli init-random --preset kimi-k2.6 --layers 5 --out "$pair" ; } \
-    2>&1 | tail -3
+  need=$(python -c "print(round(78 - 9.5 * (5 - ${K26_LAYERS:-5})))")  # GB, and 10% to spare below
+  python -c "import torch, sys; sys.exit(torch.cuda.get_device_properties(0).total_memory < $need * 1.1e9)" \
+    || { echo "K26=1: the K2.6 pair with ${K26_LAYERS:-5} target layers needs ~$need GB of GPU memory, more than this" \
+              "GPU has (an H200, or K26_LAYERS=4 on an 80 GB GPU)" >&2; exit 2; }
+  [ -d "$pair/target" ] || { time python -m gateway.cli init-random --preset kimi-k2.6 --layers "${K26_LAYERS:-5}" \
+    --out "$pair" ; } 2>&1 | tail -3
   timeout "${T_BENCH:-300}" python bench/bench_transport.py --pair "$pair" --concurrency 1 32 --steps 60 --warmup 6 \
     --out "$OUT/transport_k26.jsonl" $BENCH_ARGS 2>&1 | tee "$OUT/bench_transport_k26.log"
 else
@@ -50,7 +53,7 @@ else
 fi
 bench=$?
 if [ "${TRACE:-0}" != 0 ]; then
-  if [ "${K26:-0}" != 0 ]; then src=(--pair "${K26_DIR:-/tmp/k26}"); else src=(--device cuda); fi
+  if [ "${K26:-0}" != 0 ]; then src=(--pair "$pair"); else src=(--device cuda); fi
   rm -rf /tmp/ddtree-traces
   # shellcheck disable=SC2086
   timeout "${T_TRACE:-150}" python bench/bench_transport.py "${src[@]}" ${TRACE_ARGS:---transports grpc \
