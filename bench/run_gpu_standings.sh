@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# One device call, on an H200, for the standings of the open speed targets that only an H200 can give (the K2.6
-# transport pair needs ~78 GB of GPU memory, and the kernels' ratios are against the H200's floors): the ws GEMMs'
-# GPU tests, the INT4 MoE layer at T = 1 and 9 with the default schedule beside the ring kernels, ws with one row
-# tile in w2 (the default: 2) and the row-major weights (8 layers back to back too), then the
-# transports at C = 1 and 32 on the K2.6 pair (`run_gpu_transport.sh` with K26=1). About 8-9 minutes; carry `.whl`
-# (the transport bench imports the wheels the image lacks). Logs and JSONL under $OUT (bench/results/run when unset);
-# run from the repo root and set DDTREE_COMMIT (the device's .git is stale). Overrides: VARIANTS (bench_int4_moe
-# --gluon names), TRANSPORT_ARGS (bench_transport flags); section limits T_TESTS / T_LAYER (seconds); TESTS=0 /
-# TRANSPORT=0 skip.
+# One device call for the standings of the open speed targets, meant for an H200 (the kernels' ratios are against the
+# H200's floors, and the 5-layer K2.6 transport pair needs ~78 GB of GPU memory; on an 80 GB H100 the pair gets 4 target
+# layers, K26_LAYERS overrides): the ws GEMMs' GPU tests, the INT4 MoE layer at T = 1 and 9 with the default schedule
+# beside the ring kernels, ws with one row tile in w2 (the default: 2) and the row-major weights (8 layers back to back
+# too), then the transports at C = 1 and 32 on the K2.6 pair (`run_gpu_transport.sh` with K26=1). About 8-9 minutes;
+# carry `.whl` (the transport bench imports the wheels the image lacks). Logs and JSONL under $OUT (bench/results/run
+# when unset); run from the repo root and set DDTREE_COMMIT (the device's .git is stale). Overrides: VARIANTS
+# (bench_int4_moe --gluon names), TRANSPORT_ARGS (bench_transport flags); section limits T_TESTS / T_LAYER (seconds);
+# TESTS=0 / TRANSPORT=0 skip.
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-bench/results/run}
@@ -23,8 +23,11 @@ fi
 timeout "${T_LAYER:-120}" python bench/bench_int4_moe.py --no-peers --tokens 1 9 --gluon $VARIANTS --layers 8 \
   --out "$OUT/int4_moe_standing.jsonl" 2>&1 | tee "$OUT/bench_int4_moe_standing.log" || status=1
 if [ "${TRANSPORT:-1}" != 0 ]; then
-  OUT="$OUT" K26=1 TESTS=0 ECHO=0 BENCH_ARGS="${TRANSPORT_ARGS:---transports colocated grpc --steps 40}" \
-    bash bench/run_gpu_transport.sh || status=1
+  # the K2.6 pair's target layers: 5 where they fit (an H200), else 4 (an 80 GB H100; run_gpu_transport.sh says why)
+  layers=${K26_LAYERS:-$(python -c "import torch
+print(5 if torch.cuda.get_device_properties(0).total_memory > 100e9 else 4)")}
+  OUT="$OUT" K26_LAYERS=$layers K26=1 TESTS=0 ECHO=0 \
+    BENCH_ARGS="${TRANSPORT_ARGS:---transports colocated grpc --steps 40}" bash bench/run_gpu_transport.sh || status=1
 fi
 echo "exit $status" | tee -a "$OUT/standings_gpu.txt"
 exit $status
