@@ -43,11 +43,12 @@ table on stdout and JSON lines appended to bench/results/transport.jsonl. Exit s
 records, flagged with `problems`) when a check fails, a step fell back to autoregressive, or the co-located stream
 did not use its shared regions on the requested device.
 
-On CPU, pin glibc's allocator for the whole run (both processes inherit it):
-    MALLOC_MMAP_THRESHOLD_=1073741824 MALLOC_TRIM_THRESHOLD_=4294967296 OMP_NUM_THREADS=1 python bench/...
-otherwise its dynamic mmap threshold decides, by the process's allocation history, whether the
-drafter's megabyte temporaries are reused or mapped and page-faulted afresh every step: seen here as
-+-25% drafter compute between builds that differ in a few small allocations. Records say whether it was.
+glibc's allocator: this process (the verifier side of every engine) applies the served processes' malloc settings
+(`gateway.commands.host_memory`, as `ddtree verifier serve` and the drafter process it starts do: one arena, fixed
+mmap and trim thresholds), else its dynamic mmap threshold decides, by the process's allocation history, whether a
+step's megabyte messages and temporaries are reused or mapped and page-faulted afresh every step (a C = 32 step's
+0.9 MB gRPC request at K2.6 widths: 1.8 ms of message building on the 2-core CPU host instead of 0.2). Records
+say whether it took (`malloc_tuned`) and whether MALLOC_* variables pinned it as well (`malloc_pinned`).
 """
 
 from __future__ import annotations
@@ -199,9 +200,14 @@ def main() -> int:
                         "name each engine's step) and over the drafter process's steps of the same number (the same "
                         "rounds with one remote engine), Chrome traces into DIR; `bench/trace_steps.py DIR "
                         "--step-label grpc` lines them up. Timings taken meanwhile are not representative")
+    p.add_argument("--malloc-tune", action=argparse.BooleanOptionalAction, default=True,
+                   help="apply the served processes' glibc malloc settings in this process (the verifier side), as "
+                        "`ddtree verifier serve` does; --no-malloc-tune: glibc's defaults (the records before the "
+                        "thirty-seventh session)")
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "transport.jsonl"))
     args = p.parse_args()
 
+    from gateway.commands.host_memory import tune_glibc_malloc
     from protos.serving import freeze_startup_heap
     from telemetry.torch_trace import StepTrace, parse_spec
     from verifier_service.engine import Engine, EngineConfig
@@ -209,6 +215,7 @@ def main() -> int:
     from verifier_service.transport import StreamClientConfig
     from verifier_service.transport_stream import DraftStreamClient
 
+    malloc_tuned = args.malloc_tune and tune_glibc_malloc()  # before this process's threads exist, as servers do
     t_start = time.monotonic()
     pair = Path(args.pair)
     cuda = args.device.startswith("cuda")
@@ -374,7 +381,7 @@ def main() -> int:
                        "ipc_events": t in clients and clients[t].ipc_events,
                        "doorbell": t in clients and clients[t].doorbell,
                        **in_place.get(t, {"in_place_steps": 0, "ring_first": 0}),
-                       "malloc_pinned": "MALLOC_MMAP_THRESHOLD_" in os.environ,
+                       "malloc_pinned": "MALLOC_MMAP_THRESHOLD_" in os.environ, "malloc_tuned": malloc_tuned,
                        "pinned_min_bytes": pinned_min_bytes(os.environ.get("DDTREE_PINNED_MIN_BYTES")),
                        "time": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
                        "note": "drafter in a separate process on loopback, same device; engines share one target "

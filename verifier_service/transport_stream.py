@@ -482,14 +482,17 @@ class DraftStreamClient:
         """Send one step's requests (in_place > 0: ask for the trees as a [6, R, in_place] block at the response
         region's start) -> (when it left, perf_counter; its deadline, monotonic)."""
         s.step_id += 1
-        step = drafter_pb2.DraftStep(step_id=s.step_id)
+        msg = drafter_pb2.DraftStreamRequest()
+        step = msg.step  # filled in place: DraftStreamRequest(step=step) would copy its rows (up to megabytes)
+        step.SetInParent()
+        step.step_id = s.step_id
         if in_place:
             step.trees_in_place = in_place
         arena = RegionArena(s.regions[REQUEST_REGION]) if s.regions else None
         # context bytes one step message may carry; longer windows go ahead in context messages
-        for msg in step_message(step, requests, self._pending, s.synced, arena, self.cfg.max_message_bytes // 2,
-                                s.step_features):
-            s.send(msg)
+        for ahead in step_message(step, requests, self._pending, s.synced, arena, self.cfg.max_message_bytes // 2,
+                                  s.step_features):
+            s.send(ahead)
         if arena is not None:
             # the features are in the region, and our reads of the last trees are done: hand it over
             arena.hand_over(s.request_event)
@@ -499,7 +502,7 @@ class DraftStreamClient:
             self._bell_value += 1
             s.bell_value = step.doorbell_value = self._bell_value
         t_sent = time.perf_counter()
-        s.send(drafter_pb2.DraftStreamRequest(step=step))
+        s.send(msg)
         return t_sent, time.monotonic() + self.cfg.draft_timeout_s
 
     def _receive_step(self, s: DraftCall, requests: list[DraftRequest], caps: list[int], t_sent: float,
