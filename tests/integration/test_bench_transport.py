@@ -1,11 +1,13 @@
 """bench/bench_transport.py runs end to end on the CPU (a real `ddtree drafter serve` process on loopback, the
-tiny pair): one record per engine and concurrency, every remote engine emitting the in-process engine's tokens;
-`--transports` picks the remote engines and refuses unknown ones."""
+tiny pair): one record per engine and concurrency, every remote engine emitting the in-process engine's tokens, the
+pair's layer count and the served malloc settings recorded; `--transports` picks the remote engines and refuses
+unknown ones."""
 
 from __future__ import annotations
 
 import json
 import os
+import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -26,12 +28,17 @@ def test_bench_transport_records_each_engine_with_identical_outputs(pair, tmp_pa
     proc = run_bench(target.parent, out, "--concurrency", "1", "3", "--transports", "grpc", "colocated")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     recs = [json.loads(line) for line in out.read_text().splitlines()]
+    cfg = json.loads((target / "config.json").read_text())
+    target_layers = cfg.get("text_config", cfg)["num_hidden_layers"]
     assert sorted((r["params"]["transport"], r["params"]["concurrency"]) for r in recs) == [
         ("colocated", 1), ("colocated", 3), ("grpc", 1), ("grpc", 3), ("inprocess", 1), ("inprocess", 3)]
     for r in recs:
         assert r["outputs_identical"] and r["steps_identical"] and "problems" not in r, r
         assert r["ms"] > 0 and r["params"]["steps"] == 3
         assert (r["ratio"] == 1.0) == (r["params"]["transport"] == "inprocess")
+        assert r["params"]["target_layers"] == target_layers
+        # the verifier side runs with the served processes' malloc settings (where the C library takes them)
+        assert r["malloc_tuned"] == (platform.libc_ver()[0] == "glibc"), r["malloc_tuned"]
     grpc = next(r for r in recs if r["params"]["transport"] == "grpc")
     assert {"round_trip", "drafter", "transport"} <= set(grpc["metrics"]["breakdown_ms"]) and not grpc["regions"]
     colocated = next(r for r in recs if r["params"]["transport"] == "colocated")
