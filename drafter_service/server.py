@@ -46,7 +46,7 @@ from protos.ddtree.v1 import drafter_pb2, drafter_pb2_grpc
 from protos.doorbell import Doorbell, supported
 from protos.serving import GrpcServer, cancel_quietly
 from protos.shared_region import IpcEvent, SharedRegion
-from telemetry import tracing
+from telemetry import host_timeline, tracing
 from telemetry.grpc_tracing import DEFAULT_EXCLUDE, TracingServerInterceptor
 from telemetry.metrics import Metrics, parse_hostport, process_metrics
 from telemetry.torch_trace import StepTrace, parse_spec
@@ -206,6 +206,8 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
                 return
             while (req := await self._read(context)) is not None:
                 kind = req.WhichOneof("kind")
+                if kind == "step":
+                    host_timeline.mark("step_in")
                 if kind not in MID_STREAM:
                     await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"unexpected `{kind}` mid-stream")
                 try:
@@ -213,6 +215,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
                 except ProtocolError as e:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
                 if resp is not None:
+                    host_timeline.mark("answer_sent")
                     await context.write(resp)
         finally:
             if control is not None:
@@ -233,11 +236,16 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         if req.WhichOneof("kind") != "step" or st.regions or not self._model_lock.acquire(blocking=False):
             return await asyncio.get_running_loop().run_in_executor(self._pool, self._handle, st, req)
         try:
+            host_timeline.mark("draft_begin")
             work = st.begin(req.step)
+            host_timeline.mark("draft_queued")
         finally:
             self._model_lock.release()
         st.copy_wait_s = await _copied(work, st.copy_wait_s)
-        return drafter_pb2.DraftStreamResponse(trees=st.finish(work))
+        host_timeline.mark("trees_copied")
+        answer = drafter_pb2.DraftStreamResponse(trees=st.finish(work))
+        host_timeline.mark("answer_ready")
+        return answer
 
     def _handle(self, st: DraftStream, req: drafter_pb2.DraftStreamRequest) -> drafter_pb2.DraftStreamResponse | None:
         """One mid-stream message, under the model lock -> the answer to send (steps only)."""

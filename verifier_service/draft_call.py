@@ -20,6 +20,7 @@ import grpc
 from protos.control_socket import ControlClosed, ControlSocket
 from protos.ddtree.v1 import drafter_pb2, drafter_pb2_grpc
 from protos.shared_region import IpcEvent, SharedRegion
+from telemetry import host_timeline
 from verifier_service.in_place import InPlacePlan
 from verifier_service.keepwarm import KeepWarmPlan, paced
 from verifier_service.tree_landing import Landing
@@ -76,6 +77,8 @@ class DraftCall:
         try:
             for resp in self.call:
                 if resp.WhichOneof("kind") == "trees":
+                    host_timeline.mark("answer_in")
+                if resp.WhichOneof("kind") == "trees":
                     self.keepwarm.answered()
                 with self._route:
                     landing = self.landing
@@ -87,6 +90,7 @@ class DraftCall:
                         self._responses.put(resp)
                 if landing is not None:
                     landing.deliver(resp.trees)
+                    host_timeline.mark("answer_landed")
             err: Exception = StreamBroken("the drafter closed the stream")
         except grpc.RpcError as e:
             err = StreamBroken(f"stream failed: {e.code().name}: {e.details()}")
@@ -151,6 +155,7 @@ class DraftCall:
             item = self._responses.get(timeout=timeout)
         except queue.Empty:
             raise DraftTimeout(f"no answer within {timeout:.2f} s") from None
+        host_timeline.mark("answer_taken")
         if isinstance(item, Exception):
             self._responses.put(item)  # later readers see it too
             raise item

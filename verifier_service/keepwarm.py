@@ -21,6 +21,8 @@ import queue
 import time
 from collections.abc import Callable, Iterator
 
+from telemetry import host_timeline
+
 ACTIVE_S = 0.25  # pings only this long after the last step sent
 LEAD_S = 0.001  # how long before the expected message the ping goes out
 
@@ -74,6 +76,7 @@ def paced(requests: queue.Queue, ping, plan: KeepWarmPlan | None) -> Iterator:
         due = plan.deadline() if plan is not None else None
         try:
             msg = requests.get(timeout=None if due is None else max(0.0, due - time.monotonic()))
+            host_timeline.mark("step_out")  # (any message taken: the first after a step's `step_sent` is the step)
         except queue.Empty:
             due = plan.deadline()
             if due is None or due > time.monotonic():

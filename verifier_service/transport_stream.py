@@ -51,6 +51,7 @@ from protos.control_socket import ControlListener
 from protos.ddtree.v1 import drafter_pb2, drafter_pb2_grpc
 from protos.doorbell import HostBell, host_supported, reached, supported
 from protos.shared_region import IpcEvent, RegionArena, SharedRegion
+from telemetry import host_timeline
 from telemetry.metrics import Metrics
 from verifier_service.doorbell_watch import DoorbellWatch
 from verifier_service.draft_call import DraftCall, DraftTimeout, StreamBroken
@@ -502,6 +503,7 @@ class DraftStreamClient:
             self._bell_value += 1
             s.bell_value = step.doorbell_value = self._bell_value
         t_sent = time.perf_counter()
+        host_timeline.mark("step_sent")
         s.send(msg)
         return t_sent, time.monotonic() + self.cfg.draft_timeout_s
 

@@ -12,11 +12,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+from bench import host_timeline
+from telemetry.host_timeline import MARKS
+
 REPO = Path(__file__).resolve().parents[2]
 
 
-def run_bench(pair_dir: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+def run_bench(pair_dir: Path, out: Path, *extra: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", **(env or {}))
     return subprocess.run([sys.executable, str(REPO / "bench" / "bench_transport.py"), "--pair", str(pair_dir),
                            "--device", "cpu", "--steps", "3", "--warmup", "1", "--out", str(out), *extra],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
@@ -50,3 +53,20 @@ def test_bench_transport_refuses_an_unknown_transport(pair, tmp_path):
     proc = run_bench(target.parent, tmp_path / "t.jsonl", "--transports", "colocated", "carrier-pigeon")
     assert proc.returncode == 2 and "carrier-pigeon" in proc.stderr and "not among" in proc.stderr
     assert not (tmp_path / "t.jsonl").exists()
+
+
+def test_host_timeline_lines_up_both_processes_marks(pair, tmp_path):
+    """DDTREE_HOST_TIMELINE reaches the drafter process too: every gRPC step has the marks of both processes, in the
+    order they happen (bench/host_timeline.py drops a step that misses one), and each hand-off took some time."""
+    target, _ = pair
+    timeline = tmp_path / "timeline.log"
+    proc = run_bench(target.parent, tmp_path / "t.jsonl", "--concurrency", "1", "--transports", "grpc",
+                     env={"DDTREE_HOST_TIMELINE": str(timeline)})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    pids = {line.split()[0] for line in timeline.read_text().splitlines()}
+    assert len(pids) == 2, pids  # the bench's process and the drafter's
+    out = host_timeline.hand_offs(host_timeline.steps_of(timeline.read_text().splitlines()))
+    on_cpu = [m for m in MARKS if m != "answer_landed"]  # no GPU: the engine thread takes the trees
+    assert out["marks"] == on_cpu, out["marks"]
+    assert out["steps"] >= 3 + 1  # the timed steps and the warm-up, every one with all its marks
+    assert all(med >= 0 for _, _, med, _, _ in out["segments"]) and out["added_us"] > 0, out

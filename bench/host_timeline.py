@@ -1,0 +1,77 @@
+"""A remote draft step's hand-offs from a host timeline (`telemetry.host_timeline`): the median time between
+consecutive marks over the steps, both processes together.
+
+    DDTREE_HOST_TIMELINE=/tmp/tl.log python bench/bench_transport.py ... --transports grpc --concurrency 1
+    python bench/host_timeline.py /tmp/tl.log [--skip 5] [--json]
+
+A step starts at each `step_sent`; every other mark counts the first time it appears before the next `step_sent`
+(run one remote engine at a time, so that the marks are one stream's). Steps missing a mark the run has elsewhere are
+dropped, as are the first --skip (warm-up). Prints one line per hand-off (median, p10, p90 in us) and the two host
+stretches a remote step adds to the drafter's own work: step_sent -> draft_begin and answer_ready -> the verifier's
+end (answer_landed when the trees land on a GPU, else answer_taken).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from telemetry.host_timeline import MARKS  # noqa: E402
+
+
+def steps_of(lines: list[str]) -> list[dict[str, int]]:
+    """The records (`<pid> <tag> <ns>`) -> one {tag: ns} per step, in time order."""
+    events = sorted((int(ns), tag) for _, tag, ns in (line.split() for line in lines if line.strip()))
+    steps: list[dict[str, int]] = []
+    for ns, tag in events:
+        if tag == "step_sent":
+            steps.append({tag: ns})
+        elif steps and tag not in steps[-1]:
+            steps[-1][tag] = ns
+    return steps
+
+
+def hand_offs(steps: list[dict[str, int]], skip: int = 0) -> dict:
+    """-> {"marks": the marks every kept step has, in MARKS order, "steps": how many, "segments": [(from, to, median,
+    p10, p90) us], "added_us": the median of (draft_begin - step_sent) + (end - answer_ready)}."""
+    seen = [m for m in MARKS if any(m in s for s in steps)]
+    kept = [s for s in steps if all(m in s for m in seen)][skip:]
+    if not kept:
+        return {"marks": seen, "steps": 0, "segments": [], "added_us": None}
+    segments = []
+    for a, b in zip(seen, seen[1:]):
+        d = sorted((s[b] - s[a]) / 1e3 for s in kept)
+        segments.append((a, b, statistics.median(d), d[len(d) // 10], d[9 * len(d) // 10]))
+    end = "answer_landed" if "answer_landed" in seen else "answer_taken"
+    added = None
+    if {"step_sent", "draft_begin", "answer_ready", end} <= set(seen):
+        added = statistics.median(((s["draft_begin"] - s["step_sent"]) + (s[end] - s["answer_ready"])) / 1e3
+                                  for s in kept)
+    return {"marks": seen, "steps": len(kept), "segments": segments, "added_us": added, "end": end}
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("file")
+    p.add_argument("--skip", type=int, default=5, help="first steps left out (warm-up)")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    out = hand_offs(steps_of(Path(args.file).read_text().splitlines()), args.skip)
+    if args.json:
+        print(json.dumps(out))
+        return out
+    print(f"{out['steps']} steps")
+    for a, b, med, p10, p90 in out["segments"]:
+        print(f"{a:>14s} -> {b:<14s} median {med:8.1f} us   p10 {p10:8.1f}   p90 {p90:8.1f}")
+    if out["added_us"] is not None:
+        print(f"step_sent -> draft_begin + answer_ready -> {out['end']}: median {out['added_us']:.1f} us")
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+"""Host timestamps at the hand-offs of a remote draft step, in both processes: where the time between the verifier's
+send and the drafter's first launch, and between the drafter's trees and the verifier's GPU, goes.
+
+Off unless the environment names a file: `DDTREE_HOST_TIMELINE=FILE` in a verifier (or `bench_transport.py`) and
+the drafter process it starts (children inherit it). Each `mark(tag)` then records (pid, tag, CLOCK_MONOTONIC ns),
+which both processes of one host share; records are appended to FILE in batches and at exit, one line each:
+`<pid> <tag> <ns>`. `bench/host_timeline.py FILE` lines a step's marks up and prints each hand-off's median.
+Off, `mark` is one global read and a return (~35 ns with the call, this repo's CPU host); on, ~0.5 us (the
+record formatted and appended; a batch written every FLUSH_EVERY).
+
+The marks of a step on the gRPC stream (co-located streams' control sockets carry none yet), in order (`MARKS`): the
+verifier's engine thread sends it (`step_sent`); gRPC's request thread takes it from the queue (`step_out`); the
+drafter's event loop has read it (`step_in`); its model part starts (`draft_begin`) and has queued its GPU work
+(`draft_queued`); the trees' host copy is seen done (`trees_copied`); the answer is encoded (`answer_ready`) and
+handed to gRPC (`answer_sent`); the verifier's reader thread has it (`answer_in`) and has landed it, ringing the host
+doorbell its GPU waits on (`answer_landed`), or the engine thread has taken it (`answer_taken`, without a landing).
+For diagnosis: the marks stay in the code, costing next to nothing off.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+import time
+
+ENV = "DDTREE_HOST_TIMELINE"
+MARKS = ("step_sent", "step_out", "step_in", "draft_begin", "draft_queued", "trees_copied", "answer_ready",
+         "answer_sent", "answer_in", "answer_landed", "answer_taken")
+FLUSH_EVERY = 256  # records held before an append to the file
+
+_path: str | None = os.environ.get(ENV) or None
+_records: list[str] = []
+_lock = threading.Lock()
+
+
+def mark(tag: str) -> None:
+    """Record `tag` now (nothing when the timeline is off)."""
+    if _path is None:
+        return
+    _records.append(f"{os.getpid()} {tag} {time.monotonic_ns()}\n")
+    if len(_records) >= FLUSH_EVERY:
+        flush()
+
+
+def flush() -> None:
+    """Append the records held to the file (also at exit)."""
+    global _records
+    if _path is None:
+        return
+    with _lock:
+        held, _records = _records, []
+        if held:
+            with open(_path, "a") as f:
+                f.write("".join(held))
+
+
+def enable(path: str | None) -> None:
+    """Turn the timeline on (a file) or off (None) in this process; `ENV` sets it at import."""
+    global _path
+    flush()
+    _path = path
+
+
+atexit.register(flush)
