@@ -78,7 +78,6 @@ class DraftCall:
             for resp in self.call:
                 if resp.WhichOneof("kind") == "trees":
                     host_timeline.mark("answer_in")
-                if resp.WhichOneof("kind") == "trees":
                     self.keepwarm.answered()
                 with self._route:
                     landing = self.landing
