@@ -1,11 +1,11 @@
 """Host timestamps at the hand-offs of a remote draft step, in both processes: where the time between the verifier's
 send and the drafter's first launch, and between the drafter's trees and the verifier's GPU, goes.
 
-Off unless the environment names a file: `DDTREE_HOST_TIMELINE=FILE` in both processes (a verifier and its drafter
-on one host; `bench_transport.py`'s drafter process inherits it from the bench). Each `mark(tag)` then records (pid, tag, CLOCK_MONOTONIC ns),
-which both processes of one host share; records are appended to FILE in batches and at exit, one line each:
-`<pid> <tag> <ns>`. `bench/host_timeline.py FILE` lines a step's marks up and prints each hand-off's median.
-Off, `mark` is one global read and a return (~35 ns with the call, this repo's CPU host); on, ~0.5 us (the
+Off unless the environment names a file: `DDTREE_HOST_TIMELINE=FILE` in both processes (a verifier and its drafter on
+one host; `bench_transport.py`'s drafter process inherits it from the bench). Each `mark(tag)` then records (pid, tag,
+CLOCK_MONOTONIC ns), which both processes of one host share; records are appended to FILE in batches and at exit, one
+line each: `<pid> <tag> <ns>`. `bench/host_timeline.py FILE` lines a step's marks up and prints each hand-off's
+median. Off, `mark` is one global read and a return (~35 ns with the call, this repo's CPU host); on, ~0.5 us (the
 record formatted and appended; a batch written every FLUSH_EVERY).
 
 The marks of a step on the gRPC stream (co-located streams' control sockets carry none yet), in order (`MARKS`): the
