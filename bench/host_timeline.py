@@ -4,11 +4,12 @@ consecutive marks over the steps, both processes together.
     DDTREE_HOST_TIMELINE=/tmp/tl.log python bench/bench_transport.py ... --transports grpc --concurrency 1
     python bench/host_timeline.py /tmp/tl.log [--skip 5] [--json]
 
-A step starts at each `step_sent`; every other mark counts the first time it appears before the next `step_sent`
-(run one remote engine at a time, so that the marks are one stream's). Steps missing a mark the run has elsewhere are
-dropped, as are the first --skip (warm-up). Prints one line per hand-off (median, p10, p90 in us) and the two host
-stretches a remote step adds to the drafter's own work: step_sent -> draft_begin and answer_ready -> the verifier's
-end (answer_landed when the trees land on a GPU, else answer_taken).
+A step starts at each `step_sent`; every other mark counts the first time it appears before the next `step_sent` (run
+one remote engine at a time, so that the marks are one stream's). The marks that at least half the steps have are the
+path's (a co-located stream's first message travels over gRPC, its steps over the control socket); steps missing one
+of them are dropped, as are the first --skip (warm-up). Prints one line per hand-off (median, p10, p90 in us) and the
+two host stretches a remote step adds to the drafter's own work: step_sent -> draft_begin and answer_ready -> the
+verifier's end (answer_landed when the trees land on a GPU, else answer_taken).
 """
 
 from __future__ import annotations
@@ -37,9 +38,9 @@ def steps_of(lines: list[str]) -> list[dict[str, int]]:
 
 
 def hand_offs(steps: list[dict[str, int]], skip: int = 0) -> dict:
-    """-> {"marks": the marks every kept step has, in MARKS order, "steps": how many, "segments": [(from, to, median,
+    """-> {"marks": the marks of most steps, in MARKS order, "steps": how many, "segments": [(from, to, median,
     p10, p90) us], "added_us": the median of (draft_begin - step_sent) + (end - answer_ready)}."""
-    seen = [m for m in MARKS if any(m in s for s in steps)]
+    seen = [m for m in MARKS if 2 * sum(m in s for s in steps) >= len(steps)]  # marks of most steps (the path's)
     kept = [s for s in steps if all(m in s for m in seen)][skip:]
     if not kept:
         return {"marks": seen, "steps": 0, "segments": [], "added_us": None}

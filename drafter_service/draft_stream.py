@@ -248,11 +248,6 @@ class DraftStream:
         return (feats,) if len(counts) == 1 else feats.split(counts)  # one session (C = 1): no op at all
 
     @torch.no_grad()
-    def step(self, step: drafter_pb2.DraftStep) -> drafter_pb2.DraftTrees:
-        """Check every session's request, draft the valid ones in one batch, answer all of them."""
-        return self.finish(self.begin(step))
-
-    @torch.no_grad()
     def begin(self, step: drafter_pb2.DraftStep) -> StepWork:
         """The model part of `step`: checks, the batched draft and the stream's bookkeeping, queued on the GPU.
         Trees that will travel as bytes start their one device-to-host copy here (pinned, not waited for), so

@@ -254,7 +254,12 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
             st.await_request(req.step)
         with self._model_lock, torch.no_grad():
             if kind == "step":
-                return drafter_pb2.DraftStreamResponse(trees=st.step(req.step))
+                host_timeline.mark("draft_begin")
+                work = st.begin(req.step)
+                host_timeline.mark("draft_queued")
+                answer = drafter_pb2.DraftStreamResponse(trees=st.finish(work))
+                host_timeline.mark("answer_ready")
+                return answer
             if kind == "context":
                 st.context(req.context)
             else:
@@ -299,6 +304,8 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
             except ValueError as e:
                 return grpc.StatusCode.INVALID_ARGUMENT, f"control socket: {e}"
             kind = req.WhichOneof("kind")
+            if kind == "step":
+                host_timeline.mark("step_in")
             if kind not in MID_STREAM:
                 return grpc.StatusCode.FAILED_PRECONDITION, f"unexpected `{kind}` mid-stream"
             if self._closed:  # the process is exiting
@@ -308,6 +315,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
             except ProtocolError as e:
                 return grpc.StatusCode.INVALID_ARGUMENT, str(e)
             if resp is not None:
+                host_timeline.mark("answer_sent")
                 try:
                     control.send(resp)
                 except OSError:

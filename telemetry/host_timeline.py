@@ -8,13 +8,15 @@ line each: `<pid> <tag> <ns>`. `bench/host_timeline.py FILE` lines a step's mark
 median. Off, `mark` is one global read and a return (~35 ns with the call, this repo's CPU host); on, ~0.5 us (the
 record formatted and appended; a batch written every FLUSH_EVERY).
 
-The marks of a step on the gRPC stream (co-located streams' control sockets carry none yet), in order (`MARKS`): the
-verifier's engine thread sends it (`step_sent`); gRPC's request thread takes it from the queue (`step_out`); the
-drafter's event loop has read it (`step_in`); its model part starts (`draft_begin`) and has queued its GPU work
-(`draft_queued`); the trees' host copy is seen done (`trees_copied`); the answer is encoded (`answer_ready`) and
-handed to gRPC (`answer_sent`); the verifier's reader thread has it (`answer_in`) and has landed it, ringing the host
-doorbell its GPU waits on (`answer_landed`), or the engine thread has taken it (`answer_taken`, without a landing).
-For diagnosis: the marks stay in the code, costing next to nothing off.
+The marks of a step on the gRPC stream, in order (`MARKS`): the verifier's engine thread sends it (`step_sent`);
+gRPC's request thread takes it from the queue (`step_out`); the drafter's event loop has read it (`step_in`); its
+model part starts (`draft_begin`) and has queued its GPU work (`draft_queued`); the trees' host copy is seen done
+(`trees_copied`); the answer is encoded (`answer_ready`) and handed to gRPC (`answer_sent`); the verifier's reader
+thread has it (`answer_in`) and has landed it, ringing the host doorbell its GPU waits on (`answer_landed`), or the
+engine thread has taken it (`answer_taken`, without a landing). A co-located stream's steps travel over its control
+socket: `step_sent`, `step_in` (the drafter's socket thread has it), `draft_begin` (after the poll of the verifier's
+request event, on a GPU), `draft_queued`, `answer_ready` (trees in the region, the doorbell rung on the GPU),
+`answer_sent`, `answer_taken`. For diagnosis: the marks stay in the code, costing next to nothing off.
 """
 
 from __future__ import annotations

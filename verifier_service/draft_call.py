@@ -144,7 +144,9 @@ class DraftCall:
     def recv(self, timeout: float) -> drafter_pb2.DraftStreamResponse:
         if self.control is not None and not self.broken:
             try:
-                return self.control.recv(drafter_pb2.DraftStreamResponse, timeout)
+                resp = self.control.recv(drafter_pb2.DraftStreamResponse, timeout)
+                host_timeline.mark("answer_taken")
+                return resp
             except TimeoutError:
                 raise DraftTimeout(f"no answer within {timeout:.2f} s") from None
             except (ControlClosed, OSError, ValueError) as e:

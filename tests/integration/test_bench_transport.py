@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from bench import host_timeline
 from telemetry.host_timeline import MARKS
 
@@ -55,18 +57,22 @@ def test_bench_transport_refuses_an_unknown_transport(pair, tmp_path):
     assert not (tmp_path / "t.jsonl").exists()
 
 
-def test_host_timeline_lines_up_both_processes_marks(pair, tmp_path):
-    """DDTREE_HOST_TIMELINE reaches the drafter process too: every gRPC step has the marks of both processes, in the
+@pytest.mark.parametrize("transport,marks", [
+    ("grpc", [m for m in MARKS if m != "answer_landed"]),  # no GPU: the engine thread takes the trees
+    ("colocated", ["step_sent", "step_in", "draft_begin", "draft_queued", "answer_ready", "answer_sent",
+                   "answer_taken"]),  # over the control socket
+])
+def test_host_timeline_lines_up_both_processes_marks(pair, tmp_path, transport, marks):
+    """DDTREE_HOST_TIMELINE reaches the drafter process too: every step has the marks of both processes, in the
     order they happen (bench/host_timeline.py drops a step that misses one), and each hand-off took some time."""
     target, _ = pair
     timeline = tmp_path / "timeline.log"
-    proc = run_bench(target.parent, tmp_path / "t.jsonl", "--concurrency", "1", "--transports", "grpc",
+    proc = run_bench(target.parent, tmp_path / "t.jsonl", "--concurrency", "1", "--transports", transport,
                      env={"DDTREE_HOST_TIMELINE": str(timeline)})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     pids = {line.split()[0] for line in timeline.read_text().splitlines()}
     assert len(pids) == 2, pids  # the bench's process and the drafter's
     out = host_timeline.hand_offs(host_timeline.steps_of(timeline.read_text().splitlines()))
-    on_cpu = [m for m in MARKS if m != "answer_landed"]  # no GPU: the engine thread takes the trees
-    assert out["marks"] == on_cpu, out["marks"]
+    assert out["marks"] == marks, out["marks"]
     assert out["steps"] >= 3 + 1  # the timed steps and the warm-up, every one with all its marks
     assert all(med >= 0 for _, _, med, _, _ in out["segments"]) and out["added_us"] > 0, out
