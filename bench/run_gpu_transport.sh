@@ -10,11 +10,13 @@
 # processes share one GPU context. TRACE=1 adds a short gRPC run at C = 1 (TRACE_ARGS to change it) under torch.profiler
 # in both processes (--torch-trace) and `bench/trace_steps.py`'s step-by-step GPU timeline of both into
 # $OUT/trace_steps_<label>.txt for each engine label of TRACE_LABELS (default grpc; e.g. "colocated inprocess"), and the
-# traces themselves as $OUT/traces.tgz (TRACE_TGZ=0: not; the device returns few files). The device image lacks
-# grpcio-health-checking, grpcio-reflection and opentelemetry-sdk: carry `.whl/` (the wheels, git-ignored) and they are
-# installed into /tmp/site here. K26=1 with 5 layers needs ~78 GB on the GPU (the verifier 66 GB, the drafter process 11
-# GB): an H200; each MoE layer fewer saves ~9.5 GB, so an 80 GB H100 takes K26_LAYERS=4 (a shorter in-process step: the
-# overheads' ratios come out higher than with 5 layers; params.target_layers).
+# traces themselves as $OUT/traces.tgz (TRACE_TGZ=0: not; the device returns few files). TIMELINE=1 adds, for each
+# engine of TIMELINE_TRANSPORTS (default grpc colocated) and each C of TIMELINE_C (default 1 32), a short run under
+# DDTREE_HOST_TIMELINE and `bench/host_timeline.py`'s hand-offs into $OUT/timeline_<engine>_c<C>.txt. The device image
+# lacks grpcio-health-checking, grpcio-reflection and opentelemetry-sdk: carry `.whl/` (the wheels, git-ignored) and
+# they are installed into /tmp/site here. K26=1 with 5 layers needs ~78 GB on the GPU (the verifier 66 GB, the drafter
+# process 11 GB): an H200; each MoE layer fewer saves ~9.5 GB, so an 80 GB H100 takes K26_LAYERS=4 (a shorter in-process
+# step: the overheads' ratios come out higher than with 5 layers; params.target_layers).
 set -o pipefail
 # shellcheck source=bench/_wheels.sh
 . bench/_wheels.sh
@@ -63,6 +65,18 @@ if [ "${TRACE:-0}" != 0 ]; then
     python bench/trace_steps.py /tmp/ddtree-traces --step-label "$label" > "$OUT/trace_steps_$label.txt" 2>&1
   done
   [ "${TRACE_TGZ:-1}" = 0 ] || tar czf "$OUT/traces.tgz" -C /tmp ddtree-traces
+fi
+if [ "${TIMELINE:-0}" != 0 ]; then  # host timelines (telemetry/host_timeline.py): one remote engine at a time
+  if [ "${K26:-0}" != 0 ]; then src=(--pair "$pair"); else src=(--device cuda); fi
+  for t in ${TIMELINE_TRANSPORTS:-grpc colocated}; do
+    for c in ${TIMELINE_C:-1 32}; do
+      log="$OUT/timeline_${t}_c$c.log"
+      rm -f "$log"
+      DDTREE_HOST_TIMELINE="$log" timeout "${T_TIMELINE:-90}" python bench/bench_transport.py "${src[@]}" \
+        --transports "$t" --concurrency "$c" --steps 30 --warmup 6 --out "$OUT/timeline_runs.jsonl" 2>&1 | tail -2
+      python bench/host_timeline.py "$log" | tee "$OUT/timeline_${t}_c$c.txt"
+    done
+  done
 fi
 if [ "${ECHO:-1}" != 0 ]; then  # the bare gRPC round trip on this host, busy and after a verify step's silence
   timeout "${T_ECHO:-150}" python bench/grpc_echo.py --sizes 20000 300000 --n 300 --gap-ms 0 9 --keepwarm-ms 0 3 \
