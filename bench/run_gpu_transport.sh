@@ -4,11 +4,11 @@
 # bench_transport.py at C=1 and C=32 on cuda: kimi-mini (about 3 minutes), or with K26=1 a random-weight Kimi K2.6 pair
 # (K26_LAYERS target layers, 5 by default, ~43 GB written to K26_DIR, /tmp/k26_<layers> by default, ~2 min; about 5
 # minutes in all). Logs and JSONL go to $OUT (bench/results/run when unset); run from the repo root. Section time
-# limits: T_TESTS / T_BENCH (seconds); extra bench flags: BENCH_ARGS; TESTS=0 skips the tests; then bench/grpc_echo.py
-# with and without a 9 ms silence and keep-warm messages (ECHO=0 skips it, T_ECHO its limit). MPS=1 runs everything
-# under an MPS control daemon of its own (pipe and log directories under /tmp/ddtree-mps; quit at the end), so the
-# processes share one GPU context. TRACE=1 adds a short gRPC run at C = 1 (TRACE_ARGS to change it) under torch.profiler
-# in both processes (--torch-trace) and `bench/trace_steps.py`'s step-by-step GPU timeline of both into
+# limits: T_TESTS / T_BENCH (seconds); extra bench flags: BENCH_ARGS; TESTS=0 skips the tests, BENCH=0 the bench; then
+# bench/grpc_echo.py with and without a 9 ms silence and keep-warm messages (ECHO=0 skips it, T_ECHO its limit). MPS=1
+# runs everything under an MPS control daemon of its own (pipe and log directories under /tmp/ddtree-mps; quit at the
+# end), so the processes share one GPU context. TRACE=1 adds a short gRPC run at C = 1 (TRACE_ARGS to change it) under
+# torch.profiler in both processes (--torch-trace) and `bench/trace_steps.py`'s step-by-step GPU timeline of both into
 # $OUT/trace_steps_<label>.txt for each engine label of TRACE_LABELS (default grpc; e.g. "colocated inprocess"), and the
 # traces themselves as $OUT/traces.tgz (TRACE_TGZ=0: not; the device returns few files). TIMELINE=1 adds, for each
 # engine of TIMELINE_TRANSPORTS (default grpc colocated) and each C of TIMELINE_C (default 1 32), a short run under
@@ -47,13 +47,19 @@ if [ "${K26:-0}" != 0 ]; then
               "GPU has (an H200, or K26_LAYERS=4 on an 80 GB GPU)" >&2; exit 2; }
   [ -d "$pair/target" ] || { time python -m gateway.cli init-random --preset kimi-k2.6 --layers "${K26_LAYERS:-5}" \
     --out "$pair" ; } 2>&1 | tail -3
+fi
+bench=0
+if [ "${BENCH:-1}" = 0 ]; then
+  :
+elif [ "${K26:-0}" != 0 ]; then
   timeout "${T_BENCH:-300}" python bench/bench_transport.py --pair "$pair" --concurrency 1 32 --steps 60 --warmup 6 \
     --out "$OUT/transport_k26.jsonl" $BENCH_ARGS 2>&1 | tee "$OUT/bench_transport_k26.log"
+  bench=$?
 else
   timeout "${T_BENCH:-240}" python bench/bench_transport.py --device cuda --concurrency 1 32 --steps 30 --warmup 5 \
     --time-budget-s 100 --out "$OUT/transport.jsonl" $BENCH_ARGS 2>&1 | tee "$OUT/bench_transport.log"
+  bench=$?
 fi
-bench=$?
 if [ "${TRACE:-0}" != 0 ]; then
   if [ "${K26:-0}" != 0 ]; then src=(--pair "$pair"); else src=(--device cuda); fi
   rm -rf /tmp/ddtree-traces
