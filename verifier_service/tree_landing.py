@@ -107,8 +107,12 @@ class Landing:
         self.excused.update(errors)
         if not ids:
             return
-        row = {sid: r for r, sid in enumerate(self.ids)}
         packed = trees.pack().numpy()  # [6, R', M'] int32
+        if ids == self.ids and trees.n_nodes == self.caps and packed.shape == self.host.shape \
+                and min(self.caps) == packed.shape[2]:
+            self.host[...] = packed  # the usual answer (every row, in order, full width): the loop below in one copy
+            return
+        row = {sid: r for r, sid in enumerate(self.ids)}
         for j, sid in enumerate(ids):
             r, n = row[sid], trees.n_nodes[j]
             if n != self.caps[r] or n > packed.shape[2]:

@@ -73,6 +73,22 @@ def test_answer_fills_the_answered_rows_and_rings_once():
     assert land.bell.rings == [41] and land.problem is None
 
 
+def test_the_usual_answer_lands_as_the_row_by_row_copy_would():
+    """Every row answered in order with full trees of one size (the usual answer) is taken in one copy: the same
+    rows as when the same trees come in another order (row by row), and the bell rings."""
+    trees = _trees(4, 8)
+    assert len(set(trees.n_nodes)) == 1  # full trees of 9 nodes: M = 9 for every row
+    caps, ids = list(trees.n_nodes), ["a", "b", "c", "d"]
+    usual = _landing(ids, caps)
+    usual.deliver(trees_to_pb(trees, ids, 7))
+    order = [2, 0, 3, 1]
+    shuffled = TreeBatch.from_packed(trees.pack()[:, order].contiguous(), [trees.n_nodes[j] for j in order])
+    by_row = _landing(ids, caps)
+    by_row.deliver(trees_to_pb(shuffled, [ids[j] for j in order], 7))
+    assert (usual.host == trees.pack().numpy()).all() and (usual.host == by_row.host).all()
+    assert usual.answered == ids and usual.excused == set() == usual.refused.keys() and usual.bell.rings == [41]
+
+
 def test_a_tree_of_another_size_keeps_the_root_only_row():
     trees = _trees(2, 8)
     n = trees.n_nodes[0]
