@@ -49,6 +49,8 @@ mmap and trim thresholds), else its dynamic mmap threshold decides, by the proce
 step's megabyte messages and temporaries are reused or mapped and page-faulted afresh every step (a C = 32 step's
 0.9 MB gRPC request at K2.6 widths: 1.8 ms of message building on the 2-core CPU host instead of 0.2). Records
 say whether it took (`malloc_tuned`) and whether MALLOC_* variables pinned it as well (`malloc_pinned`).
+`--gil-switch-us` sets the GIL switch interval in both processes (`gateway.commands.gil_switch`; records:
+`gil_switch_us`).
 """
 
 from __future__ import annotations
@@ -95,12 +97,13 @@ def timed_step(engine) -> tuple[float, dict[str, list[int]]]:
     return time.perf_counter() - t0, out
 
 
-def start_drafter(pair, device, dtype, max_sessions, graphs: bool, spin_ms: float, torch_trace: str | None
-                  ) -> subprocess.Popen:
+def start_drafter(pair, device, dtype, max_sessions, graphs: bool, spin_ms: float, torch_trace: str | None,
+                  gil_switch_us: float = 0.0) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "gateway.cli", "drafter", "serve", "--listen", "127.0.0.1:0",
                              "--target", str(pair / "target"), "--drafter", str(pair / "drafter"), "--device", device,
                              "--dtype", dtype, "--max-sessions", str(max_sessions), "--log-level", "WARNING",
                              "--control-spin-ms", str(spin_ms), "--metrics-listen", "127.0.0.1:0",
+                             "--gil-switch-us", str(gil_switch_us),
                              *([] if graphs else ["--no-cuda-graphs"]),
                              *([] if torch_trace is None else ["--torch-trace", torch_trace])],
                             cwd=REPO, stdout=subprocess.PIPE, text=True)
@@ -204,9 +207,13 @@ def main() -> int:
                    help="apply the served processes' glibc malloc settings in this process (the verifier side), as "
                         "`ddtree verifier serve` does; --no-malloc-tune: glibc's defaults (the records before the "
                         "thirty-seventh session)")
+    p.add_argument("--gil-switch-us", type=float, default=0.0,
+                   help="the GIL switch interval of this process (the verifier side) and the drafter process, us "
+                        "(0: the interpreter's default, 5000; gateway.commands.gil_switch)")
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "transport.jsonl"))
     args = p.parse_args()
 
+    from gateway.commands.gil_switch import set_gil_switch
     from gateway.commands.host_memory import tune_glibc_malloc
     from protos.serving import freeze_startup_heap
     from telemetry.torch_trace import StepTrace, parse_spec
@@ -216,6 +223,7 @@ def main() -> int:
     from verifier_service.transport_stream import DraftStreamClient
 
     malloc_tuned = args.malloc_tune and tune_glibc_malloc()  # before this process's threads exist, as servers do
+    gil_switch_us = set_gil_switch(args.gil_switch_us)
     t_start = time.monotonic()
     pair = Path(args.pair)
     cuda = args.device.startswith("cuda")
@@ -248,7 +256,7 @@ def main() -> int:
         p.error(str(e))
     step_trace = None
     proc = start_drafter(pair, args.device, dtype_name, drafter_sessions, graphs, args.control_spin_ms,
-                         args.torch_trace)  # loads now
+                         args.torch_trace, args.gil_switch_us)  # loads now
     clients: dict[str, DraftStreamClient] = {}
     try:
         inproc = build_local_engine(pair / "target", pair / "drafter", dtype, args.device, ecfg)
@@ -382,6 +390,7 @@ def main() -> int:
                        "doorbell": t in clients and clients[t].doorbell,
                        **in_place.get(t, {"in_place_steps": 0, "ring_first": 0}),
                        "malloc_pinned": "MALLOC_MMAP_THRESHOLD_" in os.environ, "malloc_tuned": malloc_tuned,
+                       "gil_switch_us": gil_switch_us,
                        "pinned_min_bytes": pinned_min_bytes(os.environ.get("DDTREE_PINNED_MIN_BYTES")),
                        "time": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
                        "note": "drafter in a separate process on loopback, same device; engines share one target "

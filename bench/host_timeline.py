@@ -7,7 +7,9 @@ consecutive marks over the steps, both processes together.
 A step starts at each `step_sent`; every other mark counts the first time it appears before the next `step_sent` (run
 one remote engine at a time, so that the marks are one stream's). The marks that at least half the steps have are the
 path's (a co-located stream's first message travels over gRPC, its steps over the control socket); steps missing one
-of them are dropped, as are the first --skip (warm-up). Prints one line per hand-off (median, p10, p90 in us) and the
+of them are dropped, as are the first --skip (warm-up). Prints one line per hand-off (median, p10, p90 in us; with
+`cpu`, the median CPU time of the thread that made both marks, where one thread made them in most steps: well below
+the wall time, the thread waited for the GIL or a core), each side mark's time after `step_sent`, and the
 two host stretches a remote step adds to the drafter's own work: step_sent -> draft_begin and answer_ready -> the
 verifier's end (answer_landed when the trees land on a GPU, else answer_taken).
 """
@@ -22,38 +24,61 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from telemetry.host_timeline import MARKS  # noqa: E402
+from telemetry.host_timeline import MARKS, SIDE_MARKS  # noqa: E402
+
+CPU = "@cpu"  # a step's {tag: (thread id, thread CPU ns)} for records that carry them
 
 
-def steps_of(lines: list[str]) -> list[dict[str, int]]:
-    """The records (`<pid> <tag> <ns>`) -> one {tag: ns} per step, in time order."""
-    events = sorted((int(ns), tag) for _, tag, ns in (line.split() for line in lines if line.strip()))
-    steps: list[dict[str, int]] = []
-    for ns, tag in events:
+def steps_of(lines: list[str]) -> list[dict]:
+    """The records (`<pid> <tag> <ns>[ <tid> <cpu ns>]`) -> one {tag: ns} per step, in time order; records with the
+    thread's id and CPU time also go into the step's CPU entry ({tag: (tid, cpu ns)})."""
+    events = sorted((int(f[2]), f[1], (int(f[3]), int(f[4])) if len(f) >= 5 else None)
+                    for f in (line.split() for line in lines if line.strip()))
+    steps: list[dict] = []
+    for ns, tag, cpu in events:
         if tag == "step_sent":
-            steps.append({tag: ns})
-        elif steps and tag not in steps[-1]:
+            steps.append({tag: ns, CPU: {}})
+        elif not steps or tag in steps[-1]:
+            continue
+        else:
             steps[-1][tag] = ns
+        if cpu is not None:
+            steps[-1][CPU][tag] = cpu
     return steps
 
 
-def hand_offs(steps: list[dict[str, int]], skip: int = 0) -> dict:
+def _spread(d: list[float]) -> tuple[float, float, float]:
+    d = sorted(d)
+    return statistics.median(d), d[len(d) // 10], d[9 * len(d) // 10]
+
+
+def hand_offs(steps: list[dict], skip: int = 0) -> dict:
     """-> {"marks": the marks of most steps, in MARKS order, "steps": how many, "segments": [(from, to, median,
-    p10, p90) us], "added_us": the median of (draft_begin - step_sent) + (end - answer_ready)}."""
+    p10, p90) us], "cpu": {(from, to): the median CPU us of the thread that made both marks, for segments with both
+    marks on one thread in most steps}, "side": {mark: (median, p10, p90) us after step_sent}, "added_us": the median
+    of (draft_begin - step_sent) + (end - answer_ready)}."""
     seen = [m for m in MARKS if 2 * sum(m in s for s in steps) >= len(steps)]  # marks of most steps (the path's)
     kept = [s for s in steps if all(m in s for m in seen)][skip:]
     if not kept:
-        return {"marks": seen, "steps": 0, "segments": [], "added_us": None}
-    segments = []
+        return {"marks": seen, "steps": 0, "segments": [], "cpu": {}, "side": {}, "added_us": None}
+    segments, cpu = [], {}
     for a, b in zip(seen, seen[1:]):
-        d = sorted((s[b] - s[a]) / 1e3 for s in kept)
-        segments.append((a, b, statistics.median(d), d[len(d) // 10], d[9 * len(d) // 10]))
+        segments.append((a, b, *_spread([(s[b] - s[a]) / 1e3 for s in kept])))
+        one = [s[CPU] for s in kept if a in s.get(CPU, {}) and b in s[CPU] and s[CPU][a][0] == s[CPU][b][0]]
+        if 2 * len(one) >= len(kept):
+            cpu[(a, b)] = statistics.median((c[b][1] - c[a][1]) / 1e3 for c in one)
+    side = {}
+    for m in SIDE_MARKS:
+        d = [(s[m] - s["step_sent"]) / 1e3 for s in kept if m in s]
+        if 2 * len(d) >= len(kept):
+            side[m] = _spread(d)
     end = "answer_landed" if "answer_landed" in seen else "answer_taken"
     added = None
     if {"step_sent", "draft_begin", "answer_ready", end} <= set(seen):
         added = statistics.median(((s["draft_begin"] - s["step_sent"]) + (s[end] - s["answer_ready"])) / 1e3
                                   for s in kept)
-    return {"marks": seen, "steps": len(kept), "segments": segments, "added_us": added, "end": end}
+    return {"marks": seen, "steps": len(kept), "segments": segments, "cpu": cpu, "side": side, "added_us": added,
+            "end": end}
 
 
 def main(argv=None) -> dict:
@@ -64,11 +89,15 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     out = hand_offs(steps_of(Path(args.file).read_text().splitlines()), args.skip)
     if args.json:
-        print(json.dumps(out))
+        print(json.dumps({**out, "cpu": {f"{a}->{b}": v for (a, b), v in out["cpu"].items()}}))
         return out
-    print(f"{out['steps']} steps")
+    print(f"{out['steps']} steps (cpu: the CPU time of the thread that made both marks)")
     for a, b, med, p10, p90 in out["segments"]:
-        print(f"{a:>14s} -> {b:<14s} median {med:8.1f} us   p10 {p10:8.1f}   p90 {p90:8.1f}")
+        c = out["cpu"].get((a, b))
+        print(f"{a:>14s} -> {b:<14s} median {med:8.1f} us   p10 {p10:8.1f}   p90 {p90:8.1f}"
+              + (f"   cpu {c:8.1f}" if c is not None else ""))
+    for m, (med, p10, p90) in out["side"].items():
+        print(f"{m:>14s} after step_sent: median {med:8.1f} us   p10 {p10:8.1f}   p90 {p90:8.1f}")
     if out["added_us"] is not None:
         print(f"step_sent -> draft_begin + answer_ready -> {out['end']}: median {out['added_us']:.1f} us")
     return out

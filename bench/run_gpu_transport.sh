@@ -12,7 +12,8 @@
 # $OUT/trace_steps_<label>.txt for each engine label of TRACE_LABELS (default grpc; e.g. "colocated inprocess"), and the
 # traces themselves as $OUT/traces.tgz (TRACE_TGZ=0: not; the device returns few files). TIMELINE=1 adds, for each
 # engine of TIMELINE_TRANSPORTS (default grpc colocated) and each C of TIMELINE_C (default 1 32), a short run under
-# DDTREE_HOST_TIMELINE and `bench/host_timeline.py`'s hand-offs into $OUT/timeline_<engine>_c<C>.txt. The device image
+# DDTREE_HOST_TIMELINE and `bench/host_timeline.py`'s hand-offs into $OUT/timeline_<engine>_c<C>.txt (TIMELINE_ARGS:
+# more bench flags for those runs). The device image
 # lacks grpcio-health-checking, grpcio-reflection and opentelemetry-sdk: carry `.whl/` (the wheels, git-ignored) and
 # they are installed into /tmp/site here. K26=1 with 5 layers needs ~78 GB on the GPU (the verifier 66 GB, the drafter
 # process 11 GB): an H200; each MoE layer fewer saves ~9.5 GB, so an 80 GB H100 takes K26_LAYERS=4 (a shorter in-process
@@ -79,7 +80,8 @@ if [ "${TIMELINE:-0}" != 0 ]; then  # host timelines (telemetry/host_timeline.py
       log="$OUT/timeline_${t}_c$c.log"
       rm -f "$log"
       DDTREE_HOST_TIMELINE="$log" timeout "${T_TIMELINE:-90}" python bench/bench_transport.py "${src[@]}" \
-        --transports "$t" --concurrency "$c" --steps 30 --warmup 6 --out "$OUT/timeline_runs.jsonl" 2>&1 | tail -2
+        --transports "$t" --concurrency "$c" --steps 30 --warmup 6 --out "$OUT/timeline_runs.jsonl" $TIMELINE_ARGS \
+        2>&1 | tail -2
       python bench/host_timeline.py "$log" | tee "$OUT/timeline_${t}_c$c.txt"
     done
   done

@@ -31,7 +31,7 @@ from protos.codec import WireError, draft_request_from_pb, tensor_from_pb, trees
 from protos.ddtree.v1 import drafter_pb2
 from protos.doorbell import Doorbell
 from protos.shared_region import IpcEvent, RegionArena, SharedRegion
-from telemetry import tracing
+from telemetry import host_timeline, tracing
 from telemetry.metrics import Metrics
 from telemetry.torch_trace import StepTrace
 from verifier_service.session import MAX_BUDGET
@@ -275,6 +275,7 @@ class DraftStream:
                 if m.session_id not in ids:
                     self.forget(m.session_id)
         trees = None
+        host_timeline.mark("draft_rows")
         if reqs:
             t0, p0 = time.time_ns(), time.perf_counter()
             try:
@@ -316,6 +317,7 @@ class DraftStream:
                 raise ProtocolError(f"step {work.step_id}: {e}") from None
         else:
             msg = trees_to_pb(work.trees, work.ids, work.step_id, arena, self.trees_event, work.bell)
+        host_timeline.mark("trees_encoded")
         msg.errors.extend(work.errors)
         msg.compute_us = max(1, round((time.perf_counter() - work.t_start) * 1e6))
         return msg

@@ -3,20 +3,24 @@ send and the drafter's first launch, and between the drafter's trees and the ver
 
 Off unless the environment names a file: `DDTREE_HOST_TIMELINE=FILE` in both processes (a verifier and its drafter on
 one host; `bench_transport.py`'s drafter process inherits it from the bench). Each `mark(tag)` then records (pid, tag,
-CLOCK_MONOTONIC ns), which both processes of one host share; records are appended to FILE in batches and at exit, one
-line each: `<pid> <tag> <ns>`. `bench/host_timeline.py FILE` lines a step's marks up and prints each hand-off's
-median. Off, `mark` is one global read and a return (~35 ns with the call, this repo's CPU host); on, ~0.5 us (the
-record formatted and appended; a batch written every FLUSH_EVERY).
+CLOCK_MONOTONIC ns), which both processes of one host share, with the thread's id and its CPU time so far
+(CLOCK_THREAD_CPUTIME_ID ns): between two marks of one thread, CPU time well below the wall time means the thread
+waited (for the GIL, or for a core), CPU time near it that its code ran slowly. Records are appended to FILE in
+batches and at exit, one line each: `<pid> <tag> <ns> <tid> <cpu ns>`. `bench/host_timeline.py FILE` lines a step's
+marks up and prints each hand-off's median. Off, `mark` is one global read and a return (~35 ns with the call, this
+repo's CPU host); on, ~1 us (the clocks read, the record formatted and appended; a batch written every FLUSH_EVERY).
 
 The marks of a step on the gRPC stream, in order (`MARKS`): the verifier's engine thread sends it (`step_sent`);
 gRPC's request thread takes it from the queue (`step_out`); the drafter's event loop has read it (`step_in`); its
-model part starts (`draft_begin`) and has queued its GPU work (`draft_queued`); the trees' host copy is seen done
-(`trees_copied`); the answer is encoded (`answer_ready`) and handed to gRPC (`answer_sent`); the verifier's reader
-thread has it (`answer_in`) and has landed it, ringing the host doorbell its GPU waits on (`answer_landed`), or the
-engine thread has taken it (`answer_taken`, without a landing). A co-located stream's steps travel over its control
-socket: `step_sent`, `step_in` (the drafter's socket thread has it), `draft_begin` (after the poll of the verifier's
-request event, on a GPU), `draft_queued`, `answer_ready` (trees in the region, the doorbell rung on the GPU),
-`answer_sent`, `answer_taken`. For diagnosis: the marks stay in the code, costing next to nothing off.
+model part starts (`draft_begin`), has checked the sessions' requests (`draft_rows`) and has queued its GPU work
+(`draft_queued`); the trees' host copy is seen done (`trees_copied`); the trees are encoded (`trees_encoded`), the
+answer is ready (`answer_ready`) and handed to gRPC (`answer_sent`); the verifier's reader thread has it
+(`answer_in`), has decoded it (`answer_decoded`) and has landed it, ringing the host doorbell its GPU waits on
+(`answer_landed`), or the engine thread has taken it (`answer_taken`, without a landing). A co-located stream's steps
+travel over its control socket: `step_sent`, `step_in` (the drafter's socket thread has it), `draft_begin` (after the
+poll of the verifier's request event, on a GPU), `draft_rows`, `draft_queued`, `trees_encoded` (trees in the region,
+the doorbell rung on the GPU), `answer_ready`, `answer_sent`, `answer_taken`. For diagnosis: the marks stay in the
+code, costing next to nothing off.
 """
 
 from __future__ import annotations
@@ -27,8 +31,11 @@ import threading
 import time
 
 ENV = "DDTREE_HOST_TIMELINE"
-MARKS = ("step_sent", "step_out", "step_in", "draft_begin", "draft_queued", "trees_copied", "answer_ready",
-         "answer_sent", "answer_in", "answer_landed", "answer_taken")
+MARKS = ("step_sent", "step_out", "step_in", "draft_begin", "draft_rows", "draft_queued", "trees_copied",
+         "trees_encoded", "answer_ready", "answer_sent", "answer_in", "answer_decoded", "answer_landed", "answer_taken")
+# marks off the hand-off chain, reported as their time after the step's `step_sent`: the engine thread has queued its
+# verify step and reads it back (`verify_queued`; it runs while the drafter works, in no fixed order with its marks)
+SIDE_MARKS = ("verify_queued",)
 FLUSH_EVERY = 256  # records held before an append to the file
 
 _path: str | None = os.environ.get(ENV) or None
@@ -40,7 +47,7 @@ def mark(tag: str) -> None:
     """Record `tag` now (nothing when the timeline is off)."""
     if _path is None:
         return
-    _records.append(f"{os.getpid()} {tag} {time.monotonic_ns()}\n")
+    _records.append(f"{os.getpid()} {tag} {time.monotonic_ns()} {threading.get_native_id()} {time.thread_time_ns()}\n")
     if len(_records) >= FLUSH_EVERY:
         flush()
 

@@ -33,6 +33,7 @@ from kernels.kv_compact import compact_kv, path_moves
 from kernels.tree_accept import accept_greedy
 from kernels.tree_build import TreeBatch, tree_size
 from kernels.tree_mask import ancestor_mask, pack_mask_bits
+from telemetry import host_timeline
 from verifier_service.cuda_graphs import GraphRunner
 from verifier_service.forward_batch import ForwardBatch
 from verifier_service.kv_cache import KVPool
@@ -347,6 +348,7 @@ class Engine:
         path_tokens = tok.gather(1, path.clamp(min=0))
 
         # the step's one host read (the tree depth is for the per-depth acceptance metrics)
+        host_timeline.mark("verify_queued")
         host = torch.cat((res.accept_len.long()[:, None], res.bonus.long()[:, None], depth.amax(1, keepdim=True),
                           path_tokens), 1).cpu().tolist()
         out: dict[str, list[int]] = {}

@@ -32,6 +32,7 @@ from kernels.tree_build import TreeBatch
 from protos.codec import WireError, answer_errors, trees_from_pb
 from protos.ddtree.v1 import drafter_pb2
 from protos.doorbell import HostBell
+from telemetry import host_timeline
 
 MAX_SHAPES = 32  # (R, M) landing buffers kept at once (their check graphs follow the address)
 
@@ -102,6 +103,7 @@ class Landing:
 
     def _take(self, msg: drafter_pb2.DraftTrees) -> None:
         ids, trees = trees_from_pb(msg)  # host tensors (bytes)
+        host_timeline.mark("answer_decoded")
         errors = answer_errors(msg, ids, self.ids)
         self.errors, self.answered, self.compute_us = errors, ids, msg.compute_us
         self.excused.update(errors)

@@ -36,4 +36,4 @@ def run(args, make_drafter=None) -> int:
     from drafter_service.server import serve
 
     serve_fn = functools.partial(serve, make_drafter=make_drafter) if make_drafter is not None else serve
-    return run_server(serve_fn, config_from_args(args), args.log_level, "ddtree-drafter")
+    return run_server(serve_fn, config_from_args(args), args.log_level, "ddtree-drafter", args.gil_switch_us)

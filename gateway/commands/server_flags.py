@@ -18,6 +18,9 @@ def add_server_flags(p) -> None:
     p.add_argument("--control-spin-ms", type=float, default=0.0,
                    help="co-located streams: how long the control socket's reader polls for the next message "
                         "before it sleeps (keeps its core awake for the hand-over; costs that core while polling)")
+    p.add_argument("--gil-switch-us", type=float, default=0.0,
+                   help="the interpreter's GIL switch interval, us (0: its default, 5000): how long a thread that "
+                        "needs the GIL waits for one that runs Python (gateway.commands.gil_switch)")
     p.add_argument("--torch-trace", default=None, metavar="DIR[:FIRST[:COUNT]]",
                    help="diagnosis: profile steps FIRST.. FIRST+COUNT-1 (default 20, 10) with torch.profiler and write "
                         "a Chrome trace to DIR/<role>-<pid>.json (telemetry.torch_trace); off by default")
@@ -31,15 +34,17 @@ def message_bytes(args) -> int:
     return args.max_message_mb << 20
 
 
-def run_server(serve, cfg, log_level: str, service_name: str | None = None) -> int:
-    """glibc malloc settings for models on worker threads (`gateway.commands.host_memory`), logging, tracing
-    from the OTEL_* environment (nothing is exported when unset; `service_name` is the default OTEL service
-    name), then the server until it stops."""
+def run_server(serve, cfg, log_level: str, service_name: str | None = None, gil_switch_us: float = 0.0) -> int:
+    """glibc malloc settings for models on worker threads (`gateway.commands.host_memory`), the GIL switch
+    interval (`gateway.commands.gil_switch`), logging, tracing from the OTEL_* environment (nothing is exported when
+    unset; `service_name` is the default OTEL service name), then the server until it stops."""
     import os
 
+    from gateway.commands.gil_switch import set_gil_switch
     from gateway.commands.host_memory import tune_glibc_malloc
     from protos.serving import setup_logging
 
+    set_gil_switch(gil_switch_us)
     tune_glibc_malloc()  # before the server's threads exist
     setup_logging(log_level)
     if service_name is not None:

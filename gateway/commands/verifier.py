@@ -112,15 +112,17 @@ def run(args) -> int:
         trees_in_place=args.trees_in_place, context_projection_dir=args.context_projection,
         keepwarm_ms=args.keepwarm_ms)
     if dist is None:
-        return run_server(serve, cfg, args.log_level, "ddtree-verifier")
+        return run_server(serve, cfg, args.log_level, "ddtree-verifier", args.gil_switch_us)
     try:
         if dist.rank > 0:  # binds no port: rank 0 serves for the group
+            from gateway.commands.gil_switch import set_gil_switch
             from protos.serving import setup_logging
 
+            set_gil_switch(args.gil_switch_us)
             setup_logging(args.log_level)
             code = follow(cfg)
         else:
-            code = run_server(serve, cfg, args.log_level, "ddtree-verifier")
+            code = run_server(serve, cfg, args.log_level, "ddtree-verifier", args.gil_switch_us)
     except (ValueError, FileNotFoundError) as e:
         print(f"ddtree verifier: error: {e}", file=sys.stderr)
         code = 2

@@ -58,9 +58,9 @@ def test_bench_transport_refuses_an_unknown_transport(pair, tmp_path):
 
 
 @pytest.mark.parametrize("transport,marks", [
-    ("grpc", [m for m in MARKS if m != "answer_landed"]),  # no GPU: the engine thread takes the trees
-    ("colocated", ["step_sent", "step_in", "draft_begin", "draft_queued", "answer_ready", "answer_sent",
-                   "answer_taken"]),  # over the control socket
+    ("grpc", [m for m in MARKS if m not in ("answer_decoded", "answer_landed")]),  # no GPU: the engine takes the trees
+    ("colocated", ["step_sent", "step_in", "draft_begin", "draft_rows", "draft_queued", "trees_encoded", "answer_ready",
+                   "answer_sent", "answer_taken"]),  # over the control socket
 ])
 def test_host_timeline_lines_up_both_processes_marks(pair, tmp_path, transport, marks):
     """DDTREE_HOST_TIMELINE reaches the drafter process too: every step has the marks of both processes, in the
@@ -76,3 +76,4 @@ def test_host_timeline_lines_up_both_processes_marks(pair, tmp_path, transport, 
     assert out["marks"] == marks, out["marks"]
     assert out["steps"] >= 3 + 1  # the timed steps and the warm-up, every one with all its marks
     assert all(med >= 0 for _, _, med, _, _ in out["segments"]) and out["added_us"] > 0, out
+    assert 0 < out["cpu"][("draft_begin", "draft_rows")] and "verify_queued" in out["side"], out  # one thread's CPU

@@ -4,6 +4,7 @@ bench/host_timeline.py lines steps up by `step_sent` and takes each hand-off's m
 from __future__ import annotations
 
 import os
+import threading
 
 from bench.host_timeline import hand_offs, steps_of
 from telemetry import host_timeline
@@ -22,10 +23,12 @@ def test_marks_are_recorded_only_when_on(tmp_path, monkeypatch):
         assert not path.exists()  # held until a batch is full or a flush
         host_timeline.flush()
         lines = [line.split() for line in path.read_text().splitlines()]
-        assert [t for _, t, _ in lines] == ["step_sent", "step_out", "step_in"]
-        assert {p for p, _, _ in lines} == {str(os.getpid())}
-        ns = [int(n) for _, _, n in lines]
-        assert ns == sorted(ns)
+        assert [t for _, t, _, _, _ in lines] == ["step_sent", "step_out", "step_in"]
+        assert {p for p, _, _, _, _ in lines} == {str(os.getpid())}
+        assert {tid for _, _, _, tid, _ in lines} == {str(threading.get_native_id())}
+        ns = [int(n) for _, _, n, _, _ in lines]
+        cpu = [int(c) for _, _, _, _, c in lines]
+        assert ns == sorted(ns) and cpu == sorted(cpu) and cpu[0] > 0
         monkeypatch.setattr(host_timeline, "FLUSH_EVERY", 2)
         host_timeline.mark("draft_begin")
         host_timeline.mark("draft_queued")  # the second fills the batch: appended
@@ -49,4 +52,18 @@ def test_steps_line_up_by_step_sent_and_drop_incomplete_ones():
     assert (a, b, med, p10, p90) == ("step_sent", "step_out", 2.0, 1.0, 3.0)
     assert (c, d, med2) == ("step_out", "step_in", 2.0)
     assert out["added_us"] is None  # no draft_begin / answer marks in this log
+    assert out["cpu"] == {} and out["side"] == {}  # records without threads; no side marks
     assert hand_offs(steps_of(lines), skip=2)["steps"] == 1
+
+
+def test_cpu_time_is_taken_between_marks_of_one_thread_and_side_marks_after_step_sent():
+    lines = []
+    for k in range(4):  # step_sent and step_out on thread 7; step_in in another process; verify_queued on 7
+        t0 = k * 10**6
+        lines += [f"1 step_sent {t0} 7 {k * 10**5}", f"1 step_out {t0 + 4000} 7 {k * 10**5 + 1000 * (k + 1)}",
+                  f"2 step_in {t0 + 9000} 9 {k}", f"1 verify_queued {t0 + 2000 + 1000 * k} 7 0"]
+    out = hand_offs(steps_of(lines))
+    assert [s[:2] for s in out["segments"]] == [("step_sent", "step_out"), ("step_out", "step_in")]
+    assert out["cpu"] == {("step_sent", "step_out"): 2.5}  # 1, 2, 3, 4 us of CPU in 4 us of wall time
+    med, p10, p90 = out["side"]["verify_queued"]
+    assert (med, p10, p90) == (3.5, 2.0, 5.0)
