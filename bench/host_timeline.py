@@ -9,7 +9,8 @@ one remote engine at a time, so that the marks are one stream's). The marks that
 path's (a co-located stream's first message travels over gRPC, its steps over the control socket); steps missing one
 of them are dropped, as are the first --skip (warm-up). Prints one line per hand-off (median, p10, p90 in us; with
 `cpu`, the median CPU time of the thread that made both marks, where one thread made them in most steps: well below
-the wall time, the thread waited for the GIL or a core), each side mark's time after `step_sent`, and the
+the wall time, the thread waited for the GIL or a core), the engine's side marks' time after `step_sent` and its lead
+marks' time before the next one, and the
 two host stretches a remote step adds to the drafter's own work: step_sent -> draft_begin and answer_ready -> the
 verifier's end (answer_landed when the trees land on a GPU, else answer_taken).
 """
@@ -24,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from telemetry.host_timeline import MARKS, SIDE_MARKS  # noqa: E402
+from telemetry.host_timeline import LEAD_MARKS, MARKS, SIDE_MARKS  # noqa: E402
 
 CPU = "@cpu"  # a step's {tag: (thread id, thread CPU ns)} for records that carry them
 
@@ -38,7 +39,7 @@ def steps_of(lines: list[str]) -> list[dict]:
     for ns, tag, cpu in events:
         if tag == "step_sent":
             steps.append({tag: ns, CPU: {}})
-        elif not steps or tag in steps[-1]:
+        elif not steps or (tag in steps[-1] and tag not in LEAD_MARKS):  # lead marks: the last one counts
             continue
         else:
             steps[-1][tag] = ns
@@ -55,30 +56,35 @@ def _spread(d: list[float]) -> tuple[float, float, float]:
 def hand_offs(steps: list[dict], skip: int = 0) -> dict:
     """-> {"marks": the marks of most steps, in MARKS order, "steps": how many, "segments": [(from, to, median,
     p10, p90) us], "cpu": {(from, to): the median CPU us of the thread that made both marks, for segments with both
-    marks on one thread in most steps}, "side": {mark: (median, p10, p90) us after step_sent}, "added_us": the median
-    of (draft_begin - step_sent) + (end - answer_ready)}."""
+    marks on one thread in most steps}, "side": {mark: (median, p10, p90) us after step_sent}, "lead": {mark: (median,
+    p10, p90) us before the next step_sent}, "added_us": the median of (draft_begin - step_sent) + (end -
+    answer_ready)}."""
     seen = [m for m in MARKS if 2 * sum(m in s for s in steps) >= len(steps)]  # marks of most steps (the path's)
     kept = [s for s in steps if all(m in s for m in seen)][skip:]
     if not kept:
-        return {"marks": seen, "steps": 0, "segments": [], "cpu": {}, "side": {}, "added_us": None}
+        return {"marks": seen, "steps": 0, "segments": [], "cpu": {}, "side": {}, "lead": {}, "added_us": None}
     segments, cpu = [], {}
     for a, b in zip(seen, seen[1:]):
         segments.append((a, b, *_spread([(s[b] - s[a]) / 1e3 for s in kept])))
         one = [s[CPU] for s in kept if a in s.get(CPU, {}) and b in s[CPU] and s[CPU][a][0] == s[CPU][b][0]]
         if 2 * len(one) >= len(kept):
             cpu[(a, b)] = statistics.median((c[b][1] - c[a][1]) / 1e3 for c in one)
-    side = {}
+    side, lead = {}, {}
     for m in SIDE_MARKS:
         d = [(s[m] - s["step_sent"]) / 1e3 for s in kept if m in s]
         if 2 * len(d) >= len(kept):
             side[m] = _spread(d)
+    for m in LEAD_MARKS:  # over consecutive steps (the first --skip left out)
+        d = [(b["step_sent"] - a[m]) / 1e3 for a, b in zip(steps[skip:], steps[skip + 1:]) if m in a]
+        if d and 2 * len(d) >= len(kept) - 1:
+            lead[m] = _spread(d)
     end = "answer_landed" if "answer_landed" in seen else "answer_taken"
     added = None
     if {"step_sent", "draft_begin", "answer_ready", end} <= set(seen):
         added = statistics.median(((s["draft_begin"] - s["step_sent"]) + (s[end] - s["answer_ready"])) / 1e3
                                   for s in kept)
-    return {"marks": seen, "steps": len(kept), "segments": segments, "cpu": cpu, "side": side, "added_us": added,
-            "end": end}
+    return {"marks": seen, "steps": len(kept), "segments": segments, "cpu": cpu, "side": side, "lead": lead,
+            "added_us": added, "end": end}
 
 
 def main(argv=None) -> dict:
@@ -98,6 +104,8 @@ def main(argv=None) -> dict:
               + (f"   cpu {c:8.1f}" if c is not None else ""))
     for m, (med, p10, p90) in out["side"].items():
         print(f"{m:>14s} after step_sent: median {med:8.1f} us   p10 {p10:8.1f}   p90 {p90:8.1f}")
+    for m, (med, p10, p90) in out["lead"].items():
+        print(f"{m:>14s} before the next step_sent: median {med:8.1f} us   p10 {p10:8.1f}   p90 {p90:8.1f}")
     if out["added_us"] is not None:
         print(f"step_sent -> draft_begin + answer_ready -> {out['end']}: median {out['added_us']:.1f} us")
     return out

@@ -303,20 +303,21 @@ class DraftStream:
         in_place = (width, len(step.sessions), at) if width else None
         return StepWork(step.step_id, ids, trees, errors, t_start, region, bell, copied, in_place)
 
-    def finish(self, work: StepWork) -> drafter_pb2.DraftTrees:
+    def finish(self, work: StepWork, out: drafter_pb2.DraftTrees | None = None) -> drafter_pb2.DraftTrees:
         """The answer to a begun step: its trees encoded (into the response region and handed over, or as bytes
-        once their host copy is done: waited for here if the caller has not)."""
+        once their host copy is done: waited for here if the caller has not), into `out` when given (the empty
+        `trees` of the response to send: no copy into it afterwards)."""
         if work.copied is not None:
             work.copied.synchronize()
         arena = RegionArena(work.region) if work.region is not None else None
         if work.in_place is not None:
             try:
                 msg = trees_in_place(work.trees, work.ids, work.step_id, work.in_place[2], work.in_place[1],
-                                     work.in_place[0], arena, self.trees_event, work.bell)
+                                     work.in_place[0], arena, self.trees_event, work.bell, out)
             except ValueError as e:
                 raise ProtocolError(f"step {work.step_id}: {e}") from None
         else:
-            msg = trees_to_pb(work.trees, work.ids, work.step_id, arena, self.trees_event, work.bell)
+            msg = trees_to_pb(work.trees, work.ids, work.step_id, arena, self.trees_event, work.bell, out)
         host_timeline.mark("trees_encoded")
         msg.errors.extend(work.errors)
         msg.compute_us = max(1, round((time.perf_counter() - work.t_start) * 1e6))

@@ -243,7 +243,8 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
             self._model_lock.release()
         st.copy_wait_s = await _copied(work, st.copy_wait_s)
         host_timeline.mark("trees_copied")
-        answer = drafter_pb2.DraftStreamResponse(trees=st.finish(work))
+        answer = drafter_pb2.DraftStreamResponse()
+        st.finish(work, answer.trees)
         host_timeline.mark("answer_ready")
         return answer
 
@@ -257,7 +258,8 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
                 host_timeline.mark("draft_begin")
                 work = st.begin(req.step)
                 host_timeline.mark("draft_queued")
-                answer = drafter_pb2.DraftStreamResponse(trees=st.finish(work))
+                answer = drafter_pb2.DraftStreamResponse()
+                st.finish(work, answer.trees)
                 host_timeline.mark("answer_ready")
                 return answer
             if kind == "context":

@@ -15,6 +15,7 @@ import sys
 from collections.abc import Collection, Mapping, Sequence
 
 import grpc
+import numpy as np
 import torch
 
 from drafter_service.api import DraftRequest
@@ -139,18 +140,36 @@ def draft_request_from_pb(msg: drafter_pb2.SessionDraftRequest, regions: Mapping
 
 
 # --- draft trees (drafter -> verifier) ---------------------------------------------------------------
+def _new_trees(out: drafter_pb2.DraftTrees | None, step_id: int, session_ids: list[str], n_nodes: list[int],
+               **fields) -> drafter_pb2.DraftTrees:
+    """A DraftTrees with these fields: `out` itself (empty, e.g. a response's `trees`: no copy into a wrapper
+    afterwards) when given, else a new message."""
+    if out is None:
+        return drafter_pb2.DraftTrees(step_id=step_id, session_ids=session_ids, n_nodes=n_nodes, **fields)
+    out.step_id = step_id
+    out.session_ids.extend(session_ids)
+    out.n_nodes.extend(n_nodes)
+    for k, v in fields.items():
+        setattr(out, k, v)
+    return out
+
+
 def trees_to_pb(trees: TreeBatch, session_ids: list[str], step_id: int, arena: RegionArena | None = None,
-                event: IpcEvent | None = None, bell: tuple[Doorbell, int] | None = None) -> drafter_pb2.DraftTrees:
-    """Encode; with an arena the tensors go into its region, handed over before this returns: by ringing
-    `bell` = (the peer's doorbell, the step's value) on the GPU after the writes (`doorbell_value` set) when
-    given, else by recording `event` (the peer polls it; `after_event` set), else by waiting for the GPU."""
+                event: IpcEvent | None = None, bell: tuple[Doorbell, int] | None = None,
+                out: drafter_pb2.DraftTrees | None = None) -> drafter_pb2.DraftTrees:
+    """Encode (into `out` when given: an empty message, e.g. the response's); with an arena the tensors go into its
+    region, handed over before this returns: by ringing `bell` = (the peer's doorbell, the step's value) on the GPU
+    after the writes (`doorbell_value` set) when given, else by recording `event` (the peer polls it; `after_event`
+    set), else by waiting for the GPU."""
     if len(session_ids) != trees.tokens.shape[0]:
         raise ValueError(f"{len(session_ids)} session ids for {trees.tokens.shape[0]} trees")
-    msg = drafter_pb2.DraftTrees(step_id=step_id, session_ids=session_ids, n_nodes=trees.n_nodes)
+    msg = _new_trees(out, step_id, session_ids, trees.n_nodes)
     packed, start = trees.packed, None
     packed = packed if packed is not None and packed.dtype == torch.int32 else None
     if arena is None and packed is not None:  # bytes of one [6, R, M] host buffer: six slices of one array
-        raw, shape = packed.detach().contiguous().cpu().numpy(), list(packed.shape[1:])
+        host = packed.device.type == "cpu" and packed.is_contiguous()  # a GPU drafter's pinned copy: as it is
+        raw = (packed if host else packed.detach().contiguous().cpu()).numpy()
+        shape = list(packed.shape[1:])
         for i, (f, code) in enumerate(zip(TREE_FIELDS, _TREE_PB_DTYPES)):
             m = getattr(msg, f)
             m.dtype, m.data = code, raw[i].tobytes()
@@ -195,11 +214,13 @@ def answer_errors(msg: drafter_pb2.DraftTrees, answered: Sequence[str], asked: C
 
 def trees_in_place(trees: TreeBatch, session_ids: list[str], step_id: int, rows: list[int], n_rows: int,
                    width: int, arena: RegionArena, event: IpcEvent | None = None,
-                   bell: tuple[Doorbell, int] | None = None) -> drafter_pb2.DraftTrees:
+                   bell: tuple[Doorbell, int] | None = None, out: drafter_pb2.DraftTrees | None = None
+                   ) -> drafter_pb2.DraftTrees:
     """Encode for DraftStep.trees_in_place: the step's trees as one int32 block [6, n_rows, width] at offset 0 of
     the arena's (fresh) region, session_ids[j]'s tree in row rows[j], every other row all -1 (logw -inf), then
     handed over as `trees_to_pb` does; the answer names no tensors (`in_place`). ValueError when the block does not
-    fit the region or the arena has placed something already (the layout is the verifier's, not ours)."""
+    fit the region or the arena has placed something already (the layout is the verifier's, not ours). `out`: as
+    for `trees_to_pb`."""
     if len(session_ids) != trees.tokens.shape[0] or len(rows) != len(session_ids):
         raise ValueError(f"{len(session_ids)} session ids and {len(rows)} rows for {trees.tokens.shape[0]} trees")
     dev = arena.region.device
@@ -216,7 +237,7 @@ def trees_in_place(trees: TreeBatch, session_ids: list[str], step_id: int, rows:
     if arena.cursor or arena.place_block(block) != 0:
         raise ValueError(f"trees in place: a [6, {n_rows}, {width}] int32 block ({block.numel() * 4} bytes) does "
                          f"not fit at offset 0 of the response region ({arena.region.nbytes} bytes)")
-    msg = drafter_pb2.DraftTrees(step_id=step_id, session_ids=session_ids, n_nodes=trees.n_nodes, in_place=True)
+    msg = _new_trees(out, step_id, session_ids, trees.n_nodes, in_place=True)
     _hand_over(msg, arena, event, bell, True)
     return msg
 
@@ -232,12 +253,9 @@ def _hand_over(msg: drafter_pb2.DraftTrees, arena: RegionArena, event: IpcEvent 
         msg.after_event = event is not None and in_region
 
 
-def _packed_trees(msg: drafter_pb2.DraftTrees, R: int, regions: Mapping[int, SharedRegion] | None, copy: bool
-                  ) -> TreeBatch | None:
-    """The usual layouts (`trees_to_pb`'s): six 4-byte [R, M] fields back to back in one region, in TREE_FIELDS
-    order, or all six inline -> the batch as views of one buffer, with as few message reads and tensor ops as
-    possible (this runs every draft step). None when the message is laid out otherwise or does not add up (the
-    general decoder checks it and says what is wrong)."""
+def _usual_layout(msg: drafter_pb2.DraftTrees, R: int) -> tuple[list[common_pb2.Tensor], int, str] | None:
+    """(the six field messages, M, their one storage kind) when the fields are laid out as `trees_to_pb` lays them
+    out: [R, M] each, M > 0, their TREE_DTYPES, one storage kind; else None (the general decoder says what is wrong)."""
     ms = [getattr(msg, f) for f in TREE_FIELDS]
     storage = {m.WhichOneof("storage") for m in ms}
     if len(storage) != 1 or tuple(m.dtype for m in ms) != _TREE_PB_DTYPES:
@@ -245,14 +263,61 @@ def _packed_trees(msg: drafter_pb2.DraftTrees, R: int, regions: Mapping[int, Sha
     shape = tuple(ms[0].shape)
     if len(shape) != 2 or shape[0] != R or any(tuple(m.shape) != shape for m in ms[1:]) or 0 in shape:
         return None
-    if storage == {"data"}:  # inline bytes: one join, one tensor
-        step = R * shape[1] * 4
-        if any(len(m.data) != step for m in ms):
-            return None
-        packed = torch.frombuffer(bytearray(b"".join(m.data for m in ms)), dtype=torch.int32)
-        return TreeBatch.from_packed(packed.view(6, R, shape[1]), list(msg.n_nodes))
-    if storage != {"region"}:
+    return ms, shape[1], storage.pop()
+
+
+def _inline_block(ms: list[common_pb2.Tensor], R: int, M: int) -> bytes | None:
+    """Six inline [R, M] 4-byte fields -> their bytes back to back ([6, R, M]), None when a size is off."""
+    step = R * M * 4
+    if any(len(m.data) != step for m in ms):
         return None
+    return b"".join(m.data for m in ms)
+
+
+def _session_ids(msg: drafter_pb2.DraftTrees) -> list[str]:
+    ids = list(msg.session_ids)
+    if len(msg.n_nodes) != len(ids):
+        raise WireError(f"trees: {len(msg.n_nodes)} n_nodes for {len(ids)} session ids")
+    if len(set(ids)) != len(ids):
+        raise WireError("trees: duplicate session ids")
+    return ids
+
+
+def inline_trees(msg: drafter_pb2.DraftTrees) -> tuple[list[str], list[int], np.ndarray] | None:
+    """A bytes answer in `trees_to_pb`'s layout -> (session ids, node counts, [6, R, M] int32 read-only array in
+    TREE_FIELDS order, logw's bits last), with one join and numpy alone (no torch ops: the gRPC landing decodes
+    every step's answer this way); None for any other layout (`trees_from_pb` decodes it, or says what is wrong).
+    WireError when the ids do not add up. The trees' contents are checked on the GPU (`tree_verdicts`)."""
+    ids = _session_ids(msg)
+    R = len(ids)
+    layout = _usual_layout(msg, R)
+    if layout is None or layout[2] != "data":
+        return None
+    raw = _inline_block(layout[0], R, layout[1])
+    if raw is None:
+        return None
+    return ids, list(msg.n_nodes), np.frombuffer(raw, dtype=np.int32).reshape(6, R, layout[1])
+
+
+def _packed_trees(msg: drafter_pb2.DraftTrees, R: int, regions: Mapping[int, SharedRegion] | None, copy: bool
+                  ) -> TreeBatch | None:
+    """The usual layouts (`trees_to_pb`'s): six 4-byte [R, M] fields back to back in one region, in TREE_FIELDS
+    order, or all six inline -> the batch as views of one buffer, with as few message reads and tensor ops as
+    possible (this runs every draft step). None when the message is laid out otherwise or does not add up (the
+    general decoder checks it and says what is wrong)."""
+    layout = _usual_layout(msg, R)
+    if layout is None:
+        return None
+    ms, M, storage = layout
+    if storage == "data":  # inline bytes: one join, one tensor
+        raw = _inline_block(ms, R, M)
+        if raw is None:
+            return None
+        packed = torch.frombuffer(bytearray(raw), dtype=torch.int32)
+        return TreeBatch.from_packed(packed.view(6, R, M), list(msg.n_nodes))
+    if storage != "region":
+        return None
+    shape = (R, M)
     rid, start = ms[0].region.region_id, ms[0].region.offset
     step = R * shape[1] * 4
     if any(m.region.region_id != rid or m.region.offset != start + i * step for i, m in enumerate(ms)):
@@ -272,12 +337,8 @@ def trees_from_pb(msg: drafter_pb2.DraftTrees, regions: Mapping[int, SharedRegio
     process hands it back), so trees from a CUDA region never visit the host. copy=False: trees laid out
     as `trees_to_pb` lays them out come back as a view of the region instead (`TreeBatch.packed`; valid
     until the region is handed back). The trees' contents are checked by `verifier_service.tree_validation`."""
-    ids = list(msg.session_ids)
+    ids = _session_ids(msg)
     R = len(ids)
-    if len(msg.n_nodes) != R:
-        raise WireError(f"trees: {len(msg.n_nodes)} n_nodes for {R} session ids")
-    if len(set(ids)) != R:
-        raise WireError("trees: duplicate session ids")
     packed = _packed_trees(msg, R, regions, copy)
     if packed is not None:
         return ids, packed

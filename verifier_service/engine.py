@@ -245,6 +245,7 @@ class Engine:
         drafting = [i for i, s in enumerate(active) if self.drafter is not None and s.params.budget > 0]
         if not drafting:
             return drafting, None
+        host_timeline.mark("draft_asked")
         pending = [active[i].take_pending() for i in drafting]
         feats = self._context_rows([f for _, f in pending])
         projected = self.projection is not None
@@ -308,6 +309,7 @@ class Engine:
     @torch.no_grad()
     def step(self) -> dict[str, list[int]]:
         """Run one verify step over all running sessions; returns the tokens each one emitted."""
+        host_timeline.mark("step_begin")
         active = [s for s in self.sessions.values() if not s.done]
         self.draft_ns = None
         if not active:
@@ -351,6 +353,7 @@ class Engine:
         host_timeline.mark("verify_queued")
         host = torch.cat((res.accept_len.long()[:, None], res.bonus.long()[:, None], depth.amax(1, keepdim=True),
                           path_tokens), 1).cpu().tolist()
+        host_timeline.mark("verify_read")
         out: dict[str, list[int]] = {}
         for i, s in enumerate(active):
             a, bonus, s.tree_depth, ptoks = host[i][0], host[i][1], host[i][2], host[i][3:]
@@ -366,6 +369,7 @@ class Engine:
             s.tree_sizes.append(n[i])
             if s.done and not s.persistent:
                 self.finish(s.sid)
+        host_timeline.mark("step_done")
         return out
 
     def run_until_done(self) -> None:

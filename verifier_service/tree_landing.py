@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from kernels.tree_build import TreeBatch
-from protos.codec import WireError, answer_errors, trees_from_pb
+from protos.codec import WireError, answer_errors, inline_trees, trees_from_pb
 from protos.ddtree.v1 import drafter_pb2
 from protos.doorbell import HostBell
 from telemetry import host_timeline
@@ -102,21 +102,24 @@ class Landing:
         self.bell.ring(self.value)
 
     def _take(self, msg: drafter_pb2.DraftTrees) -> None:
-        ids, trees = trees_from_pb(msg)  # host tensors (bytes)
+        decoded = inline_trees(msg)  # the usual bytes answer, numpy alone
+        if decoded is None:  # any other layout: the general decoder (it names what is wrong)
+            ids, trees = trees_from_pb(msg)
+            decoded = ids, trees.n_nodes, trees.pack().numpy() if ids else None
+        ids, n_nodes, packed = decoded  # packed: [6, R', M'] int32
         host_timeline.mark("answer_decoded")
         errors = answer_errors(msg, ids, self.ids)
         self.errors, self.answered, self.compute_us = errors, ids, msg.compute_us
         self.excused.update(errors)
         if not ids:
             return
-        packed = trees.pack().numpy()  # [6, R', M'] int32
-        if ids == self.ids and trees.n_nodes == self.caps and packed.shape == self.host.shape \
+        if ids == self.ids and n_nodes == self.caps and packed.shape == self.host.shape \
                 and min(self.caps) == packed.shape[2]:
             self.host[...] = packed  # the usual answer (every row, in order, full width): the loop below in one copy
             return
         row = {sid: r for r, sid in enumerate(self.ids)}
         for j, sid in enumerate(ids):
-            r, n = row[sid], trees.n_nodes[j]
+            r, n = row[sid], n_nodes[j]
             if n != self.caps[r] or n > packed.shape[2]:
                 self.refused[sid] = (f"n_nodes {n}, expected a full tree of {self.caps[r]} nodes"
                                      if n != self.caps[r] else f"n_nodes {n} but the arrays have {packed.shape[2]}")

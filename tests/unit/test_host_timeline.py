@@ -67,3 +67,12 @@ def test_cpu_time_is_taken_between_marks_of_one_thread_and_side_marks_after_step
     assert out["cpu"] == {("step_sent", "step_out"): 2.5}  # 1, 2, 3, 4 us of CPU in 4 us of wall time
     med, p10, p90 = out["side"]["verify_queued"]
     assert (med, p10, p90) == (3.5, 2.0, 5.0)
+
+
+def test_lead_marks_count_the_last_one_before_the_next_step():
+    lines = []
+    for k in range(4):  # another engine's draft_asked comes first between two steps: the last one counts
+        t0 = k * 10**6
+        lines += [f"1 step_sent {t0}", f"1 draft_asked {t0 + 500_000}", f"1 draft_asked {t0 + 990_000 - 1000 * k}"]
+    out = hand_offs(steps_of(lines))
+    assert out["lead"]["draft_asked"] == (11.0, 10.0, 12.0)  # 10, 11, 12 us before the next step_sent (3 pairs)

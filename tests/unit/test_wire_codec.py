@@ -3,6 +3,7 @@ shared regions; every malformed message is refused with a WireError naming the f
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -12,13 +13,14 @@ from protos.codec import (
     WireError,
     draft_request_from_pb,
     draft_request_to_pb,
+    inline_trees,
     tensor_from_pb,
     tensor_to_pb,
     trees_from_pb,
     trees_in_place,
     trees_to_pb,
 )
-from protos.ddtree.v1 import common_pb2, verifier_pb2
+from protos.ddtree.v1 import common_pb2, drafter_pb2, verifier_pb2
 from protos.shared_region import RegionArena, SharedRegion
 from protos.verifier_codec import params_from_pb, params_to_pb
 from verifier_service.sampling_params import SamplingParams
@@ -222,6 +224,39 @@ def test_malformed_tree_batches_are_refused(mutate, words, packed):
     mutate(msg)
     with pytest.raises(WireError, match=words):
         trees_from_pb(msg)
+    if words in ("n_nodes", "duplicate"):  # the ids: the numpy decoder refuses them itself
+        with pytest.raises(WireError, match=words):
+            inline_trees(msg)
+    else:  # any other fault: declined, for the general decoder to name
+        assert inline_trees(msg) is None
+
+
+@pytest.mark.parametrize("through_region", [False, True])
+def test_trees_encode_into_the_response_they_travel_in(region, through_region):
+    """`out`: the response's own (empty) trees are filled, the same message as encoding apart and wrapping a copy."""
+    tb = trees()
+    packed = TreeBatch.from_packed(tb.pack().clone(), tb.n_nodes)
+    resp = drafter_pb2.DraftStreamResponse()
+    got = trees_to_pb(packed, ["a", "b", "c"], 5, RegionArena(region) if through_region else None, out=resp.trees)
+    assert got is resp.trees and resp.WhichOneof("kind") == "trees"
+    apart = trees_to_pb(packed, ["a", "b", "c"], 5, RegionArena(region) if through_region else None)
+    assert resp == drafter_pb2.DraftStreamResponse(trees=apart)
+    into = drafter_pb2.DraftStreamResponse()
+    trees_in_place(packed, ["a", "b", "c"], 6, [0, 1, 2], 3, packed.tokens.shape[1], RegionArena(region),
+                   out=into.trees)
+    assert into.trees.in_place and list(into.trees.session_ids) == ["a", "b", "c"] and into.trees.step_id == 6
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_inline_trees_decode_the_bytes_answer_with_numpy(region, packed):
+    """The gRPC landing's decoder: the same [6, R, M] block as trees_from_pb's, from six separate tensors or one
+    packed buffer; a region answer is left to trees_from_pb."""
+    tb = trees()
+    msg = trees_to_pb(TreeBatch.from_packed(tb.pack().clone(), tb.n_nodes) if packed else tb, ["a", "b", "c"], 1)
+    ids, n_nodes, block = inline_trees(msg)
+    assert ids == ["a", "b", "c"] and n_nodes == tb.n_nodes and block.dtype == np.int32
+    assert (block == tb.pack().numpy()).all() and block.shape == (6, 3, tb.tokens.shape[1])
+    assert inline_trees(trees_to_pb(tb, ["a", "b", "c"], 1, RegionArena(region))) is None
 
 
 def test_decode_params_unset_vs_zero():
