@@ -109,6 +109,24 @@ def start_drafter(pair, device, dtype, max_sessions, graphs: bool, spin_ms: floa
                             cwd=REPO, stdout=subprocess.PIPE, text=True)
 
 
+def report_syncs() -> None:
+    """--sync-debug: print each new call stack that made the host wait for the GPU (torch's sync debug warnings)."""
+    import traceback
+    import warnings
+
+    seen: set[tuple] = set()
+
+    def show(message, category, filename, lineno, file=None, line=None) -> None:
+        stack = traceback.extract_stack()[:-1]
+        key = tuple((f.filename, f.lineno) for f in stack[-6:])
+        if key not in seen:
+            seen.add(key)
+            print(f"sync: {message}\n" + "".join(traceback.format_list(stack[-8:])), flush=True)
+
+    warnings.simplefilter("always")
+    warnings.showwarning = show
+
+
 def wait_serving(proc: subprocess.Popen) -> tuple[str, str | None]:
     """-> (the drafter's gRPC address, its metrics address) from its announcements."""
     metrics = None
@@ -210,6 +228,9 @@ def main() -> int:
     p.add_argument("--gil-switch-us", type=float, default=0.0,
                    help="the GIL switch interval of this process (the verifier side) and the drafter process, us "
                         "(0: the interpreter's default, 5000; gateway.commands.gil_switch)")
+    p.add_argument("--sync-debug", action="store_true",
+                   help="diagnosis: warn at every CUDA call that makes this process's host wait for its GPU in the "
+                        "measured rounds (torch.cuda.set_sync_debug_mode; each place once, with its stack)")
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "transport.jsonl"))
     args = p.parse_args()
 
@@ -310,6 +331,9 @@ def main() -> int:
                 outs = {}
                 if k == args.warmup and args.gc_freeze:
                     freeze_startup_heap()  # as the servers do once warmed up (GrpcServer.set_serving)
+                if k == args.warmup and args.sync_debug and cuda:
+                    report_syncs()
+                    torch.cuda.set_sync_debug_mode("warn")
                 for t, e in engines.items():
                     if step_trace is not None:
                         step_trace.tick(t)

@@ -26,9 +26,11 @@ from drafter_service.device_copy import int64_to_device  # noqa: E402
 from kernels.graph_capture import GraphCapture  # noqa: E402
 from kernels.tree_build import TreeBatch  # noqa: E402
 from kernels.tree_check import check_packed, check_trees  # noqa: E402
-from protos.codec import DTYPE_TO_PB, draft_request_to_pb, trees_from_pb, trees_to_pb  # noqa: E402
+from protos.codec import DTYPE_TO_PB, draft_request_to_pb, inline_trees, trees_from_pb, trees_to_pb  # noqa: E402
 from protos.ddtree.v1 import drafter_pb2  # noqa: E402
+from protos.doorbell import HostBell  # noqa: E402
 from protos.shared_region import IpcEvent, RegionArena, SharedRegion  # noqa: E402
+from verifier_service.tree_landing import TreeLandings  # noqa: E402
 
 
 def timed(name: str, fn: Callable[[], object], n: int = 400) -> None:
@@ -74,6 +76,26 @@ def rows(R: int, M: int, dev: torch.device) -> None:
     timed("trees_from_pb from a region (view)", lambda: trees_from_pb(msg, {2: region}, copy=False))
     wire = drafter_pb2.DraftStreamResponse(trees=msg).SerializeToString()
     timed("DraftStreamResponse parse", lambda: drafter_pb2.DraftStreamResponse.FromString(wire))
+    # the gRPC answer's two ends: the drafter's bytes from its pinned host copy, the verifier's landing of them
+    pinned = TreeBatch.from_packed(packed.cpu().pin_memory(), trees.n_nodes)
+    timed("trees_to_pb as bytes (a pinned block), into the response",
+          lambda: trees_to_pb(pinned, ids, 1, out=drafter_pb2.DraftStreamResponse().trees))
+    answer = drafter_pb2.DraftStreamResponse.FromString(
+        drafter_pb2.DraftStreamResponse(trees=trees_to_pb(pinned, ids, 1)).SerializeToString())
+    timed("inline_trees (the bytes answer, numpy)", lambda: inline_trees(answer.trees))
+    landings = TreeLandings(dev)
+    bell = HostBell(dev)
+    caps, roots = list(trees.n_nodes), [5] * R
+
+    def land() -> None:  # the landing of one step: laid out and queued by the engine, delivered by the reader
+        landing = landings.prepare(1, ids, roots, caps, bell, 1)
+        t0 = time.perf_counter()
+        landing.deliver(answer.trees)
+        delivered.append(time.perf_counter() - t0)
+
+    delivered: list[float] = []
+    timed("TreeLandings.prepare + Landing.deliver", land, n=100)
+    print(f"{'  of which Landing.deliver':50s} {statistics.median(delivered) * 1e6:8.1f} us", flush=True)
     feats = torch.randn(4, 768, device=dev, dtype=torch.bfloat16)
     req_region = SharedRegion.create(1, 1 << 22, dev)
 

@@ -318,7 +318,9 @@ class Engine:
         drafting, trees_of = self._draft_begin(active)
         # while a remote drafter works: the batch layout for full trees (what a drafter sends unless it fails)
         planned = self._layout(active, [self.tree_nodes(s.params) for s in active])
+        host_timeline.mark("layout_queued")
         tok, parent, depth, n, max_depth = self._trees(active, drafting, trees_of)
+        host_timeline.mark("trees_in")
         lay = planned if n == planned.n else self._layout(active, n)
         S, M = tok.shape
         dev = self.device
@@ -332,6 +334,7 @@ class Engine:
             block_table=lay.block_table, page_size=self.kv.page_size,
             tree_bits=pack_mask_bits(ancestor_mask(parent)).view(S * M, -1)[gather])
         hidden, taps, logits = self._verify_forward(fb)
+        host_timeline.mark("forward_queued")
         posterior = torch.full((S * M,), -1, dtype=torch.int64, device=dev)
         # node at position p predicts p + 1; nodes at one depth share (seed, p + 1) and so the noise
         sampled = any(not s.params.sampling.greedy for s in active)
