@@ -7,6 +7,11 @@ our waiting stream delays the drafter's context on the GPU; docs/performance.md,
 decides per step: "on" always, "auto" while the drafter's ring is seen to beat its decoded answer, with an answered
 step now and then to look again. A stream's first step is always answered: it runs every kernel of the check
 before any wait (a first launch behind a wait stalls, and in one process hangs).
+
+Looking at the ring is a host wait for a read of the doorbell on the GPU while the drafter's kernels run there: on an
+H200 at K2.6 shapes, "auto" (which never went in place there) measured 0.05-0.19 ms a step slower than "off", its
+check 0.13-0.17 ms longer (the thirty-eighth session). So "auto" looks at the first VOTES answered steps, then at one
+in OBSERVE_EVERY, and at every probe from in-place steps.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from dataclasses import dataclass
 VOTES = 4  # "auto": the answered steps remembered
 QUORUM = 3  # "auto": in place once this many of them found the drafter's ring rung already
 PROBE_EVERY = 16  # "auto", in place: one step in this many + 1 is answered, to see whether that still holds
+OBSERVE_EVERY = 8  # "auto", answered steps after the first VOTES: the ring is looked at in one of this many
 BLOCK_FIELDS = 6  # the block is [6, R, width] int32 (TreeBatch._FIELDS)
 
 
@@ -29,6 +35,8 @@ class InPlacePlan:
         self.ready = False  # one answered step's trees came through the region (the check's kernels have run)
         self.ring_first: collections.deque[bool] = collections.deque(maxlen=VOTES)
         self.since_probe = 0  # in-place steps since the last answered one ("auto")
+        self.answered = 0  # answered steps asked whether to look at the ring ("auto": `looks`)
+        self.probing = False  # the next answered step is a probe from in-place steps: it looks
 
     def width(self, caps: Sequence[int], region_nbytes: int) -> int:
         """The step's block width (its largest tree), or 0: answer this step (not ready, no room for the block in
@@ -44,8 +52,15 @@ class InPlacePlan:
             self.since_probe += 1
             if self.since_probe > PROBE_EVERY:
                 self.since_probe = 0
+                self.probing = True
                 return 0
         return width
+
+    def looks(self) -> bool:
+        """An answered step ("auto"): whether to look at the ring for it (then `observe` what was seen)."""
+        self.answered += 1
+        probe, self.probing = self.probing, False
+        return probe or self.answered <= VOTES or self.answered % OBSERVE_EVERY == 0
 
     def observe(self, rung: bool) -> bool:
         """An answered step: whether the drafter had rung by the time its answer was decoded and checked ("auto"

@@ -544,7 +544,7 @@ class DraftStreamClient:
         plan = s.in_place
         if plan is not None:
             plan.ready = in_region  # the check's kernels have run: later steps may go in place
-            if plan.mode == "auto":
+            if plan.mode == "auto" and plan.looks():
                 # had the drafter rung before we had its answer decoded and checked? then its GPU step is shorter than
                 # the answer's way here, and a step queued before the answer would have started sooner
                 self.stats["ring_first"] += plan.observe(reached(self._watch.bell.read(), s.bell_value))

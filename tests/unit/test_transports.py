@@ -500,6 +500,27 @@ def test_when_a_step_asks_for_its_trees_in_place(mode):
     assert [plan.width(caps, room) for _ in range(3)] == [0, 0, 0]
 
 
+def test_auto_looks_at_the_ring_on_the_first_answers_then_on_one_in_observe_every_and_at_probes():
+    """Looking is a host wait for the GPU: the first VOTES answered steps, then one in OBSERVE_EVERY, and every probe
+    that an in-place run answers (whatever the count)."""
+    from verifier_service.in_place import OBSERVE_EVERY, VOTES, InPlacePlan
+
+    plan = InPlacePlan("auto")
+    looked = [plan.looks() for _ in range(4 * OBSERVE_EVERY)]
+    assert looked[:VOTES] == [True] * VOTES
+    assert [i + 1 for i, seen in enumerate(looked) if seen][VOTES:] == \
+        [k for k in range(VOTES + 1, 4 * OBSERVE_EVERY + 1) if k % OBSERVE_EVERY == 0]
+    plan.ready = True
+    for _ in range(VOTES):
+        plan.observe(True)
+    room, caps = 6 * 4 * 17 * 4, [17, 9, 17, 1]
+    while plan.width(caps, room):  # in place until the probe
+        pass
+    assert (plan.answered + 1) % OBSERVE_EVERY and (plan.answered + 2) % OBSERVE_EVERY  # off the count: 33, 34
+    assert plan.looks()  # the probe looks
+    assert not plan.looks()  # the answered step after it does not
+
+
 def test_an_in_place_answer_is_settled_after_its_step():
     """`_settle_in_place` (the answer of a step verified before it was read): the drafter's refusals and trees of the
     wrong size excuse their rows' device verdicts, a wrong size is told once as an invalid tree, refused sessions
