@@ -277,6 +277,12 @@ class Engine:
                 n[i] = trees.n_nodes[j]
         S, M = len(active), max(n)
         dev = self.device
+        if trees is not None and len(drafting) == S and trees.tokens.shape[1] >= M:
+            # every session has a tree, in order (the usual step): the trees' own columns, three ops in all (after a
+            # remote drafter's answer these launches are on the step's critical path)
+            tok, parent, depth = (getattr(trees, f)[:, :M].to(dev, torch.int64, copy=True)
+                                  for f in ("tokens", "parent", "depth"))
+            return tok, parent, depth, n, self.drafter.depth
         tok = torch.full((S, M), -1, dtype=torch.int64, device=dev)
         parent = torch.full((S, M), -1, dtype=torch.int64, device=dev)
         depth = torch.full((S, M), -1, dtype=torch.int64, device=dev)

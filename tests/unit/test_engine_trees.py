@@ -1,0 +1,45 @@
+"""`Engine._trees`: the step's padded [S, M] tokens / parent / depth, whether every session has a tree (the trees'
+columns as they are) or some run autoregressively (root-only rows), equal to the layout written out by hand."""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+from kernels.tree_build import build_tree
+from verifier_service.engine import Engine
+
+
+def _expected(roots, drafting, trees, M):
+    S = len(roots)
+    out = [torch.full((S, M), -1, dtype=torch.int64) for _ in range(3)]
+    out[0][:, 0] = torch.tensor(roots)
+    out[2][:, 0] = 0
+    for j, i in enumerate(drafting):
+        for o, f in zip(out, ("tokens", "parent", "depth")):
+            w = min(M, getattr(trees, f).shape[1])
+            o[i, :w] = getattr(trees, f)[j, :w].long()
+    return out
+
+
+def _trees_of(roots, budgets, seed):
+    g = torch.Generator().manual_seed(seed)
+    logq = torch.log_softmax(torch.randn(len(roots), 4, 40, generator=g), -1)
+    return build_tree(logq, torch.tensor(roots), budgets, [3] * len(roots))
+
+
+def test_the_padded_trees_are_the_same_with_every_session_drafting_or_some():
+    roots = [5, 7, 9, 11]
+    fake = types.SimpleNamespace(device=torch.device("cpu"), draft_ns=(0, 0), drafter=types.SimpleNamespace(depth=4))
+    active = [types.SimpleNamespace(root=r) for r in roots]
+    for drafting, budgets in (([0, 1, 2, 3], [6, 2, 9, 4]), ([1, 3], [5, 8]), ([0, 1, 2, 3], [3, 3, 3, 3])):
+        trees = _trees_of([roots[i] for i in drafting], budgets, seed=len(drafting) + sum(budgets))
+        tok, parent, depth, n, max_depth = Engine._trees(fake, active, drafting, lambda t=trees: t)
+        M = max(n)
+        assert n == [trees.n_nodes[drafting.index(i)] if i in drafting else 1 for i in range(4)]
+        for got, want in zip((tok, parent, depth), _expected(roots, drafting, trees, M)):
+            assert got.dtype == torch.int64 and got.shape == (4, M) and torch.equal(got, want)
+        assert max_depth == 4
+        if len(drafting) == 4:  # the trees' own tensors are copied, never aliased (the step writes no tree back)
+            assert tok.data_ptr() != trees.tokens.data_ptr()
