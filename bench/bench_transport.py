@@ -228,6 +228,9 @@ def main() -> int:
     p.add_argument("--gil-switch-us", type=float, default=0.0,
                    help="the GIL switch interval of this process (the verifier side) and the drafter process, us "
                         "(0: the interpreter's default, 5000; gateway.commands.gil_switch)")
+    p.add_argument("--tree-inputs", choices=("torch", "auto"), default="torch",
+                   help="every engine's forward tree inputs: the torch code or (auto) one Triton launch on CUDA "
+                        "(EngineConfig.tree_inputs)")
     p.add_argument("--sync-debug", action="store_true",
                    help="diagnosis: warn at every CUDA call that makes this process's host wait for its GPU in the "
                         "measured rounds (torch.cuda.set_sync_debug_mode; each place once, with its stack)")
@@ -252,7 +255,8 @@ def main() -> int:
     dtype = DTYPES[dtype_name]
     # one engine config for all three engines (the verifier server turns CUDA graphs on for a GPU)
     graphs = cuda if args.cuda_graphs is None else args.cuda_graphs == "on"
-    ecfg = EngineConfig(page_size=16, num_pages=8192, max_sessions=max(args.concurrency) + 1, cuda_graphs=graphs)
+    ecfg = EngineConfig(page_size=16, num_pages=8192, max_sessions=max(args.concurrency) + 1, cuda_graphs=graphs,
+                        tree_inputs=args.tree_inputs)
     gpu = torch.cuda.get_device_name(torch.device(args.device)) if cuda else None
     device_name = gpu or platform.processor() or "cpu"
     rows, problems = [], []
@@ -395,7 +399,8 @@ def main() -> int:
                                   "keepwarm_ms": keepwarm_ms(t, args), "drafter_sessions": drafter_sessions,
                                   "gc_freeze": args.gc_freeze, "check_graphs": args.check_graphs,
                                   "mps": cuda and mps_running(), "torch_trace": args.torch_trace,
-                                  "rows": args.rows, "target_layers": inproc.target.cfg.num_hidden_layers},
+                                  "rows": args.rows, "target_layers": inproc.target.cfg.num_hidden_layers,
+                                  "tree_inputs": args.tree_inputs},
                        "device": device_name, "gpu": gpu, "dtype": dtype_name, "commit": commit(),
                        "torch": torch.__version__, "versions": versions(),
                        "ms": round(step, 4), "ratio": round(step / base[conc], 4),

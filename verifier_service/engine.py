@@ -32,7 +32,7 @@ from drafter_service.device_copy import int64_to_device
 from kernels.kv_compact import compact_kv, path_moves
 from kernels.tree_accept import accept_greedy
 from kernels.tree_build import TreeBatch, tree_size
-from kernels.tree_mask import ancestor_mask, pack_mask_bits
+from kernels.tree_inputs import tree_inputs
 from telemetry import host_timeline
 from verifier_service.cuda_graphs import GraphRunner
 from verifier_service.forward_batch import ForwardBatch
@@ -83,8 +83,15 @@ class EngineConfig:
     # the batches the same way and runs them eagerly (what the graphs compute; for tests).
     cuda_graphs: bool | None = None
     cuda_graph_max_tokens: int = 2048  # larger verify batches run eagerly (compute bound anyway)
+    # the forward's tree inputs (token ids, positions, ancestor bits): "torch" (~40 launches at 17 nodes), "auto"
+    # (`kernels.tree_inputs`: one Triton launch on CUDA, the torch code elsewhere; the same values) or "triton" (the
+    # kernel everywhere: on CPU under TRITON_INTERPRET=1, for tests). Opt-in until it has run on a GPU (CPU-tested
+    # under the interpreter and compiled for sm_90 only)
+    tree_inputs: str = "torch"
 
     def __post_init__(self):
+        if self.tree_inputs not in ("torch", "auto", "triton"):
+            raise ValueError(f"engine config: tree_inputs must be torch, auto or triton, got {self.tree_inputs!r}")
         for f in ("page_size", "num_pages", "max_sessions", "max_session_len", "draft_window",
                   "cuda_graph_max_tokens"):
             if getattr(self, f) <= 0:
@@ -331,14 +338,12 @@ class Engine:
         S, M = tok.shape
         dev = self.device
         gather, rows, committed = lay.gather, lay.rows, lay.committed
-        fb = ForwardBatch(
-            # a tree refused by the device checks has token -1 past its root (never accepted, see
-            # verifier_service.tree_verdicts): the forward embeds a real id there, acceptance compares -1
-            tokens=tok.view(-1)[gather].clamp(min=0),
-            positions=(committed[:, None] + depth).view(-1)[gather],
-            write_slots=lay.write_slots, cu_q=lay.cu_q, prefix_lens=committed.to(torch.int32),
-            block_table=lay.block_table, page_size=self.kv.page_size,
-            tree_bits=pack_mask_bits(ancestor_mask(parent)).view(S * M, -1)[gather])
+        # a tree refused by the device checks has token -1 past its root (never accepted, see
+        # verifier_service.tree_verdicts): the forward embeds a real id there (0), acceptance compares -1
+        node_tokens, positions, tree_bits = tree_inputs(tok, parent, depth, committed, gather, self.cfg.tree_inputs)
+        fb = ForwardBatch(tokens=node_tokens, positions=positions, write_slots=lay.write_slots, cu_q=lay.cu_q,
+                          prefix_lens=committed.to(torch.int32), block_table=lay.block_table,
+                          page_size=self.kv.page_size, tree_bits=tree_bits)
         hidden, taps, logits = self._verify_forward(fb)
         host_timeline.mark("forward_queued")
         posterior = torch.full((S * M,), -1, dtype=torch.int64, device=dev)

@@ -31,10 +31,10 @@ def ar_out(tiny_target64):
     return ar_reference(tiny_target64, PROMPTS)
 
 
-def run_oracle(target, ar_out, budget, block, topk, p_wrong=0.3, seed=0):
+def run_oracle(target, ar_out, budget, block, topk, p_wrong=0.3, seed=0, tree_inputs="torch"):
     ref = {f"r{i}": p + o for i, (p, o) in enumerate(zip(PROMPTS, ar_out))}
     oracle = OracleDrafter(ref, target.cfg.vocab_size, block, p_wrong=p_wrong, max_rank=3, seed=seed)
-    eng = Engine(target, oracle, (), EngineConfig(page_size=8, num_pages=512, max_sessions=8))
+    eng = Engine(target, oracle, (), EngineConfig(page_size=8, num_pages=512, max_sessions=8, tree_inputs=tree_inputs))
     sessions = [eng.add(p, DecodeParams(max_new_tokens=NEW, budget=budget, topk=topk), sid=f"r{i}")
                 for i, p in enumerate(PROMPTS)]
     eng.run_until_done()
@@ -56,6 +56,16 @@ def test_ddtree_equals_ar_with_oracle(tiny_target64, ar_out, budget, block):
         steps = [a for s in sessions for a in s.accepted_per_step]
         assert max(steps) >= 5, f"acceptance never got deep: {steps}"
         assert sum(steps) / len(steps) > 2.0
+
+
+@pytest.mark.parametrize("budget", [8, 64])
+def test_the_tree_inputs_kernel_verifies_what_the_torch_code_does(tiny_target64, ar_out, budget):
+    """`EngineConfig.tree_inputs="triton"` (kernels.tree_inputs; the interpreter on CPU): the same tokens and the same
+    accepted lengths step for step as the torch code, up to 65-node trees (two words of ancestor bits)."""
+    runs = [run_oracle(tiny_target64, ar_out, budget, 8, 4, seed=budget, tree_inputs=t)[2] for t in ("torch", "triton")]
+    for s, k, ref in zip(*runs, ar_out):
+        assert s.output == k.output == ref and s.accepted_per_step == k.accepted_per_step
+    assert max(a for s in runs[1] for a in s.accepted_per_step) >= 5
 
 
 def test_acceptance_and_rejection_at_every_depth(tiny_target64, ar_out):

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import types
 
+import pytest
 import torch
 
 from kernels.tree_build import build_tree
-from verifier_service.engine import Engine
+from verifier_service.engine import Engine, EngineConfig
 
 
 def _expected(roots, drafting, trees, M):
@@ -43,3 +44,9 @@ def test_the_padded_trees_are_the_same_with_every_session_drafting_or_some():
         assert max_depth == 4
         if len(drafting) == 4:  # the trees' own tensors are copied, never aliased (the step writes no tree back)
             assert tok.data_ptr() != trees.tokens.data_ptr()
+
+
+def test_the_tree_inputs_option_is_checked():
+    assert EngineConfig().tree_inputs == "torch"
+    with pytest.raises(ValueError, match="tree_inputs"):
+        EngineConfig(tree_inputs="fast")
