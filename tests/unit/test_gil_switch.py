@@ -21,12 +21,19 @@ def test_sets_the_interval_in_microseconds_and_zero_leaves_it():
         sys.setswitchinterval(before)
 
 
-def test_the_serve_commands_take_the_flag():
+@pytest.mark.parametrize("component", ["verifier", "drafter"])
+def test_the_serve_commands_hand_the_flag_to_run_server(component, monkeypatch):
+    import importlib
+
     from gateway.cli import build_parser
 
-    p = build_parser()
-    args = p.parse_args(["drafter", "serve", "--listen", "127.0.0.1:0", "--target", "t", "--drafter", "d",
-                         "--gil-switch-us", "200"])
-    assert args.gil_switch_us == 200
-    args = p.parse_args(["verifier", "serve", "--listen", "127.0.0.1:0", "--target", "t"])
-    assert args.gil_switch_us == 0
+    cmd = importlib.import_module(f"gateway.commands.{component}")
+    seen = []
+    monkeypatch.setattr(cmd, "run_server", lambda serve, cfg, level, name, gil_switch_us=0.0: seen.append(
+        gil_switch_us) or 0)
+    base = [component, "serve", "--listen", "127.0.0.1:0", "--target", "t"]
+    base += ["--drafter-address", "127.0.0.1:1"] if component == "verifier" else ["--drafter", "d"]
+    for extra in ([], ["--gil-switch-us", "200"]):
+        args = build_parser().parse_args([*base, *extra])
+        assert args.func(args) == 0
+    assert seen == [0.0, 200.0]

@@ -61,7 +61,7 @@ def test_metrics_listen_reaches_the_server_config(component, monkeypatch):
 
     cmd = importlib.import_module(f"gateway.commands.{component}")
     seen = []
-    monkeypatch.setattr(cmd, "run_server", lambda serve, cfg, level, name: seen.append((cfg, name)) or 0)
+    monkeypatch.setattr(cmd, "run_server", lambda serve, cfg, level, name, *more: seen.append((cfg, name)) or 0)
     base = [component, "serve", "--listen", "127.0.0.1:0", "--target", "t"]
     base += ["--drafter-address", "127.0.0.1:1"] if component == "verifier" else ["--drafter", "d"]
     for extra, want in (([], None), (["--metrics-listen", "0.0.0.0:9400"], "0.0.0.0:9400")):
