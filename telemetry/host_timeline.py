@@ -40,8 +40,9 @@ MARKS = ("step_sent", "step_out", "step_in", "draft_begin", "draft_rows", "draft
 # back (`verify_read`), the step returns (`step_done`)
 SIDE_MARKS = ("layout_queued", "trees_in", "forward_queued", "verify_queued", "verify_read", "step_done")
 # and reported as their time before the next step's `step_sent` (the last before it: another engine stepping in between
-# comes first): the engine's next step starts (`step_begin`) and it asks its drafter (`draft_asked`)
-LEAD_MARKS = ("step_begin", "draft_asked")
+# comes first): the engine's next step starts (`step_begin`), it asks its drafter (`draft_asked`), the context rows are
+# ready (`rows_ready`: projected, when the verifier projects them) and the step's message is built (`step_built`)
+LEAD_MARKS = ("step_begin", "draft_asked", "rows_ready", "step_built")
 FLUSH_EVERY = 256  # records held before an append to the file
 
 _path: str | None = os.environ.get(ENV) or None

@@ -255,6 +255,7 @@ class Engine:
         host_timeline.mark("draft_asked")
         pending = [active[i].take_pending() for i in drafting]
         feats = self._context_rows([f for _, f in pending])
+        host_timeline.mark("rows_ready")
         projected = self.projection is not None
         reqs = [DraftRequest(s.sid, start, f, s.root, s.committed, s.params.budget, s.params.topk, s.traceparent,
                              projected) for s, (start, _), f in zip((active[i] for i in drafting), pending, feats)]

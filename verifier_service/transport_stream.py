@@ -494,6 +494,7 @@ class DraftStreamClient:
         for ahead in step_message(step, requests, self._pending, s.synced, arena, self.cfg.max_message_bytes // 2,
                                   s.step_features):
             s.send(ahead)
+        host_timeline.mark("step_built")
         if arena is not None:
             # the features are in the region, and our reads of the last trees are done: hand it over
             arena.hand_over(s.request_event)

@@ -77,3 +77,5 @@ def test_host_timeline_lines_up_both_processes_marks(pair, tmp_path, transport, 
     assert out["steps"] >= 3 + 1  # the timed steps and the warm-up, every one with all its marks
     assert all(med >= 0 for _, _, med, _, _ in out["segments"]) and out["added_us"] > 0, out
     assert 0 < out["cpu"][("draft_begin", "draft_rows")] and "verify_queued" in out["side"], out  # one thread's CPU
+    lead = out["lead"]  # the engine's marks before the next step_sent, in the order they happen
+    assert lead["step_begin"][0] >= lead["draft_asked"][0] >= lead["rows_ready"][0] >= lead["step_built"][0] >= 0
