@@ -243,10 +243,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
             self._model_lock.release()
         st.copy_wait_s = await _copied(work, st.copy_wait_s)
         host_timeline.mark("trees_copied")
-        answer = drafter_pb2.DraftStreamResponse()
-        st.finish(work, answer.trees)
-        host_timeline.mark("answer_ready")
-        return answer
+        return _trees_answer(st, work)
 
     def _handle(self, st: DraftStream, req: drafter_pb2.DraftStreamRequest) -> drafter_pb2.DraftStreamResponse | None:
         """One mid-stream message, under the model lock -> the answer to send (steps only)."""
@@ -258,10 +255,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
                 host_timeline.mark("draft_begin")
                 work = st.begin(req.step)
                 host_timeline.mark("draft_queued")
-                answer = drafter_pb2.DraftStreamResponse()
-                st.finish(work, answer.trees)
-                host_timeline.mark("answer_ready")
-                return answer
+                return _trees_answer(st, work)
             if kind == "context":
                 st.context(req.context)
             else:
@@ -401,6 +395,14 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
 
 
 POLL_MARGIN_S = 0.002  # the event loop's timers fire up to ~1 ms late (epoll has ms resolution)
+
+
+def _trees_answer(st: DraftStream, work: StepWork) -> drafter_pb2.DraftStreamResponse:
+    """A begun step's answer, its trees encoded straight into the response (no copy into a wrapper)."""
+    answer = drafter_pb2.DraftStreamResponse()
+    st.finish(work, answer.trees)
+    host_timeline.mark("answer_ready")
+    return answer
 
 
 async def _copied(work: StepWork, expected_s: float) -> float:

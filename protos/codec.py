@@ -317,15 +317,14 @@ def _packed_trees(msg: drafter_pb2.DraftTrees, R: int, regions: Mapping[int, Sha
         return TreeBatch.from_packed(packed.view(6, R, M), list(msg.n_nodes))
     if storage != "region":
         return None
-    shape = (R, M)
     rid, start = ms[0].region.region_id, ms[0].region.offset
-    step = R * shape[1] * 4
+    step = R * M * 4
     if any(m.region.region_id != rid or m.region.offset != start + i * step for i, m in enumerate(ms)):
         return None
     region = (regions or {}).get(rid)
     if region is None or start % 4 or start + 6 * step > region.nbytes:
         return None  # the general decoder says what is wrong
-    packed = region.view(start, 6 * step).view(torch.int32).view(6, R, shape[1])
+    packed = region.view(start, 6 * step).view(torch.int32).view(6, R, M)
     return TreeBatch.from_packed(packed.clone() if copy else packed, list(msg.n_nodes))
 
 
