@@ -5,6 +5,7 @@
                                     [--no-check-graphs] [--control-spin-ms MS] [--keepwarm-ms MS]
                                     [--transports T ...] [--drafter-sessions N]
                                     [--torch-trace DIR[:FIRST[:COUNT]]] [--rows projected|taps]
+                                    [--tree-inputs torch|auto [torch|auto]]
 
 For each transport the same engine (target in this process) runs C sessions at one budget; the drafter
 is the in-process `Drafter` (inprocess) or a `ddtree drafter serve` process on loopback (same device)
@@ -56,6 +57,7 @@ say whether it took (`malloc_tuned`) and whether MALLOC_* variables pinned it as
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -154,6 +156,11 @@ def graph_runs(metrics_addr: str | None) -> dict[str, int]:
             if fam.name == "ddtree_draft_graph_runs" for s in fam.samples if s.name.endswith("_total")}
 
 
+def kind(engine: str) -> str:
+    """An engine's transport: its name without a variant's suffix (colocated+ti_auto -> colocated)."""
+    return engine.split("+", 1)[0]
+
+
 IN_PLACE = {"colocated_in_place": "on", "colocated_answer": "off"}  # StreamClientConfig.trees_in_place (else auto)
 DOORBELLED = ("colocated", "colocated_in_place", "colocated_answer")  # co-located engines with events and the doorbell
 
@@ -228,15 +235,19 @@ def main() -> int:
     p.add_argument("--gil-switch-us", type=float, default=0.0,
                    help="the GIL switch interval of this process (the verifier side) and the drafter process, us "
                         "(0: the interpreter's default, 5000; gateway.commands.gil_switch)")
-    p.add_argument("--tree-inputs", choices=("torch", "auto"), default="torch",
-                   help="every engine's forward tree inputs: the torch code or (auto) one Triton launch on CUDA "
-                        "(EngineConfig.tree_inputs)")
+    p.add_argument("--tree-inputs", choices=("torch", "auto"), nargs="+", default=["torch"],
+                   help="the engines' forward tree inputs: the torch code or (auto) one Triton launch on CUDA "
+                        "(EngineConfig.tree_inputs). The first value is every engine's; each further value adds "
+                        "a copy of every engine with it, named ENGINE+ti_VALUE (its own drafter state and "
+                        "stream on the shared target and drafter process), stepped in the same interleaved rounds "
+                        "(an A/B that the machine's drift between runs does not touch)")
     p.add_argument("--sync-debug", action="store_true",
                    help="diagnosis: warn at every CUDA call that makes this process's host wait for its GPU in the "
                         "measured rounds (torch.cuda.set_sync_debug_mode; each place once, with its stack)")
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "transport.jsonl"))
     args = p.parse_args()
 
+    from drafter_service.drafter import Drafter
     from gateway.commands.gil_switch import set_gil_switch
     from gateway.commands.host_memory import tune_glibc_malloc
     from protos.serving import freeze_startup_heap
@@ -256,7 +267,9 @@ def main() -> int:
     # one engine config for all three engines (the verifier server turns CUDA graphs on for a GPU)
     graphs = cuda if args.cuda_graphs is None else args.cuda_graphs == "on"
     ecfg = EngineConfig(page_size=16, num_pages=8192, max_sessions=max(args.concurrency) + 1, cuda_graphs=graphs,
-                        tree_inputs=args.tree_inputs)
+                        tree_inputs=args.tree_inputs[0])
+    variants = {f"+ti_{v}": dataclasses.replace(ecfg, tree_inputs=v) for v in dict.fromkeys(args.tree_inputs[1:])
+                if v != args.tree_inputs[0]}
     gpu = torch.cuda.get_device_name(torch.device(args.device)) if cuda else None
     device_name = gpu or platform.processor() or "cpu"
     rows, problems = [], []
@@ -270,7 +283,7 @@ def main() -> int:
         if unknown := set(args.transports) - set(remote):
             p.error(f"--transports: {sorted(unknown)} not among {list(remote)} on {args.device}")
         remote = tuple(t for t in remote if t in args.transports)
-    n_streams = len(remote)  # all sessions on each stream
+    n_streams = len(remote) * (1 + len(variants))  # all sessions on each stream
     drafter_sessions = args.drafter_sessions or n_streams * max(args.concurrency) + 8
     if drafter_sessions < n_streams * max(args.concurrency):
         p.error(f"--drafter-sessions {drafter_sessions}: the remote engines hold "
@@ -290,7 +303,14 @@ def main() -> int:
         vocab = inproc.target.cfg.vocab_size
         addr, metrics_addr = wait_serving(proc)
         engines = {"inprocess": inproc}
-        for transport in remote:
+        for suffix, vcfg in variants.items():  # the in-process engine again, with a drafter state of its own
+            d = inproc.drafter
+            engines["inprocess" + suffix] = Engine(
+                inproc.target, Drafter(d.model, d.embed_weight, d.lm_head_weight, max_sessions=vcfg.max_sessions,
+                                       window=vcfg.draft_window, cuda_graphs=vcfg.cuda_graphs),
+                inproc.tap_layers, vcfg, inproc.projection)
+        for name in (t + suffix for suffix in ("", *variants) for t in remote):
+            transport, suffix = kind(name), name[len(kind(name)):]
             projection = inproc.projection if args.rows != "auto" or transport.startswith("grpc") else None
             client = DraftStreamClient(StreamClientConfig(addr, colocated=not transport.startswith("grpc"),
                                                           region_device=args.device, draft_timeout_s=60,
@@ -300,14 +320,15 @@ def main() -> int:
                                                           control_spin_s=args.control_spin_ms / 1e3,
                                                           check_graphs=args.check_graphs,
                                                           keepwarm_ms=keepwarm_ms(transport, args),
-                                                          client_id=f"bench-{transport}",
+                                                          client_id=f"bench-{name}",
                                                           context_projection=projection.fingerprint
                                                           if projection is not None else ""))
             client.start()
             model = client.wait_ready(timeout=120)
-            clients[transport] = client
+            clients[name] = client
             # one target for all: the in-process engine's (batch-invariant on CUDA), so only the drafter path differs
-            engines[transport] = Engine(inproc.target, client, model.target_layer_ids, ecfg, projection)
+            engines[name] = Engine(inproc.target, client, model.target_layer_ids, variants.get(suffix, ecfg),
+                                   projection)
         if trace_window is not None:  # FIRST / COUNT in rounds: every engine ticks once a round, the drafter once
             out_dir, first, count = trace_window  # a round per remote engine
             step_trace = StepTrace(out_dir, "verifier", first * len(engines), count * len(engines))
@@ -372,15 +393,16 @@ def main() -> int:
                 if d["fallback_steps"] or d["invalid_trees"]:
                     problems.append(f"C={conc} {t}: {d['fallback_steps']} autoregressive fallback steps, "
                                     f"{d['invalid_trees']} invalid trees ({c.last_error})")
-                if not t.startswith("grpc") and (d["region_tensors"] == 0 or d["region_trees"] != d["steps"]):
+                if not kind(t).startswith("grpc") and (d["region_tensors"] == 0 or d["region_trees"] != d["steps"]):
                     problems.append(f"C={conc} {t}: shared regions not used for every step ({d})")
                 handed = {"colocated": "doorbell_steps", "colocated_in_place": "doorbell_steps",
                           "colocated_answer": "doorbell_steps",
                           "colocated_events": "event_steps",
-                          "grpc": "landed_steps", "grpc_cold": "landed_steps"}.get(t) if cuda else None
+                          "grpc": "landed_steps", "grpc_cold": "landed_steps"}.get(kind(t)) if cuda else None
                 if handed and d[handed] != d["steps"]:
                     problems.append(f"C={conc} {t}: {handed} is not every step ({d})")
-                if t == "colocated_in_place" and d["in_place_steps"] < d["steps"] - 1:  # a stream's first step answers
+                # a stream's first step is answered
+                if kind(t) == "colocated_in_place" and d["in_place_steps"] < d["steps"] - 1:
                     problems.append(f"C={conc} {t}: in_place_steps is not every step after the first ({d})")
                 in_place[t] = {"in_place_steps": d["in_place_steps"], "ring_first": d["ring_first"]}
             runs_after = graph_runs(metrics_addr)  # the drafter process's, all remote engines of this C together
@@ -396,11 +418,11 @@ def main() -> int:
                        "params": {"transport": t, "concurrency": conc, "device": args.device, "budget": args.budget,
                                   "topk": 8, "pair": pair.name, "steps": n, "warmup": args.warmup,
                                   "cuda_graphs": graphs, "control_spin_ms": args.control_spin_ms,
-                                  "keepwarm_ms": keepwarm_ms(t, args), "drafter_sessions": drafter_sessions,
+                                  "keepwarm_ms": keepwarm_ms(kind(t), args), "drafter_sessions": drafter_sessions,
                                   "gc_freeze": args.gc_freeze, "check_graphs": args.check_graphs,
                                   "mps": cuda and mps_running(), "torch_trace": args.torch_trace,
                                   "rows": args.rows, "target_layers": inproc.target.cfg.num_hidden_layers,
-                                  "tree_inputs": args.tree_inputs},
+                                  "tree_inputs": e.cfg.tree_inputs},
                        "device": device_name, "gpu": gpu, "dtype": dtype_name, "commit": commit(),
                        "torch": torch.__version__, "versions": versions(),
                        "ms": round(step, 4), "ratio": round(step / base[conc], 4),
