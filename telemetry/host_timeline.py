@@ -35,10 +35,12 @@ MARKS = ("step_sent", "step_out", "step_in", "draft_begin", "draft_rows", "draft
          "trees_encoded", "answer_ready", "answer_sent", "answer_in", "answer_decoded", "answer_landed", "answer_taken")
 # the engine thread's marks off the hand-off chain, reported as their time after the step's `step_sent` (the first
 # after it; while the drafter works, in no fixed order with its marks): the step's layout is queued (`layout_queued`),
-# its trees are in hand (`trees_in`: on the GPU, queued behind the drafter's answer), its forward is queued
-# (`forward_queued`), the whole verify step is and the engine starts reading it back (`verify_queued`), the read is
-# back (`verify_read`), the step returns (`step_done`)
-SIDE_MARKS = ("layout_queued", "trees_in", "forward_queued", "verify_queued", "verify_read", "step_done")
+# a stream client's check of the answered trees is queued (`trees_checked`), the drafter's trees are back in the engine
+# (`trees_taken`) and in its [S, M] columns (`trees_in`: on the GPU, queued behind the drafter's answer), the forward's
+# tree inputs are queued (`inputs_queued`), its forward is queued (`forward_queued`), the whole verify step is and the
+# engine starts reading it back (`verify_queued`), the read is back (`verify_read`), the step returns (`step_done`)
+SIDE_MARKS = ("layout_queued", "trees_checked", "trees_taken", "trees_in", "inputs_queued", "forward_queued",
+              "verify_queued", "verify_read", "step_done")
 # and reported as their time before the next step's `step_sent` (the last before it: another engine stepping in between
 # comes first): the engine's next step starts (`step_begin`), it asks its drafter (`draft_asked`), the context rows are
 # ready (`rows_ready`: projected, when the verifier projects them) and the step's message is built (`step_built`)

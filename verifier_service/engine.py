@@ -280,6 +280,7 @@ class Engine:
         trees = None
         if trees_of is not None:
             trees = trees_of()
+            host_timeline.mark("trees_taken")
             self.draft_ns = (self.draft_ns[0], time.time_ns())
             for j, i in enumerate(drafting):
                 n[i] = trees.n_nodes[j]
@@ -342,6 +343,7 @@ class Engine:
         # a tree refused by the device checks has token -1 past its root (never accepted, see
         # verifier_service.tree_verdicts): the forward embeds a real id there (0), acceptance compares -1
         node_tokens, positions, tree_bits = tree_inputs(tok, parent, depth, committed, gather, self.cfg.tree_inputs)
+        host_timeline.mark("inputs_queued")
         fb = ForwardBatch(tokens=node_tokens, positions=positions, write_slots=lay.write_slots, cu_q=lay.cu_q,
                           prefix_lens=committed.to(torch.int32), block_table=lay.block_table,
                           page_size=self.kv.page_size, tree_bits=tree_bits)

@@ -542,6 +542,7 @@ class DraftStreamClient:
         by_id = {r.session_id: (r.root_token, cap) for r, cap in zip(requests, caps)}
         trees, refused = self._checker.check(ids, trees, [by_id[i][0] for i in ids], [by_id[i][1] for i in ids],
                                              fixed=fixed, void=s.released if s.doorbell else None)
+        host_timeline.mark("trees_checked")
         plan = s.in_place
         if plan is not None:
             plan.ready = in_region  # the check's kernels have run: later steps may go in place
