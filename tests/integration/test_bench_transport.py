@@ -50,6 +50,23 @@ def test_bench_transport_records_each_engine_with_identical_outputs(pair, tmp_pa
     assert colocated["regions"] and set(colocated["regions"].values()) == {"cpu"}  # /dev/shm regions
 
 
+def test_bench_transport_steps_a_tree_inputs_variant_of_every_engine_in_the_same_rounds(pair, tmp_path):
+    """--tree-inputs A B: a copy of every engine with B (its own drafter state and stream), named ENGINE+ti_B, in
+    the same rounds, its tokens checked against in-process like the others' and its ratio against in-process A."""
+    target, _ = pair
+    out = tmp_path / "transport.jsonl"
+    proc = run_bench(target.parent, out, "--concurrency", "1", "--transports", "colocated", "--tree-inputs", "torch",
+                     "auto")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    recs = {r["params"]["transport"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert sorted(recs) == ["colocated", "colocated+ti_auto", "inprocess", "inprocess+ti_auto"]
+    assert {t: r["params"]["tree_inputs"] for t, r in recs.items()} == {
+        "colocated": "torch", "colocated+ti_auto": "auto", "inprocess": "torch", "inprocess+ti_auto": "auto"}
+    for r in recs.values():
+        assert r["outputs_identical"] and r["steps_identical"] and "problems" not in r, r
+    assert recs["inprocess"]["ratio"] == 1.0 and recs["colocated+ti_auto"]["regions"]
+
+
 def test_bench_transport_refuses_an_unknown_transport(pair, tmp_path):
     target, _ = pair
     proc = run_bench(target.parent, tmp_path / "t.jsonl", "--transports", "colocated", "carrier-pigeon")
