@@ -5,7 +5,7 @@
                                     [--no-check-graphs] [--control-spin-ms MS] [--keepwarm-ms MS]
                                     [--transports T ...] [--drafter-sessions N]
                                     [--torch-trace DIR[:FIRST[:COUNT]]] [--rows projected|taps]
-                                    [--tree-inputs torch|auto [torch|auto]]
+                                    [--tree-inputs auto|torch] [--local-draft eager|lazy] [--variant SPEC ...]
 
 For each transport the same engine (target in this process) runs C sessions at one budget; the drafter
 is the in-process `Drafter` (inprocess) or a `ddtree drafter serve` process on loopback (same device)
@@ -156,6 +156,40 @@ def graph_runs(metrics_addr: str | None) -> dict[str, int]:
             if fam.name == "ddtree_draft_graph_runs" for s in fam.samples if s.name.endswith("_total")}
 
 
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """`--variant FIELD=VALUE[,...][@ENGINE[/ENGINE]]`: a copy of the engines named (all: None) with these EngineConfig
+    fields changed, and with `rows` ("projected" / "taps"), the context rows its remote copies send."""
+
+    suffix: str  # "+FIELD=VALUE,...": appended to the engine's name
+    cfg: object  # the EngineConfig
+    rows: str | None
+    engines: frozenset[str] | None
+
+    @classmethod
+    def parse(cls, spec: str, base) -> Variant:
+        fields, _, names = spec.partition("@")
+        changes, rows = {}, None
+        for item in fields.split(","):
+            key, eq, value = item.partition("=")
+            if not eq or not value:
+                raise ValueError(f"--variant {spec!r}: {item!r} is not FIELD=VALUE")
+            if key == "rows":
+                if value not in ("projected", "taps"):
+                    raise ValueError(f"--variant {spec!r}: rows must be projected or taps")
+                rows = value
+                continue
+            if key not in {f.name for f in dataclasses.fields(base)}:
+                raise ValueError(f"--variant {spec!r}: {key!r} is not an EngineConfig field")
+            old = getattr(base, key)
+            changes[key] = value if isinstance(old, str) or old is None else type(old)(value)
+        cfg = dataclasses.replace(base, **changes)  # EngineConfig checks the values
+        return cls("+" + fields, cfg, rows, frozenset(names.split("/")) if names else None)
+
+    def takes(self, engine: str) -> bool:
+        return self.engines is None or engine in self.engines
+
+
 def kind(engine: str) -> str:
     """An engine's transport: its name without a variant's suffix (colocated+ti_auto -> colocated)."""
     return engine.split("+", 1)[0]
@@ -235,12 +269,18 @@ def main() -> int:
     p.add_argument("--gil-switch-us", type=float, default=0.0,
                    help="the GIL switch interval of this process (the verifier side) and the drafter process, us "
                         "(0: the interpreter's default, 5000; gateway.commands.gil_switch)")
-    p.add_argument("--tree-inputs", choices=("torch", "auto"), nargs="+", default=["torch"],
-                   help="the engines' forward tree inputs: the torch code or (auto) one Triton launch on CUDA "
-                        "(EngineConfig.tree_inputs). The first value is every engine's; each further value adds "
-                        "a copy of every engine with it, named ENGINE+ti_VALUE (its own drafter state and "
-                        "stream on the shared target and drafter process), stepped in the same interleaved rounds "
-                        "(an A/B that the machine's drift between runs does not touch)")
+    p.add_argument("--tree-inputs", choices=("torch", "auto"), default="auto",
+                   help="every engine's forward tree inputs: one Triton launch on CUDA (auto, the default) or the "
+                        "torch code (EngineConfig.tree_inputs)")
+    p.add_argument("--local-draft", choices=("eager", "lazy"), default="eager",
+                   help="when the in-process engine queues its drafter's work: before the step's layout (eager, the "
+                        "default) or after it (EngineConfig.local_draft)")
+    p.add_argument("--variant", action="append", default=[], metavar="FIELD=VALUE[,...][@ENGINE[/ENGINE]]",
+                   help="also step a copy of every engine (or of those named after @) with these EngineConfig "
+                        "fields changed (and rows=projected|taps: the context rows a copy of a remote engine "
+                        "sends), named ENGINE+FIELD=VALUE,..., in the same interleaved rounds: an A/B that the "
+                        "machine's drift between runs does not touch. Each copy has a drafter state and a stream of "
+                        "its own on the shared target and drafter process. Repeatable")
     p.add_argument("--sync-debug", action="store_true",
                    help="diagnosis: warn at every CUDA call that makes this process's host wait for its GPU in the "
                         "measured rounds (torch.cuda.set_sync_debug_mode; each place once, with its stack)")
@@ -267,9 +307,11 @@ def main() -> int:
     # one engine config for all three engines (the verifier server turns CUDA graphs on for a GPU)
     graphs = cuda if args.cuda_graphs is None else args.cuda_graphs == "on"
     ecfg = EngineConfig(page_size=16, num_pages=8192, max_sessions=max(args.concurrency) + 1, cuda_graphs=graphs,
-                        tree_inputs=args.tree_inputs[0])
-    variants = {f"+ti_{v}": dataclasses.replace(ecfg, tree_inputs=v) for v in dict.fromkeys(args.tree_inputs[1:])
-                if v != args.tree_inputs[0]}
+                        tree_inputs=args.tree_inputs, local_draft=args.local_draft)
+    try:
+        variants = {v.suffix: v for v in (Variant.parse(spec, ecfg) for spec in args.variant)}
+    except ValueError as e:
+        p.error(str(e))
     gpu = torch.cuda.get_device_name(torch.device(args.device)) if cuda else None
     device_name = gpu or platform.processor() or "cpu"
     rows, problems = [], []
@@ -283,7 +325,7 @@ def main() -> int:
         if unknown := set(args.transports) - set(remote):
             p.error(f"--transports: {sorted(unknown)} not among {list(remote)} on {args.device}")
         remote = tuple(t for t in remote if t in args.transports)
-    n_streams = len(remote) * (1 + len(variants))  # all sessions on each stream
+    n_streams = sum(1 + sum(v.takes(t) for v in variants.values()) for t in remote)  # all sessions on each stream
     drafter_sessions = args.drafter_sessions or n_streams * max(args.concurrency) + 8
     if drafter_sessions < n_streams * max(args.concurrency):
         p.error(f"--drafter-sessions {drafter_sessions}: the remote engines hold "
@@ -298,20 +340,25 @@ def main() -> int:
     clients: dict[str, DraftStreamClient] = {}
     try:
         inproc = build_local_engine(pair / "target", pair / "drafter", dtype, args.device, ecfg)
+        projector = inproc.projection
         if args.rows == "taps":
             inproc.projection = None  # its drafter projects them, as the remote drafters do
         vocab = inproc.target.cfg.vocab_size
         addr, metrics_addr = wait_serving(proc)
         engines = {"inprocess": inproc}
-        for suffix, vcfg in variants.items():  # the in-process engine again, with a drafter state of its own
-            d = inproc.drafter
-            engines["inprocess" + suffix] = Engine(
-                inproc.target, Drafter(d.model, d.embed_weight, d.lm_head_weight, max_sessions=vcfg.max_sessions,
-                                       window=vcfg.draft_window, cuda_graphs=vcfg.cuda_graphs),
-                inproc.tap_layers, vcfg, inproc.projection)
-        for name in (t + suffix for suffix in ("", *variants) for t in remote):
+        for suffix, v in variants.items():  # the in-process engine again, with a drafter state of its own
+            if v.takes("inprocess"):
+                d = inproc.drafter
+                engines["inprocess" + suffix] = Engine(
+                    inproc.target, Drafter(d.model, d.embed_weight, d.lm_head_weight, max_sessions=v.cfg.max_sessions,
+                                           window=v.cfg.draft_window, cuda_graphs=v.cfg.cuda_graphs),
+                    inproc.tap_layers, v.cfg, inproc.projection)
+        for name in (t + suffix for suffix in ("", *variants) for t in remote
+                     if not suffix or variants[suffix].takes(t)):
             transport, suffix = kind(name), name[len(kind(name)):]
-            projection = inproc.projection if args.rows != "auto" or transport.startswith("grpc") else None
+            sends = variants[suffix].rows if suffix and variants[suffix].rows else args.rows
+            projection = projector if sends == "projected" or (sends == "auto" and transport.startswith("grpc")) \
+                else None
             client = DraftStreamClient(StreamClientConfig(addr, colocated=not transport.startswith("grpc"),
                                                           region_device=args.device, draft_timeout_s=60,
                                                           ipc_events=transport in (*DOORBELLED, "colocated_events"),
@@ -327,8 +374,8 @@ def main() -> int:
             model = client.wait_ready(timeout=120)
             clients[name] = client
             # one target for all: the in-process engine's (batch-invariant on CUDA), so only the drafter path differs
-            engines[name] = Engine(inproc.target, client, model.target_layer_ids, variants.get(suffix, ecfg),
-                                   projection)
+            engines[name] = Engine(inproc.target, client, model.target_layer_ids,
+                                   variants[suffix].cfg if suffix else ecfg, projection)
         if trace_window is not None:  # FIRST / COUNT in rounds: every engine ticks once a round, the drafter once
             out_dir, first, count = trace_window  # a round per remote engine
             step_trace = StepTrace(out_dir, "verifier", first * len(engines), count * len(engines))
@@ -422,7 +469,8 @@ def main() -> int:
                                   "gc_freeze": args.gc_freeze, "check_graphs": args.check_graphs,
                                   "mps": cuda and mps_running(), "torch_trace": args.torch_trace,
                                   "rows": args.rows, "target_layers": inproc.target.cfg.num_hidden_layers,
-                                  "tree_inputs": e.cfg.tree_inputs},
+                                  "tree_inputs": e.cfg.tree_inputs, "local_draft": e.cfg.local_draft,
+                                  "projected_rows": e.projection is not None, "variant": t[len(kind(t)) + 1:] or None},
                        "device": device_name, "gpu": gpu, "dtype": dtype_name, "commit": commit(),
                        "torch": torch.__version__, "versions": versions(),
                        "ms": round(step, 4), "ratio": round(step / base[conc], 4),

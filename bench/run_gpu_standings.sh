@@ -7,8 +7,8 @@
 # carry `.whl` (the transport bench imports the wheels the image lacks). Logs and JSONL under $OUT (bench/results/run
 # when unset); run from the repo root and set DDTREE_COMMIT (the device's .git is stale). Overrides: VARIANTS
 # (bench_int4_moe --gluon names), TRANSPORT_ARGS (bench_transport flags); section limits T_TESTS / T_LAYER (seconds);
-# TESTS=0 / TRANSPORT=0 skip. TREE_INPUTS_AB=1 runs the transports a second time with the one-launch tree inputs
-# (`--tree-inputs auto`, kernels/tree_inputs.py; its GPU test joins the tests), into $OUT/tree_inputs_auto.
+# TESTS=0 / TRANSPORT=0 skip. An A/B of engine settings belongs in one run: TRANSPORT_ARGS="... --variant FIELD=VALUE"
+# (bench_transport.py steps a copy of the engines with it in the same rounds).
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-bench/results/run}
@@ -18,8 +18,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,memory.total --format=c
 status=0
 if [ "${TESTS:-1}" != 0 ]; then
   timeout "${T_TESTS:-120}" python -m pytest -q -rs -m gpu tests/kernels/test_int4_moe_ws.py \
-    $([ "${TREE_INPUTS_AB:-0}" != 0 ] && echo tests/unit/test_tree_inputs.py) 2>&1 \
-    | tee "$OUT/ws_tests.log" | tail -5 || status=1
+    tests/unit/test_tree_inputs.py 2>&1 | tee "$OUT/ws_tests.log" | tail -5 || status=1
 fi
 # shellcheck disable=SC2086  # word splitting of the list is intended
 timeout "${T_LAYER:-120}" python bench/bench_int4_moe.py --no-peers --tokens 1 9 --gluon $VARIANTS --layers 8 \
@@ -30,11 +29,6 @@ if [ "${TRANSPORT:-1}" != 0 ]; then
 print(5 if torch.cuda.get_device_properties(0).total_memory > 100e9 else 4)")}
   OUT="$OUT" K26_LAYERS=$layers K26=1 TESTS=0 ECHO=0 \
     BENCH_ARGS="${TRANSPORT_ARGS:---transports colocated grpc --steps 40}" bash bench/run_gpu_transport.sh || status=1
-  if [ "${TREE_INPUTS_AB:-0}" != 0 ]; then
-    OUT="$OUT/tree_inputs_auto" K26_LAYERS=$layers K26=1 TESTS=0 ECHO=0 \
-      BENCH_ARGS="${TRANSPORT_ARGS:---transports colocated grpc --steps 40} --tree-inputs auto" \
-      bash bench/run_gpu_transport.sh || status=1
-  fi
 fi
 echo "exit $status" | tee -a "$OUT/standings_gpu.txt"
 exit $status

@@ -83,15 +83,22 @@ class EngineConfig:
     # the batches the same way and runs them eagerly (what the graphs compute; for tests).
     cuda_graphs: bool | None = None
     cuda_graph_max_tokens: int = 2048  # larger verify batches run eagerly (compute bound anyway)
-    # the forward's tree inputs (token ids, positions, ancestor bits): "torch" (~40 launches at 17 nodes), "auto"
-    # (`kernels.tree_inputs`: one Triton launch on CUDA, the torch code elsewhere; the same values) or "triton" (the
-    # kernel everywhere: on CPU under TRITON_INTERPRET=1, for tests). Opt-in until it has run on a GPU (CPU-tested
-    # under the interpreter and compiled for sm_90 only)
-    tree_inputs: str = "torch"
+    # the forward's tree inputs (token ids, positions, ancestor bits): "auto" (`kernels.tree_inputs`: one Triton
+    # launch on CUDA, the torch code elsewhere; the same values; 0.14-0.19 ms a step faster than "torch" at K2.6
+    # shapes, C = 1, H100, in every engine), "torch" (~40 launches at 17 nodes) or "triton" (the kernel everywhere: on
+    # CPU under TRITON_INTERPRET=1, for tests)
+    tree_inputs: str = "auto"
+    # when an in-process drafter's work is queued: "eager" (first: its GPU work runs while the host prepares the rest
+    # of the step) or "lazy" (after the step's layout, whose small host-bound launches then leave the GPU idle
+    # before the draft: ~0.6 ms a step at K2.6 shapes, C = 1, profiled on an H100). A drafter in another process is
+    # always asked first
+    local_draft: str = "eager"
 
     def __post_init__(self):
         if self.tree_inputs not in ("torch", "auto", "triton"):
             raise ValueError(f"engine config: tree_inputs must be torch, auto or triton, got {self.tree_inputs!r}")
+        if self.local_draft not in ("eager", "lazy"):
+            raise ValueError(f"engine config: local_draft must be eager or lazy, got {self.local_draft!r}")
         for f in ("page_size", "num_pages", "max_sessions", "max_session_len", "draft_window",
                   "cuda_graph_max_tokens"):
             if getattr(self, f) <= 0:
@@ -248,7 +255,8 @@ class Engine:
     def _draft_begin(self, active: list[Session]) -> tuple[list[int], Callable[[], TreeBatch] | None]:
         """Ask the drafter for one tree per drafting session -> (their indices in `active`, a function that
         returns the trees). A drafter with `draft_begin` (another process) starts working now and the engine
-        prepares the rest of the step meanwhile; an in-process drafter drafts when the function is called."""
+        prepares the rest of the step meanwhile; an in-process drafter queues its GPU work now too (cfg.local_draft
+        "eager"), or when the function is called ("lazy")."""
         drafting = [i for i, s in enumerate(active) if self.drafter is not None and s.params.budget > 0]
         if not drafting:
             return drafting, None
@@ -261,7 +269,12 @@ class Engine:
                              projected) for s, (start, _), f in zip((active[i] for i in drafting), pending, feats)]
         self.draft_ns = (time.time_ns(), 0)
         begin = getattr(self.drafter, "draft_begin", None)
-        return drafting, (begin(reqs) if begin is not None else lambda: self.drafter.draft(reqs))
+        if begin is not None:
+            return drafting, begin(reqs)
+        if self.cfg.local_draft == "lazy":
+            return drafting, lambda: self.drafter.draft(reqs)
+        trees = self.drafter.draft(reqs)
+        return drafting, lambda: trees
 
     def _context_rows(self, taps: list[torch.Tensor | None]) -> list[torch.Tensor]:
         """Each drafting session's pending taps (None: none) -> what its request carries: the taps, or their

@@ -65,6 +65,10 @@ def add_parser(sub) -> None:
                         "and answer, not sooner than this many ms into a silence and again every this many ms while "
                         "one overruns, so that both processes' gRPC threads are warm for it (a message after ~5 ms "
                         "of silence takes ~0.4 ms longer on loopback); 0: off")
+    s.add_argument("--tree-inputs", choices=("auto", "torch"), default="auto",
+                   help="the verify forward's tree inputs (token ids, positions, ancestor bits): auto (default) = one "
+                        "Triton launch on CUDA (kernels.tree_inputs), the torch code elsewhere; torch = ~40 torch "
+                        "launches a step (the same values)")
     s.add_argument("--mla-kernel", choices=IMPLS, default="auto",
                    help="MLA attention tile kernel: gluon_seesaw (sm_90 with Kimi head shapes, two warpgroups "
                         "on pairs of tiles; refused at start elsewhere), gluon (the same shapes, one warpgroup), "
@@ -110,7 +114,7 @@ def run(args) -> int:
         max_message_bytes=message_bytes(args), grace_s=args.grace_s, metrics_listen=args.metrics_listen, dist=dist,
         cuda_graphs=False if args.no_cuda_graphs else None, mla_kernel=args.mla_kernel, doorbell=not args.no_doorbell,
         trees_in_place=args.trees_in_place, context_projection_dir=args.context_projection,
-        keepwarm_ms=args.keepwarm_ms)
+        keepwarm_ms=args.keepwarm_ms, tree_inputs=args.tree_inputs)
     if dist is None:
         return run_server(serve, cfg, args.log_level, "ddtree-verifier", args.gil_switch_us)
     try:

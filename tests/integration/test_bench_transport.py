@@ -50,21 +50,39 @@ def test_bench_transport_records_each_engine_with_identical_outputs(pair, tmp_pa
     assert colocated["regions"] and set(colocated["regions"].values()) == {"cpu"}  # /dev/shm regions
 
 
-def test_bench_transport_steps_a_tree_inputs_variant_of_every_engine_in_the_same_rounds(pair, tmp_path):
-    """--tree-inputs A B: a copy of every engine with B (its own drafter state and stream), named ENGINE+ti_B, in
-    the same rounds, its tokens checked against in-process like the others' and its ratio against in-process A."""
+def test_bench_transport_steps_variants_of_the_engines_in_the_same_rounds(pair, tmp_path):
+    """--variant FIELD=VALUE[@ENGINES]: a copy of the engines named (its own drafter state and stream), named
+    ENGINE+FIELD=VALUE, in the same rounds, its tokens checked against in-process like the others' and its ratio
+    against the base in-process engine; rows=projected makes a co-located copy send projected rows."""
     target, _ = pair
     out = tmp_path / "transport.jsonl"
-    proc = run_bench(target.parent, out, "--concurrency", "1", "--transports", "colocated", "--tree-inputs", "torch",
-                     "auto")
+    proc = run_bench(target.parent, out, "--concurrency", "1", "--transports", "colocated", "--variant",
+                     "tree_inputs=torch", "--variant", "local_draft=lazy@inprocess", "--variant",
+                     "rows=projected@colocated")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     recs = {r["params"]["transport"]: r for r in map(json.loads, out.read_text().splitlines())}
-    assert sorted(recs) == ["colocated", "colocated+ti_auto", "inprocess", "inprocess+ti_auto"]
-    assert {t: r["params"]["tree_inputs"] for t, r in recs.items()} == {
-        "colocated": "torch", "colocated+ti_auto": "auto", "inprocess": "torch", "inprocess+ti_auto": "auto"}
+    assert sorted(recs) == ["colocated", "colocated+rows=projected", "colocated+tree_inputs=torch", "inprocess",
+                            "inprocess+local_draft=lazy", "inprocess+tree_inputs=torch"]
+    got = {t: (r["params"]["tree_inputs"], r["params"]["local_draft"], r["params"]["projected_rows"],
+               r["params"]["variant"]) for t, r in recs.items()}
+    assert got == {"inprocess": ("auto", "eager", True, None),
+                   "inprocess+tree_inputs=torch": ("torch", "eager", True, "tree_inputs=torch"),
+                   "inprocess+local_draft=lazy": ("auto", "lazy", True, "local_draft=lazy"),
+                   "colocated": ("auto", "eager", False, None),  # co-located engines send taps (--rows auto)
+                   "colocated+tree_inputs=torch": ("torch", "eager", False, "tree_inputs=torch"),
+                   "colocated+rows=projected": ("auto", "eager", True, "rows=projected")}, got
     for r in recs.values():
         assert r["outputs_identical"] and r["steps_identical"] and "problems" not in r, r
-    assert recs["inprocess"]["ratio"] == 1.0 and recs["colocated+ti_auto"]["regions"]
+    assert recs["inprocess"]["ratio"] == 1.0 and recs["colocated+rows=projected"]["regions"]
+
+
+@pytest.mark.parametrize("spec,why", [("tree_inputs", "not FIELD=VALUE"), ("speed=11", "not an EngineConfig field"),
+                                      ("local_draft=soon", "local_draft must be"), ("rows=both", "rows must be")])
+def test_bench_transport_refuses_a_bad_variant(pair, tmp_path, spec, why):
+    target, _ = pair
+    proc = run_bench(target.parent, tmp_path / "t.jsonl", "--variant", spec)
+    assert proc.returncode == 2 and why in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "t.jsonl").exists()
 
 
 def test_bench_transport_refuses_an_unknown_transport(pair, tmp_path):

@@ -68,6 +68,33 @@ def test_the_tree_inputs_kernel_verifies_what_the_torch_code_does(tiny_target64,
     assert max(a for s in runs[1] for a in s.accepted_per_step) >= 5
 
 
+def test_an_in_process_draft_is_queued_before_the_layout_unless_lazy(tiny_target64, ar_out):
+    """`EngineConfig.local_draft`: "eager" (the default) asks an in-process drafter before the step's layout is
+    made (its GPU work then runs while the host lays the batch out), "lazy" after it; the same tokens and the same
+    accepted lengths step for step either way, and both equal AR."""
+    ref = {f"r{i}": p + o for i, (p, o) in enumerate(zip(PROMPTS, ar_out))}
+    runs = {}
+    for mode in ("eager", "lazy"):
+        oracle = OracleDrafter(ref, tiny_target64.cfg.vocab_size, 8, p_wrong=0.3, max_rank=3, seed=7)
+        eng = Engine(tiny_target64, oracle, (), EngineConfig(page_size=8, num_pages=512, max_sessions=8,
+                                                             local_draft=mode))
+        order = []
+        draft, layout = oracle.draft, eng._layout
+        oracle.draft = lambda reqs, draft=draft, order=order: order.append("draft") or draft(reqs)
+        eng._layout = lambda *a, layout=layout, order=order: order.append("layout") or layout(*a)
+        sessions = [eng.add(p, DecodeParams(max_new_tokens=NEW, budget=16, topk=4), sid=f"r{i}")
+                    for i, p in enumerate(PROMPTS)]
+        eng.step()
+        first = order[:]
+        eng.run_until_done()
+        runs[mode] = sessions
+        # a step's first layout is the planned one; a short tree (fewer nodes than planned) makes another after
+        assert first[:2] == (["draft", "layout"] if mode == "eager" else ["layout", "draft"]), (mode, first)
+    for s, k, out in zip(runs["eager"], runs["lazy"], ar_out):
+        assert s.output == k.output == out and s.accepted_per_step == k.accepted_per_step
+    assert max(a for s in runs["eager"] for a in s.accepted_per_step) >= 5
+
+
 def test_acceptance_and_rejection_at_every_depth(tiny_target64, ar_out):
     """Across a run of mixed budgets, trees are accepted to every depth 0..L-1 and rejected at each."""
     seen = collections.Counter()

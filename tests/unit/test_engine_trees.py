@@ -46,7 +46,26 @@ def test_the_padded_trees_are_the_same_with_every_session_drafting_or_some():
             assert tok.data_ptr() != trees.tokens.data_ptr()
 
 
-def test_the_tree_inputs_option_is_checked():
-    assert EngineConfig().tree_inputs == "torch"
+def test_the_tree_inputs_and_local_draft_options_are_checked():
+    assert EngineConfig().tree_inputs == "auto" and EngineConfig().local_draft == "eager"
     with pytest.raises(ValueError, match="tree_inputs"):
         EngineConfig(tree_inputs="fast")
+    with pytest.raises(ValueError, match="local_draft"):
+        EngineConfig(local_draft="later")
+
+
+def test_the_verifier_serve_command_hands_tree_inputs_to_its_engine(monkeypatch):
+    """`ddtree verifier serve --tree-inputs torch` reaches the engine's config; auto is the default."""
+    from gateway.cli import build_parser
+    from gateway.commands import verifier as cmd
+    from verifier_service.server import _engine_config
+
+    seen = []
+    monkeypatch.setattr(cmd, "run_server", lambda serve, cfg, *a, **k: seen.append(cfg) or 0)
+    base = ["verifier", "serve", "--listen", "127.0.0.1:0", "--target", "t", "--drafter-address", "127.0.0.1:1"]
+    for extra in ([], ["--tree-inputs", "torch"]):
+        args = build_parser().parse_args([*base, *extra])
+        assert args.func(args) == 0
+    assert [_engine_config(c, "cpu").tree_inputs for c in seen] == ["auto", "torch"]
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([*base, "--tree-inputs", "triton"])
