@@ -187,7 +187,7 @@ def load_target(folder: str | Path, dtype: torch.dtype = torch.bfloat16, device:
     if torch.device(device).type == "cuda":
         for m in model.modules():
             if isinstance(m, MoE):
-                m.repack_for_gpu()  # one-time repack into the INT4 kernel's layout
+                m.repack_for_gpu(dtype=dtype)  # one-time repack into the INT4 kernel's layout
     model.load_report = LoadReport(stats.tensors, stats.bytes, time.perf_counter() - t0, len(stats.files))
     return model.eval()
 

@@ -70,16 +70,22 @@ def _wgmma_runs_on(device: torch.device) -> bool:
     return device.type == "cuda" and HAVE_GLUON and torch.cuda.get_device_capability(device)[0] == 9
 
 
-def resolve_gpu_layout(layout: str, device: torch.device) -> str:
-    """`layout` ("auto" or one of the layouts above) -> the layout the weights on `device` get; ValueError for an
-    unknown one, or for "wgmma" on a GPU without wgmma (its kernels are sm_90 only; on CPU every layout decodes)."""
+def resolve_gpu_layout(layout: str, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str:
+    """`layout` ("auto" or one of the layouts above) -> the layout the weights on `device` get, for a model computing
+    in `dtype`; ValueError for an unknown one, or for "wgmma" on a GPU without wgmma (its kernels are sm_90 only; on
+    CPU every layout decodes) or for a model that is not bf16 (the wgmma kernels take bf16 activations; "auto" gives
+    such a model on the GPU the Triton kernels, which take any float dtype)."""
     if layout == "auto":
-        return "wgmma_steps" if _wgmma_runs_on(device) else "gpu"
+        return "wgmma_steps" if _wgmma_runs_on(device) and dtype == torch.bfloat16 else "gpu"
     if layout not in _REPACK:
         raise ValueError(f"MoE layout {layout!r}: 'auto' or one of {sorted(_REPACK)} (DDTREE_MOE_LAYOUT)")
-    if layout in int4_moe_wgmma_module.LAYOUTS and device.type == "cuda" and not _wgmma_runs_on(device):
-        raise ValueError(f"MoE layout {layout!r} needs an sm_90 GPU and Triton with Gluon; {device} is "
-                         f"sm_{''.join(map(str, torch.cuda.get_device_capability(device)))}: use 'gpu' or 'auto'")
+    if layout in int4_moe_wgmma_module.LAYOUTS and device.type == "cuda":
+        if not _wgmma_runs_on(device):
+            raise ValueError(f"MoE layout {layout!r} needs an sm_90 GPU and Triton with Gluon; {device} is "
+                             f"sm_{''.join(map(str, torch.cuda.get_device_capability(device)))}: use 'gpu' or 'auto'")
+        if dtype != torch.bfloat16:
+            raise ValueError(f"MoE layout {layout!r}: its kernels take bf16 activations, the model computes in "
+                             f"{dtype}: use 'gpu' or 'auto'")
     return layout
 
 
@@ -140,10 +146,12 @@ class MoE(nn.Module):
         self.shared_experts = MLP(D, inter * cfg.n_shared_experts) if cfg.n_shared_experts else None
 
     @torch.no_grad()
-    def repack_for_gpu(self, layout: str | None = None) -> None:
+    def repack_for_gpu(self, layout: str | None = None, dtype: torch.dtype = torch.bfloat16) -> None:
         """Once, at load on CUDA: INT4 buffers -> the INT4 kernels' layout, `layout` or GPU_LAYOUT, resolved for
-        the weights' device (`resolve_gpu_layout`). The checkpoint layout would be repacked on every call."""
-        layout = resolve_gpu_layout(layout or GPU_LAYOUT, (self.w13_packed if self.quantized else self.w13).device)
+        the weights' device and the model's compute dtype (`resolve_gpu_layout`). The checkpoint layout would be
+        repacked on every call."""
+        layout = resolve_gpu_layout(layout or GPU_LAYOUT, (self.w13_packed if self.quantized else self.w13).device,
+                                    dtype)
         if not self.quantized or self.layout == layout:
             return
         if self.layout != "checkpoint":

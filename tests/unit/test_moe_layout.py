@@ -40,6 +40,12 @@ def test_gpu_layout_resolution(monkeypatch):
     for cap, want in (((9, 0), "wgmma_steps"), ((8, 0), "gpu"), ((10, 0), "gpu")):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None, c=cap: c)
         assert moe_mod.resolve_gpu_layout("auto", cuda) == (want if moe_mod.HAVE_GLUON else "gpu"), cap
+        # the wgmma kernels take bf16 activations: a model in another dtype gets the Triton kernels, or an error
+        for dtype in (torch.float32, torch.float16):
+            assert moe_mod.resolve_gpu_layout("auto", cuda, dtype) == "gpu", (cap, dtype)
+            if want != "gpu" and moe_mod.HAVE_GLUON:
+                with pytest.raises(ValueError, match="take bf16 activations"):
+                    moe_mod.resolve_gpu_layout("wgmma_steps", cuda, dtype)
         if want == "gpu":
             for layout in ("wgmma", "wgmma_steps"):
                 with pytest.raises(ValueError, match="needs an sm_90 GPU"):
