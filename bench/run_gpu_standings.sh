@@ -8,7 +8,9 @@
 # when unset); run from the repo root and set DDTREE_COMMIT (the device's .git is stale). Overrides: VARIANTS
 # (bench_int4_moe --gluon names), TRANSPORT_ARGS (bench_transport flags); section limits T_TESTS / T_LAYER (seconds);
 # TESTS=0 / TRANSPORT=0 skip. An A/B of engine settings belongs in one run: TRANSPORT_ARGS="... --variant FIELD=VALUE"
-# (bench_transport.py steps a copy of the engines with it in the same rounds).
+# (bench_transport.py steps a copy of the engines with it in the same rounds); by default the in-process engine runs
+# a second time with its drafter asked after the layout (local_draft=lazy, the order before the thirty-ninth session),
+# so the remote engines' ratios can be read against both.
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-bench/results/run}
@@ -28,7 +30,7 @@ if [ "${TRANSPORT:-1}" != 0 ]; then
   layers=${K26_LAYERS:-$(python -c "import torch
 print(5 if torch.cuda.get_device_properties(0).total_memory > 100e9 else 4)")}
   OUT="$OUT" K26_LAYERS=$layers K26=1 TESTS=0 ECHO=0 \
-    BENCH_ARGS="${TRANSPORT_ARGS:---transports colocated grpc --steps 40}" bash bench/run_gpu_transport.sh || status=1
+    BENCH_ARGS="${TRANSPORT_ARGS:---transports colocated grpc --steps 40 --variant local_draft=lazy@inprocess}" bash bench/run_gpu_transport.sh || status=1
 fi
 echo "exit $status" | tee -a "$OUT/standings_gpu.txt"
 exit $status
