@@ -10,7 +10,8 @@
 # TESTS=0 / TRANSPORT=0 skip. An A/B of engine settings belongs in one run: TRANSPORT_ARGS="... --variant FIELD=VALUE"
 # (bench_transport.py steps a copy of the engines with it in the same rounds); by default the in-process engine runs
 # a second time with its drafter asked after the layout (local_draft=lazy, the order before the thirty-ninth session),
-# so the remote engines' ratios can be read against both.
+# so the remote engines' ratios can be read against both, and every engine a second time with the one-launch
+# acceptance (tree_accept=auto, kernels/tree_accept.py; opt-in until measured: its GPU test joins the tests).
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-bench/results/run}
@@ -20,7 +21,8 @@ nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,memory.total --format=c
 status=0
 if [ "${TESTS:-1}" != 0 ]; then
   timeout "${T_TESTS:-120}" python -m pytest -q -rs -m gpu tests/kernels/test_int4_moe_ws.py \
-    tests/unit/test_tree_inputs.py 2>&1 | tee "$OUT/ws_tests.log" | tail -5 || status=1
+    tests/unit/test_tree_inputs.py tests/unit/test_tree_accept_kernel.py 2>&1 | tee "$OUT/ws_tests.log" | tail -5 \
+    || status=1
 fi
 # shellcheck disable=SC2086  # word splitting of the list is intended
 timeout "${T_LAYER:-120}" python bench/bench_int4_moe.py --no-peers --tokens 1 9 --gluon $VARIANTS --layers 8 \
@@ -29,8 +31,10 @@ if [ "${TRANSPORT:-1}" != 0 ]; then
   # the K2.6 pair's target layers: 5 where they fit (an H200), else 4 (an 80 GB H100; run_gpu_transport.sh says why)
   layers=${K26_LAYERS:-$(python -c "import torch
 print(5 if torch.cuda.get_device_properties(0).total_memory > 100e9 else 4)")}
+  variants="--variant local_draft=lazy@inprocess --variant tree_accept=auto"
   OUT="$OUT" K26_LAYERS=$layers K26=1 TESTS=0 ECHO=0 \
-    BENCH_ARGS="${TRANSPORT_ARGS:---transports colocated grpc --steps 40 --variant local_draft=lazy@inprocess}" bash bench/run_gpu_transport.sh || status=1
+    BENCH_ARGS="${TRANSPORT_ARGS:---transports colocated grpc --steps 40 $variants}" bash bench/run_gpu_transport.sh \
+    || status=1
 fi
 echo "exit $status" | tee -a "$OUT/standings_gpu.txt"
 exit $status

@@ -30,7 +30,7 @@ from drafter_service.api import DraftRequest
 from drafter_service.context_projection import ContextProjection
 from drafter_service.device_copy import int64_to_device
 from kernels.kv_compact import compact_kv, path_moves
-from kernels.tree_accept import accept_greedy
+from kernels.tree_accept import accept_tree
 from kernels.tree_build import TreeBatch, tree_size
 from kernels.tree_inputs import tree_inputs
 from telemetry import host_timeline
@@ -93,10 +93,16 @@ class EngineConfig:
     # before the draft: ~0.6 ms a step at K2.6 shapes, C = 1, profiled on an H100). A drafter in another process is
     # always asked first
     local_draft: str = "eager"
+    # the step's acceptance (`kernels.tree_accept.accept_tree`): "torch" (`accept_greedy`: ~40 launches at 17 nodes),
+    # "auto" (one Triton launch on CUDA, the torch code elsewhere; the same results) or "triton" (the kernel everywhere,
+    # for tests). Opt-in until it has run on a GPU (CPU-tested under the interpreter only)
+    tree_accept: str = "torch"
 
     def __post_init__(self):
         if self.tree_inputs not in ("torch", "auto", "triton"):
             raise ValueError(f"engine config: tree_inputs must be torch, auto or triton, got {self.tree_inputs!r}")
+        if self.tree_accept not in ("torch", "auto", "triton"):
+            raise ValueError(f"engine config: tree_accept must be torch, auto or triton, got {self.tree_accept!r}")
         if self.local_draft not in ("eager", "lazy"):
             raise ValueError(f"engine config: local_draft must be eager or lazy, got {self.local_draft!r}")
         for f in ("page_size", "num_pages", "max_sessions", "max_session_len", "draft_window",
@@ -366,7 +372,7 @@ class Engine:
         # node at position p predicts p + 1; nodes at one depth share (seed, p + 1) and so the noise
         sampled = any(not s.params.sampling.greedy for s in active)
         posterior[gather] = self.sampler.posterior(logits, rows[gather // M], fb.positions + 1, sampled)
-        res = accept_greedy(tok, parent, lay.n_t, posterior.view(S, M), max_depth)
+        res = accept_tree(tok, parent, lay.n_t, posterior.view(S, M), max_depth, self.cfg.tree_accept)
         path = res.path.long()  # [S, D+1] node indices, -1 padded
 
         # commit: move the accepted rows down to committed + depth (all layers at once)

@@ -31,10 +31,11 @@ def ar_out(tiny_target64):
     return ar_reference(tiny_target64, PROMPTS)
 
 
-def run_oracle(target, ar_out, budget, block, topk, p_wrong=0.3, seed=0, tree_inputs="torch"):
+def run_oracle(target, ar_out, budget, block, topk, p_wrong=0.3, seed=0, tree_inputs="torch", tree_accept="torch"):
     ref = {f"r{i}": p + o for i, (p, o) in enumerate(zip(PROMPTS, ar_out))}
     oracle = OracleDrafter(ref, target.cfg.vocab_size, block, p_wrong=p_wrong, max_rank=3, seed=seed)
-    eng = Engine(target, oracle, (), EngineConfig(page_size=8, num_pages=512, max_sessions=8, tree_inputs=tree_inputs))
+    eng = Engine(target, oracle, (), EngineConfig(page_size=8, num_pages=512, max_sessions=8, tree_inputs=tree_inputs,
+                                                  tree_accept=tree_accept))
     sessions = [eng.add(p, DecodeParams(max_new_tokens=NEW, budget=budget, topk=topk), sid=f"r{i}")
                 for i, p in enumerate(PROMPTS)]
     eng.run_until_done()
@@ -63,6 +64,17 @@ def test_the_tree_inputs_kernel_verifies_what_the_torch_code_does(tiny_target64,
     """`EngineConfig.tree_inputs="triton"` (kernels.tree_inputs; the interpreter on CPU): the same tokens and the same
     accepted lengths step for step as the torch code, up to 65-node trees (two words of ancestor bits)."""
     runs = [run_oracle(tiny_target64, ar_out, budget, 8, 4, seed=budget, tree_inputs=t)[2] for t in ("torch", "triton")]
+    for s, k, ref in zip(*runs, ar_out):
+        assert s.output == k.output == ref and s.accepted_per_step == k.accepted_per_step
+    assert max(a for s in runs[1] for a in s.accepted_per_step) >= 5
+
+
+@pytest.mark.parametrize("budget", [8, 64])
+def test_the_acceptance_kernel_accepts_what_the_torch_code_does(tiny_target64, ar_out, budget):
+    """`EngineConfig.tree_accept="triton"` (kernels.tree_accept.accept_tree; the interpreter on CPU): the same tokens
+    and the same accepted lengths step for step as the torch code, deep acceptance included, up to 65-node trees."""
+    runs = [run_oracle(tiny_target64, ar_out, budget, 8, 4, seed=budget + 1, tree_accept=t)[2]
+            for t in ("torch", "triton")]
     for s, k, ref in zip(*runs, ar_out):
         assert s.output == k.output == ref and s.accepted_per_step == k.accepted_per_step
     assert max(a for s in runs[1] for a in s.accepted_per_step) >= 5

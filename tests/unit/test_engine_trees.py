@@ -46,12 +46,15 @@ def test_the_padded_trees_are_the_same_with_every_session_drafting_or_some():
             assert tok.data_ptr() != trees.tokens.data_ptr()
 
 
-def test_the_tree_inputs_and_local_draft_options_are_checked():
+def test_the_engines_kernel_options_are_checked():
     assert EngineConfig().tree_inputs == "auto" and EngineConfig().local_draft == "eager"
     with pytest.raises(ValueError, match="tree_inputs"):
         EngineConfig(tree_inputs="fast")
     with pytest.raises(ValueError, match="local_draft"):
         EngineConfig(local_draft="later")
+    assert EngineConfig().tree_accept == "torch"
+    with pytest.raises(ValueError, match="tree_accept"):
+        EngineConfig(tree_accept="fast")
 
 
 def test_the_verifier_serve_command_hands_tree_inputs_to_its_engine(monkeypatch):
