@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call for the transports on the GPU: the GPU tests of the transports (test_transports_gpu.py,
 # test_device_copy.py, test_shared_region.py, test_tree_verdicts.py, test_doorbell.py, test_tree_inputs.py,
+# test_tree_accept_kernel.py,
 # test_gpu_transport.py), then
 # bench_transport.py at C=1 and C=32 on cuda: kimi-mini (about 3 minutes), or with K26=1 a random-weight Kimi K2.6 pair
 # (K26_LAYERS target layers, 5 by default, ~43 GB written to K26_DIR, /tmp/k26_<layers> by default, ~2 min; about 5
