@@ -10,8 +10,9 @@
 # TESTS=0 / TRANSPORT=0 skip. An A/B of engine settings belongs in one run: TRANSPORT_ARGS="... --variant FIELD=VALUE"
 # (bench_transport.py steps a copy of the engines with it in the same rounds); by default the in-process engine runs
 # a second time with its drafter asked after the layout (local_draft=lazy, the order before the thirty-ninth session),
-# so the remote engines' ratios can be read against both, and every engine a second time with the one-launch
-# acceptance (tree_accept=auto, kernels/tree_accept.py; opt-in until measured: its GPU test joins the tests).
+# so the remote engines' ratios can be read against both, and every engine a second time with the torch acceptance
+# (tree_accept=torch: the step-level A/B of kernels/tree_accept.py's one launch, the default since the thirty-ninth
+# session without one; its GPU test joins the tests).
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-bench/results/run}
@@ -31,7 +32,7 @@ if [ "${TRANSPORT:-1}" != 0 ]; then
   # the K2.6 pair's target layers: 5 where they fit (an H200), else 4 (an 80 GB H100; run_gpu_transport.sh says why)
   layers=${K26_LAYERS:-$(python -c "import torch
 print(5 if torch.cuda.get_device_properties(0).total_memory > 100e9 else 4)")}
-  variants="--variant local_draft=lazy@inprocess --variant tree_accept=auto"
+  variants="--variant local_draft=lazy@inprocess --variant tree_accept=torch"
   OUT="$OUT" K26_LAYERS=$layers K26=1 TESTS=0 ECHO=0 \
     BENCH_ARGS="${TRANSPORT_ARGS:---transports colocated grpc --steps 40 $variants}" bash bench/run_gpu_transport.sh \
     || status=1

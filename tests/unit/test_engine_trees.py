@@ -52,13 +52,14 @@ def test_the_engines_kernel_options_are_checked():
         EngineConfig(tree_inputs="fast")
     with pytest.raises(ValueError, match="local_draft"):
         EngineConfig(local_draft="later")
-    assert EngineConfig().tree_accept == "torch"
+    assert EngineConfig().tree_accept == "auto"
     with pytest.raises(ValueError, match="tree_accept"):
         EngineConfig(tree_accept="fast")
 
 
-def test_the_verifier_serve_command_hands_tree_inputs_to_its_engine(monkeypatch):
-    """`ddtree verifier serve --tree-inputs torch` reaches the engine's config; auto is the default."""
+def test_the_verifier_serve_command_hands_its_kernel_options_to_its_engine(monkeypatch):
+    """`ddtree verifier serve --tree-inputs torch --tree-accept torch` reach the engine's config; auto is the
+    default of both."""
     from gateway.cli import build_parser
     from gateway.commands import verifier as cmd
     from verifier_service.server import _engine_config
@@ -66,9 +67,10 @@ def test_the_verifier_serve_command_hands_tree_inputs_to_its_engine(monkeypatch)
     seen = []
     monkeypatch.setattr(cmd, "run_server", lambda serve, cfg, *a, **k: seen.append(cfg) or 0)
     base = ["verifier", "serve", "--listen", "127.0.0.1:0", "--target", "t", "--drafter-address", "127.0.0.1:1"]
-    for extra in ([], ["--tree-inputs", "torch"]):
+    for extra in ([], ["--tree-inputs", "torch"], ["--tree-accept", "torch"]):
         args = build_parser().parse_args([*base, *extra])
         assert args.func(args) == 0
-    assert [_engine_config(c, "cpu").tree_inputs for c in seen] == ["auto", "torch"]
+    got = [(_engine_config(c, "cpu").tree_inputs, _engine_config(c, "cpu").tree_accept) for c in seen]
+    assert got == [("auto", "auto"), ("torch", "auto"), ("auto", "torch")]
     with pytest.raises(SystemExit):
         build_parser().parse_args([*base, "--tree-inputs", "triton"])
