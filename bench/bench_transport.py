@@ -181,17 +181,29 @@ class Variant:
                 continue
             if key not in {f.name for f in dataclasses.fields(base)}:
                 raise ValueError(f"--variant {spec!r}: {key!r} is not an EngineConfig field")
-            old = getattr(base, key)
-            changes[key] = value if isinstance(old, str) or old is None else type(old)(value)
+            changes[key] = cls._value(spec, key, getattr(base, key), value)
         cfg = dataclasses.replace(base, **changes)  # EngineConfig checks the values
         return cls("+" + fields, cfg, rows, frozenset(names.split("/")) if names else None)
+
+    @staticmethod
+    def _value(spec: str, key: str, old, value: str):
+        """A field's new value in the type of its old one (a flag, bool or None, takes true/false/on/off)."""
+        if isinstance(old, bool) or old is None:
+            flags = {"true": True, "on": True, "false": False, "off": False}
+            if value.lower() not in flags:
+                raise ValueError(f"--variant {spec!r}: {key} takes true or false, got {value!r}")
+            return flags[value.lower()]
+        try:
+            return type(old)(value)
+        except ValueError:
+            raise ValueError(f"--variant {spec!r}: {key} takes a {type(old).__name__}, got {value!r}") from None
 
     def takes(self, engine: str) -> bool:
         return self.engines is None or engine in self.engines
 
 
 def kind(engine: str) -> str:
-    """An engine's transport: its name without a variant's suffix (colocated+ti_auto -> colocated)."""
+    """An engine's transport: its name without a variant's suffix (colocated+tree_inputs=torch -> colocated)."""
     return engine.split("+", 1)[0]
 
 
