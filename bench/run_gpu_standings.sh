@@ -12,7 +12,8 @@
 # a second time with its drafter asked after the layout (local_draft=lazy, the order before the thirty-ninth session),
 # so the remote engines' ratios can be read against both, and every engine a second time with the torch acceptance
 # (tree_accept=torch: the step-level A/B of kernels/tree_accept.py's one launch, the default since the thirty-ninth
-# session without one; its GPU test joins the tests).
+# session without one; its GPU test joins the tests), and once more with the one-launch KV moves (commit_moves=auto,
+# kernels/kv_compact.py, opt-in until measured; its GPU test joins the tests too).
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-bench/results/run}
@@ -22,7 +23,8 @@ nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,memory.total --format=c
 status=0
 if [ "${TESTS:-1}" != 0 ]; then
   timeout "${T_TESTS:-120}" python -m pytest -q -rs -m gpu tests/kernels/test_int4_moe_ws.py \
-    tests/unit/test_tree_inputs.py tests/unit/test_tree_accept_kernel.py 2>&1 | tee "$OUT/ws_tests.log" | tail -5 \
+    tests/unit/test_tree_inputs.py tests/unit/test_tree_accept_kernel.py tests/unit/test_commit_moves.py 2>&1 \
+    | tee "$OUT/ws_tests.log" | tail -5 \
     || status=1
 fi
 # shellcheck disable=SC2086  # word splitting of the list is intended
@@ -32,7 +34,7 @@ if [ "${TRANSPORT:-1}" != 0 ]; then
   # the K2.6 pair's target layers: 5 where they fit (an H200), else 4 (an 80 GB H100; run_gpu_transport.sh says why)
   layers=${K26_LAYERS:-$(python -c "import torch
 print(5 if torch.cuda.get_device_properties(0).total_memory > 100e9 else 4)")}
-  variants="--variant local_draft=lazy@inprocess --variant tree_accept=torch"
+  variants="--variant local_draft=lazy@inprocess --variant tree_accept=torch --variant commit_moves=auto"
   OUT="$OUT" K26_LAYERS=$layers K26=1 TESTS=0 ECHO=0 \
     BENCH_ARGS="${TRANSPORT_ARGS:---transports colocated grpc --steps 40 $variants}" bash bench/run_gpu_transport.sh \
     || status=1

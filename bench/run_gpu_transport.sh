@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for the transports on the GPU: the GPU tests of the transports (test_transports_gpu.py,
 # test_device_copy.py, test_shared_region.py, test_tree_verdicts.py, test_doorbell.py, test_tree_inputs.py,
-# test_tree_accept_kernel.py,
+# test_tree_accept_kernel.py, test_commit_moves.py,
 # test_gpu_transport.py), then
 # bench_transport.py at C=1 and C=32 on cuda: kimi-mini (about 3 minutes), or with K26=1 a random-weight Kimi K2.6 pair
 # (K26_LAYERS target layers, 5 by default, ~43 GB written to K26_DIR, /tmp/k26_<layers> by default, ~2 min; about 5
@@ -40,6 +40,7 @@ if [ "${TESTS:-1}" != 0 ]; then
   timeout "${T_TESTS:-200}" python -m pytest -q -rs -m gpu --durations=8 tests/unit/test_transports_gpu.py \
     tests/unit/test_device_copy.py tests/unit/test_shared_region.py tests/unit/test_tree_verdicts.py \
     tests/unit/test_doorbell.py tests/unit/test_tree_inputs.py tests/unit/test_tree_accept_kernel.py \
+    tests/unit/test_commit_moves.py \
     tests/integration/test_gpu_transport.py 2>&1 \
     | tee "$OUT/transport_tests.log"
   tests=$?

@@ -29,7 +29,7 @@ import torch
 from drafter_service.api import DraftRequest
 from drafter_service.context_projection import ContextProjection
 from drafter_service.device_copy import int64_to_device
-from kernels.kv_compact import compact_kv, path_moves
+from kernels.kv_compact import commit_moves, compact_kv
 from kernels.tree_accept import accept_tree
 from kernels.tree_build import TreeBatch, tree_size
 from kernels.tree_inputs import tree_inputs
@@ -97,12 +97,15 @@ class EngineConfig:
     # elsewhere; the same results: checked on an H100, where a call costs 33 us back to back against 630 us for the
     # torch code's ~40 launches), "torch" (`accept_greedy`) or "triton" (the kernel everywhere, for tests)
     tree_accept: str = "auto"
+    # the step's KV moves as physical slots (`kernels.kv_compact.commit_moves`): "torch" (~25 launches), "auto" (one
+    # Triton launch on CUDA, the torch code elsewhere; the same slots) or "triton" (the kernel everywhere, for tests).
+    # Opt-in until it has run on a GPU (CPU-tested under the interpreter only)
+    commit_moves: str = "torch"
 
     def __post_init__(self):
-        if self.tree_inputs not in ("torch", "auto", "triton"):
-            raise ValueError(f"engine config: tree_inputs must be torch, auto or triton, got {self.tree_inputs!r}")
-        if self.tree_accept not in ("torch", "auto", "triton"):
-            raise ValueError(f"engine config: tree_accept must be torch, auto or triton, got {self.tree_accept!r}")
+        for f in ("tree_inputs", "tree_accept", "commit_moves"):
+            if getattr(self, f) not in ("torch", "auto", "triton"):
+                raise ValueError(f"engine config: {f} must be torch, auto or triton, got {getattr(self, f)!r}")
         if self.local_draft not in ("eager", "lazy"):
             raise ValueError(f"engine config: local_draft must be eager or lazy, got {self.local_draft!r}")
         for f in ("page_size", "num_pages", "max_sessions", "max_session_len", "draft_window",
@@ -376,11 +379,9 @@ class Engine:
         path = res.path.long()  # [S, D+1] node indices, -1 padded
 
         # commit: move the accepted rows down to committed + depth (all layers at once)
-        src_rel, dst_rel = path_moves(res.path, res.accept_len)
-        live = torch.arange(path.shape[1], device=dev)[None, :] <= res.accept_len.long()[:, None]
-        scratch = self.kv.scratch_slot  # padded moves must not alias rows outside the session's pages
-        src = torch.where(live, self.kv.slots(rows, committed[:, None] + src_rel.long()), scratch)
-        dst = torch.where(live, self.kv.slots(rows, committed[:, None] + dst_rel.long()), scratch)
+        # (padded moves go to the scratch slot: they must not alias rows outside the session's pages)
+        src, dst = commit_moves(res.path, res.accept_len, rows, committed, self.kv.block_table, self.kv.page_size,
+                                self.kv.scratch_slot, self.cfg.commit_moves)
         self.compact(src.view(-1), dst.view(-1))
         path_taps = taps[(lay.starts[:, None] + path.clamp(min=0)).view(-1)].view(S, path.shape[1], -1)
         path_tokens = tok.gather(1, path.clamp(min=0))

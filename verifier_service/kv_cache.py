@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from drafter_service.device_copy import int64_to_device
+from kernels.kv_compact import block_slots
 
 
 class KVCapacityError(RuntimeError):
@@ -92,6 +93,4 @@ class KVPool:
     # --- device-side address translation -------------------------------------------------------------
     def slots(self, rows: torch.Tensor, logical: torch.Tensor) -> torch.Tensor:
         """rows [R] (block-table rows), logical [R, X] int -> physical slots [R, X] int64."""
-        page_idx = (logical // self.page_size).long().clamp(max=self.max_pages_per_session - 1)
-        pages = self.block_table[rows[:, None].long(), page_idx]
-        return pages.long() * self.page_size + logical.long() % self.page_size
+        return block_slots(self.block_table, self.page_size, rows, logical)

@@ -31,11 +31,12 @@ def ar_out(tiny_target64):
     return ar_reference(tiny_target64, PROMPTS)
 
 
-def run_oracle(target, ar_out, budget, block, topk, p_wrong=0.3, seed=0, tree_inputs="torch", tree_accept="torch"):
+def run_oracle(target, ar_out, budget, block, topk, p_wrong=0.3, seed=0, tree_inputs="torch", tree_accept="torch",
+               commit_moves="torch"):
     ref = {f"r{i}": p + o for i, (p, o) in enumerate(zip(PROMPTS, ar_out))}
     oracle = OracleDrafter(ref, target.cfg.vocab_size, block, p_wrong=p_wrong, max_rank=3, seed=seed)
     eng = Engine(target, oracle, (), EngineConfig(page_size=8, num_pages=512, max_sessions=8, tree_inputs=tree_inputs,
-                                                  tree_accept=tree_accept))
+                                                  tree_accept=tree_accept, commit_moves=commit_moves))
     sessions = [eng.add(p, DecodeParams(max_new_tokens=NEW, budget=budget, topk=topk), sid=f"r{i}")
                 for i, p in enumerate(PROMPTS)]
     eng.run_until_done()
@@ -70,10 +71,12 @@ def test_the_tree_inputs_kernel_verifies_what_the_torch_code_does(tiny_target64,
 
 
 @pytest.mark.parametrize("budget", [8, 64])
-def test_the_acceptance_kernel_accepts_what_the_torch_code_does(tiny_target64, ar_out, budget):
-    """`EngineConfig.tree_accept="triton"` (kernels.tree_accept.accept_tree; the interpreter on CPU): the same tokens
-    and the same accepted lengths step for step as the torch code, deep acceptance included, up to 65-node trees."""
-    runs = [run_oracle(tiny_target64, ar_out, budget, 8, 4, seed=budget + 1, tree_accept=t)[2]
+@pytest.mark.parametrize("option", ["tree_accept", "commit_moves"])
+def test_the_acceptance_and_commit_kernels_do_what_the_torch_code_does(tiny_target64, ar_out, budget, option):
+    """`EngineConfig.tree_accept` / `commit_moves` = "triton" (kernels.tree_accept.accept_tree,
+    kernels.kv_compact.commit_moves; the interpreter on CPU): the same tokens and the same accepted lengths step for
+    step as the torch code, deep acceptance (and so long moves across 8-row pages) included, up to 65-node trees."""
+    runs = [run_oracle(tiny_target64, ar_out, budget, 8, 4, seed=budget + 1, **{option: t})[2]
             for t in ("torch", "triton")]
     for s, k, ref in zip(*runs, ar_out):
         assert s.output == k.output == ref and s.accepted_per_step == k.accepted_per_step

@@ -52,9 +52,10 @@ def test_the_engines_kernel_options_are_checked():
         EngineConfig(tree_inputs="fast")
     with pytest.raises(ValueError, match="local_draft"):
         EngineConfig(local_draft="later")
-    assert EngineConfig().tree_accept == "auto"
-    with pytest.raises(ValueError, match="tree_accept"):
-        EngineConfig(tree_accept="fast")
+    assert EngineConfig().tree_accept == "auto" and EngineConfig().commit_moves == "torch"
+    for f in ("tree_accept", "commit_moves"):
+        with pytest.raises(ValueError, match=f):
+            EngineConfig(**{f: "fast"})
 
 
 def test_the_verifier_serve_command_hands_its_kernel_options_to_its_engine(monkeypatch):
