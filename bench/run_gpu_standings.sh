@@ -10,10 +10,11 @@
 # TESTS=0 / TRANSPORT=0 skip. An A/B of engine settings belongs in one run: TRANSPORT_ARGS="... --variant FIELD=VALUE"
 # (bench_transport.py steps a copy of the engines with it in the same rounds); by default the in-process engine runs
 # a second time with its drafter asked after the layout (local_draft=lazy, the order before the thirty-ninth session),
-# so the remote engines' ratios can be read against both, and every engine a second time with the torch acceptance
-# (tree_accept=torch: the step-level A/B of kernels/tree_accept.py's one launch, the default since the thirty-ninth
-# session without one; its GPU test joins the tests), and once more with the one-launch KV moves (commit_moves=auto,
-# kernels/kv_compact.py, opt-in until measured; its GPU test joins the tests too).
+# so the remote engines' ratios can be read against both; with 5 layers (an H200) the in-process and co-located
+# engines also run with the torch acceptance (tree_accept=torch: the step-level A/B of kernels/tree_accept.py's one
+# launch, the default since the thirty-ninth session without one) and with the one-launch KV moves
+# (commit_moves=auto, kernels/kv_compact.py, opt-in until measured); an 80 GB GPU runs the in-process copies only
+# (lazy, commit_moves). The kernels' GPU tests join the tests.
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-bench/results/run}
@@ -34,7 +35,15 @@ if [ "${TRANSPORT:-1}" != 0 ]; then
   # the K2.6 pair's target layers: 5 where they fit (an H200), else 4 (an 80 GB H100; run_gpu_transport.sh says why)
   layers=${K26_LAYERS:-$(python -c "import torch
 print(5 if torch.cuda.get_device_properties(0).total_memory > 100e9 else 4)")}
-  variants="--variant local_draft=lazy@inprocess --variant tree_accept=torch --variant commit_moves=auto"
+  # each copy holds a KV pool (~0.75 GB), an in-process one a drafter cache (~1.6 GB at 33 sessions) and a remote one
+  # 32 more sessions of the drafter process (~1.5 GB): the H200 (5 layers) takes all of these, an 80 GB GPU (4
+  # layers, ~69 GB for the pair) two in-process copies
+  if [ "$layers" -ge 5 ]; then
+    variants="--variant local_draft=lazy@inprocess --variant tree_accept=torch@inprocess/colocated"
+    variants="$variants --variant commit_moves=auto@inprocess/colocated"
+  else
+    variants="--variant local_draft=lazy@inprocess --variant commit_moves=auto@inprocess"
+  fi
   OUT="$OUT" K26_LAYERS=$layers K26=1 TESTS=0 ECHO=0 \
     BENCH_ARGS="${TRANSPORT_ARGS:---transports colocated grpc --steps 40 $variants}" bash bench/run_gpu_transport.sh \
     || status=1
