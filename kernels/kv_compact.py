@@ -14,6 +14,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from kernels.step_impl import use_kernel
+
 
 def path_moves(path: Tensor, accept_len: Tensor, base_index: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Row moves that make the accepted path contiguous.
@@ -98,12 +100,8 @@ def commit_moves(path: Tensor, accept_len: Tensor, rows: Tensor, committed: Tens
                  page_size: int, scratch: int, impl: str = "auto") -> tuple[Tensor, Tensor]:
     """`commit_moves_reference`'s contract. impl: auto (one Triton launch on CUDA, the reference elsewhere), triton
     (on CPU needs TRITON_INTERPRET=1) or torch. No host reads."""
-    if impl == "auto":
-        impl = "triton" if path.is_cuda else "torch"
-    if impl == "torch":
+    if not use_kernel(impl, path.is_cuda):
         return commit_moves_reference(path, accept_len, rows, committed, block_table, page_size, scratch)
-    if impl != "triton":
-        raise ValueError(f"impl must be auto, triton or torch, got {impl!r}")
     S, D1 = path.shape
     if accept_len.shape != (S,) or rows.shape != (S,) or committed.shape != (S,) or block_table.dim() != 2:
         raise ValueError(f"commit_moves: shapes path {tuple(path.shape)}, accept_len {tuple(accept_len.shape)}, "

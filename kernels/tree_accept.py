@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from kernels.step_impl import use_kernel
 from kernels.tree_mask import ancestor_mask
 
 
@@ -136,12 +137,8 @@ def accept_tree(tokens: Tensor, parent: Tensor, n_nodes: Tensor, posterior: Tens
                 impl: str = "auto") -> AcceptResult:
     """`accept_greedy`'s contract and results. impl: auto (one Triton launch on CUDA, the torch code elsewhere),
     triton (on CPU needs TRITON_INTERPRET=1) or torch. No host reads: stream-ordered, graph-capturable."""
-    if impl == "auto":
-        impl = "triton" if tokens.is_cuda else "torch"
-    if impl == "torch":
+    if not use_kernel(impl, tokens.is_cuda):
         return accept_greedy(tokens, parent, n_nodes, posterior, max_depth)
-    if impl != "triton":
-        raise ValueError(f"impl must be auto, triton or torch, got {impl!r}")
     R, M = tokens.shape
     if parent.shape != (R, M) or posterior.shape != (R, M) or n_nodes.shape != (R,) or max_depth < 0:
         raise ValueError(f"accept_tree: shapes tokens {tuple(tokens.shape)}, parent {tuple(parent.shape)}, "

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from kernels.step_impl import use_kernel
 from kernels.tree_mask import ancestor_mask, pack_mask_bits
 
 BLOCK = 64  # flat nodes per program
@@ -74,12 +75,8 @@ def tree_inputs(tok: Tensor, parent: Tensor, depth: Tensor, committed: Tensor, g
     if parent.shape != (S, M) or depth.shape != (S, M) or committed.shape != (S,) or gather.dim() != 1:
         raise ValueError(f"tree_inputs: shapes tok {tuple(tok.shape)}, parent {tuple(parent.shape)}, depth "
                          f"{tuple(depth.shape)}, committed {tuple(committed.shape)}, gather {tuple(gather.shape)}")
-    if impl == "auto":
-        impl = "triton" if tok.is_cuda else "torch"
-    if impl == "torch":
+    if not use_kernel(impl, tok.is_cuda):
         return tree_inputs_reference(tok, parent, depth, committed, gather)
-    if impl != "triton":
-        raise ValueError(f"impl must be auto, triton or torch, got {impl!r}")
     N, W = gather.shape[0], max(1, math.ceil(M / 64))
     tokens = torch.empty(N, dtype=torch.int64, device=tok.device)
     positions = torch.empty(N, dtype=torch.int64, device=tok.device)

@@ -30,6 +30,7 @@ from drafter_service.api import DraftRequest
 from drafter_service.context_projection import ContextProjection
 from drafter_service.device_copy import int64_to_device
 from kernels.kv_compact import commit_moves, compact_kv
+from kernels.step_impl import STEP_IMPLS
 from kernels.tree_accept import accept_tree
 from kernels.tree_build import TreeBatch, tree_size
 from kernels.tree_inputs import tree_inputs
@@ -104,8 +105,8 @@ class EngineConfig:
 
     def __post_init__(self):
         for f in ("tree_inputs", "tree_accept", "commit_moves"):
-            if getattr(self, f) not in ("torch", "auto", "triton"):
-                raise ValueError(f"engine config: {f} must be torch, auto or triton, got {getattr(self, f)!r}")
+            if getattr(self, f) not in STEP_IMPLS:
+                raise ValueError(f"engine config: {f} must be one of {STEP_IMPLS}, got {getattr(self, f)!r}")
         if self.local_draft not in ("eager", "lazy"):
             raise ValueError(f"engine config: local_draft must be eager or lazy, got {self.local_draft!r}")
         for f in ("page_size", "num_pages", "max_sessions", "max_session_len", "draft_window",
