@@ -114,6 +114,13 @@ class DraftContextCache:
         for sid, n in zip(plan.sids, plan.counts):
             self._count[sid] += n
 
+    def advance(self, sids: list[str], counts: list[int]) -> None:
+        """Rows a device-counted append wrote (`Drafter.draft_ahead`), once the host knows how many: advance each
+        session's count (sessions released since are skipped: their rows went with them)."""
+        for sid, n in zip(sids, counts, strict=True):
+            if sid in self._count:
+                self._count[sid] += n
+
     def release(self, sid: str) -> None:
         if sid in self._row:
             self._free.append(self._row.pop(sid))

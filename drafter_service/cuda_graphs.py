@@ -112,6 +112,7 @@ class DraftGraphRunner:
         self.ctx_feats = torch.zeros(self.row_buckets[-1], feature_dim, dtype=dtype, device=dev)  # static rows
         self.pad_index = cache.pad_index(self.row_buckets[-1])  # host; its first k rows are pad_index(k)
         self.ctx_index = self.pad_index.to(dev, copy=True)  # static [rows, 3]: row, ring slot, position (not an alias)
+        self.pad_index_device = self.pad_index.to(dev, copy=True)  # `append_device`'s padding (never written)
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor | None]] = {}
         self.failed: dict[tuple, str] = {}  # key -> why its capture failed (runs eagerly)
         self.stats: collections.Counter = collections.Counter()  # replays, captures, padded_eager, eager, context_*
@@ -145,6 +146,28 @@ class DraftGraphRunner:
             return False
         int64_to_device(torch.cat((index, self.pad_index[: n - T])), self.device, out=self.ctx_index[:n])
         rows_to_device(parts, self.device, self.ctx_feats.dtype, out=self.ctx_feats[:T])
+        return self._append_replay(n)
+
+    @torch.no_grad()
+    def append_device(self, index: torch.Tensor, feats: torch.Tensor) -> bool:
+        """`append` of an index [T, 3] and rows [T, F] already on the device (`Drafter.draft_ahead`: rows past a
+        session's device-side count point at the pad row): two device copies into the static buffers."""
+        T = index.shape[0]
+        n = self.row_bucket(T)
+        if not self.enabled or T == 0:
+            return False
+        if n is None or ("context", n) in self.failed:
+            self.stats["context_eager"] += 1
+            return False
+        self.ctx_index[:T].copy_(index)
+        if n > T:
+            self.ctx_index[T:n].copy_(self.pad_index_device[: n - T])
+        self.ctx_feats[:T].copy_(feats)
+        return self._append_replay(n)
+
+    def _append_replay(self, n: int) -> bool:
+        """Replay (capturing first) the append of the first n static rows; False when its capture failed."""
+        key = ("context", n)
         if not self.capture:
             self.stats["context_padded_eager"] += 1
             self._append_body(n)
@@ -171,7 +194,7 @@ class DraftGraphRunner:
         n_nodes = [tree_size(r.budget, min(r.topk, self.vocab_size), self.depth) for r in requests]
         if len(groups) == 1:
             (budget, topk), = groups
-            packed, fresh = self._group(requests, budget, topk)
+            packed, fresh = self._group(R, budget, topk, self._fill_requests(requests))
             return TreeBatch.from_packed(packed if fresh else packed.clone(), n_nodes)
         # Each group's trees are copied out right after its replay, before the next group's: the graphs share
         # one memory pool, so a graph captured earlier than this one may hold its intermediates where this
@@ -179,9 +202,28 @@ class DraftGraphRunner:
         out = torch.full((6, R, max(n_nodes)), -1, dtype=torch.int32, device=self.device)
         out[5] = NEG_INF_BITS
         for (budget, topk), idx in groups.items():
-            packed, _ = self._group([requests[i] for i in idx], budget, topk)
+            packed, _ = self._group(len(idx), budget, topk, self._fill_requests([requests[i] for i in idx]))
             out[:, int64_to_device(idx, self.device), : packed.shape[2]] = packed
         return TreeBatch.from_packed(out, n_nodes)
+
+    @torch.no_grad()
+    def run_device(self, rows: list[int], columns: torch.Tensor, budget: int, topk: int) -> TreeBatch | None:
+        """Draft one (budget, top-k) tree per cache row `rows` whose context length, root token and root position
+        are on the device (columns [3, R] int64: `Drafter.draft_ahead`) -> a TreeBatch the caller owns; None when
+        the step is not for the runner (as `run`)."""
+        R = len(rows)
+        if not self.enabled or R == 0 or self.bucket(R) is None:
+            return None
+
+        def fill(out: torch.Tensor) -> None:
+            n = out.shape[1]
+            int64_to_device([rows + [self.cache.pad_row] * (n - R), *([0] * n for _ in range(3))], self.device,
+                            out=out)
+            out[1:, :R] = columns
+
+        packed, fresh = self._group(R, budget, topk, fill)
+        n_nodes = [tree_size(budget, min(topk, self.vocab_size), self.depth)] * R
+        return TreeBatch.from_packed(packed if fresh else packed.clone(), n_nodes)
 
     @torch.no_grad()
     def warmup(self, budget: int, topk: int) -> list[tuple]:
@@ -235,10 +277,15 @@ class DraftGraphRunner:
         index = self.ctx_index[:n]
         self.cache.scatter(index, self.context_kv(self.ctx_feats[:n], index[:, 2]))
 
-    def _group(self, requests: list[DraftRequest], budget: int, topk: int) -> tuple[torch.Tensor, bool]:
-        """One (budget, top-k) group -> (packed trees [6, >= R, M] with the real rows first, fresh: True when
-        the tensor is not a graph's static output)."""
-        R = len(requests)
+    def _fill_requests(self, requests: list[DraftRequest]) -> Callable[[torch.Tensor], None]:
+        """A group's input filler (`_group`) from host requests: one upload of their columns and the padding."""
+        return lambda out: int64_to_device(self._columns(requests, out.shape[1]), self.device, out=out)
+
+    def _group(self, R: int, budget: int, topk: int, fill: Callable[[torch.Tensor], None]
+               ) -> tuple[torch.Tensor, bool]:
+        """One (budget, top-k) group of R requests, whose [4, n] inputs `fill` writes (n >= R: the real columns
+        first, then padding) -> (packed trees [6, >= R, M] with the real rows first, fresh: True when the tensor
+        is not a graph's static output)."""
         n = self.bucket(R)
         key = (n, budget, topk)
         if self.capture and key not in self.graphs:
@@ -247,23 +294,25 @@ class DraftGraphRunner:
                 self._warn(f"CUDA graphs: {self.max_graphs} draft graphs captured already; new (requests, budget, "
                            "top-k) keys run eagerly")
             if full or key in self.failed:
-                return self._eager(requests, budget, topk), True
+                return self._eager(R, budget, topk, fill), True
         inputs = self.inputs[n]
-        int64_to_device(self._columns(requests, n), self.device, out=inputs)
+        fill(inputs)
         if not self.capture:
             self.stats["padded_eager"] += 1
             return self._draft_body(inputs, budget, topk)[:, :R], True
         entry = self.graphs.get(key) or self._capture(key, lambda: self._draft_body(inputs, budget, topk))
         if entry is None:  # this capture failed just now
-            return self._eager(requests, budget, topk), True
+            return self._eager(R, budget, topk, fill), True
         graph, packed = entry
         graph.replay()
         self.stats["replays"] += 1
         return packed[:, :R], False
 
-    def _eager(self, requests: list[DraftRequest], budget: int, topk: int) -> torch.Tensor:
+    def _eager(self, R: int, budget: int, topk: int, fill: Callable[[torch.Tensor], None]) -> torch.Tensor:
         self.stats["eager"] += 1
-        return self._draft_body(int64_to_device(self._columns(requests, len(requests)), self.device), budget, topk)
+        inputs = torch.empty(4, R, dtype=torch.int64, device=self.device)
+        fill(inputs)
+        return self._draft_body(inputs, budget, topk)
 
     def _warn(self, msg: str) -> None:
         warn_once(log, self._warned, msg)

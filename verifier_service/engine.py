@@ -35,6 +35,7 @@ from kernels.tree_accept import accept_tree
 from kernels.tree_build import TreeBatch, tree_size
 from kernels.tree_inputs import tree_inputs
 from telemetry import host_timeline
+from verifier_service import draft_ahead
 from verifier_service.cuda_graphs import GraphRunner
 from verifier_service.forward_batch import ForwardBatch
 from verifier_service.kv_cache import KVPool
@@ -102,6 +103,11 @@ class EngineConfig:
     # Triton launch on CUDA, the torch code elsewhere; the same slots) or "triton" (the kernel everywhere, for tests).
     # Opt-in until it has run on a GPU (CPU-tested under the interpreter only)
     commit_moves: str = "torch"
+    # queue the next step's draft right after this step's acceptance, before the host reads the step
+    # (`verifier_service.draft_ahead`): the GPU goes from the acceptance straight into the next draft. Taken by the
+    # next step when it drafts the same sessions at one (budget, top-k); with a drafter that cannot
+    # (`drafts_ahead` false or absent) the steps run as without it
+    draft_ahead: bool = False
 
     def __post_init__(self):
         for f in ("tree_inputs", "tree_accept", "commit_moves"):
@@ -135,6 +141,7 @@ class Engine:
         self.sampler = SamplerTable(cfg.max_sessions, self.device)  # per-KV-row sampling params
         self.draft_ns: tuple[int, int] | None = None  # time.time_ns() around the last step's draft call (tracing)
         self.graphs: GraphRunner | None = None  # verify forwards through CUDA graphs (cfg.cuda_graphs)
+        self.ahead: draft_ahead.AheadDraft | None = None  # the next step's draft, queued ahead (cfg.draft_ahead)
         if cfg.cuda_graphs:
             self.graphs = GraphRunner(
                 lambda fb: self.forward(fb), lambda h: self.target.logits(h), self.kv, cfg.max_sessions,
@@ -268,6 +275,11 @@ class Engine:
         prepares the rest of the step meanwhile; an in-process drafter queues its GPU work now too (cfg.local_draft
         "eager"), or when the function is called ("lazy")."""
         drafting = [i for i, s in enumerate(active) if self.drafter is not None and s.params.budget > 0]
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None and ahead.matches(active, drafting):
+            host_timeline.mark("draft_asked")
+            self.draft_ns = (time.time_ns(), 0)
+            return drafting, ahead.trees
         if not drafting:
             return drafting, None
         host_timeline.mark("draft_asked")
@@ -387,20 +399,34 @@ class Engine:
         path_taps = taps[(lay.starts[:, None] + path.clamp(min=0)).view(-1)].view(S, path.shape[1], -1)
         path_tokens = tok.gather(1, path.clamp(min=0))
 
-        # the step's one host read (the tree depth is for the per-depth acceptance metrics)
+        # the step's one host read (the tree depth is for the per-depth acceptance metrics); with a draft queued
+        # ahead, the drafter's counts too (checked against the host's below)
         host_timeline.mark("verify_queued")
-        host = torch.cat((res.accept_len.long()[:, None], res.bonus.long()[:, None], depth.amax(1, keepdim=True),
-                          path_tokens), 1).cpu().tolist()
+        values = torch.cat((res.accept_len.long()[:, None], res.bonus.long()[:, None], depth.amax(1, keepdim=True),
+                            path_tokens), 1)
+        ahead = trees_of is not None and self._ahead_ok(active, drafting)
+        if ahead:
+            counts, roots, root_pos = draft_ahead.emitted_counts(active, path_tokens, res.accept_len, res.bonus,
+                                                                 committed)
+            host = self._read_then(torch.cat((values, counts[:, None]), 1),
+                                   lambda: self._queue_ahead(active, path_taps, counts, roots, root_pos))
+            self.drafter.advance([s.sid for s in active], [h[-1] for h in host])
+        else:
+            host = values.cpu().tolist()
         host_timeline.mark("verify_read")
         out: dict[str, list[int]] = {}
         for i, s in enumerate(active):
-            a, bonus, s.tree_depth, ptoks = host[i][0], host[i][1], host[i][2], host[i][3:]
+            a, bonus, s.tree_depth, ptoks = host[i][0], host[i][1], host[i][2], host[i][3 : 3 + path.shape[1]]
             new = ptoks[1 : a + 1] + [bonus]
             out[s.sid] = emitted = s.emit(new)
             # a turn that ends mid-path (EOS, max_new_tokens) keeps only what it emitted: its last
             # emitted token becomes the root, so a later turn (`extend`) continues from exactly there
             k = len(emitted)
-            s.add_pending(s.committed, path_taps[i, :k], self.cfg.draft_window)
+            if not ahead:
+                s.add_pending(s.committed, path_taps[i, :k], self.cfg.draft_window)
+            elif k != host[i][-1]:  # the drafter appended the device's count of rows: they must agree
+                raise RuntimeError(f"draft ahead: session {s.sid!r} emitted {k} tokens, the device counted "
+                                   f"{host[i][-1]}")
             s.committed += k
             s.root = new[k - 1]
             s.accepted_per_step.append(a + 1)
@@ -409,6 +435,40 @@ class Engine:
                 self.finish(s.sid)
         host_timeline.mark("step_done")
         return out
+
+    def _ahead_ok(self, active: list[Session], drafting: list[int]) -> bool:
+        """Whether this step queues the next one's draft before its host read (cfg.draft_ahead)."""
+        return (self.cfg.draft_ahead and getattr(self.drafter, "drafts_ahead", False)
+                and draft_ahead.eligible(active, drafting))
+
+    def _queue_ahead(self, active: list[Session], path_taps: torch.Tensor, counts: torch.Tensor,
+                     roots: torch.Tensor, root_pos: torch.Tensor) -> None:
+        """Queue the next step's draft from this step's device values (`Drafter.draft_ahead`): the accepted paths'
+        taps (projected here when the engine holds the projection), the device's emitted counts and roots."""
+        rows, projected = path_taps, self.projection is not None
+        if projected:
+            S, P, F = path_taps.shape
+            rows = self.projection(path_taps.reshape(S * P, F)).view(S, P, -1)
+        p = active[0].params
+        trees = self.drafter.draft_ahead([s.sid for s in active], [s.committed for s in active], rows, counts, roots,
+                                         root_pos, p.budget, p.topk, projected)
+        self.ahead = draft_ahead.AheadDraft([s.sid for s in active], [(p.budget, p.topk)] * len(active),
+                                            lambda: trees)
+
+    def _read_then(self, values: torch.Tensor, queue: Callable[[], None]) -> list[list[int]]:
+        """values -> host lists, with `queue`'s GPU work queued behind the copy and before the host waits for it
+        (on a GPU: a pinned copy and an event; elsewhere the copy, then `queue`)."""
+        if values.device.type != "cuda":
+            host = values.tolist()
+            queue()
+            return host
+        buf = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+        buf.copy_(values, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        queue()
+        copied.synchronize()
+        return buf.tolist()
 
     def run_until_done(self) -> None:
         while any(not s.done for s in self.sessions.values()):

@@ -1,0 +1,79 @@
+"""Drafting the next step before the host has read this one (`EngineConfig.draft_ahead`).
+
+Once a step's acceptance has run on the GPU, everything the drafter needs for the next step is on the device: each
+session's accepted path (its taps are the next context rows), how many of its tokens will be emitted, the next
+root and its position. So the engine queues the next draft right there (`Drafter.draft_ahead`), behind its own
+read of the step's results, instead of after the host has read them, turned them into per-session bookkeeping and
+asked again: the GPU goes from the acceptance straight into the next draft.
+
+The device computes what the host will compute: `emitted_counts` applies `Session.emit`'s rules (EOS, unless
+ignored, and max_new_tokens) to the accepted tokens and the bonus, so the rows appended are exactly the ones the
+host would have sent; the engine checks the counts against the host's on every step. The draft is taken by the next
+step only if it drafts the same sessions in the same order at the same (budget, top-k) with nothing else pending
+(`AheadDraft.matches`); otherwise (a session finished, one joined, a turn was extended) its trees are dropped,
+while its appended rows stay: they are what the host would have sent anyway.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from drafter_service.device_copy import int64_to_device
+from kernels.tree_build import TreeBatch
+from verifier_service.session import Session
+
+NO_TOKEN = -2  # pads the EOS table: never a token id, never the path's -1 padding
+
+
+@dataclass
+class AheadDraft:
+    """A draft queued before the host read its step (the trees of the step after)."""
+
+    sids: list[str]
+    params: list[tuple[int, int]]  # each session's (budget, top-k)
+    trees: Callable[[], TreeBatch]
+
+    def matches(self, active: list[Session], drafting: list[int]) -> bool:
+        """Whether the step drafting `drafting` of `active` is the one drafted ahead."""
+        if len(drafting) != len(self.sids):
+            return False
+        for i, sid, p in zip(drafting, self.sids, self.params):
+            s = active[i]
+            if s.sid != sid or (s.params.budget, s.params.topk) != p:
+                return False
+            if s.pending_ctx is not None and s.pending_ctx.shape[0]:
+                return False
+        return True
+
+
+def eligible(active: list[Session], drafting: list[int]) -> bool:
+    """Whether a step's next draft can be queued ahead: every session drafts, all at one (budget, top-k) (one
+    graph group)."""
+    return len(drafting) == len(active) > 0 and len({(s.params.budget, s.params.topk) for s in active}) == 1
+
+
+def emitted_counts(active: list[Session], path_tokens: torch.Tensor, accept_len: torch.Tensor, bonus: torch.Tensor,
+                   committed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """On the device, what each session's host loop will do with this step (`Session.emit`): path_tokens [S, D + 1]
+    (the accepted path's tokens, the root first; past accept_len anything), accept_len, bonus, committed [S] ->
+    (counts: tokens emitted, k >= 1; roots: the last of them, the next tree's root; root_pos: committed + k)."""
+    S, P = path_tokens.shape
+    dev = path_tokens.device
+    a = accept_len.long()
+    new = torch.cat((path_tokens[:, 1:], path_tokens[:, :1]), 1)  # [S, P]: the accepted tokens, then the bonus
+    new = new.scatter(1, a[:, None], bonus.long()[:, None])
+    eos = [[] if s.params.ignore_eos else list(s.params.eos_ids) for s in active]
+    width = max(1, max(len(e) for e in eos))
+    host = [[len(s.output) for s in active], [s.params.max_new_tokens for s in active]]
+    host += [[e[j] if j < len(e) else NO_TOKEN for e in eos] for j in range(width)]
+    table = int64_to_device(host, dev)
+    remaining = table[1] - table[0]
+    j = torch.arange(P, device=dev)[None, :]
+    stops = (new[:, :, None] == table[2:].T[:, None, :]).any(-1) & (j <= a[:, None])
+    first_stop = torch.where(stops, j, P).amin(1)
+    counts = torch.minimum(torch.minimum(a + 1, remaining), first_stop + 1)
+    roots = new.gather(1, (counts - 1)[:, None])[:, 0]
+    return counts, roots, committed.long() + counts
