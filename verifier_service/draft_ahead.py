@@ -9,9 +9,9 @@ asked again: the GPU goes from the acceptance straight into the next draft.
 The device computes what the host will compute: `emitted_counts` applies `Session.emit`'s rules (EOS, unless
 ignored, and max_new_tokens) to the accepted tokens and the bonus, so the rows appended are exactly the ones the
 host would have sent; the engine checks the counts against the host's on every step. The draft is taken by the next
-step only if it drafts the same sessions in the same order at the same (budget, top-k) with nothing else pending
-(`AheadDraft.matches`); otherwise (a session finished, one joined, a turn was extended) its trees are dropped,
-while its appended rows stay: they are what the host would have sent anyway.
+step if it drafts the same sessions, or some of them (others finished), in the same order at the same (budget,
+top-k) with nothing else pending (`AheadDraft.take`); otherwise (a session joined, a turn was extended) its trees are
+dropped (a wasted draft), while its appended rows stay: they are what the host would have sent anyway.
 """
 
 from __future__ import annotations
@@ -21,9 +21,11 @@ from dataclasses import dataclass
 
 import torch
 
+from drafter_service.api import DraftRequest
 from drafter_service.device_copy import int64_to_device
 from kernels.tree_build import TreeBatch
 from verifier_service.session import Session
+from verifier_service.tree_assembly import assemble_trees
 
 NO_TOKEN = -2  # pads the EOS table: never a token id, never the path's -1 padding
 
@@ -36,17 +38,28 @@ class AheadDraft:
     params: list[tuple[int, int]]  # each session's (budget, top-k)
     trees: Callable[[], TreeBatch]
 
-    def matches(self, active: list[Session], drafting: list[int]) -> bool:
-        """Whether the step drafting `drafting` of `active` is the one drafted ahead."""
-        if len(drafting) != len(self.sids):
-            return False
-        for i, sid, p in zip(drafting, self.sids, self.params):
+    def take(self, active: list[Session], drafting: list[int]) -> Callable[[], TreeBatch] | None:
+        """The trees for the step drafting `drafting` of `active`, if this draft has them -> a function returning them
+        in `drafting`'s order, else None. It has them when those sessions are among its own, in the same order, at
+        the same (budget, top-k), with no rows pending: the same sessions, or fewer (some finished; their rows are
+        dropped), never a session it did not draft or a turn extended since (new rows)."""
+        at = {sid: j for j, sid in enumerate(self.sids)}
+        rows = []
+        for i in drafting:
             s = active[i]
-            if s.sid != sid or (s.params.budget, s.params.topk) != p:
-                return False
+            j = at.get(s.sid)
+            if j is None or (s.params.budget, s.params.topk) != self.params[j] or (rows and j <= rows[-1]):
+                return None
             if s.pending_ctx is not None and s.pending_ctx.shape[0]:
-                return False
-        return True
+                return None
+            rows.append(j)
+        if not rows:
+            return None
+        if len(rows) == len(self.sids):
+            return self.trees
+        requests = [DraftRequest(active[i].sid, 0, torch.zeros(0), active[i].root, active[i].committed, *self.params[j])
+                    for i, j in zip(drafting, rows)]
+        return lambda: assemble_trees(requests, self.sids, self.trees(), set(self.sids))
 
 
 def eligible(active: list[Session], drafting: list[int]) -> bool:

@@ -276,10 +276,11 @@ class Engine:
         "eager"), or when the function is called ("lazy")."""
         drafting = [i for i, s in enumerate(active) if self.drafter is not None and s.params.budget > 0]
         ahead, self.ahead = self.ahead, None
-        if ahead is not None and ahead.matches(active, drafting):
+        taken = ahead.take(active, drafting) if ahead is not None else None
+        if taken is not None:
             host_timeline.mark("draft_asked")
             self.draft_ns = (time.time_ns(), 0)
-            return drafting, ahead.trees
+            return drafting, taken
         if not drafting:
             return drafting, None
         host_timeline.mark("draft_asked")

@@ -14,6 +14,7 @@ import torch
 from drafter_service.checkpoint import load_drafter
 from drafter_service.context_projection import ContextProjection
 from drafter_service.drafter import Drafter
+from kernels.tree_build import build_tree
 from tests.helpers import OracleDrafter
 from tests.unit.test_cuda_graphs import GPU_TEXTS, PAIR, decode_all, gpu_test
 from tests.unit.test_draft_graphs import OracleLogqDrafter
@@ -66,6 +67,26 @@ def test_eligible_needs_one_group_of_drafting_sessions():
     assert not draft_ahead.eligible([], [])
 
 
+def test_take_only_the_sessions_it_drafted():
+    def sess(sid, budget=4, topk=2):
+        return Session(sid=sid, row=0, params=DecodeParams(budget=budget, topk=topk), prompt_len=1, root=7,
+                       committed=3)
+
+    trees = build_tree(torch.log_softmax(torch.randn(3, 3, 11, dtype=torch.float64), -1).float(),
+                       torch.tensor([7, 7, 7]), [4] * 3, [2] * 3)
+    ahead = draft_ahead.AheadDraft(["a", "b", "c"], [(4, 2)] * 3, lambda: trees)
+    a, b, c = sess("a"), sess("b"), sess("c")
+    assert ahead.take([a, b, c], [0, 1, 2]) is ahead.trees  # the same sessions: as drafted
+    sub = ahead.take([a, c], [0, 1])  # b finished: rows 0 and 2
+    assert sub is not None and torch.equal(sub().tokens, trees.tokens[[0, 2]])
+    assert ahead.take([c, a], [0, 1]) is None  # another order
+    assert ahead.take([a, sess("d")], [0, 1]) is None  # a session it did not draft
+    assert ahead.take([a, sess("b", budget=8)], [0, 1]) is None  # another budget
+    assert ahead.take([a, b], [0]) is not None and ahead.take([a, b], []) is None
+    b.pending_ctx = torch.zeros(2, 5)  # an extended turn's rows
+    assert ahead.take([a, b], [0, 1]) is None
+
+
 # --- through the engine -------------------------------------------------------------------------------------
 class CountingOracle(OracleLogqDrafter):
     """The oracle's proposals behind a real Drafter (its context cache, its draft_ahead), counting both ways in."""
@@ -102,8 +123,9 @@ def ar40(tiny_target64):
 
 @pytest.mark.parametrize("graphs", [True, False])
 def test_greedy_draft_ahead_equals_ar(tiny_dirs, tiny_target64, ar40, graphs):
-    """Deep acceptance; sessions finish at different steps (max_new_tokens 40, 33, 21, 40: the set shrinks, the
-    draft queued ahead is dropped, then taken again), through the graph runner's padded path and eagerly."""
+    """Deep acceptance; sessions finish at different steps (max_new_tokens 40, 33, 21, 40: the set shrinks and the
+    steps take the remaining sessions' trees from the draft queued ahead), through the graph runner's padded path and
+    eagerly."""
     ref = {f"r{i}": p + o for i, (p, o) in enumerate(zip(PROMPTS, ar40))}
     eng, drafter = oracle_engine(tiny_dirs, tiny_target64, ref, graphs=graphs)
     lengths = [40, 33, 21, 40]
@@ -114,7 +136,7 @@ def test_greedy_draft_ahead_equals_ar(tiny_dirs, tiny_target64, ar40, graphs):
     accepted = [a for s in sessions for a in s.accepted_per_step]
     assert max(accepted) >= 6 and min(accepted) == 1  # deep acceptance and rejection at the root
     assert drafter.calls["ahead"] >= 6, drafter.calls
-    assert drafter.calls["draft"] >= 2, drafter.calls  # the first step, and after the set changed
+    assert drafter.calls["draft"] == 1, drafter.calls  # the first step only
     assert len(drafter.cache._row) == 0  # every context released
 
 
@@ -134,8 +156,8 @@ def test_draft_ahead_with_eos_mid_path_and_an_extended_turn(tiny_dirs, tiny_targ
     s0 = eng.add(PROMPTS[0], DecodeParams(max_new_tokens=40, budget=16, topk=4, eos_ids=(eos,)), sid="r0",
                  persistent=True)
     s1 = eng.add(PROMPTS[1], DecodeParams(max_new_tokens=40, budget=16, topk=4), sid="r1")
-    for _ in range(3):
-        eng.step()
+    eng.step()
+    assert not s0.done
     s3 = eng.add(PROMPTS[3], DecodeParams(max_new_tokens=40, budget=16, topk=4), sid="r3")
     while not s0.done:
         eng.step()
@@ -146,6 +168,7 @@ def test_draft_ahead_with_eos_mid_path_and_an_extended_turn(tiny_dirs, tiny_targ
     assert s0.output == ar_turn2
     assert s1.output == ar40[1] and s3.output == ar40[3]
     assert drafter.calls["ahead"] >= 4, drafter.calls
+    assert drafter.calls["draft"] >= 3, drafter.calls  # the first step, after r3 joined and after r0's new turn
 
 
 def test_sampled_draft_ahead_equals_sampled_ar(tiny_dirs, tiny_target64):
