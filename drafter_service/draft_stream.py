@@ -106,6 +106,9 @@ class DraftStream:
     views: dict = field(default_factory=dict)  # tensor_from_pb's cache of region views (dropped with the regions)
     copy_wait_s: float = 0.0  # bytes answers on a GPU: how long the server expects a step's trees to reach the host
     projected: bool = False  # OpenStream.context_projection taken: context rows arrive projected, not as taps
+    draft_ahead: bool = False  # announced DrafterInfo.draft_ahead: takes DraftStep.ahead_values
+    # the last ahead step until its AheadCommitted: (step id, its sessions in order, where their rows start, rows each)
+    ahead: tuple[int, list[str], list[int], int] | None = None
 
     def key(self, sid: str) -> str:
         return f"{self.number}/{sid}"
@@ -204,6 +207,7 @@ class DraftStream:
     # --- messages ------------------------------------------------------------------------------------
     def context(self, m: drafter_pb2.SessionContext) -> None:
         """Rows sent ahead of a step; a problem is kept and told at the session's next step."""
+        self._no_ahead_pending("a context message")
         sid = m.session_id
         try:
             self._check_id(sid)
@@ -219,6 +223,25 @@ class DraftStream:
         except SessionFault as f:
             self.forget(sid)
             self.faults[sid] = f
+
+    def ahead_committed(self, m: drafter_pb2.AheadCommitted) -> None:
+        """The committed row counts of the last ahead step's sessions: their contexts end there now."""
+        if self.ahead is None or m.step_id != self.ahead[0]:
+            raise ProtocolError(f"AheadCommitted for step {m.step_id}, but the last step taken ahead is "
+                                f"{'none' if self.ahead is None else self.ahead[0]}")
+        step_id, sids, starts, P = self.ahead
+        if len(m.rows) != len(sids) or not all(1 <= n <= P for n in m.rows):
+            raise ProtocolError(f"AheadCommitted for step {step_id}: {len(m.rows)} counts in 1..{P} expected for its "
+                                f"{len(sids)} sessions, got {list(m.rows)[:8]}")
+        self.ahead = None
+        kept = [(sid, start, n) for sid, start, n in zip(sids, starts, m.rows) if sid in self.sessions]
+        self.drafter.advance([self.key(sid) for sid, _, _ in kept], [n for _, _, n in kept])
+        for sid, start, n in kept:
+            self.sessions[sid] = start + n
+
+    def _no_ahead_pending(self, what: str) -> None:
+        if self.ahead is not None:
+            raise ProtocolError(f"{what} before the AheadCommitted of step {self.ahead[0]} (taken ahead)")
 
     def await_request(self, step: drafter_pb2.DraftStep) -> None:
         """With IPC events: poll until the verifier's writes into the request region are done (outside the
@@ -262,6 +285,10 @@ class DraftStream:
                 raise ProtocolError(f"step {step.step_id}: unknown response region {step.response_region_id}")
         bell = self._bell(step, region)
         width = self._in_place_width(step, region)
+        self._no_ahead_pending(f"step {step.step_id}")
+        if step.HasField("ahead_values"):
+            ids, at, errors, trees = self._begin_ahead(step)
+            return self._work(step, ids, at, errors, trees, t_start, region, bell, width)
         reqs, ids, errors, seen, at = [], [], [], set(), []
         rows = self._step_rows(step)
         for i, m in enumerate(step.sessions):
@@ -293,6 +320,11 @@ class DraftStream:
                 self.metrics.draft_seconds.observe(time.perf_counter() - p0)
                 if self.tracer is not None:
                     self._spans(ids, reqs, trees, t0, time.time_ns())
+        return self._work(step, ids, at, errors, trees, t_start, region, bell, width)
+
+    def _work(self, step: drafter_pb2.DraftStep, ids: list[str], at: list[int], errors: list, trees: TreeBatch | None,
+              t_start: float, region: SharedRegion | None, bell: tuple[Doorbell, int] | None, width: int) -> StepWork:
+        """A begun step's StepWork (its trees' host copy started when they travel as bytes)."""
         self._count(len(ids), errors)
         if trees is None:
             z = torch.empty(0, 1, dtype=torch.int32)
@@ -302,6 +334,83 @@ class DraftStream:
             trees, copied = _host_copy(trees)
         in_place = (width, len(step.sessions), at) if width else None
         return StepWork(step.step_id, ids, trees, errors, t_start, region, bell, copied, in_place)
+
+    def _begin_ahead(self, step: drafter_pb2.DraftStep) -> tuple[list[str], list[int], list, TreeBatch | None]:
+        """An ahead step's checks and draft (`Drafter.draft_ahead`: the counts, roots and positions stay on the GPU,
+        clamped to their ranges so that no value from the peer can fault a kernel) -> (the sessions with a tree, their
+        places in the step, the refusals, the trees)."""
+        if not self.draft_ahead:
+            raise ProtocolError(f"step {step.step_id}: ahead_values on a stream that does not take them")
+        S = len(step.sessions)
+        P = step.sessions[0].ctx_rows if S else 0
+        if not S or not 1 <= P <= self.drafter.cache.window or any(m.ctx_rows != P for m in step.sessions):
+            raise ProtocolError(f"step {step.step_id}: an ahead step needs sessions with one ctx_rows each, in "
+                                f"1..{self.drafter.cache.window}")
+        if len({(m.budget, m.topk) for m in step.sessions}) != 1:
+            raise ProtocolError(f"step {step.step_id}: the sessions of an ahead step share one budget and topk")
+        rows = self._step_rows(step)
+        if rows is None:
+            raise ProtocolError(f"step {step.step_id}: an ahead step's rows travel in its ctx_features")
+        try:
+            values = tensor_from_pb(step.ahead_values, f"step {step.step_id}: ahead_values", self.regions, copy=False,
+                                    views=self.views)
+        except WireError as e:
+            raise ProtocolError(str(e)) from None
+        if values.dtype != torch.int64 or tuple(values.shape) != (3, S):
+            raise ProtocolError(f"step {step.step_id}: ahead_values must be int64 [3, {S}], got {values.dtype} "
+                                f"{list(values.shape)}")
+        ids, at, errors, starts, seen = [], [], [], [], set()
+        for i, m in enumerate(step.sessions):
+            try:
+                sid = m.session_id
+                self._check_id(sid)
+                if sid in seen:
+                    raise SessionFault(BAD, "the session appears twice in one step")
+                seen.add(sid)
+                if sid in self.faults:
+                    raise self.faults.pop(sid)
+                if not 1 <= m.budget <= MAX_BUDGET or m.topk < 1:
+                    raise SessionFault(BAD, f"budget {m.budget} / topk {m.topk} out of range")
+                if self.sessions.get(sid) != m.ctx_start:
+                    raise SessionFault(grpc.StatusCode.FAILED_PRECONDITION,
+                                       f"an ahead step's rows must continue the session's context (at "
+                                       f"{self.sessions.get(sid)}), got rows from {m.ctx_start}")
+                self._check_rows(sid, m.ctx_start, rows[i])
+            except SessionFault as f:
+                errors.append(drafter_pb2.SessionError(session_id=m.session_id, code=f.code.value[0],
+                                                       message=f.message))
+                if m.session_id not in ids:
+                    self.forget(m.session_id)
+                continue
+            ids.append(sid)
+            at.append(i)
+            starts.append(m.ctx_start)
+        host_timeline.mark("draft_rows")
+        if not ids:
+            return ids, at, errors, None
+        # the step's one tensor of rows, as sent (`_step_rows` checked it; a cached view, no copy)
+        feats = tensor_from_pb(step.ctx_features, "", self.regions, copy=False, views=self.views).view(S, P, -1)
+        sel = None if len(ids) == S else torch.tensor(at, device=values.device)
+        pick = (lambda t: t) if sel is None else (lambda t: t.index_select(0, sel))
+        V = self.drafter.cfg.vocab_size
+        counts = pick(values[0]).clamp(1, P)
+        roots = pick(values[1]).clamp(0, V - 1)
+        root_pos = pick(values[2]).clamp(0, MAX_POSITION - 1)
+        m0 = step.sessions[at[0]]
+        t0 = time.perf_counter()
+        try:
+            trees = self.drafter.draft_ahead([self.key(sid) for sid in ids], starts, pick(feats), counts, roots,
+                                             root_pos, m0.budget, m0.topk, self.projected)
+        except Exception as e:  # noqa: BLE001 - a model failure fails this step's sessions, not the server
+            log.exception("stream %d: ahead step %d failed", self.number, step.step_id)
+            for sid in ids:
+                errors.append(drafter_pb2.SessionError(session_id=sid, code=grpc.StatusCode.INTERNAL.value[0],
+                                                       message=f"drafting failed: {e!r}"))
+                self.forget(sid)
+            return [], [], errors, None
+        self.metrics.draft_seconds.observe(time.perf_counter() - t0)
+        self.ahead = (step.step_id, ids, starts, P)
+        return ids, at, errors, trees
 
     def finish(self, work: StepWork, out: drafter_pb2.DraftTrees | None = None) -> drafter_pb2.DraftTrees:
         """The answer to a begun step: its trees encoded (into the response region and handed over, or as bytes

@@ -54,7 +54,7 @@ from verifier_service.session import MAX_BUDGET, DecodeParams
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
-MID_STREAM = ("step", "context", "release")  # the message kinds after `open`
+MID_STREAM = ("step", "context", "release", "ahead_committed")  # the message kinds after `open`
 Failure = tuple[grpc.StatusCode, str]  # how a control-socket stream ends with an error
 
 
@@ -198,6 +198,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
             if st.trees_event is not None:
                 opened.trees_event = st.trees_event.handle
             opened.trees_doorbell = st.doorbell is not None
+            opened.draft_ahead = st.draft_ahead
             await context.write(drafter_pb2.DraftStreamResponse(opened=opened))
             if control is not None:
                 failure = await self._serve_control(st, control, context)
@@ -258,6 +259,8 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
                 return _trees_answer(st, work)
             if kind == "context":
                 st.context(req.context)
+            elif kind == "ahead_committed":
+                st.ahead_committed(req.ahead_committed)
             else:
                 st.release(list(req.release.session_ids))
         return None
@@ -342,6 +345,10 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
                              tracer=self.tracer, step_trace=self.step_trace, projected=projected)
             st.request_event, st.trees_event = self._events(msg, regions)
             st.doorbell = self._doorbell(msg, regions, st.request_event)
+            # ahead steps read the verifier's device values from the regions: behind its request event on a GPU;
+            # host regions are written before the message leaves
+            st.draft_ahead = bool(regions) and self.drafter.drafts_ahead and (
+                st.request_event is not None or all(r.device.type == "cpu" for r in regions.values()))
         except Exception:
             for r in regions.values():
                 r.close()

@@ -32,11 +32,14 @@ NO_TOKEN = -2  # pads the EOS table: never a token id, never the path's -1 paddi
 
 @dataclass
 class AheadDraft:
-    """A draft queued before the host read its step (the trees of the step after)."""
+    """A draft queued before the host read its step (the trees of the step after). `begin` turns the drafted
+    sessions' requests (`requests`, in `sids` order, made once the host has read the step: their roots and
+    positions) into a function returning their trees; a drafter in another process waits for its answer there."""
 
     sids: list[str]
     params: list[tuple[int, int]]  # each session's (budget, top-k)
-    trees: Callable[[], TreeBatch]
+    begin: Callable[[list[DraftRequest]], Callable[[], TreeBatch]]
+    requests: list[DraftRequest] | None = None
 
     def take(self, active: list[Session], drafting: list[int]) -> Callable[[], TreeBatch] | None:
         """The trees for the step drafting `drafting` of `active`, if this draft has them -> a function returning them
@@ -53,13 +56,19 @@ class AheadDraft:
             if s.pending_ctx is not None and s.pending_ctx.shape[0]:
                 return None
             rows.append(j)
-        if not rows:
+        if not rows or self.requests is None:
             return None
+        trees = self.begin(self.requests)
         if len(rows) == len(self.sids):
-            return self.trees
-        requests = [DraftRequest(active[i].sid, 0, torch.zeros(0), active[i].root, active[i].committed, *self.params[j])
-                    for i, j in zip(drafting, rows)]
-        return lambda: assemble_trees(requests, self.sids, self.trees(), set(self.sids))
+            return trees
+        requests = [self.requests[j] for j in rows]
+        return lambda: assemble_trees(requests, self.sids, trees(), set(self.sids))
+
+    def drop(self) -> None:
+        """Not taken: let the drafter's answer go (a drafter in another process is waited for, so that the next
+        step's request does not overwrite what it may still read)."""
+        if self.requests is not None:
+            self.begin(self.requests)()
 
 
 def eligible(active: list[Session], drafting: list[int]) -> bool:

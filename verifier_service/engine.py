@@ -281,6 +281,8 @@ class Engine:
             host_timeline.mark("draft_asked")
             self.draft_ns = (time.time_ns(), 0)
             return drafting, taken
+        if ahead is not None:
+            ahead.drop()
         if not drafting:
             return drafting, None
         host_timeline.mark("draft_asked")
@@ -409,11 +411,12 @@ class Engine:
         if ahead:
             counts, roots, root_pos = draft_ahead.emitted_counts(active, path_tokens, res.accept_len, res.bonus,
                                                                  committed)
-            host = self._read_then(torch.cat((values, counts[:, None]), 1),
-                                   lambda: self._queue_ahead(active, path_taps, counts, roots, root_pos))
-            self.drafter.advance([s.sid for s in active], [h[-1] for h in host])
+            host, ahead = self._read_then(torch.cat((values, counts[:, None]), 1),
+                                          lambda: self._queue_ahead(active, path_taps, counts, roots, root_pos))
         else:
             host = values.cpu().tolist()
+        if ahead:
+            self.drafter.advance([s.sid for s in active], [h[-1] for h in host])
         host_timeline.mark("verify_read")
         out: dict[str, list[int]] = {}
         for i, s in enumerate(active):
@@ -434,6 +437,9 @@ class Engine:
             s.tree_sizes.append(n[i])
             if s.done and not s.persistent:
                 self.finish(s.sid)
+        if ahead:
+            self.ahead.requests = [DraftRequest(s.sid, 0, path_taps[:0, 0], s.root, s.committed, s.params.budget,
+                                                s.params.topk, s.traceparent) for s in active]
         host_timeline.mark("step_done")
         return out
 
@@ -443,33 +449,37 @@ class Engine:
                 and draft_ahead.eligible(active, drafting))
 
     def _queue_ahead(self, active: list[Session], path_taps: torch.Tensor, counts: torch.Tensor,
-                     roots: torch.Tensor, root_pos: torch.Tensor) -> None:
-        """Queue the next step's draft from this step's device values (`Drafter.draft_ahead`): the accepted paths'
-        taps (projected here when the engine holds the projection), the device's emitted counts and roots."""
+                     roots: torch.Tensor, root_pos: torch.Tensor) -> bool:
+        """Queue the next step's draft from this step's device values (`draft_ahead`: the accepted paths' taps,
+        projected here when the engine holds the projection, the device's emitted counts and roots) -> whether the
+        drafter took it (one in another process may not: no stream, a session it does not know yet)."""
         rows, projected = path_taps, self.projection is not None
         if projected:
             S, P, F = path_taps.shape
             rows = self.projection(path_taps.reshape(S * P, F)).view(S, P, -1)
         p = active[0].params
-        trees = self.drafter.draft_ahead([s.sid for s in active], [s.committed for s in active], rows, counts, roots,
-                                         root_pos, p.budget, p.topk, projected)
-        self.ahead = draft_ahead.AheadDraft([s.sid for s in active], [(p.budget, p.topk)] * len(active),
-                                            lambda: trees)
+        out = self.drafter.draft_ahead([s.sid for s in active], [s.committed for s in active], rows, counts, roots,
+                                       root_pos, p.budget, p.topk, projected)
+        if out is None:
+            return False
+        # an in-process drafter's trees, or a remote drafter's way to them
+        begin = (lambda requests: lambda: out) if isinstance(out, TreeBatch) else out
+        self.ahead = draft_ahead.AheadDraft([s.sid for s in active], [(p.budget, p.topk)] * len(active), begin)
+        return True
 
-    def _read_then(self, values: torch.Tensor, queue: Callable[[], None]) -> list[list[int]]:
-        """values -> host lists, with `queue`'s GPU work queued behind the copy and before the host waits for it
-        (on a GPU: a pinned copy and an event; elsewhere the copy, then `queue`)."""
+    def _read_then(self, values: torch.Tensor, queue: Callable[[], bool]) -> tuple[list[list[int]], bool]:
+        """values -> (host lists, what `queue` returned), with `queue`'s GPU work queued behind the copy and before the
+        host waits for it (on a GPU: a pinned copy and an event; elsewhere the copy, then `queue`)."""
         if values.device.type != "cuda":
             host = values.tolist()
-            queue()
-            return host
+            return host, queue()
         buf = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
         buf.copy_(values, non_blocking=True)
         copied = torch.cuda.Event()
         copied.record()
-        queue()
+        queued = queue()
         copied.synchronize()
-        return buf.tolist()
+        return buf.tolist(), queued
 
     def run_until_done(self) -> None:
         while any(not s.done for s in self.sessions.values()):

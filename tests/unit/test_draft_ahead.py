@@ -11,6 +11,7 @@ import random
 import pytest
 import torch
 
+from drafter_service.api import DraftRequest
 from drafter_service.checkpoint import load_drafter
 from drafter_service.context_projection import ContextProjection
 from drafter_service.drafter import Drafter
@@ -74,9 +75,14 @@ def test_take_only_the_sessions_it_drafted():
 
     trees = build_tree(torch.log_softmax(torch.randn(3, 3, 11, dtype=torch.float64), -1).float(),
                        torch.tensor([7, 7, 7]), [4] * 3, [2] * 3)
-    ahead = draft_ahead.AheadDraft(["a", "b", "c"], [(4, 2)] * 3, lambda: trees)
+    got = []
+    ahead = draft_ahead.AheadDraft(["a", "b", "c"], [(4, 2)] * 3, lambda reqs: got.append(reqs) or (lambda: trees))
     a, b, c = sess("a"), sess("b"), sess("c")
-    assert ahead.take([a, b, c], [0, 1, 2]) is ahead.trees  # the same sessions: as drafted
+    assert ahead.take([a, b, c], [0, 1, 2]) is None  # not before the host has read its step (no requests yet)
+    ahead.requests = ["ra", "rb", "rc"]
+    assert ahead.take([a, b, c], [0, 1, 2])() is trees  # the same sessions: as drafted
+    assert got == [["ra", "rb", "rc"]]
+    ahead.requests = [DraftRequest(x.sid, 0, torch.zeros(0), 7, 3, 4, 2) for x in (a, b, c)]
     sub = ahead.take([a, c], [0, 1])  # b finished: rows 0 and 2
     assert sub is not None and torch.equal(sub().tokens, trees.tokens[[0, 2]])
     assert ahead.take([c, a], [0, 1]) is None  # another order

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos.ddtree.v1 import common_pb2 as ddtree_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x64\x64tree/v1/drafter.proto\x12\tddtree.v1\x1a\x16\x64\x64tree/v1/common.proto\"\xf0\x01\n\x12\x44raftStreamRequest\x12%\n\x04open\x18\x01 \x01(\x0b\x32\x15.ddtree.v1.OpenStreamH\x00\x12$\n\x04step\x18\x02 \x01(\x0b\x32\x14.ddtree.v1.DraftStepH\x00\x12-\n\x07release\x18\x03 \x01(\x0b\x32\x1a.ddtree.v1.ReleaseSessionsH\x00\x12,\n\x07\x63ontext\x18\x04 \x01(\x0b\x32\x19.ddtree.v1.SessionContextH\x00\x12(\n\tkeep_warm\x18\x05 \x01(\x0b\x32\x13.ddtree.v1.KeepWarmH\x00\x42\x06\n\x04kind\"\xcc\x01\n\nOpenStream\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12(\n\x07regions\x18\x02 \x03(\x0b\x32\x17.ddtree.v1.SharedRegion\x12\x16\n\x0e\x63ontrol_socket\x18\x03 \x01(\t\x12\x15\n\rrequest_event\x18\x04 \x01(\x0c\x12\x1f\n\x12\x64oorbell_region_id\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x1a\n\x12\x63ontext_projection\x18\x06 \x01(\tB\x15\n\x13_doorbell_region_id\"{\n\x0cSharedRegion\x12\x11\n\tregion_id\x18\x01 \x01(\r\x12\x0e\n\x06nbytes\x18\x02 \x01(\x04\x12\x12\n\x08shm_path\x18\x03 \x01(\tH\x00\x12(\n\x04\x63uda\x18\x04 \x01(\x0b\x32\x18.ddtree.v1.CudaIpcHandleH\x00\x42\n\n\x08location\"\x80\x02\n\rCudaIpcHandle\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\x05\x12\x0e\n\x06handle\x18\x02 \x01(\x0c\x12\x1a\n\x12storage_size_bytes\x18\x03 \x01(\x04\x12\x1c\n\x14storage_offset_bytes\x18\x04 \x01(\x04\x12\x1a\n\x12ref_counter_handle\x18\x05 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x06 \x01(\x04\x12\x14\n\x0c\x65vent_handle\x18\x07 \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\x08 \x01(\x08\x12\x15\n\rtensor_offset\x18\t \x01(\x04\x12\x13\n\x0b\x64\x65vice_uuid\x18\n \x01(\t\"\x8f\x02\n\tDraftStep\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x30\n\x08sessions\x18\x02 \x03(\x0b\x32\x1e.ddtree.v1.SessionDraftRequest\x12\x1f\n\x12response_region_id\x18\x03 \x01(\rH\x00\x88\x01\x01\x12\'\n\x0c\x63tx_features\x18\x04 \x01(\x0b\x32\x11.ddtree.v1.Tensor\x12\x1b\n\x0e\x64oorbell_value\x18\x05 \x01(\x04H\x01\x88\x01\x01\x12\x1b\n\x0etrees_in_place\x18\x06 \x01(\rH\x02\x88\x01\x01\x42\x15\n\x13_response_region_idB\x11\n\x0f_doorbell_valueB\x11\n\x0f_trees_in_place\"\xd0\x01\n\x13SessionDraftRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\tctx_start\x18\x02 \x01(\x03\x12\'\n\x0c\x63tx_features\x18\x03 \x01(\x0b\x32\x11.ddtree.v1.Tensor\x12\x12\n\nroot_token\x18\x04 \x01(\x05\x12\x10\n\x08root_pos\x18\x05 \x01(\x03\x12\x0e\n\x06\x62udget\x18\x06 \x01(\r\x12\x0c\n\x04topk\x18\x07 \x01(\r\x12\x13\n\x0btraceparent\x18\x08 \x01(\t\x12\x10\n\x08\x63tx_rows\x18\t \x01(\r\"`\n\x0eSessionContext\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\tctx_start\x18\x02 \x01(\x03\x12\'\n\x0c\x63tx_features\x18\x03 \x01(\x0b\x32\x11.ddtree.v1.Tensor\"&\n\x0fReleaseSessions\x12\x13\n\x0bsession_ids\x18\x01 \x03(\t\"\n\n\x08KeepWarm\"o\n\x13\x44raftStreamResponse\x12(\n\x06opened\x18\x01 \x01(\x0b\x32\x16.ddtree.v1.DrafterInfoH\x00\x12&\n\x05trees\x18\x02 \x01(\x0b\x32\x15.ddtree.v1.DraftTreesH\x00\x42\x06\n\x04kind\"\xb1\x03\n\nDraftTrees\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x13\n\x0bsession_ids\x18\x02 \x03(\t\x12\x0f\n\x07n_nodes\x18\x03 \x03(\r\x12!\n\x06tokens\x18\x04 \x01(\x0b\x32\x11.ddtree.v1.Tensor\x12!\n\x06parent\x18\x05 \x01(\x0b\x32\x11.ddtree.v1.Tensor\x12 \n\x05\x64\x65pth\x18\x06 \x01(\x0b\x32\x11.ddtree.v1.Tensor\x12&\n\x0b\x66irst_child\x18\x07 \x01(\x0b\x32\x11.ddtree.v1.Tensor\x12\'\n\x0cnext_sibling\x18\x08 \x01(\x0b\x32\x11.ddtree.v1.Tensor\x12\x1f\n\x04logw\x18\t \x01(\x0b\x32\x11.ddtree.v1.Tensor\x12\'\n\x06\x65rrors\x18\n \x03(\x0b\x32\x17.ddtree.v1.SessionError\x12\x12\n\ncompute_us\x18\x0b \x01(\x04\x12\x13\n\x0b\x61\x66ter_event\x18\x0c \x01(\x08\x12\x1b\n\x0e\x64oorbell_value\x18\r \x01(\x04H\x00\x88\x01\x01\x12\x10\n\x08in_place\x18\x0e \x01(\x08\x42\x11\n\x0f_doorbell_value\"A\n\x0cSessionError\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\"\x14\n\x12\x44rafterInfoRequest\"\xa3\x03\n\x0b\x44rafterInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x18\n\x10target_layer_ids\x18\x04 \x03(\r\x12\x1a\n\x12target_hidden_size\x18\x05 \x01(\r\x12\x12\n\nmax_budget\x18\x06 \x01(\r\x12\x14\n\x0cmax_sessions\x18\x07 \x01(\r\x12\x17\n\x0f\x61\x63tive_sessions\x18\x08 \x01(\r\x12\x14\n\x0c\x64raft_window\x18\t \x01(\r\x12\x0f\n\x07streams\x18\n \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x0b \x01(\t\x12\r\n\x05\x64type\x18\x0c \x01(\t\x12\x13\n\x0btrees_event\x18\r \x01(\x0c\x12\x15\n\rstep_features\x18\x0e \x01(\x08\x12\x16\n\x0etrees_doorbell\x18\x0f \x01(\x08\x12\x11\n\tkeep_warm\x18\x10 \x01(\x08\x12\x16\n\x0etrees_in_place\x18\x11 \x01(\x08\x12\x1a\n\x12\x63ontext_projection\x18\x12 \x01(\t\x12\x13\n\x0bhidden_size\x18\x13 \x01(\r2\x94\x01\n\x07\x44rafter\x12J\n\x05\x44raft\x12\x1d.ddtree.v1.DraftStreamRequest\x1a\x1e.ddtree.v1.DraftStreamResponse(\x01\x30\x01\x12=\n\x04Info\x12\x1d.ddtree.v1.DrafterInfoRequest\x1a\x16.ddtree.v1.DrafterInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x64\x64tree/v1/drafter.proto\x12\tddtree.v1\x1a\x16\x64\x64tree/v1/common.proto\"\xa6\x02\n\x12\x44raftStreamRequest\x12%\n\x04open\x18\x01 \x01(\x0b\x32\x15.ddtree.v1.OpenStreamH\x00\x12$\n\x04step\x18\x02 \x01(\x0b\x32\x14.ddtree.v1.DraftStepH\x00\x12-\n\x07release\x18\x03 \x01(\x0b\x32\x1a.ddtree.v1.ReleaseSessionsH\x00\x12,\n\x07\x63ontext\x18\x04 \x01(\x0b\x32\x19.ddtree.v1.SessionContextH\x00\x12(\n\tkeep_warm\x18\x05 \x01(\x0b\x32\x13.ddtree.v1.KeepWarmH\x00\x12\x34\n\x0f\x61head_committed\x18\x06 \x01(\x0b\x32\x19.ddtree.v1.AheadCommittedH\x00\x42\x06\n\x04kind\"\xcc\x01\n\nOpenStream\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12(\n\x07regions\x18\x02 \x03(\x0b\x32\x17.ddtree.v1.SharedRegion\x12\x16\n\x0e\x63ontrol_socket\x18\x03 \x01(\t\x12\x15\n\rrequest_event\x18\x04 \x01(\x0c\x12\x1f\n\x12\x64oorbell_region_id\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x1a\n\x12\x63ontext_projection\x18\x06 \x01(\tB\x15\n\x13_doorbell_region_id\"{\n\x0cSharedRegion\x12\x11\n\tregion_id\x18\x01 \x01(\r\x12\x0e\n\x06nbytes\x18\x02 \x01(\x04\x12\x12\n\x08shm_path\x18\x03 \x01(\tH\x00\x12(\n\x04\x63uda\x18\x04 \x01(\x0b\x32\x18.ddtree.v1.CudaIpcHandleH\x00\x42\n\n\x08location\"\x80\x02\n\rCudaIpcHandle\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\x05\x12\x0e\n\x06handle\x18\x02 \x01(\x0c\x12\x1a\n\x12storage_size_bytes\x18\x03 \x01(\x04\x12\x1c\n\x14storage_offset_bytes\x18\x04 \x01(\x04\x12\x1a\n\x12ref_counter_handle\x18\x05 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x06 \x01(\x04\x12\x14\n\x0c\x65vent_handle\x18\x07 \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\x08 \x01(\x08\x12\x15\n\rtensor_offset\x18\t \x01(\x04\x12\x13\n\x0b\x64\x65vice_uuid\x18\n \x01(\t\"\xb8\x02\n\tDraftStep\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x30\n\x08sessions\x18\x02 \x03(\x0b\x32\x1e.ddtree.v1.SessionDraftRequest\x12\x1f\n\x12response_region_id\x18\x03 \x01(\rH\x00\x88\x01\x01\x12\'\n\x0c\x63tx_features\x18\x04 \x01(\x0b\x32\x11.ddtree.v1.Tensor\x12\x1b\n\x0e\x64oorbell_value\x18\x05 \x01(\x04H\x01\x88\x01\x01\x12\x1b\n\x0etrees_in_place\x18\x06 \x01(\rH\x02\x88\x01\x01\x12\'\n\x0c\x61head_values\x18\x07 \x01(\x0b\x32\x11.ddtree.v1.TensorB\x15\n\x13_response_region_idB\x11\n\x0f_doorbell_valueB\x11\n\x0f_trees_in_place\"/\n\x0e\x41headCommitted\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x0c\n\x04rows\x18\x02 \x03(\r\"\xd0\x01\n\x13SessionDraftRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\tctx_start\x18\x02 \x01(\x03\x12\'\n\x0c\x63tx_features\x18\x03 \x01(\x0b\x32\x11.ddtree.v1.Tensor\x12\x12\n\nroot_token\x18\x04 \x01(\x05\x12\x10\n\x08root_pos\x18\x05 \x01(\x03\x12\x0e\n\x06\x62udget\x18\x06 \x01(\r\x12\x0c\n\x04topk\x18\x07 \x01(\r\x12\x13\n\x0btraceparent\x18\x08 \x01(\t\x12\x10\n\x08\x63tx_rows\x18\t \x01(\r\"`\n\x0eSessionContext\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\tctx_start\x18\x02 \x01(\x03\x12\'\n\x0c\x63tx_features\x18\x03 \x01(\x0b\x32\x11.ddtree.v1.Tensor\"&\n\x0fReleaseSessions\x12\x13\n\x0bsession_ids\x18\x01 \x03(\t\"\n\n\x08KeepWarm\"o\n\x13\x44raftStreamResponse\x12(\n\x06opened\x18\x01 \x01(\x0b\x32\x16.ddtree.v1.DrafterInfoH\x00\x12&\n\x05trees\x18\x02 \x01(\x0b\x32\x15.ddtree.v1.DraftTreesH\x00\x42\x06\n\x04kind\"\xb1\x03\n\nDraftTrees\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x13\n\x0bsession_ids\x18\x02 \x03(\t\x12\x0f\n\x07n_nodes\x18\x03 \x03(\r\x12!\n\x06tokens\x18\x04 \x01(\x0b\x32\x11.ddtree.v1.Tensor\x12!\n\x06parent\x18\x05 \x01(\x0b\x32\x11.ddtree.v1.Tensor\x12 \n\x05\x64\x65pth\x18\x06 \x01(\x0b\x32\x11.ddtree.v1.Tensor\x12&\n\x0b\x66irst_child\x18\x07 \x01(\x0b\x32\x11.ddtree.v1.Tensor\x12\'\n\x0cnext_sibling\x18\x08 \x01(\x0b\x32\x11.ddtree.v1.Tensor\x12\x1f\n\x04logw\x18\t \x01(\x0b\x32\x11.ddtree.v1.Tensor\x12\'\n\x06\x65rrors\x18\n \x03(\x0b\x32\x17.ddtree.v1.SessionError\x12\x12\n\ncompute_us\x18\x0b \x01(\x04\x12\x13\n\x0b\x61\x66ter_event\x18\x0c \x01(\x08\x12\x1b\n\x0e\x64oorbell_value\x18\r \x01(\x04H\x00\x88\x01\x01\x12\x10\n\x08in_place\x18\x0e \x01(\x08\x42\x11\n\x0f_doorbell_value\"A\n\x0cSessionError\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\"\x14\n\x12\x44rafterInfoRequest\"\xb8\x03\n\x0b\x44rafterInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x18\n\x10target_layer_ids\x18\x04 \x03(\r\x12\x1a\n\x12target_hidden_size\x18\x05 \x01(\r\x12\x12\n\nmax_budget\x18\x06 \x01(\r\x12\x14\n\x0cmax_sessions\x18\x07 \x01(\r\x12\x17\n\x0f\x61\x63tive_sessions\x18\x08 \x01(\r\x12\x14\n\x0c\x64raft_window\x18\t \x01(\r\x12\x0f\n\x07streams\x18\n \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x0b \x01(\t\x12\r\n\x05\x64type\x18\x0c \x01(\t\x12\x13\n\x0btrees_event\x18\r \x01(\x0c\x12\x15\n\rstep_features\x18\x0e \x01(\x08\x12\x16\n\x0etrees_doorbell\x18\x0f \x01(\x08\x12\x11\n\tkeep_warm\x18\x10 \x01(\x08\x12\x16\n\x0etrees_in_place\x18\x11 \x01(\x08\x12\x1a\n\x12\x63ontext_projection\x18\x12 \x01(\t\x12\x13\n\x0bhidden_size\x18\x13 \x01(\r\x12\x13\n\x0b\x64raft_ahead\x18\x14 \x01(\x08\x32\x94\x01\n\x07\x44rafter\x12J\n\x05\x44raft\x12\x1d.ddtree.v1.DraftStreamRequest\x1a\x1e.ddtree.v1.DraftStreamResponse(\x01\x30\x01\x12=\n\x04Info\x12\x1d.ddtree.v1.DrafterInfoRequest\x1a\x16.ddtree.v1.DrafterInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,33 +33,35 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'ddtree.v1.drafter_pb2', _gl
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_DRAFTSTREAMREQUEST']._serialized_start=63
-  _globals['_DRAFTSTREAMREQUEST']._serialized_end=303
-  _globals['_OPENSTREAM']._serialized_start=306
-  _globals['_OPENSTREAM']._serialized_end=510
-  _globals['_SHAREDREGION']._serialized_start=512
-  _globals['_SHAREDREGION']._serialized_end=635
-  _globals['_CUDAIPCHANDLE']._serialized_start=638
-  _globals['_CUDAIPCHANDLE']._serialized_end=894
-  _globals['_DRAFTSTEP']._serialized_start=897
-  _globals['_DRAFTSTEP']._serialized_end=1168
-  _globals['_SESSIONDRAFTREQUEST']._serialized_start=1171
-  _globals['_SESSIONDRAFTREQUEST']._serialized_end=1379
-  _globals['_SESSIONCONTEXT']._serialized_start=1381
-  _globals['_SESSIONCONTEXT']._serialized_end=1477
-  _globals['_RELEASESESSIONS']._serialized_start=1479
-  _globals['_RELEASESESSIONS']._serialized_end=1517
-  _globals['_KEEPWARM']._serialized_start=1519
-  _globals['_KEEPWARM']._serialized_end=1529
-  _globals['_DRAFTSTREAMRESPONSE']._serialized_start=1531
-  _globals['_DRAFTSTREAMRESPONSE']._serialized_end=1642
-  _globals['_DRAFTTREES']._serialized_start=1645
-  _globals['_DRAFTTREES']._serialized_end=2078
-  _globals['_SESSIONERROR']._serialized_start=2080
-  _globals['_SESSIONERROR']._serialized_end=2145
-  _globals['_DRAFTERINFOREQUEST']._serialized_start=2147
-  _globals['_DRAFTERINFOREQUEST']._serialized_end=2167
-  _globals['_DRAFTERINFO']._serialized_start=2170
-  _globals['_DRAFTERINFO']._serialized_end=2589
-  _globals['_DRAFTER']._serialized_start=2592
-  _globals['_DRAFTER']._serialized_end=2740
+  _globals['_DRAFTSTREAMREQUEST']._serialized_end=357
+  _globals['_OPENSTREAM']._serialized_start=360
+  _globals['_OPENSTREAM']._serialized_end=564
+  _globals['_SHAREDREGION']._serialized_start=566
+  _globals['_SHAREDREGION']._serialized_end=689
+  _globals['_CUDAIPCHANDLE']._serialized_start=692
+  _globals['_CUDAIPCHANDLE']._serialized_end=948
+  _globals['_DRAFTSTEP']._serialized_start=951
+  _globals['_DRAFTSTEP']._serialized_end=1263
+  _globals['_AHEADCOMMITTED']._serialized_start=1265
+  _globals['_AHEADCOMMITTED']._serialized_end=1312
+  _globals['_SESSIONDRAFTREQUEST']._serialized_start=1315
+  _globals['_SESSIONDRAFTREQUEST']._serialized_end=1523
+  _globals['_SESSIONCONTEXT']._serialized_start=1525
+  _globals['_SESSIONCONTEXT']._serialized_end=1621
+  _globals['_RELEASESESSIONS']._serialized_start=1623
+  _globals['_RELEASESESSIONS']._serialized_end=1661
+  _globals['_KEEPWARM']._serialized_start=1663
+  _globals['_KEEPWARM']._serialized_end=1673
+  _globals['_DRAFTSTREAMRESPONSE']._serialized_start=1675
+  _globals['_DRAFTSTREAMRESPONSE']._serialized_end=1786
+  _globals['_DRAFTTREES']._serialized_start=1789
+  _globals['_DRAFTTREES']._serialized_end=2222
+  _globals['_SESSIONERROR']._serialized_start=2224
+  _globals['_SESSIONERROR']._serialized_end=2289
+  _globals['_DRAFTERINFOREQUEST']._serialized_start=2291
+  _globals['_DRAFTERINFOREQUEST']._serialized_end=2311
+  _globals['_DRAFTERINFO']._serialized_start=2314
+  _globals['_DRAFTERINFO']._serialized_end=2754
+  _globals['_DRAFTER']._serialized_start=2757
+  _globals['_DRAFTER']._serialized_end=2905
 # @@protoc_insertion_point(module_scope)

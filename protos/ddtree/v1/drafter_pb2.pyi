@@ -8,18 +8,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DraftStreamRequest(_message.Message):
-    __slots__ = ("open", "step", "release", "context", "keep_warm")
+    __slots__ = ("open", "step", "release", "context", "keep_warm", "ahead_committed")
     OPEN_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_FIELD_NUMBER: _ClassVar[int]
     KEEP_WARM_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_COMMITTED_FIELD_NUMBER: _ClassVar[int]
     open: OpenStream
     step: DraftStep
     release: ReleaseSessions
     context: SessionContext
     keep_warm: KeepWarm
-    def __init__(self, open: _Optional[_Union[OpenStream, _Mapping]] = ..., step: _Optional[_Union[DraftStep, _Mapping]] = ..., release: _Optional[_Union[ReleaseSessions, _Mapping]] = ..., context: _Optional[_Union[SessionContext, _Mapping]] = ..., keep_warm: _Optional[_Union[KeepWarm, _Mapping]] = ...) -> None: ...
+    ahead_committed: AheadCommitted
+    def __init__(self, open: _Optional[_Union[OpenStream, _Mapping]] = ..., step: _Optional[_Union[DraftStep, _Mapping]] = ..., release: _Optional[_Union[ReleaseSessions, _Mapping]] = ..., context: _Optional[_Union[SessionContext, _Mapping]] = ..., keep_warm: _Optional[_Union[KeepWarm, _Mapping]] = ..., ahead_committed: _Optional[_Union[AheadCommitted, _Mapping]] = ...) -> None: ...
 
 class OpenStream(_message.Message):
     __slots__ = ("client_id", "regions", "control_socket", "request_event", "doorbell_region_id", "context_projection")
@@ -74,20 +76,30 @@ class CudaIpcHandle(_message.Message):
     def __init__(self, device: _Optional[int] = ..., handle: _Optional[bytes] = ..., storage_size_bytes: _Optional[int] = ..., storage_offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ..., tensor_offset: _Optional[int] = ..., device_uuid: _Optional[str] = ...) -> None: ...
 
 class DraftStep(_message.Message):
-    __slots__ = ("step_id", "sessions", "response_region_id", "ctx_features", "doorbell_value", "trees_in_place")
+    __slots__ = ("step_id", "sessions", "response_region_id", "ctx_features", "doorbell_value", "trees_in_place", "ahead_values")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_REGION_ID_FIELD_NUMBER: _ClassVar[int]
     CTX_FEATURES_FIELD_NUMBER: _ClassVar[int]
     DOORBELL_VALUE_FIELD_NUMBER: _ClassVar[int]
     TREES_IN_PLACE_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_VALUES_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     sessions: _containers.RepeatedCompositeFieldContainer[SessionDraftRequest]
     response_region_id: int
     ctx_features: _common_pb2.Tensor
     doorbell_value: int
     trees_in_place: int
-    def __init__(self, step_id: _Optional[int] = ..., sessions: _Optional[_Iterable[_Union[SessionDraftRequest, _Mapping]]] = ..., response_region_id: _Optional[int] = ..., ctx_features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., doorbell_value: _Optional[int] = ..., trees_in_place: _Optional[int] = ...) -> None: ...
+    ahead_values: _common_pb2.Tensor
+    def __init__(self, step_id: _Optional[int] = ..., sessions: _Optional[_Iterable[_Union[SessionDraftRequest, _Mapping]]] = ..., response_region_id: _Optional[int] = ..., ctx_features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., doorbell_value: _Optional[int] = ..., trees_in_place: _Optional[int] = ..., ahead_values: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
+
+class AheadCommitted(_message.Message):
+    __slots__ = ("step_id", "rows")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    rows: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step_id: _Optional[int] = ..., rows: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SessionDraftRequest(_message.Message):
     __slots__ = ("session_id", "ctx_start", "ctx_features", "root_token", "root_pos", "budget", "topk", "traceparent", "ctx_rows")
@@ -186,7 +198,7 @@ class DrafterInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DrafterInfo(_message.Message):
-    __slots__ = ("model", "vocab_size", "block_size", "target_layer_ids", "target_hidden_size", "max_budget", "max_sessions", "active_sessions", "draft_window", "streams", "device", "dtype", "trees_event", "step_features", "trees_doorbell", "keep_warm", "trees_in_place", "context_projection", "hidden_size")
+    __slots__ = ("model", "vocab_size", "block_size", "target_layer_ids", "target_hidden_size", "max_budget", "max_sessions", "active_sessions", "draft_window", "streams", "device", "dtype", "trees_event", "step_features", "trees_doorbell", "keep_warm", "trees_in_place", "context_projection", "hidden_size", "draft_ahead")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -206,6 +218,7 @@ class DrafterInfo(_message.Message):
     TREES_IN_PLACE_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_PROJECTION_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_AHEAD_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     block_size: int
@@ -225,4 +238,5 @@ class DrafterInfo(_message.Message):
     trees_in_place: bool
     context_projection: str
     hidden_size: int
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., target_hidden_size: _Optional[int] = ..., max_budget: _Optional[int] = ..., max_sessions: _Optional[int] = ..., active_sessions: _Optional[int] = ..., draft_window: _Optional[int] = ..., streams: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., trees_event: _Optional[bytes] = ..., step_features: _Optional[bool] = ..., trees_doorbell: _Optional[bool] = ..., keep_warm: _Optional[bool] = ..., trees_in_place: _Optional[bool] = ..., context_projection: _Optional[str] = ..., hidden_size: _Optional[int] = ...) -> None: ...
+    draft_ahead: bool
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., target_hidden_size: _Optional[int] = ..., max_budget: _Optional[int] = ..., max_sessions: _Optional[int] = ..., active_sessions: _Optional[int] = ..., draft_window: _Optional[int] = ..., streams: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., trees_event: _Optional[bytes] = ..., step_features: _Optional[bool] = ..., trees_doorbell: _Optional[bool] = ..., keep_warm: _Optional[bool] = ..., trees_in_place: _Optional[bool] = ..., context_projection: _Optional[str] = ..., hidden_size: _Optional[int] = ..., draft_ahead: _Optional[bool] = ...) -> None: ...
