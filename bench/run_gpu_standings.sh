@@ -9,12 +9,10 @@
 # (bench_int4_moe --gluon names), TRANSPORT_ARGS (bench_transport flags); section limits T_TESTS / T_LAYER (seconds);
 # TESTS=0 / TRANSPORT=0 skip. An A/B of engine settings belongs in one run: TRANSPORT_ARGS="... --variant FIELD=VALUE"
 # (bench_transport.py steps a copy of the engines with it in the same rounds); by default the in-process engine runs
-# a second time drafting each next step before its host read (draft_ahead=true, verifier_service/draft_ahead.py,
-# opt-in until measured); with 5 layers (an H200) the in-process and co-located
-# engines also run with the torch acceptance (tree_accept=torch: the step-level A/B of kernels/tree_accept.py's one
-# launch, the default since the thirty-ninth session without one) and with the one-launch KV moves
-# (commit_moves=auto, kernels/kv_compact.py, opt-in until measured); an 80 GB GPU runs the in-process copies only
-# (draft_ahead, commit_moves). The kernels' GPU tests join the tests.
+# and the co-located one a second time drafting each next step before the host read (draft_ahead=true,
+# verifier_service/draft_ahead.py and ahead_steps.py, opt-in until measured), and both with the one-launch KV moves
+# (commit_moves=auto, kernels/kv_compact.py, opt-in until measured; on an 80 GB GPU the in-process copy only). The
+# kernels' GPU tests join the tests.
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-bench/results/run}
@@ -25,9 +23,12 @@ status=0
 if [ "${TESTS:-1}" != 0 ]; then
   timeout "${T_TESTS:-120}" python -m pytest -q -rs -m gpu tests/kernels/test_int4_moe_ws.py \
     tests/unit/test_tree_inputs.py tests/unit/test_tree_accept_kernel.py tests/unit/test_commit_moves.py \
-    tests/unit/test_draft_ahead.py 2>&1 \
-    | tee "$OUT/ws_tests.log" | tail -5 \
+    2>&1 | tee "$OUT/ws_tests.log" | tail -5 \
     || status=1
+  # drafting ahead, in process and co-located (kimi-mini; the drafter service in its own process)
+  timeout "${T_AHEAD:-200}" python -m pytest -q -rs -m gpu tests/unit/test_draft_ahead.py \
+    tests/integration/test_gpu_transport.py -k ahead 2>&1 \
+    | tee "$OUT/ahead_tests.log" | tail -5 || status=1
 fi
 # shellcheck disable=SC2086  # word splitting of the list is intended
 timeout "${T_LAYER:-120}" python bench/bench_int4_moe.py --no-peers --tokens 1 9 --gluon $VARIANTS --layers 8 \
@@ -40,10 +41,9 @@ print(5 if torch.cuda.get_device_properties(0).total_memory > 100e9 else 4)")}
   # 32 more sessions of the drafter process (~1.5 GB): the H200 (5 layers) takes all of these, an 80 GB GPU (4
   # layers, ~69 GB for the pair) two in-process copies
   if [ "$layers" -ge 5 ]; then
-    variants="--variant draft_ahead=true@inprocess --variant tree_accept=torch@inprocess/colocated"
-    variants="$variants --variant commit_moves=auto@inprocess/colocated"
+    variants="--variant draft_ahead=true@inprocess/colocated --variant commit_moves=auto@inprocess/colocated"
   else
-    variants="--variant draft_ahead=true@inprocess --variant commit_moves=auto@inprocess"
+    variants="--variant draft_ahead=true@inprocess/colocated --variant commit_moves=auto@inprocess"
   fi
   OUT="$OUT" K26_LAYERS=$layers K26=1 TESTS=0 ECHO=0 \
     BENCH_ARGS="${TRANSPORT_ARGS:---transports colocated grpc --steps 40 $variants}" bash bench/run_gpu_transport.sh \

@@ -40,7 +40,7 @@ if [ "${TESTS:-1}" != 0 ]; then
   timeout "${T_TESTS:-200}" python -m pytest -q -rs -m gpu --durations=8 tests/unit/test_transports_gpu.py \
     tests/unit/test_device_copy.py tests/unit/test_shared_region.py tests/unit/test_tree_verdicts.py \
     tests/unit/test_doorbell.py tests/unit/test_tree_inputs.py tests/unit/test_tree_accept_kernel.py \
-    tests/unit/test_commit_moves.py \
+    tests/unit/test_commit_moves.py tests/unit/test_draft_ahead.py \
     tests/integration/test_gpu_transport.py 2>&1 \
     | tee "$OUT/transport_tests.log"
   tests=$?

@@ -55,6 +55,7 @@ class DraftCall:
         self.released = threading.Event()  # the doorbell watch released a wait of this stream (trees unreliable)
         self.synced: set[str] = set()  # sessions whose context this drafter holds
         self.step_features = False  # the drafter reads a step's rows from DraftStep.ctx_features (one tensor)
+        self.draft_ahead = False  # the drafter takes steps with their counts and roots on our GPU (ahead_values)
         self.step_id = 0
         self.broken = False
         self.error: StreamBroken | None = None

@@ -79,3 +79,4 @@ class InPlaceStep:
     t_sent: float
     deadline: float
     check_ms: float
+    step_id: int  # its DraftStep's (the stream's last one may be a later, ahead step)

@@ -31,7 +31,8 @@ from verifier_service.in_place import BLOCK_FIELDS, InPlaceStep
 from verifier_service.tree_assembly import assemble_trees
 
 log = logging.getLogger(__name__)
-RESPONSE_REGION = 2  # the stream's response region (`transport_stream`): in-place trees sit at its start
+REQUEST_REGION = 1  # the stream's request region (`transport_stream`): a step's context rows and ahead values
+RESPONSE_REGION = 2  # the stream's response region: in-place trees sit at its start
 
 
 class QueuedSteps:
@@ -114,7 +115,8 @@ class QueuedSteps:
             excused: set[str] = set()
             safe, refused = self._checker.check(ids, region_trees, roots, caps, fixed=True, void=s.released,
                                                 excused=excused)
-            self._in_flight = InPlaceStep(s, ids, caps, excused, t_sent, deadline, (time.perf_counter() - t0) * 1e3)
+            self._in_flight = InPlaceStep(s, ids, caps, excused, t_sent, deadline, (time.perf_counter() - t0) * 1e3,
+                                          s.step_id)
             return assemble_trees(requests, ids, safe, set(ids) - set(refused))
 
         return trees
@@ -128,7 +130,7 @@ class QueuedSteps:
             self._step_failed(s, DraftTimeout(f"step {s.step_id}: no ring within the deadline"), n)
             return
         try:
-            answer, _ = self._answer(s, f.deadline)
+            answer, _ = self._answer(s, f.deadline, f.step_id)  # an ahead step may have gone out since
             answered = list(answer.session_ids)
             if not answer.in_place or len(answer.n_nodes) != len(answered):
                 raise WireError(f"step {s.step_id}: the answer is not the in-place block the step asked for")

@@ -52,10 +52,11 @@ from protos.doorbell import reached, supported
 from protos.shared_region import IpcEvent, RegionArena, SharedRegion
 from telemetry import host_timeline
 from telemetry.metrics import Metrics
+from verifier_service.ahead_steps import AheadStep, AheadSteps
 from verifier_service.doorbell_watch import DoorbellWatch
 from verifier_service.draft_call import DraftCall, DraftTimeout, StreamBroken
 from verifier_service.in_place import InPlacePlan, InPlaceStep
-from verifier_service.queued_steps import RESPONSE_REGION, QueuedSteps
+from verifier_service.queued_steps import REQUEST_REGION, RESPONSE_REGION, QueuedSteps
 from verifier_service.step_message import PendingRows, step_message
 from verifier_service.transport import DrafterModel, StreamClientConfig, projection_refusal
 from verifier_service.tree_assembly import assemble_trees
@@ -64,12 +65,13 @@ from verifier_service.tree_landing import Landing, TreeLandings
 from verifier_service.tree_verdicts import TreeChecker
 
 log = logging.getLogger(__name__)
-REQUEST_REGION, DOORBELL_REGION = 1, 3  # and RESPONSE_REGION (2, `queued_steps`)
+DOORBELL_REGION = 3  # and REQUEST_REGION, RESPONSE_REGION (1, 2: `queued_steps`)
 
 
-class DraftStreamClient(QueuedSteps):
+class DraftStreamClient(QueuedSteps, AheadSteps):
     """DraftClient over a Draft stream; thread-safe for one engine thread plus the reconnect thread. Its steps are
-    answered (here: the engine's verify step is queued once the answer is read), landed or in place (`QueuedSteps`)."""
+    answered (here: the engine's verify step is queued once the answer is read), landed or in place (`QueuedSteps`),
+    and may go out before the engine has read its last step back (`AheadSteps`)."""
 
     def __init__(self, cfg: StreamClientConfig, metrics: Metrics | None = None):
         self.cfg = cfg
@@ -94,7 +96,7 @@ class DraftStreamClient(QueuedSteps):
         # event_steps: steps whose regions were handed over by CUDA IPC events (no host wait on either side)
         self.stats = {"steps": 0, "fallback_steps": 0, "reconnects": 0, "invalid_trees": 0, "region_tensors": 0,
                       "region_trees": 0, "event_steps": 0, "doorbell_steps": 0, "doorbell_timeouts": 0,
-                      "landed_steps": 0, "in_place_steps": 0, "ring_first": 0, "keepwarm_sent": 0}
+                      "landed_steps": 0, "in_place_steps": 0, "ring_first": 0, "keepwarm_sent": 0, "ahead_steps": 0}
         self.last_error = ""
         # the drafter's Info names another context projection than cfg.context_projection: a configuration error
         # (wait_ready raises it; after the first stream the client keeps retrying, autoregressive meanwhile)
@@ -109,6 +111,7 @@ class DraftStreamClient(QueuedSteps):
         self._landings: TreeLandings | None = None  # where trees from bytes go on the GPU (set with the device)
         self._landed: tuple[DraftCall, Landing, float, float] | None = None  # the last landing step, until settled
         self._in_flight: InPlaceStep | None = None  # the last in-place step, until its answer is read (`_settle`)
+        self._ahead: AheadStep | None = None  # the ahead step on the wire, until the engine takes its trees
         self._bell_value = 0  # increases across streams: a dead stream's late ring never satisfies a newer wait
         # the last exchanged step, in ms: round_trip (request sent -> answer read), drafter (its compute_us),
         # transport (round_trip - drafter), decode (trees off the wire / out of the region), validate
@@ -272,6 +275,7 @@ class DraftStreamClient(QueuedSteps):
             else:
                 stream.request_event = None  # the drafter waits for its GPU: so do we
             stream.doorbell = bell is not None and stream.request_event is not None and resp.opened.trees_doorbell
+            stream.draft_ahead = bool(regions) and resp.opened.draft_ahead
             if stream.doorbell and resp.opened.trees_in_place and self.cfg.trees_in_place != "off":
                 stream.in_place = InPlacePlan(self.cfg.trees_in_place)
             for r in regions.values():
@@ -505,16 +509,20 @@ class DraftStreamClient(QueuedSteps):
         self._invalid(refused)
         return ids, trees, set(ids) - set(refused), errors
 
-    def _answer(self, s: DraftCall, deadline: float) -> tuple[drafter_pb2.DraftTrees, float]:
-        """The trees answer to the stream's last step (earlier answers skipped) and when it was read; WireError for
-        anything else, or for a doorbell value other than the step's."""
+    def _answer(self, s: DraftCall, deadline: float, step_id: int | None = None
+                ) -> tuple[drafter_pb2.DraftTrees, float]:
+        """The trees answer to step `step_id` (the stream's last step when None; earlier answers skipped) and when it
+        was read; WireError for anything else, or, for the last step, a doorbell value other than the step's."""
+        target = s.step_id if step_id is None else step_id
         while True:
             resp = s.recv(max(0.0, deadline - time.monotonic()))
-            if resp.WhichOneof("kind") == "trees" and resp.trees.step_id == s.step_id:
+            if resp.WhichOneof("kind") == "trees" and resp.trees.step_id == target:
                 break
-            if resp.WhichOneof("kind") != "trees" or resp.trees.step_id > s.step_id:
-                raise WireError(f"unexpected answer to step {s.step_id}: {resp.WhichOneof('kind')}")
+            if resp.WhichOneof("kind") != "trees" or resp.trees.step_id > target:
+                raise WireError(f"unexpected answer to step {target}: {resp.WhichOneof('kind')}")
         t_answer = time.perf_counter()
+        if target != s.step_id:
+            return resp.trees, t_answer
         if s.doorbell and (not resp.trees.HasField("doorbell_value") or resp.trees.doorbell_value != s.bell_value):
             got = resp.trees.doorbell_value if resp.trees.HasField("doorbell_value") else "none"
             raise WireError(f"step {s.step_id}: the answer rings doorbell value {got}, expected {s.bell_value}")

@@ -74,22 +74,29 @@ def reference(setup):
     return run(setup["engine"], setup["prompts"])
 
 
-@pytest.mark.parametrize("transport", ["colocated", "colocated_in_place", "colocated_events", "grpc"])
+@pytest.mark.parametrize("transport", ["colocated", "colocated_in_place", "colocated_events", "grpc",
+                                       "colocated_ahead", "colocated_in_place_ahead"])
 def test_split_drafter_on_the_gpu_equals_in_process(setup, reference, transport):
+    """..._ahead: the engine drafts ahead (EngineConfig.draft_ahead): its steps after the first of a wave go out
+    before it has read the last one back (verifier_service.ahead_steps)."""
+    import dataclasses
+
     from verifier_service.engine import Engine
     from verifier_service.transport import StreamClientConfig
     from verifier_service.transport_stream import DraftStreamClient
 
     info = drafter_info(setup["address"])
     assert info.device.startswith("cuda") and info.dtype == "bfloat16"
-    colocated = transport.startswith("colocated")
+    colocated, ahead = transport.startswith("colocated"), transport.endswith("_ahead")
+    in_place = "on" if "in_place" in transport else "auto"
     client = DraftStreamClient(StreamClientConfig(setup["address"], colocated=colocated, region_device="cuda",
                                                   draft_timeout_s=30, doorbell=transport != "colocated_events",
-                                                  trees_in_place="on" if transport == "colocated_in_place" else "auto"))
+                                                  trees_in_place=in_place))
     client.start()
     try:
         model = client.wait_ready(timeout=60)
-        engine = Engine(setup["engine"].target, client, model.target_layer_ids, setup["cfg"])
+        engine = Engine(setup["engine"].target, client, model.target_layer_ids,
+                        dataclasses.replace(setup["cfg"], draft_ahead=ahead))
         assert run(engine, setup["prompts"]) == reference
         stats = client.stats
         assert stats["steps"] > 0 and stats["fallback_steps"] == 0 and stats["invalid_trees"] == 0, stats
@@ -101,8 +108,11 @@ def test_split_drafter_on_the_gpu_equals_in_process(setup, reference, transport)
             handed = "event_steps" if transport == "colocated_events" else "doorbell_steps"
             assert client.ipc_events and stats[handed] == stats["steps"] and not stats["doorbell_timeouts"], stats
             # in place from the stream's second step on: the verify step queued before the drafter's answer
-            if transport != "colocated":  # auto: in place once the drafter's rings are seen to beat its answers
-                assert stats["in_place_steps"] == (stats["steps"] - 1 if transport.endswith("in_place") else 0), stats
+            if transport in ("colocated_in_place", "colocated_events"):  # auto: in place once the rings beat answers
+                assert stats["in_place_steps"] == (stats["steps"] - 1 if in_place == "on" else 0), stats
+            if ahead:  # every step but each wave's first (its sessions are new to the stream)
+                assert stats["ahead_steps"] >= stats["steps"] - 2 * len(waves()) - 2, stats
+                assert stats["in_place_steps"] >= (stats["steps"] - 1 if in_place == "on" else 0), stats
         else:
             assert client.region_devices == {} and stats["region_tensors"] == stats["region_trees"] == 0, stats
         assert drafter_info(setup["address"]).streams == 1

@@ -216,7 +216,7 @@ class OracleLogqDrafter(Drafter):
         self.pad_rows_seen = 0
 
     def logq(self, rows, ctx_len, roots, root_pos):
-        owner = {row: sid for sid, row in self.cache._row.items()}
+        owner = {row: sid.split("/")[-1] for sid, row in self.cache._row.items()}  # a service keys "<stream>/<sid>"
         L, V = self.depth, self.cfg.vocab_size
         out = torch.full((rows.shape[0], L, V), -math.log(V), dtype=torch.float32)
         for i, (row, root, pos) in enumerate(zip(rows.tolist(), roots.tolist(), root_pos.tolist())):

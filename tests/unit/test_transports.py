@@ -539,7 +539,7 @@ def test_an_in_place_answer_is_settled_after_its_step():
 
     def settle(trees: drafter_pb2.DraftTrees | None) -> set[str]:
         excused: set[str] = set()
-        client._in_flight = InPlaceStep(s, ["a", "b", "c"], [17, 17, 9], excused, 0.0, time.monotonic() + 5, 0.25)
+        client._in_flight = InPlaceStep(s, ["a", "b", "c"], [17, 17, 9], excused, 0.0, time.monotonic() + 5, 0.25, 5)
         if trees is not None:
             answers.put(drafter_pb2.DraftStreamResponse(trees=trees))
         client._settle()

@@ -1,0 +1,161 @@
+"""Ahead steps over a co-located Draft stream (`verifier_service.ahead_steps`, `DraftStream._begin_ahead`): CPU, shared
+memory regions, the tiny pair in fp64 with the oracle's proposals behind a real drafter service on loopback. The
+output equals AR with deep acceptance while sessions finish, join and extend their turns; the drafter's checks of
+what an ahead step and its AheadCommitted carry."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+
+from drafter_service.checkpoint import load_drafter
+from drafter_service.draft_stream import DraftStream, ProtocolError
+from drafter_service.server import DrafterService
+from protos.codec import tensor_to_pb
+from protos.ddtree.v1 import drafter_pb2
+from tests.helpers import OracleDrafter
+from tests.unit.stream_harness import ServerThread, client_for
+from tests.unit.test_draft_graphs import OracleLogqDrafter
+from tests.unit.test_engine_exact import PROMPTS, ar_reference
+from verifier_service.engine import Engine, EngineConfig
+from verifier_service.session import DecodeParams
+
+
+@pytest.fixture(scope="module")
+def ar40(tiny_target64):
+    return ar_reference(tiny_target64, PROMPTS, new=40)
+
+
+def oracle_service(tiny_dirs, target, reference, seed=5, p_wrong=0.3):
+    dmodel = load_drafter(tiny_dirs[1], target.cfg, torch.float64)
+    oracle = OracleDrafter(reference, target.cfg.vocab_size, dmodel.cfg.block_size, p_wrong=p_wrong, seed=seed)
+    embed, head = target.model.embed_tokens.weight, target.lm_head.weight
+    service = DrafterService(max_sessions=8, window=64)
+    service.attach(OracleLogqDrafter(dmodel, embed, head, max_sessions=8, window=64, cuda_graphs=True, oracle=oracle),
+                   "tiny", embed.shape[1])
+    return service, dmodel
+
+
+@pytest.mark.parametrize("ahead", [True, False])
+def test_colocated_draft_ahead_equals_ar(tiny_dirs, tiny_target64, ar40, ahead):
+    """Four sessions of different lengths, a fifth joining after two steps, the first one persistent and extended
+    once it has finished: every step after the first goes ahead except where the set grew or a turn was extended,
+    nothing falls back, and the output is AR's (against the same run drafting the usual way)."""
+    target = tiny_target64
+    whole = PROMPTS[0] + ar40[0][:20] + [31, 32]
+    ar_turn2 = ar_reference(target, [whole], new=10)[0]
+    ref = {f"r{i}": p + o for i, (p, o) in enumerate(zip(PROMPTS, ar40))}
+    ref["r0"] = whole + ar_turn2
+    ref["r4"] = PROMPTS[1] + ar40[1]
+    service, dmodel = oracle_service(tiny_dirs, target, ref)
+    server = ServerThread(service)
+    client = client_for(server.port, colocated=True)
+    try:
+        eng = Engine(target, client, dmodel.cfg.target_layer_ids,
+                     EngineConfig(page_size=8, num_pages=512, max_sessions=8, draft_window=64, draft_ahead=ahead))
+        lengths = [20, 33, 21, 40]
+        sessions = [eng.add(p, DecodeParams(max_new_tokens=n, budget=8, topk=3), sid=f"r{i}", persistent=i == 0)
+                    for i, (p, n) in enumerate(zip(PROMPTS, lengths))]
+        eng.step()
+        eng.step()
+        late = eng.add(PROMPTS[1], DecodeParams(max_new_tokens=30, budget=8, topk=3), sid="r4")
+        while not sessions[0].done:
+            eng.step()
+        eng.extend("r0", [31, 32], DecodeParams(max_new_tokens=10, budget=8, topk=3))
+        eng.run_until_done()
+        assert sessions[0].output == ar_turn2
+        assert [s.output for s in sessions[1:]] == [o[:n] for o, n in zip(ar40[1:], lengths[1:])]
+        assert late.output == ar40[1][:30]
+        assert max(a for s in sessions for a in s.accepted_per_step) >= 5
+        st = client.stats
+        assert st["fallback_steps"] == 0 and st["invalid_trees"] == 0 and st["reconnects"] == 0, st
+        if ahead:
+            assert st["ahead_steps"] >= 8 and st["steps"] - st["ahead_steps"] >= 3, st  # first, r4 joined, r0 extended
+        else:
+            assert st["ahead_steps"] == 0
+        eng.release("r0")
+    finally:
+        client.close()
+        server.stop()
+
+
+# --- the drafter's checks ----------------------------------------------------------------------------------
+@pytest.fixture
+def stream(parts):
+    from drafter_service.drafter import Drafter
+
+    model, embed, head = parts
+    drafter = Drafter(model, embed, head, max_sessions=8, window=16, cuda_graphs=True)
+    F = len(model.cfg.target_layer_ids) * embed.shape[1]
+    st = DraftStream(1, "test", {}, drafter, F, draft_ahead=True)
+    return st, F
+
+
+def usual_step(step_id, sid, start, n, F, root_pos=None):
+    step = drafter_pb2.DraftStep(step_id=step_id)
+    tensor_to_pb(torch.randn(n, F, dtype=torch.float64), step.ctx_features)
+    step.sessions.add(session_id=sid, ctx_start=start, root_token=3, root_pos=start + n if root_pos is None
+                      else root_pos, budget=4, topk=2, ctx_rows=n)
+    return step
+
+
+def ahead_step(step_id, sessions, P, F, values=None):
+    """sessions: (sid, ctx_start) in order; values: int64 [3, S] (default: counts 2, root 5, positions start + 2)."""
+    step = drafter_pb2.DraftStep(step_id=step_id)
+    tensor_to_pb(torch.randn(len(sessions) * P, F, dtype=torch.float64), step.ctx_features)
+    if values is None:
+        values = torch.tensor([[2] * len(sessions), [5] * len(sessions), [s + 2 for _, s in sessions]])
+    tensor_to_pb(values, step.ahead_values)
+    for sid, start in sessions:
+        step.sessions.add(session_id=sid, ctx_start=start, budget=4, topk=2, ctx_rows=P)
+    return step
+
+
+def test_ahead_step_and_its_counts(stream):
+    st, F = stream
+    work = st.begin(usual_step(1, "a", 0, 6, F))
+    assert work.ids == ["a"] and st.sessions["a"] == 6
+    st.begin(usual_step(2, "b", 0, 4, F))
+    # the rows continue each session's context; counts stay on the device until AheadCommitted
+    values = torch.tensor([[3, 1], [7, 8], [9, 5]])
+    work = st.begin(ahead_step(3, [("a", 6), ("b", 4)], 4, F, values))
+    assert work.ids == ["a", "b"] and not work.errors and work.trees.tokens[:, 0].tolist() == [7, 8]
+    assert st.ahead == (3, ["a", "b"], [6, 4], 4)
+    with pytest.raises(ProtocolError, match="before the AheadCommitted of step 3"):
+        st.begin(usual_step(4, "a", 9, 1, F))
+    with pytest.raises(ProtocolError, match="AheadCommitted for step 2"):
+        st.ahead_committed(drafter_pb2.AheadCommitted(step_id=2, rows=[3, 1]))
+    with pytest.raises(ProtocolError, match="counts in 1..4"):
+        st.ahead_committed(drafter_pb2.AheadCommitted(step_id=3, rows=[5, 1]))
+    st.ahead_committed(drafter_pb2.AheadCommitted(step_id=3, rows=[3, 1]))
+    assert st.ahead is None and st.sessions == {"a": 9, "b": 5}
+    assert st.drafter.cache.length("1/a") == 9 and st.drafter.cache.length("1/b") == 5
+
+
+def test_ahead_step_refusals(stream):
+    st, F = stream
+    st.begin(usual_step(1, "a", 0, 6, F))
+    # a session whose rows do not continue its context is refused alone; one the stream does not hold too
+    work = st.begin(ahead_step(2, [("a", 6), ("x", 0)], 3, F))
+    assert work.ids == ["a"] and [e.session_id for e in work.errors] == ["x"]
+    assert work.errors[0].code == grpc.StatusCode.FAILED_PRECONDITION.value[0]
+    st.ahead_committed(drafter_pb2.AheadCommitted(step_id=2, rows=[2]))
+    assert st.sessions == {"a": 8}
+    # values out of range are clamped, never used as indices as they are (a root past the vocabulary)
+    big = torch.tensor([[99], [10**9], [-5]])
+    work = st.begin(ahead_step(3, [("a", 8)], 3, F, big))
+    assert work.trees.tokens[0, 0] == st.drafter.cfg.vocab_size - 1
+    st.ahead_committed(drafter_pb2.AheadCommitted(step_id=3, rows=[3]))
+    for bad, match in ((torch.zeros(2, 1, dtype=torch.int64), r"int64 \[3, 1\]"),
+                       (torch.zeros(3, 1, dtype=torch.int32), r"int64 \[3, 1\]")):
+        with pytest.raises(ProtocolError, match=match):
+            st.begin(ahead_step(4, [("a", 11)], 3, F, bad))
+    step = ahead_step(5, [("a", 11)], 3, F)
+    step.sessions[0].budget = 5
+    step.sessions.add(session_id="b", ctx_start=0, budget=4, topk=2, ctx_rows=3)
+    with pytest.raises(ProtocolError):  # rows for two sessions in a step of one session's rows, budgets differ
+        st.begin(step)
+    st.draft_ahead = False
+    with pytest.raises(ProtocolError, match="does not take them"):
+        st.begin(ahead_step(6, [("a", 11)], 3, F))

@@ -1,0 +1,145 @@
+"""The stream client's ahead steps (a mixin of `verifier_service.transport_stream.DraftStreamClient`): the next step's
+request sent before the engine has read its step back (`EngineConfig.draft_ahead`, `verifier_service.draft_ahead`).
+
+The engine hands over device values right after its acceptance: each session's candidate context rows (its accepted
+path's taps), and how many are committed, the next root and its position. They go into the request region behind the
+request event (`DraftStep.ahead_values`), with the step's message, while the verifier's GPU still works: the drafter
+polls the event and drafts at once, so its GPU work follows the acceptance without the host round trip in between.
+Once the engine has read its step, it tells the counts (`advance` -> `AheadCommitted`, which the drafter needs before
+any other message about these sessions) and later takes the step's trees (or lets them go) through `_ahead_begin`,
+which waits for them as any step's (in place behind the doorbell, or the answer). Only co-located streams whose
+drafter announced `DrafterInfo.draft_ahead`, and only for sessions the stream already holds.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from drafter_service.api import DraftRequest
+from kernels.tree_build import TreeBatch, tree_size
+from protos.codec import DTYPE_TO_PB
+from protos.ddtree.v1 import drafter_pb2
+from protos.shared_region import RegionArena
+from telemetry import host_timeline
+from verifier_service.draft_call import DraftCall, StreamBroken
+from verifier_service.queued_steps import REQUEST_REGION, RESPONSE_REGION
+from verifier_service.tree_assembly import assemble_trees
+
+
+@dataclass
+class AheadStep:
+    """An ahead step on the wire, until the engine takes (or drops) its trees."""
+
+    stream: DraftCall
+    step_id: int
+    sids: list[str]
+    starts: list[int]  # where each session's candidate rows start
+    rows: torch.Tensor  # [S, P, F] the candidate rows (the committed ones stay pending until the drafter answers)
+    caps: list[int]
+    width: int  # trees in place: the block's width (0: answered)
+    t_sent: float
+    deadline: float
+    counts: list[int] | None = None  # the committed rows, once the engine has read its step (`advance`)
+
+
+class AheadSteps:
+    """Ahead steps of a `DraftStreamClient` (whose attributes and helpers these methods use)."""
+
+    @property
+    def drafts_ahead(self) -> bool:
+        """Whether the open stream takes ahead steps (the engine then offers them)."""
+        s = self._stream
+        return s is not None and not s.broken and s.draft_ahead
+
+    def draft_ahead(self, sids: list[str], starts: list[int], rows: torch.Tensor, counts: torch.Tensor,
+                    roots: torch.Tensor, root_pos: torch.Tensor, budget: int, topk: int, projected: bool
+                    ) -> Callable[[list[DraftRequest]], Callable[[], TreeBatch]] | None:
+        """Send the next step now, its counts, roots and positions still on the GPU (`Drafter.draft_ahead`'s
+        arguments) -> the function that takes its trees (`_ahead_begin`), or None when it cannot go ahead (no ahead
+        stream, a session the stream does not hold, no room in the region, the send failed): the engine then asks the
+        usual way."""
+        s = self._stream
+        if (s is None or s.broken or not s.draft_ahead or self._ahead is not None
+                or any(sid not in s.synced for sid in sids)):
+            return None
+        S, P, F = rows.shape
+        arena = RegionArena(s.regions[REQUEST_REGION])
+        at_rows = arena.place_rows([rows.reshape(S * P, F)])
+        at_values = arena.place_block(torch.stack((counts.long(), roots.long(), root_pos.long())))
+        if at_rows is None or at_values is None:
+            return None
+        caps = [tree_size(budget, topk, self.depth)] * S
+        plan, response = s.in_place, s.regions.get(RESPONSE_REGION)
+        width = plan.width(caps, response.nbytes) if plan is not None and response is not None else 0
+        s.step_id += 1
+        msg = drafter_pb2.DraftStreamRequest()
+        step = msg.step
+        step.step_id = s.step_id
+        if width:
+            step.trees_in_place = width
+        for field, offset, dtype, shape in ((step.ctx_features, at_rows, rows.dtype, (S * P, F)),
+                                            (step.ahead_values, at_values, torch.int64, (3, S))):
+            field.dtype, field.region.region_id, field.region.offset = DTYPE_TO_PB[dtype], REQUEST_REGION, offset
+            field.shape.extend(shape)
+        step.sessions.extend(drafter_pb2.SessionDraftRequest(session_id=sid, ctx_start=start, budget=budget,
+                                                             topk=topk, ctx_rows=P) for sid, start in zip(sids, starts))
+        arena.hand_over(s.request_event)
+        self.stats["region_tensors"] += arena.placed
+        step.response_region_id = RESPONSE_REGION
+        if s.doorbell:
+            self._bell_value += 1
+            s.bell_value = step.doorbell_value = self._bell_value
+        t_sent = time.perf_counter()
+        host_timeline.mark("step_sent")
+        try:
+            s.send(msg)
+        except StreamBroken as e:
+            self._step_failed(s, e, S)
+            return None
+        self._ahead = AheadStep(s, s.step_id, list(sids), list(starts), rows, caps, width, t_sent,
+                                time.monotonic() + self.cfg.draft_timeout_s)
+        return self._ahead_begin
+
+    def advance(self, sids: list[str], counts: list[int]) -> None:
+        """The engine has read its step: the ahead step's committed row counts (what its GPU computed) go to the
+        drafter now, before any other message about these sessions."""
+        a = self._ahead
+        if a is None or a.sids != list(sids) or a.counts is not None:
+            raise RuntimeError("advance() without the ahead step it counts")
+        a.counts = list(counts)
+        if not a.stream.broken:
+            try:
+                a.stream.send(drafter_pb2.DraftStreamRequest(
+                    ahead_committed=drafter_pb2.AheadCommitted(step_id=a.step_id, rows=a.counts)))
+            except StreamBroken:
+                pass  # the step fails when it is taken
+
+    def _ahead_begin(self, requests: list[DraftRequest]) -> Callable[[], TreeBatch]:
+        """The ahead step's trees for `requests` (its sessions in its order, with their roots, now known) -> a function
+        returning them, as `draft_begin`'s: the last step's answer is settled first, the committed rows stay pending
+        until the drafter answers (a new stream gets them), and a broken stream gives root-only trees."""
+        a, self._ahead = self._ahead, None
+        if a is None or a.counts is None or [r.session_id for r in requests] != a.sids:
+            raise RuntimeError("an ahead step taken without its counts or with other sessions")
+        self._settle()
+        self._collect_verdicts()
+        if self._watch is not None:
+            self._watch.disarm()
+        for r, start, rows, k in zip(requests, a.starts, a.rows, a.counts):
+            self._pending.queue(DraftRequest(r.session_id, start, rows[:k], r.root_token, r.root_pos, r.budget,
+                                             r.topk))
+        self.stats["steps"] += 1
+        self.stats["ahead_steps"] += 1
+        s = a.stream
+        if s.broken or s is not self._stream:
+            self.stats["fallback_steps"] += 1
+            self.metrics.record_fallback("stream_broken", len(requests))
+            return lambda: assemble_trees(requests)
+        if a.width:
+            return self._queue_in_place(s, requests, a.caps, a.width, a.t_sent, a.deadline)
+        self._checker.expect(a.sids, [r.root_token for r in requests], a.caps, self._device)
+        return lambda: self._draft_end(s, requests, a.caps, a.t_sent, a.deadline)
