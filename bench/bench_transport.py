@@ -96,6 +96,11 @@ def timed_step(engine) -> tuple[float, dict[str, list[int]]]:
     out = engine.step()
     if cuda:
         torch.cuda.synchronize(engine.device)
+        # a drafter process drafting the next step ahead: its GPU work belongs to this step, as an in-process
+        # drafter's queued ahead does (the synchronize above waits for that), not to the next engine's in the round
+        wait = getattr(engine.drafter, "wait_ahead", None)
+        if wait is not None:
+            wait()
     return time.perf_counter() - t0, out
 
 
@@ -463,7 +468,8 @@ def main() -> int:
                 # a stream's first step is answered
                 if kind(t) == "colocated_in_place" and d["in_place_steps"] < d["steps"] - 1:
                     problems.append(f"C={conc} {t}: in_place_steps is not every step after the first ({d})")
-                in_place[t] = {"in_place_steps": d["in_place_steps"], "ring_first": d["ring_first"]}
+                in_place[t] = {"in_place_steps": d["in_place_steps"], "ring_first": d["ring_first"],
+                               "ahead_steps": d["ahead_steps"]}
             runs_after = graph_runs(metrics_addr)  # the drafter process's, all remote engines of this C together
             runs = {k: v - runs_before.get(k, 0) for k, v in runs_after.items() if v != runs_before.get(k, 0)}
             print(f"drafter graph runs at C={conc} (warm-up included, all remote engines): {runs}", flush=True)
@@ -482,6 +488,7 @@ def main() -> int:
                                   "mps": cuda and mps_running(), "torch_trace": args.torch_trace,
                                   "rows": args.rows, "target_layers": inproc.target.cfg.num_hidden_layers,
                                   "tree_inputs": e.cfg.tree_inputs, "local_draft": e.cfg.local_draft,
+                                  "draft_ahead": e.cfg.draft_ahead,
                                   "projected_rows": e.projection is not None, "variant": t[len(kind(t)) + 1:] or None},
                        "device": device_name, "gpu": gpu, "dtype": dtype_name, "commit": commit(),
                        "torch": torch.__version__, "versions": versions(),
@@ -499,7 +506,7 @@ def main() -> int:
                        "drafter_graph_runs": runs if t in clients else {},
                        "ipc_events": t in clients and clients[t].ipc_events,
                        "doorbell": t in clients and clients[t].doorbell,
-                       **in_place.get(t, {"in_place_steps": 0, "ring_first": 0}),
+                       **in_place.get(t, {"in_place_steps": 0, "ring_first": 0, "ahead_steps": 0}),
                        "malloc_pinned": "MALLOC_MMAP_THRESHOLD_" in os.environ, "malloc_tuned": malloc_tuned,
                        "gil_switch_us": gil_switch_us,
                        "pinned_min_bytes": pinned_min_bytes(os.environ.get("DDTREE_PINNED_MIN_BYTES")),

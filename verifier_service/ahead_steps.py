@@ -23,6 +23,7 @@ from drafter_service.api import DraftRequest
 from kernels.tree_build import TreeBatch, tree_size
 from protos.codec import DTYPE_TO_PB
 from protos.ddtree.v1 import drafter_pb2
+from protos.doorbell import reached
 from protos.shared_region import RegionArena
 from telemetry import host_timeline
 from verifier_service.draft_call import DraftCall, StreamBroken
@@ -43,6 +44,7 @@ class AheadStep:
     width: int  # trees in place: the block's width (0: answered)
     t_sent: float
     deadline: float
+    bell_value: int = 0  # the doorbell value its trees ring (0: no doorbell)
     counts: list[int] | None = None  # the committed rows, once the engine has read its step (`advance`)
 
 
@@ -101,8 +103,19 @@ class AheadSteps:
             self._step_failed(s, e, S)
             return None
         self._ahead = AheadStep(s, s.step_id, list(sids), list(starts), rows, caps, width, t_sent,
-                                time.monotonic() + self.cfg.draft_timeout_s)
+                                time.monotonic() + self.cfg.draft_timeout_s, s.bell_value if s.doorbell else 0)
         return self._ahead_begin
+
+    def wait_ahead(self) -> None:
+        """Until the ahead step on the wire has its trees written (its doorbell rung; bounded by its deadline): for a
+        benchmark that times each step with the drafter's GPU work it queued. A no-op without a doorbell."""
+        a = self._ahead
+        if a is None or not a.bell_value or self._watch is None:
+            return
+        while not reached(self._watch.bell.read(), a.bell_value) and not a.stream.broken:
+            if time.monotonic() > a.deadline:
+                return
+            time.sleep(0)
 
     def advance(self, sids: list[str], counts: list[int]) -> None:
         """The engine has read its step: the ahead step's committed row counts (what its GPU computed) go to the
