@@ -73,6 +73,11 @@ def add_parser(sub) -> None:
                    help="the verify step's acceptance (the longest path the target agrees with): auto (default) = one "
                         "Triton launch on CUDA (kernels.tree_accept), the torch code elsewhere; torch = ~40 torch "
                         "launches a step (the same results)")
+    s.add_argument("--draft-ahead", choices=("on", "off"), default="off",
+                   help="on: queue each next step's draft right after the step's acceptance, from its values on the "
+                        "GPU, before the host reads the step (an in-process drafter, or a co-located one over CUDA IPC "
+                        "or shared memory; gRPC steps go the usual way): the drafter's GPU work starts without the "
+                        "host round trip. The same output; off (default) until measured on a GPU")
     s.add_argument("--mla-kernel", choices=IMPLS, default="auto",
                    help="MLA attention tile kernel: gluon_seesaw (sm_90 with Kimi head shapes, two warpgroups "
                         "on pairs of tiles; refused at start elsewhere), gluon (the same shapes, one warpgroup), "
@@ -118,7 +123,8 @@ def run(args) -> int:
         max_message_bytes=message_bytes(args), grace_s=args.grace_s, metrics_listen=args.metrics_listen, dist=dist,
         cuda_graphs=False if args.no_cuda_graphs else None, mla_kernel=args.mla_kernel, doorbell=not args.no_doorbell,
         trees_in_place=args.trees_in_place, context_projection_dir=args.context_projection,
-        keepwarm_ms=args.keepwarm_ms, tree_inputs=args.tree_inputs, tree_accept=args.tree_accept)
+        keepwarm_ms=args.keepwarm_ms, tree_inputs=args.tree_inputs, tree_accept=args.tree_accept,
+        draft_ahead=args.draft_ahead == "on")
     if dist is None:
         return run_server(serve, cfg, args.log_level, "ddtree-verifier", args.gil_switch_us)
     try:

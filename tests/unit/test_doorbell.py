@@ -274,17 +274,20 @@ def test_a_host_doorbell_holds_a_stream_until_the_host_rings_it():
         assert out.tolist() == [value, value + 1, value + 2, value + 3] and bell.read() == value
 
 
-@pytest.mark.parametrize("flag, expected, in_place", [([], True, "auto"), (["--no-doorbell"], False, "auto"),
-                                                      (["--trees-in-place", "on"], True, "on")])
-def test_verifier_serve_doorbell_flag_reaches_the_server_config(monkeypatch, flag, expected, in_place):
+@pytest.mark.parametrize("flag, expected, in_place, ahead", [
+    ([], True, "auto", False), (["--no-doorbell"], False, "auto", False),
+    (["--trees-in-place", "on"], True, "on", False), (["--draft-ahead", "on"], True, "auto", True)])
+def test_verifier_serve_doorbell_flag_reaches_the_server_config(monkeypatch, flag, expected, in_place, ahead):
     """`ddtree verifier serve --no-doorbell` turns the doorbell off for the stream client (the operator's way
     back to the IPC-event path); by default it is on. `--trees-in-place` (auto by default) says when the drafter
-    is asked for trees where the verifier lays them out."""
+    is asked for trees where the verifier lays them out; `--draft-ahead on` reaches the engine's config."""
     from gateway.cli import build_parser
     from gateway.commands import verifier
+    from verifier_service.server import _engine_config
 
     seen = []
     monkeypatch.setattr(verifier, "run_server", lambda serve, cfg, *a: seen.append(cfg) or 0)
     argv = ["verifier", "serve", "--listen", "127.0.0.1:0", "--target", "t", "--drafter-address", "127.0.0.1:1"]
     args = build_parser("verifier").parse_args([*argv, *flag])
     assert args.func(args) == 0 and seen[0].doorbell is expected and seen[0].trees_in_place == in_place
+    assert seen[0].draft_ahead is ahead and _engine_config(seen[0], "cpu").draft_ahead is ahead
