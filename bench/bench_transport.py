@@ -6,6 +6,7 @@
                                     [--transports T ...] [--drafter-sessions N]
                                     [--torch-trace DIR[:FIRST[:COUNT]]] [--rows projected|taps]
                                     [--tree-inputs auto|torch] [--local-draft eager|lazy] [--variant SPEC ...]
+                                    [--block-steps K]
 
 For each transport the same engine (target in this process) runs C sessions at one budget; the drafter
 is the in-process `Drafter` (inprocess) or a `ddtree drafter serve` process on loopback (same device)
@@ -88,20 +89,24 @@ def admit(engine, conc, budget, vocab) -> None:
         engine.add(prompt, DecodeParams(max_new_tokens=10**6, budget=budget, topk=8, ignore_eos=True), sid=f"b{i}")
 
 
-def timed_step(engine) -> tuple[float, dict[str, list[int]]]:
+def timed_step(engine, block: int = 1) -> tuple[float, dict[str, list[int]]]:
+    """`block` steps of one engine back to back -> (the time per step, each session's tokens of the block). On CUDA
+    the block is bracketed by torch.cuda.synchronize() and, for a drafter process drafting the next step ahead, a wait
+    for that draft: GPU work the block queued belongs to it, not to the next engine's in the round."""
     cuda = engine.device.type == "cuda"
     if cuda:
         torch.cuda.synchronize(engine.device)
     t0 = time.perf_counter()
-    out = engine.step()
+    out: dict[str, list[int]] = {}
+    for _ in range(block):
+        for sid, toks in engine.step().items():
+            out.setdefault(sid, []).extend(toks)
     if cuda:
         torch.cuda.synchronize(engine.device)
-        # a drafter process drafting the next step ahead: its GPU work belongs to this step, as an in-process
-        # drafter's queued ahead does (the synchronize above waits for that), not to the next engine's in the round
         wait = getattr(engine.drafter, "wait_ahead", None)
         if wait is not None:
             wait()
-    return time.perf_counter() - t0, out
+    return (time.perf_counter() - t0) / block, out
 
 
 def start_drafter(pair, device, dtype, max_sessions, graphs: bool, spin_ms: float, torch_trace: str | None,
@@ -250,6 +255,11 @@ def main() -> int:
     p.add_argument("--budget", type=int, default=16)
     p.add_argument("--steps", type=int, default=30, help="measured rounds per concurrency (all transports)")
     p.add_argument("--warmup", type=int, default=5, help="unmeasured rounds first (Triton compiles, caches warm)")
+    p.add_argument("--block-steps", type=int, default=1,
+                   help="steps of one engine back to back per round, timed together (the step's time: their mean): "
+                        "1 brackets every step with a synchronize, so nothing a step queued for the next one overlaps "
+                        "that next step's host work; a block > 1 measures the steady state of an engine whose steps "
+                        "overlap (draft_ahead: the next draft runs while the host prepares the next step)")
     p.add_argument("--time-budget-s", type=float, default=None,
                    help="stop measuring a concurrency early (after at least 5 rounds) once its share of this "
                         "many seconds is spent; the records say how many rounds were measured")
@@ -303,6 +313,8 @@ def main() -> int:
                         "measured rounds (torch.cuda.set_sync_debug_mode; each place once, with its stack)")
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "transport.jsonl"))
     args = p.parse_args()
+    if args.block_steps < 1:
+        p.error(f"--block-steps must be >= 1, got {args.block_steps}")
 
     from drafter_service.drafter import Drafter
     from gateway.commands.gil_switch import set_gil_switch
@@ -426,7 +438,7 @@ def main() -> int:
                 for t, e in engines.items():
                     if step_trace is not None:
                         step_trace.tick(t)
-                    dt, outs[t] = timed_step(e)
+                    dt, outs[t] = timed_step(e, args.block_steps)
                     if k >= args.warmup:
                         times[t].append(dt)
                         if e.draft_ns is not None:
@@ -482,6 +494,7 @@ def main() -> int:
                 row = {"name": "transport/step",
                        "params": {"transport": t, "concurrency": conc, "device": args.device, "budget": args.budget,
                                   "topk": 8, "pair": pair.name, "steps": n, "warmup": args.warmup,
+                                  "block_steps": args.block_steps,
                                   "cuda_graphs": graphs, "control_spin_ms": args.control_spin_ms,
                                   "keepwarm_ms": keepwarm_ms(kind(t), args), "drafter_sessions": drafter_sessions,
                                   "gc_freeze": args.gc_freeze, "check_graphs": args.check_graphs,

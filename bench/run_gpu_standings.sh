@@ -10,11 +10,15 @@
 # TESTS=0 / TRANSPORT=0 skip. An A/B of engine settings belongs in one run: TRANSPORT_ARGS="... --variant FIELD=VALUE"
 # (bench_transport.py steps a copy of the engines with it in the same rounds); by default the in-process engine runs
 # and the co-located one a second time drafting each next step before the host read (draft_ahead=true,
-# verifier_service/draft_ahead.py and ahead_steps.py, opt-in until measured), and both with the one-launch KV moves
-# (commit_moves=auto, kernels/kv_compact.py, opt-in until measured; on an 80 GB GPU the in-process copy only). The
+# verifier_service/draft_ahead.py and ahead_steps.py, opt-in until measured), and both with the KV moves' torch code
+# (commit_moves=torch; the one-launch kernel is the default since the fortieth session; on an 80 GB GPU the
+# in-process copy only). Steps run in blocks of 6 per engine and round (--block-steps: an engine drafting ahead
+# overlaps its next draft with its host's next step, which a synchronize after every step would hide). The
 # kernels' GPU tests join the tests.
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+# shellcheck source=bench/_wheels.sh
+. bench/_wheels.sh  # the transport tests import grpc_health and the opentelemetry SDK
 OUT=${OUT:-bench/results/run}
 mkdir -p "$OUT"
 VARIANTS=${VARIANTS:-"wgmma_steps_auto wgmma_steps_ring wgmma_steps_ws_rt1 wgmma_auto"}
@@ -41,12 +45,13 @@ print(5 if torch.cuda.get_device_properties(0).total_memory > 100e9 else 4)")}
   # 32 more sessions of the drafter process (~1.5 GB): the H200 (5 layers) takes all of these, an 80 GB GPU (4
   # layers, ~69 GB for the pair) two in-process copies
   if [ "$layers" -ge 5 ]; then
-    variants="--variant draft_ahead=true@inprocess/colocated --variant commit_moves=auto@inprocess/colocated"
+    variants="--variant draft_ahead=true@inprocess/colocated --variant commit_moves=torch@inprocess/colocated"
   else
-    variants="--variant draft_ahead=true@inprocess/colocated --variant commit_moves=auto@inprocess"
+    variants="--variant draft_ahead=true@inprocess/colocated --variant commit_moves=torch@inprocess"
   fi
   OUT="$OUT" K26_LAYERS=$layers K26=1 TESTS=0 ECHO=0 \
-    BENCH_ARGS="${TRANSPORT_ARGS:---transports colocated grpc --steps 40 $variants}" bash bench/run_gpu_transport.sh \
+    BENCH_ARGS="${TRANSPORT_ARGS:---transports colocated grpc --steps 12 --warmup 2 --block-steps 6 $variants}" \
+    bash bench/run_gpu_transport.sh \
     || status=1
 fi
 echo "exit $status" | tee -a "$OUT/standings_gpu.txt"

@@ -155,4 +155,12 @@ class AheadSteps:
         if a.width:
             return self._queue_in_place(s, requests, a.caps, a.width, a.t_sent, a.deadline)
         self._checker.expect(a.sids, [r.root_token for r in requests], a.caps, self._device)
-        return lambda: self._draft_end(s, requests, a.caps, a.t_sent, a.deadline)
+
+        def trees() -> TreeBatch:
+            out = self._draft_end(s, requests, a.caps, a.t_sent, a.deadline)
+            # its request left before the engine's own step was read back: no round trip or transport to tell
+            self.last_step_ms.pop("round_trip", None)
+            self.last_step_ms.pop("transport", None)
+            return out
+
+        return trees

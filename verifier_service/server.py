@@ -77,6 +77,7 @@ class VerifierServerConfig:
     mla_kernel: str = "auto"  # MLA tile kernel (`kernels.mla_attention.IMPLS`): auto = gluon_seesaw where it runs
     tree_inputs: str = "auto"  # the forward's tree inputs: EngineConfig.tree_inputs (auto = one Triton launch on CUDA)
     tree_accept: str = "auto"  # the step's acceptance: EngineConfig.tree_accept (auto = one Triton launch on CUDA)
+    commit_moves: str = "auto"  # the step's KV moves: EngineConfig.commit_moves (auto = one Triton launch on CUDA)
     draft_ahead: bool = False  # EngineConfig.draft_ahead: the next step's draft queued before the host read
     doorbell: bool = True  # on a GPU: queue the verify step behind a doorbell (StreamClientConfig.doorbell)
     trees_in_place: str = "auto"  # co-located with the doorbell: StreamClientConfig.trees_in_place (auto, on, off)
@@ -264,7 +265,8 @@ def _engine_config(cfg: VerifierServerConfig, device: str) -> EngineConfig:
     graphs = cfg.cuda_graphs if cfg.cuda_graphs is not None else device.startswith("cuda")  # LeaderEngine: off
     return EngineConfig(page_size=cfg.page_size, num_pages=cfg.kv_pages, max_sessions=cfg.max_sessions,
                         max_session_len=cfg.max_session_len, draft_window=cfg.draft_window, cuda_graphs=graphs,
-                        tree_inputs=cfg.tree_inputs, tree_accept=cfg.tree_accept, draft_ahead=cfg.draft_ahead)
+                        tree_inputs=cfg.tree_inputs, tree_accept=cfg.tree_accept, commit_moves=cfg.commit_moves,
+                        draft_ahead=cfg.draft_ahead)
 
 
 def _configure_mla(cfg: VerifierServerConfig, tcfg, device: str, dtype: torch.dtype) -> str:

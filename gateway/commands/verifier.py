@@ -73,6 +73,10 @@ def add_parser(sub) -> None:
                    help="the verify step's acceptance (the longest path the target agrees with): auto (default) = one "
                         "Triton launch on CUDA (kernels.tree_accept), the torch code elsewhere; torch = ~40 torch "
                         "launches a step (the same results)")
+    s.add_argument("--commit-moves", choices=("auto", "torch"), default="auto",
+                   help="the accepted paths' KV moves as physical slots: auto (default) = one Triton launch on CUDA "
+                        "(kernels.kv_compact.commit_moves), the torch code elsewhere; torch = ~25 torch launches a "
+                        "step (the same slots)")
     s.add_argument("--draft-ahead", choices=("on", "off"), default="off",
                    help="on: queue each next step's draft right after the step's acceptance, from its values on the "
                         "GPU, before the host reads the step (an in-process drafter, or a co-located one over CUDA IPC "
@@ -124,7 +128,7 @@ def run(args) -> int:
         cuda_graphs=False if args.no_cuda_graphs else None, mla_kernel=args.mla_kernel, doorbell=not args.no_doorbell,
         trees_in_place=args.trees_in_place, context_projection_dir=args.context_projection,
         keepwarm_ms=args.keepwarm_ms, tree_inputs=args.tree_inputs, tree_accept=args.tree_accept,
-        draft_ahead=args.draft_ahead == "on")
+        commit_moves=args.commit_moves, draft_ahead=args.draft_ahead == "on")
     if dist is None:
         return run_server(serve, cfg, args.log_level, "ddtree-verifier", args.gil_switch_us)
     try:

@@ -118,17 +118,18 @@ def test_host_timeline_lines_up_both_processes_marks(pair, tmp_path, transport, 
 
 def test_bench_transport_steps_engines_that_draft_ahead(pair, tmp_path):
     """--variant draft_ahead=true: in-process and co-located copies that draft each next step before their host read
-    step in the same rounds as the others, with the in-process engine's tokens and accepted lengths, step for step,
-    and the co-located copy really sends its steps ahead."""
+    step in the same rounds as the others (blocks of two steps: --block-steps), with the in-process engine's tokens
+    and accepted lengths, block for block, and the co-located copy really sends its steps ahead."""
     target, _ = pair
     out = tmp_path / "transport.jsonl"
     proc = run_bench(target.parent, out, "--concurrency", "1", "2", "--transports", "colocated", "--variant",
-                     "draft_ahead=true")
+                     "draft_ahead=true", "--block-steps", "2")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     recs = [json.loads(line) for line in out.read_text().splitlines()]
     names = sorted({r["params"]["transport"] for r in recs})
     assert names == ["colocated", "colocated+draft_ahead=true", "inprocess", "inprocess+draft_ahead=true"]
     for r in recs:
         assert r["outputs_identical"] and r["steps_identical"] and "problems" not in r, r
+        assert r["params"]["block_steps"] == 2
     ahead = [r for r in recs if r["params"]["transport"] == "colocated+draft_ahead=true"]
     assert all(r["ahead_steps"] > 0 and r["params"]["draft_ahead"] for r in ahead), ahead

@@ -276,7 +276,8 @@ def test_a_host_doorbell_holds_a_stream_until_the_host_rings_it():
 
 @pytest.mark.parametrize("flag, expected, in_place, ahead", [
     ([], True, "auto", False), (["--no-doorbell"], False, "auto", False),
-    (["--trees-in-place", "on"], True, "on", False), (["--draft-ahead", "on"], True, "auto", True)])
+    (["--trees-in-place", "on"], True, "on", False), (["--draft-ahead", "on", "--commit-moves", "torch"], True, "auto",
+                                                      True)])
 def test_verifier_serve_doorbell_flag_reaches_the_server_config(monkeypatch, flag, expected, in_place, ahead):
     """`ddtree verifier serve --no-doorbell` turns the doorbell off for the stream client (the operator's way
     back to the IPC-event path); by default it is on. `--trees-in-place` (auto by default) says when the drafter
@@ -291,3 +292,4 @@ def test_verifier_serve_doorbell_flag_reaches_the_server_config(monkeypatch, fla
     args = build_parser("verifier").parse_args([*argv, *flag])
     assert args.func(args) == 0 and seen[0].doorbell is expected and seen[0].trees_in_place == in_place
     assert seen[0].draft_ahead is ahead and _engine_config(seen[0], "cpu").draft_ahead is ahead
+    assert _engine_config(seen[0], "cpu").commit_moves == ("torch" if ahead else "auto")

@@ -52,7 +52,7 @@ def test_the_engines_kernel_options_are_checked():
         EngineConfig(tree_inputs="fast")
     with pytest.raises(ValueError, match="local_draft"):
         EngineConfig(local_draft="later")
-    assert EngineConfig().tree_accept == "auto" and EngineConfig().commit_moves == "torch"
+    assert EngineConfig().tree_accept == "auto" and EngineConfig().commit_moves == "auto"
     for f in ("tree_accept", "commit_moves"):
         with pytest.raises(ValueError, match=f):
             EngineConfig(**{f: "fast"})
