@@ -440,6 +440,9 @@ class Engine:
         if ahead:
             self.ahead.requests = [DraftRequest(s.sid, 0, path_taps[:0, 0], s.root, s.committed, s.params.budget,
                                                 s.params.topk, s.traceparent) for s in active]
+            if all(s.done for s in active):  # no step will take it: let it go now, not after an idle spell
+                self.ahead, ahead = None, self.ahead
+                ahead.drop()
         host_timeline.mark("step_done")
         return out
 

@@ -74,6 +74,7 @@ def test_colocated_draft_ahead_equals_ar(tiny_dirs, tiny_target64, ar40, ahead):
             assert st["ahead_steps"] >= 8 and st["steps"] - st["ahead_steps"] >= 3, st  # first, r4 joined, r0 extended
         else:
             assert st["ahead_steps"] == 0
+        assert eng.ahead is None and client._ahead is None  # the last step's draft ahead was let go at once
         eng.release("r0")
     finally:
         client.close()
