@@ -6,7 +6,7 @@
                                     [--transports T ...] [--drafter-sessions N]
                                     [--torch-trace DIR[:FIRST[:COUNT]]] [--rows projected|taps]
                                     [--tree-inputs auto|torch] [--local-draft eager|lazy] [--variant SPEC ...]
-                                    [--block-steps K]
+                                    [--block-steps K] [--draft-ahead on|off]
 
 For each transport the same engine (target in this process) runs C sessions at one budget; the drafter
 is the in-process `Drafter` (inprocess) or a `ddtree drafter serve` process on loopback (same device)
@@ -299,6 +299,9 @@ def main() -> int:
     p.add_argument("--tree-inputs", choices=("torch", "auto"), default="auto",
                    help="every engine's forward tree inputs: one Triton launch on CUDA (auto, the default) or the "
                         "torch code (EngineConfig.tree_inputs)")
+    p.add_argument("--draft-ahead", choices=("on", "off"), default="off",
+                   help="every engine drafts each next step before its host read (EngineConfig.draft_ahead; a "
+                        "--variant draft_ahead=true copy steps beside the others instead)")
     p.add_argument("--local-draft", choices=("eager", "lazy"), default="eager",
                    help="when the in-process engine queues its drafter's work: before the step's layout (eager, the "
                         "default) or after it (EngineConfig.local_draft)")
@@ -336,7 +339,8 @@ def main() -> int:
     # one engine config for all three engines (the verifier server turns CUDA graphs on for a GPU)
     graphs = cuda if args.cuda_graphs is None else args.cuda_graphs == "on"
     ecfg = EngineConfig(page_size=16, num_pages=8192, max_sessions=max(args.concurrency) + 1, cuda_graphs=graphs,
-                        tree_inputs=args.tree_inputs, local_draft=args.local_draft)
+                        tree_inputs=args.tree_inputs, local_draft=args.local_draft,
+                        draft_ahead=args.draft_ahead == "on")
     try:
         variants = {v.suffix: v for v in (Variant.parse(spec, ecfg) for spec in args.variant)}
     except ValueError as e:
