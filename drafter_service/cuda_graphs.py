@@ -113,6 +113,10 @@ class DraftGraphRunner:
         self.pad_index = cache.pad_index(self.row_buckets[-1])  # host; its first k rows are pad_index(k)
         self.ctx_index = self.pad_index.to(dev, copy=True)  # static [rows, 3]: row, ring slot, position (not an alias)
         self.pad_index_device = self.pad_index.to(dev, copy=True)  # `append_device`'s padding (never written)
+        # ahead steps (`ahead`): per candidate rows P, static [rows, 3] indexes and [rows, D] rows (made on first use)
+        self._ahead_buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # and the peer's per-request values: committed count, root, root position ([3, max_sessions], from the device)
+        self.ahead_columns = torch.zeros(3, self.buckets[-1], dtype=torch.int64, device=dev)
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor | None]] = {}
         self.failed: dict[tuple, str] = {}  # key -> why its capture failed (runs eagerly)
         self.stats: collections.Counter = collections.Counter()  # replays, captures, padded_eager, eager, context_*
@@ -226,6 +230,46 @@ class DraftGraphRunner:
         return TreeBatch.from_packed(packed if fresh else packed.clone(), n_nodes)
 
     @torch.no_grad()
+    def ahead(self, index: torch.Tensor, feats: torch.Tensor, rows: list[int], lengths: list[int], values: torch.Tensor,
+              budget: int, topk: int) -> TreeBatch | None:
+        """`Drafter.draft_ahead` as one graph: S sessions' P candidate context rows feats [S * P, D] (projected) with
+        their places index [S * P, 3] on the host (a plan of all P rows), each session's cache row and context length
+        before (host), and values [3, S] int64 on the device (committed rows, root, root position: clamped into
+        1..P, the vocabulary, 0..2**31 here) -> the trees (the caller's); None when not for the runner (as `run`).
+        Inside the graph: rows past a session's count go to the pad row; the context lengths, the draft and the
+        tree build follow from the device values. Padded sessions are pad rows with context length 0."""
+        S = len(rows)
+        T, P = feats.shape[0], index.shape[0] // max(S, 1)
+        n = self.bucket(S)
+        if not self.enabled or S == 0 or n is None:
+            return None
+        key = ("ahead", n, P, budget, topk)
+        if key in self.failed or (self.capture and key not in self.graphs and self._draft_graphs() >= self.max_graphs):
+            return None
+        idx_buf, feat_buf = self._ahead_static(P, feats.shape[1], feats.dtype)
+        pad = n * P - T
+        host = torch.cat((index, self.cache.pad_index(pad))) if pad else index
+        cols = [rows + [self.cache.pad_row] * (n - S), lengths + [0] * (n - S)]
+        int64_to_device(torch.cat((host.reshape(-1), torch.tensor(cols, dtype=torch.int64).reshape(-1))),
+                        self.device, out=self._ahead_upload(n, P))
+        feat_buf[:T].copy_(feats)
+        # padding's values are whatever an earlier step left: clamped, and its rows and reads go to the pad row
+        self.ahead_columns[:, :S].copy_(values)
+        if not self.capture:
+            self.stats["ahead_padded_eager"] += 1
+            packed = self._ahead_body(n, P, budget, topk)
+            fresh = True
+        else:
+            entry = self.graphs.get(key) or self._capture(key, lambda: self._ahead_body(n, P, budget, topk))
+            if entry is None:
+                return None
+            entry[0].replay()
+            self.stats["ahead_replays"] += 1
+            packed, fresh = entry[1], False
+        n_nodes = [tree_size(budget, min(topk, self.vocab_size), self.depth)] * S
+        return TreeBatch.from_packed(packed[:, :S] if fresh else packed[:, :S].clone(), n_nodes)
+
+    @torch.no_grad()
     def warmup(self, budget: int, topk: int) -> list[tuple]:
         """Capture now the draft graphs of every request bucket for one (budget, top-k) and the append graphs
         of every row bucket, over all-padding inputs (only the pad row is written). -> the keys that have a
@@ -270,6 +314,44 @@ class DraftGraphRunner:
         rows, ctx_len, roots, root_pos = inputs.unbind(0)
         logq = self.logq(rows, ctx_len, roots, root_pos)
         n = inputs.shape[1]
+        return build_tree(logq, roots, [budget] * n, [topk] * n).pack()
+
+    def _ahead_static(self, P: int, width: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The static index [max_sessions * P, 3] and rows [max_sessions * P, width] of ahead steps of P rows."""
+        bufs = self._ahead_buffers.get(P)
+        if bufs is None or bufs[1].shape[1] != width or bufs[1].dtype != dtype:
+            rows = self.buckets[-1] * P
+            # index, then the per-request host columns (cache row, length), one block: one upload per step
+            flat = torch.zeros(rows * 3 + 2 * self.buckets[-1], dtype=torch.int64, device=self.device)
+            bufs = (flat, torch.zeros(rows, width, dtype=dtype, device=self.device))
+            self._ahead_buffers[P] = bufs
+        return bufs
+
+    def _ahead_upload(self, n: int, P: int) -> torch.Tensor:
+        """Where a step of n (padded) sessions of P rows uploads its host values: the index, cache rows, lengths."""
+        flat = self._ahead_buffers[P][0]
+        return flat[: n * P * 3 + 2 * n]
+
+    def _ahead_inputs(self, n: int, P: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the static index [n * P, 3], the host columns [2, n]: cache row, context length before)."""
+        flat = self._ahead_buffers[P][0]
+        index = flat[: n * P * 3].view(n * P, 3)
+        host = flat[n * P * 3 : n * P * 3 + 2 * n].view(2, n)
+        return index, host
+
+    def _ahead_body(self, n: int, P: int, budget: int, topk: int) -> torch.Tensor:
+        """An ahead graph: the masked append of n sessions' P rows each, then their draft and trees -> packed."""
+        index, host = self._ahead_inputs(n, P)
+        vals = self.ahead_columns[:, :n]
+        counts = vals[0].clamp(1, P)
+        roots = vals[1].clamp(0, self.vocab_size - 1)
+        root_pos = vals[2].clamp(0, (1 << 31) - 1)
+        keep = torch.arange(P, device=self.device)[None, :] < counts[:, None]
+        idx = torch.where(keep.reshape(-1, 1), index, self.pad_index_device[: n * P])
+        self.cache.scatter(idx, self.context_kv(self._ahead_buffers[P][1][: n * P], idx[:, 2]))
+        ctx_len = (host[1] + counts).clamp(max=self.cache.window)
+        ctx_len = torch.where(host[0] == self.cache.pad_row, 0, ctx_len)  # padding reads nothing
+        logq = self.logq(host[0], ctx_len, roots, root_pos)
         return build_tree(logq, roots, [budget] * n, [topk] * n).pack()
 
     def _append_body(self, n: int) -> None:

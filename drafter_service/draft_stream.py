@@ -390,17 +390,14 @@ class DraftStream:
             return ids, at, errors, None
         # the step's one tensor of rows, as sent (`_step_rows` checked it; a cached view, no copy)
         feats = tensor_from_pb(step.ctx_features, "", self.regions, copy=False, views=self.views).view(S, P, -1)
-        sel = None if len(ids) == S else torch.tensor(at, device=values.device)
-        pick = (lambda t: t) if sel is None else (lambda t: t.index_select(0, sel))
-        V = self.drafter.cfg.vocab_size
-        counts = pick(values[0]).clamp(1, P)
-        roots = pick(values[1]).clamp(0, V - 1)
-        root_pos = pick(values[2]).clamp(0, MAX_POSITION - 1)
+        if len(ids) < S:  # the sessions refused: out
+            sel = torch.tensor(at, device=values.device)
+            feats, values = feats.index_select(0, sel), values.index_select(1, sel)
         m0 = step.sessions[at[0]]
         t0 = time.perf_counter()
-        try:
-            trees = self.drafter.draft_ahead([self.key(sid) for sid in ids], starts, pick(feats), counts, roots,
-                                             root_pos, m0.budget, m0.topk, self.projected)
+        try:  # the values are clamped into their ranges there
+            trees = self.drafter.draft_ahead([self.key(sid) for sid in ids], starts, feats, values, m0.budget,
+                                             m0.topk, self.projected)
         except Exception as e:  # noqa: BLE001 - a model failure fails this step's sessions, not the server
             log.exception("stream %d: ahead step %d failed", self.number, step.step_id)
             for sid in ids:

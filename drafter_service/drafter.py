@@ -87,37 +87,40 @@ class Drafter:
         return type(self).draft_logq is Drafter.draft_logq
 
     @torch.no_grad()
-    def draft_ahead(self, sids: list[str], starts: list[int], feats: torch.Tensor, counts: torch.Tensor,
-                    roots: torch.Tensor, root_pos: torch.Tensor, budget: int, topk: int,
-                    projected: bool = False) -> TreeBatch:
+    def draft_ahead(self, sids: list[str], starts: list[int], feats: torch.Tensor, values: torch.Tensor, budget: int,
+                    topk: int, projected: bool = False) -> TreeBatch:
         """Append and draft from values the host has not read yet (the verifier's acceptance, still on the device):
         session sids[i] gets the first counts[i] of its candidate rows feats[i] ([S, P, F] taps, or projected rows
         with `projected`) at positions starts[i].., the other rows go to the pad row; then one tree per session at
-        (budget, topk) from roots[i] at root_pos[i] (counts, roots, root_pos: [S] int64 on the device). Device work
-        and host-known values only, so the host never waits. The cache's counts stay where they were until
-        `advance(sids, counts)` gives the same counts from the host (the caller reads them later)."""
+        (budget, topk) from roots[i] at root_pos[i]. values: [3, S] int64 on the device, (counts, roots, root_pos),
+        clamped here into 1..P, the vocabulary and 0..2**31 (a peer's values never index out of range). Device work
+        and host-known values only, so the host never waits; one graph with CUDA graphs (`DraftGraphRunner.ahead`).
+        The cache's counts stay where they were until `advance(sids, counts)` gives the same counts from the host
+        (the caller reads them later)."""
         S, P = feats.shape[:2]
         if P > self.cache.window:
             raise ValueError(f"draft_ahead: {P} candidate rows per session exceed the draft window {self.cache.window}")
         plan = self.cache.plan(sids, starts, [P] * S)  # every candidate row's place, as if all were committed
         base = [self.cache.length(s) for s in sids]
+        cache_rows = [self.cache.row(s) for s in sids]
+        rows = feats.reshape(S * P, feats.shape[-1]).to(self.dtype)
+        if not projected:
+            rows = self.model.project(rows)
+        trees = None
+        if self.graphs is not None:
+            trees = self.graphs.ahead(plan.index, rows, cache_rows, base, values, budget, topk)
+        if trees is not None:
+            return trees
+        # eagerly: what the graph computes
+        V = self.cfg.vocab_size
+        counts, roots, root_pos = values[0].clamp(1, P), values[1].clamp(0, V - 1), values[2].clamp(0, (1 << 31) - 1)
         full = int64_to_device(torch.cat((plan.index, self.cache.pad_index(S * P), torch.tensor(base)[:, None]
                                           .expand(S, 3))), self.device)
         index, pad, base_t = full.split([S * P, S * P, S])
         keep = torch.arange(P, device=self.device)[None, :] < counts[:, None]
         index = torch.where(keep.reshape(-1, 1), index, pad)
-        rows = feats.reshape(S * P, feats.shape[-1]).to(self.dtype)
-        if not projected:
-            rows = self.model.project(rows)
-        if self.graphs is None or not self.graphs.append_device(index, rows):
-            self.cache.scatter(index, self.model.context_kv_from(rows, index[:, 2]))
+        self.cache.scatter(index, self.model.context_kv_from(rows, index[:, 2]))
         ctx_len = (base_t[:, 0] + counts).clamp(max=self.cache.window)
-        cache_rows = [self.cache.row(s) for s in sids]
-        trees = None
-        if self.graphs is not None:
-            trees = self.graphs.run_device(cache_rows, torch.stack((ctx_len, roots, root_pos)), budget, topk)
-        if trees is not None:
-            return trees
         logq = self.logq(int64_to_device(cache_rows, self.device), ctx_len, roots, root_pos)
         return build_tree(logq, roots, [budget] * S, [topk] * S)
 

@@ -57,9 +57,8 @@ class AheadSteps:
         s = self._stream
         return s is not None and not s.broken and s.draft_ahead
 
-    def draft_ahead(self, sids: list[str], starts: list[int], rows: torch.Tensor, counts: torch.Tensor,
-                    roots: torch.Tensor, root_pos: torch.Tensor, budget: int, topk: int, projected: bool
-                    ) -> Callable[[list[DraftRequest]], Callable[[], TreeBatch]] | None:
+    def draft_ahead(self, sids: list[str], starts: list[int], rows: torch.Tensor, values: torch.Tensor, budget: int,
+                    topk: int, projected: bool) -> Callable[[list[DraftRequest]], Callable[[], TreeBatch]] | None:
         """Send the next step now, its counts, roots and positions still on the GPU (`Drafter.draft_ahead`'s
         arguments) -> the function that takes its trees (`_ahead_begin`), or None when it cannot go ahead (no ahead
         stream, a session the stream does not hold, no room in the region, the send failed): the engine then asks the
@@ -71,7 +70,7 @@ class AheadSteps:
         S, P, F = rows.shape
         arena = RegionArena(s.regions[REQUEST_REGION])
         at_rows = arena.place_rows([rows.reshape(S * P, F)])
-        at_values = arena.place_block(torch.stack((counts.long(), roots.long(), root_pos.long())))
+        at_values = arena.place_block(values.long().contiguous())
         if at_rows is None or at_values is None:
             return None
         caps = [tree_size(budget, topk, self.depth)] * S

@@ -461,8 +461,8 @@ class Engine:
             S, P, F = path_taps.shape
             rows = self.projection(path_taps.reshape(S * P, F)).view(S, P, -1)
         p = active[0].params
-        out = self.drafter.draft_ahead([s.sid for s in active], [s.committed for s in active], rows, counts, roots,
-                                       root_pos, p.budget, p.topk, projected)
+        out = self.drafter.draft_ahead([s.sid for s in active], [s.committed for s in active], rows,
+                                       torch.stack((counts, roots, root_pos)), p.budget, p.topk, projected)
         if out is None:
             return False
         # an in-process drafter's trees, or a remote drafter's way to them
