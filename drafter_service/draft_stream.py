@@ -171,17 +171,8 @@ class DraftStream:
         """One session's step request -> DraftRequest keyed for this stream, or SessionFault. rows: the
         session's part of DraftStep.ctx_features when the step carries them (None: in its message)."""
         sid = m.session_id
-        self._check_id(sid)
-        if sid in seen:
-            raise SessionFault(BAD, "the session appears twice in one step")
-        seen.add(sid)
-        if sid in self.faults:  # its context rows, sent ahead, were refused
-            raise self.faults.pop(sid)
+        self._check_session(m, seen)
         V = self.drafter.cfg.vocab_size
-        if not 1 <= m.budget <= MAX_BUDGET:
-            raise SessionFault(BAD, f"budget {m.budget} is outside 1..{MAX_BUDGET}")
-        if m.topk < 1:
-            raise SessionFault(BAD, "topk must be >= 1")
         if not 0 <= m.root_token < V:
             raise SessionFault(BAD, f"root token {m.root_token} is outside the vocabulary [0, {V})")
         if not 0 <= m.root_pos < MAX_POSITION:
@@ -203,6 +194,21 @@ class DraftStream:
                                f"root position {m.root_pos} moved past the context ({expected}) without new rows")
         return DraftRequest(self._reserve(sid), start, rows, m.root_token, m.root_pos, m.budget, m.topk,
                             m.traceparent, self.projected)
+
+    def _check_session(self, m: drafter_pb2.SessionDraftRequest, seen: set[str]) -> None:
+        """What every step checks of a session's request: its id (once per step), no refusal pending from its context
+        messages, budget and top-k in range."""
+        sid = m.session_id
+        self._check_id(sid)
+        if sid in seen:
+            raise SessionFault(BAD, "the session appears twice in one step")
+        seen.add(sid)
+        if sid in self.faults:  # its context rows, sent ahead, were refused
+            raise self.faults.pop(sid)
+        if not 1 <= m.budget <= MAX_BUDGET:
+            raise SessionFault(BAD, f"budget {m.budget} is outside 1..{MAX_BUDGET}")
+        if m.topk < 1:
+            raise SessionFault(BAD, "topk must be >= 1")
 
     # --- messages ------------------------------------------------------------------------------------
     def context(self, m: drafter_pb2.SessionContext) -> None:
@@ -308,11 +314,7 @@ class DraftStream:
             try:
                 trees = self.drafter.draft(reqs)
             except Exception as e:  # noqa: BLE001 - a model failure fails this step's sessions, not the server
-                log.exception("stream %d: draft step %d failed", self.number, step.step_id)
-                for sid in ids:
-                    errors.append(drafter_pb2.SessionError(session_id=sid, code=grpc.StatusCode.INTERNAL.value[0],
-                                                           message=f"drafting failed: {e!r}"))
-                    self.forget(sid)
+                errors += self._draft_failed(step.step_id, ids, e)
                 ids, at = [], []
             else:
                 for sid, r in zip(ids, reqs):
@@ -363,14 +365,7 @@ class DraftStream:
         for i, m in enumerate(step.sessions):
             try:
                 sid = m.session_id
-                self._check_id(sid)
-                if sid in seen:
-                    raise SessionFault(BAD, "the session appears twice in one step")
-                seen.add(sid)
-                if sid in self.faults:
-                    raise self.faults.pop(sid)
-                if not 1 <= m.budget <= MAX_BUDGET or m.topk < 1:
-                    raise SessionFault(BAD, f"budget {m.budget} / topk {m.topk} out of range")
+                self._check_session(m, seen)
                 if self.sessions.get(sid) != m.ctx_start:
                     raise SessionFault(grpc.StatusCode.FAILED_PRECONDITION,
                                        f"an ahead step's rows must continue the session's context (at "
@@ -399,15 +394,18 @@ class DraftStream:
             trees = self.drafter.draft_ahead([self.key(sid) for sid in ids], starts, feats, values, m0.budget,
                                              m0.topk, self.projected)
         except Exception as e:  # noqa: BLE001 - a model failure fails this step's sessions, not the server
-            log.exception("stream %d: ahead step %d failed", self.number, step.step_id)
-            for sid in ids:
-                errors.append(drafter_pb2.SessionError(session_id=sid, code=grpc.StatusCode.INTERNAL.value[0],
-                                                       message=f"drafting failed: {e!r}"))
-                self.forget(sid)
-            return [], [], errors, None
+            return [], [], errors + self._draft_failed(step.step_id, ids, e), None
         self.metrics.draft_seconds.observe(time.perf_counter() - t0)
         self.ahead = (step.step_id, ids, starts, P)
         return ids, at, errors, trees
+
+    def _draft_failed(self, step_id: int, ids: list[str], e: Exception) -> list[drafter_pb2.SessionError]:
+        """The model failed on a step: logged, its sessions forgotten -> an INTERNAL error for each."""
+        log.exception("stream %d: draft step %d failed", self.number, step_id, exc_info=e)
+        for sid in ids:
+            self.forget(sid)
+        return [drafter_pb2.SessionError(session_id=sid, code=grpc.StatusCode.INTERNAL.value[0],
+                                         message=f"drafting failed: {e!r}") for sid in ids]
 
     def finish(self, work: StepWork, out: drafter_pb2.DraftTrees | None = None) -> drafter_pb2.DraftTrees:
         """The answer to a begun step: its trees encoded (into the response region and handed over, or as bytes

@@ -25,7 +25,6 @@ from protos.codec import DTYPE_TO_PB
 from protos.ddtree.v1 import drafter_pb2
 from protos.doorbell import reached
 from protos.shared_region import RegionArena
-from telemetry import host_timeline
 from verifier_service.draft_call import DraftCall, StreamBroken
 from verifier_service.queued_steps import REQUEST_REGION, RESPONSE_REGION
 from verifier_service.tree_assembly import assemble_trees
@@ -88,16 +87,8 @@ class AheadSteps:
             field.shape.extend(shape)
         step.sessions.extend(drafter_pb2.SessionDraftRequest(session_id=sid, ctx_start=start, budget=budget,
                                                              topk=topk, ctx_rows=P) for sid, start in zip(sids, starts))
-        arena.hand_over(s.request_event)
-        self.stats["region_tensors"] += arena.placed
-        step.response_region_id = RESPONSE_REGION
-        if s.doorbell:
-            self._bell_value += 1
-            s.bell_value = step.doorbell_value = self._bell_value
-        t_sent = time.perf_counter()
-        host_timeline.mark("step_sent")
         try:
-            s.send(msg)
+            t_sent = self._hand_over_and_send(s, msg, arena)
         except StreamBroken as e:
             self._step_failed(s, e, S)
             return None

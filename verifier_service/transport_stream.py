@@ -450,8 +450,14 @@ class DraftStreamClient(QueuedSteps, AheadSteps):
                                   s.step_features):
             s.send(ahead)
         host_timeline.mark("step_built")
+        return self._hand_over_and_send(s, msg, arena), time.monotonic() + self.cfg.draft_timeout_s
+
+    def _hand_over_and_send(self, s: DraftCall, msg: drafter_pb2.DraftStreamRequest, arena: RegionArena | None
+                            ) -> float:
+        """A built step: the request region handed over (its tensors are in, and our reads of the last trees are
+        done), the response region and the doorbell value named, the message sent -> when it left (perf_counter)."""
+        step = msg.step
         if arena is not None:
-            # the features are in the region, and our reads of the last trees are done: hand it over
             arena.hand_over(s.request_event)
             self.stats["region_tensors"] += arena.placed
             step.response_region_id = RESPONSE_REGION
@@ -461,7 +467,7 @@ class DraftStreamClient(QueuedSteps, AheadSteps):
         t_sent = time.perf_counter()
         host_timeline.mark("step_sent")
         s.send(msg)
-        return t_sent, time.monotonic() + self.cfg.draft_timeout_s
+        return t_sent
 
     def _receive_step(self, s: DraftCall, requests: list[DraftRequest], caps: list[int], t_sent: float,
                       deadline: float) -> tuple[list[str], TreeBatch | None, set[str], dict[str, str]]:
