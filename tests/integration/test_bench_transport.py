@@ -102,8 +102,9 @@ def test_host_timeline_lines_up_both_processes_marks(pair, tmp_path, transport, 
     order they happen (bench/host_timeline.py drops a step that misses one), and each hand-off took some time."""
     target, _ = pair
     timeline = tmp_path / "timeline.log"
+    # the marks of a step asked after the host read (a step drafted ahead has no request of its own to build)
     proc = run_bench(target.parent, tmp_path / "t.jsonl", "--concurrency", "1", "--transports", transport,
-                     env={"DDTREE_HOST_TIMELINE": str(timeline)})
+                     "--draft-ahead", "off", env={"DDTREE_HOST_TIMELINE": str(timeline)})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     pids = {line.split()[0] for line in timeline.read_text().splitlines()}
     assert len(pids) == 2, pids  # the bench's process and the drafter's
@@ -117,19 +118,21 @@ def test_host_timeline_lines_up_both_processes_marks(pair, tmp_path, transport, 
 
 
 def test_bench_transport_steps_engines_that_draft_ahead(pair, tmp_path):
-    """--variant draft_ahead=true: in-process and co-located copies that draft each next step before their host read
-    step in the same rounds as the others (blocks of two steps: --block-steps), with the in-process engine's tokens
-    and accepted lengths, block for block, and the co-located copy really sends its steps ahead."""
+    """The engines draft ahead by default; --variant draft_ahead=false: in-process and co-located copies that ask after
+    their host read step in the same rounds (blocks of two steps: --block-steps), with the in-process engine's tokens
+    and accepted lengths, block for block; only the co-located engine drafting ahead sends its steps ahead."""
     target, _ = pair
     out = tmp_path / "transport.jsonl"
     proc = run_bench(target.parent, out, "--concurrency", "1", "2", "--transports", "colocated", "--variant",
-                     "draft_ahead=true", "--block-steps", "2")
+                     "draft_ahead=false", "--block-steps", "2")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     recs = [json.loads(line) for line in out.read_text().splitlines()]
     names = sorted({r["params"]["transport"] for r in recs})
-    assert names == ["colocated", "colocated+draft_ahead=true", "inprocess", "inprocess+draft_ahead=true"]
+    assert names == ["colocated", "colocated+draft_ahead=false", "inprocess", "inprocess+draft_ahead=false"]
     for r in recs:
         assert r["outputs_identical"] and r["steps_identical"] and "problems" not in r, r
         assert r["params"]["block_steps"] == 2
-    ahead = [r for r in recs if r["params"]["transport"] == "colocated+draft_ahead=true"]
-    assert all(r["ahead_steps"] > 0 and r["params"]["draft_ahead"] for r in ahead), ahead
+    for r in recs:
+        remote_ahead = r["params"]["transport"] == "colocated"
+        assert r["params"]["draft_ahead"] == ("=false" not in r["params"]["transport"]), r["params"]
+        assert (r["ahead_steps"] > 0) == remote_ahead, r
