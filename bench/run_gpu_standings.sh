@@ -7,7 +7,7 @@
 # carry `.whl` (the transport bench imports the wheels the image lacks). Logs and JSONL under $OUT (bench/results/run
 # when unset); run from the repo root and set DDTREE_COMMIT (the device's .git is stale). Overrides: VARIANTS
 # (bench_int4_moe --gluon names), TRANSPORT_ARGS (bench_transport flags); section limits T_TESTS / T_LAYER (seconds);
-# TESTS=0 / TRANSPORT=0 skip. An A/B of engine settings belongs in one run: TRANSPORT_ARGS="... --variant FIELD=VALUE"
+# TESTS=0 / MOE=0 / TRANSPORT=0 skip. An A/B of engine settings belongs in one run: TRANSPORT_ARGS="... --variant FIELD=VALUE"
 # (bench_transport.py steps a copy of the engines with it in the same rounds); by default the in-process engine runs
 # and the co-located one a second time asking the drafter after the host read (draft_ahead=false; drafting ahead,
 # verifier_service/draft_ahead.py and ahead_steps.py, is the default since the fortieth session), and both with the
@@ -35,9 +35,11 @@ if [ "${TESTS:-1}" != 0 ]; then
     tests/integration/test_gpu_transport.py -k ahead 2>&1 \
     | tee "$OUT/ahead_tests.log" | tail -5 || status=1
 fi
-# shellcheck disable=SC2086  # word splitting of the list is intended
-timeout "${T_LAYER:-120}" python bench/bench_int4_moe.py --no-peers --tokens 1 9 --gluon $VARIANTS --layers 8 \
-  --out "$OUT/int4_moe_standing.jsonl" 2>&1 | tee "$OUT/bench_int4_moe_standing.log" || status=1
+if [ "${MOE:-1}" != 0 ]; then
+  # shellcheck disable=SC2086  # word splitting of the list is intended
+  timeout "${T_LAYER:-120}" python bench/bench_int4_moe.py --no-peers --tokens 1 9 --gluon $VARIANTS --layers 8 \
+    --out "$OUT/int4_moe_standing.jsonl" 2>&1 | tee "$OUT/bench_int4_moe_standing.log" || status=1
+fi
 if [ "${TRANSPORT:-1}" != 0 ]; then
   # the K2.6 pair's target layers: 5 where they fit (an H200), else 4 (an 80 GB H100; run_gpu_transport.sh says why)
   layers=${K26_LAYERS:-$(python -c "import torch
