@@ -7,15 +7,14 @@
 # carry `.whl` (the transport bench imports the wheels the image lacks). Logs and JSONL under $OUT (bench/results/run
 # when unset); run from the repo root and set DDTREE_COMMIT (the device's .git is stale). Overrides: VARIANTS
 # (bench_int4_moe --gluon names), TRANSPORT_ARGS (bench_transport flags); section limits T_TESTS / T_LAYER (seconds);
-# TESTS=0 / MOE=0 / TRANSPORT=0 skip. An A/B of engine settings belongs in one run:
-# TRANSPORT_ARGS="... --variant FIELD=VALUE" (bench_transport.py steps a copy of the engines with it in the same rounds); by default the in-process engine runs
-# and the co-located one a second time asking the drafter after the host read (draft_ahead=false; drafting ahead,
-# verifier_service/draft_ahead.py and ahead_steps.py, is the default since the fortieth session), and both with the
-# KV moves' torch code
-# (commit_moves=torch; the one-launch kernel is the default since the fortieth session; on an 80 GB GPU the
-# in-process copy only). Steps run in blocks of 6 per engine and round (--block-steps: an engine drafting ahead
-# overlaps its next draft with its host's next step, which a synchronize after every step would hide). The
-# kernels' GPU tests join the tests.
+# TESTS=0 / MOE=0 / TRANSPORT=0 skip. An A/B of engine settings belongs in one run: TRANSPORT_ARGS="...
+# --variant FIELD=VALUE" (bench_transport.py steps a copy of the engines with it in the same rounds); by default the
+# in-process and the co-located engines run a second time asking the drafter after the host read (draft_ahead=false;
+# drafting ahead, verifier_service/draft_ahead.py and ahead_steps.py, is the default since the fortieth session), and
+# with the KV moves' torch code (commit_moves=torch; the one-launch kernel is the default since the fortieth session;
+# on an 80 GB GPU the in-process copy only). Steps run in blocks of 6 per engine and round (--block-steps: an engine
+# drafting ahead overlaps its next draft with its host's next step, which a synchronize after every step would hide).
+# The kernels' GPU tests join the tests.
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 # shellcheck source=bench/_wheels.sh
