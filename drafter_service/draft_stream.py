@@ -389,13 +389,15 @@ class DraftStream:
             sel = torch.tensor(at, device=values.device)
             feats, values = feats.index_select(0, sel), values.index_select(1, sel)
         m0 = step.sessions[at[0]]
-        t0 = time.perf_counter()
+        t0, p0 = time.time_ns(), time.perf_counter()
         try:  # the values are clamped into their ranges there
             trees = self.drafter.draft_ahead([self.key(sid) for sid in ids], starts, feats, values, m0.budget,
                                              m0.topk, self.projected)
         except Exception as e:  # noqa: BLE001 - a model failure fails this step's sessions, not the server
             return [], [], errors + self._draft_failed(step.step_id, ids, e), None
-        self.metrics.draft_seconds.observe(time.perf_counter() - t0)
+        self.metrics.draft_seconds.observe(time.perf_counter() - p0)
+        if self.tracer is not None:  # under the step that asked for it (the one before the step it drafts for)
+            self._spans(ids, [step.sessions[i] for i in at], trees, t0, time.time_ns())
         self.ahead = (step.step_id, ids, starts, P)
         return ids, at, errors, trees
 
@@ -455,7 +457,8 @@ class DraftStream:
             code = next((c for c in grpc.StatusCode if c.value[0] == e.code), grpc.StatusCode.UNKNOWN)
             self.metrics.draft_requests.labels(status=code.name.lower()).inc()
 
-    def _spans(self, ids: list[str], reqs: list[DraftRequest], trees: TreeBatch, t0: int, t1: int) -> None:
+    def _spans(self, ids: list[str], reqs: list[DraftRequest | drafter_pb2.SessionDraftRequest], trees: TreeBatch,
+               t0: int, t1: int) -> None:
         """One `ddtree.draft` span per traced session, under the traceparent its request carried."""
         for j, (sid, r) in enumerate(zip(ids, reqs)):
             if r.traceparent:

@@ -57,11 +57,12 @@ class AheadSteps:
         return s is not None and not s.broken and s.draft_ahead
 
     def draft_ahead(self, sids: list[str], starts: list[int], rows: torch.Tensor, values: torch.Tensor, budget: int,
-                    topk: int, projected: bool) -> Callable[[list[DraftRequest]], Callable[[], TreeBatch]] | None:
+                    topk: int, projected: bool, traceparents: list[str] | None = None
+                    ) -> Callable[[list[DraftRequest]], Callable[[], TreeBatch]] | None:
         """Send the next step now, its counts, roots and positions still on the GPU (`Drafter.draft_ahead`'s
-        arguments) -> the function that takes its trees (`_ahead_begin`), or None when it cannot go ahead (no ahead
-        stream, a session the stream does not hold, no room in the region, the send failed): the engine then asks the
-        usual way."""
+        arguments; `traceparents`: each session's, for the drafter's spans, those of the step that asks) -> the
+        function that takes its trees (`_ahead_begin`), or None when it cannot go ahead (no ahead stream, a session the
+        stream does not hold, no room in the region, the send failed): the engine then asks the usual way."""
         s = self._stream
         if (s is None or s.broken or not s.draft_ahead or self._ahead is not None
                 or any(sid not in s.synced for sid in sids)):
@@ -85,8 +86,9 @@ class AheadSteps:
                                             (step.ahead_values, at_values, torch.int64, (3, S))):
             field.dtype, field.region.region_id, field.region.offset = DTYPE_TO_PB[dtype], REQUEST_REGION, offset
             field.shape.extend(shape)
-        step.sessions.extend(drafter_pb2.SessionDraftRequest(session_id=sid, ctx_start=start, budget=budget,
-                                                             topk=topk, ctx_rows=P) for sid, start in zip(sids, starts))
+        step.sessions.extend(drafter_pb2.SessionDraftRequest(session_id=sid, ctx_start=start, budget=budget, topk=topk,
+                                                             ctx_rows=P, traceparent=tp)
+                             for sid, start, tp in zip(sids, starts, traceparents or [""] * S))
         try:
             t_sent = self._hand_over_and_send(s, msg, arena)
         except StreamBroken as e:

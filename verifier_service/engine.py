@@ -464,7 +464,8 @@ class Engine:
             rows = self.projection(path_taps.reshape(S * P, F)).view(S, P, -1)
         p = active[0].params
         out = self.drafter.draft_ahead([s.sid for s in active], [s.committed for s in active], rows,
-                                       torch.stack((counts, roots, root_pos)), p.budget, p.topk, projected)
+                                       torch.stack((counts, roots, root_pos)), p.budget, p.topk, projected,
+                                       [s.traceparent for s in active])
         if out is None:
             return False
         # an in-process drafter's trees, or a remote drafter's way to them
