@@ -108,8 +108,9 @@ class EngineConfig:
     # next step when it drafts the same sessions, or some of them, at one (budget, top-k); a session joining costs a
     # wasted draft. With a drafter that cannot (`drafts_ahead` false or absent: gRPC) the steps run as without it.
     # Measured on an H100 at K2.6 shapes (4 layers, steady-state blocks): in-process -3.4% / -3.3% a step at
-    # C = 1 / 32, co-located -0.9% / -10.1%
-    draft_ahead: bool = True
+    # C = 1 / 32, co-located -0.9% / -10.1%. Off by default until the traces fit it: a drafter's span of a step drafted
+    # ahead hangs under the transport span of the step that asked, not of the step it drafts for
+    draft_ahead: bool = False
 
     def __post_init__(self):
         for f in ("tree_inputs", "tree_accept", "commit_moves"):
