@@ -160,3 +160,30 @@ def test_ahead_step_refusals(stream):
     st.draft_ahead = False
     with pytest.raises(ProtocolError, match="does not take them"):
         st.begin(ahead_step(6, [("a", 11)], 3, F))
+
+
+def test_ahead_step_records_draft_spans_under_the_asking_steps_traceparent(stream):
+    """A traced session's ahead step gets its `ddtree.draft` span, under the traceparent its message carried (the
+    step that asked for it); an untraced one gets none."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from telemetry import tracing
+
+    st, F = stream
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    st.tracer = provider.get_tracer("test")
+    st.begin(usual_step(1, "a", 0, 5, F))
+    st.begin(usual_step(2, "b", 0, 5, F))
+    exporter.clear()
+    parent = "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"
+    step = ahead_step(3, [("a", 5), ("b", 5)], 3, F)
+    step.sessions[0].traceparent = parent
+    st.begin(step)
+    (span,) = exporter.get_finished_spans()
+    assert span.name == tracing.SPAN_DRAFT and span.parent.span_id == int("cd" * 8, 16)
+    assert span.context.trace_id == int("ab" * 16, 16)
+    assert span.attributes[tracing.GEN_AI_CONVERSATION_ID] == "a"
