@@ -299,9 +299,9 @@ def main() -> int:
     p.add_argument("--tree-inputs", choices=("torch", "auto"), default="auto",
                    help="every engine's forward tree inputs: one Triton launch on CUDA (auto, the default) or the "
                         "torch code (EngineConfig.tree_inputs)")
-    p.add_argument("--draft-ahead", choices=("on", "off"), default="off",
+    p.add_argument("--draft-ahead", choices=("on", "off"), default="on",
                    help="whether the engines draft each next step before their host read (EngineConfig.draft_ahead, "
-                        "off by default; gRPC engines cannot; a --variant draft_ahead=true copy steps beside the "
+                        "on by default; gRPC engines cannot; a --variant draft_ahead=false copy steps beside the "
                         "others instead)")
     p.add_argument("--local-draft", choices=("eager", "lazy"), default="eager",
                    help="when the in-process engine queues its drafter's work: before the step's layout (eager, the "

@@ -9,8 +9,8 @@
 # (bench_int4_moe --gluon names), TRANSPORT_ARGS (bench_transport flags); section limits T_TESTS / T_LAYER (seconds);
 # TESTS=0 / MOE=0 / TRANSPORT=0 skip. An A/B of engine settings belongs in one run: TRANSPORT_ARGS="...
 # --variant FIELD=VALUE" (bench_transport.py steps a copy of the engines with it in the same rounds); by default the
-# in-process and the co-located engines run a second time drafting each next step before the host read
-# (draft_ahead=true: verifier_service/draft_ahead.py and ahead_steps.py, opt-in until the traces fit it), and
+# in-process and the co-located engines run a second time asking the drafter after the host read (draft_ahead=false;
+# drafting ahead, verifier_service/draft_ahead.py and ahead_steps.py, is the default since the fortieth session), and
 # with the KV moves' torch code (commit_moves=torch; the one-launch kernel is the default since the fortieth session;
 # on an 80 GB GPU the in-process copy only). Steps run in blocks of 6 per engine and round (--block-steps: an engine
 # drafting ahead overlaps its next draft with its host's next step, which a synchronize after every step would hide).
@@ -47,9 +47,9 @@ print(5 if torch.cuda.get_device_properties(0).total_memory > 100e9 else 4)")}
   # 32 more sessions of the drafter process (~1.5 GB): the H200 (5 layers) takes all of these, an 80 GB GPU (4
   # layers, ~69 GB for the pair) two in-process copies
   if [ "$layers" -ge 5 ]; then
-    variants="--variant draft_ahead=true@inprocess/colocated --variant commit_moves=torch@inprocess/colocated"
+    variants="--variant draft_ahead=false@inprocess/colocated --variant commit_moves=torch@inprocess/colocated"
   else
-    variants="--variant draft_ahead=true@inprocess/colocated --variant commit_moves=torch@inprocess"
+    variants="--variant draft_ahead=false@inprocess/colocated --variant commit_moves=torch@inprocess"
   fi
   OUT="$OUT" K26_LAYERS=$layers K26=1 TESTS=0 ECHO=0 \
     BENCH_ARGS="${TRANSPORT_ARGS:---transports colocated grpc --steps 12 --warmup 2 --block-steps 6 $variants}" \

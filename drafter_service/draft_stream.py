@@ -86,6 +86,22 @@ def _host_copy(trees: TreeBatch) -> tuple[TreeBatch, torch.cuda.Event]:
 
 
 @dataclass
+class AheadPending:
+    """An ahead step drafted, until its AheadCommitted: its sessions in the step's order (those refused too, whose
+    counts are ignored), where their rows start, the rows each, and for the span of each drafted session its tree's
+    node count, with the step's budget, draft time (time_ns) and size."""
+
+    step_id: int
+    sids: list[str]
+    starts: list[int]
+    rows: int
+    nodes: dict[str, int]
+    budget: int
+    t0: int
+    t1: int
+
+
+@dataclass
 class DraftStream:
     number: int
     client_id: str
@@ -107,8 +123,7 @@ class DraftStream:
     copy_wait_s: float = 0.0  # bytes answers on a GPU: how long the server expects a step's trees to reach the host
     projected: bool = False  # OpenStream.context_projection taken: context rows arrive projected, not as taps
     draft_ahead: bool = False  # announced DrafterInfo.draft_ahead: takes DraftStep.ahead_values
-    # the last ahead step until its AheadCommitted: (step id, its sessions in order, where their rows start, rows each)
-    ahead: tuple[int, list[str], list[int], int] | None = None
+    ahead: AheadPending | None = None  # the last ahead step, until its AheadCommitted
 
     def key(self, sid: str) -> str:
         return f"{self.number}/{sid}"
@@ -231,23 +246,32 @@ class DraftStream:
             self.faults[sid] = f
 
     def ahead_committed(self, m: drafter_pb2.AheadCommitted) -> None:
-        """The committed row counts of the last ahead step's sessions: their contexts end there now."""
-        if self.ahead is None or m.step_id != self.ahead[0]:
+        """The committed row counts of the last ahead step's sessions: their contexts end there now; and the draft
+        spans of its traced sessions, under the steps that verify their trees."""
+        a = self.ahead
+        if a is None or m.step_id != a.step_id:
             raise ProtocolError(f"AheadCommitted for step {m.step_id}, but the last step taken ahead is "
-                                f"{'none' if self.ahead is None else self.ahead[0]}")
-        step_id, sids, starts, P = self.ahead
-        if len(m.rows) != len(sids) or not all(1 <= n <= P for n in m.rows):
-            raise ProtocolError(f"AheadCommitted for step {step_id}: {len(m.rows)} counts in 1..{P} expected for its "
-                                f"{len(sids)} sessions, got {list(m.rows)[:8]}")
+                                f"{'none' if a is None else a.step_id}")
+        n_sessions = len(a.sids)
+        if len(m.rows) != n_sessions or not all(1 <= n <= a.rows for n in m.rows) or (
+                m.traceparents and len(m.traceparents) != n_sessions):
+            raise ProtocolError(f"AheadCommitted for step {a.step_id}: {n_sessions} counts in 1..{a.rows} (and as many "
+                                f"traceparents, or none) expected, got {list(m.rows)[:8]}, "
+                                f"{len(m.traceparents)} traceparents")
         self.ahead = None
-        kept = [(sid, start, n) for sid, start, n in zip(sids, starts, m.rows) if sid in self.sessions]
+        kept = [(sid, start, n) for sid, start, n in zip(a.sids, a.starts, m.rows)
+                if sid in self.sessions and sid in a.nodes]
         self.drafter.advance([self.key(sid) for sid, _, _ in kept], [n for _, _, n in kept])
         for sid, start, n in kept:
             self.sessions[sid] = start + n
+        if self.tracer is not None:
+            for sid, tp in zip(a.sids, m.traceparents):
+                if tp and sid in a.nodes:
+                    self._span(sid, tp, a.nodes[sid], a.budget, len(a.nodes), a.t0, a.t1)
 
     def _no_ahead_pending(self, what: str) -> None:
         if self.ahead is not None:
-            raise ProtocolError(f"{what} before the AheadCommitted of step {self.ahead[0]} (taken ahead)")
+            raise ProtocolError(f"{what} before the AheadCommitted of step {self.ahead.step_id} (taken ahead)")
 
     def await_request(self, step: drafter_pb2.DraftStep) -> None:
         """With IPC events: poll until the verifier's writes into the request region are done (outside the
@@ -396,9 +420,10 @@ class DraftStream:
         except Exception as e:  # noqa: BLE001 - a model failure fails this step's sessions, not the server
             return [], [], errors + self._draft_failed(step.step_id, ids, e), None
         self.metrics.draft_seconds.observe(time.perf_counter() - p0)
-        if self.tracer is not None:  # under the step that asked for it (the one before the step it drafts for)
-            self._spans(ids, [step.sessions[i] for i in at], trees, t0, time.time_ns())
-        self.ahead = (step.step_id, ids, starts, P)
+        # the spans wait for AheadCommitted: it names the steps that verify these trees
+        self.ahead = AheadPending(step.step_id, [m.session_id for m in step.sessions],
+                                  [m.ctx_start for m in step.sessions], P, dict(zip(ids, trees.n_nodes)), m0.budget,
+                                  t0, time.time_ns())
         return ids, at, errors, trees
 
     def _draft_failed(self, step_id: int, ids: list[str], e: Exception) -> list[drafter_pb2.SessionError]:
@@ -457,12 +482,15 @@ class DraftStream:
             code = next((c for c in grpc.StatusCode if c.value[0] == e.code), grpc.StatusCode.UNKNOWN)
             self.metrics.draft_requests.labels(status=code.name.lower()).inc()
 
-    def _spans(self, ids: list[str], reqs: list[DraftRequest | drafter_pb2.SessionDraftRequest], trees: TreeBatch,
-               t0: int, t1: int) -> None:
+    def _spans(self, ids: list[str], reqs: list[DraftRequest], trees: TreeBatch, t0: int, t1: int) -> None:
         """One `ddtree.draft` span per traced session, under the traceparent its request carried."""
         for j, (sid, r) in enumerate(zip(ids, reqs)):
             if r.traceparent:
-                attrs = tracing.step_attributes(tree_size=trees.n_nodes[j], budget=r.budget, batch_sessions=len(reqs))
-                attrs[tracing.GEN_AI_CONVERSATION_ID] = sid
-                tracing.record_span(self.tracer, tracing.SPAN_DRAFT, tracing.context_from_traceparent(r.traceparent),
-                                    t0, t1, attrs)
+                self._span(sid, r.traceparent, trees.n_nodes[j], r.budget, len(reqs), t0, t1)
+
+    def _span(self, sid: str, traceparent: str, tree_size: int, budget: int, batch: int, t0: int, t1: int) -> None:
+        """One session's `ddtree.draft` span of a draft call [t0, t1] (time_ns) shared by `batch` sessions."""
+        attrs = tracing.step_attributes(tree_size=tree_size, budget=budget, batch_sessions=batch)
+        attrs[tracing.GEN_AI_CONVERSATION_ID] = sid
+        tracing.record_span(self.tracer, tracing.SPAN_DRAFT, tracing.context_from_traceparent(traceparent), t0, t1,
+                            attrs)

@@ -88,7 +88,7 @@ class Drafter:
 
     @torch.no_grad()
     def draft_ahead(self, sids: list[str], starts: list[int], feats: torch.Tensor, values: torch.Tensor, budget: int,
-                    topk: int, projected: bool = False, traceparents: list[str] | None = None) -> TreeBatch:
+                    topk: int, projected: bool = False) -> TreeBatch:
         """Append and draft from values the host has not read yet (the verifier's acceptance, still on the device):
         session sids[i] gets the first counts[i] of its candidate rows feats[i] ([S, P, F] taps, or projected rows
         with `projected`) at positions starts[i].., the other rows go to the pad row; then one tree per session at
@@ -96,8 +96,7 @@ class Drafter:
         clamped here into 1..P, the vocabulary and 0..2**31 (a peer's values never index out of range). Device work
         and host-known values only, so the host never waits; one graph with CUDA graphs (`DraftGraphRunner.ahead`).
         The cache's counts stay where they were until `advance(sids, counts)` gives the same counts from the host
-        (the caller reads them later). `traceparents`: unused here (a drafter in another process records its spans
-        under them)."""
+        (the caller reads them later)."""
         S, P = feats.shape[:2]
         if P > self.cache.window:
             raise ValueError(f"draft_ahead: {P} candidate rows per session exceed the draft window {self.cache.window}")

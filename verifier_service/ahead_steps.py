@@ -57,12 +57,11 @@ class AheadSteps:
         return s is not None and not s.broken and s.draft_ahead
 
     def draft_ahead(self, sids: list[str], starts: list[int], rows: torch.Tensor, values: torch.Tensor, budget: int,
-                    topk: int, projected: bool, traceparents: list[str] | None = None
-                    ) -> Callable[[list[DraftRequest]], Callable[[], TreeBatch]] | None:
+                    topk: int, projected: bool) -> Callable[[list[DraftRequest]], Callable[[], TreeBatch]] | None:
         """Send the next step now, its counts, roots and positions still on the GPU (`Drafter.draft_ahead`'s
-        arguments; `traceparents`: each session's, for the drafter's spans, those of the step that asks) -> the
-        function that takes its trees (`_ahead_begin`), or None when it cannot go ahead (no ahead stream, a session the
-        stream does not hold, no room in the region, the send failed): the engine then asks the usual way."""
+        arguments) -> the function that takes its trees (`_ahead_begin`), or None when it cannot go ahead (no ahead
+        stream, a session the stream does not hold, no room in the region, the send failed): the engine then asks the
+        usual way."""
         s = self._stream
         if (s is None or s.broken or not s.draft_ahead or self._ahead is not None
                 or any(sid not in s.synced for sid in sids)):
@@ -86,9 +85,8 @@ class AheadSteps:
                                             (step.ahead_values, at_values, torch.int64, (3, S))):
             field.dtype, field.region.region_id, field.region.offset = DTYPE_TO_PB[dtype], REQUEST_REGION, offset
             field.shape.extend(shape)
-        step.sessions.extend(drafter_pb2.SessionDraftRequest(session_id=sid, ctx_start=start, budget=budget, topk=topk,
-                                                             ctx_rows=P, traceparent=tp)
-                             for sid, start, tp in zip(sids, starts, traceparents or [""] * S))
+        step.sessions.extend(drafter_pb2.SessionDraftRequest(session_id=sid, ctx_start=start, budget=budget,
+                                                             topk=topk, ctx_rows=P) for sid, start in zip(sids, starts))
         try:
             t_sent = self._hand_over_and_send(s, msg, arena)
         except StreamBroken as e:
@@ -110,26 +108,27 @@ class AheadSteps:
             time.sleep(0)
 
     def advance(self, sids: list[str], counts: list[int]) -> None:
-        """The engine has read its step: the ahead step's committed row counts (what its GPU computed) go to the
-        drafter now, before any other message about these sessions."""
+        """The engine has read its step: the ahead step's committed row counts (what its GPU computed), told to the
+        drafter when the step is taken (`AheadCommitted`, with the traceparents of the steps that verify its trees)."""
         a = self._ahead
         if a is None or a.sids != list(sids) or a.counts is not None:
             raise RuntimeError("advance() without the ahead step it counts")
         a.counts = list(counts)
-        if not a.stream.broken:
-            try:
-                a.stream.send(drafter_pb2.DraftStreamRequest(
-                    ahead_committed=drafter_pb2.AheadCommitted(step_id=a.step_id, rows=a.counts)))
-            except StreamBroken:
-                pass  # the step fails when it is taken
 
     def _ahead_begin(self, requests: list[DraftRequest]) -> Callable[[], TreeBatch]:
-        """The ahead step's trees for `requests` (its sessions in its order, with their roots, now known) -> a function
-        returning them, as `draft_begin`'s: the last step's answer is settled first, the committed rows stay pending
-        until the drafter answers (a new stream gets them), and a broken stream gives root-only trees."""
+        """The ahead step's trees for `requests` (its sessions in its order, with their roots, now known, and the
+        traceparents of the steps that verify them: the drafter's spans go there) -> a function returning them, as
+        `draft_begin`'s: the counts go to the drafter, the last step's answer is settled, the committed rows stay
+        pending until the drafter answers (a new stream gets them), and a broken stream gives root-only trees."""
         a, self._ahead = self._ahead, None
         if a is None or a.counts is None or [r.session_id for r in requests] != a.sids:
             raise RuntimeError("an ahead step taken without its counts or with other sessions")
+        if not a.stream.broken:  # before any other message about these sessions
+            try:
+                a.stream.send(drafter_pb2.DraftStreamRequest(ahead_committed=drafter_pb2.AheadCommitted(
+                    step_id=a.step_id, rows=a.counts, traceparents=[r.traceparent for r in requests])))
+            except StreamBroken:
+                pass  # answered below as a broken stream
         self._settle()
         self._collect_verdicts()
         if self._watch is not None:

@@ -16,6 +16,7 @@ dropped (a wasted draft), while its appended rows stay: they are what the host w
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -40,6 +41,7 @@ class AheadDraft:
     params: list[tuple[int, int]]  # each session's (budget, top-k)
     begin: Callable[[list[DraftRequest]], Callable[[], TreeBatch]]
     requests: list[DraftRequest] | None = None
+    sent_ns: int = 0  # time.time_ns() when it was queued (a traced step's spans start there: its draft did)
 
     def take(self, active: list[Session], drafting: list[int]) -> Callable[[], TreeBatch] | None:
         """The trees for the step drafting `drafting` of `active`, if this draft has them -> a function returning them
@@ -58,17 +60,20 @@ class AheadDraft:
             rows.append(j)
         if not rows or self.requests is None:
             return None
-        trees = self.begin(self.requests)
+        # the drafter's spans go under the traceparents of the step that takes the trees; none for the ones let go
+        tp = {active[i].sid: active[i].traceparent for i in drafting}
+        full = [dataclasses.replace(r, traceparent=tp.get(r.session_id, "")) for r in self.requests]
+        trees = self.begin(full)
         if len(rows) == len(self.sids):
             return trees
-        requests = [self.requests[j] for j in rows]
+        requests = [full[j] for j in rows]
         return lambda: assemble_trees(requests, self.sids, trees(), set(self.sids))
 
     def drop(self) -> None:
         """Not taken: let the drafter's answer go (a drafter in another process is waited for, so that the next
         step's request does not overwrite what it may still read)."""
         if self.requests is not None:
-            self.begin(self.requests)()
+            self.begin([dataclasses.replace(r, traceparent="") for r in self.requests])()  # no step verifies them
 
 
 def eligible(active: list[Session], drafting: list[int]) -> bool:

@@ -78,7 +78,7 @@ class VerifierServerConfig:
     tree_inputs: str = "auto"  # the forward's tree inputs: EngineConfig.tree_inputs (auto = one Triton launch on CUDA)
     tree_accept: str = "auto"  # the step's acceptance: EngineConfig.tree_accept (auto = one Triton launch on CUDA)
     commit_moves: str = "auto"  # the step's KV moves: EngineConfig.commit_moves (auto = one Triton launch on CUDA)
-    draft_ahead: bool = False  # EngineConfig.draft_ahead: the next step's draft queued before the host read
+    draft_ahead: bool = True  # EngineConfig.draft_ahead: the next step's draft queued before the host read
     doorbell: bool = True  # on a GPU: queue the verify step behind a doorbell (StreamClientConfig.doorbell)
     trees_in_place: str = "auto"  # co-located with the doorbell: StreamClientConfig.trees_in_place (auto, on, off)
     keepwarm_ms: float = 3.0  # gRPC stream: the KeepWarm period (StreamClientConfig.keepwarm_ms; 0: none)

@@ -8,8 +8,10 @@ length, tree size and per-depth acceptance. Spans exist only for turns whose req
 recorded once their times are known; around each step every traced session gets a live
 `ddtree.verify_step` span and, when it drafts, a `ddtree.transport.draft` child whose traceparent
 rides in the session's draft request, so the drafter's `ddtree.draft` span hangs under it. A step
-serves many requests, so each session's spans live in that session's own trace with the step's
-times. Untraced turns cost nothing here beyond the metrics.
+whose draft the step before queued ahead (`verifier_service.draft_ahead`) starts both spans when
+that draft was asked for, and its traceparent reaches the drafter with the ahead step's counts
+(`AheadCommitted`). A step serves many requests, so each session's spans live in that session's own
+trace with the step's times. Untraced turns cost nothing here beyond the metrics.
 """
 
 from __future__ import annotations
@@ -79,18 +81,22 @@ class TurnTelemetry:
         if not self._traced:
             return {}
         t0 = time.time_ns()
+        # a step whose draft the last one queued ahead (EngineConfig.draft_ahead) began there: its spans start then
+        ahead = getattr(engine, "ahead", None)
+        early = set(ahead.sids) if ahead is not None else set()
         spans: StepSpans = {}
         for sid, (turn, s) in list(self._traced.items()):
             # finished, cancelled or released since the last step (the id may even name a new session now)
             if engine.sessions.get(sid) is not s or not turn.running or s.done:
                 del self._traced[sid]
                 continue
-            step = self.tracer.start_span(tracing.SPAN_VERIFY_STEP, context=turn.trace, start_time=t0)
+            start = ahead.sent_ns if sid in early else t0
+            step = self.tracer.start_span(tracing.SPAN_VERIFY_STEP, context=turn.trace, start_time=start)
             transport = None
             if engine.drafter is not None and s.params.budget > 0:
                 transport = self.tracer.start_span(
                     tracing.SPAN_TRANSPORT, context=trace.set_span_in_context(step), kind=SpanKind.CLIENT,
-                    start_time=t0, attributes={tracing.DDTREE_TRANSPORT: self.transport} if self.transport else None)
+                    start_time=start, attributes={tracing.DDTREE_TRANSPORT: self.transport} if self.transport else None)
                 s.traceparent = tracing.traceparent(trace.set_span_in_context(transport))
             spans[sid] = (s, step, transport)
         return spans

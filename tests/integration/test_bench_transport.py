@@ -118,21 +118,21 @@ def test_host_timeline_lines_up_both_processes_marks(pair, tmp_path, transport, 
 
 
 def test_bench_transport_steps_engines_that_draft_ahead(pair, tmp_path):
-    """--variant draft_ahead=true: in-process and co-located copies that draft each next step before their host read
-    step in the same rounds as the others (blocks of two steps: --block-steps), with the in-process engine's tokens
-    and accepted lengths, block for block; only the co-located copy sends steps ahead over its stream."""
+    """The engines draft ahead by default; --variant draft_ahead=false: in-process and co-located copies that ask after
+    their host read step in the same rounds (blocks of two steps: --block-steps), with the in-process engine's tokens
+    and accepted lengths, block for block; only the co-located engine drafting ahead sends its steps ahead."""
     target, _ = pair
     out = tmp_path / "transport.jsonl"
     proc = run_bench(target.parent, out, "--concurrency", "1", "2", "--transports", "colocated", "--variant",
-                     "draft_ahead=true", "--block-steps", "2")
+                     "draft_ahead=false", "--block-steps", "2")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     recs = [json.loads(line) for line in out.read_text().splitlines()]
     names = sorted({r["params"]["transport"] for r in recs})
-    assert names == ["colocated", "colocated+draft_ahead=true", "inprocess", "inprocess+draft_ahead=true"]
+    assert names == ["colocated", "colocated+draft_ahead=false", "inprocess", "inprocess+draft_ahead=false"]
     for r in recs:
         assert r["outputs_identical"] and r["steps_identical"] and "problems" not in r, r
         assert r["params"]["block_steps"] == 2
     for r in recs:
-        remote_ahead = r["params"]["transport"] == "colocated+draft_ahead=true"
-        assert r["params"]["draft_ahead"] == ("draft_ahead=true" in r["params"]["transport"]), r["params"]
+        remote_ahead = r["params"]["transport"] == "colocated"
+        assert r["params"]["draft_ahead"] == ("=false" not in r["params"]["transport"]), r["params"]
         assert (r["ahead_steps"] > 0) == remote_ahead, r

@@ -39,6 +39,16 @@ SERVICES = ("gateway", "verifier", "drafter")
 
 @pytest.fixture(scope="module")
 def stack(pair, tmp_path_factory):
+    yield from services(pair, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def usual_stack(pair, tmp_path_factory):
+    """The same services, the verifier asking the drafter after each host read (`--draft-ahead off`)."""
+    yield from services(pair, tmp_path_factory, "--draft-ahead", "off")
+
+
+def services(pair, tmp_path_factory, *verifier_flags: str):
     out = tmp_path_factory.mktemp("e2e-spans")
     files = {name: out / f"{name}.jsonl" for name in SERVICES}
     # hermetic: whatever OTEL_* the caller's shell has, each process writes every span to its own file
@@ -49,7 +59,8 @@ def stack(pair, tmp_path_factory):
     try:
         d = Service("drafter", drafter_argv(pair, "127.0.0.1:0"), env=env["drafter"])
         procs.append(d)
-        v = Service("verifier", verifier_argv(pair, "127.0.0.1:0", d.wait_for("listening")), env=env["verifier"])
+        v = Service("verifier", verifier_argv(pair, "127.0.0.1:0", d.wait_for("listening"), *verifier_flags),
+                    env=env["verifier"])
         procs.append(v)
         g = Service("gateway", gateway_argv(v.wait_for("listening"), pair[0], "--metrics-listen", "127.0.0.1:0"),
                     env=env["gateway"])
@@ -202,7 +213,11 @@ def http_json(url: str, body: dict | None = None, headers: dict | None = None) -
         return r.status, json.loads(raw) if "json" in ctype else raw.decode()
 
 
-def test_grpc_session_turns_are_one_trace_each(stack):
+@pytest.mark.parametrize("stack_name", ["stack", "usual_stack"])
+def test_grpc_session_turns_are_one_trace_each(request, stack_name):
+    """The spans of each turn of a session, drafting ahead (the default: a step's spans start when its draft was asked
+    for, the drafter's under them; the draft queued after a turn's last step leaves no span) and not."""
+    stack = request.getfixturevalue(stack_name)
     with grpc.insecure_channel(stack["grpc"]) as ch:
         stub = gateway_pb2_grpc.GatewayStub(ch)
         create = Client.new()
@@ -242,7 +257,9 @@ def test_grpc_session_turns_are_one_trace_each(stack):
     assert not named(spans["gateway"], "ddtree.v1.Gateway/Generate")
 
 
-def test_http_completion_is_one_trace(stack):
+@pytest.mark.parametrize("stack_name", ["stack", "usual_stack"])
+def test_http_completion_is_one_trace(request, stack_name):
+    stack = request.getfixturevalue(stack_name)
     body = {"model": "target", "prompt": "tracing, end to end", "max_tokens": NEW, "temperature": 0,
             "ignore_eos": True, "draft_budget": BUDGET}
     client = Client.new()

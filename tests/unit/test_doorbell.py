@@ -275,13 +275,13 @@ def test_a_host_doorbell_holds_a_stream_until_the_host_rings_it():
 
 
 @pytest.mark.parametrize("flag, expected, in_place, ahead", [
-    ([], True, "auto", False), (["--no-doorbell"], False, "auto", False),
-    (["--trees-in-place", "on"], True, "on", False), (["--draft-ahead", "on", "--commit-moves", "torch"], True, "auto",
-                                                      True)])
+    ([], True, "auto", True), (["--no-doorbell"], False, "auto", True),
+    (["--trees-in-place", "on"], True, "on", True), (["--draft-ahead", "off", "--commit-moves", "torch"], True, "auto",
+                                                     False)])
 def test_verifier_serve_doorbell_flag_reaches_the_server_config(monkeypatch, flag, expected, in_place, ahead):
     """`ddtree verifier serve --no-doorbell` turns the doorbell off for the stream client (the operator's way
     back to the IPC-event path); by default it is on. `--trees-in-place` (auto by default) says when the drafter
-    is asked for trees where the verifier lays them out; `--draft-ahead on` reaches the engine's config."""
+    is asked for trees where the verifier lays them out; `--draft-ahead off` reaches the engine's config."""
     from gateway.cli import build_parser
     from gateway.commands import verifier
     from verifier_service.server import _engine_config
@@ -292,4 +292,4 @@ def test_verifier_serve_doorbell_flag_reaches_the_server_config(monkeypatch, fla
     args = build_parser("verifier").parse_args([*argv, *flag])
     assert args.func(args) == 0 and seen[0].doorbell is expected and seen[0].trees_in_place == in_place
     assert seen[0].draft_ahead is ahead and _engine_config(seen[0], "cpu").draft_ahead is ahead
-    assert _engine_config(seen[0], "cpu").commit_moves == ("torch" if ahead else "auto")
+    assert _engine_config(seen[0], "cpu").commit_moves == ("auto" if ahead else "torch")

@@ -79,12 +79,15 @@ def test_take_only_the_sessions_it_drafted():
     ahead = draft_ahead.AheadDraft(["a", "b", "c"], [(4, 2)] * 3, lambda reqs: got.append(reqs) or (lambda: trees))
     a, b, c = sess("a"), sess("b"), sess("c")
     assert ahead.take([a, b, c], [0, 1, 2]) is None  # not before the host has read its step (no requests yet)
-    ahead.requests = ["ra", "rb", "rc"]
+    ahead.requests = [DraftRequest(x.sid, 0, torch.zeros(0), 7, 3, 4, 2, traceparent="old") for x in (a, b, c)]
+    a.traceparent = "tp-a"  # the taking step's (the drafter's spans go there)
     assert ahead.take([a, b, c], [0, 1, 2])() is trees  # the same sessions: as drafted
-    assert got == [["ra", "rb", "rc"]]
-    ahead.requests = [DraftRequest(x.sid, 0, torch.zeros(0), 7, 3, 4, 2) for x in (a, b, c)]
-    sub = ahead.take([a, c], [0, 1])  # b finished: rows 0 and 2
+    assert [(r.session_id, r.traceparent) for r in got[-1]] == [("a", "tp-a"), ("b", ""), ("c", "")]
+    sub = ahead.take([a, c], [0, 1])  # b finished: rows 0 and 2, and no span for b's tree
     assert sub is not None and torch.equal(sub().tokens, trees.tokens[[0, 2]])
+    assert [r.traceparent for r in got[-1]] == ["tp-a", "", ""]
+    ahead.drop()  # nobody verifies them: no spans
+    assert [r.traceparent for r in got[-1]] == ["", "", ""]
     assert ahead.take([c, a], [0, 1]) is None  # another order
     assert ahead.take([a, sess("d")], [0, 1]) is None  # a session it did not draft
     assert ahead.take([a, sess("b", budget=8)], [0, 1]) is None  # another budget

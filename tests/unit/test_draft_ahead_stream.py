@@ -122,13 +122,16 @@ def test_ahead_step_and_its_counts(stream):
     values = torch.tensor([[3, 1], [7, 8], [9, 5]])
     work = st.begin(ahead_step(3, [("a", 6), ("b", 4)], 4, F, values))
     assert work.ids == ["a", "b"] and not work.errors and work.trees.tokens[:, 0].tolist() == [7, 8]
-    assert st.ahead == (3, ["a", "b"], [6, 4], 4)
+    a = st.ahead
+    assert (a.step_id, a.sids, a.starts, a.rows, a.nodes) == (3, ["a", "b"], [6, 4], 4, {"a": 5, "b": 5})
     with pytest.raises(ProtocolError, match="before the AheadCommitted of step 3"):
         st.begin(usual_step(4, "a", 9, 1, F))
     with pytest.raises(ProtocolError, match="AheadCommitted for step 2"):
         st.ahead_committed(drafter_pb2.AheadCommitted(step_id=2, rows=[3, 1]))
     with pytest.raises(ProtocolError, match="counts in 1..4"):
         st.ahead_committed(drafter_pb2.AheadCommitted(step_id=3, rows=[5, 1]))
+    with pytest.raises(ProtocolError, match="traceparents"):
+        st.ahead_committed(drafter_pb2.AheadCommitted(step_id=3, rows=[3, 1], traceparents=["x"]))
     st.ahead_committed(drafter_pb2.AheadCommitted(step_id=3, rows=[3, 1]))
     assert st.ahead is None and st.sessions == {"a": 9, "b": 5}
     assert st.drafter.cache.length("1/a") == 9 and st.drafter.cache.length("1/b") == 5
@@ -137,12 +140,13 @@ def test_ahead_step_and_its_counts(stream):
 def test_ahead_step_refusals(stream):
     st, F = stream
     st.begin(usual_step(1, "a", 0, 6, F))
-    # a session whose rows do not continue its context is refused alone; one the stream does not hold too
-    work = st.begin(ahead_step(2, [("a", 6), ("x", 0)], 3, F))
+    # a session whose rows do not continue its context is refused alone; one the stream does not hold too; the counts
+    # still come for every session of the step, the refused one's ignored
+    work = st.begin(ahead_step(2, [("x", 0), ("a", 6)], 3, F))
     assert work.ids == ["a"] and [e.session_id for e in work.errors] == ["x"]
     assert work.errors[0].code == grpc.StatusCode.FAILED_PRECONDITION.value[0]
-    st.ahead_committed(drafter_pb2.AheadCommitted(step_id=2, rows=[2]))
-    assert st.sessions == {"a": 8}
+    st.ahead_committed(drafter_pb2.AheadCommitted(step_id=2, rows=[3, 2]))
+    assert st.sessions == {"a": 8} and "1/x" not in st.drafter.cache
     # values out of range are clamped, never used as indices as they are (a root past the vocabulary)
     big = torch.tensor([[99], [10**9], [-5]])
     work = st.begin(ahead_step(3, [("a", 8)], 3, F, big))
@@ -162,9 +166,9 @@ def test_ahead_step_refusals(stream):
         st.begin(ahead_step(6, [("a", 11)], 3, F))
 
 
-def test_ahead_step_records_draft_spans_under_the_asking_steps_traceparent(stream):
-    """A traced session's ahead step gets its `ddtree.draft` span, under the traceparent its message carried (the
-    step that asked for it); an untraced one gets none."""
+def test_ahead_step_records_draft_spans_under_the_verifying_steps_traceparent(stream):
+    """An ahead step's `ddtree.draft` spans are recorded when its AheadCommitted names the traceparents of the steps
+    that verify its trees (the draft's own times); a session with none (untraced, or its tree let go) gets none."""
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -180,9 +184,9 @@ def test_ahead_step_records_draft_spans_under_the_asking_steps_traceparent(strea
     st.begin(usual_step(2, "b", 0, 5, F))
     exporter.clear()
     parent = "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"
-    step = ahead_step(3, [("a", 5), ("b", 5)], 3, F)
-    step.sessions[0].traceparent = parent
-    st.begin(step)
+    st.begin(ahead_step(3, [("a", 5), ("b", 5)], 3, F))
+    assert not exporter.get_finished_spans()  # not yet: which step verifies these trees is not known
+    st.ahead_committed(drafter_pb2.AheadCommitted(step_id=3, rows=[2, 2], traceparents=[parent, ""]))
     (span,) = exporter.get_finished_spans()
     assert span.name == tracing.SPAN_DRAFT and span.parent.span_id == int("cd" * 8, 16)
     assert span.context.trace_id == int("ab" * 16, 16)

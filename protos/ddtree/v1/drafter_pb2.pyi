@@ -94,12 +94,14 @@ class DraftStep(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., sessions: _Optional[_Iterable[_Union[SessionDraftRequest, _Mapping]]] = ..., response_region_id: _Optional[int] = ..., ctx_features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., doorbell_value: _Optional[int] = ..., trees_in_place: _Optional[int] = ..., ahead_values: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class AheadCommitted(_message.Message):
-    __slots__ = ("step_id", "rows")
+    __slots__ = ("step_id", "rows", "traceparents")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENTS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     rows: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step_id: _Optional[int] = ..., rows: _Optional[_Iterable[int]] = ...) -> None: ...
+    traceparents: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, step_id: _Optional[int] = ..., rows: _Optional[_Iterable[int]] = ..., traceparents: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SessionDraftRequest(_message.Message):
     __slots__ = ("session_id", "ctx_start", "ctx_features", "root_token", "root_pos", "budget", "topk", "traceparent", "ctx_rows")
