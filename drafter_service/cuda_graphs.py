@@ -74,6 +74,27 @@ NEG_INF_BITS = int(torch.tensor(float("-inf"), dtype=torch.float32).view(torch.i
 MAX_GRAPHS = 64
 
 
+def ahead_draft(cache: DraftContextCache, context_kv: Callable, logq: Callable[..., torch.Tensor], vocab_size: int,
+                index: torch.Tensor, pad_index: torch.Tensor, rows: torch.Tensor, lengths: torch.Tensor,
+                values: torch.Tensor, feats: torch.Tensor, budget: int, topk: int) -> TreeBatch:
+    """The device part of `Drafter.draft_ahead` for S sessions of P candidate rows (an ahead graph's body, and the
+    eager path): index [S * P, 3] (a plan of every candidate row) and pad_index [S * P, 3], rows and lengths [S] (cache
+    row, context length before), values [3, S] (committed rows, root, root position: clamped here into 1..P, the
+    vocabulary, 0..2**31), feats [S * P, D] projected rows -> the trees. Rows past a session's count go to the pad
+    row; a padded session (cache row = the pad row) reads nothing. Device ops only, row-local per session."""
+    S = rows.shape[0]
+    P = index.shape[0] // S
+    counts = values[0].clamp(1, P)
+    roots = values[1].clamp(0, vocab_size - 1)
+    root_pos = values[2].clamp(0, (1 << 31) - 1)
+    keep = torch.arange(P, device=index.device)[None, :] < counts[:, None]
+    idx = torch.where(keep.reshape(-1, 1), index, pad_index)
+    cache.scatter(idx, context_kv(feats, idx[:, 2]))
+    ctx_len = (lengths + counts).clamp(max=cache.window)
+    ctx_len = torch.where(rows == cache.pad_row, 0, ctx_len)
+    return build_tree(logq(rows, ctx_len, roots, root_pos), roots, [budget] * S, [topk] * S)
+
+
 def pow2_buckets(limit: int) -> list[int]:
     """Padded sizes: the powers of two below limit, then limit (1, 2, 4, ..., 32, 48 for 48)."""
     if limit < 1:
@@ -342,17 +363,9 @@ class DraftGraphRunner:
     def _ahead_body(self, n: int, P: int, budget: int, topk: int) -> torch.Tensor:
         """An ahead graph: the masked append of n sessions' P rows each, then their draft and trees -> packed."""
         index, host = self._ahead_inputs(n, P)
-        vals = self.ahead_columns[:, :n]
-        counts = vals[0].clamp(1, P)
-        roots = vals[1].clamp(0, self.vocab_size - 1)
-        root_pos = vals[2].clamp(0, (1 << 31) - 1)
-        keep = torch.arange(P, device=self.device)[None, :] < counts[:, None]
-        idx = torch.where(keep.reshape(-1, 1), index, self.pad_index_device[: n * P])
-        self.cache.scatter(idx, self.context_kv(self._ahead_buffers[P][1][: n * P], idx[:, 2]))
-        ctx_len = (host[1] + counts).clamp(max=self.cache.window)
-        ctx_len = torch.where(host[0] == self.cache.pad_row, 0, ctx_len)  # padding reads nothing
-        logq = self.logq(host[0], ctx_len, roots, root_pos)
-        return build_tree(logq, roots, [budget] * n, [topk] * n).pack()
+        return ahead_draft(self.cache, self.context_kv, self.logq, self.vocab_size, index,
+                           self.pad_index_device[: n * P], host[0], host[1], self.ahead_columns[:, :n],
+                           self._ahead_buffers[P][1][: n * P], budget, topk).pack()
 
     def _append_body(self, n: int) -> None:
         """An append graph: each layer's K/V of the first n static context rows, scattered by the static index."""

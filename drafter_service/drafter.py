@@ -23,7 +23,7 @@ import torch
 
 from drafter_service.api import DraftRequest
 from drafter_service.context_cache import DraftContextCache
-from drafter_service.cuda_graphs import DraftGraphRunner
+from drafter_service.cuda_graphs import DraftGraphRunner, ahead_draft
 from drafter_service.device_copy import int64_to_device, rows_to_device
 from drafter_service.model import DFlashDrafter
 from kernels.tree_build import TreeBatch, build_tree
@@ -111,18 +111,13 @@ class Drafter:
             trees = self.graphs.ahead(plan.index, rows, cache_rows, base, values, budget, topk)
         if trees is not None:
             return trees
-        # eagerly: what the graph computes
-        V = self.cfg.vocab_size
-        counts, roots, root_pos = values[0].clamp(1, P), values[1].clamp(0, V - 1), values[2].clamp(0, (1 << 31) - 1)
-        full = int64_to_device(torch.cat((plan.index, self.cache.pad_index(S * P), torch.tensor(base)[:, None]
-                                          .expand(S, 3))), self.device)
-        index, pad, base_t = full.split([S * P, S * P, S])
-        keep = torch.arange(P, device=self.device)[None, :] < counts[:, None]
-        index = torch.where(keep.reshape(-1, 1), index, pad)
-        self.cache.scatter(index, self.model.context_kv_from(rows, index[:, 2]))
-        ctx_len = (base_t[:, 0] + counts).clamp(max=self.cache.window)
-        logq = self.logq(int64_to_device(cache_rows, self.device), ctx_len, roots, root_pos)
-        return build_tree(logq, roots, [budget] * S, [topk] * S)
+        # eagerly: what the graph computes (one upload of the host values)
+        host = torch.cat((plan.index.reshape(-1), self.cache.pad_index(S * P).reshape(-1),
+                          torch.tensor([cache_rows, base], dtype=torch.int64).reshape(-1)))
+        index, pad, cols = int64_to_device(host, self.device).split([3 * S * P, 3 * S * P, 2 * S])
+        cols = cols.view(2, S)
+        return ahead_draft(self.cache, self.model.context_kv_from, self.logq, self.cfg.vocab_size, index.view(-1, 3),
+                           pad.view(-1, 3), cols[0], cols[1], values, rows, budget, topk)
 
     def advance(self, sids: list[str], counts: list[int]) -> None:
         """The host's counts of a `draft_ahead`'s committed rows (the values it drafted from): advance the cache."""
