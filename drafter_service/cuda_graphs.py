@@ -59,12 +59,13 @@ import bisect
 import collections
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from drafter_service.api import DraftRequest
 from drafter_service.context_cache import DraftContextCache
-from drafter_service.device_copy import int64_to_device, rows_to_device
+from drafter_service.device_copy import host_to_device, int64_to_device, rows_to_device
 from kernels.graph_capture import GraphCapture, warn_once
 from kernels.tree_build import TreeBatch, build_tree, tree_size
 
@@ -93,6 +94,18 @@ def ahead_draft(cache: DraftContextCache, context_kv: Callable, logq: Callable[.
     ctx_len = (lengths + counts).clamp(max=cache.window)
     ctx_len = torch.where(rows == cache.pad_row, 0, ctx_len)
     return build_tree(logq(rows, ctx_len, roots, root_pos), roots, [budget] * S, [topk] * S)
+
+
+@dataclass(eq=False)
+class AheadStaged:
+    """An ahead step staged (`DraftGraphRunner.ahead_stage`): its graph's key ("ahead", padded sessions, P, budget,
+    top-k), its sessions S and candidate rows P each, and its host values (index, cache rows, lengths; pinned on a
+    GPU), kept to upload again should another step stage over them before this one launches."""
+
+    key: tuple
+    sessions: int
+    rows: int
+    block: torch.Tensor
 
 
 def pow2_buckets(limit: int) -> list[int]:
@@ -134,8 +147,11 @@ class DraftGraphRunner:
         self.pad_index = cache.pad_index(self.row_buckets[-1])  # host; its first k rows are pad_index(k)
         self.ctx_index = self.pad_index.to(dev, copy=True)  # static [rows, 3]: row, ring slot, position (not an alias)
         self.pad_index_device = self.pad_index.to(dev, copy=True)  # `append_device`'s padding (never written)
-        # ahead steps (`ahead`): per candidate rows P, static [rows, 3] indexes and [rows, D] rows (made on first use)
-        self._ahead_buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # ahead steps (`ahead_stage`, `ahead_launch`): per candidate rows P, the static index and columns (flat),
+        # and [rows, D] rows (made on first use), and the stage whose values sit in the index now
+        self._ahead_index: dict[int, torch.Tensor] = {}
+        self._ahead_feats: dict[int, torch.Tensor] = {}
+        self._ahead_staged: dict[int, AheadStaged] = {}
         # and the peer's per-request values: committed count, root, root position ([3, max_sessions], from the device)
         self.ahead_columns = torch.zeros(3, self.buckets[-1], dtype=torch.int64, device=dev)
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor | None]] = {}
@@ -251,29 +267,41 @@ class DraftGraphRunner:
         return TreeBatch.from_packed(packed if fresh else packed.clone(), n_nodes)
 
     @torch.no_grad()
-    def ahead(self, index: torch.Tensor, feats: torch.Tensor, rows: list[int], lengths: list[int], values: torch.Tensor,
-              budget: int, topk: int) -> TreeBatch | None:
-        """`Drafter.draft_ahead` as one graph: S sessions' P candidate context rows feats [S * P, D] (projected) with
-        their places index [S * P, 3] on the host (a plan of all P rows), each session's cache row and context length
-        before (host), and values [3, S] int64 on the device (committed rows, root, root position: clamped into
-        1..P, the vocabulary, 0..2**31 here) -> the trees (the caller's); None when not for the runner (as `run`).
-        Inside the graph: rows past a session's count go to the pad row; the context lengths, the draft and the
-        tree build follow from the device values. Padded sessions are pad rows with context length 0."""
+    def ahead_stage(self, index: torch.Tensor, rows: list[int], lengths: list[int], budget: int, topk: int
+                    ) -> AheadStaged | None:
+        """The host part of `Drafter.draft_ahead` as one graph, before its rows and values exist: S sessions' P
+        candidate rows' places index [S * P, 3] on the host (a plan of all P rows), each session's cache row and
+        context length before -> the stage (its upload into the graph's static input queued), for `ahead_launch`;
+        None when not for the runner (as `run`)."""
         S = len(rows)
-        T, P = feats.shape[0], index.shape[0] // max(S, 1)
-        n = self.bucket(S)
+        P, n = index.shape[0] // max(S, 1), self.bucket(S)
         if not self.enabled or S == 0 or n is None:
             return None
         key = ("ahead", n, P, budget, topk)
         if key in self.failed or (self.capture and key not in self.graphs and self._draft_graphs() >= self.max_graphs):
             return None
-        idx_buf, feat_buf = self._ahead_static(P, feats.shape[1], feats.dtype)
-        pad = n * P - T
+        pad = n * P - S * P
         host = torch.cat((index, self.cache.pad_index(pad))) if pad else index
         cols = [rows + [self.cache.pad_row] * (n - S), lengths + [0] * (n - S)]
-        int64_to_device(torch.cat((host.reshape(-1), torch.tensor(cols, dtype=torch.int64).reshape(-1))),
-                        self.device, out=self._ahead_upload(n, P))
-        feat_buf[:T].copy_(feats)
+        block = torch.cat((host.reshape(-1), torch.tensor(cols, dtype=torch.int64).reshape(-1)))
+        staged = AheadStaged(key, S, P, block.pin_memory() if self.device.type == "cuda" else block)
+        self._upload_ahead(staged)
+        return staged
+
+    @torch.no_grad()
+    def ahead_launch(self, staged: AheadStaged, feats: torch.Tensor, values: torch.Tensor) -> TreeBatch | None:
+        """A staged ahead step's device part: its candidate rows feats [S * P, D] (projected) and values [3, S]
+        int64 on the device (committed rows, root, root position: clamped into 1..P, the vocabulary, 0..2**31 in
+        the graph) -> the trees (the caller's); None when its graph's capture failed. Inside the graph: rows past a
+        session's count go to the pad row; the context lengths, the draft and the tree build follow from the device
+        values. Padded sessions are pad rows with context length 0. A step staged since over the same static
+        input (another stream's, while this one's caller waited without the model) is uploaded again first."""
+        key, S, P = staged.key, staged.sessions, staged.rows
+        n, budget, topk = key[1], key[3], key[4]
+        if self._ahead_staged.get(P) is not staged:
+            self._upload_ahead(staged)
+        feat_buf = self._ahead_rows(P, feats.shape[1], feats.dtype)
+        feat_buf[: S * P].copy_(feats)
         # padding's values are whatever an earlier step left: clamped, and its rows and reads go to the pad row
         self.ahead_columns[:, :S].copy_(values)
         if not self.capture:
@@ -337,25 +365,27 @@ class DraftGraphRunner:
         n = inputs.shape[1]
         return build_tree(logq, roots, [budget] * n, [topk] * n).pack()
 
-    def _ahead_static(self, P: int, width: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """The static index [max_sessions * P, 3] and rows [max_sessions * P, width] of ahead steps of P rows."""
-        bufs = self._ahead_buffers.get(P)
-        if bufs is None or bufs[1].shape[1] != width or bufs[1].dtype != dtype:
-            rows = self.buckets[-1] * P
-            # index, then the per-request host columns (cache row, length), one block: one upload per step
-            flat = torch.zeros(rows * 3 + 2 * self.buckets[-1], dtype=torch.int64, device=self.device)
-            bufs = (flat, torch.zeros(rows, width, dtype=dtype, device=self.device))
-            self._ahead_buffers[P] = bufs
-        return bufs
+    def _upload_ahead(self, staged: AheadStaged) -> None:
+        """A stage's host values into the static input of ahead steps of its P rows: index, cache rows, lengths."""
+        n, P = staged.key[1], staged.rows
+        flat = self._ahead_index.get(P)
+        if flat is None:  # index [max_sessions * P, 3], then the per-request columns (cache row, length): one upload
+            flat = torch.zeros(self.buckets[-1] * (P * 3 + 2), dtype=torch.int64, device=self.device)
+            self._ahead_index[P] = flat
+        host_to_device(staged.block, self.device, out=flat[: n * P * 3 + 2 * n])
+        self._ahead_staged[P] = staged
 
-    def _ahead_upload(self, n: int, P: int) -> torch.Tensor:
-        """Where a step of n (padded) sessions of P rows uploads its host values: the index, cache rows, lengths."""
-        flat = self._ahead_buffers[P][0]
-        return flat[: n * P * 3 + 2 * n]
+    def _ahead_rows(self, P: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+        """The static rows [max_sessions * P, width] of ahead steps of P rows."""
+        rows = self._ahead_feats.get(P)
+        if rows is None or rows.shape[1] != width or rows.dtype != dtype:
+            rows = torch.zeros(self.buckets[-1] * P, width, dtype=dtype, device=self.device)
+            self._ahead_feats[P] = rows
+        return rows
 
     def _ahead_inputs(self, n: int, P: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(the static index [n * P, 3], the host columns [2, n]: cache row, context length before)."""
-        flat = self._ahead_buffers[P][0]
+        flat = self._ahead_index[P]
         index = flat[: n * P * 3].view(n * P, 3)
         host = flat[n * P * 3 : n * P * 3 + 2 * n].view(2, n)
         return index, host
@@ -365,7 +395,7 @@ class DraftGraphRunner:
         index, host = self._ahead_inputs(n, P)
         return ahead_draft(self.cache, self.context_kv, self.logq, self.vocab_size, index,
                            self.pad_index_device[: n * P], host[0], host[1], self.ahead_columns[:, :n],
-                           self._ahead_buffers[P][1][: n * P], budget, topk).pack()
+                           self._ahead_feats[P][: n * P], budget, topk).pack()
 
     def _append_body(self, n: int) -> None:
         """An append graph: each layer's K/V of the first n static context rows, scattered by the static index."""

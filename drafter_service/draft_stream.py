@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -25,7 +26,7 @@ import torch
 from opentelemetry import trace
 
 from drafter_service.api import DraftRequest
-from drafter_service.drafter import Drafter
+from drafter_service.drafter import AheadStage, Drafter
 from kernels.tree_build import TreeBatch
 from protos.codec import WireError, draft_request_from_pb, tensor_from_pb, trees_in_place, trees_to_pb
 from protos.ddtree.v1 import drafter_pb2
@@ -86,6 +87,36 @@ def _host_copy(trees: TreeBatch) -> tuple[TreeBatch, torch.cuda.Event]:
 
 
 @dataclass
+class AheadStep:
+    """An ahead step staged (`DraftStream.stage`): the sessions with a tree and their places in the step, the
+    refusals, the drafted sessions' context starts, the step's rows [S, P, F] and values [3, S] (views of the request
+    region, not read yet), and the drafter's stage (None: no session drafts)."""
+
+    step: drafter_pb2.DraftStep
+    ids: list[str]
+    at: list[int]
+    errors: list[drafter_pb2.SessionError]
+    starts: list[int]
+    feats: torch.Tensor
+    values: torch.Tensor
+    stage: AheadStage | None = None
+
+
+@dataclass
+class StagedStep:
+    """A step whose host part is done (`DraftStream.stage`), for `DraftStream.launch`: its start (perf_counter), the
+    response region, doorbell and in-place width it asked for, and its ahead part (None: a usual step, which does
+    all its work in `launch`)."""
+
+    step: drafter_pb2.DraftStep
+    t_start: float
+    region: SharedRegion | None
+    bell: tuple[Doorbell, int] | None
+    width: int
+    ahead: AheadStep | None
+
+
+@dataclass
 class AheadPending:
     """An ahead step drafted, until its AheadCommitted: its sessions in the step's order (those refused too, whose
     counts are ignored), where their rows start, the rows each, and for the span of each drafted session its tree's
@@ -124,6 +155,7 @@ class DraftStream:
     projected: bool = False  # OpenStream.context_projection taken: context rows arrive projected, not as taps
     draft_ahead: bool = False  # announced DrafterInfo.draft_ahead: takes DraftStep.ahead_values
     ahead: AheadPending | None = None  # the last ahead step, until its AheadCommitted
+    closed: bool = False  # `close` ran: its regions are gone (a step that waited without the model must not launch)
 
     def key(self, sid: str) -> str:
         return f"{self.number}/{sid}"
@@ -138,6 +170,7 @@ class DraftStream:
             self.forget(sid)
 
     def close(self) -> None:
+        self.closed = True
         for sid in list(self.sessions):
             self.forget(sid)
         if self.doorbell is not None:
@@ -273,12 +306,18 @@ class DraftStream:
         if self.ahead is not None:
             raise ProtocolError(f"{what} before the AheadCommitted of step {self.ahead.step_id} (taken ahead)")
 
-    def await_request(self, step: drafter_pb2.DraftStep) -> None:
-        """With IPC events: poll until the verifier's writes into the request region are done (outside the
-        model lock: a dead verifier's event must not stall the other streams); ProtocolError if it never is."""
-        if self.request_event is not None and not self.request_event.wait_host(EVENT_TIMEOUT_S):
-            raise ProtocolError(f"step {step.step_id}: the verifier's request event did not complete within "
-                                f"{EVENT_TIMEOUT_S:.0f} s (has the verifier died?)")
+    def await_request(self, step: drafter_pb2.DraftStep, abort: Callable[[], bool] | None = None) -> bool:
+        """With IPC events: poll until the verifier's writes into the request region are done -> True, or False
+        once `abort()` says so first; ProtocolError if they never are. A server polls without the model lock, or
+        with it and an `abort` that lets it go when another stream wants the model: a dead verifier's event must not
+        stall the other streams."""
+        e = self.request_event
+        if e is None or e.wait_host(EVENT_TIMEOUT_S, abort):
+            return True
+        if abort is not None and abort():
+            return False
+        raise ProtocolError(f"step {step.step_id}: the verifier's request event did not complete within "
+                            f"{EVENT_TIMEOUT_S:.0f} s (has the verifier died?)")
 
     def _step_rows(self, step: drafter_pb2.DraftStep) -> tuple[torch.Tensor, ...] | None:
         """DraftStep.ctx_features split into the sessions' rows (views, one op), None when the sessions carry
@@ -304,7 +343,15 @@ class DraftStream:
     def begin(self, step: drafter_pb2.DraftStep) -> StepWork:
         """The model part of `step`: checks, the batched draft and the stream's bookkeeping, queued on the GPU.
         Trees that will travel as bytes start their one device-to-host copy here (pinned, not waited for), so
-        the caller may wait for it elsewhere (`StepWork.ready`) and run `finish` without the model."""
+        the caller may wait for it elsewhere (`StepWork.ready`) and run `finish` without the model.
+        `stage`, then `launch`."""
+        return self.launch(self.stage(step))
+
+    def stage(self, step: drafter_pb2.DraftStep) -> StagedStep:
+        """The host part of `step` that reads nothing the verifier writes for it into the request region: the
+        step's own checks, and for an ahead step everything up to the device work on its rows and values (each
+        session's checks, the drafter's plan and its upload), so a server may run it before the verifier's
+        request event has completed. The rest: `launch`, with the model still this stream's."""
         if self.step_trace is not None:
             self.step_trace.tick()
         t_start = time.perf_counter()
@@ -316,9 +363,20 @@ class DraftStream:
         bell = self._bell(step, region)
         width = self._in_place_width(step, region)
         self._no_ahead_pending(f"step {step.step_id}")
-        if step.HasField("ahead_values"):
-            ids, at, errors, trees = self._begin_ahead(step)
-            return self._work(step, ids, at, errors, trees, t_start, region, bell, width)
+        ahead = self._stage_ahead(step) if step.HasField("ahead_values") else None
+        return StagedStep(step, t_start, region, bell, width, ahead)
+
+    @torch.no_grad()
+    def launch(self, s: StagedStep) -> StepWork:
+        """A staged step's draft, queued on the GPU (the verifier's writes into the request region have landed)."""
+        if self.closed:
+            raise ProtocolError(f"step {s.step.step_id}: the stream closed while the step waited for the model")
+        ids, at, errors, trees = self._launch_ahead(s.ahead) if s.ahead is not None else self._draft(s.step)
+        return self._work(s.step, ids, at, errors, trees, s.t_start, s.region, s.bell, s.width)
+
+    def _draft(self, step: drafter_pb2.DraftStep) -> tuple[list[str], list[int], list, TreeBatch | None]:
+        """A usual step's checks and draft -> (the sessions with a tree, their places in the step, the refusals, the
+        trees)."""
         reqs, ids, errors, seen, at = [], [], [], set(), []
         rows = self._step_rows(step)
         for i, m in enumerate(step.sessions):
@@ -327,26 +385,28 @@ class DraftStream:
                 ids.append(m.session_id)
                 at.append(i)
             except SessionFault as f:
-                errors.append(drafter_pb2.SessionError(session_id=m.session_id, code=f.code.value[0],
-                                                       message=f.message))
-                if m.session_id not in ids:
-                    self.forget(m.session_id)
-        trees = None
+                errors.append(self._refused(m.session_id, f, ids))
         host_timeline.mark("draft_rows")
-        if reqs:
-            t0, p0 = time.time_ns(), time.perf_counter()
-            try:
-                trees = self.drafter.draft(reqs)
-            except Exception as e:  # noqa: BLE001 - a model failure fails this step's sessions, not the server
-                errors += self._draft_failed(step.step_id, ids, e)
-                ids, at = [], []
-            else:
-                for sid, r in zip(ids, reqs):
-                    self.sessions[sid] = r.root_pos  # the root's tap arrives next
-                self.metrics.draft_seconds.observe(time.perf_counter() - p0)
-                if self.tracer is not None:
-                    self._spans(ids, reqs, trees, t0, time.time_ns())
-        return self._work(step, ids, at, errors, trees, t_start, region, bell, width)
+        if not reqs:
+            return ids, at, errors, None
+        t0, p0 = time.time_ns(), time.perf_counter()
+        try:
+            trees = self.drafter.draft(reqs)
+        except Exception as e:  # noqa: BLE001 - a model failure fails this step's sessions, not the server
+            return [], [], errors + self._draft_failed(step.step_id, ids, e), None
+        for sid, r in zip(ids, reqs):
+            self.sessions[sid] = r.root_pos  # the root's tap arrives next
+        self.metrics.draft_seconds.observe(time.perf_counter() - p0)
+        if self.tracer is not None:
+            self._spans(ids, reqs, trees, t0, time.time_ns())
+        return ids, at, errors, trees
+
+    def _refused(self, sid: str, f: SessionFault, ids: list[str]) -> drafter_pb2.SessionError:
+        """A session's request refused -> its error; its context is dropped (unless the session also has a tree in
+        this step: the step named it twice)."""
+        if sid not in ids:
+            self.forget(sid)
+        return drafter_pb2.SessionError(session_id=sid, code=f.code.value[0], message=f.message)
 
     def _work(self, step: drafter_pb2.DraftStep, ids: list[str], at: list[int], errors: list, trees: TreeBatch | None,
               t_start: float, region: SharedRegion | None, bell: tuple[Doorbell, int] | None, width: int) -> StepWork:
@@ -361,10 +421,9 @@ class DraftStream:
         in_place = (width, len(step.sessions), at) if width else None
         return StepWork(step.step_id, ids, trees, errors, t_start, region, bell, copied, in_place)
 
-    def _begin_ahead(self, step: drafter_pb2.DraftStep) -> tuple[list[str], list[int], list, TreeBatch | None]:
-        """An ahead step's checks and draft (`Drafter.draft_ahead`: the counts, roots and positions stay on the GPU,
-        clamped to their ranges so that no value from the peer can fault a kernel) -> (the sessions with a tree, their
-        places in the step, the refusals, the trees)."""
+    def _stage_ahead(self, step: drafter_pb2.DraftStep) -> AheadStep:
+        """An ahead step's checks and the drafter's stage (`Drafter.stage_ahead`; the counts, roots and positions
+        stay on the GPU, clamped to their ranges there so that no value from the peer can fault a kernel)."""
         if not self.draft_ahead:
             raise ProtocolError(f"step {step.step_id}: ahead_values on a stream that does not take them")
         S = len(step.sessions)
@@ -396,35 +455,45 @@ class DraftStream:
                                        f"{self.sessions.get(sid)}), got rows from {m.ctx_start}")
                 self._check_rows(sid, m.ctx_start, rows[i])
             except SessionFault as f:
-                errors.append(drafter_pb2.SessionError(session_id=m.session_id, code=f.code.value[0],
-                                                       message=f.message))
-                if m.session_id not in ids:
-                    self.forget(m.session_id)
+                errors.append(self._refused(m.session_id, f, ids))
                 continue
             ids.append(sid)
             at.append(i)
             starts.append(m.ctx_start)
         host_timeline.mark("draft_rows")
-        if not ids:
-            return ids, at, errors, None
         # the step's one tensor of rows, as sent (`_step_rows` checked it; a cached view, no copy)
         feats = tensor_from_pb(step.ctx_features, "", self.regions, copy=False, views=self.views).view(S, P, -1)
-        if len(ids) < S:  # the sessions refused: out
+        a = AheadStep(step, ids, at, errors, starts, feats, values)
+        if ids:
+            m0 = step.sessions[at[0]]
+            try:
+                a.stage = self.drafter.stage_ahead([self.key(sid) for sid in ids], starts, P, m0.budget, m0.topk)
+            except Exception as e:  # noqa: BLE001 - a model failure fails this step's sessions, not the server
+                a.ids, a.at, a.errors = [], [], errors + self._draft_failed(step.step_id, ids, e)
+        return a
+
+    def _launch_ahead(self, a: AheadStep) -> tuple[list[str], list[int], list, TreeBatch | None]:
+        """A staged ahead step's draft -> (the sessions with a tree, their places in the step, the refusals, the
+        trees)."""
+        step, ids, at = a.step, a.ids, a.at
+        if a.stage is None:  # no session drafts
+            return ids, at, a.errors, None
+        feats, values = a.feats, a.values
+        if len(ids) < len(step.sessions):  # the sessions refused: out
             sel = torch.tensor(at, device=values.device)
             feats, values = feats.index_select(0, sel), values.index_select(1, sel)
         m0 = step.sessions[at[0]]
         t0, p0 = time.time_ns(), time.perf_counter()
         try:  # the values are clamped into their ranges there
-            trees = self.drafter.draft_ahead([self.key(sid) for sid in ids], starts, feats, values, m0.budget,
-                                             m0.topk, self.projected)
+            trees = a.stage.draft(feats, values, self.projected)
         except Exception as e:  # noqa: BLE001 - a model failure fails this step's sessions, not the server
-            return [], [], errors + self._draft_failed(step.step_id, ids, e), None
+            return [], [], a.errors + self._draft_failed(step.step_id, ids, e), None
         self.metrics.draft_seconds.observe(time.perf_counter() - p0)
         # the spans wait for AheadCommitted: it names the steps that verify these trees
         self.ahead = AheadPending(step.step_id, [m.session_id for m in step.sessions],
-                                  [m.ctx_start for m in step.sessions], P, dict(zip(ids, trees.n_nodes)), m0.budget,
-                                  t0, time.time_ns())
-        return ids, at, errors, trees
+                                  [m.ctx_start for m in step.sessions], feats.shape[1], dict(zip(ids, trees.n_nodes)),
+                                  m0.budget, t0, time.time_ns())
+        return ids, at, a.errors, trees
 
     def _draft_failed(self, step_id: int, ids: list[str], e: Exception) -> list[drafter_pb2.SessionError]:
         """The model failed on a step: logged, its sessions forgotten -> an INTERNAL error for each."""

@@ -18,17 +18,54 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from dataclasses import dataclass
 
 import torch
 
 from drafter_service.api import DraftRequest
 from drafter_service.context_cache import DraftContextCache
-from drafter_service.cuda_graphs import DraftGraphRunner, ahead_draft
+from drafter_service.cuda_graphs import AheadStaged, DraftGraphRunner, ahead_draft
 from drafter_service.device_copy import int64_to_device, rows_to_device
 from drafter_service.model import DFlashDrafter
 from kernels.tree_build import TreeBatch, build_tree
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class AheadStage:
+    """A `Drafter.stage_ahead`: the plan of S sessions' P candidate rows each (index [S * P, 3]), their cache rows
+    and context lengths before, the step's budget and top-k, and its graph's stage (None: eagerly)."""
+
+    drafter: Drafter
+    index: torch.Tensor
+    rows: list[int]
+    lengths: list[int]
+    budget: int
+    topk: int
+    graph: AheadStaged | None
+
+    @torch.no_grad()
+    def draft(self, feats: torch.Tensor, values: torch.Tensor, projected: bool = False) -> TreeBatch:
+        """The device part (`Drafter.draft_ahead`): the candidate rows feats [S, P, F] and values [3, S] -> trees."""
+        d, S = self.drafter, len(self.rows)
+        if tuple(feats.shape[:2]) != (S, self.index.shape[0] // max(S, 1)):
+            raise ValueError(f"draft_ahead: rows {list(feats.shape)} for a stage of {S} sessions x "
+                             f"{self.index.shape[0] // max(S, 1)} rows")
+        rows = feats.reshape(-1, feats.shape[-1]).to(d.dtype)
+        if not projected:
+            rows = d.model.project(rows)
+        if self.graph is not None:
+            trees = d.graphs.ahead_launch(self.graph, rows, values)
+            if trees is not None:
+                return trees
+        # eagerly: what the graph computes (one upload of the host values)
+        host = torch.cat((self.index.reshape(-1), d.cache.pad_index(rows.shape[0]).reshape(-1),
+                          torch.tensor([self.rows, self.lengths], dtype=torch.int64).reshape(-1)))
+        index, pad, cols = int64_to_device(host, d.device).split([3 * rows.shape[0], 3 * rows.shape[0], 2 * S])
+        cols = cols.view(2, S)
+        return ahead_draft(d.cache, d.model.context_kv_from, d.logq, d.cfg.vocab_size, index.view(-1, 3),
+                           pad.view(-1, 3), cols[0], cols[1], values, rows, self.budget, self.topk)
 
 
 class Drafter:
@@ -93,31 +130,27 @@ class Drafter:
         session sids[i] gets the first counts[i] of its candidate rows feats[i] ([S, P, F] taps, or projected rows
         with `projected`) at positions starts[i].., the other rows go to the pad row; then one tree per session at
         (budget, topk) from roots[i] at root_pos[i]. values: [3, S] int64 on the device, (counts, roots, root_pos),
-        clamped here into 1..P, the vocabulary and 0..2**31 (a peer's values never index out of range). Device work
-        and host-known values only, so the host never waits; one graph with CUDA graphs (`DraftGraphRunner.ahead`).
+        clamped into 1..P, the vocabulary and 0..2**31 (a peer's values never index out of range). Device work
+        and host-known values only, so the host never waits; one graph with CUDA graphs (`DraftGraphRunner`).
         The cache's counts stay where they were until `advance(sids, counts)` gives the same counts from the host
-        (the caller reads them later)."""
-        S, P = feats.shape[:2]
+        (the caller reads them later). `stage_ahead`, then its `draft`."""
+        return self.stage_ahead(sids, starts, feats.shape[1], budget, topk).draft(feats, values, projected)
+
+    @torch.no_grad()
+    def stage_ahead(self, sids: list[str], starts: list[int], P: int, budget: int, topk: int) -> AheadStage:
+        """`draft_ahead`'s host part, which needs neither the rows nor the values (a drafter serving another process
+        runs it before that process's writes have landed): the places of every session's P candidate rows, as if all
+        were committed, with the cache rows and lengths, uploaded into the ahead graph's static input. These sessions'
+        cache entries must not change before its `draft` (other sessions' steps may run in between)."""
         if P > self.cache.window:
             raise ValueError(f"draft_ahead: {P} candidate rows per session exceed the draft window {self.cache.window}")
-        plan = self.cache.plan(sids, starts, [P] * S)  # every candidate row's place, as if all were committed
+        plan = self.cache.plan(sids, starts, [P] * len(sids))
         base = [self.cache.length(s) for s in sids]
         cache_rows = [self.cache.row(s) for s in sids]
-        rows = feats.reshape(S * P, feats.shape[-1]).to(self.dtype)
-        if not projected:
-            rows = self.model.project(rows)
-        trees = None
+        graph = None
         if self.graphs is not None:
-            trees = self.graphs.ahead(plan.index, rows, cache_rows, base, values, budget, topk)
-        if trees is not None:
-            return trees
-        # eagerly: what the graph computes (one upload of the host values)
-        host = torch.cat((plan.index.reshape(-1), self.cache.pad_index(S * P).reshape(-1),
-                          torch.tensor([cache_rows, base], dtype=torch.int64).reshape(-1)))
-        index, pad, cols = int64_to_device(host, self.device).split([3 * S * P, 3 * S * P, 2 * S])
-        cols = cols.view(2, S)
-        return ahead_draft(self.cache, self.model.context_kv_from, self.logq, self.cfg.vocab_size, index.view(-1, 3),
-                           pad.view(-1, 3), cols[0], cols[1], values, rows, budget, topk)
+            graph = self.graphs.ahead_stage(plan.index, cache_rows, base, budget, topk)
+        return AheadStage(self, plan.index, cache_rows, base, budget, topk, graph)
 
     def advance(self, sids: list[str], counts: list[int]) -> None:
         """The host's counts of a `draft_ahead`'s committed rows (the values it drafted from): advance the cache."""

@@ -39,8 +39,9 @@ from opentelemetry import trace
 
 from drafter_service.api import DraftRequest
 from drafter_service.context_projection import ContextProjection
-from drafter_service.draft_stream import DraftStream, ProtocolError, StepWork
+from drafter_service.draft_stream import DraftStream, ProtocolError, StagedStep, StepWork
 from drafter_service.drafter import Drafter
+from drafter_service.model_lock import ModelLock
 from protos.control_socket import ControlClosed, ControlSocket
 from protos.ddtree.v1 import drafter_pb2, drafter_pb2_grpc
 from protos.doorbell import Doorbell, supported
@@ -102,7 +103,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="drafter-model")  # gRPC messages' model work, in order
         # all model work holds this lock: the pool's thread and the control-socket threads (which run their
         # stream's messages themselves: no hand-off to another thread and back on each step)
-        self._model_lock = threading.Lock()
+        self._model_lock = ModelLock()
         self._closed = False
         self._streams: dict[int, DraftStream] = {}
         self._streams_lock = threading.Lock()  # opened on the event loop, closed on the model thread
@@ -250,13 +251,8 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         """One mid-stream message, under the model lock -> the answer to send (steps only)."""
         kind = req.WhichOneof("kind")
         if kind == "step":
-            st.await_request(req.step)
+            return self._step(st, req.step)
         with self._model_lock, torch.no_grad():
-            if kind == "step":
-                host_timeline.mark("draft_begin")
-                work = st.begin(req.step)
-                host_timeline.mark("draft_queued")
-                return _trees_answer(st, work)
             if kind == "context":
                 st.context(req.context)
             elif kind == "ahead_committed":
@@ -264,6 +260,31 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
             else:
                 st.release(list(req.release.session_ids))
         return None
+
+    def _step(self, st: DraftStream, step: drafter_pb2.DraftStep) -> drafter_pb2.DraftStreamResponse:
+        """A step on the model thread or a control socket's -> its answer. With a request event, a usual step polls
+        it before taking the model. An ahead step was sent before the verifier's writes were even queued (its
+        acceptance runs on the GPU meanwhile): its host part (`DraftStream.stage`: checks, the plan and its upload)
+        runs first, then the event is polled holding the model, so the draft launches right when the rows land.
+        Should another stream want the model meanwhile, the poll lets it go and waits without it (the launch then
+        uploads the plan again if that stream's step staged over it)."""
+        early = st.request_event is not None and step.HasField("ahead_values")
+        if not early:
+            st.await_request(step)
+        with self._model_lock, torch.no_grad():
+            host_timeline.mark("draft_begin")
+            staged = st.stage(step)
+            if not early or st.await_request(step, abort=self._model_lock.contended):
+                return self._launch(st, staged)
+        st.await_request(step)
+        with self._model_lock, torch.no_grad():
+            return self._launch(st, staged)
+
+    @staticmethod
+    def _launch(st: DraftStream, staged: StagedStep) -> drafter_pb2.DraftStreamResponse:
+        work = st.launch(staged)
+        host_timeline.mark("draft_queued")
+        return _trees_answer(st, work)
 
     async def _serve_control(self, st: DraftStream, control: ControlSocket, context) -> Failure | None:
         """Serve the stream's messages from its control socket until either side ends; -> the error to end

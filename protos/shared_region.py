@@ -229,8 +229,11 @@ class IpcEvent:
         one verifier must not be able to wedge a drafter's GPU, nor a drafter a verifier's.
         `abort` (checked between polls) ends the wait early with False, e.g. once the peer's stream broke."""
         deadline = time.monotonic() + timeout_s
+        event = self.event  # `close` (the stream ending on another thread) may drop it meanwhile
+        if event is None:
+            return False
         try:
-            while not self.event.query():
+            while not event.query():
                 if time.monotonic() > deadline or (abort is not None and abort()):
                     return False
                 time.sleep(0)  # let the process's other threads run between polls

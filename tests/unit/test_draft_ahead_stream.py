@@ -1,5 +1,5 @@
-"""Ahead steps over a co-located Draft stream (`verifier_service.ahead_steps`, `DraftStream._begin_ahead`): CPU, shared
-memory regions, the tiny pair in fp64 with the oracle's proposals behind a real drafter service on loopback. The
+"""Ahead steps over a co-located Draft stream (`verifier_service.ahead_steps`, `DraftStream.stage` and `launch`): CPU,
+shared memory regions, the tiny pair in fp64 with the oracle's proposals behind a real drafter service on loopback. The
 output equals AR with deep acceptance while sessions finish, join and extend their turns; the drafter's checks of
 what an ahead step and its AheadCommitted carry."""
 
@@ -191,3 +191,107 @@ def test_ahead_step_records_draft_spans_under_the_verifying_steps_traceparent(st
     assert span.name == tracing.SPAN_DRAFT and span.parent.span_id == int("cd" * 8, 16)
     assert span.context.trace_id == int("ab" * 16, 16)
     assert span.attributes[tracing.GEN_AI_CONVERSATION_ID] == "a"
+
+
+# --- the ahead step staged before the verifier's writes land (DrafterService._step) ---------------------------------
+class GateEvent:
+    """The verifier's request event as the drafter sees it (`IpcEvent.wait_host`), on the CPU: complete once the test
+    opens the gate. (A CUDA IPC event needs a GPU: tests/integration/test_gpu_transport.py runs the real one.)"""
+
+    def __init__(self):
+        import threading
+
+        self.gate, self.polling = threading.Event(), threading.Event()
+
+    def wait_host(self, timeout_s, abort=None):
+        self.polling.set()
+        while not self.gate.wait(0.001):
+            if abort is not None and abort():
+                return False
+        return True
+
+    def close(self):
+        pass
+
+
+def two_streams(parts):
+    """A drafter service with two streams on one drafter (padded-eager graphs: the ahead steps share the static
+    input), each holding sessions of different lengths (a plan staged for one is wrong for the other)."""
+    from drafter_service.drafter import Drafter
+
+    model, embed, head = parts
+    service = DrafterService(max_sessions=8, window=16)
+    service.attach(Drafter(model, embed, head, max_sessions=8, window=16, cuda_graphs=True), "tiny", embed.shape[1])
+    F = len(model.cfg.target_layer_ids) * embed.shape[1]
+    one, two = (DraftStream(n, "test", {}, service.drafter, F, draft_ahead=True) for n in (1, 2))
+    torch.manual_seed(0)
+    one.begin(usual_step(1, "a", 0, 6, F))
+    two.begin(usual_step(1, "b", 0, 3, F))
+    two.begin(usual_step(2, "c", 0, 9, F))
+    return service, one, two, F
+
+
+def test_staged_ahead_step_launches_right_after_a_step_staged_over_it(parts):
+    """Stream one's ahead step is staged, then another stream's ahead step of as many rows stages over the same graph
+    input and launches, then stream one's launches: its trees and the drafter's cache equal the two steps run one
+    after the other (the launch uploads its plan again)."""
+    results = []
+    for interleave in (False, True):
+        service, one, two, F = two_streams(parts)
+        torch.manual_seed(1)
+        mine = ahead_step(3, [("a", 6)], 4, F, torch.tensor([[3], [7], [9]]))
+        theirs = ahead_step(3, [("b", 3), ("c", 9)], 4, F, torch.tensor([[4, 2], [8, 9], [7, 11]]))
+        if interleave:
+            staged = one.stage(mine)
+            other = two.begin(theirs)
+            work = one.launch(staged)
+        else:
+            work = one.begin(mine)
+            other = two.begin(theirs)
+        cache = service.drafter.cache
+        results.append((work.trees.pack(), other.trees.pack(), cache.k.clone(), cache.v.clone()))
+    for before, after in zip(*results):
+        assert torch.equal(before, after)
+
+
+def _step_into(out, service, st, step):
+    out.append(service._step(st, step))
+
+
+def test_ahead_step_polls_its_event_holding_the_model_and_lets_go_when_another_stream_waits(parts):
+    """With a request event, an ahead step is staged before its event completes and polls it holding the model;
+    another stream's step that wants the model meanwhile gets it (the poll lets go), and the ahead step, launched
+    once its event completes, answers the trees it drafts without that interruption."""
+    import threading
+
+    results = []
+    for interleave in (False, True):
+        service, one, two, F = two_streams(parts)
+        one.request_event = GateEvent()
+        torch.manual_seed(1)
+        mine = ahead_step(3, [("a", 6)], 4, F, torch.tensor([[3], [7], [9]]))
+        theirs = ahead_step(3, [("b", 3), ("c", 9)], 4, F, torch.tensor([[4, 2], [8, 9], [7, 11]]))
+        answer, others = [], []
+        worker = threading.Thread(target=_step_into, args=(answer, service, one, mine))
+        worker.start()
+        assert one.request_event.polling.wait(10)  # staged, polling
+        assert one.drafter.graphs._ahead_staged  # the plan is uploaded before the rows are there
+        if interleave:  # takes the model while the first step's event is pending
+            second = threading.Thread(target=_step_into, args=(others, service, two, theirs))
+            second.start()
+            second.join(10)
+            waited = second.is_alive()
+            one.request_event.gate.set()  # (frees both should the poll have kept the model)
+            assert not waited and worker.is_alive() and not answer
+        one.request_event.gate.set()
+        worker.join(10)
+        if not interleave:
+            _step_into(others, service, two, theirs)
+        (mine_answer,), (other,) = answer, others
+        assert not mine_answer.trees.errors and list(mine_answer.trees.session_ids) == ["a"]
+        for a in (mine_answer, other):
+            a.trees.ClearField("compute_us")  # a time
+        results.append((mine_answer.trees.SerializeToString(), other.trees.SerializeToString(),
+                        service.drafter.cache.k.clone()))
+    assert results[0][0] == results[1][0] and results[0][1] == results[1][1]
+    assert torch.equal(results[0][2], results[1][2])

@@ -112,9 +112,9 @@ def test_grpc_steps_run_on_the_event_loop_unless_the_model_is_busy(parts, served
 
     service, srv = served
     threads = []
-    begin = DraftStream.begin
-    monkeypatch.setattr(DraftStream, "begin", lambda self, step: (threads.append(threading.current_thread().name),
-                                                                  begin(self, step))[1])
+    stage = DraftStream.stage  # every step's model part starts there
+    monkeypatch.setattr(DraftStream, "stage", lambda self, step: (threads.append(threading.current_thread().name),
+                                                                  stage(self, step))[1])
     local = Drafter(*parts, max_sessions=8, window=64)
     client = client_for(srv.port, colocated=False)
     try:
@@ -126,7 +126,7 @@ def test_grpc_steps_run_on_the_event_loop_unless_the_model_is_busy(parts, served
             worker = threading.Thread(target=lambda: out.put(client.draft(second)))
             worker.start()
             time.sleep(0.3)
-            assert len(threads) == 1  # begin waits for the lock, and the loop still answers other calls
+            assert len(threads) == 1  # the step waits for the lock, and the loop still answers other calls
             assert service.info().streams == 1
         worker.join(20)
         assert_same_trees(out.get(timeout=1), local.draft(second))

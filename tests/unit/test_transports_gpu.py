@@ -148,8 +148,8 @@ def test_grpc_bytes_from_a_gpu_drafter(parts, monkeypatch, doorbell):
 
     service, local = cuda_parts(parts)
     works = []
-    begin = draft_stream.DraftStream.begin
-    monkeypatch.setattr(draft_stream.DraftStream, "begin", lambda self, step: works.append(begin(self, step))
+    launch = draft_stream.DraftStream.launch  # every step's work comes from there
+    monkeypatch.setattr(draft_stream.DraftStream, "launch", lambda self, staged: works.append(launch(self, staged))
                         or works[-1])
     srv = ServerThread(service)
     client = client_for(srv.port, colocated=False, region_device="cuda", doorbell=doorbell, check_graphs=not doorbell)
