@@ -91,8 +91,9 @@ def admit(engine, conc, budget, vocab) -> None:
 
 def timed_step(engine, block: int = 1) -> tuple[float, dict[str, list[int]]]:
     """`block` steps of one engine back to back -> (the time per step, each session's tokens of the block). On CUDA
-    the block is bracketed by torch.cuda.synchronize() and, for a drafter process drafting the next step ahead, a wait
-    for that draft: GPU work the block queued belongs to it, not to the next engine's in the round."""
+    the block is bracketed by torch.cuda.synchronize() and, for a drafter process asked for the next step's draft
+    ahead, a wait for that draft (`Engine.wait_ahead`): GPU work the block queued belongs to it, not to the next
+    engine's in the round."""
     cuda = engine.device.type == "cuda"
     if cuda:
         torch.cuda.synchronize(engine.device)
@@ -103,9 +104,7 @@ def timed_step(engine, block: int = 1) -> tuple[float, dict[str, list[int]]]:
             out.setdefault(sid, []).extend(toks)
     if cuda:
         torch.cuda.synchronize(engine.device)
-        wait = getattr(engine.drafter, "wait_ahead", None)
-        if wait is not None:
-            wait()
+        engine.wait_ahead()
     return (time.perf_counter() - t0) / block, out
 
 

@@ -17,6 +17,7 @@ dropped (a wasted draft), while its appended rows stay: they are what the host w
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -42,6 +43,7 @@ class AheadDraft:
     begin: Callable[[list[DraftRequest]], Callable[[], TreeBatch]]
     requests: list[DraftRequest] | None = None
     sent_ns: int = 0  # time.time_ns() when it was queued (a traced step's spans start there: its draft did)
+    early: bool = False  # the usual requests, sent right after the host read (`ask_early`), not device values
 
     def take(self, active: list[Session], drafting: list[int]) -> Callable[[], TreeBatch] | None:
         """The trees for the step drafting `drafting` of `active`, if this draft has them -> a function returning them
@@ -74,6 +76,30 @@ class AheadDraft:
         step's request does not overwrite what it may still read)."""
         if self.requests is not None:
             self.begin([dataclasses.replace(r, traceparent="") for r in self.requests])()  # no step verifies them
+
+
+def ask_early(drafter, requests: list[DraftRequest]) -> AheadDraft:
+    """Send the next step's requests now (`draft_begin` of a drafter in another process: its answer is waited for
+    once, whoever asks first) -> the draft for the next step to take. For a drafter that cannot draft from device
+    values (gRPC): right after the host read, so its work overlaps the rest of the host's step and the next step's
+    start, instead of waiting for them; untraced sessions only (the drafter's spans go under the request's
+    traceparent, which names the step that verifies the trees)."""
+    sent_ns = time.time_ns()
+    trees = once(drafter.draft_begin(requests))
+    return AheadDraft([r.session_id for r in requests], [(r.budget, r.topk) for r in requests], lambda _: trees,
+                      requests, sent_ns, early=True)
+
+
+def once(fn: Callable[[], TreeBatch]) -> Callable[[], TreeBatch]:
+    """fn's result on every call, computed at the first."""
+    box: list[TreeBatch] = []
+
+    def get() -> TreeBatch:
+        if not box:
+            box.append(fn())
+        return box[0]
+
+    return get
 
 
 def eligible(active: list[Session], drafting: list[int]) -> bool:

@@ -410,17 +410,22 @@ class Engine:
         values = torch.cat((res.accept_len.long()[:, None], res.bonus.long()[:, None], depth.amax(1, keepdim=True),
                             path_tokens), 1)
         ahead = trees_of is not None and self._ahead_ok(active, drafting)
+        early = not ahead and trees_of is not None and self._early_ok(active, drafting)
+        rows = None  # with `early`: the paths' context rows for the next requests, queued behind the host's read
         if ahead:
             counts, roots, root_pos = draft_ahead.emitted_counts(active, path_tokens, res.accept_len, res.bonus,
                                                                  committed)
             host, ahead = self._read_then(torch.cat((values, counts[:, None]), 1),
                                           lambda: self._queue_ahead(active, path_taps, counts, roots, root_pos))
+        elif early:
+            host, rows = self._read_then(values, lambda: self._project(path_taps))
         else:
             host = values.cpu().tolist()
         if ahead:
             self.drafter.advance([s.sid for s in active], [h[-1] for h in host])
         host_timeline.mark("verify_read")
         out: dict[str, list[int]] = {}
+        asks: list[DraftRequest] = []  # with `early`: the next step's requests, sent right after this loop
         for i, s in enumerate(active):
             a, bonus, s.tree_depth, ptoks = host[i][0], host[i][1], host[i][2], host[i][3 : 3 + path.shape[1]]
             new = ptoks[1 : a + 1] + [bonus]
@@ -428,17 +433,23 @@ class Engine:
             # a turn that ends mid-path (EOS, max_new_tokens) keeps only what it emitted: its last
             # emitted token becomes the root, so a later turn (`extend`) continues from exactly there
             k = len(emitted)
-            if not ahead:
+            if ahead:
+                if k != host[i][-1]:  # the drafter appended the device's count of rows: they must agree
+                    raise RuntimeError(f"draft ahead: session {s.sid!r} emitted {k} tokens, the device counted "
+                                       f"{host[i][-1]}")
+            elif early and not s.done:
+                asks.append(DraftRequest(s.sid, s.committed, rows[i, :k], new[k - 1], s.committed + k, s.params.budget,
+                                         s.params.topk, "", self.projection is not None))
+            else:
                 s.add_pending(s.committed, path_taps[i, :k], self.cfg.draft_window)
-            elif k != host[i][-1]:  # the drafter appended the device's count of rows: they must agree
-                raise RuntimeError(f"draft ahead: session {s.sid!r} emitted {k} tokens, the device counted "
-                                   f"{host[i][-1]}")
             s.committed += k
             s.root = new[k - 1]
             s.accepted_per_step.append(a + 1)
             s.tree_sizes.append(n[i])
             if s.done and not s.persistent:
                 self.finish(s.sid)
+        if asks:
+            self.ahead = draft_ahead.ask_early(self.drafter, asks)
         if ahead:
             self.ahead.requests = [DraftRequest(s.sid, 0, path_taps[:0, 0], s.root, s.committed, s.params.budget,
                                                 s.params.topk, s.traceparent) for s in active]
@@ -453,15 +464,37 @@ class Engine:
         return (self.cfg.draft_ahead and getattr(self.drafter, "drafts_ahead", False)
                 and draft_ahead.eligible(active, drafting))
 
+    def _early_ok(self, active: list[Session], drafting: list[int]) -> bool:
+        """Whether this step sends the next one's requests right after its host read (cfg.draft_ahead with a drafter
+        in another process that cannot draft from device values, e.g. over gRPC): every session drafts and none is
+        traced (a request carries the traceparent of the step that verifies its trees, not known yet)."""
+        return (self.cfg.draft_ahead and getattr(self.drafter, "draft_begin", None) is not None
+                and len(drafting) == len(active) and not any(s.traceparent for s in active))
+
+    def _project(self, taps: torch.Tensor) -> torch.Tensor:
+        """[S, P, F] taps -> what a request carries for them: the drafter's context rows when the engine holds its
+        projection (one GEMM), else the taps."""
+        if self.projection is None:
+            return taps
+        S, P, F = taps.shape
+        return self.projection(taps.reshape(S * P, F)).view(S, P, -1)
+
+    def wait_ahead(self) -> None:
+        """Until the draft asked ahead of the next step is done: its trees in, or (a drafter in another process
+        drafting from device values) written (for a benchmark that times each block of steps with the drafter work
+        it started)."""
+        if self.ahead is not None and self.ahead.early:
+            self.ahead.begin([])()
+        wait = getattr(self.drafter, "wait_ahead", None)
+        if wait is not None:
+            wait()
+
     def _queue_ahead(self, active: list[Session], path_taps: torch.Tensor, counts: torch.Tensor,
                      roots: torch.Tensor, root_pos: torch.Tensor) -> bool:
         """Queue the next step's draft from this step's device values (`draft_ahead`: the accepted paths' taps,
         projected here when the engine holds the projection, the device's emitted counts and roots) -> whether the
         drafter took it (one in another process may not: no stream, a session it does not know yet)."""
-        rows, projected = path_taps, self.projection is not None
-        if projected:
-            S, P, F = path_taps.shape
-            rows = self.projection(path_taps.reshape(S * P, F)).view(S, P, -1)
+        rows, projected = self._project(path_taps), self.projection is not None
         p = active[0].params
         sent_ns = time.time_ns()  # before the request leaves: a drafter in another process may start at once
         out = self.drafter.draft_ahead([s.sid for s in active], [s.committed for s in active], rows,

@@ -37,11 +37,19 @@ def oracle_service(tiny_dirs, target, reference, seed=5, p_wrong=0.3):
     return service, dmodel
 
 
-@pytest.mark.parametrize("ahead", [True, False])
-def test_colocated_draft_ahead_equals_ar(tiny_dirs, tiny_target64, ar40, ahead):
+@pytest.mark.parametrize("ahead,colocated", [(True, True), (False, True), (True, False), (False, False)],
+                         ids=["colocated-ahead", "colocated", "grpc-early", "grpc"])
+def test_colocated_draft_ahead_equals_ar(tiny_dirs, tiny_target64, ar40, ahead, colocated, monkeypatch):
     """Four sessions of different lengths, a fifth joining after two steps, the first one persistent and extended
     once it has finished: every step after the first goes ahead except where the set grew or a turn was extended,
-    nothing falls back, and the output is AR's (against the same run drafting the usual way)."""
+    nothing falls back, and the output is AR's (against the same run drafting the usual way). Co-located, the
+    drafter drafts from the device's values; over gRPC the next step's requests go right after the host read
+    (`draft_ahead.ask_early`), for the sessions that go on."""
+    from verifier_service import draft_ahead
+
+    early = []
+    ask_early = draft_ahead.ask_early
+    monkeypatch.setattr(draft_ahead, "ask_early", lambda d, reqs: early.append(len(reqs)) or ask_early(d, reqs))
     target = tiny_target64
     whole = PROMPTS[0] + ar40[0][:20] + [31, 32]
     ar_turn2 = ar_reference(target, [whole], new=10)[0]
@@ -50,7 +58,7 @@ def test_colocated_draft_ahead_equals_ar(tiny_dirs, tiny_target64, ar40, ahead):
     ref["r4"] = PROMPTS[1] + ar40[1]
     service, dmodel = oracle_service(tiny_dirs, target, ref)
     server = ServerThread(service)
-    client = client_for(server.port, colocated=True)
+    client = client_for(server.port, colocated=colocated)
     try:
         eng = Engine(target, client, dmodel.cfg.target_layer_ids,
                      EngineConfig(page_size=8, num_pages=512, max_sessions=8, draft_window=64, draft_ahead=ahead))
@@ -70,10 +78,15 @@ def test_colocated_draft_ahead_equals_ar(tiny_dirs, tiny_target64, ar40, ahead):
         assert max(a for s in sessions for a in s.accepted_per_step) >= 5
         st = client.stats
         assert st["fallback_steps"] == 0 and st["invalid_trees"] == 0 and st["reconnects"] == 0, st
-        if ahead:
+        if ahead and colocated:
             assert st["ahead_steps"] >= 8 and st["steps"] - st["ahead_steps"] >= 3, st  # first, r4 joined, r0 extended
         else:
             assert st["ahead_steps"] == 0
+        if ahead and not colocated:  # sessions that finish are not asked for: 5, 4, ... 1 going on
+            assert len(early) >= 8 and {1, 5} <= set(early), early
+            assert st["steps"] - len(early) == 3, (st, early)  # asked the usual way: first, r4 joined, r0 extended
+        else:
+            assert not early
         assert eng.ahead is None and client._ahead is None  # the last step's draft ahead was let go at once
         eng.release("r0")
     finally:
