@@ -308,3 +308,44 @@ def test_ahead_step_polls_its_event_holding_the_model_and_lets_go_when_another_s
                         service.drafter.cache.k.clone()))
     assert results[0][0] == results[1][0] and results[0][1] == results[1][1]
     assert torch.equal(results[0][2], results[1][2])
+
+
+def test_early_asks_over_grpc_give_the_drafter_the_usual_context(tiny_dirs, tiny_target64, ar40, monkeypatch):
+    """Over gRPC the next step's requests go right after the host read: the drafter (fp64, the oracle's proposals:
+    deep acceptance) then ends up holding exactly the context rows it holds when asked the usual way, and the steps
+    accept the same."""
+    from verifier_service import draft_ahead
+
+    asked = []
+    real_ask = draft_ahead.ask_early
+    monkeypatch.setattr(draft_ahead, "ask_early", lambda d, reqs: asked.append(len(reqs)) or real_ask(d, reqs))
+    ref = {f"r{i}": p + o for i, (p, o) in enumerate(zip(PROMPTS, ar40))}
+    runs = []
+    for early in (False, True):
+        service, dmodel = oracle_service(tiny_dirs, tiny_target64, ref)
+        server = ServerThread(service)
+        client = client_for(server.port, colocated=False)
+        asked.clear()
+        try:
+            eng = Engine(tiny_target64, client, dmodel.cfg.target_layer_ids,
+                         EngineConfig(page_size=8, num_pages=256, max_sessions=8, draft_window=64, draft_ahead=early))
+            sessions = [eng.add(p, DecodeParams(max_new_tokens=n, budget=8, topk=3), sid=f"r{i}", persistent=True)
+                        for i, (p, n) in enumerate(zip(PROMPTS[:3], (19, 30, 40)))]
+            eng.run_until_done()
+            cache = service.drafter.cache
+            held = {}
+            for i in range(3):
+                key = f"1/r{i}"
+                n = cache.length(key)
+                held[key] = (n, cache.k[:, cache.row(key), : min(n, cache.window)].clone())
+            runs.append(([s.output for s in sessions], [s.accepted_per_step for s in sessions], held))
+            assert max(a for s in sessions for a in s.accepted_per_step) >= 5
+            assert client.stats["fallback_steps"] == 0
+            assert (len(asked) >= 4) if early else not asked, asked
+        finally:
+            client.close()
+            server.stop()
+    (out0, acc0, held0), (out1, acc1, held1) = runs
+    assert out0 == out1 == [o[:n] for o, n in zip(ar40, (19, 30, 40))] and acc0 == acc1
+    for key, (n, k) in held0.items():
+        assert held1[key][0] == n and torch.equal(held1[key][1], k), key
