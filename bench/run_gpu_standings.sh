@@ -11,8 +11,8 @@
 # --variant FIELD=VALUE" (bench_transport.py steps a copy of the engines with it in the same rounds); by default the
 # in-process and the co-located engines run a second time asking the drafter after the host read (draft_ahead=false;
 # drafting ahead, verifier_service/draft_ahead.py and ahead_steps.py, is the default since the fortieth session), and
-# with the KV moves' torch code (commit_moves=torch; the one-launch kernel is the default since the fortieth session;
-# on an 80 GB GPU the in-process copy only). Steps run in blocks of 6 per engine and round (--block-steps: an engine
+# the gRPC engine asking the usual way too (with draft_ahead it asks right after its host read since the forty-first
+# session: `draft_ahead.ask_early`). Steps run in blocks of 6 per engine and round (--block-steps: an engine
 # drafting ahead overlaps its next draft with its host's next step, which a synchronize after every step would hide).
 # The kernels' GPU tests join the tests.
 set -o pipefail
@@ -44,13 +44,9 @@ if [ "${TRANSPORT:-1}" != 0 ]; then
   layers=${K26_LAYERS:-$(python -c "import torch
 print(5 if torch.cuda.get_device_properties(0).total_memory > 100e9 else 4)")}
   # each copy holds a KV pool (~0.75 GB), an in-process one a drafter cache (~1.6 GB at 33 sessions) and a remote one
-  # 32 more sessions of the drafter process (~1.5 GB): the H200 (5 layers) takes all of these, an 80 GB GPU (4
-  # layers, ~69 GB for the pair) two in-process copies
-  if [ "$layers" -ge 5 ]; then
-    variants="--variant draft_ahead=false@inprocess/colocated --variant commit_moves=torch@inprocess/colocated"
-  else
-    variants="--variant draft_ahead=false@inprocess/colocated --variant commit_moves=torch@inprocess"
-  fi
+  # 32 more sessions of the drafter process (~1.5 GB): one copy of each engine asking the usual way (draft_ahead=false;
+  # over gRPC that is the early ask's baseline) fits an 80 GB GPU with 4 layers (~69 GB for the pair)
+  variants="--variant draft_ahead=false@inprocess/colocated/grpc"
   OUT="$OUT" K26_LAYERS=$layers K26=1 TESTS=0 ECHO=0 \
     BENCH_ARGS="${TRANSPORT_ARGS:---transports colocated grpc --steps 12 --warmup 2 --block-steps 6 $variants}" \
     bash bench/run_gpu_transport.sh \
