@@ -12,6 +12,11 @@ host would have sent; the engine checks the counts against the host's on every s
 step if it drafts the same sessions, or some of them (others finished), in the same order at the same (budget,
 top-k) with nothing else pending (`AheadDraft.take`); otherwise (a session joined, a turn was extended) its trees are
 dropped (a wasted draft), while its appended rows stay: they are what the host would have sent anyway.
+
+A drafter in another process that cannot draft from device values (over gRPC the values would have to cross the
+wire before the host has them anyway; sessions at different budgets need more than one graph group) is asked early
+instead (`ask_early`): right after the host's read, the next step's usual requests for the sessions that go on, so
+the drafter works while the host finishes its step and starts the next; taken and dropped by the same rules.
 """
 
 from __future__ import annotations

@@ -349,3 +349,33 @@ def test_early_asks_over_grpc_give_the_drafter_the_usual_context(tiny_dirs, tiny
     assert out0 == out1 == [o[:n] for o, n in zip(ar40, (19, 30, 40))] and acc0 == acc1
     for key, (n, k) in held0.items():
         assert held1[key][0] == n and torch.equal(held1[key][1], k), key
+
+
+@pytest.mark.parametrize("colocated", [True, False], ids=["colocated", "grpc"])
+def test_mixed_budgets_ask_early(tiny_dirs, tiny_target64, ar40, colocated, monkeypatch):
+    """Sessions at different budgets cannot draft from device values (one graph group per ahead step): their next
+    requests go right after the host read instead, co-located (the request region) or over gRPC, and the output is
+    AR's."""
+    from verifier_service import draft_ahead
+
+    asked = []
+    real_ask = draft_ahead.ask_early
+    monkeypatch.setattr(draft_ahead, "ask_early", lambda d, reqs: asked.append(len(reqs)) or real_ask(d, reqs))
+    ref = {f"r{i}": p + o for i, (p, o) in enumerate(zip(PROMPTS, ar40))}
+    service, dmodel = oracle_service(tiny_dirs, tiny_target64, ref)
+    server = ServerThread(service)
+    client = client_for(server.port, colocated=colocated)
+    try:
+        eng = Engine(tiny_target64, client, dmodel.cfg.target_layer_ids,
+                     EngineConfig(page_size=8, num_pages=256, max_sessions=8, draft_window=64))
+        sessions = [eng.add(p, DecodeParams(max_new_tokens=n, budget=b, topk=3), sid=f"r{i}")
+                    for i, (p, n, b) in enumerate(zip(PROMPTS[:3], (19, 30, 40), (4, 8, 12)))]
+        eng.run_until_done()
+        assert [s.output for s in sessions] == [o[:n] for o, n in zip(ar40, (19, 30, 40))]
+        assert max(a for s in sessions for a in s.accepted_per_step) >= 5
+        st = client.stats
+        assert st["fallback_steps"] == 0 and st["ahead_steps"] == 0 and len(asked) >= 4, (st, asked)
+        assert st["steps"] == len(asked) + 1  # all but the first asked early
+    finally:
+        client.close()
+        server.stop()
