@@ -75,10 +75,11 @@ def reference(setup):
 
 
 @pytest.mark.parametrize("transport", ["colocated", "colocated_in_place", "colocated_events", "grpc",
-                                       "colocated_ahead", "colocated_in_place_ahead"])
+                                       "colocated_ahead", "colocated_in_place_ahead", "grpc_ahead"])
 def test_split_drafter_on_the_gpu_equals_in_process(setup, reference, transport):
-    """..._ahead: the engine drafts ahead (EngineConfig.draft_ahead): its steps after the first of a wave go out
-    before it has read the last one back (verifier_service.ahead_steps)."""
+    """..._ahead: the engine drafts ahead (EngineConfig.draft_ahead): co-located, its steps after the first of a wave
+    go out before it has read the last one back (verifier_service.ahead_steps); over gRPC right after it has
+    (`draft_ahead.ask_early`)."""
     import dataclasses
 
     from verifier_service.engine import Engine
