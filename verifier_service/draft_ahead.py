@@ -78,9 +78,14 @@ class AheadDraft:
 
     def drop(self) -> None:
         """Not taken: let the drafter's answer go (a drafter in another process is waited for, so that the next
-        step's request does not overwrite what it may still read)."""
-        if self.requests is not None:
-            self.begin([dataclasses.replace(r, traceparent="") for r in self.requests])()  # no step verifies them
+        step's request does not overwrite what it may still read). An early ask's trees may be queued on our GPU
+        behind a wait for its answer (gRPC's landing): the stream is synchronized, so that its answer is in before the
+        next request settles the stream's last step."""
+        if self.requests is None:
+            return
+        trees = self.begin([dataclasses.replace(r, traceparent="") for r in self.requests])()  # no step verifies them
+        if self.early and trees.tokens.device.type == "cuda":
+            torch.cuda.current_stream(trees.tokens.device).synchronize()
 
 
 def ask_early(drafter, requests: list[DraftRequest]) -> AheadDraft:

@@ -122,3 +122,38 @@ def test_split_drafter_on_the_gpu_equals_in_process(setup, reference, transport)
     # the stream ended: the drafter dropped its sessions and its mappings of the regions
     wait_until(lambda: drafter_info(setup["address"]).streams == 0, what="the drafter closed the stream")
     assert drafter_info(setup["address"]).active_sessions == 0
+
+
+@pytest.mark.parametrize("colocated", [False, True], ids=["grpc", "colocated"])
+def test_a_session_joining_drops_the_draft_asked_ahead(setup, reference, colocated):
+    """Sessions join a running batch twice: the draft asked ahead for the others (over gRPC, early, its trees landing
+    behind a wait on our GPU; co-located, from the device's values) is let go, waited for, and the stream goes on: no
+    fallback, no reconnect, and every session's output is the in-process engine's."""
+    import dataclasses
+
+    from verifier_service.engine import Engine
+    from verifier_service.transport import StreamClientConfig
+    from verifier_service.transport_stream import DraftStreamClient
+
+    client = DraftStreamClient(StreamClientConfig(setup["address"], colocated=colocated, region_device="cuda",
+                                                  draft_timeout_s=30))
+    client.start()
+    try:
+        model = client.wait_ready(timeout=60)
+        engine = Engine(setup["engine"].target, client, model.target_layer_ids,
+                        dataclasses.replace(setup["cfg"], draft_ahead=True))
+        (first, params), prompts = waves()[0], setup["prompts"]
+        sessions = [engine.add(p, params) for p in prompts[first][:2]]
+        for late in prompts[first][2:4]:
+            for _ in range(3):
+                engine.step()
+            assert engine.ahead is not None  # a draft asked ahead, which this join drops
+            sessions.append(engine.add(late, params))
+        engine.run_until_done()
+        assert [s.output for s in sessions] == reference[:4]
+        stats = client.stats
+        assert stats["fallback_steps"] == 0 and stats["reconnects"] == 0 and stats["invalid_trees"] == 0, stats
+        assert stats["ahead_steps" if colocated else "landed_steps"] > 0, stats
+    finally:
+        client.close()
+    wait_until(lambda: drafter_info(setup["address"]).streams == 0, what="the drafter closed the stream")
