@@ -145,7 +145,7 @@ def test_a_session_joining_drops_the_draft_asked_ahead(setup, reference, colocat
         (first, params), prompts = waves()[0], setup["prompts"]
         sessions = [engine.add(p, params) for p in prompts[first][:2]]
         for late in prompts[first][2:4]:
-            for _ in range(3):
+            for _ in range(2):
                 engine.step()
             assert engine.ahead is not None  # a draft asked ahead, which this join drops
             sessions.append(engine.add(late, params))
