@@ -53,20 +53,28 @@ class QueuedSteps:
 
     def _queue_landing(self, s: DraftCall, watch: DoorbellWatch, requests: list[DraftRequest], caps: list[int],
                        t_sent: float, deadline: float) -> Callable[[], TreeBatch]:
-        """Queue the step's trees behind the host doorbell (root-only until the answer lands), their check
-        behind that, and return them: the engine queues its verify step with no wait for the drafter."""
+        """A landing for the step's trees (root-only until the answer lands; the watch keeps its deadline) -> a
+        function (called once) that queues them behind the host doorbell, their check behind that, and returns them:
+        the engine queues its verify step with no wait for the drafter. Until it is called nothing waits on our GPU
+        (a step asked early, `draft_ahead.ask_early`, is taken by the next step), and this step is not yet the
+        stream's last to settle."""
         ids, roots = [r.session_id for r in requests], [r.root_token for r in requests]
         self._bell_value += 1
         landing = self._landings.prepare(s.step_id, ids, roots, caps, watch.bell, self._bell_value)
         s.land(landing)
         watch.arm(s, landing.value, deadline, landing.released)
         self.stats["landed_steps"] += 1
-        self._checker.expect(ids, roots, caps, self._device)
-        t0 = time.perf_counter()
-        trees, _ = self._checker.check(ids, landing.trees, roots, caps, fixed=True, void=landing.released,
-                                       excused=landing.excused)
-        self._landed = (s, landing, t_sent, (time.perf_counter() - t0) * 1e3)  # timed once it has landed
-        return lambda: assemble_trees(requests, ids, trees, set(ids))
+
+        def trees() -> TreeBatch:
+            self._checker.expect(ids, roots, caps, self._device)  # before the wait: nothing of it waits behind it
+            landing.queue(torch.cuda.current_stream(self._device))
+            t0 = time.perf_counter()
+            checked, _ = self._checker.check(ids, landing.trees, roots, caps, fixed=True, void=landing.released,
+                                             excused=landing.excused)
+            self._landed = (s, landing, t_sent, (time.perf_counter() - t0) * 1e3)  # timed once it has landed
+            return assemble_trees(requests, ids, checked, set(ids))
+
+        return trees
 
     def _settle(self) -> None:
         """After a landing or in-place step was read back: what its answer said (or why there was none) -> the

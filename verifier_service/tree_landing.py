@@ -58,6 +58,9 @@ class Landing:
     trees: TreeBatch  # on the engine's device: what the copy behind the wait fills
     bell: HostBell
     value: int  # what rings the bell for this step
+    pinned: torch.Tensor | None = None  # the pinned [6, R, M] block behind `host`, and the GPU block behind `trees`
+    block: torch.Tensor | None = None
+    copied: torch.cuda.Event | None = None  # recorded after the copy `queue` queues
     released: threading.Event = field(default_factory=threading.Event)  # set by the watch before it rings
     excused: set[str] = field(default_factory=set)  # rows verified without the drafter's tree
     answered: list[str] = field(default_factory=list)  # sessions that got a tree (valid or not)
@@ -92,6 +95,14 @@ class Landing:
             self.problem = reason
             self.excused.update(self.ids)
             self._ring()
+
+    def queue(self, stream: torch.cuda.Stream) -> None:
+        """On the engine's stream: the wait for this step's bell, and behind it the copy of the landed trees to the
+        GPU (`trees`). Whenever the engine takes the trees: the answer may have landed already (the wait then passes
+        at once), and nothing of the engine's queued before stands behind a wait it does not need."""
+        self.bell.wait(self.value, stream)
+        self.block.copy_(self.pinned, non_blocking=True)
+        self.copied.record(stream)
 
     def settled(self) -> bool:
         """Whether the bell has been rung by us (the watch rings it without telling: see `released`)."""
@@ -161,13 +172,10 @@ class TreeLandings:
 
     def prepare(self, step_id: int, ids: list[str], roots: list[int], caps: list[int], bell: HostBell,
                 value: int) -> Landing:
-        """Root-only trees for the step's rows, a wait for `value` on the current stream, the copy behind it."""
+        """Root-only trees for the step's rows, where the reader may land the answer from now on; the GPU part (the
+        wait for `value` and the copy behind it) is `Landing.queue`'s."""
         host, dev, copied = self._place(len(ids), max(caps))
         host_np = host.numpy()
         root_only(host_np, roots)
-        stream = torch.cuda.current_stream(self.device)
-        bell.wait(value, stream)
-        dev.copy_(host, non_blocking=True)
-        copied.record(stream)
         return Landing(step_id, list(ids), list(roots), list(caps), host_np, TreeBatch.from_packed(dev, list(caps)),
-                       bell, value)
+                       bell, value, host, dev, copied)
