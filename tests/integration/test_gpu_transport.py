@@ -128,7 +128,8 @@ def test_split_drafter_on_the_gpu_equals_in_process(setup, reference, transport)
 def test_a_session_joining_drops_the_draft_asked_ahead(setup, reference, colocated):
     """Sessions join a running batch twice: the draft asked ahead for the others (over gRPC, early, its trees landing
     behind a wait on our GPU; co-located, from the device's values) is let go, waited for, and the stream goes on: no
-    fallback, no reconnect, and every session's output is the in-process engine's."""
+    fallback, no reconnect, and every session's output is the in-process engine's. The drafter's errors are read
+    after every step, as the scheduler does, while an early ask is on its way."""
     import dataclasses
 
     from verifier_service.engine import Engine
@@ -144,12 +145,18 @@ def test_a_session_joining_drops_the_draft_asked_ahead(setup, reference, colocat
                         dataclasses.replace(setup["cfg"], draft_ahead=True))
         (first, params), prompts = waves()[0], setup["prompts"]
         sessions = [engine.add(p, params) for p in prompts[first][:2]]
+
+        def step():  # as the verifier's scheduler steps: the drafter's errors read after each step
+            engine.step()
+            assert client.take_errors() == {}
+
         for late in prompts[first][2:4]:
             for _ in range(2):
-                engine.step()
+                step()
             assert engine.ahead is not None  # a draft asked ahead, which this join drops
             sessions.append(engine.add(late, params))
-        engine.run_until_done()
+        while any(not s.done for s in sessions):
+            step()
         assert [s.output for s in sessions] == reference[:4]
         stats = client.stats
         assert stats["fallback_steps"] == 0 and stats["reconnects"] == 0 and stats["invalid_trees"] == 0, stats
