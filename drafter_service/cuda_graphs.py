@@ -100,7 +100,7 @@ def ahead_draft(cache: DraftContextCache, context_kv: Callable, logq: Callable[.
 class AheadStaged:
     """An ahead step staged (`DraftGraphRunner.ahead_stage`): its graph's key ("ahead", padded sessions, P, budget,
     top-k), its sessions S and candidate rows P each, and its host values (index, cache rows, lengths; pinned on a
-    GPU), kept to upload again should another step stage over them before this one launches."""
+    GPU), uploaded at its launch."""
 
     key: tuple
     sessions: int
@@ -148,10 +148,9 @@ class DraftGraphRunner:
         self.ctx_index = self.pad_index.to(dev, copy=True)  # static [rows, 3]: row, ring slot, position (not an alias)
         self.pad_index_device = self.pad_index.to(dev, copy=True)  # `append_device`'s padding (never written)
         # ahead steps (`ahead_stage`, `ahead_launch`): per candidate rows P, the static index and columns (flat),
-        # and [rows, D] rows (made on first use), and the stage whose values sit in the index now
+        # and [rows, D] rows (made on first use)
         self._ahead_index: dict[int, torch.Tensor] = {}
         self._ahead_feats: dict[int, torch.Tensor] = {}
-        self._ahead_staged: dict[int, AheadStaged] = {}
         # and the peer's per-request values: committed count, root, root position ([3, max_sessions], from the device)
         self.ahead_columns = torch.zeros(3, self.buckets[-1], dtype=torch.int64, device=dev)
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor | None]] = {}
@@ -271,8 +270,8 @@ class DraftGraphRunner:
                     ) -> AheadStaged | None:
         """The host part of `Drafter.draft_ahead` as one graph, before its rows and values exist: S sessions' P
         candidate rows' places index [S * P, 3] on the host (a plan of all P rows), each session's cache row and
-        context length before -> the stage (its upload into the graph's static input queued), for `ahead_launch`;
-        None when not for the runner (as `run`)."""
+        context length before -> the stage (its host values in one pinned block), for `ahead_launch`; None when not
+        for the runner (as `run`). No GPU work."""
         S = len(rows)
         P, n = index.shape[0] // max(S, 1), self.bucket(S)
         if not self.enabled or S == 0 or n is None:
@@ -284,9 +283,9 @@ class DraftGraphRunner:
         host = torch.cat((index, self.cache.pad_index(pad))) if pad else index
         cols = [rows + [self.cache.pad_row] * (n - S), lengths + [0] * (n - S)]
         block = torch.cat((host.reshape(-1), torch.tensor(cols, dtype=torch.int64).reshape(-1)))
-        staged = AheadStaged(key, S, P, block.pin_memory() if self.device.type == "cuda" else block)
-        self._upload_ahead(staged)
-        return staged
+        # uploaded at the launch: a copy queued now would be GPU work of this process's while the peer's GPU still
+        # computes the values, and the GPU would switch contexts for it mid-step
+        return AheadStaged(key, S, P, block.pin_memory() if self.device.type == "cuda" else block)
 
     @torch.no_grad()
     def ahead_launch(self, staged: AheadStaged, feats: torch.Tensor, values: torch.Tensor) -> TreeBatch | None:
@@ -294,12 +293,10 @@ class DraftGraphRunner:
         int64 on the device (committed rows, root, root position: clamped into 1..P, the vocabulary, 0..2**31 in
         the graph) -> the trees (the caller's); None when its graph's capture failed. Inside the graph: rows past a
         session's count go to the pad row; the context lengths, the draft and the tree build follow from the device
-        values. Padded sessions are pad rows with context length 0. A step staged since over the same static
-        input (another stream's, while this one's caller waited without the model) is uploaded again first."""
+        values. Padded sessions are pad rows with context length 0. The stage's host values go up first (one copy)."""
         key, S, P = staged.key, staged.sessions, staged.rows
         n, budget, topk = key[1], key[3], key[4]
-        if self._ahead_staged.get(P) is not staged:
-            self._upload_ahead(staged)
+        self._upload_ahead(staged)
         feat_buf = self._ahead_rows(P, feats.shape[1], feats.dtype)
         feat_buf[: S * P].copy_(feats)
         # padding's values are whatever an earlier step left: clamped, and its rows and reads go to the pad row
@@ -373,7 +370,6 @@ class DraftGraphRunner:
             flat = torch.zeros(self.buckets[-1] * (P * 3 + 2), dtype=torch.int64, device=self.device)
             self._ahead_index[P] = flat
         host_to_device(staged.block, self.device, out=flat[: n * P * 3 + 2 * n])
-        self._ahead_staged[P] = staged
 
     def _ahead_rows(self, P: int, width: int, dtype: torch.dtype) -> torch.Tensor:
         """The static rows [max_sessions * P, width] of ahead steps of P rows."""

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -104,12 +103,12 @@ class AheadStep:
 
 @dataclass
 class StagedStep:
-    """A step whose host part is done (`DraftStream.stage`), for `DraftStream.launch`: its start (perf_counter), the
+    """A step whose host part is done (`DraftStream.stage`), for `DraftStream.launch`: how long that part took, the
     response region, doorbell and in-place width it asked for, and its ahead part (None: a usual step, which does
     all its work in `launch`)."""
 
     step: drafter_pb2.DraftStep
-    t_start: float
+    stage_s: float
     region: SharedRegion | None
     bell: tuple[Doorbell, int] | None
     width: int
@@ -155,7 +154,7 @@ class DraftStream:
     projected: bool = False  # OpenStream.context_projection taken: context rows arrive projected, not as taps
     draft_ahead: bool = False  # announced DrafterInfo.draft_ahead: takes DraftStep.ahead_values
     ahead: AheadPending | None = None  # the last ahead step, until its AheadCommitted
-    closed: bool = False  # `close` ran: its regions are gone (a step that waited without the model must not launch)
+    closed: bool = False  # `close` ran: its regions are gone (a step that was waiting must not launch)
 
     def key(self, sid: str) -> str:
         return f"{self.number}/{sid}"
@@ -306,18 +305,12 @@ class DraftStream:
         if self.ahead is not None:
             raise ProtocolError(f"{what} before the AheadCommitted of step {self.ahead.step_id} (taken ahead)")
 
-    def await_request(self, step: drafter_pb2.DraftStep, abort: Callable[[], bool] | None = None) -> bool:
-        """With IPC events: poll until the verifier's writes into the request region are done -> True, or False
-        once `abort()` says so first; ProtocolError if they never are. A server polls without the model lock, or
-        with it and an `abort` that lets it go when another stream wants the model: a dead verifier's event must not
-        stall the other streams."""
-        e = self.request_event
-        if e is None or e.wait_host(EVENT_TIMEOUT_S, abort):
-            return True
-        if abort is not None and abort():
-            return False
-        raise ProtocolError(f"step {step.step_id}: the verifier's request event did not complete within "
-                            f"{EVENT_TIMEOUT_S:.0f} s (has the verifier died?)")
+    def await_request(self, step: drafter_pb2.DraftStep) -> None:
+        """With IPC events: poll until the verifier's writes into the request region are done (outside the
+        model lock: a dead verifier's event must not stall the other streams); ProtocolError if it never is."""
+        if self.request_event is not None and not self.request_event.wait_host(EVENT_TIMEOUT_S):
+            raise ProtocolError(f"step {step.step_id}: the verifier's request event did not complete within "
+                                f"{EVENT_TIMEOUT_S:.0f} s (has the verifier died?)")
 
     def _step_rows(self, step: drafter_pb2.DraftStep) -> tuple[torch.Tensor, ...] | None:
         """DraftStep.ctx_features split into the sessions' rows (views, one op), None when the sessions carry
@@ -350,8 +343,8 @@ class DraftStream:
     def stage(self, step: drafter_pb2.DraftStep) -> StagedStep:
         """The host part of `step` that reads nothing the verifier writes for it into the request region: the
         step's own checks, and for an ahead step everything up to the device work on its rows and values (each
-        session's checks, the drafter's plan and its upload), so a server may run it before the verifier's
-        request event has completed. The rest: `launch`, with the model still this stream's."""
+        session's checks and the drafter's plan, no GPU work), so a server may run it before the verifier's
+        request event has completed. The rest: `launch`."""
         if self.step_trace is not None:
             self.step_trace.tick()
         t_start = time.perf_counter()
@@ -364,15 +357,16 @@ class DraftStream:
         width = self._in_place_width(step, region)
         self._no_ahead_pending(f"step {step.step_id}")
         ahead = self._stage_ahead(step) if step.HasField("ahead_values") else None
-        return StagedStep(step, t_start, region, bell, width, ahead)
+        return StagedStep(step, time.perf_counter() - t_start, region, bell, width, ahead)
 
     @torch.no_grad()
     def launch(self, s: StagedStep) -> StepWork:
         """A staged step's draft, queued on the GPU (the verifier's writes into the request region have landed)."""
         if self.closed:
-            raise ProtocolError(f"step {s.step.step_id}: the stream closed while the step waited for the model")
+            raise ProtocolError(f"step {s.step.step_id}: the stream closed while the step waited for the verifier")
+        t_start = time.perf_counter() - s.stage_s  # the answer's compute_us: the stage and what follows, not the wait
         ids, at, errors, trees = self._launch_ahead(s.ahead) if s.ahead is not None else self._draft(s.step)
-        return self._work(s.step, ids, at, errors, trees, s.t_start, s.region, s.bell, s.width)
+        return self._work(s.step, ids, at, errors, trees, t_start, s.region, s.bell, s.width)
 
     def _draft(self, step: drafter_pb2.DraftStep) -> tuple[list[str], list[int], list, TreeBatch | None]:
         """A usual step's checks and draft -> (the sessions with a tree, their places in the step, the refusals, the

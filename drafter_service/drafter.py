@@ -140,8 +140,9 @@ class Drafter:
     def stage_ahead(self, sids: list[str], starts: list[int], P: int, budget: int, topk: int) -> AheadStage:
         """`draft_ahead`'s host part, which needs neither the rows nor the values (a drafter serving another process
         runs it before that process's writes have landed): the places of every session's P candidate rows, as if all
-        were committed, with the cache rows and lengths, uploaded into the ahead graph's static input. These sessions'
-        cache entries must not change before its `draft` (other sessions' steps may run in between)."""
+        were committed, with the cache rows and lengths, in one host block (no GPU work: a drafter may stage while
+        another process's GPU work decides the values). These sessions' cache entries must not change before its
+        `draft` (other sessions' steps may run in between)."""
         if P > self.cache.window:
             raise ValueError(f"draft_ahead: {P} candidate rows per session exceed the draft window {self.cache.window}")
         plan = self.cache.plan(sids, starts, [P] * len(sids))

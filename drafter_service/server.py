@@ -41,7 +41,6 @@ from drafter_service.api import DraftRequest
 from drafter_service.context_projection import ContextProjection
 from drafter_service.draft_stream import DraftStream, ProtocolError, StagedStep, StepWork
 from drafter_service.drafter import Drafter
-from drafter_service.model_lock import ModelLock
 from protos.control_socket import ControlClosed, ControlSocket
 from protos.ddtree.v1 import drafter_pb2, drafter_pb2_grpc
 from protos.doorbell import Doorbell, supported
@@ -103,7 +102,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="drafter-model")  # gRPC messages' model work, in order
         # all model work holds this lock: the pool's thread and the control-socket threads (which run their
         # stream's messages themselves: no hand-off to another thread and back on each step)
-        self._model_lock = ModelLock()
+        self._model_lock = threading.Lock()
         self._closed = False
         self._streams: dict[int, DraftStream] = {}
         self._streams_lock = threading.Lock()  # opened on the event loop, closed on the model thread
@@ -262,20 +261,14 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         return None
 
     def _step(self, st: DraftStream, step: drafter_pb2.DraftStep) -> drafter_pb2.DraftStreamResponse:
-        """A step on the model thread or a control socket's -> its answer. With a request event, a usual step polls
-        it before taking the model. An ahead step was sent before the verifier's writes were even queued (its
-        acceptance runs on the GPU meanwhile): its host part (`DraftStream.stage`: checks, the plan and its upload)
-        runs first, then the event is polled holding the model, so the draft launches right when the rows land.
-        Should another stream want the model meanwhile, the poll lets it go and waits without it (the launch then
-        uploads the plan again if that stream's step staged over it)."""
-        early = st.request_event is not None and step.HasField("ahead_values")
-        if not early:
-            st.await_request(step)
+        """A step on the model thread or a control socket's -> its answer. Its host part (`DraftStream.stage`: for an
+        ahead step the checks and the plan, which read nothing the verifier writes for it) runs at once, then the
+        verifier's request event is polled without the model (a dead verifier's event must not stall the other
+        streams), then the draft launches. An ahead step is sent before the verifier's writes are even queued, so its
+        host part overlaps the verifier's GPU work and its draft launches right when the rows land."""
         with self._model_lock, torch.no_grad():
             host_timeline.mark("draft_begin")
             staged = st.stage(step)
-            if not early or st.await_request(step, abort=self._model_lock.contended):
-                return self._launch(st, staged)
         st.await_request(step)
         with self._model_lock, torch.no_grad():
             return self._launch(st, staged)
