@@ -9,10 +9,10 @@
 # (bench_int4_moe --gluon names), TRANSPORT_ARGS (bench_transport flags); section limits T_TESTS / T_LAYER (seconds);
 # TESTS=0 / MOE=0 / TRANSPORT=0 skip. An A/B of engine settings belongs in one run: TRANSPORT_ARGS="...
 # --variant FIELD=VALUE" (bench_transport.py steps a copy of the engines with it in the same rounds); by default the
-# in-process and the co-located engines run a second time asking the drafter after the host read (draft_ahead=false;
-# drafting ahead, verifier_service/draft_ahead.py and ahead_steps.py, is the default since the fortieth session), and
-# the gRPC engine asking the usual way too (with draft_ahead it asks right after its host read since the forty-first
-# session: `draft_ahead.ask_early`). Steps run in blocks of 6 per engine and round (--block-steps: an engine
+# in-process and the gRPC engines run a second time asking the drafter after the host read (draft_ahead=false;
+# drafting ahead, verifier_service/draft_ahead.py and ahead_steps.py, is the default since the fortieth session; over
+# gRPC, with draft_ahead, the next requests go right after the host read since the forty-first session:
+# `draft_ahead.ask_early`). Steps run in blocks of 6 per engine and round (--block-steps: an engine
 # drafting ahead overlaps its next draft with its host's next step, which a synchronize after every step would hide).
 # The kernels' GPU tests join the tests.
 set -o pipefail
@@ -44,9 +44,10 @@ if [ "${TRANSPORT:-1}" != 0 ]; then
   layers=${K26_LAYERS:-$(python -c "import torch
 print(5 if torch.cuda.get_device_properties(0).total_memory > 100e9 else 4)")}
   # each copy holds a KV pool (~0.75 GB), an in-process one a drafter cache (~1.6 GB at 33 sessions) and a remote one
-  # 32 more sessions of the drafter process (~1.5 GB): one copy of each engine asking the usual way (draft_ahead=false;
-  # over gRPC that is the early ask's baseline) fits an 80 GB GPU with 4 layers (~69 GB for the pair)
-  variants="--variant draft_ahead=false@inprocess/colocated/grpc"
+  # 32 more sessions of the drafter process (~1.5 GB): on an 80 GB GPU with 4 layers (~69 GB for the pair) the drafter
+  # process takes three remote engines (four ran out of memory in the forty-first session), so the copies asking the
+  # usual way are the in-process and the gRPC engines' (over gRPC that is the early ask's baseline)
+  variants="--variant draft_ahead=false@inprocess/grpc"
   OUT="$OUT" K26_LAYERS=$layers K26=1 TESTS=0 ECHO=0 \
     BENCH_ARGS="${TRANSPORT_ARGS:---transports colocated grpc --steps 12 --warmup 2 --block-steps 6 $variants}" \
     bash bench/run_gpu_transport.sh \
