@@ -110,7 +110,8 @@ class EngineConfig:
     # budgets) is sent the next step's usual requests right after the host read instead (`draft_ahead.ask_early`,
     # untraced sessions only); an in-process one that cannot drafts as without it.
     # Measured on an H100 at K2.6 shapes (4 layers, steady-state blocks): in-process -3.4% / -3.3% a step at
-    # C = 1 / 32, co-located -0.9% / -10.1%
+    # C = 1 / 32, co-located -0.9% / -10.1%, gRPC (early asks) -11.9% / -6.9%. A small, host-bound pair loses
+    # (kimi-mini: in-process +32% / +3.8%): measure `--draft-ahead off` there
     draft_ahead: bool = True
 
     def __post_init__(self):
