@@ -300,8 +300,8 @@ def main() -> int:
                         "torch code (EngineConfig.tree_inputs)")
     p.add_argument("--draft-ahead", choices=("on", "off"), default="on",
                    help="whether the engines draft each next step before their host read (EngineConfig.draft_ahead, "
-                        "on by default; gRPC engines cannot; a --variant draft_ahead=false copy steps beside the "
-                        "others instead)")
+                        "on by default; gRPC engines send the next requests right after the read instead; a --variant "
+                        "draft_ahead=false copy steps beside the others)")
     p.add_argument("--local-draft", choices=("eager", "lazy"), default="eager",
                    help="when the in-process engine queues its drafter's work: before the step's layout (eager, the "
                         "default) or after it (EngineConfig.local_draft)")

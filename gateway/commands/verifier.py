@@ -80,10 +80,11 @@ def add_parser(sub) -> None:
     s.add_argument("--draft-ahead", choices=("on", "off"), default="on",
                    help="on (default): queue each next step's draft right after the step's acceptance, from its "
                         "values on the GPU, before the host reads the step (an in-process drafter, or a co-located one "
-                        "over CUDA IPC or shared memory; gRPC steps go the usual way): the drafter's GPU work starts "
-                        "without the host round trip (1-10%% a step on an H100 at K2.6 shapes); the same output; a "
-                        "session joining the batch costs one wasted draft. off: every step asks the drafter after the "
-                        "host read")
+                        "over CUDA IPC or shared memory; over gRPC, or at mixed budgets, the next step's usual "
+                        "requests go right after the host read instead): the drafter's work starts without the host "
+                        "round trip (1-12%% a step on an H100 at K2.6 shapes; a small host-bound pair such as "
+                        "kimi-mini loses: measure off there); the same output; a session joining the batch costs one "
+                        "wasted draft. off: every step asks the drafter after the host read")
     s.add_argument("--mla-kernel", choices=IMPLS, default="auto",
                    help="MLA attention tile kernel: gluon_seesaw (sm_90 with Kimi head shapes, two warpgroups "
                         "on pairs of tiles; refused at start elsewhere), gluon (the same shapes, one warpgroup), "
