@@ -530,7 +530,9 @@ def main() -> int:
                        "time": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
                        "note": "drafter in a separate process on loopback, same device; engines share one target "
                                "and step in interleaved rounds"
-                               + ("; each step bracketed by torch.cuda.synchronize()" if cuda else
+                               + (("; each step bracketed by torch.cuda.synchronize()" if args.block_steps == 1 else
+                                   f"; blocks of {args.block_steps} steps, each block bracketed by "
+                                   "torch.cuda.synchronize()") if cuda else
                                   "; on CPU the processes share the machine's cores with other work")}
                 rows.append(row)
                 m = row["metrics"]
