@@ -15,9 +15,13 @@ stamp after the wait - D's last stamp (the ring and the switch back). Cases:
   blocked       two processes; V queues its wait and the stamp behind it right after its event (what the co-located
                 engine does: its next step waits on the GPU for the drafter's ring);
   idle          two processes; V queues its wait only once D's host has seen its graph end (nothing of V's pending
-                while D works; `resume` is then a host round trip and not comparable).
-`blocked` against `idle` says whether a stream of V's waiting during D's work slows D's work or its start (the
-GPUs' time-slicing between contexts); `blocked` against `one_process` is what the two contexts cost a hand-off.
+                while D works; `resume` is then a host round trip and not comparable);
+  polled        two processes; V's host reads the counter (`Doorbell.read`: a 4-byte copy on V's context and a
+                synchronize) in a loop until D has rung, as the benchmark's `wait_ahead` did before the forty-second
+                session (`resume`: V's stamp after its loop, a host path).
+`polled` against `idle` says what GPU work of V's during D's costs D. `blocked` against `idle` says whether a
+stream of V's waiting during D's work slows D's work or its start (the GPUs' time-slicing between contexts);
+`blocked` against `one_process` is what the two contexts cost a hand-off.
 Medians and p90 in microseconds, one JSON line per case with `--out`.
 """
 
@@ -41,6 +45,7 @@ from protos.doorbell import Doorbell  # noqa: E402
 from protos.shared_region import IpcEvent  # noqa: E402
 
 STAMPS = 4  # V before its event, D first, D last, V after the wait
+CASES = ("one_process", "blocked", "idle", "polled")
 
 
 @triton.jit
@@ -141,7 +146,7 @@ def drafter_proc(conn, kernels: int, cycles: int) -> None:
         conn.send(buf.tolist())
 
 
-def two_processes(args, cyc: float, blocked: bool) -> list[list[int]]:
+def two_processes(args, cyc: float, case: str) -> list[list[int]]:
     dev = torch.device("cuda")
     sv = torch.cuda.Stream(dev)
     buf = torch.zeros(STAMPS, dtype=torch.int64, device=dev)
@@ -164,13 +169,16 @@ def two_processes(args, cyc: float, blocked: bool) -> list[list[int]]:
         for r in range(1, args.reps + args.warmup + 1):
             torch.cuda.synchronize()
             v_prologue(buf, sv, event, int(args.accept_us * cyc))
-            if blocked:
+            if case == "blocked":
                 bell.wait(r, sv)
                 with torch.cuda.stream(sv):
                     stamp(buf, 3)
             here.send(r)
+            if case == "polled":
+                while bell.read() < r:
+                    time.sleep(0)
             d = here.recv()
-            if not blocked:
+            if case != "blocked":
                 bell.wait(r, sv)
                 with torch.cuda.stream(sv):
                     stamp(buf, 3)
@@ -203,8 +211,7 @@ def main() -> None:
     p.add_argument("--accept-us", type=float, default=50.0, help="V's kernel before its event")
     p.add_argument("--reps", type=int, default=40)
     p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--cases", nargs="+", default=["one_process", "blocked", "idle"],
-                   choices=["one_process", "blocked", "idle"])
+    p.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -214,7 +221,7 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}: {cyc:.0f} spin cycles per us")
     for case in args.cases:
         t0 = time.perf_counter()
-        rows = one_process(args, cyc) if case == "one_process" else two_processes(args, cyc, case == "blocked")
+        rows = one_process(args, cyc) if case == "one_process" else two_processes(args, cyc, case)
         s = summary(case, rows, args)
         print(f"{case:12s} switch_in {s['switch_in_us']}  work {s['work_us']}  resume {s['resume_us']}  "
               f"({time.perf_counter() - t0:.1f} s)", flush=True)

@@ -48,6 +48,7 @@ import functools
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -145,6 +146,7 @@ class Doorbell:
         self.device = buf.device
         self._side: torch.cuda.Stream | None = None
         self._host: torch.Tensor | None = None
+        self._waiter: tuple[torch.cuda.Stream, torch.cuda.Event] | None = None  # `wait_host`'s
 
     def _op(self, which: int, value: int, flags: int, stream: torch.cuda.Stream | None) -> None:
         s = stream if stream is not None else torch.cuda.current_stream(self.device)
@@ -162,12 +164,38 @@ class Doorbell:
         self._op(0, value, _WAIT_GEQ, stream)
 
     def prepare_release(self) -> None:
-        """Make the release stream and the read buffer and use them once, before any wait is queued: then
-        neither `release` nor `read` sets anything up behind a queued wait (see the module's notes)."""
+        """Make the release stream, the read buffer and `wait_host`'s stream and event, and use them once, before
+        any wait is queued: then neither `release`, `read` nor `wait_host` sets anything up behind a queued wait
+        (see the module's notes)."""
         with torch.cuda.device(self.device):
             self._side = torch.cuda.Stream(self.device)
             self._host = torch.zeros(1, dtype=torch.int32, pin_memory=True)
             self.read()
+            waiter = torch.cuda.Stream(self.device)
+            done = torch.cuda.Event()
+            done.record(waiter)
+            done.synchronize()
+            self._waiter = waiter, done
+
+    def wait_host(self, value: int, timeout_s: float, abort: Callable[[], bool] | None = None) -> bool:
+        """Until the counter reaches `value` -> True, or False after `timeout_s` (or once `abort()` says so; the
+        wait is then released, so nothing of ours stays blocked). The host polls an event queued behind a GPU wait
+        on a stream of ours, so no GPU work of ours runs while the ringer works: each `read` would be a copy on our
+        context, which the GPU time-slices with the ringer's (a loop of them slows the ringer's work). Not
+        thread-safe against itself; `prepare_release` first."""
+        if self._waiter is None:
+            raise RuntimeError("Doorbell.wait_host before prepare_release")
+        waiter, done = self._waiter
+        self.wait(value, waiter)
+        done.record(waiter)
+        deadline = time.monotonic() + timeout_s
+        while not done.query():
+            if time.monotonic() > deadline or (abort is not None and abort()):
+                self.release(value)
+                done.synchronize()
+                return False
+            time.sleep(0)
+        return True
 
     def release(self, value: int) -> None:
         """Write `value` from our warmed-up release stream: ends our waits for values <= `value` whatever the peer
@@ -228,6 +256,16 @@ class HostBell:
 
     def read(self) -> int:
         return int(self._store[0]) & _MASK
+
+    def wait_host(self, value: int, timeout_s: float, abort: Callable[[], bool] | None = None) -> bool:
+        """Until the counter reaches `value` -> True, or False after `timeout_s` (or once `abort()` says so): a
+        poll of host memory, no CUDA call."""
+        deadline = time.monotonic() + timeout_s
+        while not reached(self.read(), value):
+            if time.monotonic() > deadline or (abort is not None and abort()):
+                return False
+            time.sleep(0)
+        return True
 
     def prepare_release(self) -> None:
         """Nothing to set up: a store needs no stream."""

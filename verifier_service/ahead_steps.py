@@ -23,7 +23,6 @@ from drafter_service.api import DraftRequest
 from kernels.tree_build import TreeBatch, tree_size
 from protos.codec import DTYPE_TO_PB
 from protos.ddtree.v1 import drafter_pb2
-from protos.doorbell import reached
 from protos.shared_region import RegionArena
 from verifier_service.draft_call import DraftCall, StreamBroken
 from verifier_service.queued_steps import REQUEST_REGION, RESPONSE_REGION
@@ -98,14 +97,13 @@ class AheadSteps:
 
     def wait_ahead(self) -> None:
         """Until the ahead step on the wire has its trees written (its doorbell rung; bounded by its deadline): for a
-        benchmark that times each step with the drafter's GPU work it queued. A no-op without a doorbell."""
+        benchmark that times each step with the drafter's GPU work it queued. A no-op without a doorbell. A GPU
+        doorbell is waited for as a step waits (on the GPU, `Doorbell.wait_host`), never by reading it in a loop:
+        each read is work of our context that the GPU time-slices with the drafter's."""
         a = self._ahead
         if a is None or not a.bell_value or self._watch is None:
             return
-        while not reached(self._watch.bell.read(), a.bell_value) and not a.stream.broken:
-            if time.monotonic() > a.deadline:
-                return
-            time.sleep(0)
+        self._watch.bell.wait_host(a.bell_value, max(0.0, a.deadline - time.monotonic()), abort=lambda: a.stream.broken)
 
     def advance(self, sids: list[str], counts: list[int]) -> None:
         """The engine has read its step: the ahead step's committed row counts (what its GPU computed), told to the

@@ -238,6 +238,36 @@ def test_a_peer_that_never_rings_is_released_by_the_watch():
         bell_region.close()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_wait_host_returns_once_the_peer_rings_and_releases_itself_when_it_never_does():
+    """`Doorbell.wait_host`: True once the peer's ring lands (not before: its kernel runs ~0.1 s first); False after
+    its timeout when nothing rings, and False at once when `abort` says so, each time leaving nothing of ours
+    blocked (a later wait for the same value passes at once, a stream of ours runs on)."""
+    bell_region, data = _regions()
+    bell, ours, after = _bell(bell_region)
+    try:
+        child = _child(bell_region, data, 200_000_000, 1)
+        assert bell.wait_host(1, 30.0)
+        assert bell.read() == 1 and data.buf[:4].tolist() == [1, 2, 3, 4]
+        child.wait(60)
+        t0 = time.monotonic()
+        assert not bell.wait_host(2, 0.3)  # nobody rings 2
+        assert 0.25 <= time.monotonic() - t0 < 5.0 and bell.read() == 2  # released: the counter holds the value
+        assert bell.wait_host(2, 1.0)  # nothing left blocked
+        t0 = time.monotonic()
+        assert not bell.wait_host(3, 30.0, abort=lambda: True)
+        assert time.monotonic() - t0 < 5.0
+        with torch.cuda.stream(ours):
+            after.add_(1)
+        ours.synchronize()
+        assert after.tolist() == [1, 1, 1, 1]
+    finally:
+        bell.close()
+        data.close()
+        bell_region.close()
+
+
 def test_host_doorbells_need_a_gpu():
     assert not host_supported(torch.device("cpu"))
     with pytest.raises(RuntimeError, match="CUDA device"):
@@ -272,6 +302,10 @@ def test_a_host_doorbell_holds_a_stream_until_the_host_rings_it():
         bell.ring(value)
         stream.synchronize()
         assert out.tolist() == [value, value + 1, value + 2, value + 3] and bell.read() == value
+    assert bell.wait_host(1, 0.1)  # rung already
+    assert not bell.wait_host(2, 0.1) and not bell.wait_host(2, 30.0, abort=lambda: True)
+    threading.Timer(0.1, bell.ring, (2,)).start()
+    assert bell.wait_host(2, 30.0) and bell.read() == 2
 
 
 @pytest.mark.parametrize("flag, expected, in_place, ahead", [
