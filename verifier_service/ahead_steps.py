@@ -44,6 +44,7 @@ class AheadStep:
     deadline: float
     bell_value: int = 0  # the doorbell value its trees ring (0: no doorbell)
     counts: list[int] | None = None  # the committed rows, once the engine has read its step (`advance`)
+    held: bool = False  # a wait for its ring is queued and watched already (`hold_for_ahead`)
 
 
 class AheadSteps:
@@ -105,6 +106,20 @@ class AheadSteps:
             return
         self._watch.bell.wait_host(a.bell_value, max(0.0, a.deadline - time.monotonic()), abort=lambda: a.stream.broken)
 
+    def hold_for_ahead(self) -> None:
+        """Queue on the current stream a wait for the ahead step's ring, watched until its deadline (the watch rings it
+        if the drafter never does), before the engine's next step queues any GPU work (`EngineConfig.ahead_gpu_wait`):
+        work of ours queued while the drafter's GPU works is run by a switch of the GPU to our context mid-draft. The
+        previous step's wait has been read back: its watch goes. A no-op without a GPU doorbell."""
+        a = self._ahead
+        if a is None or a.held or not a.bell_value or self._watch is None or a.stream.broken \
+                or a.stream is not self._stream:
+            return
+        self._watch.disarm()
+        self._watch.bell.wait(a.bell_value)
+        self._watch.arm(a.stream, a.bell_value, a.deadline, a.stream.released)
+        a.held = True
+
     def advance(self, sids: list[str], counts: list[int]) -> None:
         """The engine has read its step: the ahead step's committed row counts (what its GPU computed), told to the
         drafter when the step is taken (`AheadCommitted`, with the traceparents of the steps that verify its trees)."""
@@ -129,7 +144,7 @@ class AheadSteps:
                 pass  # answered below as a broken stream
         self._settle()
         self._collect_verdicts()
-        if self._watch is not None:
+        if self._watch is not None and not a.held:  # a held step's own wait stays watched
             self._watch.disarm()
         for r, start, rows, k in zip(requests, a.starts, a.rows, a.counts):
             self._pending.queue(DraftRequest(r.session_id, start, rows[:k], r.root_token, r.root_pos, r.budget,

@@ -113,6 +113,12 @@ class EngineConfig:
     # C = 1 / 32, co-located -0.9% / -10.1%, gRPC (early asks) -11.9% / -6.9%. A small, host-bound pair loses
     # (kimi-mini: in-process +32% / +3.8%): measure `--draft-ahead off` there
     draft_ahead: bool = True
+    # with a draft queued ahead in a co-located drafter (another process on this GPU, ringing a GPU doorbell): the
+    # step's stream waits for that draft's ring before the step's first GPU work (`DraftStreamClient.hold_for_ahead`),
+    # so that none of the step's preparation (KV pages, layout uploads) runs while the drafter's GPU works: the GPU
+    # would switch to this process's context for it mid-draft. Off: that work is queued at once and waits for a time
+    # slice
+    ahead_gpu_wait: bool = True
 
     def __post_init__(self):
         for f in ("tree_inputs", "tree_accept", "commit_moves"):
@@ -372,6 +378,10 @@ class Engine:
         self.draft_ns = None
         if not active:
             return {}
+        if self.ahead is not None and not self.ahead.early and self.cfg.ahead_gpu_wait:
+            hold = getattr(self.drafter, "hold_for_ahead", None)
+            if hold is not None:
+                hold()
         self.kv.ensure_many([s.row for s in active], [s.committed + self.tree_nodes(s.params) for s in active])
         drafting, trees_of = self._draft_begin(active)
         # while a remote drafter works: the batch layout for full trees (what a drafter sends unless it fails)

@@ -59,6 +59,9 @@ def test_colocated_draft_ahead_equals_ar(tiny_dirs, tiny_target64, ar40, ahead, 
     service, dmodel = oracle_service(tiny_dirs, target, ref)
     server = ServerThread(service)
     client = client_for(server.port, colocated=colocated)
+    holds = []  # the engine holds its stream for each draft queued ahead (a no-op here: no GPU doorbell)
+    hold = client.hold_for_ahead
+    monkeypatch.setattr(client, "hold_for_ahead", lambda: holds.append(client._ahead.step_id) or hold())
     try:
         eng = Engine(target, client, dmodel.cfg.target_layer_ids,
                      EngineConfig(page_size=8, num_pages=512, max_sessions=8, draft_window=64, draft_ahead=ahead))
@@ -80,8 +83,10 @@ def test_colocated_draft_ahead_equals_ar(tiny_dirs, tiny_target64, ar40, ahead, 
         assert st["fallback_steps"] == 0 and st["invalid_trees"] == 0 and st["reconnects"] == 0, st
         if ahead and colocated:
             assert st["ahead_steps"] >= 8 and st["steps"] - st["ahead_steps"] >= 3, st  # first, r4 joined, r0 extended
+            # once per step finding a draft queued ahead (taken or dropped); the last step's is let go at once
+            assert len(holds) == len(set(holds)) == st["ahead_steps"] - 1, (holds, st)
         else:
-            assert st["ahead_steps"] == 0
+            assert st["ahead_steps"] == 0 and not holds
         if ahead and not colocated:  # sessions that finish are not asked for: 5, 4, ... 1 going on
             assert len(early) >= 8 and {1, 5} <= set(early), early
             assert st["steps"] - len(early) == 3, (st, early)  # asked the usual way: first, r4 joined, r0 extended
@@ -92,6 +97,41 @@ def test_colocated_draft_ahead_equals_ar(tiny_dirs, tiny_target64, ar40, ahead, 
     finally:
         client.close()
         server.stop()
+
+
+def test_hold_for_ahead_queues_one_watched_wait_for_the_ahead_ring():
+    """`hold_for_ahead`: a wait for the ahead step's ring on the current stream, armed in the watch with the step's
+    deadline (the previous step's watch disarmed first), once per ahead step; nothing without a doorbell value, for a
+    broken stream or a stream no longer current. Taking the held step's trees leaves its watch armed."""
+    import threading
+    from types import SimpleNamespace
+
+    from verifier_service.ahead_steps import AheadStep, AheadSteps
+
+    log = []
+    bell = SimpleNamespace(wait=lambda v: log.append(("wait", v)))
+    watch = SimpleNamespace(bell=bell, disarm=lambda: log.append(("disarm",)),
+                            arm=lambda owner, v, deadline, released: log.append(("arm", owner, v, deadline, released)))
+    call = SimpleNamespace(broken=False, released=threading.Event())
+
+    def client(**kw):
+        c = AheadSteps()
+        c._watch, c._stream = watch, call
+        c._ahead = AheadStep(call, 3, ["a"], [0], torch.zeros(1, 2, 4), [5], 0, 0.0, 9.5, **kw)
+        return c
+
+    c = client(bell_value=7)
+    c.hold_for_ahead()
+    c.hold_for_ahead()
+    assert log == [("disarm",), ("wait", 7), ("arm", call, 7, 9.5, call.released)] and c._ahead.held
+    log.clear()
+    client(bell_value=0).hold_for_ahead()
+    other = client(bell_value=7)
+    other._stream = SimpleNamespace(broken=False)
+    other.hold_for_ahead()
+    call.broken = True
+    client(bell_value=7).hold_for_ahead()
+    assert log == []
 
 
 # --- the drafter's checks ----------------------------------------------------------------------------------
