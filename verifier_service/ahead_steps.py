@@ -115,6 +115,10 @@ class AheadSteps:
         if a is None or a.held or not a.bell_value or self._watch is None or a.stream.broken \
                 or a.stream is not self._stream:
             return
+        # what the trees' taking reads of the last step first (its checks' verdicts: a read on the current stream,
+        # which would otherwise wait behind the wait queued here for the whole draft)
+        self._settle()
+        self._collect_verdicts()
         self._watch.disarm()
         self._watch.bell.wait(a.bell_value)
         self._watch.arm(a.stream, a.bell_value, a.deadline, a.stream.released)

@@ -115,10 +115,11 @@ class EngineConfig:
     draft_ahead: bool = True
     # with a draft queued ahead in a co-located drafter (another process on this GPU, ringing a GPU doorbell): the
     # step's stream waits for that draft's ring before the step's first GPU work (`DraftStreamClient.hold_for_ahead`),
-    # so that none of the step's preparation (KV pages, layout uploads) runs while the drafter's GPU works: the GPU
-    # would switch to this process's context for it mid-draft. Off: that work is queued at once and waits for a time
-    # slice
-    ahead_gpu_wait: bool = True
+    # so that none of the step's preparation (KV pages, layout uploads) runs while the drafter's GPU works (a profiled
+    # H100 step showed such work waiting ~2.4 ms for a time slice, then interrupting the draft). The price: that work
+    # then follows the ring, and any host read of the stream in the step's preparation waits for the whole draft.
+    # Off by default: not yet measured on a GPU (`bench_transport.py --variant ahead_gpu_wait=true@colocated`)
+    ahead_gpu_wait: bool = False
 
     def __post_init__(self):
         for f in ("tree_inputs", "tree_accept", "commit_moves"):

@@ -64,7 +64,8 @@ def test_colocated_draft_ahead_equals_ar(tiny_dirs, tiny_target64, ar40, ahead, 
     monkeypatch.setattr(client, "hold_for_ahead", lambda: holds.append(client._ahead.step_id) or hold())
     try:
         eng = Engine(target, client, dmodel.cfg.target_layer_ids,
-                     EngineConfig(page_size=8, num_pages=512, max_sessions=8, draft_window=64, draft_ahead=ahead))
+                     EngineConfig(page_size=8, num_pages=512, max_sessions=8, draft_window=64, draft_ahead=ahead,
+                                  ahead_gpu_wait=True))
         lengths = [20, 33, 21, 40]
         sessions = [eng.add(p, DecodeParams(max_new_tokens=n, budget=8, topk=3), sid=f"r{i}", persistent=i == 0)
                     for i, (p, n) in enumerate(zip(PROMPTS, lengths))]
@@ -109,13 +110,21 @@ def test_hold_for_ahead_queues_one_watched_wait_for_the_ahead_ring():
     from verifier_service.ahead_steps import AheadStep, AheadSteps
 
     log = []
+
+    class Client(AheadSteps):  # what the stream client's other mixins give it: the last step's reads
+        def _settle(self):
+            log.append(("settle",))
+
+        def _collect_verdicts(self):
+            log.append(("verdicts",))
+
     bell = SimpleNamespace(wait=lambda v: log.append(("wait", v)))
     watch = SimpleNamespace(bell=bell, disarm=lambda: log.append(("disarm",)),
                             arm=lambda owner, v, deadline, released: log.append(("arm", owner, v, deadline, released)))
     call = SimpleNamespace(broken=False, released=threading.Event())
 
     def client(**kw):
-        c = AheadSteps()
+        c = Client()
         c._watch, c._stream = watch, call
         c._ahead = AheadStep(call, 3, ["a"], [0], torch.zeros(1, 2, 4), [5], 0, 0.0, 9.5, **kw)
         return c
@@ -123,7 +132,8 @@ def test_hold_for_ahead_queues_one_watched_wait_for_the_ahead_ring():
     c = client(bell_value=7)
     c.hold_for_ahead()
     c.hold_for_ahead()
-    assert log == [("disarm",), ("wait", 7), ("arm", call, 7, 9.5, call.released)] and c._ahead.held
+    assert log == [("settle",), ("verdicts",), ("disarm",), ("wait", 7), ("arm", call, 7, 9.5, call.released)]
+    assert c._ahead.held
     log.clear()
     client(bell_value=0).hold_for_ahead()
     other = client(bell_value=7)
