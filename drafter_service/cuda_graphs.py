@@ -78,35 +78,19 @@ MAX_GRAPHS = 64
 def ahead_draft(cache: DraftContextCache, context_kv: Callable, logq: Callable[..., torch.Tensor], vocab_size: int,
                 index: torch.Tensor, pad_index: torch.Tensor, rows: torch.Tensor, lengths: torch.Tensor,
                 values: torch.Tensor, feats: torch.Tensor, budget: int, topk: int) -> TreeBatch:
-    """The device part of `Drafter.draft_ahead` for S sessions of P candidate rows (the eager path; an ahead step's
-    two graphs run its halves, `ahead_append` and `ahead_trees`): index [S * P, 3] (a plan of every candidate row) and
-    pad_index [S * P, 3], rows and lengths [S] (cache row, context length before), values [3, S] (committed rows,
-    root, root position: clamped here into 1..P, the vocabulary, 0..2**31), feats [S * P, D] projected rows -> the
-    trees. Rows past a session's count go to the pad row; a padded session (cache row = the pad row) reads nothing.
-    Device ops only, row-local per session."""
-    ahead_append(cache, context_kv, index, pad_index, values, feats)
-    return ahead_trees(cache, logq, vocab_size, index.shape[0] // rows.shape[0], rows, lengths, values, budget, topk)
-
-
-def ahead_append(cache: DraftContextCache, context_kv: Callable, index: torch.Tensor, pad_index: torch.Tensor,
-                 values: torch.Tensor, feats: torch.Tensor) -> None:
-    """`ahead_draft`'s first half: each session's first values[0] (clamped into 1..P) candidate rows into the cache,
-    the others into the pad row."""
-    S = values.shape[1]
-    P = index.shape[0] // S
-    counts = values[0].clamp(1, P)
-    keep = torch.arange(P, device=index.device)[None, :] < counts[:, None]
-    idx = torch.where(keep.reshape(-1, 1), index, pad_index)
-    cache.scatter(idx, context_kv(feats, idx[:, 2]))
-
-
-def ahead_trees(cache: DraftContextCache, logq: Callable[..., torch.Tensor], vocab_size: int, P: int,
-                rows: torch.Tensor, lengths: torch.Tensor, values: torch.Tensor, budget: int, topk: int) -> TreeBatch:
-    """`ahead_draft`'s second half: the context lengths after the append, the draft and the trees."""
+    """The device part of `Drafter.draft_ahead` for S sessions of P candidate rows (an ahead graph's body, and the
+    eager path): index [S * P, 3] (a plan of every candidate row) and pad_index [S * P, 3], rows and lengths [S] (cache
+    row, context length before), values [3, S] (committed rows, root, root position: clamped here into 1..P, the
+    vocabulary, 0..2**31), feats [S * P, D] projected rows -> the trees. Rows past a session's count go to the pad
+    row; a padded session (cache row = the pad row) reads nothing. Device ops only, row-local per session."""
     S = rows.shape[0]
+    P = index.shape[0] // S
     counts = values[0].clamp(1, P)
     roots = values[1].clamp(0, vocab_size - 1)
     root_pos = values[2].clamp(0, (1 << 31) - 1)
+    keep = torch.arange(P, device=index.device)[None, :] < counts[:, None]
+    idx = torch.where(keep.reshape(-1, 1), index, pad_index)
+    cache.scatter(idx, context_kv(feats, idx[:, 2]))
     ctx_len = (lengths + counts).clamp(max=cache.window)
     ctx_len = torch.where(rows == cache.pad_row, 0, ctx_len)
     return build_tree(logq(rows, ctx_len, roots, root_pos), roots, [budget] * S, [topk] * S)
@@ -148,12 +132,11 @@ class DraftGraphRunner:
 
     def __init__(self, logq: Callable[..., torch.Tensor], context_kv: Callable, cache: DraftContextCache,
                  depth: int, vocab_size: int, feature_dim: int, dtype: torch.dtype, max_context_rows: int,
-                 capture: bool, max_graphs: int = MAX_GRAPHS, project: Callable | None = None):
+                 capture: bool, max_graphs: int = MAX_GRAPHS):
         dev = cache.k.device
         if capture and dev.type != "cuda":
             raise ValueError("DraftGraphRunner: CUDA graphs need the context cache on a CUDA device")
         self.logq, self.context_kv, self.cache, self.depth, self.vocab_size = logq, context_kv, cache, depth, vocab_size
-        self.project, self.dtype = project, dtype  # taps -> context rows (`DFlashDrafter.project`), for ahead steps
         self.capture, self.max_graphs, self.device = capture, max_graphs, dev
         self.buckets = pow2_buckets(cache.max_sessions)
         self.row_buckets = pow2_buckets(max_context_rows)
@@ -165,9 +148,9 @@ class DraftGraphRunner:
         self.ctx_index = self.pad_index.to(dev, copy=True)  # static [rows, 3]: row, ring slot, position (not an alias)
         self.pad_index_device = self.pad_index.to(dev, copy=True)  # `append_device`'s padding (never written)
         # ahead steps (`ahead_stage`, `ahead_launch`): per candidate rows P, the static index and columns (flat),
-        # and per (P, projected) the static [rows, D] context rows or [rows, taps] taps (made on first use)
+        # and [rows, D] rows (made on first use)
         self._ahead_index: dict[int, torch.Tensor] = {}
-        self._ahead_feats: dict[tuple[int, bool], torch.Tensor] = {}
+        self._ahead_feats: dict[int, torch.Tensor] = {}
         # and the peer's per-request values: committed count, root, root position ([3, max_sessions], from the device)
         self.ahead_columns = torch.zeros(3, self.buckets[-1], dtype=torch.int64, device=dev)
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor | None]] = {}
@@ -305,38 +288,27 @@ class DraftGraphRunner:
         return AheadStaged(key, S, P, block.pin_memory() if self.device.type == "cuda" else block)
 
     @torch.no_grad()
-    def ahead_launch(self, staged: AheadStaged, feats: torch.Tensor, values: torch.Tensor, projected: bool = True
-                     ) -> TreeBatch | None:
-        """A staged ahead step's device part: its candidate rows feats [S * P, D] (projected) or their taps
-        [S * P, taps] (`projected` False: projected in the first graph; needs the runner's `project`), and values
-        [3, S] int64 on the device (committed rows, root, root position: clamped into 1..P, the vocabulary, 0..2**31
-        in the graphs) -> the trees (the caller's); None when a graph's capture failed (or taps without `project`).
-        Two graphs: the append ("ahead_append": the projection, then rows past a session's count to the pad row) and
-        the draft ("ahead": the context lengths, the draft and the tree build from the device values), so that the
-        GPU runs the first while the host launches the second. Padded sessions are pad rows with context length 0.
-        The stage's host values go up first (one copy)."""
+    def ahead_launch(self, staged: AheadStaged, feats: torch.Tensor, values: torch.Tensor) -> TreeBatch | None:
+        """A staged ahead step's device part: its candidate rows feats [S * P, D] (projected) and values [3, S]
+        int64 on the device (committed rows, root, root position: clamped into 1..P, the vocabulary, 0..2**31 in
+        the graph) -> the trees (the caller's); None when its graph's capture failed. Inside the graph: rows past a
+        session's count go to the pad row; the context lengths, the draft and the tree build follow from the device
+        values. Padded sessions are pad rows with context length 0. The stage's host values go up first (one copy)."""
         key, S, P = staged.key, staged.sessions, staged.rows
         n, budget, topk = key[1], key[3], key[4]
-        akey = ("ahead_append", n, P, projected)
-        if akey in self.failed or (not projected and self.project is None):
-            return None
         self._upload_ahead(staged)
-        self._ahead_rows(P, feats.shape[1], projected)[: S * P].copy_(feats)
+        feat_buf = self._ahead_rows(P, feats.shape[1], feats.dtype)
+        feat_buf[: S * P].copy_(feats)
         # padding's values are whatever an earlier step left: clamped, and its rows and reads go to the pad row
         self.ahead_columns[:, :S].copy_(values)
         if not self.capture:
             self.stats["ahead_padded_eager"] += 1
-            self._ahead_append_body(n, P, projected)
             packed = self._ahead_body(n, P, budget, topk)
             fresh = True
         else:
-            append = self.graphs.get(akey) or self._capture(akey, lambda: self._ahead_append_body(n, P, projected))
-            if append is None:
-                return None
             entry = self.graphs.get(key) or self._capture(key, lambda: self._ahead_body(n, P, budget, topk))
             if entry is None:
                 return None
-            append[0].replay()
             entry[0].replay()
             self.stats["ahead_replays"] += 1
             packed, fresh = entry[1], False
@@ -399,12 +371,12 @@ class DraftGraphRunner:
             self._ahead_index[P] = flat
         host_to_device(staged.block, self.device, out=flat[: n * P * 3 + 2 * n])
 
-    def _ahead_rows(self, P: int, width: int, projected: bool) -> torch.Tensor:
-        """The static rows [max_sessions * P, width] of ahead steps of P rows: context rows, or taps."""
-        rows = self._ahead_feats.get((P, projected))
-        if rows is None or rows.shape[1] != width:
-            rows = torch.zeros(self.buckets[-1] * P, width, dtype=self.dtype, device=self.device)
-            self._ahead_feats[(P, projected)] = rows
+    def _ahead_rows(self, P: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+        """The static rows [max_sessions * P, width] of ahead steps of P rows."""
+        rows = self._ahead_feats.get(P)
+        if rows is None or rows.shape[1] != width or rows.dtype != dtype:
+            rows = torch.zeros(self.buckets[-1] * P, width, dtype=dtype, device=self.device)
+            self._ahead_feats[P] = rows
         return rows
 
     def _ahead_inputs(self, n: int, P: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -414,21 +386,12 @@ class DraftGraphRunner:
         host = flat[n * P * 3 : n * P * 3 + 2 * n].view(2, n)
         return index, host
 
-    def _ahead_append_body(self, n: int, P: int, projected: bool) -> None:
-        """An ahead append graph: n sessions' P rows each (projected here from taps unless `projected`), the rows past
-        a session's count to the pad row."""
-        index, _ = self._ahead_inputs(n, P)
-        feats = self._ahead_feats[(P, projected)][: n * P]
-        if not projected:
-            feats = self.project(feats)
-        ahead_append(self.cache, self.context_kv, index, self.pad_index_device[: n * P], self.ahead_columns[:, :n],
-                     feats)
-
     def _ahead_body(self, n: int, P: int, budget: int, topk: int) -> torch.Tensor:
-        """An ahead draft graph: n sessions' context lengths after the append, their draft and trees -> packed."""
-        _, host = self._ahead_inputs(n, P)
-        return ahead_trees(self.cache, self.logq, self.vocab_size, P, host[0], host[1], self.ahead_columns[:, :n],
-                           budget, topk).pack()
+        """An ahead graph: the masked append of n sessions' P rows each, then their draft and trees -> packed."""
+        index, host = self._ahead_inputs(n, P)
+        return ahead_draft(self.cache, self.context_kv, self.logq, self.vocab_size, index,
+                           self.pad_index_device[: n * P], host[0], host[1], self.ahead_columns[:, :n],
+                           self._ahead_feats[P][: n * P], budget, topk).pack()
 
     def _append_body(self, n: int) -> None:
         """An append graph: each layer's K/V of the first n static context rows, scattered by the static index."""

@@ -52,14 +52,13 @@ class AheadStage:
         if tuple(feats.shape[:2]) != (S, self.index.shape[0] // max(S, 1)):
             raise ValueError(f"draft_ahead: rows {list(feats.shape)} for a stage of {S} sessions x "
                              f"{self.index.shape[0] // max(S, 1)} rows")
-        rows = feats.reshape(-1, feats.shape[-1])
-        if self.graph is not None:  # taps are projected in its first graph
-            trees = d.graphs.ahead_launch(self.graph, rows, values, projected)
-            if trees is not None:
-                return trees
-        rows = rows.to(d.dtype)
+        rows = feats.reshape(-1, feats.shape[-1]).to(d.dtype)
         if not projected:
             rows = d.model.project(rows)
+        if self.graph is not None:
+            trees = d.graphs.ahead_launch(self.graph, rows, values)
+            if trees is not None:
+                return trees
         # eagerly: what the graph computes (one upload of the host values)
         host = torch.cat((self.index.reshape(-1), d.cache.pad_index(rows.shape[0]).reshape(-1),
                           torch.tensor([self.rows, self.lengths], dtype=torch.int64).reshape(-1)))
@@ -97,7 +96,7 @@ class Drafter:
             self.graphs = DraftGraphRunner(self.logq, model.context_kv_from, self.cache, self.depth,
                                            self.cfg.vocab_size, self.cfg.hidden_size, self.dtype,
                                            max_sessions * self.cfg.block_size,
-                                           capture=self.device.type == "cuda", project=model.project)
+                                           capture=self.device.type == "cuda")
 
     @property
     def depth(self) -> int:
