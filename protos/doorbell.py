@@ -178,11 +178,12 @@ class Doorbell:
             self._waiter = waiter, done
 
     def wait_host(self, value: int, timeout_s: float, abort: Callable[[], bool] | None = None) -> bool:
-        """Until the counter reaches `value` -> True, or False after `timeout_s` (or once `abort()` says so; the
-        wait is then released, so nothing of ours stays blocked). The host polls an event queued behind a GPU wait
-        on a stream of ours, so no GPU work of ours runs while the ringer works: each `read` would be a copy on our
-        context, which the GPU time-slices with the ringer's (a loop of them slows the ringer's work). Not
-        thread-safe against itself; `prepare_release` first."""
+        """Until the counter reaches `value` -> True, or False after `timeout_s` (or once `abort()` says so). The
+        host polls an event queued behind a GPU wait on a stream of ours, so no GPU work of ours runs while the
+        ringer works: each `read` would be a copy on our context, which the GPU time-slices with the ringer's (a loop
+        of them slows the ringer's work). After False that wait stays queued until the counter reaches `value`: the
+        caller sees to it as for any wait of ours (`release`, or its watch). Not thread-safe against itself;
+        `prepare_release` first."""
         if self._waiter is None:
             raise RuntimeError("Doorbell.wait_host before prepare_release")
         waiter, done = self._waiter
@@ -191,8 +192,6 @@ class Doorbell:
         deadline = time.monotonic() + timeout_s
         while not done.query():
             if time.monotonic() > deadline or (abort is not None and abort()):
-                self.release(value)
-                done.synchronize()
                 return False
             time.sleep(0)
         return True

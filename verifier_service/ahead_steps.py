@@ -104,7 +104,10 @@ class AheadSteps:
         a = self._ahead
         if a is None or not a.bell_value or self._watch is None:
             return
-        self._watch.bell.wait_host(a.bell_value, max(0.0, a.deadline - time.monotonic()), abort=lambda: a.stream.broken)
+        if not self._watch.bell.wait_host(a.bell_value, max(0.0, a.deadline - time.monotonic()),
+                                          abort=lambda: a.stream.broken):
+            # what the watch does at a step's deadline: the wait released unless rung by now, the stream dropped
+            self._watch.arm(a.stream, a.bell_value, time.monotonic(), a.stream.released)
 
     def hold_for_ahead(self) -> None:
         """Queue on the current stream a wait for the ahead step's ring, watched until its deadline (the watch rings it

@@ -242,8 +242,8 @@ def test_a_peer_that_never_rings_is_released_by_the_watch():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_wait_host_returns_once_the_peer_rings_and_releases_itself_when_it_never_does():
     """`Doorbell.wait_host`: True once the peer's ring lands (not before: its kernel runs ~0.1 s first); False after
-    its timeout when nothing rings, and False at once when `abort` says so, each time leaving nothing of ours
-    blocked (a later wait for the same value passes at once, a stream of ours runs on)."""
+    its timeout when nothing rings, and False at once when `abort` says so, its wait left queued until we release
+    the value (then a later wait for it passes at once, and a stream of ours runs on)."""
     bell_region, data = _regions()
     bell, ours, after = _bell(bell_region)
     try:
@@ -253,11 +253,14 @@ def test_wait_host_returns_once_the_peer_rings_and_releases_itself_when_it_never
         child.wait(60)
         t0 = time.monotonic()
         assert not bell.wait_host(2, 0.3)  # nobody rings 2
-        assert 0.25 <= time.monotonic() - t0 < 5.0 and bell.read() == 2  # released: the counter holds the value
-        assert bell.wait_host(2, 1.0)  # nothing left blocked
+        assert 0.25 <= time.monotonic() - t0 < 5.0 and bell.read() == 1
+        bell.release(2)  # what the caller's watch does
+        assert bell.wait_host(2, 5.0)  # nothing left blocked
         t0 = time.monotonic()
         assert not bell.wait_host(3, 30.0, abort=lambda: True)
         assert time.monotonic() - t0 < 5.0
+        bell.release(3)
+        assert bell.wait_host(3, 5.0)
         with torch.cuda.stream(ours):
             after.add_(1)
         ours.synchronize()

@@ -144,6 +144,35 @@ def test_hold_for_ahead_queues_one_watched_wait_for_the_ahead_ring():
     assert log == []
 
 
+@pytest.mark.parametrize("rung", [True, False])
+def test_wait_ahead_waits_through_the_bell_and_hands_a_miss_to_the_watch(rung):
+    """`wait_ahead` (a benchmark's wait for the draft queued ahead): `wait_host` on the bell until the step's deadline,
+    aborted once the stream breaks; a wait that ends unrung is armed in the watch with a deadline passed, so the watch
+    releases it (unless rung meanwhile) and drops the stream, as at a step's deadline."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from verifier_service.ahead_steps import AheadStep, AheadSteps
+
+    log = []
+    call = SimpleNamespace(broken=False, released=threading.Event())
+
+    def wait_host(value, timeout_s, abort):
+        log.append(("wait_host", value, round(timeout_s), abort()))
+        return rung
+
+    watch = SimpleNamespace(bell=SimpleNamespace(wait_host=wait_host),
+                            arm=lambda owner, v, deadline, released: log.append(("arm", owner, v, released)) or
+                            deadline <= time.monotonic() or log.append("a deadline not passed"))
+    c = AheadSteps()
+    c._watch = watch
+    c._ahead = AheadStep(call, 3, ["a"], [0], torch.zeros(1, 2, 4), [5], 0, 0.0, time.monotonic() + 30.0,
+                         bell_value=7)
+    c.wait_ahead()
+    assert log == [("wait_host", 7, 30, False)] + ([] if rung else [("arm", call, 7, call.released)])
+
+
 # --- the drafter's checks ----------------------------------------------------------------------------------
 @pytest.fixture
 def stream(parts):
