@@ -117,8 +117,9 @@ class EngineConfig:
     # step's stream waits for that draft's ring before the step's first GPU work (`DraftStreamClient.hold_for_ahead`),
     # so that none of the step's preparation (KV pages, layout uploads) runs while the drafter's GPU works (a profiled
     # H100 step showed such work waiting ~2.4 ms for a time slice, then interrupting the draft). The price: that work
-    # then follows the ring, and any host read of the stream in the step's preparation waits for the whole draft.
-    # Off by default: not yet measured on a GPU (`bench_transport.py --variant ahead_gpu_wait=true@colocated`)
+    # then follows the ring (the last step's verdicts are read before the wait; any other host read of the stream in
+    # the step's preparation would wait for the whole draft). Off by default: not yet measured on a GPU
+    # (`bench_transport.py --variant ahead_gpu_wait=true@colocated`)
     ahead_gpu_wait: bool = False
 
     def __post_init__(self):
