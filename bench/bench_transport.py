@@ -108,6 +108,16 @@ def timed_step(engine, block: int = 1) -> tuple[float, dict[str, list[int]]]:
     return (time.perf_counter() - t0) / block, out
 
 
+def drafter_trace_spec(spec: str, steps_per_round: int) -> str:
+    """`--torch-trace DIR:FIRST:COUNT` (in rounds) -> the drafter process's window in its own steps: it counts every
+    step it is sent, `steps_per_round` a round (each remote engine's block), so both windows cover the same
+    rounds."""
+    from telemetry.torch_trace import parse_spec
+
+    out, first, count = parse_spec(spec)
+    return f"{out}:{first * steps_per_round}:{count * steps_per_round}"
+
+
 def start_drafter(pair, device, dtype, max_sessions, graphs: bool, spin_ms: float, torch_trace: str | None,
                   gil_switch_us: float = 0.0) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "gateway.cli", "drafter", "serve", "--listen", "127.0.0.1:0",
@@ -285,9 +295,10 @@ def main() -> int:
                         "over gRPC and in-process, taps co-located")
     p.add_argument("--torch-trace", default=None, metavar="DIR[:FIRST[:COUNT]]",
                    help="diagnosis: torch.profiler over rounds FIRST.. FIRST+COUNT-1 in this process (the markers "
-                        "name each engine's step) and over the drafter process's steps of the same number (the same "
-                        "rounds with one remote engine), Chrome traces into DIR; `bench/trace_steps.py DIR "
-                        "--step-label grpc` lines them up. Timings taken meanwhile are not representative")
+                        "name each engine's step, or block) and over the drafter process's steps of the same rounds "
+                        "(it counts the steps it is sent: the remote engines' blocks), Chrome traces into DIR; "
+                        "`bench/trace_steps.py DIR --step-label grpc` lines them up. Timings taken meanwhile are not "
+                        "representative")
     p.add_argument("--malloc-tune", action=argparse.BooleanOptionalAction, default=True,
                    help="apply the served processes' glibc malloc settings in this process (the verifier side), as "
                         "`ddtree verifier serve` does; --no-malloc-tune: glibc's defaults (the records before the "
@@ -369,7 +380,9 @@ def main() -> int:
         p.error(str(e))
     step_trace = None
     proc = start_drafter(pair, args.device, dtype_name, drafter_sessions, graphs, args.control_spin_ms,
-                         args.torch_trace, args.gil_switch_us)  # loads now
+                         None if args.torch_trace is None else
+                         drafter_trace_spec(args.torch_trace, n_streams * args.block_steps),
+                         args.gil_switch_us)  # loads now
     clients: dict[str, DraftStreamClient] = {}
     try:
         inproc = build_local_engine(pair / "target", pair / "drafter", dtype, args.device, ecfg)
@@ -409,8 +422,8 @@ def main() -> int:
             # one target for all: the in-process engine's (batch-invariant on CUDA), so only the drafter path differs
             engines[name] = Engine(inproc.target, client, model.target_layer_ids,
                                    variants[suffix].cfg if suffix else ecfg, projection)
-        if trace_window is not None:  # FIRST / COUNT in rounds: every engine ticks once a round, the drafter once
-            out_dir, first, count = trace_window  # a round per remote engine
+        if trace_window is not None:  # FIRST / COUNT in rounds: every engine ticks once a round (`drafter_trace_spec`
+            out_dir, first, count = trace_window  # scaled the drafter's to the steps it is sent)
             step_trace = StepTrace(out_dir, "verifier", first * len(engines), count * len(engines))
         regions = clients["colocated"].region_devices if "colocated" in clients else None
         print(f"device {device_name}; drafter process at {addr}; co-located regions {regions}; "

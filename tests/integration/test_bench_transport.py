@@ -136,3 +136,39 @@ def test_bench_transport_steps_engines_that_draft_ahead(pair, tmp_path):
         remote_ahead = r["params"]["transport"] == "colocated"
         assert r["params"]["draft_ahead"] == ("=false" not in r["params"]["transport"]), r["params"]
         assert (r["ahead_steps"] > 0) == remote_ahead, r
+
+
+def test_the_drafters_trace_window_covers_the_same_rounds():
+    """`--torch-trace DIR:FIRST:COUNT` counts rounds in the verifier (a tick per engine and round); the drafter counts
+    the steps it is sent, so its window is scaled by the steps a round sends it (remote engines x block steps)."""
+    from bench.bench_transport import drafter_trace_spec
+    from telemetry.torch_trace import DEFAULT_COUNT, DEFAULT_FIRST
+
+    assert drafter_trace_spec("/tmp/traces:12:6", 6) == "/tmp/traces:72:36"
+    assert drafter_trace_spec("/tmp/traces:3:2", 1) == "/tmp/traces:3:2"
+    assert drafter_trace_spec("/tmp/traces", 4) == f"/tmp/traces:{DEFAULT_FIRST * 4}:{DEFAULT_COUNT * 4}"
+    with pytest.raises(ValueError, match="DIR"):
+        drafter_trace_spec("/tmp/traces:x", 2)
+
+
+def test_bench_transport_traces_the_same_rounds_in_both_processes(pair, tmp_path):
+    """End to end with blocks of steps: the verifier's trace window (rounds 2-3 of 1 + 4) and the drafter's (the
+    steps those rounds send it) overlap in time; before the drafter's window was scaled, it traced other rounds."""
+    target, _ = pair
+    traces = tmp_path / "traces"
+    proc = run_bench(target.parent, tmp_path / "t.jsonl", "--concurrency", "1", "--transports", "colocated",
+                     "--block-steps", "3", "--steps", "4", "--torch-trace", f"{traces}:2:2")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+
+    def marks(role):
+        (path,) = [p for p in traces.glob(f"{role}-*.json") if not p.name.endswith(".meta.json")]
+        d = json.loads(path.read_text())
+        ts = [e["ts"] for e in d["traceEvents"] if str(e.get("name", "")).startswith(f"ddtree:{role} step")]
+        base = d.get("baseTimeNanoseconds", 0) / 1e3
+        return min(ts) + base, max(ts) + base, len(ts)
+
+    v0, v1, nv = marks("verifier")
+    d0, d1, nd = marks("drafter")
+    assert nv == 4 and nd == 6, (nv, nd)  # 2 rounds x 2 engines; 2 rounds x 3 steps of the one remote engine
+    assert d0 < v1 and v0 < d1, (v0, v1, d0, d1)  # the windows overlap
+
