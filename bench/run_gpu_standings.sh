@@ -7,14 +7,15 @@
 # carry `.whl` (the transport bench imports the wheels the image lacks). Logs and JSONL under $OUT (bench/results/run
 # when unset); run from the repo root and set DDTREE_COMMIT (the device's .git is stale). Overrides: VARIANTS
 # (bench_int4_moe --gluon names), TRANSPORT_ARGS (bench_transport flags); section limits T_TESTS / T_LAYER (seconds);
-# TESTS=0 / MOE=0 / TRANSPORT=0 skip. An A/B of engine settings belongs in one run: TRANSPORT_ARGS="...
-# --variant FIELD=VALUE" (bench_transport.py steps a copy of the engines with it in the same rounds); by default the
-# in-process and the gRPC engines run a second time asking the drafter after the host read (draft_ahead=false;
-# drafting ahead, verifier_service/draft_ahead.py and ahead_steps.py, is the default since the fortieth session; over
-# gRPC, with draft_ahead, the next requests go right after the host read since the forty-first session:
-# `draft_ahead.ask_early`). Steps run in blocks of 6 per engine and round (--block-steps: an engine
-# drafting ahead overlaps its next draft with its host's next step, which a synchronize after every step would hide).
-# The kernels' GPU tests join the tests.
+# TESTS=0 / MOE=0 / TRANSPORT=0 / SWITCH=0 skip. SWITCH: bench/context_switch.py, the cost of a hand-off between two
+# processes' GPU contexts (T_SWITCH its limit). An A/B of engine settings belongs in one run: TRANSPORT_ARGS="...
+# --variant FIELD=VALUE" (bench_transport.py steps a copy of the engines with it in the same rounds). By default the
+# in-process engine runs a second time asking the drafter after the host read (draft_ahead=false), and the co-located
+# one with its stream held for the ahead draft before the step's GPU work (ahead_gpu_wait=true). Drafting ahead
+# (verifier_service/draft_ahead.py and ahead_steps.py) is the default since the fortieth session; over gRPC, with
+# draft_ahead, the next requests go right after the host read since the forty-first session (`draft_ahead.ask_early`).
+# Steps run in blocks of 6 per engine and round (--block-steps: an engine drafting ahead overlaps its next draft with
+# its host's next step, which a synchronize after every step would hide). The kernels' GPU tests join the tests.
 set -o pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 # shellcheck source=bench/_wheels.sh
@@ -29,10 +30,15 @@ if [ "${TESTS:-1}" != 0 ]; then
     tests/unit/test_tree_inputs.py tests/unit/test_tree_accept_kernel.py tests/unit/test_commit_moves.py \
     2>&1 | tee "$OUT/ws_tests.log" | tail -5 \
     || status=1
-  # drafting ahead, in process and co-located (kimi-mini; the drafter service in its own process)
-  timeout "${T_AHEAD:-200}" python -m pytest -q -rs -m gpu tests/unit/test_draft_ahead.py \
-    tests/integration/test_gpu_transport.py -k ahead 2>&1 \
+  # drafting ahead, in process and co-located (kimi-mini; the drafter service in its own process), and the doorbells
+  # (`Doorbell.wait_host`: the bench's wait for an ahead draft)
+  timeout "${T_AHEAD:-200}" python -m pytest -q -rs -m gpu tests/unit/test_draft_ahead.py tests/unit/test_doorbell.py \
+    tests/integration/test_gpu_transport.py -k "ahead or doorbell" 2>&1 \
     | tee "$OUT/ahead_tests.log" | tail -5 || status=1
+fi
+if [ "${SWITCH:-1}" != 0 ]; then  # a hand-off between two processes' GPU contexts (bench/context_switch.py)
+  timeout "${T_SWITCH:-90}" python bench/context_switch.py --out "$OUT/context_switch.jsonl" 2>&1 \
+    | tee "$OUT/context_switch.log" || status=1
 fi
 if [ "${MOE:-1}" != 0 ]; then
   # shellcheck disable=SC2086  # word splitting of the list is intended
@@ -45,9 +51,10 @@ if [ "${TRANSPORT:-1}" != 0 ]; then
 print(5 if torch.cuda.get_device_properties(0).total_memory > 100e9 else 4)")}
   # each copy holds a KV pool (~0.75 GB), an in-process one a drafter cache (~1.6 GB at 33 sessions) and a remote one
   # 32 more sessions of the drafter process (~1.5 GB): on an 80 GB GPU with 4 layers (~69 GB for the pair) the drafter
-  # process takes three remote engines (four ran out of memory in the forty-first session), so the copies asking the
-  # usual way are the in-process and the gRPC engines' (over gRPC that is the early ask's baseline)
-  variants="--variant draft_ahead=false@inprocess/grpc"
+  # process takes three remote engines (four ran out of memory in the forty-first session): the co-located, the gRPC
+  # and a co-located copy holding its stream for the ahead draft (`ahead_gpu_wait`, off by default, not yet measured),
+  # beside an in-process copy asking the usual way
+  variants="--variant draft_ahead=false@inprocess --variant ahead_gpu_wait=true@colocated"
   OUT="$OUT" K26_LAYERS=$layers K26=1 TESTS=0 ECHO=0 \
     BENCH_ARGS="${TRANSPORT_ARGS:---transports colocated grpc --steps 12 --warmup 2 --block-steps 6 $variants}" \
     bash bench/run_gpu_transport.sh \
