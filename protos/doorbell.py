@@ -59,6 +59,17 @@ _WAIT_GEQ = 0  # CU_STREAM_WAIT_VALUE_GEQ: (int32_t)(*addr - value) >= 0
 _WRITE_DEFAULT = 0  # CU_STREAM_WRITE_VALUE_DEFAULT: a memory fence before the write
 
 
+def poll_until(done: Callable[[], bool], timeout_s: float, abort: Callable[[], bool] | None = None) -> bool:
+    """Poll `done()` until it is true -> True, or False after `timeout_s` or once `abort()` (checked between polls)
+    is; the process's other threads run between polls."""
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        if time.monotonic() > deadline or (abort is not None and abort()):
+            return False
+        time.sleep(0)
+    return True
+
+
 def reached(counter: int, value: int) -> bool:
     """Whether a counter reading satisfies a wait for `value` (the GPU's cyclic comparison)."""
     return (counter - value) & _MASK < 1 << 31
@@ -189,12 +200,7 @@ class Doorbell:
         waiter, done = self._waiter
         self.wait(value, waiter)
         done.record(waiter)
-        deadline = time.monotonic() + timeout_s
-        while not done.query():
-            if time.monotonic() > deadline or (abort is not None and abort()):
-                return False
-            time.sleep(0)
-        return True
+        return poll_until(done.query, timeout_s, abort)
 
     def release(self, value: int) -> None:
         """Write `value` from our warmed-up release stream: ends our waits for values <= `value` whatever the peer
@@ -259,12 +265,7 @@ class HostBell:
     def wait_host(self, value: int, timeout_s: float, abort: Callable[[], bool] | None = None) -> bool:
         """Until the counter reaches `value` -> True, or False after `timeout_s` (or once `abort()` says so): a
         poll of host memory, no CUDA call."""
-        deadline = time.monotonic() + timeout_s
-        while not reached(self.read(), value):
-            if time.monotonic() > deadline or (abort is not None and abort()):
-                return False
-            time.sleep(0)
-        return True
+        return poll_until(lambda: reached(self.read(), value), timeout_s, abort)
 
     def prepare_release(self) -> None:
         """Nothing to set up: a store needs no stream."""

@@ -34,7 +34,6 @@ import inspect
 import os
 import tempfile
 import threading
-import time
 import uuid
 import weakref
 from collections.abc import Callable
@@ -43,7 +42,7 @@ from pathlib import Path
 import torch
 
 from protos.ddtree.v1 import common_pb2, drafter_pb2
-from protos.doorbell import Doorbell
+from protos.doorbell import Doorbell, poll_until
 
 ALIGN = 64  # byte alignment of every slice (covers every dtype's itemsize)
 # what torch.multiprocessing.reductions.rebuild_cuda_tensor takes (torch 2.x), matched by name
@@ -228,18 +227,13 @@ class IpcEvent:
         the peer dies before its work completes (measured on an H200: still waiting 20 s after the kill), and
         one verifier must not be able to wedge a drafter's GPU, nor a drafter a verifier's.
         `abort` (checked between polls) ends the wait early with False, e.g. once the peer's stream broke."""
-        deadline = time.monotonic() + timeout_s
         event = self.event  # `close` (the stream ending on another thread) may drop it meanwhile
         if event is None:
             return False
         try:
-            while not event.query():
-                if time.monotonic() > deadline or (abort is not None and abort()):
-                    return False
-                time.sleep(0)  # let the process's other threads run between polls
+            return poll_until(event.query, timeout_s, abort)
         except RuntimeError:  # the peer is gone and its event with it
             return False
-        return True
 
     def close(self) -> None:
         """Drop this side's reference (the creator also unregisters it) when the stream ends: events are

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from kernels.tree_build import TreeBatch
-from protos.doorbell import NBYTES, Doorbell, HostBell, host_supported, reached, supported
+from protos.doorbell import NBYTES, Doorbell, HostBell, host_supported, poll_until, reached, supported
 from protos.shared_region import RegionArena, SharedRegion
 from verifier_service.doorbell_watch import DoorbellWatch
 from verifier_service.tree_verdicts import TreeChecker
@@ -125,6 +125,15 @@ def test_verdicts_of_a_released_step_are_dropped():
 def test_cyclic_comparison_of_counter_and_value():
     assert reached(5, 5) and reached(6, 5) and not reached(4, 5)
     assert reached(2, (1 << 32) - 3) and not reached((1 << 32) - 3, 2)  # across the wrap
+
+
+def test_poll_until_a_condition_its_timeout_or_an_abort():
+    calls = iter([False, False, True])
+    assert poll_until(lambda: next(calls), 5.0)
+    t0 = time.monotonic()
+    assert not poll_until(lambda: False, 0.05) and time.monotonic() - t0 >= 0.05
+    t0 = time.monotonic()
+    assert not poll_until(lambda: False, 30.0, abort=lambda: True) and time.monotonic() - t0 < 5.0
 
 
 def test_no_doorbell_without_a_gpu():
