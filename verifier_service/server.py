@@ -79,6 +79,7 @@ class VerifierServerConfig:
     tree_accept: str = "auto"  # the step's acceptance: EngineConfig.tree_accept (auto = one Triton launch on CUDA)
     commit_moves: str = "auto"  # the step's KV moves: EngineConfig.commit_moves (auto = one Triton launch on CUDA)
     draft_ahead: bool = True  # EngineConfig.draft_ahead: the next step's draft queued before the host read
+    ahead_gpu_wait: bool = True  # EngineConfig.ahead_gpu_wait: co-located, the step's stream waits for the ahead draft
     doorbell: bool = True  # on a GPU: queue the verify step behind a doorbell (StreamClientConfig.doorbell)
     trees_in_place: str = "auto"  # co-located with the doorbell: StreamClientConfig.trees_in_place (auto, on, off)
     keepwarm_ms: float = 3.0  # gRPC stream: the KeepWarm period (StreamClientConfig.keepwarm_ms; 0: none)
@@ -266,7 +267,7 @@ def _engine_config(cfg: VerifierServerConfig, device: str) -> EngineConfig:
     return EngineConfig(page_size=cfg.page_size, num_pages=cfg.kv_pages, max_sessions=cfg.max_sessions,
                         max_session_len=cfg.max_session_len, draft_window=cfg.draft_window, cuda_graphs=graphs,
                         tree_inputs=cfg.tree_inputs, tree_accept=cfg.tree_accept, commit_moves=cfg.commit_moves,
-                        draft_ahead=cfg.draft_ahead)
+                        draft_ahead=cfg.draft_ahead, ahead_gpu_wait=cfg.ahead_gpu_wait)
 
 
 def _configure_mla(cfg: VerifierServerConfig, tcfg, device: str, dtype: torch.dtype) -> str:
