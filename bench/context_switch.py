@@ -16,6 +16,10 @@ stamp after the wait - D's last stamp (the ring and the switch back). Cases:
                 engine does: its next step waits on the GPU for the drafter's ring);
   idle          two processes; V queues its wait only once D's host has seen its graph end (nothing of V's pending
                 while D works; `resume` is then a host round trip and not comparable);
+  queued        two processes; D queues its graph ahead, behind a GPU wait on a request doorbell of V's (allocated by V,
+                mapped by D), which V rings on its stream after its acceptance instead of recording an event; V's wait
+                as in `blocked` (a co-located drafter that queues its ahead step before the verifier's acceptance:
+                `switch_in` is then the switch alone, no host poll and no launch on the chain);
   polled        two processes; V's host reads the counter (`Doorbell.read`: a 4-byte copy on V's context and a
                 synchronize) in a loop until D has rung, as the benchmark's `wait_ahead` did before the forty-second
                 session (`resume`: V's stamp after its loop, a host path).
@@ -45,7 +49,7 @@ from protos.doorbell import Doorbell  # noqa: E402
 from protos.shared_region import IpcEvent  # noqa: E402
 
 STAMPS = 4  # V before its event, D first, D last, V after the wait
-CASES = ("one_process", "blocked", "idle", "polled")
+CASES = ("one_process", "blocked", "idle", "polled", "queued")
 
 
 @triton.jit
@@ -128,20 +132,27 @@ def one_process(args, cyc: float) -> list[list[int]]:
 
 def drafter_proc(conn, kernels: int, cycles: int) -> None:
     dev = torch.device("cuda")
-    counter, handle = conn.recv()
-    bell, event = Doorbell(counter), IpcEvent.open(handle, dev)
+    counter, request, handle = conn.recv()
+    bell, asked, event = Doorbell(counter), Doorbell(request), IpcEvent.open(handle, dev)
+    asked.prepare_release()
     sd = torch.cuda.Stream(dev)
     buf = torch.zeros(STAMPS, dtype=torch.int64, device=dev)
     g = work_graph(buf, kernels, cycles, sd)
     conn.send("ready")
     while True:
-        r = conn.recv()
-        if r is None:
+        msg = conn.recv()
+        if msg is None:
             break
-        poll(event)
+        r, queued = msg
+        if queued:  # the graph queued behind V's request ring; V goes on once told so
+            asked.wait(r, sd)
+        else:
+            poll(event)
         with torch.cuda.stream(sd):
             g.replay()
         bell.ring(r, sd)
+        if queued:
+            conn.send("queued")
         sd.synchronize()
         conn.send(buf.tolist())
 
@@ -150,8 +161,8 @@ def two_processes(args, cyc: float, case: str) -> list[list[int]]:
     dev = torch.device("cuda")
     sv = torch.cuda.Stream(dev)
     buf = torch.zeros(STAMPS, dtype=torch.int64, device=dev)
-    counter = torch.zeros(1, dtype=torch.int32, device=dev)
-    bell, event = Doorbell(counter), IpcEvent.create(dev)
+    counter, request = (torch.zeros(1, dtype=torch.int32, device=dev) for _ in range(2))
+    bell, asked, event = Doorbell(counter), Doorbell(request), IpcEvent.create(dev)
     bell.prepare_release()
     with torch.cuda.stream(sv):
         stamp(buf, 3)
@@ -161,24 +172,34 @@ def two_processes(args, cyc: float, case: str) -> list[list[int]]:
     here, there = ctx.Pipe()
     p = ctx.Process(target=drafter_proc, args=(there, args.kernels, int(args.work_us / args.kernels * cyc)))
     p.start()
-    here.send((counter, event.handle))
+    here.send((counter, request, event.handle))
     if here.recv() != "ready":
         raise RuntimeError("the drafter process did not start")
     out = []
     try:
         for r in range(1, args.reps + args.warmup + 1):
             torch.cuda.synchronize()
-            v_prologue(buf, sv, event, int(args.accept_us * cyc))
-            if case == "blocked":
+            if case == "queued":
+                here.send((r, True))
+                if here.recv() != "queued":
+                    raise RuntimeError("the drafter process did not queue its graph")
+                with torch.cuda.stream(sv):
+                    torch.cuda._sleep(int(args.accept_us * cyc))
+                    stamp(buf, 0)
+                asked.ring(r, sv)
+            else:
+                v_prologue(buf, sv, event, int(args.accept_us * cyc))
+            if case in ("blocked", "queued"):
                 bell.wait(r, sv)
                 with torch.cuda.stream(sv):
                     stamp(buf, 3)
-            here.send(r)
+            if case != "queued":
+                here.send((r, False))
             if case == "polled":
                 while bell.read() < r:
                     time.sleep(0)
             d = here.recv()
-            if case != "blocked":
+            if case not in ("blocked", "queued"):
                 bell.wait(r, sv)
                 with torch.cuda.stream(sv):
                     stamp(buf, 3)
