@@ -25,7 +25,7 @@ from drafter_service.device_copy import host_to_device
 from kernels.tree_build import TreeBatch
 from protos.codec import WireError, answer_errors
 from protos.doorbell import HostBell, host_supported
-from verifier_service.doorbell_watch import DoorbellWatch
+from protos.doorbell_watch import DoorbellWatch
 from verifier_service.draft_call import DraftCall, DraftTimeout, StreamBroken
 from verifier_service.in_place import BLOCK_FIELDS, InPlaceStep
 from verifier_service.tree_assembly import assemble_trees

@@ -12,7 +12,7 @@ the step deadline) before touching the regions, so encoding, the socket and deco
 sender's GPU work. With the verifier's trees doorbell (`protos.doorbell`, `OpenStream.doorbell_region_id`)
 the verifier does not poll at all: the drafter's stream rings a counter in the verifier's GPU memory after its
 writes, and the verifier queues a wait for it on its own stream, then its whole verify step behind it, while
-the drafter's GPU still works; `verifier_service.doorbell_watch` releases that wait if the drafter never rings.
+the drafter's GPU still works; `protos.doorbell_watch` releases that wait if the drafter never rings.
 Trees from a CUDA region never leave the GPU. Over gRPC on a GPU the step is queued as soon as the request is
 sent, behind a `protos.doorbell.HostBell` that the stream's reader thread rings once it has put the answer's
 trees in pinned memory (`verifier_service.tree_landing`; the same watch rings it at the deadline).
@@ -53,7 +53,7 @@ from protos.shared_region import IpcEvent, RegionArena, SharedRegion
 from telemetry import host_timeline
 from telemetry.metrics import Metrics
 from verifier_service.ahead_steps import AheadStep, AheadSteps
-from verifier_service.doorbell_watch import DoorbellWatch
+from protos.doorbell_watch import DoorbellWatch
 from verifier_service.draft_call import DraftCall, DraftTimeout, StreamBroken
 from verifier_service.in_place import InPlacePlan, InPlaceStep
 from verifier_service.queued_steps import REQUEST_REGION, RESPONSE_REGION, QueuedSteps

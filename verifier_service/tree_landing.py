@@ -8,7 +8,7 @@ the largest full tree; every row starts as a root-only tree), a wait for a `Host
 stream and behind it the one host-to-device copy of those trees, so the engine queues the check and its verify
 step right away. The thread that reads the stream hands the answer to `Landing.deliver`, which writes each
 answered session's tree into its row and rings the bell; a stream that breaks rings it (`release`), and so does
-the deadline watch (`verifier_service.doorbell_watch`) when no answer comes.
+the deadline watch (`protos.doorbell_watch`) when no answer comes.
 
 Whatever rings it, the step runs on what the landing holds, and it stays lossless: a row without its tree is a
 root-only tree, which the device check refuses (an autoregressive step); such rows are `excused` (their

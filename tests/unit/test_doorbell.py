@@ -1,4 +1,4 @@
-"""The trees doorbell (`protos.doorbell`) and its deadline (`verifier_service.doorbell_watch`).
+"""The trees doorbell (`protos.doorbell`) and its deadline (`protos.doorbell_watch`).
 
 On the GPU, across two processes: a stream waiting on the doorbell runs its later work only once the
 peer's stream has rung it, and sees what the peer wrote before ringing; a peer that never rings (alive,
@@ -22,7 +22,7 @@ import torch
 from kernels.tree_build import TreeBatch
 from protos.doorbell import NBYTES, Doorbell, HostBell, host_supported, poll_until, reached, supported
 from protos.shared_region import RegionArena, SharedRegion
-from verifier_service.doorbell_watch import DoorbellWatch
+from protos.doorbell_watch import DoorbellWatch
 from verifier_service.tree_verdicts import TreeChecker
 
 ROOT = Path(__file__).resolve().parents[2]

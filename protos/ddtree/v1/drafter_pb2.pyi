@@ -76,7 +76,7 @@ class CudaIpcHandle(_message.Message):
     def __init__(self, device: _Optional[int] = ..., handle: _Optional[bytes] = ..., storage_size_bytes: _Optional[int] = ..., storage_offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ..., tensor_offset: _Optional[int] = ..., device_uuid: _Optional[str] = ...) -> None: ...
 
 class DraftStep(_message.Message):
-    __slots__ = ("step_id", "sessions", "response_region_id", "ctx_features", "doorbell_value", "trees_in_place", "ahead_values")
+    __slots__ = ("step_id", "sessions", "response_region_id", "ctx_features", "doorbell_value", "trees_in_place", "ahead_values", "request_doorbell_value")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_REGION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -84,6 +84,7 @@ class DraftStep(_message.Message):
     DOORBELL_VALUE_FIELD_NUMBER: _ClassVar[int]
     TREES_IN_PLACE_FIELD_NUMBER: _ClassVar[int]
     AHEAD_VALUES_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_DOORBELL_VALUE_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     sessions: _containers.RepeatedCompositeFieldContainer[SessionDraftRequest]
     response_region_id: int
@@ -91,7 +92,8 @@ class DraftStep(_message.Message):
     doorbell_value: int
     trees_in_place: int
     ahead_values: _common_pb2.Tensor
-    def __init__(self, step_id: _Optional[int] = ..., sessions: _Optional[_Iterable[_Union[SessionDraftRequest, _Mapping]]] = ..., response_region_id: _Optional[int] = ..., ctx_features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., doorbell_value: _Optional[int] = ..., trees_in_place: _Optional[int] = ..., ahead_values: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    request_doorbell_value: int
+    def __init__(self, step_id: _Optional[int] = ..., sessions: _Optional[_Iterable[_Union[SessionDraftRequest, _Mapping]]] = ..., response_region_id: _Optional[int] = ..., ctx_features: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., doorbell_value: _Optional[int] = ..., trees_in_place: _Optional[int] = ..., ahead_values: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., request_doorbell_value: _Optional[int] = ...) -> None: ...
 
 class AheadCommitted(_message.Message):
     __slots__ = ("step_id", "rows", "traceparents")
@@ -200,7 +202,7 @@ class DrafterInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DrafterInfo(_message.Message):
-    __slots__ = ("model", "vocab_size", "block_size", "target_layer_ids", "target_hidden_size", "max_budget", "max_sessions", "active_sessions", "draft_window", "streams", "device", "dtype", "trees_event", "step_features", "trees_doorbell", "keep_warm", "trees_in_place", "context_projection", "hidden_size", "draft_ahead")
+    __slots__ = ("model", "vocab_size", "block_size", "target_layer_ids", "target_hidden_size", "max_budget", "max_sessions", "active_sessions", "draft_window", "streams", "device", "dtype", "trees_event", "step_features", "trees_doorbell", "keep_warm", "trees_in_place", "context_projection", "hidden_size", "draft_ahead", "request_doorbell")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -221,6 +223,7 @@ class DrafterInfo(_message.Message):
     CONTEXT_PROJECTION_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
     DRAFT_AHEAD_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_DOORBELL_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     block_size: int
@@ -241,4 +244,5 @@ class DrafterInfo(_message.Message):
     context_projection: str
     hidden_size: int
     draft_ahead: bool
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., target_hidden_size: _Optional[int] = ..., max_budget: _Optional[int] = ..., max_sessions: _Optional[int] = ..., active_sessions: _Optional[int] = ..., draft_window: _Optional[int] = ..., streams: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., trees_event: _Optional[bytes] = ..., step_features: _Optional[bool] = ..., trees_doorbell: _Optional[bool] = ..., keep_warm: _Optional[bool] = ..., trees_in_place: _Optional[bool] = ..., context_projection: _Optional[str] = ..., hidden_size: _Optional[int] = ..., draft_ahead: _Optional[bool] = ...) -> None: ...
+    request_doorbell: SharedRegion
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., target_hidden_size: _Optional[int] = ..., max_budget: _Optional[int] = ..., max_sessions: _Optional[int] = ..., active_sessions: _Optional[int] = ..., draft_window: _Optional[int] = ..., streams: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., trees_event: _Optional[bytes] = ..., step_features: _Optional[bool] = ..., trees_doorbell: _Optional[bool] = ..., keep_warm: _Optional[bool] = ..., trees_in_place: _Optional[bool] = ..., context_projection: _Optional[str] = ..., hidden_size: _Optional[int] = ..., draft_ahead: _Optional[bool] = ..., request_doorbell: _Optional[_Union[SharedRegion, _Mapping]] = ...) -> None: ...
