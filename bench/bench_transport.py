@@ -227,7 +227,9 @@ def kind(engine: str) -> str:
 
 
 IN_PLACE = {"colocated_in_place": "on", "colocated_answer": "off"}  # StreamClientConfig.trees_in_place (else auto)
-DOORBELLED = ("colocated", "colocated_in_place", "colocated_answer")  # co-located engines with events and the doorbell
+# co-located engines with events and the doorbell; colocated_polled: without the request doorbell (the drafter polls
+# our request event on its host before it launches an ahead step's draft)
+DOORBELLED = ("colocated", "colocated_in_place", "colocated_answer", "colocated_polled")
 
 
 def keepwarm_ms(transport: str, args) -> float:
@@ -410,6 +412,7 @@ def main() -> int:
                                                           ipc_events=transport in (*DOORBELLED, "colocated_events"),
                                                           doorbell=transport in (*DOORBELLED, "grpc", "grpc_cold"),
                                                           trees_in_place=IN_PLACE.get(transport, "auto"),
+                                                          request_doorbell=transport != "colocated_polled",
                                                           control_spin_s=args.control_spin_ms / 1e3,
                                                           check_graphs=args.check_graphs,
                                                           keepwarm_ms=keepwarm_ms(transport, args),
@@ -489,7 +492,7 @@ def main() -> int:
                 if not kind(t).startswith("grpc") and (d["region_tensors"] == 0 or d["region_trees"] != d["steps"]):
                     problems.append(f"C={conc} {t}: shared regions not used for every step ({d})")
                 handed = {"colocated": "doorbell_steps", "colocated_in_place": "doorbell_steps",
-                          "colocated_answer": "doorbell_steps",
+                          "colocated_answer": "doorbell_steps", "colocated_polled": "doorbell_steps",
                           "colocated_events": "event_steps",
                           "grpc": "landed_steps", "grpc_cold": "landed_steps"}.get(kind(t)) if cuda else None
                 if handed and d[handed] != d["steps"]:
@@ -497,11 +500,21 @@ def main() -> int:
                 # a stream's first step is answered
                 if kind(t) == "colocated_in_place" and d["in_place_steps"] < d["steps"] - 1:
                     problems.append(f"C={conc} {t}: in_place_steps is not every step after the first ({d})")
+                # every ahead step of a stream with the request doorbell rings it (the drafter may wait on it; rings
+                # count the steps sent, ahead_steps those taken: the last one sent is never taken)
+                polled = kind(t) == "colocated_polled"
+                if cuda and kind(t) in DOORBELLED and (d["request_rings"] if polled else
+                                                        d["request_rings"] < d["ahead_steps"]):
+                    problems.append(f"C={conc} {t}: request_rings is not every ahead step ({d})")
                 in_place[t] = {"in_place_steps": d["in_place_steps"], "ring_first": d["ring_first"],
-                               "ahead_steps": d["ahead_steps"]}
+                               "ahead_steps": d["ahead_steps"], "request_rings": d["request_rings"]}
             runs_after = graph_runs(metrics_addr)  # the drafter process's, all remote engines of this C together
             runs = {k: v - runs_before.get(k, 0) for k, v in runs_after.items() if v != runs_before.get(k, 0)}
             print(f"drafter graph runs at C={conc} (warm-up included, all remote engines): {runs}", flush=True)
+            rung = sum(v["request_rings"] for v in in_place.values())
+            if cuda and rung and not runs.get("ahead_queued"):  # the drafter took none behind a GPU wait
+                problems.append(f"C={conc}: {rung} ahead steps rang the request doorbell, the drafter queued none "
+                                f"behind it ({runs})")
             for t, e in engines.items():
                 for i in range(conc):
                     e.release(f"b{i}")
@@ -536,7 +549,7 @@ def main() -> int:
                        "drafter_graph_runs": runs if t in clients else {},
                        "ipc_events": t in clients and clients[t].ipc_events,
                        "doorbell": t in clients and clients[t].doorbell,
-                       **in_place.get(t, {"in_place_steps": 0, "ring_first": 0, "ahead_steps": 0}),
+                       **in_place.get(t, {"in_place_steps": 0, "ring_first": 0, "ahead_steps": 0, "request_rings": 0}),
                        "malloc_pinned": "MALLOC_MMAP_THRESHOLD_" in os.environ, "malloc_tuned": malloc_tuned,
                        "gil_switch_us": gil_switch_us,
                        "pinned_min_bytes": pinned_min_bytes(os.environ.get("DDTREE_PINNED_MIN_BYTES")),

@@ -155,7 +155,8 @@ class DraftGraphRunner:
         self.ahead_columns = torch.zeros(3, self.buckets[-1], dtype=torch.int64, device=dev)
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor | None]] = {}
         self.failed: dict[tuple, str] = {}  # key -> why its capture failed (runs eagerly)
-        self.stats: collections.Counter = collections.Counter()  # replays, captures, padded_eager, eager, context_*
+        self.stats: collections.Counter = collections.Counter()  # replays, captures, padded_eager, eager, context_*,
+        # ahead_* (ahead_queued: ahead replays queued behind the verifier's request doorbell, `DraftStream`)
         self.enabled = True
         self._capturer = GraphCapture(dev)
         self._warned: set[str] = set()
@@ -286,6 +287,10 @@ class DraftGraphRunner:
         # uploaded at the launch: a copy queued now would be GPU work of this process's while the peer's GPU still
         # computes the values, and the GPU would switch contexts for it mid-step
         return AheadStaged(key, S, P, block.pin_memory() if self.device.type == "cuda" else block)
+
+    def captured(self, staged: AheadStaged) -> bool:
+        """Whether `ahead_launch` of this stage replays a graph held already (no capture, no eager body)."""
+        return self.capture and staged.key in self.graphs
 
     @torch.no_grad()
     def ahead_launch(self, staged: AheadStaged, feats: torch.Tensor, values: torch.Tensor) -> TreeBatch | None:

@@ -17,6 +17,7 @@ span in its request's trace, timed by the batched draft call it shared.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -30,6 +31,7 @@ from kernels.tree_build import TreeBatch
 from protos.codec import WireError, draft_request_from_pb, tensor_from_pb, trees_in_place, trees_to_pb
 from protos.ddtree.v1 import drafter_pb2
 from protos.doorbell import Doorbell
+from protos.doorbell_watch import DoorbellWatch
 from protos.shared_region import IpcEvent, RegionArena, SharedRegion
 from telemetry import host_timeline, tracing
 from telemetry.metrics import Metrics
@@ -149,6 +151,10 @@ class DraftStream:
     trees_event: IpcEvent | None = None
     # OpenStream.doorbell_region_id taken: rung after each step's writes instead of recording trees_event
     doorbell: Doorbell | None = None
+    # OpenStream.request_doorbell_region_id taken: the watch of our waits on the verifier's request doorbell
+    # (`queue_request_wait`), which ends a wait the verifier has not rung by its deadline and sets `fault`
+    request_watch: DoorbellWatch | None = None
+    fault: str | None = None  # why the stream must end (told at its next message)
     views: dict = field(default_factory=dict)  # tensor_from_pb's cache of region views (dropped with the regions)
     copy_wait_s: float = 0.0  # bytes answers on a GPU: how long the server expects a step's trees to reach the host
     projected: bool = False  # OpenStream.context_projection taken: context rows arrive projected, not as taps
@@ -172,6 +178,9 @@ class DraftStream:
         self.closed = True
         for sid in list(self.sessions):
             self.forget(sid)
+        if self.request_watch is not None:
+            self.request_watch.close()  # a wait of ours still queued is ended first (nothing stays blocked)
+            self.request_watch = None
         if self.doorbell is not None:
             self.doorbell.close()  # after our last ring has landed, before the page is unmapped
         self.views.clear()
@@ -304,6 +313,34 @@ class DraftStream:
     def _no_ahead_pending(self, what: str) -> None:
         if self.ahead is not None:
             raise ProtocolError(f"{what} before the AheadCommitted of step {self.ahead.step_id} (taken ahead)")
+
+    def request_expired(self, owner: object) -> None:
+        """The request watch's callback (its thread): the verifier did not ring by the deadline; our wait is ended,
+        the step drafted from whatever the region held (its trees are checked like any), the stream must go."""
+        self.fault = (f"the verifier did not ring its request doorbell within {EVENT_TIMEOUT_S:.0f} s of an ahead "
+                      "step (has it died?)")
+        log.warning("stream %d: %s; ending the stream", self.number, self.fault)
+
+    def queue_request_wait(self, s: StagedStep) -> bool:
+        """A staged ahead step that carries DraftStep.request_doorbell_value: queue on our stream a wait for the
+        verifier's ring, watched until the deadline, so that the draft can launch behind it now -> True; False where
+        it must wait on the host instead (the request event): its draft would capture a graph, run an eager body or
+        read refusals back (a kernel loaded for the first time behind a wait stalls, see `protos.doorbell`).
+        ProtocolError for a value on a stream without a request doorbell or on a usual step."""
+        step = s.step
+        if not step.HasField("request_doorbell_value"):
+            return False
+        if self.request_watch is None or s.ahead is None:
+            raise ProtocolError(f"step {step.step_id}: request_doorbell_value " + (
+                "on a stream without a request doorbell" if self.request_watch is None else "on a step not ahead"))
+        a = s.ahead
+        if a.stage is None or len(a.ids) < len(step.sessions) or not a.stage.replays:
+            return False
+        self.request_watch.bell.wait(step.request_doorbell_value)
+        self.request_watch.arm(self, step.request_doorbell_value, time.monotonic() + EVENT_TIMEOUT_S,
+                               threading.Event())
+        self.drafter.graphs.stats["ahead_queued"] += 1
+        return True
 
     def await_request(self, step: drafter_pb2.DraftStep) -> None:
         """With IPC events: poll until the verifier's writes into the request region are done (outside the

@@ -45,6 +45,13 @@ class AheadStage:
     topk: int
     graph: AheadStaged | None
 
+    @property
+    def replays(self) -> bool:
+        """Whether `draft` replays a graph captured already: it then runs no kernel for the first time and reads
+        nothing back on the host (a stream waiting on a GPU doorbell may hold it: `DraftStream.queue_request_wait`)."""
+        g = self.drafter.graphs
+        return self.graph is not None and g is not None and g.captured(self.graph)
+
     @torch.no_grad()
     def draft(self, feats: torch.Tensor, values: torch.Tensor, projected: bool = False) -> TreeBatch:
         """The device part (`Drafter.draft_ahead`): the candidate rows feats [S, P, F] and values [3, S] -> trees."""

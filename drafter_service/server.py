@@ -44,6 +44,7 @@ from drafter_service.drafter import Drafter
 from protos.control_socket import ControlClosed, ControlSocket
 from protos.ddtree.v1 import drafter_pb2, drafter_pb2_grpc
 from protos.doorbell import Doorbell, supported
+from protos.doorbell_watch import DoorbellWatch
 from protos.serving import GrpcServer, cancel_quietly
 from protos.shared_region import IpcEvent, SharedRegion
 from telemetry import host_timeline, tracing
@@ -198,6 +199,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
             if st.trees_event is not None:
                 opened.trees_event = st.trees_event.handle
             opened.trees_doorbell = st.doorbell is not None
+            opened.request_doorbell = st.request_watch is not None
             opened.draft_ahead = st.draft_ahead
             await context.write(drafter_pb2.DraftStreamResponse(opened=opened))
             if control is not None:
@@ -249,6 +251,8 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
     def _handle(self, st: DraftStream, req: drafter_pb2.DraftStreamRequest) -> drafter_pb2.DraftStreamResponse | None:
         """One mid-stream message, under the model lock -> the answer to send (steps only)."""
         kind = req.WhichOneof("kind")
+        if st.fault is not None:
+            raise ProtocolError(st.fault)
         if kind == "step":
             return self._step(st, req.step)
         with self._model_lock, torch.no_grad():
@@ -269,6 +273,8 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         with self._model_lock, torch.no_grad():
             host_timeline.mark("draft_begin")
             staged = st.stage(step)
+            if st.queue_request_wait(staged):  # behind a GPU wait for the verifier's ring: launched right away
+                return self._launch(st, staged)
         st.await_request(step)
         with self._model_lock, torch.no_grad():
             return self._launch(st, staged)
@@ -363,6 +369,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
             # host regions are written before the message leaves
             st.draft_ahead = bool(regions) and self.drafter.drafts_ahead and (
                 st.request_event is not None or all(r.device.type == "cpu" for r in regions.values()))
+            st.request_watch = self._request_watch(msg, regions, st)
         except Exception:
             for r in regions.values():
                 r.close()
@@ -406,6 +413,29 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
             log.warning("stream from %r: cannot ring its doorbell (%s); recording the trees event instead",
                         msg.client_id, e)
             return None
+
+    @staticmethod
+    def _request_watch(msg: drafter_pb2.OpenStream, regions: dict[int, SharedRegion], st: DraftStream
+                       ) -> DoorbellWatch | None:
+        """The watch of our waits on the verifier's request doorbell (OpenStream.request_doorbell_region_id) when
+        offered on a stream that takes ahead steps and rings the trees doorbell; ValueError for an id that names no
+        region of the stream."""
+        if not msg.HasField("request_doorbell_region_id"):
+            return None
+        region = regions.get(msg.request_doorbell_region_id)
+        if region is None:
+            raise ValueError(f"request doorbell region {msg.request_doorbell_region_id} is not one of the stream's "
+                             "regions")
+        if st.doorbell is None or not st.draft_ahead or region.device != st.doorbell.device:
+            return None  # ahead steps then wait for the request event on our host
+        try:
+            bell = Doorbell(region.buf)
+            bell.prepare_release()
+        except (RuntimeError, ValueError) as e:
+            log.warning("stream from %r: cannot wait on its request doorbell (%s); polling its event instead",
+                        msg.client_id, e)
+            return None
+        return DoorbellWatch(bell, st.request_expired)
 
     def _close(self, st: DraftStream) -> None:
         with self._model_lock:

@@ -48,6 +48,7 @@ class DraftCall:
         self.request_event: IpcEvent | None = None
         self.trees_event: IpcEvent | None = None
         self.doorbell = False  # the drafter rings the client's trees doorbell after each step's writes
+        self.request_doorbell = False  # ahead steps ring the client's request doorbell (the drafter may wait on it)
         self.bell_value = 0  # the value the step in flight rings
         # when steps ask for their trees in place (the drafter writes them there, the stream has a doorbell and the
         # client's trees_in_place is not "off"); None: never

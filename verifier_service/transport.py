@@ -38,6 +38,9 @@ class StreamClientConfig:
     # with ipc_events: the drafter rings a counter our stream waits on (protos.doorbell); gRPC on a GPU: the verify
     # step is queued before the trees arrive, behind a host doorbell the answer rings (verifier_service.tree_landing)
     doorbell: bool = True
+    # co-located with the doorbell: ahead steps ring a counter of ours that the drafter's stream may wait on
+    # (OpenStream.request_doorbell_region_id), so the drafter queues their draft at once instead of polling our event
+    request_doorbell: bool = True
     # co-located with the doorbell: "on" = the trees go where the verifier laid them out (DraftStep.trees_in_place),
     # so the check and the verify step are queued behind the doorbell right after the request leaves, without waiting
     # for the answer (read after the step, `DraftStreamClient.take_errors`); "off" = queued once the answer is read;

@@ -48,12 +48,12 @@ from kernels.tree_build import TreeBatch, tree_size
 from protos.codec import WireError, answer_errors, trees_from_pb
 from protos.control_socket import ControlListener
 from protos.ddtree.v1 import drafter_pb2, drafter_pb2_grpc
-from protos.doorbell import reached, supported
+from protos.doorbell import NBYTES, Doorbell, reached, supported
+from protos.doorbell_watch import DoorbellWatch
 from protos.shared_region import IpcEvent, RegionArena, SharedRegion
 from telemetry import host_timeline
 from telemetry.metrics import Metrics
 from verifier_service.ahead_steps import AheadStep, AheadSteps
-from protos.doorbell_watch import DoorbellWatch
 from verifier_service.draft_call import DraftCall, DraftTimeout, StreamBroken
 from verifier_service.in_place import InPlacePlan, InPlaceStep
 from verifier_service.queued_steps import REQUEST_REGION, RESPONSE_REGION, QueuedSteps
@@ -66,6 +66,7 @@ from verifier_service.tree_verdicts import TreeChecker
 
 log = logging.getLogger(__name__)
 DOORBELL_REGION = 3  # and REQUEST_REGION, RESPONSE_REGION (1, 2: `queued_steps`)
+REQUEST_DOORBELL_REGION = 4
 
 
 class DraftStreamClient(QueuedSteps, AheadSteps):
@@ -93,10 +94,12 @@ class DraftStreamClient(QueuedSteps, AheadSteps):
         self._checker: TreeChecker | None = None  # once the drafter's model is known
         # region_tensors: tensors this client placed in a shared region; region_trees: steps whose trees
         # came back through one (both stay 0 for grpc, and for a co-located stream that fell back to bytes)
-        # event_steps: steps whose regions were handed over by CUDA IPC events (no host wait on either side)
+        # event_steps: steps whose regions were handed over by CUDA IPC events (no host wait on either side);
+        # request_rings: ahead steps sent with a ring of the request doorbell (the drafter may queue them at once)
         self.stats = {"steps": 0, "fallback_steps": 0, "reconnects": 0, "invalid_trees": 0, "region_tensors": 0,
                       "region_trees": 0, "event_steps": 0, "doorbell_steps": 0, "doorbell_timeouts": 0,
-                      "landed_steps": 0, "in_place_steps": 0, "ring_first": 0, "keepwarm_sent": 0, "ahead_steps": 0}
+                      "landed_steps": 0, "in_place_steps": 0, "ring_first": 0, "keepwarm_sent": 0, "ahead_steps": 0,
+                      "request_rings": 0}
         self.last_error = ""
         # the drafter's Info names another context projection than cfg.context_projection: a configuration error
         # (wait_ready raises it; after the first stream the client keeps retrying, autoregressive meanwhile)
@@ -106,6 +109,11 @@ class DraftStreamClient(QueuedSteps, AheadSteps):
         self._use_doorbell = self._use_events and cfg.doorbell
         # with the doorbell: one counter for the client's life, offered to every stream (made by the first)
         self._watch: DoorbellWatch | None = None
+        # with the doorbell: the request doorbell, rung after an ahead step's writes, the same for every stream (its
+        # region, the bell, the last value rung: it increases across streams, as `_bell_value`)
+        self._use_request_bell = self._use_doorbell and cfg.request_doorbell
+        self._request_bell: tuple[SharedRegion, Doorbell] | None = None
+        self._request_value = 0
         # gRPC on a GPU with the doorbell: verify steps queued behind a host doorbell (verifier_service.tree_landing)
         self._use_landing = not cfg.colocated and cfg.doorbell
         self._landings: TreeLandings | None = None  # where trees from bytes go on the GPU (set with the device)
@@ -184,6 +192,10 @@ class DraftStreamClient(QueuedSteps, AheadSteps):
         self._channel.close()
         if self._watch is not None:
             self._watch.close()  # releases a wait still armed, then frees the counter
+        if self._request_bell is not None:
+            region, bell = self._request_bell
+            bell.close()  # our last ring has landed
+            region.close()
 
     def _connector(self) -> None:
         delay = self.cfg.retry_min_s
@@ -237,16 +249,18 @@ class DraftStreamClient(QueuedSteps, AheadSteps):
         if self._use_events and self._device.type == "cuda":
             stream.request_event = IpcEvent.create(self._device)
         bell = self._doorbell_region() if stream.request_event is not None else None
+        asked = self._request_region() if bell is not None else None
         listener = None
         try:
             if self._use_control:
                 listener = ControlListener(self.cfg.max_message_bytes)
             stream.send(drafter_pb2.DraftStreamRequest(open=drafter_pb2.OpenStream(
                 client_id=self.cfg.client_id,
-                regions=[r.to_pb() for r in [*regions.values(), *([bell] if bell else [])]],
+                regions=[r.to_pb() for r in [*regions.values(), *(x for x in (bell, asked) if x is not None)]],
                 control_socket=listener.path if listener else "",
                 request_event=stream.request_event.handle if stream.request_event else b"",
                 doorbell_region_id=bell.region_id if bell is not None else None,
+                request_doorbell_region_id=asked.region_id if asked is not None else None,
                 context_projection=self.cfg.context_projection)))
             try:
                 resp = stream.recv(self.cfg.connect_timeout_s)
@@ -276,6 +290,7 @@ class DraftStreamClient(QueuedSteps, AheadSteps):
                 stream.request_event = None  # the drafter waits for its GPU: so do we
             stream.doorbell = bell is not None and stream.request_event is not None and resp.opened.trees_doorbell
             stream.draft_ahead = bool(regions) and resp.opened.draft_ahead
+            stream.request_doorbell = stream.doorbell and asked is not None and resp.opened.request_doorbell
             if stream.doorbell and resp.opened.trees_in_place and self.cfg.trees_in_place != "off":
                 stream.in_place = InPlacePlan(self.cfg.trees_in_place)
             for r in regions.values():
@@ -311,6 +326,24 @@ class DraftStreamClient(QueuedSteps, AheadSteps):
                 self._use_doorbell = False
                 return None
         return self._watch.region
+
+    def _request_region(self) -> SharedRegion | None:
+        """The request doorbell's region (made once, offered to every stream with the trees doorbell), or None when
+        the client does not use one."""
+        if not self._use_request_bell:
+            return None
+        if self._request_bell is None:
+            region = SharedRegion.create(REQUEST_DOORBELL_REGION, NBYTES, self._device)
+            try:
+                region.buf.zero_()
+                torch.cuda.current_stream(self._device).synchronize()  # zero before any peer maps it
+                self._request_bell = region, Doorbell(region.buf)
+            except RuntimeError as e:
+                region.close()
+                log.warning("no request doorbell (%s): the drafter polls the request event", e)
+                self._use_request_bell = False
+                return None
+        return self._request_bell[0]
 
     def _bell_expired(self, stream: DraftCall) -> None:
         """The watch released a step the drafter never rang for (it died, or hangs): drop that stream."""
@@ -461,6 +494,11 @@ class DraftStreamClient(QueuedSteps, AheadSteps):
             arena.hand_over(s.request_event)
             self.stats["region_tensors"] += arena.placed
             step.response_region_id = RESPONSE_REGION
+            if s.request_doorbell and step.HasField("ahead_values"):  # after the writes, in our stream's order
+                self._request_value += 1
+                self._request_bell[1].ring(self._request_value)
+                step.request_doorbell_value = self._request_value
+                self.stats["request_rings"] += 1
         if s.doorbell:
             self._bell_value += 1
             s.bell_value = step.doorbell_value = self._bell_value

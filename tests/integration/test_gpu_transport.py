@@ -113,6 +113,8 @@ def test_split_drafter_on_the_gpu_equals_in_process(setup, reference, transport)
                 assert stats["in_place_steps"] == (stats["steps"] - 1 if in_place == "on" else 0), stats
             if ahead:  # every step but each wave's first (its sessions are new to the stream)
                 assert stats["ahead_steps"] >= stats["steps"] - 2 * len(waves()) - 2, stats
+                # each rang the request doorbell after its writes (the drafter queues its draft behind it)
+                assert stats["request_rings"] >= stats["ahead_steps"], stats
                 assert stats["in_place_steps"] >= (stats["steps"] - 1 if in_place == "on" else 0), stats
         else:
             assert client.region_devices == {} and stats["region_tensors"] == stats["region_trees"] == 0, stats

@@ -21,8 +21,8 @@ import torch
 
 from kernels.tree_build import TreeBatch
 from protos.doorbell import NBYTES, Doorbell, HostBell, host_supported, poll_until, reached, supported
-from protos.shared_region import RegionArena, SharedRegion
 from protos.doorbell_watch import DoorbellWatch
+from protos.shared_region import RegionArena, SharedRegion
 from verifier_service.tree_verdicts import TreeChecker
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -24,20 +24,22 @@ class DraftStreamRequest(_message.Message):
     def __init__(self, open: _Optional[_Union[OpenStream, _Mapping]] = ..., step: _Optional[_Union[DraftStep, _Mapping]] = ..., release: _Optional[_Union[ReleaseSessions, _Mapping]] = ..., context: _Optional[_Union[SessionContext, _Mapping]] = ..., keep_warm: _Optional[_Union[KeepWarm, _Mapping]] = ..., ahead_committed: _Optional[_Union[AheadCommitted, _Mapping]] = ...) -> None: ...
 
 class OpenStream(_message.Message):
-    __slots__ = ("client_id", "regions", "control_socket", "request_event", "doorbell_region_id", "context_projection")
+    __slots__ = ("client_id", "regions", "control_socket", "request_event", "doorbell_region_id", "context_projection", "request_doorbell_region_id")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     REGIONS_FIELD_NUMBER: _ClassVar[int]
     CONTROL_SOCKET_FIELD_NUMBER: _ClassVar[int]
     REQUEST_EVENT_FIELD_NUMBER: _ClassVar[int]
     DOORBELL_REGION_ID_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_PROJECTION_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_DOORBELL_REGION_ID_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     regions: _containers.RepeatedCompositeFieldContainer[SharedRegion]
     control_socket: str
     request_event: bytes
     doorbell_region_id: int
     context_projection: str
-    def __init__(self, client_id: _Optional[str] = ..., regions: _Optional[_Iterable[_Union[SharedRegion, _Mapping]]] = ..., control_socket: _Optional[str] = ..., request_event: _Optional[bytes] = ..., doorbell_region_id: _Optional[int] = ..., context_projection: _Optional[str] = ...) -> None: ...
+    request_doorbell_region_id: int
+    def __init__(self, client_id: _Optional[str] = ..., regions: _Optional[_Iterable[_Union[SharedRegion, _Mapping]]] = ..., control_socket: _Optional[str] = ..., request_event: _Optional[bytes] = ..., doorbell_region_id: _Optional[int] = ..., context_projection: _Optional[str] = ..., request_doorbell_region_id: _Optional[int] = ...) -> None: ...
 
 class SharedRegion(_message.Message):
     __slots__ = ("region_id", "nbytes", "shm_path", "cuda")
@@ -244,5 +246,5 @@ class DrafterInfo(_message.Message):
     context_projection: str
     hidden_size: int
     draft_ahead: bool
-    request_doorbell: SharedRegion
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., target_hidden_size: _Optional[int] = ..., max_budget: _Optional[int] = ..., max_sessions: _Optional[int] = ..., active_sessions: _Optional[int] = ..., draft_window: _Optional[int] = ..., streams: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., trees_event: _Optional[bytes] = ..., step_features: _Optional[bool] = ..., trees_doorbell: _Optional[bool] = ..., keep_warm: _Optional[bool] = ..., trees_in_place: _Optional[bool] = ..., context_projection: _Optional[str] = ..., hidden_size: _Optional[int] = ..., draft_ahead: _Optional[bool] = ..., request_doorbell: _Optional[_Union[SharedRegion, _Mapping]] = ...) -> None: ...
+    request_doorbell: bool
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., target_hidden_size: _Optional[int] = ..., max_budget: _Optional[int] = ..., max_sessions: _Optional[int] = ..., active_sessions: _Optional[int] = ..., draft_window: _Optional[int] = ..., streams: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., trees_event: _Optional[bytes] = ..., step_features: _Optional[bool] = ..., trees_doorbell: _Optional[bool] = ..., keep_warm: _Optional[bool] = ..., trees_in_place: _Optional[bool] = ..., context_projection: _Optional[str] = ..., hidden_size: _Optional[int] = ..., draft_ahead: _Optional[bool] = ..., request_doorbell: _Optional[bool] = ...) -> None: ...
