@@ -392,3 +392,103 @@ def test_a_step_waiting_for_its_event_when_its_stream_closes_is_not_drafted(part
     gate.gate.set()  # the verifier's writes land after all
     worker.join(10)
     assert len(errors) == 1 and "the stream closed" in errors[0], errors
+
+
+# --- the ahead step queued behind the verifier's request doorbell (DraftStream.queue_request_wait) -----------------
+class RecordingWatch:
+    """A request doorbell's watch as `DraftStream` uses it, on the CPU: records the waits queued on the stream and the
+    arms (a GPU doorbell needs a GPU: tests/integration/test_gpu_transport.py and bench_transport.py run the real
+    one)."""
+
+    def __init__(self, log):
+        from types import SimpleNamespace
+
+        self.log = log
+        self.bell = SimpleNamespace(wait=lambda value: log.append(("wait", value)))
+        self.closed = False
+
+    def arm(self, owner, value, deadline, released):
+        import time
+
+        self.log.append(("arm", value, round(deadline - time.monotonic())))
+
+    def close(self):
+        self.closed = True
+
+
+def test_an_ahead_step_with_a_request_ring_launches_behind_a_gpu_wait(parts, monkeypatch):
+    """A staged ahead step that carries request_doorbell_value and replays a captured graph: the wait for the ring is
+    queued and watched before its draft launches, and the verifier's event is never polled; the same trees as the step
+    launched after its event. Where the draft would not replay a graph (a capture, an eager body), a session was
+    refused, or the step carries no value, the event is polled as before."""
+    from drafter_service.drafter import AheadStage
+
+    answers = []
+    for replays, value in ((True, 7), (False, 8), (True, None)):
+        service, one, _, F = two_streams(parts)
+        log = []
+        one.request_watch = RecordingWatch(log)
+        one.request_event = GateEvent()
+        one.request_event.gate.set()
+        monkeypatch.setattr(AheadStage, "replays", property(lambda self, r=replays: r))
+        monkeypatch.setattr(one, "launch", lambda s, log=log, launch=one.launch: log.append("launch") or launch(s))
+        torch.manual_seed(1)
+        step = ahead_step(3, [("a", 6)], 4, F, torch.tensor([[3], [7], [9]]))
+        if value is not None:
+            step.request_doorbell_value = value
+        answer = service._step(one, step)
+        polled = one.request_event.polling.is_set()
+        if replays and value is not None:
+            assert log == [("wait", 7), ("arm", 7, 10), "launch"] and not polled, log
+            assert service.drafter.graphs.stats["ahead_queued"] == 1
+        else:
+            assert log == ["launch"] and polled and not service.drafter.graphs.stats["ahead_queued"], log
+        answer.trees.ClearField("compute_us")
+        answers.append(answer.trees.SerializeToString())
+        service._close(one)
+        assert one.request_watch is None
+    assert answers[0] == answers[1] == answers[2]
+    # a session refused: its refusals are read back on the host, which must not wait behind the ring
+    service, one, _, F = two_streams(parts)
+    log = []
+    one.request_watch = RecordingWatch(log)
+    monkeypatch.setattr(AheadStage, "replays", property(lambda self: True))
+    step = ahead_step(3, [("x", 0), ("a", 6)], 4, F)
+    step.request_doorbell_value = 9
+    answer = service._step(one, step)
+    assert not log and [e.session_id for e in answer.trees.errors] == ["x"]
+
+
+def test_request_doorbell_values_where_none_can_be_waited_for_break_the_stream(parts):
+    """request_doorbell_value on a stream without a request doorbell, or on a usual step, is a protocol error; a stream
+    whose watch found the verifier silent past the deadline ends at its next message."""
+    service, one, _, F = two_streams(parts)
+    step = ahead_step(3, [("a", 6)], 4, F)
+    step.request_doorbell_value = 1
+    with pytest.raises(ProtocolError, match="without a request doorbell"):
+        service._step(one, step)
+    one.request_watch = RecordingWatch([])
+    usual = usual_step(4, "a", 6, 2, F)
+    usual.request_doorbell_value = 2
+    with pytest.raises(ProtocolError, match="on a step not ahead"):
+        service._step(one, usual)
+    one.request_expired(one)
+    with pytest.raises(ProtocolError, match="did not ring its request doorbell"):
+        service._handle(one, drafter_pb2.DraftStreamRequest(step=usual_step(5, "a", 6, 2, F)))
+
+
+def test_the_request_doorbell_is_taken_only_with_the_trees_doorbell_on_a_gpu(parts):
+    """OpenStream.request_doorbell_region_id: an id that names no region of the stream fails the open; on the CPU (no
+    trees doorbell, no GPU counter) the drafter declines it and polls as before."""
+    from protos.shared_region import SharedRegion
+
+    service, one, _, F = two_streams(parts)
+    region = SharedRegion.create(4, 4, "cpu")
+    try:
+        msg = drafter_pb2.OpenStream(request_doorbell_region_id=4)
+        with pytest.raises(ValueError, match="request doorbell region 4"):
+            service._request_watch(msg, {}, one)
+        assert service._request_watch(msg, {4: region}, one) is None
+        assert service._request_watch(drafter_pb2.OpenStream(), {4: region}, one) is None
+    finally:
+        region.close()
