@@ -14,7 +14,12 @@ regions the verifier may also offer an IPC event (`OpenStream.request_event`): t
 step as soon as its work is queued on the GPU, recording an event of its own for the verifier to poll, and
 polls the verifier's before it touches the regions (`protos.shared_region.IpcEvent`). With the verifier's
 trees doorbell (`OpenStream.doorbell_region_id`, `protos.doorbell`) the stream rings it on the GPU after its
-writes instead of recording its trees event.
+writes instead of recording its trees event. With the verifier's request doorbell as well
+(`OpenStream.request_doorbell_region_id`) a step drafted ahead that replays a captured graph is queued at once behind a
+GPU wait on that counter, which the verifier's stream writes after its writes into the request region, instead of
+polling the event on the host (`DraftStream.queue_request_wait`; a watch of the stream's ends the wait at the deadline
+and fails the stream). While such a wait is queued, the other streams' drafter work queues behind it (one CUDA stream):
+a verifier that stops mid-step holds them until the deadline, or until its stream ends.
 
 Observability: Info calls run in SERVER spans continuing the caller's W3C context; the long-lived Draft
 stream does not (it carries many requests: each session's draft span follows the traceparent in its

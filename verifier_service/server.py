@@ -81,6 +81,7 @@ class VerifierServerConfig:
     draft_ahead: bool = True  # EngineConfig.draft_ahead: the next step's draft queued before the host read
     ahead_gpu_wait: bool = True  # EngineConfig.ahead_gpu_wait: co-located, the step's stream waits for the ahead draft
     doorbell: bool = True  # on a GPU: queue the verify step behind a doorbell (StreamClientConfig.doorbell)
+    request_doorbell: bool = True  # co-located: ahead steps ring a counter the drafter waits on (StreamClientConfig)
     trees_in_place: str = "auto"  # co-located with the doorbell: StreamClientConfig.trees_in_place (auto, on, off)
     keepwarm_ms: float = 3.0  # gRPC stream: the KeepWarm period (StreamClientConfig.keepwarm_ms; 0: none)
     torch_trace: str | None = None  # DIR[:FIRST[:COUNT]]: steps profiled by torch.profiler (telemetry.torch_trace)
@@ -313,6 +314,7 @@ def build_engine(cfg: VerifierServerConfig, stop: threading.Event, metrics: Metr
             cfg.drafter_address, colocated=cfg.transport == "colocated", region_device=device,
             draft_timeout_s=cfg.draft_timeout_s, max_message_bytes=cfg.max_message_bytes, window=cfg.draft_window,
             control_spin_s=cfg.control_spin_ms / 1e3, check_graphs=cfg.cuda_graphs is not False, doorbell=cfg.doorbell,
+            request_doorbell=cfg.request_doorbell,
             trees_in_place=cfg.trees_in_place, keepwarm_ms=cfg.keepwarm_ms, client_id=f"verifier@{cfg.listen}",
             context_projection=projection.fingerprint if projection is not None else ""), metrics=metrics)
         client.start()  # connects in the background while the target loads

@@ -322,14 +322,14 @@ def test_a_host_doorbell_holds_a_stream_until_the_host_rings_it():
 
 @pytest.mark.parametrize("flag, expected, in_place, ahead, gpu_wait", [
     ([], True, "auto", True, True), (["--no-doorbell"], False, "auto", True, True),
-    (["--trees-in-place", "on", "--ahead-gpu-wait", "off"], True, "on", True, False),
+    (["--trees-in-place", "on", "--ahead-gpu-wait", "off", "--no-request-doorbell"], True, "on", True, False),
     (["--draft-ahead", "off", "--commit-moves", "torch"], True, "auto", False, True)])
 def test_verifier_serve_doorbell_flag_reaches_the_server_config(monkeypatch, flag, expected, in_place, ahead,
                                                                gpu_wait):
     """`ddtree verifier serve --no-doorbell` turns the doorbell off for the stream client (the operator's way
     back to the IPC-event path); by default it is on. `--trees-in-place` (auto by default) says when the drafter
     is asked for trees where the verifier lays them out; `--draft-ahead off` and `--ahead-gpu-wait off` reach the
-    engine's config."""
+    engine's config, `--no-request-doorbell` the stream client's."""
     from gateway.cli import build_parser
     from gateway.commands import verifier
     from verifier_service.server import _engine_config
@@ -341,4 +341,5 @@ def test_verifier_serve_doorbell_flag_reaches_the_server_config(monkeypatch, fla
     assert args.func(args) == 0 and seen[0].doorbell is expected and seen[0].trees_in_place == in_place
     assert seen[0].draft_ahead is ahead and _engine_config(seen[0], "cpu").draft_ahead is ahead
     assert _engine_config(seen[0], "cpu").ahead_gpu_wait is gpu_wait
+    assert seen[0].request_doorbell is ("--no-request-doorbell" not in flag)
     assert _engine_config(seen[0], "cpu").commit_moves == ("auto" if ahead else "torch")
