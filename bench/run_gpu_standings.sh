@@ -11,8 +11,8 @@
 # processes' GPU contexts (T_SWITCH its limit). An A/B of engine settings belongs in one run: TRANSPORT_ARGS="...
 # --variant FIELD=VALUE" (bench_transport.py steps a copy of the engines with it in the same rounds). By default the
 # in-process engine runs a second time asking the drafter after the host read (draft_ahead=false), and the co-located
-# one without its stream held for the ahead draft before the step's GPU work (ahead_gpu_wait=false; on by default since
-# the forty-third session). Drafting ahead
+# one also runs without the request doorbell (colocated_polled: the drafter polls our event before it launches a draft
+# queued ahead; the doorbell is on by default since the forty-third session). Drafting ahead
 # (verifier_service/draft_ahead.py and ahead_steps.py) is the default since the fortieth session; over gRPC, with
 # draft_ahead, the next requests go right after the host read since the forty-first session (`draft_ahead.ask_early`).
 # Steps run in blocks of 6 per engine and round (--block-steps: an engine drafting ahead overlaps its next draft with
@@ -53,11 +53,11 @@ print(5 if torch.cuda.get_device_properties(0).total_memory > 100e9 else 4)")}
   # each copy holds a KV pool (~0.75 GB), an in-process one a drafter cache (~1.6 GB at 33 sessions) and a remote one
   # 32 more sessions of the drafter process (~1.5 GB): on an 80 GB GPU with 4 layers (~69 GB for the pair) the drafter
   # process takes three remote engines (four ran out of memory in the forty-first session): the co-located, the gRPC
-  # and a co-located copy not holding its stream for the ahead draft (`ahead_gpu_wait`, on by default),
-  # beside an in-process copy asking the usual way
-  variants="--variant draft_ahead=false@inprocess --variant ahead_gpu_wait=false@colocated"
+  # and the co-located without the request doorbell (colocated_polled), beside an in-process copy asking the usual way
+  variants="--variant draft_ahead=false@inprocess"
   OUT="$OUT" K26_LAYERS=$layers K26=1 TESTS=0 ECHO=0 \
-    BENCH_ARGS="${TRANSPORT_ARGS:---transports colocated grpc --steps 12 --warmup 2 --block-steps 6 $variants}" \
+    BENCH_ARGS="${TRANSPORT_ARGS:---transports colocated colocated_polled grpc --steps 24 --warmup 2 --block-steps 6 \
+$variants}" \
     bash bench/run_gpu_transport.sh \
     || status=1
 fi
