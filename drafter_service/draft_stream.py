@@ -325,7 +325,9 @@ class DraftStream:
         """A staged ahead step that carries DraftStep.request_doorbell_value: queue on our stream a wait for the
         verifier's ring, watched until the deadline, so that the draft can launch behind it now -> True; False where
         it must wait on the host instead (the request event): its draft would capture a graph, run an eager body or
-        read refusals back (a kernel loaded for the first time behind a wait stalls, see `protos.doorbell`).
+        read refusals back (a kernel loaded for the first time behind a wait stalls, see `protos.doorbell`), or its
+        answer would wait for our GPU (no response region or no trees doorbell value: the host would block behind the
+        wait, holding the model).
         ProtocolError for a value on a stream without a request doorbell or on a usual step."""
         step = s.step
         if not step.HasField("request_doorbell_value"):
@@ -334,7 +336,9 @@ class DraftStream:
             raise ProtocolError(f"step {step.step_id}: request_doorbell_value " + (
                 "on a stream without a request doorbell" if self.request_watch is None else "on a step not ahead"))
         a = s.ahead
-        if a.stage is None or len(a.ids) < len(step.sessions) or not a.stage.replays:
+        # the answer must go into the response region behind the trees doorbell: any other hand-over waits for our GPU
+        if a.stage is None or len(a.ids) < len(step.sessions) or not a.stage.replays or s.region is None \
+                or s.bell is None:
             return False
         self.request_watch.bell.wait(step.request_doorbell_value)
         self.request_watch.arm(self, step.request_doorbell_value, time.monotonic() + EVENT_TIMEOUT_S,

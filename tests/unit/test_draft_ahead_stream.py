@@ -416,47 +416,74 @@ class RecordingWatch:
         self.closed = True
 
 
+def doorbelled(one, log):
+    """Give a CPU stream what an ahead step queued behind a GPU wait needs besides the watch: a response region and a
+    trees doorbell (recording its rings), so that its answer is handed over without waiting for the GPU."""
+    from types import SimpleNamespace
+
+    from protos.shared_region import SharedRegion
+
+    one.regions[2] = SharedRegion.create(2, 1 << 16, "cpu")
+    one.doorbell = SimpleNamespace(device=torch.device("cpu"), close=lambda: None,
+                                   ring=lambda value, stream=None: log.append(("ring", value)))
+    one.request_watch = RecordingWatch(log)
+
+
+def rung_ahead_step(F, sessions, value, bell=True, region=True):
+    step = ahead_step(3, sessions, 4, F, torch.tensor([[3] * len(sessions), [7] * len(sessions), [9] * len(sessions)]))
+    if value is not None:
+        step.request_doorbell_value = value
+    if bell:
+        step.doorbell_value = 11
+    if region:
+        step.response_region_id = 2
+    return step
+
+
 def test_an_ahead_step_with_a_request_ring_launches_behind_a_gpu_wait(parts, monkeypatch):
-    """A staged ahead step that carries request_doorbell_value and replays a captured graph: the wait for the ring is
-    queued and watched before its draft launches, and the verifier's event is never polled; the same trees as the step
-    launched after its event. Where the draft would not replay a graph (a capture, an eager body), a session was
-    refused, or the step carries no value, the event is polled as before."""
+    """A staged ahead step that carries request_doorbell_value, replays a captured graph and answers in the response
+    region behind the trees doorbell: the wait for the ring is queued and watched before its draft launches, and the
+    verifier's event is never polled; the same trees as the step launched after its event. Where the draft would not
+    replay a graph (a capture, an eager body), the step carries no value, or its answer would wait for the GPU (no
+    trees doorbell value, no response region), the event is polled as before."""
     from drafter_service.drafter import AheadStage
 
     answers = []
-    for replays, value in ((True, 7), (False, 8), (True, None)):
+    cases = ((True, 7, True, True), (False, 8, True, True), (True, None, True, True), (True, 5, False, True),
+             (True, 6, False, False))
+    for replays, value, bell, region in cases:
         service, one, _, F = two_streams(parts)
         log = []
-        one.request_watch = RecordingWatch(log)
+        doorbelled(one, log)
         one.request_event = GateEvent()
         one.request_event.gate.set()
         monkeypatch.setattr(AheadStage, "replays", property(lambda self, r=replays: r))
         monkeypatch.setattr(one, "launch", lambda s, log=log, launch=one.launch: log.append("launch") or launch(s))
         torch.manual_seed(1)
-        step = ahead_step(3, [("a", 6)], 4, F, torch.tensor([[3], [7], [9]]))
-        if value is not None:
-            step.request_doorbell_value = value
-        answer = service._step(one, step)
+        answer = service._step(one, rung_ahead_step(F, [("a", 6)], value, bell, region))
         polled = one.request_event.polling.is_set()
-        if replays and value is not None:
-            assert log == [("wait", 7), ("arm", 7, 10), "launch"] and not polled, log
+        rung = [("ring", 11)] if bell else []
+        if replays and value is not None and bell and region:
+            assert log == [("wait", 7), ("arm", 7, 10), "launch", *rung] and not polled, log
             assert service.drafter.graphs.stats["ahead_queued"] == 1
         else:
-            assert log == ["launch"] and polled and not service.drafter.graphs.stats["ahead_queued"], log
+            assert log == ["launch", *rung] and polled and not service.drafter.graphs.stats["ahead_queued"], log
         answer.trees.ClearField("compute_us")
-        answers.append(answer.trees.SerializeToString())
+        if region:  # the trees in the region, and the message (the same where it echoes the same doorbell value)
+            msg = answer.trees.SerializeToString() if bell else b""
+            answers.append((bytes(one.regions[2].buf[:4096].numpy()), msg))
         service._close(one)
         assert one.request_watch is None
-    assert answers[0] == answers[1] == answers[2]
+    assert len(answers) == 4 and any(answers[0][0]) and answers[0][1]
+    assert all(a[0] == answers[0][0] and a[1] in (answers[0][1], b"") for a in answers), [
+        (a[0] == answers[0][0], a[1] == answers[0][1]) for a in answers]
     # a session refused: its refusals are read back on the host, which must not wait behind the ring
     service, one, _, F = two_streams(parts)
     log = []
-    one.request_watch = RecordingWatch(log)
+    doorbelled(one, log)
     monkeypatch.setattr(AheadStage, "replays", property(lambda self: True))
-    step = ahead_step(3, [("x", 0), ("a", 6)], 4, F)
-    step.request_doorbell_value = 9
-    answer = service._step(one, step)
-    assert not log and [e.session_id for e in answer.trees.errors] == ["x"]
+    answer = service._step(one, rung_ahead_step(F, [("x", 0), ("a", 6)], 9))
+    assert log == [("ring", 11)] and [e.session_id for e in answer.trees.errors] == ["x"]
 
 
 def test_request_doorbell_values_where_none_can_be_waited_for_break_the_stream(parts):
