@@ -166,3 +166,44 @@ def test_a_session_joining_drops_the_draft_asked_ahead(setup, reference, colocat
     finally:
         client.close()
     wait_until(lambda: drafter_info(setup["address"]).streams == 0, what="the drafter closed the stream")
+
+
+def test_a_request_ring_that_never_comes_ends_the_drafters_wait_and_the_stream(setup, reference, monkeypatch):
+    """The verifier's stream skips one ring of its request doorbell (a verifier stuck mid-step, as the drafter sees
+    it), a few steps in, where the drafter queues its ahead drafts behind a GPU wait for that ring: the drafter's own
+    watch ends the wait at its deadline (`draft_stream.EVENT_TIMEOUT_S`, 10 s), the draft goes on from the rows our
+    writes already put there, and the drafter ends the stream at our next message. The client reconnects and every
+    session's output is the in-process engine's. (A drafter that polled our event instead would never stall: the
+    event is recorded as usual, so the test needs the wait to pass.)"""
+    import dataclasses
+    import time
+
+    from protos.doorbell import Doorbell
+    from verifier_service.engine import Engine
+    from verifier_service.transport import StreamClientConfig
+    from verifier_service.transport_stream import DraftStreamClient
+
+    rings, ring = [], Doorbell.ring
+
+    def ring_but_the_third(self, value, stream=None):  # in this process only the request doorbell is rung
+        rings.append(value)
+        if len(rings) != 3:
+            ring(self, value, stream)
+
+    monkeypatch.setattr(Doorbell, "ring", ring_but_the_third)
+    client = DraftStreamClient(StreamClientConfig(setup["address"], colocated=True, region_device="cuda",
+                                                  draft_timeout_s=30))
+    client.start()
+    try:
+        model = client.wait_ready(timeout=60)
+        engine = Engine(setup["engine"].target, client, model.target_layer_ids,
+                        dataclasses.replace(setup["cfg"], draft_ahead=True))
+        t0 = time.monotonic()
+        assert run(engine, setup["prompts"]) == reference
+        stats = client.stats
+        # one stall of the drafter's deadline (armed when it queued the wait, so a little under 10 s here)
+        assert len(rings) == stats["request_rings"] > 3 and time.monotonic() - t0 >= 9.0, (rings, stats)
+        assert stats["reconnects"] == 1 and stats["invalid_trees"] == 0 and not stats["doorbell_timeouts"], stats
+    finally:
+        client.close()
+    wait_until(lambda: drafter_info(setup["address"]).streams == 0, what="the drafter closed the stream")
