@@ -424,6 +424,7 @@ def doorbelled(one, log):
     from protos.shared_region import SharedRegion
 
     one.regions[2] = SharedRegion.create(2, 1 << 16, "cpu")
+    one.regions[2].unlink()  # mapped: no file left behind whatever the test does
     one.doorbell = SimpleNamespace(device=torch.device("cpu"), close=lambda: None,
                                    ring=lambda value, stream=None: log.append(("ring", value)))
     one.request_watch = RecordingWatch(log)
@@ -482,8 +483,11 @@ def test_an_ahead_step_with_a_request_ring_launches_behind_a_gpu_wait(parts, mon
     log = []
     doorbelled(one, log)
     monkeypatch.setattr(AheadStage, "replays", property(lambda self: True))
-    answer = service._step(one, rung_ahead_step(F, [("x", 0), ("a", 6)], 9))
-    assert log == [("ring", 11)] and [e.session_id for e in answer.trees.errors] == ["x"]
+    try:
+        answer = service._step(one, rung_ahead_step(F, [("x", 0), ("a", 6)], 9))
+        assert log == [("ring", 11)] and [e.session_id for e in answer.trees.errors] == ["x"]
+    finally:
+        service._close(one)  # its region's file goes with it
 
 
 def test_request_doorbell_values_where_none_can_be_waited_for_break_the_stream(parts):
@@ -511,6 +515,7 @@ def test_the_request_doorbell_is_taken_only_with_the_trees_doorbell_on_a_gpu(par
 
     service, one, _, F = two_streams(parts)
     region = SharedRegion.create(4, 4, "cpu")
+    region.unlink()
     try:
         msg = drafter_pb2.OpenStream(request_doorbell_region_id=4)
         with pytest.raises(ValueError, match="request doorbell region 4"):
