@@ -235,23 +235,27 @@ class DraftStreamClient(QueuedSteps, AheadSteps):
             self.refused = projection_refusal(self.cfg, info)
             if self.refused:
                 raise StreamBroken(self.refused)
-        regions = {}
-        if self.cfg.colocated:
-            if self._device.type == "cuda":
-                # regions of earlier streams whose drafter has let go of them (torch keeps an exported
-                # allocation until its peer does, then frees it on demand): free them before allocating
-                torch.cuda.ipc_collect()
-            regions = {REQUEST_REGION: SharedRegion.create(REQUEST_REGION, self.cfg.request_region_bytes,
-                                                           self._device),
-                       RESPONSE_REGION: SharedRegion.create(RESPONSE_REGION, self.cfg.response_region_bytes,
-                                                            self._device)}
-        stream = DraftCall(self._stub, regions, self._on_broken, self.stats)
-        if self._use_events and self._device.type == "cuda":
-            stream.request_event = IpcEvent.create(self._device)
-        bell = self._doorbell_region() if stream.request_event is not None else None
-        asked = self._request_region() if bell is not None else None
+        regions: dict[int, SharedRegion] = {}
+        try:  # nothing of a stream that does not open may outlive it (a CPU region is a file in /dev/shm)
+            if self.cfg.colocated:
+                if self._device.type == "cuda":
+                    # regions of earlier streams whose drafter has let go of them (torch keeps an exported
+                    # allocation until its peer does, then frees it on demand): free them before allocating
+                    torch.cuda.ipc_collect()
+                for rid, nbytes in ((REQUEST_REGION, self.cfg.request_region_bytes),
+                                    (RESPONSE_REGION, self.cfg.response_region_bytes)):
+                    regions[rid] = SharedRegion.create(rid, nbytes, self._device)
+            stream = DraftCall(self._stub, regions, self._on_broken, self.stats)  # raises on a closed channel
+        except Exception:
+            for r in regions.values():
+                r.close()
+            raise
         listener = None
         try:
+            if self._use_events and self._device.type == "cuda":
+                stream.request_event = IpcEvent.create(self._device)
+            bell = self._doorbell_region() if stream.request_event is not None else None
+            asked = self._request_region() if bell is not None else None
             if self._use_control:
                 listener = ControlListener(self.cfg.max_message_bytes)
             stream.send(drafter_pb2.DraftStreamRequest(open=drafter_pb2.OpenStream(

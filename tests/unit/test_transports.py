@@ -269,6 +269,18 @@ def test_answer_waiting_for_an_event_the_stream_lacks_is_refused(served, monkeyp
         client.close()
 
 
+def test_a_stream_that_cannot_open_leaves_no_region_behind(served):
+    """The client is closed while its connector opens a stream (its channel closed after the regions were made): the
+    open fails and the regions' files go with it (a CPU region is a file in /dev/shm, which outlives the process)."""
+    _, srv = served
+    client = client_for(srv.port, colocated=True)
+    client.close()
+    before = set(shm_dir().glob(f"ddtree-{os.getpid()}-*"))
+    with pytest.raises(ValueError, match="Channel closed"):
+        client._open()
+    assert set(shm_dir().glob(f"ddtree-{os.getpid()}-*")) == before
+
+
 @pytest.mark.parametrize("colocated", [False, True])
 def test_drafter_down_then_back_resends_unacknowledged_context(parts, colocated):
     service = make_service(parts)
