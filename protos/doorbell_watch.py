@@ -11,6 +11,11 @@ reason (its socket closed) is released at once.
 One step is in flight at a time: `arm` after queueing the wait, `disarm` once the engine has read the
 step back (the client's next step). The watch reads the counter before it acts, so a drafter that
 rang just in time is never taken for a dead one.
+
+The drafter watches its own waits the same way: with the verifier's request doorbell it queues a step drafted
+ahead behind a wait for the verifier's ring (`drafter_service.draft_stream.DraftStream.queue_request_wait`), and a
+watch of the stream's ends that wait at its deadline and fails the stream (the counter is then the verifier's,
+mapped; a stream that closes releases its wait at once).
 """
 
 from __future__ import annotations
