@@ -126,12 +126,8 @@ def test_split_drafter_on_the_gpu_equals_in_process(setup, reference, transport)
     assert drafter_info(setup["address"]).active_sessions == 0
 
 
-@pytest.mark.parametrize("colocated", [False, True], ids=["grpc", "colocated"])
-def test_a_session_joining_drops_the_draft_asked_ahead(setup, reference, colocated):
-    """Sessions join a running batch twice: the draft asked ahead for the others (over gRPC, early, its trees landing
-    behind a wait on our GPU; co-located, from the device's values) is let go, waited for, and the stream goes on: no
-    fallback, no reconnect, and every session's output is the in-process engine's. The drafter's errors are read
-    after every step, as the scheduler does, while an early ask is on its way."""
+def ahead_engine(setup, colocated: bool):
+    """A stream client to the drafter process (started) and an engine drafting ahead through it."""
     import dataclasses
 
     from verifier_service.engine import Engine
@@ -143,8 +139,21 @@ def test_a_session_joining_drops_the_draft_asked_ahead(setup, reference, colocat
     client.start()
     try:
         model = client.wait_ready(timeout=60)
-        engine = Engine(setup["engine"].target, client, model.target_layer_ids,
-                        dataclasses.replace(setup["cfg"], draft_ahead=True))
+    except Exception:
+        client.close()
+        raise
+    return client, Engine(setup["engine"].target, client, model.target_layer_ids,
+                          dataclasses.replace(setup["cfg"], draft_ahead=True))
+
+
+@pytest.mark.parametrize("colocated", [False, True], ids=["grpc", "colocated"])
+def test_a_session_joining_drops_the_draft_asked_ahead(setup, reference, colocated):
+    """Sessions join a running batch twice: the draft asked ahead for the others (over gRPC, early, its trees landing
+    behind a wait on our GPU; co-located, from the device's values) is let go, waited for, and the stream goes on: no
+    fallback, no reconnect, and every session's output is the in-process engine's. The drafter's errors are read
+    after every step, as the scheduler does, while an early ask is on its way."""
+    client, engine = ahead_engine(setup, colocated)
+    try:
         (first, params), prompts = waves()[0], setup["prompts"]
         sessions = [engine.add(p, params) for p in prompts[first][:2]]
 
@@ -175,13 +184,9 @@ def test_a_request_ring_that_never_comes_ends_the_drafters_wait_and_the_stream(s
     writes already put there, and the drafter ends the stream at our next message. The client reconnects and every
     session's output is the in-process engine's. (A drafter that polled our event instead would never stall: the
     event is recorded as usual, so the test needs the wait to pass.)"""
-    import dataclasses
     import time
 
     from protos.doorbell import Doorbell
-    from verifier_service.engine import Engine
-    from verifier_service.transport import StreamClientConfig
-    from verifier_service.transport_stream import DraftStreamClient
 
     rings, ring = [], Doorbell.ring
 
@@ -191,13 +196,8 @@ def test_a_request_ring_that_never_comes_ends_the_drafters_wait_and_the_stream(s
             ring(self, value, stream)
 
     monkeypatch.setattr(Doorbell, "ring", ring_but_the_third)
-    client = DraftStreamClient(StreamClientConfig(setup["address"], colocated=True, region_device="cuda",
-                                                  draft_timeout_s=30))
-    client.start()
+    client, engine = ahead_engine(setup, colocated=True)
     try:
-        model = client.wait_ready(timeout=60)
-        engine = Engine(setup["engine"].target, client, model.target_layer_ids,
-                        dataclasses.replace(setup["cfg"], draft_ahead=True))
         t0 = time.monotonic()
         assert run(engine, setup["prompts"]) == reference
         stats = client.stats
