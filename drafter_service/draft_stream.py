@@ -154,6 +154,7 @@ class DraftStream:
     # OpenStream.request_doorbell_region_id taken: the watch of our waits on the verifier's request doorbell
     # (`queue_request_wait`), which ends a wait the verifier has not rung by its deadline and sets `fault`
     request_watch: DoorbellWatch | None = None
+    request_released: threading.Event = field(default_factory=threading.Event)  # set by that watch on a release
     fault: str | None = None  # why the stream must end (told at its next message)
     views: dict = field(default_factory=dict)  # tensor_from_pb's cache of region views (dropped with the regions)
     copy_wait_s: float = 0.0  # bytes answers on a GPU: how long the server expects a step's trees to reach the host
@@ -342,7 +343,7 @@ class DraftStream:
             return False
         self.request_watch.bell.wait(step.request_doorbell_value)
         self.request_watch.arm(self, step.request_doorbell_value, time.monotonic() + EVENT_TIMEOUT_S,
-                               threading.Event())
+                               self.request_released)
         self.drafter.graphs.stats["ahead_queued"] += 1
         return True
 

@@ -33,6 +33,19 @@ from protos.shared_region import SharedRegion
 log = logging.getLogger(__name__)
 
 
+def shared_counter(region_id: int, device: torch.device) -> tuple[SharedRegion, Doorbell]:
+    """A zeroed counter in a new shareable region on `device` (zeroed before any peer can map it) and its doorbell;
+    RuntimeError where the doorbell cannot be set up (the region is freed)."""
+    region = SharedRegion.create(region_id, NBYTES, device)
+    try:
+        region.buf.zero_()
+        torch.cuda.current_stream(device).synchronize()
+        return region, Doorbell(region.buf)
+    except RuntimeError:
+        region.close()
+        raise
+
+
 class DoorbellWatch:
     def __init__(self, bell: Doorbell, on_expired: Callable[[object], None], region: SharedRegion | None = None):
         """on_expired(owner): called on the watch's thread after it released an expired wait of `owner`.
@@ -51,11 +64,8 @@ class DoorbellWatch:
     def open(cls, region_id: int, device: torch.device, on_expired: Callable[[object], None]) -> DoorbellWatch:
         """A zeroed counter in a new shareable region on `device`, ready to be released, and its watch (the
         region lives as long as the watch); RuntimeError where the doorbell cannot be set up."""
-        region = SharedRegion.create(region_id, NBYTES, device)
+        region, bell = shared_counter(region_id, device)
         try:
-            region.buf.zero_()
-            torch.cuda.current_stream(device).synchronize()  # zero before any peer maps it
-            bell = Doorbell(region.buf)
             bell.prepare_release()
         except RuntimeError:
             region.close()

@@ -48,8 +48,8 @@ from kernels.tree_build import TreeBatch, tree_size
 from protos.codec import WireError, answer_errors, trees_from_pb
 from protos.control_socket import ControlListener
 from protos.ddtree.v1 import drafter_pb2, drafter_pb2_grpc
-from protos.doorbell import NBYTES, Doorbell, reached, supported
-from protos.doorbell_watch import DoorbellWatch
+from protos.doorbell import Doorbell, reached, supported
+from protos.doorbell_watch import DoorbellWatch, shared_counter
 from protos.shared_region import IpcEvent, RegionArena, SharedRegion
 from telemetry import host_timeline
 from telemetry.metrics import Metrics
@@ -337,13 +337,9 @@ class DraftStreamClient(QueuedSteps, AheadSteps):
         if not self._use_request_bell:
             return None
         if self._request_bell is None:
-            region = SharedRegion.create(REQUEST_DOORBELL_REGION, NBYTES, self._device)
             try:
-                region.buf.zero_()
-                torch.cuda.current_stream(self._device).synchronize()  # zero before any peer maps it
-                self._request_bell = region, Doorbell(region.buf)
+                self._request_bell = shared_counter(REQUEST_DOORBELL_REGION, self._device)
             except RuntimeError as e:
-                region.close()
                 log.warning("no request doorbell (%s): the drafter polls the request event", e)
                 self._use_request_bell = False
                 return None
