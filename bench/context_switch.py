@@ -20,6 +20,10 @@ stamp after the wait - D's last stamp (the ring and the switch back). Cases:
                 mapped by D), which V rings on its stream after its acceptance instead of recording an event; V's wait
                 as in `blocked` (a co-located drafter that queues its ahead step before the verifier's acceptance:
                 `switch_in` is then the switch alone, no host poll and no launch on the chain);
+  queued_late   as `queued`, but V's host queues its wait only `--late-us` after its ring (V's context idle, not
+                blocked in a wait, when it rings: does the switch into D's context wait on V's blocked stream?);
+  queued_tail   as `queued`, but D queues `--tail-us` of spin kernels after its ring (D's context busy, not idle,
+                when V's wait ends: does the switch back wait for D to go idle, or preempt it?);
   polled        two processes; V's host reads the counter (`Doorbell.read`: a 4-byte copy on V's context and a
                 synchronize) in a loop until D has rung, as the benchmark's `wait_ahead` did before the forty-second
                 session (`resume`: V's stamp after its loop, a host path).
@@ -49,7 +53,7 @@ from protos.doorbell import Doorbell  # noqa: E402
 from protos.shared_region import IpcEvent  # noqa: E402
 
 STAMPS = 4  # V before its event, D first, D last, V after the wait
-CASES = ("one_process", "blocked", "idle", "polled", "queued")
+CASES = ("one_process", "blocked", "idle", "polled", "queued", "queued_late", "queued_tail")
 
 
 @triton.jit
@@ -130,7 +134,7 @@ def one_process(args, cyc: float) -> list[list[int]]:
     return out
 
 
-def drafter_proc(conn, kernels: int, cycles: int) -> None:
+def drafter_proc(conn, kernels: int, cycles: int, tail_cycles: int) -> None:
     dev = torch.device("cuda")
     counter, request, handle = conn.recv()
     bell, asked, event = Doorbell(counter), Doorbell(request), IpcEvent.open(handle, dev)
@@ -143,7 +147,7 @@ def drafter_proc(conn, kernels: int, cycles: int) -> None:
         msg = conn.recv()
         if msg is None:
             break
-        r, queued = msg
+        r, queued, tail = msg
         if queued:  # the graph queued behind V's request ring; V goes on once told so
             asked.wait(r, sd)
         else:
@@ -151,6 +155,9 @@ def drafter_proc(conn, kernels: int, cycles: int) -> None:
         with torch.cuda.stream(sd):
             g.replay()
         bell.ring(r, sd)
+        if tail:  # work of D's after its ring (its context busy when V's wait ends)
+            with torch.cuda.stream(sd):
+                torch.cuda._sleep(tail_cycles)
         if queued:
             conn.send("queued")
         sd.synchronize()
@@ -170,7 +177,8 @@ def two_processes(args, cyc: float, case: str) -> list[list[int]]:
     torch.cuda.synchronize()
     ctx = mp.get_context("spawn")
     here, there = ctx.Pipe()
-    p = ctx.Process(target=drafter_proc, args=(there, args.kernels, int(args.work_us / args.kernels * cyc)))
+    p = ctx.Process(target=drafter_proc, args=(there, args.kernels, int(args.work_us / args.kernels * cyc),
+                                               int(args.tail_us * cyc)))
     p.start()
     here.send((counter, request, event.handle))
     if here.recv() != "ready":
@@ -179,27 +187,30 @@ def two_processes(args, cyc: float, case: str) -> list[list[int]]:
     try:
         for r in range(1, args.reps + args.warmup + 1):
             torch.cuda.synchronize()
-            if case == "queued":
-                here.send((r, True))
+            queued = case.startswith("queued")
+            if queued:
+                here.send((r, True, case == "queued_tail"))
                 if here.recv() != "queued":
                     raise RuntimeError("the drafter process did not queue its graph")
                 with torch.cuda.stream(sv):
                     torch.cuda._sleep(int(args.accept_us * cyc))
                     stamp(buf, 0)
                 asked.ring(r, sv)
+                if case == "queued_late":
+                    time.sleep(args.late_us / 1e6)
             else:
                 v_prologue(buf, sv, event, int(args.accept_us * cyc))
-            if case in ("blocked", "queued"):
+            if case == "blocked" or queued:
                 bell.wait(r, sv)
                 with torch.cuda.stream(sv):
                     stamp(buf, 3)
-            if case != "queued":
-                here.send((r, False))
+            if not queued:
+                here.send((r, False, False))
             if case == "polled":
                 while bell.read() < r:
                     time.sleep(0)
             d = here.recv()
-            if case not in ("blocked", "queued"):
+            if case != "blocked" and not queued:
                 bell.wait(r, sv)
                 with torch.cuda.stream(sv):
                     stamp(buf, 3)
@@ -222,7 +233,8 @@ def summary(name: str, rows: list[list[int]], args) -> dict:
            "resume_us": stat([r[3] - r[2] for r in rows])}
     return {"name": "context_switch", "case": name, "gpu": torch.cuda.get_device_name(),
             "params": {"work_us": args.work_us, "kernels": args.kernels, "accept_us": args.accept_us,
-                       "reps": args.reps}, **res}
+                       "reps": args.reps, **({"late_us": args.late_us} if name == "queued_late" else {}),
+                       **({"tail_us": args.tail_us} if name == "queued_tail" else {})}, **res}
 
 
 def main() -> None:
@@ -230,6 +242,8 @@ def main() -> None:
     p.add_argument("--work-us", type=float, default=3500.0, help="D's graph: its spin kernels' time in all")
     p.add_argument("--kernels", type=int, default=150, help="D's graph: how many spin kernels")
     p.add_argument("--accept-us", type=float, default=50.0, help="V's kernel before its event")
+    p.add_argument("--late-us", type=float, default=1000.0, help="queued_late: V's host sleep between ring and wait")
+    p.add_argument("--tail-us", type=float, default=300.0, help="queued_tail: D's spin after its ring")
     p.add_argument("--reps", type=int, default=40)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
