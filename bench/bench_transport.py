@@ -529,6 +529,7 @@ def main() -> int:
                                   "keepwarm_ms": keepwarm_ms(kind(t), args), "drafter_sessions": drafter_sessions,
                                   "gc_freeze": args.gc_freeze, "check_graphs": args.check_graphs,
                                   "mps": cuda and mps_running(), "torch_trace": args.torch_trace,
+                                  "cuda_device_max_connections": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"),
                                   "rows": args.rows, "target_layers": inproc.target.cfg.num_hidden_layers,
                                   "tree_inputs": e.cfg.tree_inputs, "local_draft": e.cfg.local_draft,
                                   "draft_ahead": e.cfg.draft_ahead,
