@@ -34,7 +34,7 @@ if [ "${TESTS:-1}" != 0 ]; then
   # drafting ahead, in process and co-located (kimi-mini; the drafter service in its own process), and the doorbells
   # (`Doorbell.wait_host`: the bench's wait for an ahead draft)
   timeout "${T_AHEAD:-200}" python -m pytest -q -rs -m gpu tests/unit/test_draft_ahead.py tests/unit/test_doorbell.py \
-    tests/integration/test_gpu_transport.py -k "ahead or doorbell" 2>&1 \
+    tests/integration/test_gpu_transport.py -k "ahead or doorbell or request_ring" 2>&1 \
     | tee "$OUT/ahead_tests.log" | tail -5 || status=1
 fi
 if [ "${SWITCH:-1}" != 0 ]; then  # a hand-off between two processes' GPU contexts (bench/context_switch.py)
