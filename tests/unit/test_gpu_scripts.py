@@ -47,3 +47,31 @@ def test_every_device_script_parses_and_sources_what_exists():
         assert res.returncode == 0, (script.name, res.stderr)
         for sourced in re.findall(r"^\s*\.\s+(\S+)$", script.read_text(), re.M):
             assert (BENCH.parent / sourced).is_file(), (script.name, sourced)
+
+
+def test_run_gpu_standings_selects_every_gpu_test_of_drafting_ahead_and_the_doorbells():
+    """The standings' second pytest call picks its tests with -k: every GPU test function of test_gpu_transport.py
+    must have a case in it (its equality test's cases without drafting ahead run in run_gpu_transport.sh). One named
+    for neither "ahead" nor "doorbell" went unrun for a session while the script was said to run it. Collected by
+    pytest itself, as on the device."""
+    import subprocess
+    import sys
+
+    script = (BENCH / "run_gpu_standings.sh").read_text()
+    call = r"python -m pytest -q -rs -m gpu (tests/unit/test_draft_ahead\.py[^\n]*?) \\\n\s*(\S+) -k \"([^\"]+)\""
+    m = re.search(call, script)
+    assert m, "run_gpu_standings.sh: the ahead tests' pytest call changed shape"
+    files, expr = [*m.group(1).split(), m.group(2)], m.group(3)
+    root = BENCH.parent
+
+    def collect(*args: str) -> set[str]:
+        res = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                              "-m", "gpu", *files, *args], capture_output=True, text=True, cwd=root)
+        assert res.returncode in (0, 5), res.stdout[-2000:] + res.stderr[-2000:]
+        return {line for line in res.stdout.splitlines() if "::" in line}
+
+    def functions(ids: set[str]) -> set[str]:
+        return {t.split("[")[0] for t in ids if t.startswith("tests/integration/test_gpu_transport.py::")}
+
+    chosen, every = functions(collect("-k", expr)), functions(collect())
+    assert len(every) >= 3 and every <= chosen, sorted(every - chosen)
