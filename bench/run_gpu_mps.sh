@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Where MPS's slowdown of the in-process step comes from (issue 4: under MPS the co-located step is within 2% of the
-# in-process one, but the in-process step itself gets 6.5-10% slower, twelfth and forty-third sessions). One device
+# in-process one, but the in-process step itself gets 5-10% slower: twelfth, forty-third and forty-fourth sessions;
+# the forty-fourth's run of this script found the kernels' GPU time unchanged and the work queues beside the point,
+# docs/performance.md). One device
 # call on a K2.6 pair already written (PAIR, default /tmp/k26_4: run_gpu_transport.sh with K26=1 makes it), for each
 # mode of MODES (default "plain mps mps_conn32 mps_conn2"):
 #   - the INT4 MoE layer at T = 1 (the Triton launcher, the read peer and the sm_90 default, one layer and 8 back to

@@ -31,8 +31,9 @@ if [ "${TESTS:-1}" != 0 ]; then
     tests/unit/test_tree_inputs.py tests/unit/test_tree_accept_kernel.py tests/unit/test_commit_moves.py \
     2>&1 | tee "$OUT/ws_tests.log" | tail -5 \
     || status=1
-  # drafting ahead, in process and co-located (kimi-mini; the drafter service in its own process), and the doorbells
-  # (`Doorbell.wait_host`: the bench's wait for an ahead draft)
+  # drafting ahead, in process and co-located (kimi-mini; the drafter service in its own process), the doorbells
+  # (`Doorbell.wait_host`: the bench's wait for an ahead draft) and the request ring's fault path (every GPU test
+  # function of test_gpu_transport.py has a case here: tests/unit/test_gpu_scripts.py)
   timeout "${T_AHEAD:-200}" python -m pytest -q -rs -m gpu tests/unit/test_draft_ahead.py tests/unit/test_doorbell.py \
     tests/integration/test_gpu_transport.py -k "ahead or doorbell or request_ring" 2>&1 \
     | tee "$OUT/ahead_tests.log" | tail -5 || status=1
