@@ -184,10 +184,10 @@ def two_processes(args, cyc: float, case: str) -> list[list[int]]:
     if here.recv() != "ready":
         raise RuntimeError("the drafter process did not start")
     out = []
+    queued = case.startswith("queued")  # D's graph queued ahead behind V's request ring
     try:
         for r in range(1, args.reps + args.warmup + 1):
             torch.cuda.synchronize()
-            queued = case.startswith("queued")
             if queued:
                 here.send((r, True, case == "queued_tail"))
                 if here.recv() != "queued":

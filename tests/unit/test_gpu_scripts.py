@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 from bench.bench_int4_moe import GLUON_VARIANTS
@@ -40,8 +42,6 @@ def test_run_gpu_moe_stalls_names_the_kernels_and_a_runnable_schedule():
 
 
 def test_every_device_script_parses_and_sources_what_exists():
-    import subprocess
-
     for script in sorted(BENCH.glob("*.sh")):
         res = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
         assert res.returncode == 0, (script.name, res.stderr)
@@ -54,9 +54,6 @@ def test_run_gpu_standings_selects_every_gpu_test_of_drafting_ahead_and_the_door
     must have a case in it (its equality test's cases without drafting ahead run in run_gpu_transport.sh). One named
     for neither "ahead" nor "doorbell" went unrun for a session while the script was said to run it. Collected by
     pytest itself, as on the device."""
-    import subprocess
-    import sys
-
     script = (BENCH / "run_gpu_standings.sh").read_text()
     call = r"python -m pytest -q -rs -m gpu (tests/unit/test_draft_ahead\.py[^\n]*?) \\\n\s*(\S+) -k \"([^\"]+)\""
     m = re.search(call, script)
