@@ -17,3 +17,13 @@ try:  # Gluon ships with Triton >= 3.5
     HAVE_GLUON = True
 except ImportError:  # pragma: no cover - depends on the installed Triton
     HAVE_GLUON = False
+
+if HAVE_GLUON:
+    from triton.language.core import builtin
+
+    @builtin
+    def smem_reinterpret(desc, dtype, shape, layout, _semantic=None):
+        """A shared-memory view as another dtype, shape or layout (the same bytes): `_reinterpret` in Triton 3.6,
+        `reinterpret` from 3.7 (where the old name is gone)."""
+        fn = getattr(desc, "reinterpret", None) or desc._reinterpret
+        return fn(dtype, shape, layout, _semantic=_semantic)

@@ -63,7 +63,17 @@ if HAVE_GLUON:
         warpgroup_mma_wait,
     )
 
-    from kernels._mla_gluon import _ST_HALF_L, _check_box, _issue_q, _store_partial, _tile_boxes, _tma_tile
+    from kernels._gluon_compat import smem_reinterpret
+    from kernels._mla_gluon import (
+        _ST_HALF_L,
+        GLUON_DL,
+        _check_box,
+        _issue_q,
+        _store_partial,
+        _tile_boxes,
+        _tma_tile,
+        fragment_store_layout,
+    )
     from kernels._mla_gluon_ws import _copy_query, _copy_rows, _opaque_zero, _pool_rows, _tree_table, _ws_chunk
 
 
@@ -74,6 +84,9 @@ PRODUCER_REGS = 48  # the producer warp's warpgroup
 
 if HAVE_GLUON:
     _SS_REGS = gl.constexpr([CONSUMER_REGS, PRODUCER_REGS])
+    # a consumer's 16-bit partial O in fragment order (`_store_partial`) at VSPLIT 2 and 4 (VSPLIT 1: _ST_HALF_L)
+    _ST_QUARTER_L = gl.constexpr(fragment_store_layout(GLUON_DL // 4, 1))
+    _ST_EIGHTH_L = gl.constexpr(fragment_store_layout(GLUON_DL // 8, 1))
 
     # ----------------------------------------------------------------------------------------- producer
 
@@ -149,18 +162,43 @@ if HAVE_GLUON:
         return gl.where(gl.expand_dims(pos < end, 0), sc * qk_scale, float("-inf"))
 
     @gluon.jit
+    def _ss_values(ckv_smem, st, blk, V_OFF, HALF: gl.constexpr, VSPLIT: gl.constexpr):
+        """The B operand of a consumer's PV: value columns V_OFF .. V_OFF + HALF - 1 (block `blk` of HALF) of stage
+        st's tile. VSPLIT == 1: a constant slice, as before the split. Else `blk` depends on the program, and a slice
+        takes constant offsets only, so the stages are viewed as [STAGES * DL / HALF, BLOCK_N, HALF] blocks and
+        indexed: in the 128-byte-swizzled layout of [BLOCK_N, DL] 16-bit tiles, each 64 columns are one contiguous
+        [BLOCK_N, 64] block, so block b of HALF (a multiple of 64) columns starts b * BLOCK_N * HALF elements in, and
+        is laid out as a [BLOCK_N, HALF] tile of the same layout (checked in the compile tests)."""
+        if VSPLIT == 1:
+            return ckv_smem.index(st).slice(V_OFF, HALF, dim=1)
+        else:
+            gl.static_assert(HALF % 64 == 0)
+            NBLK: gl.constexpr = ckv_smem.shape[2] // HALF
+            SH_V: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ckv_smem.shape[1], HALF], ckv_smem.dtype)
+            blocks = smem_reinterpret(ckv_smem, ckv_smem.dtype, [ckv_smem.shape[0] * NBLK, ckv_smem.shape[1], HALF],
+                                      SH_V)
+            return blocks.index(st * NBLK + blk)
+
+    @gluon.jit
     def _ss_consumer(q_smem, p0_smem, p1_smem, ckv_smem, kpe_smem, stats, q_bar, full_tma, full_cp, empty, hand,
                      out_ptr, po_ptr, pml_ptr, pid_t, pid_c, GC, t64, hb, H, nc, start, end, n_tma, qk_scale,
                      stride_ot, stride_oh, ph, W: gl.constexpr, DL: gl.constexpr, BLOCK_M: gl.constexpr,
-                     BLOCK_N: gl.constexpr, BOX: gl.constexpr):
-        """Consumer W: S and the softmax of tile 2i + W of every pair, PV of both tiles into value columns
-        W * DL / 2 .. (W + 1) * DL / 2 - 1 (module docstring), for one (query tile, chunk). `ph` = (pairs before
-        it, TMA and cp.async parities per stage as bit masks (`_ss_wait`), its parity among the program's items):
-        all 0 in the grid kernel; the persistent kernel's running counts."""
+                     BLOCK_N: gl.constexpr, BOX: gl.constexpr, pid_v=0, VSPLIT: gl.constexpr = 1):
+        """Consumer W: S and the softmax of tile 2i + W of every pair, PV of both tiles into its value columns
+        (module docstring), for one (query tile, chunk). `ph` = (pairs before it, TMA and cp.async parities per stage
+        as bit masks (`_ss_wait`), its parity among the program's items): all 0 in the grid kernel; the persistent
+        kernel's running counts. VSPLIT: the programs the tile's DL value columns are split over (`pid_v` this one's
+        part); consumer W owns block 2 pid_v + W of DL / (2 VSPLIT) columns. S, the softmax and the row sums are
+        the whole tile's in every part, so each column gets the same arithmetic at any VSPLIT (module docstring)."""
         pair0 = ph[0]
         ip = ph[3]
-        HALF: gl.constexpr = DL // 2
-        V_OFF: gl.constexpr = W * HALF
+        HALF: gl.constexpr = DL // (2 * VSPLIT)  # value columns per consumer
+        if VSPLIT == 1:  # (constants: a slice of shared memory takes constant offsets)
+            blk: gl.constexpr = W
+            V_OFF: gl.constexpr = W * HALF
+        else:
+            blk = pid_v * 2 + W  # our block of HALF columns
+            V_OFF = blk * HALF
         S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, BLOCK_N, 16])
         O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -204,7 +242,7 @@ if HAVE_GLUON:
                 mbarrier.arrive(p0_bar, count=1)
                 pa = gl.convert_layout(pb, gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2))
                 o = o * gl.expand_dims(gl.convert_layout(s0, gl.SliceLayout(1, O_L)), 1)
-                o = warpgroup_mma(pa, ckv_smem.index(z).slice(V_OFF, HALF, dim=1), o, is_async=True)  # P0 V0L
+                o = warpgroup_mma(pa, _ss_values(ckv_smem, z, blk, V_OFF, HALF, VSPLIT), o, is_async=True)  # P0 V0L
                 mbarrier.wait(s1_bar, (pair0 + i) & 1)  # m1, s1 and P1 are in (consumer 1 read m0, s0: ours to rewrite)
                 m1 = m1_smem.load(RS)
                 s1 = s1_smem.load(RS)
@@ -213,7 +251,7 @@ if HAVE_GLUON:
                 mbarrier.arrive(empty.index(0), count=1)  # our reads of tile 2i are done (S0, P0 V0L)
                 _ss_wait(j + 1, n_tma, full_tma, full_cp, ph, BOX)  # tile 2i + 1 landed (consumer 1 waited already)
                 o = o * gl.expand_dims(gl.convert_layout(s1, gl.SliceLayout(1, O_L)), 1)
-                o = warpgroup_mma(p1_smem, ckv_smem.index(z + 1).slice(V_OFF, HALF, dim=1), o,
+                o = warpgroup_mma(p1_smem, _ss_values(ckv_smem, z + 1, blk, V_OFF, HALF, VSPLIT), o,
                                    is_async=True)  # P1 V1L
                 o = warpgroup_mma_wait(0, deps=(o,))
                 mbarrier.arrive(empty.index(1), count=1)  # and of tile 2i + 1 (P1 V1L)
@@ -241,11 +279,12 @@ if HAVE_GLUON:
                 o = o * gl.expand_dims(gl.convert_layout(s0, gl.SliceLayout(1, O_L)), 1)
                 mbarrier.wait(p0_bar, (pair0 + i) & 1)
                 _ss_wait(j - 1, n_tma, full_tma, full_cp, ph, BOX)  # tile 2i landed (consumer 0 waited already)
-                o = warpgroup_mma(p0_smem, ckv_smem.index(z).slice(V_OFF, HALF, dim=1), o, is_async=True)  # P0 V0R
+                o = warpgroup_mma(p0_smem, _ss_values(ckv_smem, z, blk, V_OFF, HALF, VSPLIT), o,
+                                  is_async=True)  # P0 V0R
                 o = warpgroup_mma_wait(0, deps=(o,))
                 mbarrier.arrive(empty.index(0), count=1)  # our reads of tile 2i are done (P0 V0R)
                 o = o * gl.expand_dims(gl.convert_layout(s1, gl.SliceLayout(1, O_L)), 1)  # O_R at m1
-                o = warpgroup_mma(pa, ckv_smem.index(z + 1).slice(V_OFF, HALF, dim=1), o, is_async=True)  # P1 V1R
+                o = warpgroup_mma(pa, _ss_values(ckv_smem, z + 1, blk, V_OFF, HALF, VSPLIT), o, is_async=True)  # P1 V1R
                 o = warpgroup_mma_wait(0, deps=(o, pa))[0]
                 mbarrier.arrive(empty.index(1), count=1)  # and of tile 2i + 1 (S1, P1 V1R)
                 m = m_new
@@ -270,11 +309,21 @@ if HAVE_GLUON:
                      out.to(out_ptr.dtype.element_ty), mask=gl.expand_dims(h < H, 1) & gl.expand_dims(dl < HALF, 0))
         else:
             part = (pid_t * GC + pid_c).to(gl.int64)
-            _store_partial(po_ptr, part, o, BLOCK_M, DL, HALF, V_OFF, O_L, _ST_HALF_L)
+            if VSPLIT == 1:
+                _store_partial(po_ptr, part, o, BLOCK_M, DL, HALF, V_OFF, O_L, _ST_HALF_L)
+            elif VSPLIT == 2:
+                _store_partial(po_ptr, part, o, BLOCK_M, DL, HALF, V_OFF, O_L, _ST_QUARTER_L)
+            else:
+                _store_partial(po_ptr, part, o, BLOCK_M, DL, HALF, V_OFF, O_L, _ST_EIGHTH_L)
             if W == 0:
                 rs_ = gl.arange(0, BLOCK_M, layout=RS)
-                gl.store(pml_ptr + part * (2 * BLOCK_M) + rs_, m)
-                gl.store(pml_ptr + part * (2 * BLOCK_M) + BLOCK_M + rs_, li)
+                if VSPLIT == 1:
+                    gl.store(pml_ptr + part * (2 * BLOCK_M) + rs_, m)
+                    gl.store(pml_ptr + part * (2 * BLOCK_M) + BLOCK_M + rs_, li)
+                else:  # the row statistics: every part has them, part 0 stores them
+                    first = rs_ < BLOCK_M - pid_v * BLOCK_M
+                    gl.store(pml_ptr + part * (2 * BLOCK_M) + rs_, m, mask=first)
+                    gl.store(pml_ptr + part * (2 * BLOCK_M) + BLOCK_M + rs_, li, mask=first)
 
     # ----------------------------------------------------------------------------------------- kernel
 
@@ -286,11 +335,13 @@ if HAVE_GLUON:
         stride_qt, stride_qh, stride_pt, stride_ph, stride_kv, stride_bt, stride_bits, stride_ot, stride_oh,
         DL: gl.constexpr, DR: gl.constexpr, PAGE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         NCH: gl.constexpr, C_MIN: gl.constexpr, RULE: gl.constexpr, S_PAD: gl.constexpr, TREE: gl.constexpr,
-        NB: gl.constexpr, STAGES: gl.constexpr, BOX: gl.constexpr, QTMA: gl.constexpr,
+        NB: gl.constexpr, STAGES: gl.constexpr, BOX: gl.constexpr, QTMA: gl.constexpr, VSPLIT: gl.constexpr = 1,
     ):
         """Arguments as `_mla_gluon._mla_fwd_gluon_kernel`. The prologue (consumer 0's warps) finds the query row
-        and chunk, resolves the tree tiles' rows and sets up shared memory; then the partitions."""
+        and chunk, resolves the tree tiles' rows and sets up shared memory; then the partitions. VSPLIT (1, 2 or 4):
+        the programs along the grid's third axis that split each (query tile, chunk)'s value columns."""
         gl.static_assert(BLOCK_M == 64 and BLOCK_N == 64 and DL == 512 and DR == 64 and STAGES == 2)
+        gl.static_assert(VSPLIT == 1 or VSPLIT == 2 or VSPLIT == 4)
         _check_box(BOX, PAGE, BLOCK_N)
         gl.static_assert(gl.num_warps() == 4)
         L1: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
@@ -346,13 +397,19 @@ if HAVE_GLUON:
         t64 = t.to(gl.int64)
         bt_row = bt_ptr + s.to(gl.int64) * stride_bt
         hands = (hand.index(0), hand.index(1), hand.index(2), hand.index(3), hand.index(4))
+        if VSPLIT == 1:
+            pid_v = 0
+        else:
+            pid_v = gl.program_id(2)
         gl.warp_specialize([
             (_ss_consumer, (q_smem, p0_smem, p1_smem, ckv_smem, kpe_smem, stats, q_bar, full_tma, full_cp, empty,
                             hands, out_ptr, po_ptr, pml_ptr, pid_t, pid_c, GC, t64, hb, H, nc, start, end, n_tma,
-                            qk_scale, stride_ot, stride_oh, (0, 0, 0, 0), 0, DL, BLOCK_M, BLOCK_N, BOX)),
+                            qk_scale, stride_ot, stride_oh, (0, 0, 0, 0), 0, DL, BLOCK_M, BLOCK_N, BOX, pid_v,
+                            VSPLIT)),
             (_ss_consumer, (q_smem, p0_smem, p1_smem, ckv_smem, kpe_smem, stats, q_bar, full_tma, full_cp, empty,
                             hands, out_ptr, po_ptr, pml_ptr, pid_t, pid_c, GC, t64, hb, H, nc, start, end, n_tma,
-                            qk_scale, stride_ot, stride_oh, (0, 0, 0, 0), 1, DL, BLOCK_M, BLOCK_N, BOX)),
+                            qk_scale, stride_ot, stride_oh, (0, 0, 0, 0), 1, DL, BLOCK_M, BLOCK_N, BOX, pid_v,
+                            VSPLIT)),
             (_ss_producer, (q_ptr, qpe_ptr, kv_ptr, bt_row, q_smem, p0_smem, ckv_smem, kpe_smem, rows_smem, tree_smem,
                             q_bar, full_tma, full_cp, empty, desc_l, desc_r, desc_q, desc_qpe, t, t64, hb, H, L,
                             start, end, ident, n_tma, stride_qt, stride_qh, stride_pt, stride_ph, stride_kv, DL, DR,

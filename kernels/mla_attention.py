@@ -62,6 +62,8 @@ PARTIALS = ("fp32", "out")  # how a multi-chunk row's partial O goes through mem
 DEFAULT_PARTIALS = "out"  # bf16 partials at Kimi: 3-16% faster than "fp32" in every bench case (H200, 2026-12-05)
 DEFAULT_FOLD = False  # `mla_attention_triton(fold=)`: the same bits; slower than the bf16 split (H200, 2026-12-05)
 FOLD_MIN_TILES_PER_SM = 4  # fold="auto" folds launches of at least this many query tiles per SM (a cost-model guess)
+DEFAULT_VSPLIT = 1  # `mla_attention_triton(vsplit=)`: the same bits at any value; opt-in until measured on a GPU
+VSPLITS = (1, 2, 4, "auto")
 IMPLS = ("triton", "gluon", "gluon_ws", "gluon_seesaw", "auto")  # tile kernel: `_mla_kernels` (any GPU, the
 # interpreter), `_mla_gluon_seesaw` (sm_90, warp-specialized: what "auto" picks there), `_mla_gluon` (sm_90; "auto"
 # picks it for the option only it has: fold), `_mla_gluon_ws` (sm_90, warp-specialized, experimental)
@@ -184,6 +186,13 @@ def resolved_impl(impl: str, device, heads: int, latent: int, rope: int, dtype: 
     return kernel
 
 
+def _auto_vsplit(items: int, device_index: int | None) -> int:
+    """vsplit="auto": the largest of 4 and 2 whose grid of `items` (query tile, chunk slot) programs times it fits
+    one program per SM, else 1 (a launch that fills the GPU gains nothing from computing S more than once)."""
+    sms = _sm_count(device_index)
+    return next((v for v in (4, 2) if items * v <= sms), 1)
+
+
 def _auto_gluon(fold) -> str:
     """The Gluon kernel "auto" runs where Gluon can: the seesaw kernel (1.01-1.29x the one-warpgroup kernel in every
     case of the H200 bench, 2026-12-05), or `_mla_gluon` when the launch asks for what only it has (fold=True). The
@@ -246,7 +255,7 @@ def mla_attention_triton(q_lat, q_pe, kv_cache, block_table, page_size, cu_q, pr
                          num_stages: int = 2, nch: int = _NCH, c_min: int = _C_MIN,
                          chunk_rule: str = DEFAULT_CHUNK_RULE, impl: str | None = None, tma: bool | None = None,
                          persistent: bool | None = None, partials: str | None = None,
-                         fold: bool | str | None = None):
+                         fold: bool | str | None = None, vsplit: int | str | None = None):
     """The Triton path on any device (tests call it on CPU under TRITON_INTERPRET=1).
 
     q_lat/q_pe are cast to the cache dtype; `out` ([T, H, Dl], optional) is written in place.
@@ -276,7 +285,12 @@ def mla_attention_triton(q_lat, q_pe, kv_cache, block_table, page_size, cu_q, pr
     and the same bits as the split launch, so a launcher may pick either per launch (split for parallelism when a
     launch has few query tiles, fold when it has enough to fill the GPU): "auto" folds on a GPU when the launch has
     at least `FOLD_MIN_TILES_PER_SM` query tiles per SM (the cost model of docs/performance.md; nothing here reads the
-    GPU's data, so the choice costs no synchronisation)."""
+    GPU's data, so the choice costs no synchronisation).
+    `vsplit` (the seesaw grid kernel only; None: the module's `DEFAULT_VSPLIT`): 1, 2 or 4 programs per (query tile,
+    chunk), each computing the tile's whole S and softmax and 512 / vsplit of its value columns. Every column gets
+    the arithmetic it gets at 1, provided a warpgroup MMA's sum over the keys does not depend on its width N (the GPU
+    tests compare the bits), so a launcher may pick it per launch: more programs for a launch with fewer (query
+    tile, chunk) items than SMs, at the price of S computed vsplit times. "auto": `_auto_vsplit`."""
     T, H, Dl = q_lat.shape
     Dr = q_pe.shape[-1]
     S = prefix_lens.shape[0]
@@ -327,6 +341,11 @@ def mla_attention_triton(q_lat, q_pe, kv_cache, block_table, page_size, cu_q, pr
                 and tiles >= FOLD_MIN_TILES_PER_SM * _sm_count(q_lat.device.index))
     if fold and impl not in ("triton", "gluon"):
         raise ValueError(f"mla_attention: fold runs in the Triton and gluon tile kernels (impl {impl!r})")
+    vsplit = DEFAULT_VSPLIT if vsplit is None else vsplit
+    if vsplit not in VSPLITS:
+        raise ValueError(f"mla_attention: vsplit {vsplit!r} is not one of {VSPLITS}")
+    if vsplit not in (1, "auto") and impl != "gluon_seesaw":
+        raise ValueError(f"mla_attention: vsplit {vsplit} runs in the seesaw grid kernel only (impl {impl!r})")
     parts = tiles * grid_c if grid_c > 1 and not fold else 1  # partials stored (fold: none)
     if fold and impl == "gluon":  # po: the running O of each query tile (fp32), the rounding a constexpr
         po = torch.empty(tiles if grid_c > 1 else 1, block_m, bdl, dtype=torch.float32, device=q_lat.device)
@@ -357,15 +376,20 @@ def mla_attention_triton(q_lat, q_pe, kv_cache, block_table, page_size, cu_q, pr
         if persistent is None:
             persistent = (_mla_gluon_seesaw_persistent.SEESAW_PERSISTENT if impl == "gluon_seesaw"
                           else _mla_gluon_persistent.GLUON_PERSISTENT)
+        seesaw_grid = impl == "gluon_seesaw" and not (persistent and qdesc is not None)
+        if vsplit not in (1, "auto") and not seesaw_grid:
+            raise ValueError(f"mla_attention: vsplit {vsplit} runs in the seesaw grid kernel only (impl {impl!r}, "
+                             f"persistent {bool(persistent)})")
         if impl == "gluon_seesaw" and persistent and qdesc is not None:  # (it loads every query tile by TMA)
             nprog = min(tiles * grid_c, _sm_count(q_lat.device.index))
             _mla_gluon_seesaw_persistent._mla_fwd_gluon_seesaw_persistent_kernel[(nprog,)](
                 *common[:11], *kvdesc, *qdesc, *common[11:], tiles, nprog, STAGES=_mla_gluon_seesaw.SEESAW_STAGES,
                 num_warps=_mla_gluon_seesaw.SEESAW_WARPS, **shape)
         elif impl == "gluon_seesaw":  # num_warps: the kernel's own (consumer 0; the other partitions add theirs)
-            _mla_gluon_seesaw._mla_fwd_gluon_seesaw_kernel[(tiles, grid_c)](
+            nv = _auto_vsplit(tiles * grid_c, q_lat.device.index) if vsplit == "auto" else vsplit
+            _mla_gluon_seesaw._mla_fwd_gluon_seesaw_kernel[(tiles, grid_c) + ((nv,) if nv > 1 else ())](
                 *common[:11], *kvdesc, *(qdesc or kvdesc), *common[11:], QTMA=qdesc is not None,
-                STAGES=_mla_gluon_seesaw.SEESAW_STAGES, num_warps=_mla_gluon_seesaw.SEESAW_WARPS, **shape)
+                STAGES=_mla_gluon_seesaw.SEESAW_STAGES, num_warps=_mla_gluon_seesaw.SEESAW_WARPS, VSPLIT=nv, **shape)
         elif persistent and qdesc is not None and not fold:  # (it loads every query tile by TMA)
             nprog = min(tiles * grid_c, _sm_count(q_lat.device.index))
             _mla_gluon_persistent._mla_fwd_gluon_persistent_kernel[(nprog,)](

@@ -244,6 +244,56 @@ def test_mla_launcher_routes_the_gluon_kernels(monkeypatch):
     assert launch(*page8)[0] == [("persistent", (7,), None, 0, 2, 8)]  # (no TMA boxes: the one-warpgroup kernel's)
 
 
+def test_mla_launcher_splits_the_seesaw_kernels_value_columns_when_asked(monkeypatch):
+    """`vsplit`: the seesaw grid kernel on a third grid axis of 2 or 4 programs (VSPLIT), "auto" the largest of 4 and
+    2 whose grid fits one program per SM, else 1 (a 2D grid, as without the knob); refused with the reason for a
+    value it does not know and where the seesaw grid kernel does not run (another impl, its persistent form, or
+    "auto"'s fallback without both TMA paths)."""
+    from kernels import mla_attention as mla
+
+    calls = []
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *a, **kw: calls.append((self.name, grid, kw.get("VSPLIT")))
+
+    sms = [7]
+    monkeypatch.setattr(mla, "gluon_unsupported", lambda *a: None)
+    monkeypatch.setattr(mla, "_sm_count", lambda index: sms[0])
+    monkeypatch.setattr(mla._mla_gluon_seesaw, "_mla_fwd_gluon_seesaw_kernel", Recorder("seesaw"))
+    monkeypatch.setattr(mla._mla_gluon, "_mla_fwd_gluon_kernel", Recorder("grid"))
+    monkeypatch.setattr(mla, "_mla_combine_kernel", Recorder("combine"))
+    args = make_batch([1500, 40], [2, 1], 64, 512, 64, 16, torch.float16, True, device="cpu")
+    tiles, grid_c = 3, max_chunks(args[3].shape[1] * 16)
+    items = tiles * grid_c
+
+    def launch(*a, **kw):
+        calls.clear()
+        mla.mla_attention_triton(*a, SCALE_CPU, out=torch.empty_like(a[0]), **kw)
+        return [c for c in calls if c[0] != "combine"]
+
+    assert mla.DEFAULT_VSPLIT == 1 and launch(*args, impl="gluon_seesaw") == [("seesaw", (tiles, grid_c), 1)]
+    for v in (2, 4):
+        assert launch(*args, impl="gluon_seesaw", vsplit=v) == [("seesaw", (tiles, grid_c, v), v)]
+    for n_sms, v in ((4 * items, 4), (4 * items - 1, 2), (2 * items, 2), (2 * items - 1, 1)):
+        sms[0] = n_sms
+        want = (tiles, grid_c) + ((v,) if v > 1 else ())
+        assert launch(*args, impl="gluon_seesaw", vsplit="auto") == [("seesaw", want, v)], n_sms
+        assert launch(*args, vsplit="auto") == [("seesaw", want, v)], n_sms  # impl "auto" (the default)
+    sms[0] = 4 * items
+    assert launch(*args, vsplit="auto", tma=False) == [("grid", (tiles, grid_c), None)]  # auto's fallback: 1
+    with pytest.raises(ValueError, match="vsplit 3 is not one of"):
+        launch(*args, impl="gluon_seesaw", vsplit=3)
+    for kw in (dict(impl="triton"), dict(impl="gluon"), dict(impl="gluon_seesaw", persistent=True),
+               dict(tma=False)):
+        with pytest.raises(ValueError, match="vsplit 2 runs in the seesaw grid kernel only"):
+            launch(*args, vsplit=2, **kw)
+        assert calls == []  # refused before any launch
+
+
 def test_mla_configure_fixes_the_deployment_kernel(monkeypatch):
     """`configure` sets DEFAULT_IMPL (read by every later launch) and says what runs: off CUDA the
     reference; "gluon" where it cannot run is refused with the reason; an unknown name is refused."""

@@ -1,7 +1,8 @@
 """Absorbed MLA attention kernel (kernels/mla_attention.py) on the GPU at Kimi K2.6 shapes: 64 heads, 512 + 64, bf16,
 prefixes up to 33k, for every tile kernel (`impl` "triton" and the sm_90 Gluon kernels "gluon", "gluon_ws" and
 "gluon_seesaw"): within tolerance of the reference; TMA loads bitwise the cp.async ones; the persistent forms of
-"gluon" and "gluon_seesaw" bitwise their grids; partials in fp32 and bf16; the fold (Triton and gluon) bitwise the
+"gluon" and "gluon_seesaw" bitwise their grids, and the seesaw kernel's value columns split over programs bitwise
+one program; partials in fp32 and bf16; the fold (Triton and gluon) bitwise the
 split launch; batch invariance (a session alone vs inside a batch of 64: bitwise equal) and position alignment (a
 tree node == the AR step at its position, bitwise) in bf16. The CPU side of the same checks: test_mla_attention.py.
 """
@@ -120,6 +121,28 @@ def test_mla_gluon_persistent_gives_the_grid_kernels_bits(tree, prefix, ns, tabl
     # launched twice in a row (the stream leaves no state behind) and from a CUDA graph
     assert_bitwise(run_kernel(args, SCALE, impl=impl, persistent=True), out, "second launch")
     assert_graph_replay(args, out, impl=impl, persistent=True)
+
+
+@pytest.mark.parametrize("page,partials,vsplit", [  # (each VSPLIT, TREE, page and partial dtype compiles anew)
+    (16, "out", 2), (16, "out", 4), (16, "out", "auto"), (8, "out", 4), (16, "fp32", 4)])
+@pytest.mark.parametrize("tree,prefix,ns", [
+    # one-chunk rows (the output written directly), 2-16 chunks (partials), an odd chunk's phantom tile, a session
+    # without queries, a row with nothing committed
+    (True, [0, 63, 1000, 0, 4097, 9001], [9, 1, 17, 0, 5, 3]),
+    (False, [0, 127, 2048, 5], [70, 3, 64, 1]),
+    (True, [1000], [9]),  # a small launch: 9 tiles x 2 chunks
+])
+def test_mla_seesaw_value_split_gives_the_same_bits(tree, prefix, ns, page, partials, vsplit):
+    """The seesaw grid kernel with each (query tile, chunk)'s 512 value columns split over 2 or 4 programs
+    (`vsplit`) equals, bit for bit, one program per item: S, the softmax and the row sums are computed whole in every
+    part, so this checks that a warpgroup MMA's sum over the keys is the same at N = 64 or 128 as at 256, and the
+    view of a stage as blocks of columns (`_mla_gluon_seesaw._ss_values`). Page 8: tiles by cp.async; 16: by TMA."""
+    args = make_batch(prefix, ns, KIMI["H"], KIMI["Dl"], KIMI["Dr"], page, torch.bfloat16, tree, seed=13)
+    kw = dict(impl="gluon_seesaw", persistent=False, partials=partials)
+    out = run_kernel(args, SCALE, vsplit=vsplit, **kw)
+    assert_bitwise(out, run_kernel(args, SCALE, vsplit=1, **kw), f"vsplit {vsplit} page {page} tree={tree}")
+    assert_close(out, reference(args, SCALE), TOL[torch.bfloat16], f"vsplit {vsplit} page {page} {prefix} {ns}")
+    assert_graph_replay(args, out, vsplit=vsplit, **kw)
 
 
 @pytest.mark.parametrize("page", [16, 64])

@@ -27,6 +27,8 @@ persistent = len(sys.argv) > 6 and sys.argv[6] == "persistent"  # (TILES, NPROG 
 po = sys.argv[7] if len(sys.argv) > 7 else "fp32"  # the partial O's dtype (`mla_attention_triton(partials=)`)
 fold = json.loads(sys.argv[8]) if len(sys.argv) > 8 else {}  # the grid kernel's FOLD / ROUND constexprs
 fold = {k: fold.get(k, False) for k in ("FOLD", "ROUND") if k in kernel.arg_names}
+extra = json.loads(sys.argv[9]) if len(sys.argv) > 9 else {}  # more constexprs (the seesaw kernel's VSPLIT)
+extra = {**({"VSPLIT": 1} if "VSPLIT" in kernel.arg_names else {}), **extra}  # (a compile takes no defaults)
 out = {}
 for tree in (True, False):
     sig = {n: "*bf16" for n in ("q_ptr", "qpe_ptr", "kv_ptr", "out_ptr")}
@@ -46,7 +48,8 @@ for tree in (True, False):
         sig.update({"TILES": "i32", "NPROG": "i32"})
     cst = dict(DL=512, DR=64, PAGE=box or 64, BLOCK_M=64, BLOCK_N=64, NCH=16, C_MIN=512, RULE=1, S_PAD=16,
                TREE=tree, NB=128 if tree else 64, STAGES=stages,
-               **({} if box is None else {"BOX": box} if persistent else {"BOX": box, "QTMA": box > 0}), **fold)
+               **({} if box is None else {"BOX": box} if persistent else {"BOX": box, "QTMA": box > 0}), **fold,
+               **extra)
     k, ptx, log = compile_gluon_sm90(kernel, sig, cst, [n for n in sig if n.endswith("_ptr")
                                                          or (n in strides and n != "stride_bits")],
                                      num_warps=num_warps)
@@ -78,14 +81,16 @@ def _tile_loops(loops: list[dict]) -> list[dict]:
 
 
 def compile_for_sm90(tmp_path, module: str, kernel: str, num_warps: int, stages: int, box: int | None = None,
-                     persistent: bool = False, po: str = "fp32", fold: dict | None = None) -> dict:
+                     persistent: bool = False, po: str = "fp32", fold: dict | None = None,
+                     extra: dict | None = None) -> dict:
     """Compile a Gluon tile kernel for sm_90 in a subprocess (no GPU needed; this process may run Triton in
     interpreter mode), bf16, tree and causal: {"True"/"False": PTX counts, shared bytes, ptxas -v facts}. `box`:
     None for a kernel without TMA descriptors, else its BOX constexpr (the page size is the box, 64 for 0);
     `persistent`: the signature of `_mla_gluon_persistent`'s kernel; `po`: the partial O's dtype; `fold`: the grid
-    kernel's FOLD / ROUND constexprs."""
+    kernel's FOLD / ROUND constexprs; `extra`: more constexprs."""
     return run_sm90_script(tmp_path, _SM90_COMPILE, module, kernel, str(num_warps), str(stages), json.dumps(box),
-                           "persistent" if persistent else "grid", po, json.dumps(fold or {}), timeout=300)
+                           "persistent" if persistent else "grid", po, json.dumps(fold or {}), json.dumps(extra or {}),
+                           timeout=300)
 
 
 def test_mla_gluon_kernel_compiles_for_sm90_with_s_once(tmp_path):
@@ -181,6 +186,75 @@ def test_mla_gluon_seesaw_kernel_compiles_for_sm90(tmp_path):
             assert n["cp_async"] > 0 and n["cp_async_arrive"] == (1 if box else 2) and n["mbarrier_wait"] > 0, what
             assert n["ptxas_perf"] == [] and n["spill_bytes"] <= max_spill, what
             assert 0 < n["shared"] <= _SM90_SMEM, what
+
+
+def test_mla_gluon_seesaw_kernel_compiles_for_sm90_with_its_value_columns_split(tmp_path):
+    """The seesaw kernel with VSPLIT = 2 and 4 (`mla_attention_triton(vsplit=)`), pages of 16 (the serving path), bf16
+    partials: per consumer the same S (32 m64n64k16 + 4 from registers) and O += P V of both tiles of a pair at
+    N = 512 / (2 VSPLIT) (4 from registers, 4 from shared memory), the columns taken from a view of the stage as
+    blocks (`_ss_values`); the producer's copies as at VSPLIT 1; no serialized wgmma, spills bounded."""
+    import collections
+
+    import triton
+
+    from kernels import _mla_gluon_seesaw as ss
+
+    max_spill = 64 if triton.__version__.startswith("3.6") else 512
+    for vsplit in (2, 4):
+        n_pv = 512 // (2 * vsplit)
+        for tree, n in compile_for_sm90(tmp_path, "kernels._mla_gluon_seesaw", "_mla_fwd_gluon_seesaw_kernel",
+                                        ss.SEESAW_WARPS, ss.SEESAW_STAGES, 16, po="bf16",
+                                        extra={"VSPLIT": vsplit}).items():
+            what = f"vsplit={vsplit} tree={tree}: {n}"
+            want = collections.Counter({"m64n64k16": 2 * 32, "m64n64k16_rs": 2 * 4})  # S (at VSPLIT 4 PV's too)
+            want.update({f"m64n{n_pv}k16_rs": 2 * 4, f"m64n{n_pv}k16": 2 * 4})
+            assert n["wgmma"] == dict(want), what
+            assert n["warps"] == 12 and {ss.CONSUMER_REGS, ss.PRODUCER_REGS} <= set(n["setmaxnreg"]), what
+            assert (n["tma"], n["expect_tx"]) == (9 * 4 + 9, 2), what
+            assert n["ptxas_perf"] == [] and n["spill_bytes"] <= max_spill, what
+            assert 0 < n["shared"] <= _SM90_SMEM, what
+
+
+def test_seesaw_value_blocks_are_tiles_of_the_stage_layout():
+    """`_ss_values` views a stage [64, 512] (16-bit, the default NVMMA layout: 128-byte swizzle) as blocks of
+    [64, HALF] in the default layout of that shape, block b at b * 64 * HALF elements. Checked on the linear layouts
+    Triton gives the two (shared-memory offset -> (row, column)): every element of block b of the stage sits at the
+    block's base plus its offset in the [64, HALF] tile."""
+    import pytest
+    import triton
+
+    if tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 9):  # 3.6 aborts the process on shared layouts
+        pytest.skip(f"host-side shared linear layouts need Triton >= 3.9 (this one: {triton.__version__})")
+    try:
+        from triton._C.libtriton import gluon_ir, ir
+        from triton.experimental.gluon import language as gl
+
+        ctx = ir.context()
+        ir.load_dialects(ctx)
+        builder = gluon_ir.GluonOpBuilder(ctx)
+        to_linear = builder.to_linear_layout
+    except (ImportError, AttributeError) as e:  # (the host-side builder of Triton 3.9; not in every version)
+        pytest.skip(f"this Triton has no host-side linear layouts: {e}")
+
+    def offsets(shape):  # {(row, col): offset} of the default 16-bit NVMMA layout of `shape`
+        ll = to_linear(gl.NVMMASharedLayout.get_default_for(shape, gl.bfloat16)._to_ir(builder), shape)
+        bases = ll.offset_bases
+        assert len(bases) == (shape[0] * shape[1]).bit_length() - 1
+        where = {}
+        for off in range(shape[0] * shape[1]):
+            r = c = 0
+            for i, (br, bc) in enumerate(bases):
+                if off >> i & 1:
+                    r, c = r ^ br, c ^ bc
+            where[(r, c)] = off
+        assert len(where) == shape[0] * shape[1]  # a bijection
+        return where
+
+    stage = offsets([64, 512])
+    for half in (64, 128, 256):
+        block = offsets([64, half])
+        for (r, c), off in stage.items():
+            assert off == (c // half) * 64 * half + block[(r, c % half)], (half, r, c)
 
 
 def test_mla_gluon_ws_kernel_compiles_for_sm90(tmp_path):

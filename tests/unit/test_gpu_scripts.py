@@ -72,3 +72,16 @@ def test_run_gpu_standings_selects_every_gpu_test_of_drafting_ahead_and_the_door
 
     chosen, every = functions(collect("-k", expr)), functions(collect())
     assert len(every) >= 3 and every <= chosen, sorted(every - chosen)
+
+
+def test_run_gpu_vsplit_selects_the_value_split_tests():
+    """run_gpu_vsplit.sh's -k picks the seesaw kernel's value-split GPU tests and nothing else (collected by pytest, as
+    on the device, where the bench runs only if they pass)."""
+    script = (BENCH / "run_gpu_vsplit.sh").read_text()
+    m = re.search(r"pytest (tests/kernels/\S+\.py) [^\n]*\\\n\s*-k (\S+)", script)
+    assert m, "run_gpu_vsplit.sh: the tests' pytest call changed shape"
+    res = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", m.group(1),
+                          "-k", m.group(2)], capture_output=True, text=True, cwd=BENCH.parent)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    ids = [line for line in res.stdout.splitlines() if "::" in line]
+    assert len(ids) == 15 and all("::test_mla_seesaw_value_split_gives_the_same_bits[" in i for i in ids), ids
