@@ -62,7 +62,8 @@ PARTIALS = ("fp32", "out")  # how a multi-chunk row's partial O goes through mem
 DEFAULT_PARTIALS = "out"  # bf16 partials at Kimi: 3-16% faster than "fp32" in every bench case (H200, 2026-12-05)
 DEFAULT_FOLD = False  # `mla_attention_triton(fold=)`: the same bits; slower than the bf16 split (H200, 2026-12-05)
 FOLD_MIN_TILES_PER_SM = 4  # fold="auto" folds launches of at least this many query tiles per SM (a cost-model guess)
-DEFAULT_VSPLIT = 1  # `mla_attention_triton(vsplit=)`: the same bits at any value; opt-in until measured on a GPU
+DEFAULT_VSPLIT = "auto"  # `mla_attention_triton(vsplit=)`: the same bits at any value (GPU tests); auto 4-11% faster
+# than 1 on an H100 at batch 1 / 1k with 9-33 nodes, where it splits, and the same elsewhere (forty-fifth session)
 VSPLITS = (1, 2, 4, "auto")
 IMPLS = ("triton", "gluon", "gluon_ws", "gluon_seesaw", "auto")  # tile kernel: `_mla_kernels` (any GPU, the
 # interpreter), `_mla_gluon_seesaw` (sm_90, warp-specialized: what "auto" picks there), `_mla_gluon` (sm_90; "auto"

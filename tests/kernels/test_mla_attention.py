@@ -275,7 +275,8 @@ def test_mla_launcher_splits_the_seesaw_kernels_value_columns_when_asked(monkeyp
         mla.mla_attention_triton(*a, SCALE_CPU, out=torch.empty_like(a[0]), **kw)
         return [c for c in calls if c[0] != "combine"]
 
-    assert mla.DEFAULT_VSPLIT == 1 and launch(*args, impl="gluon_seesaw") == [("seesaw", (tiles, grid_c), 1)]
+    assert launch(*args, impl="gluon_seesaw", vsplit=1) == [("seesaw", (tiles, grid_c), 1)]
+    assert mla.DEFAULT_VSPLIT == "auto" and launch(*args, impl="gluon_seesaw") == [("seesaw", (tiles, grid_c), 1)]
     for v in (2, 4):
         assert launch(*args, impl="gluon_seesaw", vsplit=v) == [("seesaw", (tiles, grid_c, v), v)]
     for n_sms, v in ((4 * items, 4), (4 * items - 1, 2), (2 * items, 2), (2 * items - 1, 1)):
