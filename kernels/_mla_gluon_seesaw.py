@@ -43,6 +43,14 @@ wgmma was waited for (see the comments at each write; tests/kernels/test_mla_glu
 on the CPU). P0 is published unscaled (at m0) as soon as it exists, so consumer 0 keeps no fp32 P alive across the
 hand-off (registers), and consumer 1 rescales O_R by s1 between its two products instead.
 
+Value split (VSPLIT 2 or 4, `mla_attention_triton(vsplit=)`; forty-fifth session): the grid's third axis runs VSPLIT
+programs per (query tile, chunk), each the whole schedule above for S, the softmax and the row sums, and P V into its
+DL / VSPLIT columns only (consumer W of part v: block 2v + W of DL / (2 VSPLIT) columns, `_ss_values`); part 0 stores
+the row statistics. More programs for a launch with fewer items than SMs; every column's arithmetic is unchanged (a
+warpgroup MMA's sum over the keys does not depend on N: bitwise on the GPU), so the same bits at any VSPLIT. It gains
+little (5-12% at batch 1 / 1k on an H100): a program is bound by its own per-tile chain, which still loads every
+tile and computes every S.
+
 Determinism: the pairing is by tile index within a chunk, chunks start at absolute positions that depend only on
 the row's position, and each tile always goes through the same consumer with the same instructions: results are
 batch-invariant and position-aligned within this impl (not bitwise equal to the other impls).

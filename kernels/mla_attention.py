@@ -28,6 +28,8 @@ d computes bit for bit what the AR step at position L + d computes once the acce
 compacted to L + depth (DESIGN 3.3, 3.5), a causal prefill row what the decode step at its
 position computes, and no row depends on the other rows or sessions of the launch (batch
 invariance). Tested bitwise in fp32 under the interpreter and in bf16 on the GPU.
+The seesaw kernel may split a (query tile, chunk)'s value columns over 2 or 4 programs (`vsplit`, "auto" by
+default: the same bits, more programs for a small launch).
 Launches: one attention kernel, plus one combine kernel when some row has more than one chunk.
 Grid sizes depend only on host-known shapes (T, H, block table width): no host sync, CUDA-graph
 capturable. Limits: tree_bits <= 2 words (128 nodes); page_size is a compile-time constant.
