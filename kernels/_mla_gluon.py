@@ -181,9 +181,10 @@ if HAVE_GLUON:
         _tma_load(desc_qpe, [t * H + hb * BLOCK_M, 0], q_bar, qpe_smem)
 
     @gluon.jit
-    def _store_partial(po_ptr, part, o, BLOCK_M: gl.constexpr, DL: gl.constexpr, COLS: gl.constexpr,
-                       C_OFF: gl.constexpr, O_L: gl.constexpr, ST_L: gl.constexpr):
-        """o [BLOCK_M, COLS] (layout O_L, a wgmma accumulator) -> columns C_OFF.. of partial `part`. fp32 as laid
+    def _store_partial(po_ptr, part, o, BLOCK_M: gl.constexpr, DL: gl.constexpr, COLS: gl.constexpr, C_OFF,
+                       O_L: gl.constexpr, ST_L: gl.constexpr):
+        """o [BLOCK_M, COLS] (layout O_L, a wgmma accumulator) -> columns C_OFF.. of partial `part` (C_OFF a multiple of
+        16; a constant, or a program's column part in the seesaw kernel's value split). fp32 as laid
         out (a thread's two adjacent values: 8 bytes). 16-bit in fragment order (`_mla_kernels._fragment_col`):
         each 16-column group stored with a thread's two pairs, 8 columns apart in O, side by side, so a thread
         writes 8 bytes and four threads a 32-byte sector (plain order would take twice the 4-byte stores); a
