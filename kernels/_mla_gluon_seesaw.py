@@ -317,12 +317,13 @@ if HAVE_GLUON:
                      out.to(out_ptr.dtype.element_ty), mask=gl.expand_dims(h < H, 1) & gl.expand_dims(dl < HALF, 0))
         else:
             part = (pid_t * GC + pid_c).to(gl.int64)
-            if VSPLIT == 1:
-                _store_partial(po_ptr, part, o, BLOCK_M, DL, HALF, V_OFF, O_L, _ST_HALF_L)
+            if VSPLIT == 1:  # the 16-bit store layout of HALF columns
+                ST_L: gl.constexpr = _ST_HALF_L
             elif VSPLIT == 2:
-                _store_partial(po_ptr, part, o, BLOCK_M, DL, HALF, V_OFF, O_L, _ST_QUARTER_L)
+                ST_L: gl.constexpr = _ST_QUARTER_L
             else:
-                _store_partial(po_ptr, part, o, BLOCK_M, DL, HALF, V_OFF, O_L, _ST_EIGHTH_L)
+                ST_L: gl.constexpr = _ST_EIGHTH_L
+            _store_partial(po_ptr, part, o, BLOCK_M, DL, HALF, V_OFF, O_L, ST_L)
             if W == 0:
                 rs_ = gl.arange(0, BLOCK_M, layout=RS)
                 if VSPLIT == 1:

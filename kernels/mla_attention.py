@@ -64,7 +64,7 @@ PARTIALS = ("fp32", "out")  # how a multi-chunk row's partial O goes through mem
 DEFAULT_PARTIALS = "out"  # bf16 partials at Kimi: 3-16% faster than "fp32" in every bench case (H200, 2026-12-05)
 DEFAULT_FOLD = False  # `mla_attention_triton(fold=)`: the same bits; slower than the bf16 split (H200, 2026-12-05)
 FOLD_MIN_TILES_PER_SM = 4  # fold="auto" folds launches of at least this many query tiles per SM (a cost-model guess)
-DEFAULT_VSPLIT = "auto"  # `mla_attention_triton(vsplit=)`: the same bits at any value (GPU tests); auto 4-11% faster
+DEFAULT_VSPLIT = "auto"  # `mla_attention_triton(vsplit=)`: the same bits at any value (GPU tests); auto 5-12% faster
 # than 1 on an H100 at batch 1 / 1k with 9-33 nodes, where it splits, and the same elsewhere (forty-fifth session)
 VSPLITS = (1, 2, 4, "auto")
 IMPLS = ("triton", "gluon", "gluon_ws", "gluon_seesaw", "auto")  # tile kernel: `_mla_kernels` (any GPU, the
@@ -383,12 +383,12 @@ def mla_attention_triton(q_lat, q_pe, kv_cache, block_table, page_size, cu_q, pr
         if vsplit not in (1, "auto") and not seesaw_grid:
             raise ValueError(f"mla_attention: vsplit {vsplit} runs in the seesaw grid kernel only (impl {impl!r}, "
                              f"persistent {bool(persistent)})")
-        if impl == "gluon_seesaw" and persistent and qdesc is not None:  # (it loads every query tile by TMA)
+        if impl == "gluon_seesaw" and not seesaw_grid:  # (the persistent form loads every query tile by TMA)
             nprog = min(tiles * grid_c, _sm_count(q_lat.device.index))
             _mla_gluon_seesaw_persistent._mla_fwd_gluon_seesaw_persistent_kernel[(nprog,)](
                 *common[:11], *kvdesc, *qdesc, *common[11:], tiles, nprog, STAGES=_mla_gluon_seesaw.SEESAW_STAGES,
                 num_warps=_mla_gluon_seesaw.SEESAW_WARPS, **shape)
-        elif impl == "gluon_seesaw":  # num_warps: the kernel's own (consumer 0; the other partitions add theirs)
+        elif seesaw_grid:  # num_warps: the kernel's own (consumer 0; the other partitions add theirs)
             nv = _auto_vsplit(tiles * grid_c, q_lat.device.index) if vsplit == "auto" else vsplit
             _mla_gluon_seesaw._mla_fwd_gluon_seesaw_kernel[(tiles, grid_c) + ((nv,) if nv > 1 else ())](
                 *common[:11], *kvdesc, *(qdesc or kvdesc), *common[11:], QTMA=qdesc is not None,
