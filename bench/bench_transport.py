@@ -257,7 +257,7 @@ def versions() -> dict:
     return v
 
 
-def main() -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--pair", default=str(REPO / "models" / "kimi-mini"))
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -328,19 +328,275 @@ def main() -> int:
                    help="diagnosis: warn at every CUDA call that makes this process's host wait for its GPU in the "
                         "measured rounds (torch.cuda.set_sync_debug_mode; each place once, with its stack)")
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "transport.jsonl"))
+    return p
+
+
+@dataclasses.dataclass
+class Run:
+    """What every engine's records share: the arguments and what the setup decided."""
+
+    args: argparse.Namespace
+    cuda: bool
+    gpu: str | None
+    device_name: str
+    dtype_name: str
+    graphs: bool
+    drafter_sessions: int
+    malloc_tuned: bool
+    gil_switch_us: float
+
+
+@dataclasses.dataclass
+class Rounds:
+    """One concurrency's measured rounds, per engine."""
+
+    times: dict[str, list[float]]  # s per step (a block's mean)
+    draft_times: dict[str, list[float]]  # engine.draft_ns: asked -> trees
+    phases: dict[str, list[dict[str, float]]]  # the stream clients' last_step_ms
+    emitted: dict[str, dict[str, list[int]]]  # each session's tokens, warm-up included
+    diverged: int = 0  # engine-rounds that emitted other tokens than in-process that round (other trees)
+
+
+def remote_transports(args, cuda: bool, p: argparse.ArgumentParser) -> tuple[str, ...]:
+    """The remote engines to run: all by default (on a GPU also the co-located stream without the trees doorbell, the
+    verifier polling the drafter's IPC event on its host, and without IPC events, each side waiting for its GPU before
+    each message; gRPC without its keep-warm messages, grpc_cold, everywhere), or those --transports names."""
+    remote = (*DOORBELLED, "colocated_events", "colocated_sync", "grpc", "grpc_sync", "grpc_cold") if cuda \
+        else ("colocated", "grpc", "grpc_cold")
+    if args.transports is not None:
+        if unknown := set(args.transports) - set(remote):
+            p.error(f"--transports: {sorted(unknown)} not among {list(remote)} on {args.device}")
+        remote = tuple(t for t in remote if t in args.transports)
+    return remote
+
+
+def open_engines(args, inproc, projector, ecfg, variants: dict[str, Variant], remote: tuple[str, ...], addr: str,
+                 clients: dict) -> dict[str, object]:
+    """-> every engine by name: the in-process one, its variants' copies, and for each remote transport (and variant
+    taking it) an engine on the in-process engine's target whose drafter is a stream to the drafter process at `addr`
+    (sending rows projected by `projector` where they are to be projected). The streams go into `clients` as they
+    open, for the caller to close."""
+    from drafter_service.drafter import Drafter
+    from verifier_service.engine import Engine
+    from verifier_service.transport import StreamClientConfig
+    from verifier_service.transport_stream import DraftStreamClient
+
+    engines = {"inprocess": inproc}
+    for suffix, v in variants.items():  # the in-process engine again, with a drafter state of its own
+        if v.takes("inprocess"):
+            d = inproc.drafter
+            engines["inprocess" + suffix] = Engine(
+                inproc.target, Drafter(d.model, d.embed_weight, d.lm_head_weight, max_sessions=v.cfg.max_sessions,
+                                       window=v.cfg.draft_window, cuda_graphs=v.cfg.cuda_graphs),
+                inproc.tap_layers, v.cfg, inproc.projection)
+    for name in (t + suffix for suffix in ("", *variants) for t in remote if not suffix or variants[suffix].takes(t)):
+        transport, suffix = kind(name), name[len(kind(name)):]
+        sends = variants[suffix].rows if suffix and variants[suffix].rows else args.rows
+        projection = projector if sends == "projected" or (sends == "auto" and transport.startswith("grpc")) \
+            else None
+        client = DraftStreamClient(StreamClientConfig(addr, colocated=not transport.startswith("grpc"),
+                                                      region_device=args.device, draft_timeout_s=60,
+                                                      ipc_events=transport in (*DOORBELLED, "colocated_events"),
+                                                      doorbell=transport in (*DOORBELLED, "grpc", "grpc_cold"),
+                                                      trees_in_place=IN_PLACE.get(transport, "auto"),
+                                                      request_doorbell=transport != "colocated_polled",
+                                                      control_spin_s=args.control_spin_ms / 1e3,
+                                                      check_graphs=args.check_graphs,
+                                                      keepwarm_ms=keepwarm_ms(transport, args),
+                                                      client_id=f"bench-{name}",
+                                                      context_projection=projection.fingerprint
+                                                      if projection is not None else ""))
+        client.start()
+        model = client.wait_ready(timeout=120)
+        clients[name] = client
+        # one target for all: the in-process engine's (batch-invariant on CUDA), so only the drafter path differs
+        engines[name] = Engine(inproc.target, client, model.target_layer_ids,
+                               variants[suffix].cfg if suffix else ecfg, projection)
+    return engines
+
+
+def run_rounds(run: Run, engines: dict, clients: dict, conc: int, share: float | None, step_trace) -> Rounds:
+    """The warm-up and measured rounds at one concurrency: each round steps every engine once (a block of
+    --block-steps), in the same order; stops early once `share` seconds are spent (after at least 5 rounds)."""
+    from protos.serving import freeze_startup_heap
+
+    args = run.args
+    r = Rounds({t: [] for t in engines}, {t: [] for t in engines}, {t: [] for t in clients},
+               {t: {} for t in engines})
+    t_conc = time.monotonic()
+    for k in range(args.warmup + args.steps):
+        outs = {}
+        if k == args.warmup and args.gc_freeze:
+            freeze_startup_heap()  # as the servers do once warmed up (GrpcServer.set_serving)
+        if k == args.warmup and args.sync_debug and run.cuda:
+            report_syncs()
+            torch.cuda.set_sync_debug_mode("warn")
+        for t, e in engines.items():
+            if step_trace is not None:
+                step_trace.tick(t)
+            dt, outs[t] = timed_step(e, args.block_steps)
+            if k >= args.warmup:
+                r.times[t].append(dt)
+                if e.draft_ns is not None:
+                    r.draft_times[t].append((e.draft_ns[1] - e.draft_ns[0]) * 1e-9)
+                if t in clients and clients[t].last_step_ms:
+                    r.phases[t].append(clients[t].last_step_ms)
+        for t, out in outs.items():
+            for sid, toks in out.items():
+                r.emitted[t].setdefault(sid, []).extend(toks)
+            if out != outs["inprocess"]:
+                r.diverged += 1
+                if r.diverged <= 3:
+                    print(f"note: C={conc} round {k}: {t} emitted {out}, in-process {outs['inprocess']}", flush=True)
+        if share is not None and k >= args.warmup + 4 and time.monotonic() - t_conc > share:
+            print(f"C={conc}: time budget spent after {k + 1 - args.warmup} measured rounds", flush=True)
+            break
+    return r
+
+
+def stream_problems(run: Run, clients: dict, before: dict, conc: int) -> tuple[list[str], dict[str, dict[str, int]]]:
+    """-> (what the streams' counters over one concurrency's rounds say went wrong, each stream's hand-over counts:
+    steps whose trees went where the verifier laid them out, answers that found the drafter's ring rung, ...)."""
+    problems, in_place = [], {}
+    for t, c in clients.items():
+        d = {key: c.stats[key] - before[t][key] for key in c.stats}
+        if d["fallback_steps"] or d["invalid_trees"]:
+            problems.append(f"C={conc} {t}: {d['fallback_steps']} autoregressive fallback steps, "
+                            f"{d['invalid_trees']} invalid trees ({c.last_error})")
+        if not kind(t).startswith("grpc") and (d["region_tensors"] == 0 or d["region_trees"] != d["steps"]):
+            problems.append(f"C={conc} {t}: shared regions not used for every step ({d})")
+        handed = {"colocated": "doorbell_steps", "colocated_in_place": "doorbell_steps",
+                  "colocated_answer": "doorbell_steps", "colocated_polled": "doorbell_steps",
+                  "colocated_events": "event_steps",
+                  "grpc": "landed_steps", "grpc_cold": "landed_steps"}.get(kind(t)) if run.cuda else None
+        if handed and d[handed] != d["steps"]:
+            problems.append(f"C={conc} {t}: {handed} is not every step ({d})")
+        # a stream's first step is answered
+        if kind(t) == "colocated_in_place" and d["in_place_steps"] < d["steps"] - 1:
+            problems.append(f"C={conc} {t}: in_place_steps is not every step after the first ({d})")
+        # every ahead step of a stream with the request doorbell rings it (the drafter may wait on it; rings count
+        # the steps sent, ahead_steps those taken: the last one sent is never taken)
+        polled = kind(t) == "colocated_polled"
+        if run.cuda and kind(t) in DOORBELLED and (d["request_rings"] if polled else
+                                                    d["request_rings"] < d["ahead_steps"]):
+            problems.append(f"C={conc} {t}: request_rings is not every ahead step ({d})")
+        in_place[t] = {"in_place_steps": d["in_place_steps"], "ring_first": d["ring_first"],
+                       "ahead_steps": d["ahead_steps"], "request_rings": d["request_rings"]}
+    return problems, in_place
+
+
+def record(run: Run, t: str, e, conc: int, r: Rounds, base: float, inproc, client, runs: dict, hand_over: dict,
+           lossless: bool) -> dict:
+    """One engine's JSON record at one concurrency (`base`: the in-process engine's median step, ms)."""
+    args = run.args
+    times = r.times[t]
+    step, n = statistics.median(times) * 1e3, len(times)
+    phases = r.phases.get(t, ())
+    return {"name": "transport/step",
+            "params": {"transport": t, "concurrency": conc, "device": args.device, "budget": args.budget,
+                       "topk": 8, "pair": Path(args.pair).name, "steps": n, "warmup": args.warmup,
+                       "block_steps": args.block_steps,
+                       "cuda_graphs": run.graphs, "control_spin_ms": args.control_spin_ms,
+                       "keepwarm_ms": keepwarm_ms(kind(t), args), "drafter_sessions": run.drafter_sessions,
+                       "gc_freeze": args.gc_freeze, "check_graphs": args.check_graphs,
+                       "mps": run.cuda and mps_running(), "torch_trace": args.torch_trace,
+                       "cuda_device_max_connections": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"),
+                       "rows": args.rows, "target_layers": inproc.target.cfg.num_hidden_layers,
+                       "tree_inputs": e.cfg.tree_inputs, "local_draft": e.cfg.local_draft,
+                       "draft_ahead": e.cfg.draft_ahead,
+                       "projected_rows": e.projection is not None, "variant": t[len(kind(t)) + 1:] or None},
+            "device": run.device_name, "gpu": run.gpu, "dtype": run.dtype_name, "commit": commit(),
+            "torch": torch.__version__, "versions": versions(),
+            "ms": round(step, 4), "ratio": round(step / base, 4),
+            "metrics": {"step_ms_median": round(step, 3),
+                        "step_ms_p90": round(sorted(times)[int(0.9 * (n - 1))] * 1e3, 3),
+                        "draft_ms_median": round(statistics.median(r.draft_times[t]) * 1e3, 3),
+                        "overhead_vs_inprocess_pct": round(100 * (step / base - 1), 1),
+                        # per phase over the steps that timed it (an in-place step has no round trip)
+                        "breakdown_ms": {key: round(statistics.median(p[key] for p in phases if key in p), 3)
+                                         for key in dict.fromkeys(k for p in phases for k in p)}},
+            "outputs_identical": lossless, "steps_identical": not r.diverged,
+            "regions": client.region_devices if client is not None else {},
+            "drafter_graph_runs": runs if client is not None else {},
+            "ipc_events": client is not None and client.ipc_events,
+            "doorbell": client is not None and client.doorbell,
+            **hand_over.get(t, {"in_place_steps": 0, "ring_first": 0, "ahead_steps": 0, "request_rings": 0}),
+            "malloc_pinned": "MALLOC_MMAP_THRESHOLD_" in os.environ, "malloc_tuned": run.malloc_tuned,
+            "gil_switch_us": run.gil_switch_us,
+            "pinned_min_bytes": pinned_min_bytes(os.environ.get("DDTREE_PINNED_MIN_BYTES")),
+            "time": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "note": "drafter in a separate process on loopback, same device; engines share one target "
+                    "and step in interleaved rounds"
+                    + (("; each step bracketed by torch.cuda.synchronize()" if args.block_steps == 1 else
+                        f"; blocks of {args.block_steps} steps, each block bracketed by "
+                        "torch.cuda.synchronize()") if run.cuda else
+                       "; on CPU the processes share the machine's cores with other work")}
+
+
+def measure(run: Run, inproc, engines: dict, clients: dict, conc: int, share: float | None, step_trace,
+            metrics_addr: str | None) -> tuple[list[dict], list[str]]:
+    """One concurrency: admit C sessions to every engine, run the rounds, check them, release the sessions ->
+    (a record per engine, the problems found)."""
+    args = run.args
+    before = {t: dict(c.stats) for t, c in clients.items()}
+    runs_before = graph_runs(metrics_addr)
+    vocab = inproc.target.cfg.vocab_size
+    for e in engines.values():
+        admit(e, conc, args.budget, vocab)
+    r = run_rounds(run, engines, clients, conc, share, step_trace)
+    problems = []
+    # lossless: every session's tokens so far are a prefix of the in-process engine's, or extend them
+    wrong = [(t, sid) for t in engines if t != "inprocess" for sid, ref in r.emitted["inprocess"].items()
+             if (got := r.emitted[t].get(sid, []))[: len(ref)] != ref[: len(got)]]
+    if wrong:
+        problems.append(f"C={conc}: outputs differ from in-process: {wrong[:4]}")
+    if r.diverged:  # same tokens, but other trees: expected bit-identical on one device; timings not paired
+        problems.append(f"C={conc}: {r.diverged} engine-rounds emitted other tokens than in-process that round "
+                        "(other trees)")
+    found, hand_over = stream_problems(run, clients, before, conc)
+    problems += found
+    runs_after = graph_runs(metrics_addr)  # the drafter process's, all remote engines of this C together
+    runs = {k: v - runs_before.get(k, 0) for k, v in runs_after.items() if v != runs_before.get(k, 0)}
+    print(f"drafter graph runs at C={conc} (warm-up included, all remote engines): {runs}", flush=True)
+    rung = sum(v["request_rings"] for v in hand_over.values())
+    if run.cuda and rung and not runs.get("ahead_queued"):  # the drafter took none behind a GPU wait
+        problems.append(f"C={conc}: {rung} ahead steps rang the request doorbell, the drafter queued none behind it "
+                        f"({runs})")
+    rows = []
+    base = statistics.median(r.times["inprocess"]) * 1e3
+    for t, e in engines.items():
+        for i in range(conc):
+            e.release(f"b{i}")
+        row = record(run, t, e, conc, r, base, inproc, clients.get(t), runs, hand_over, not wrong)
+        rows.append(row)
+        m = row["metrics"]
+        print(f"{t:10s} C={conc:3d}  step {m['step_ms_median']:8.2f} ms (p90 {m['step_ms_p90']:8.2f})"
+              f"  draft {m['draft_ms_median']:8.2f} ms  ratio {row['ratio']:6.3f}"
+              f"  overhead {m['overhead_vs_inprocess_pct']:+6.1f}%  ({len(r.times[t])} steps)"
+              + "".join(f"  {key} {v:.2f}" for key, v in m["breakdown_ms"].items()), flush=True)
+    return rows, problems
+
+
+def print_table(rows: list[dict], run: Run) -> None:
+    print(f"\n| transport | C | step ms (median) | p90 ms | draft ms | ratio vs in-process |  ({run.device_name}, "
+          f"{run.dtype_name})\n|---|---|---|---|---|---|")
+    for r in rows:
+        m = r["metrics"]
+        print(f"| {r['params']['transport']} | {r['params']['concurrency']} | {m['step_ms_median']:.3f} | "
+              f"{m['step_ms_p90']:.3f} | {m['draft_ms_median']:.3f} | {r['ratio']:.3f} |")
+
+
+def main() -> int:
+    p = parser()
     args = p.parse_args()
     if args.block_steps < 1:
         p.error(f"--block-steps must be >= 1, got {args.block_steps}")
 
-    from drafter_service.drafter import Drafter
     from gateway.commands.gil_switch import set_gil_switch
     from gateway.commands.host_memory import tune_glibc_malloc
-    from protos.serving import freeze_startup_heap
     from telemetry.torch_trace import StepTrace, parse_spec
-    from verifier_service.engine import Engine, EngineConfig
+    from verifier_service.engine import EngineConfig
     from verifier_service.local import DTYPES, build_local_engine
-    from verifier_service.transport import StreamClientConfig
-    from verifier_service.transport_stream import DraftStreamClient
 
     malloc_tuned = args.malloc_tune and tune_glibc_malloc()  # before this process's threads exist, as servers do
     gil_switch_us = set_gil_switch(args.gil_switch_us)
@@ -348,8 +604,7 @@ def main() -> int:
     pair = Path(args.pair)
     cuda = args.device.startswith("cuda")
     dtype_name = args.dtype or ("bfloat16" if cuda else "float32")
-    dtype = DTYPES[dtype_name]
-    # one engine config for all three engines (the verifier server turns CUDA graphs on for a GPU)
+    # one engine config for all engines (the verifier server turns CUDA graphs on for a GPU)
     graphs = cuda if args.cuda_graphs is None else args.cuda_graphs == "on"
     ecfg = EngineConfig(page_size=16, num_pages=8192, max_sessions=max(args.concurrency) + 1, cuda_graphs=graphs,
                         tree_inputs=args.tree_inputs, local_draft=args.local_draft,
@@ -358,19 +613,7 @@ def main() -> int:
         variants = {v.suffix: v for v in (Variant.parse(spec, ecfg) for spec in args.variant)}
     except ValueError as e:
         p.error(str(e))
-    gpu = torch.cuda.get_device_name(torch.device(args.device)) if cuda else None
-    device_name = gpu or platform.processor() or "cpu"
-    rows, problems = [], []
-    base: dict[int, float] = {}
-    # on a GPU also the co-located stream without the trees doorbell (the verifier polls the drafter's IPC
-    # event on its host) and without IPC events (each side waits for its GPU before each message)
-    # and gRPC without its keep-warm messages (grpc_cold)
-    remote = (*DOORBELLED, "colocated_events", "colocated_sync", "grpc", "grpc_sync", "grpc_cold") if cuda \
-        else ("colocated", "grpc", "grpc_cold")
-    if args.transports is not None:
-        if unknown := set(args.transports) - set(remote):
-            p.error(f"--transports: {sorted(unknown)} not among {list(remote)} on {args.device}")
-        remote = tuple(t for t in remote if t in args.transports)
+    remote = remote_transports(args, cuda, p)
     n_streams = sum(1 + sum(v.takes(t) for v in variants.values()) for t in remote)  # all sessions on each stream
     drafter_sessions = args.drafter_sessions or n_streams * max(args.concurrency) + 8
     if drafter_sessions < n_streams * max(args.concurrency):
@@ -380,193 +623,37 @@ def main() -> int:
         trace_window = None if args.torch_trace is None else parse_spec(args.torch_trace)
     except ValueError as e:
         p.error(str(e))
+    gpu = torch.cuda.get_device_name(torch.device(args.device)) if cuda else None
+    run = Run(args, cuda, gpu, gpu or platform.processor() or "cpu", dtype_name, graphs, drafter_sessions,
+              malloc_tuned, gil_switch_us)
+    rows, problems = [], []
     step_trace = None
     proc = start_drafter(pair, args.device, dtype_name, drafter_sessions, graphs, args.control_spin_ms,
                          None if args.torch_trace is None else
                          drafter_trace_spec(args.torch_trace, n_streams * args.block_steps),
                          args.gil_switch_us)  # loads now
-    clients: dict[str, DraftStreamClient] = {}
+    clients: dict = {}
     try:
-        inproc = build_local_engine(pair / "target", pair / "drafter", dtype, args.device, ecfg)
+        inproc = build_local_engine(pair / "target", pair / "drafter", DTYPES[dtype_name], args.device, ecfg)
         projector = inproc.projection
         if args.rows == "taps":
             inproc.projection = None  # its drafter projects them, as the remote drafters do
-        vocab = inproc.target.cfg.vocab_size
         addr, metrics_addr = wait_serving(proc)
-        engines = {"inprocess": inproc}
-        for suffix, v in variants.items():  # the in-process engine again, with a drafter state of its own
-            if v.takes("inprocess"):
-                d = inproc.drafter
-                engines["inprocess" + suffix] = Engine(
-                    inproc.target, Drafter(d.model, d.embed_weight, d.lm_head_weight, max_sessions=v.cfg.max_sessions,
-                                           window=v.cfg.draft_window, cuda_graphs=v.cfg.cuda_graphs),
-                    inproc.tap_layers, v.cfg, inproc.projection)
-        for name in (t + suffix for suffix in ("", *variants) for t in remote
-                     if not suffix or variants[suffix].takes(t)):
-            transport, suffix = kind(name), name[len(kind(name)):]
-            sends = variants[suffix].rows if suffix and variants[suffix].rows else args.rows
-            projection = projector if sends == "projected" or (sends == "auto" and transport.startswith("grpc")) \
-                else None
-            client = DraftStreamClient(StreamClientConfig(addr, colocated=not transport.startswith("grpc"),
-                                                          region_device=args.device, draft_timeout_s=60,
-                                                          ipc_events=transport in (*DOORBELLED, "colocated_events"),
-                                                          doorbell=transport in (*DOORBELLED, "grpc", "grpc_cold"),
-                                                          trees_in_place=IN_PLACE.get(transport, "auto"),
-                                                          request_doorbell=transport != "colocated_polled",
-                                                          control_spin_s=args.control_spin_ms / 1e3,
-                                                          check_graphs=args.check_graphs,
-                                                          keepwarm_ms=keepwarm_ms(transport, args),
-                                                          client_id=f"bench-{name}",
-                                                          context_projection=projection.fingerprint
-                                                          if projection is not None else ""))
-            client.start()
-            model = client.wait_ready(timeout=120)
-            clients[name] = client
-            # one target for all: the in-process engine's (batch-invariant on CUDA), so only the drafter path differs
-            engines[name] = Engine(inproc.target, client, model.target_layer_ids,
-                                   variants[suffix].cfg if suffix else ecfg, projection)
+        engines = open_engines(args, inproc, projector, ecfg, variants, remote, addr, clients)
         if trace_window is not None:  # FIRST / COUNT in rounds: every engine ticks once a round (`drafter_trace_spec`
             out_dir, first, count = trace_window  # scaled the drafter's to the steps it is sent)
             step_trace = StepTrace(out_dir, "verifier", first * len(engines), count * len(engines))
         regions = clients["colocated"].region_devices if "colocated" in clients else None
-        print(f"device {device_name}; drafter process at {addr}; co-located regions {regions}; "
+        print(f"device {run.device_name}; drafter process at {addr}; co-located regions {regions}; "
               f"setup {time.monotonic() - t_start:.1f} s", flush=True)
         want = torch.device(args.device).type
         if regions is not None and (not regions or any(torch.device(d).type != want for d in regions.values())):
             problems.append(f"co-located regions {regions} are not on {args.device}")
         share = None if args.time_budget_s is None else args.time_budget_s / len(args.concurrency)
         for conc in args.concurrency:
-            times: dict[str, list[float]] = {t: [] for t in engines}
-            draft_times: dict[str, list[float]] = {t: [] for t in engines}  # engine.draft_ns: asked -> trees
-            phases: dict[str, list[dict[str, float]]] = {t: [] for t in clients}  # the clients' last_step_ms
-            diverged = 0  # rounds in which a transport emitted other tokens than in-process (other trees)
-            emitted: dict[str, dict[str, list[int]]] = {t: {} for t in engines}
-            before = {t: dict(c.stats) for t, c in clients.items()}
-            # steps whose trees went where the verifier laid them out; answers that found the drafter's ring rung
-            in_place: dict[str, dict[str, int]] = {}
-            runs_before = graph_runs(metrics_addr)
-            for e in engines.values():
-                admit(e, conc, args.budget, vocab)
-            t_conc = time.monotonic()
-            for k in range(args.warmup + args.steps):
-                outs = {}
-                if k == args.warmup and args.gc_freeze:
-                    freeze_startup_heap()  # as the servers do once warmed up (GrpcServer.set_serving)
-                if k == args.warmup and args.sync_debug and cuda:
-                    report_syncs()
-                    torch.cuda.set_sync_debug_mode("warn")
-                for t, e in engines.items():
-                    if step_trace is not None:
-                        step_trace.tick(t)
-                    dt, outs[t] = timed_step(e, args.block_steps)
-                    if k >= args.warmup:
-                        times[t].append(dt)
-                        if e.draft_ns is not None:
-                            draft_times[t].append((e.draft_ns[1] - e.draft_ns[0]) * 1e-9)
-                        if t in clients and clients[t].last_step_ms:
-                            phases[t].append(clients[t].last_step_ms)
-                for t, out in outs.items():
-                    for sid, toks in out.items():
-                        emitted[t].setdefault(sid, []).extend(toks)
-                    if out != outs["inprocess"]:
-                        diverged += 1
-                        if diverged <= 3:
-                            print(f"note: C={conc} round {k}: {t} emitted {out}, in-process {outs['inprocess']}",
-                                  flush=True)
-                if share is not None and k >= args.warmup + 4 and time.monotonic() - t_conc > share:
-                    print(f"C={conc}: time budget spent after {k + 1 - args.warmup} measured rounds", flush=True)
-                    break
-            # lossless: every session's tokens so far are a prefix of the in-process engine's, or extend them
-            wrong = [(t, sid) for t in engines if t != "inprocess" for sid, ref in emitted["inprocess"].items()
-                     if (got := emitted[t].get(sid, []))[: len(ref)] != ref[: len(got)]]
-            if wrong:
-                problems.append(f"C={conc}: outputs differ from in-process: {wrong[:4]}")
-            if diverged:  # same tokens, but other trees: expected bit-identical on one device; timings not paired
-                problems.append(f"C={conc}: {diverged} engine-rounds emitted other tokens than in-process that "
-                                "round (other trees)")
-            for t, c in clients.items():
-                d = {key: c.stats[key] - before[t][key] for key in c.stats}
-                if d["fallback_steps"] or d["invalid_trees"]:
-                    problems.append(f"C={conc} {t}: {d['fallback_steps']} autoregressive fallback steps, "
-                                    f"{d['invalid_trees']} invalid trees ({c.last_error})")
-                if not kind(t).startswith("grpc") and (d["region_tensors"] == 0 or d["region_trees"] != d["steps"]):
-                    problems.append(f"C={conc} {t}: shared regions not used for every step ({d})")
-                handed = {"colocated": "doorbell_steps", "colocated_in_place": "doorbell_steps",
-                          "colocated_answer": "doorbell_steps", "colocated_polled": "doorbell_steps",
-                          "colocated_events": "event_steps",
-                          "grpc": "landed_steps", "grpc_cold": "landed_steps"}.get(kind(t)) if cuda else None
-                if handed and d[handed] != d["steps"]:
-                    problems.append(f"C={conc} {t}: {handed} is not every step ({d})")
-                # a stream's first step is answered
-                if kind(t) == "colocated_in_place" and d["in_place_steps"] < d["steps"] - 1:
-                    problems.append(f"C={conc} {t}: in_place_steps is not every step after the first ({d})")
-                # every ahead step of a stream with the request doorbell rings it (the drafter may wait on it; rings
-                # count the steps sent, ahead_steps those taken: the last one sent is never taken)
-                polled = kind(t) == "colocated_polled"
-                if cuda and kind(t) in DOORBELLED and (d["request_rings"] if polled else
-                                                        d["request_rings"] < d["ahead_steps"]):
-                    problems.append(f"C={conc} {t}: request_rings is not every ahead step ({d})")
-                in_place[t] = {"in_place_steps": d["in_place_steps"], "ring_first": d["ring_first"],
-                               "ahead_steps": d["ahead_steps"], "request_rings": d["request_rings"]}
-            runs_after = graph_runs(metrics_addr)  # the drafter process's, all remote engines of this C together
-            runs = {k: v - runs_before.get(k, 0) for k, v in runs_after.items() if v != runs_before.get(k, 0)}
-            print(f"drafter graph runs at C={conc} (warm-up included, all remote engines): {runs}", flush=True)
-            rung = sum(v["request_rings"] for v in in_place.values())
-            if cuda and rung and not runs.get("ahead_queued"):  # the drafter took none behind a GPU wait
-                problems.append(f"C={conc}: {rung} ahead steps rang the request doorbell, the drafter queued none "
-                                f"behind it ({runs})")
-            for t, e in engines.items():
-                for i in range(conc):
-                    e.release(f"b{i}")
-                step = statistics.median(times[t]) * 1e3
-                base.setdefault(conc, step)
-                n = len(times[t])
-                row = {"name": "transport/step",
-                       "params": {"transport": t, "concurrency": conc, "device": args.device, "budget": args.budget,
-                                  "topk": 8, "pair": pair.name, "steps": n, "warmup": args.warmup,
-                                  "block_steps": args.block_steps,
-                                  "cuda_graphs": graphs, "control_spin_ms": args.control_spin_ms,
-                                  "keepwarm_ms": keepwarm_ms(kind(t), args), "drafter_sessions": drafter_sessions,
-                                  "gc_freeze": args.gc_freeze, "check_graphs": args.check_graphs,
-                                  "mps": cuda and mps_running(), "torch_trace": args.torch_trace,
-                                  "cuda_device_max_connections": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"),
-                                  "rows": args.rows, "target_layers": inproc.target.cfg.num_hidden_layers,
-                                  "tree_inputs": e.cfg.tree_inputs, "local_draft": e.cfg.local_draft,
-                                  "draft_ahead": e.cfg.draft_ahead,
-                                  "projected_rows": e.projection is not None, "variant": t[len(kind(t)) + 1:] or None},
-                       "device": device_name, "gpu": gpu, "dtype": dtype_name, "commit": commit(),
-                       "torch": torch.__version__, "versions": versions(),
-                       "ms": round(step, 4), "ratio": round(step / base[conc], 4),
-                       "metrics": {"step_ms_median": round(step, 3),
-                                   "step_ms_p90": round(sorted(times[t])[int(0.9 * (n - 1))] * 1e3, 3),
-                                   "draft_ms_median": round(statistics.median(draft_times[t]) * 1e3, 3),
-                                   "overhead_vs_inprocess_pct": round(100 * (step / base[conc] - 1), 1),
-                                   # per phase over the steps that timed it (an in-place step has no round trip)
-                                   "breakdown_ms": {key: round(statistics.median(p[key] for p in phases[t] if key in p),
-                                                               3)
-                                                    for key in dict.fromkeys(k for p in phases.get(t, ()) for k in p)}},
-                       "outputs_identical": not wrong, "steps_identical": not diverged,
-                       "regions": clients[t].region_devices if t in clients else {},
-                       "drafter_graph_runs": runs if t in clients else {},
-                       "ipc_events": t in clients and clients[t].ipc_events,
-                       "doorbell": t in clients and clients[t].doorbell,
-                       **in_place.get(t, {"in_place_steps": 0, "ring_first": 0, "ahead_steps": 0, "request_rings": 0}),
-                       "malloc_pinned": "MALLOC_MMAP_THRESHOLD_" in os.environ, "malloc_tuned": malloc_tuned,
-                       "gil_switch_us": gil_switch_us,
-                       "pinned_min_bytes": pinned_min_bytes(os.environ.get("DDTREE_PINNED_MIN_BYTES")),
-                       "time": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-                       "note": "drafter in a separate process on loopback, same device; engines share one target "
-                               "and step in interleaved rounds"
-                               + (("; each step bracketed by torch.cuda.synchronize()" if args.block_steps == 1 else
-                                   f"; blocks of {args.block_steps} steps, each block bracketed by "
-                                   "torch.cuda.synchronize()") if cuda else
-                                  "; on CPU the processes share the machine's cores with other work")}
-                rows.append(row)
-                m = row["metrics"]
-                print(f"{t:10s} C={conc:3d}  step {m['step_ms_median']:8.2f} ms (p90 {m['step_ms_p90']:8.2f})"
-                      f"  draft {m['draft_ms_median']:8.2f} ms  ratio {row['ratio']:6.3f}"
-                      f"  overhead {m['overhead_vs_inprocess_pct']:+6.1f}%  ({n} steps)"
-                      + "".join(f"  {key} {v:.2f}" for key, v in m["breakdown_ms"].items()), flush=True)
+            got, found = measure(run, inproc, engines, clients, conc, share, step_trace, metrics_addr)
+            rows += got
+            problems += found
     finally:
         if step_trace is not None:
             step_trace.close()
@@ -584,12 +671,7 @@ def main() -> int:
     with open(args.out, "a") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")
-    print(f"\n| transport | C | step ms (median) | p90 ms | draft ms | ratio vs in-process |  ({device_name}, "
-          f"{dtype_name})\n|---|---|---|---|---|---|")
-    for r in rows:
-        m = r["metrics"]
-        print(f"| {r['params']['transport']} | {r['params']['concurrency']} | {m['step_ms_median']:.3f} | "
-              f"{m['step_ms_p90']:.3f} | {m['draft_ms_median']:.3f} | {r['ratio']:.3f} |")
+    print_table(rows, run)
     print(f"total {time.monotonic() - t_start:.1f} s; {len(rows)} records appended to {args.out}", flush=True)
     if problems:
         print("FAILED:\n  " + "\n  ".join(problems), file=sys.stderr, flush=True)
