@@ -72,7 +72,6 @@ if HAVE_GLUON:
     )
 
     from kernels._gluon_compat import smem_reinterpret
-    from kernels._gluon_compat import tma_load as _tma_load
     from kernels._mla_gluon import (
         _ST_HALF_L,
         GLUON_DL,
@@ -104,7 +103,7 @@ if HAVE_GLUON:
                      q_bar, full_tma, full_cp, empty, desc_l, desc_r, desc_q, desc_qpe, t, t64, hb, H, L, start, end,
                      ident, n_tma, stride_qt, stride_qh, stride_pt, stride_ph, stride_kv, DL: gl.constexpr,
                      DR: gl.constexpr, PAGE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                     TREE: gl.constexpr, BOX: gl.constexpr, QTMA: gl.constexpr, PIECES: gl.constexpr = False):
+                     TREE: gl.constexpr, BOX: gl.constexpr, QTMA: gl.constexpr):
         LR: gl.constexpr = gl.BlockedLayout([BLOCK_N // 32], [32], [1], [0])  # [BLOCK_N] row lookups, one warp
         # the query tile: latent columns into Q's buffer, rope columns into P0's (the consumers take them to
         # registers before P0 is first written)
@@ -114,19 +113,18 @@ if HAVE_GLUON:
             _copy_query(q_ptr, qpe_ptr, q_smem.index(0), p0_smem, rows_smem, q_bar, t64, hb, H, stride_qt, stride_qh,
                         stride_pt, stride_ph, DL, DR, BLOCK_M, LR)
         _ss_tiles(kv_ptr, bt_row, ckv_smem, kpe_smem, rows_smem, tree_smem, full_tma, full_cp, empty, desc_l, desc_r,
-                  L, start, end, ident, n_tma, 0, stride_kv, q_bar, 0, DL, DR, PAGE, BLOCK_N, TREE, BOX, LR,
-                  PIECES=PIECES)
+                  L, start, end, ident, n_tma, 0, stride_kv, q_bar, 0, DL, DR, PAGE, BLOCK_N, TREE, BOX, LR)
 
     @gluon.jit
     def _ss_tiles(kv_ptr, bt_row, ckv_smem, kpe_smem, rows_smem, tree_smem, full_tma, full_cp, empty, desc_l, desc_r,
                   L, start, end, ident, n_tma, pairs0, stride_kv, tree_bar, ip, DL: gl.constexpr, DR: gl.constexpr,
                   PAGE: gl.constexpr, BLOCK_N: gl.constexpr, TREE: gl.constexpr, BOX: gl.constexpr, LR: gl.constexpr,
-                  TREE_WAIT: gl.constexpr = False, PIECES: gl.constexpr = False):
+                  TREE_WAIT: gl.constexpr = False):
         """The producer's loads of one (query tile, chunk)'s KV tiles. `pairs0`: pairs the program's stages went
         through before it (0 in the grid kernel; the persistent kernel's running count), so tile j of the item is
         the (pairs0 + j // 2)-th tile of its stage. TREE_WAIT (persistent kernel): the tree table is consumer 0's
         per item, so the first tile that reaches the tree part waits for it on `tree_bar` (phase: the item's
-        parity `ip`). PIECES: a TMA tile lands in pieces, each on a barrier of its own (`_tma_pieces`)."""
+        parity `ip`)."""
         n_tiles = (end - start + BLOCK_N - 1) // BLOCK_N
         for j in range(2 * ((n_tiles + 1) // 2)):  # pairs; an odd chunk ends with a phantom (all rows masked)
             k0 = start + j * BLOCK_N
@@ -135,12 +133,8 @@ if HAVE_GLUON:
             # its `empty` barrier)
             mbarrier.wait(empty.index(st), (pairs0 + j // 2 + 1) & 1, pred=pairs0 * 2 + j >= 2)
             if BOX > 0 and j < n_tma:
-                if PIECES:
-                    _tma_pieces(_tile_boxes(k0, end, bt_row, PAGE, BOX), ckv_smem.index(st), kpe_smem.index(st),
-                                full_tma, st, desc_r, DL, BOX)
-                else:
-                    _tma_tile(_tile_boxes(k0, end, bt_row, PAGE, BOX), ckv_smem.index(st), kpe_smem.index(st),
-                              full_tma.index(st), desc_l, desc_r, DL, BOX)
+                _tma_tile(_tile_boxes(k0, end, bt_row, PAGE, BOX), ckv_smem.index(st), kpe_smem.index(st),
+                          full_tma.index(st), desc_l, desc_r, DL, BOX)
             else:  # (a phantom tile: every row masked, so zero-filled)
                 if TREE_WAIT:  # before the first tile that reads the tree table (consumer 0 writes it per item)
                     mbarrier.wait(tree_bar, ip, pred=(end > L) & (j == gl.maximum(ident - start, 0) // BLOCK_N))
@@ -149,38 +143,15 @@ if HAVE_GLUON:
                            rows_smem, end - k0, DL, DR, BLOCK_N)
                 cp.mbarrier_arrive(full_cp.index(st), increment_count=False)  # each lane: when its copies landed
 
-    @gluon.jit
-    def _tma_pieces(boxes, ckv_buf, kpe_buf, full_tma, st, desc_r, DL: gl.constexpr, BOX: gl.constexpr):
-        """A whole committed tile into stage st by TMA in DL / 64 + 1 pieces, each on its own barrier (piece p of
-        stage st: full_tma[st * (DL / 64 + 1) + p]), in the order S reads them: the latent's 64-column blocks, then
-        the rope columns. Each piece is one [BOX, 64] copy per box of rows (the rope descriptor's box: the same
-        128-byte swizzled [., 64] tile), so the copy instructions are `_tma_tile`'s; only their barriers differ."""
-        NBOX: gl.constexpr = 64 // BOX
-        NP: gl.constexpr = DL // 64 + 1
-        for p in gl.static_range(NP):
-            bar = full_tma.index(st * NP + p)
-            mbarrier.expect(bar, NBOX * desc_r.block_type.nbytes)
-            for q in gl.static_range(NBOX):
-                if p < NP - 1:
-                    _tma_load(desc_r, [boxes[q], p * 64], bar, ckv_buf.slice(p * 64, 64, dim=1).slice(q * BOX, BOX))
-                else:
-                    _tma_load(desc_r, [boxes[q], DL], bar, kpe_buf.slice(q * BOX, BOX))
-
     # ----------------------------------------------------------------------------------------- consumers
 
     @gluon.jit
-    def _ss_wait(j, n_tma, full_tma, full_cp, ph, BOX: gl.constexpr, PIECES: gl.constexpr = False):
+    def _ss_wait(j, n_tma, full_tma, full_cp, ph, BOX: gl.constexpr):
         """Wait until tile j (stage j % 2) landed, then make it visible to wgmma. `ph` (`_ss_consumer`): bit st of
-        ph[1] / ph[2] is the parity of the TMA / cp.async completions stage st had before this item. PIECES: a TMA
-        tile's every piece (`_tma_pieces`)."""
+        ph[1] / ph[2] is the parity of the TMA / cp.async completions stage st had before this item."""
         st = j % 2
         if BOX > 0 and j < n_tma:
-            if PIECES:
-                NP: gl.constexpr = full_tma.shape[0] // 2
-                for p in gl.static_range(NP):
-                    mbarrier.wait(full_tma.index(st * NP + p), ((j // 2) ^ (ph[1] >> st)) & 1)
-            else:
-                mbarrier.wait(full_tma.index(st), ((j // 2) ^ (ph[1] >> st)) & 1)
+            mbarrier.wait(full_tma.index(st), ((j // 2) ^ (ph[1] >> st)) & 1)
         else:
             mbarrier.wait(full_cp.index(st), (((j - n_tma) // 2) ^ (ph[2] >> st)) & 1)
         fence_async_shared()  # cp.async wrote through the generic proxy; wgmma reads through the async proxy
@@ -193,33 +164,6 @@ if HAVE_GLUON:
         st = z + j % 2  # (opaque too: a consumer's stage is a constant, and its hoisted descriptors would spill)
         sc = gl.zeros([qpe.shape[0], BLOCK_N], gl.float32, layout=S_L)
         sc = warpgroup_mma(q_smem.index(z), ckv_smem.index(st).permute((1, 0)), sc, use_acc=False, is_async=True)
-        sc = warpgroup_mma(qpe, kpe_smem.index(st).permute((1, 0)), sc, is_async=True)
-        sc = warpgroup_mma_wait(0, deps=(sc, qpe))[0]
-        pos = start + j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_L))
-        return gl.where(gl.expand_dims(pos < end, 0), sc * qk_scale, float("-inf"))
-
-    @gluon.jit
-    def _ss_scores_pieces(j, n_tma, full_tma, full_cp, ph, q_smem, qpe, ckv_smem, kpe_smem, start, end, qk_scale,
-                          S_L: gl.constexpr, BLOCK_N: gl.constexpr):
-        """`_ss_wait` + `_ss_scores` for a kernel whose TMA tiles land in pieces (`_tma_pieces`): S's MMAs over each
-        64-column block of Q's and the tile's latent columns, then the rope columns, each issued as soon as its piece
-        landed (a gathered tile: all at once, after its cp.async barrier). The same wgmma instructions in the same
-        order as `_ss_scores` (32 k16 steps over the latent columns, then 4 over the rope), so the same bits; only the
-        waits between them are new."""
-        z = _opaque_zero(j)
-        st = z + j % 2  # (opaque: see _ss_scores)
-        NP: gl.constexpr = full_tma.shape[0] // 2
-        tma = j < n_tma
-        mbarrier.wait(full_cp.index(j % 2), (((j - n_tma) // 2) ^ (ph[2] >> (j % 2))) & 1, pred=j >= n_tma)
-        fence_async_shared()  # (for a gathered tile: cp.async wrote through the generic proxy)
-        par = ((j // 2) ^ (ph[1] >> (j % 2))) & 1
-        sc = gl.zeros([qpe.shape[0], BLOCK_N], gl.float32, layout=S_L)
-        for p in gl.static_range(NP - 1):
-            mbarrier.wait(full_tma.index((j % 2) * NP + p), par, pred=tma)
-            sc = warpgroup_mma(q_smem.index(z).slice(p * 64, 64, dim=1),
-                               ckv_smem.index(st).slice(p * 64, 64, dim=1).permute((1, 0)), sc, use_acc=p > 0,
-                               is_async=True)
-        mbarrier.wait(full_tma.index((j % 2) * NP + NP - 1), par, pred=tma)
         sc = warpgroup_mma(qpe, kpe_smem.index(st).permute((1, 0)), sc, is_async=True)
         sc = warpgroup_mma_wait(0, deps=(sc, qpe))[0]
         pos = start + j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_L))
@@ -247,15 +191,13 @@ if HAVE_GLUON:
     def _ss_consumer(q_smem, p0_smem, p1_smem, ckv_smem, kpe_smem, stats, q_bar, full_tma, full_cp, empty, hand,
                      out_ptr, po_ptr, pml_ptr, pid_t, pid_c, GC, t64, hb, H, nc, start, end, n_tma, qk_scale,
                      stride_ot, stride_oh, ph, W: gl.constexpr, DL: gl.constexpr, BLOCK_M: gl.constexpr,
-                     BLOCK_N: gl.constexpr, BOX: gl.constexpr, pid_v=0, VSPLIT: gl.constexpr = 1,
-                     PIECES: gl.constexpr = False):
+                     BLOCK_N: gl.constexpr, BOX: gl.constexpr, pid_v=0, VSPLIT: gl.constexpr = 1):
         """Consumer W: S and the softmax of tile 2i + W of every pair, PV of both tiles into its value columns
         (module docstring), for one (query tile, chunk). `ph` = (pairs before it, TMA and cp.async parities per stage
         as bit masks (`_ss_wait`), its parity among the program's items): all 0 in the grid kernel; the persistent
         kernel's running counts. VSPLIT: the programs the tile's DL value columns are split over (`pid_v` this one's
         part); consumer W owns block 2 pid_v + W of DL / (2 VSPLIT) columns. S, the softmax and the row sums are
-        the whole tile's in every part, so each column gets the same arithmetic at any VSPLIT (module docstring).
-        PIECES: TMA tiles land in pieces, and S starts on the first (`_ss_scores_pieces`)."""
+        the whole tile's in every part, so each column gets the same arithmetic at any VSPLIT (module docstring)."""
         pair0 = ph[0]
         ip = ph[3]
         HALF: gl.constexpr = DL // (2 * VSPLIT)  # value columns per consumer
@@ -287,12 +229,8 @@ if HAVE_GLUON:
         for i in range(n_pairs):
             j = 2 * i + W
             z = _opaque_zero(i)  # stage 0 = ckv_smem.index(z), stage 1 = .index(z + 1): see _ss_scores
-            if PIECES:
-                sc = _ss_scores_pieces(j, n_tma, full_tma, full_cp, ph, q_smem, qpe, ckv_smem, kpe_smem, start, end,
-                                       qk_scale, S_L, BLOCK_N)
-            else:
-                _ss_wait(j, n_tma, full_tma, full_cp, ph, BOX)
-                sc = _ss_scores(j, q_smem, qpe, ckv_smem, kpe_smem, start, end, qk_scale, S_L, BLOCK_N)
+            _ss_wait(j, n_tma, full_tma, full_cp, ph, BOX)
+            sc = _ss_scores(j, q_smem, qpe, ckv_smem, kpe_smem, start, end, qk_scale, S_L, BLOCK_N)
             mp = gl.max(sc, 1)
             if W == 0:
                 m_new = gl.maximum(m, mp)
@@ -319,8 +257,7 @@ if HAVE_GLUON:
                 li = (li * s0 + rs) * s1
                 o = warpgroup_mma_wait(0, deps=(o, pa))[0]
                 mbarrier.arrive(empty.index(0), count=1)  # our reads of tile 2i are done (S0, P0 V0L)
-                # tile 2i + 1 landed (consumer 1 waited already)
-                _ss_wait(j + 1, n_tma, full_tma, full_cp, ph, BOX, PIECES)
+                _ss_wait(j + 1, n_tma, full_tma, full_cp, ph, BOX)  # tile 2i + 1 landed (consumer 1 waited already)
                 o = o * gl.expand_dims(gl.convert_layout(s1, gl.SliceLayout(1, O_L)), 1)
                 o = warpgroup_mma(p1_smem, _ss_values(ckv_smem, z + 1, blk, V_OFF, HALF, VSPLIT), o,
                                    is_async=True)  # P1 V1L
@@ -349,7 +286,7 @@ if HAVE_GLUON:
                 # tile 2i's product first (O_R at m0), so that its stage is refilled while the rest of the pair runs
                 o = o * gl.expand_dims(gl.convert_layout(s0, gl.SliceLayout(1, O_L)), 1)
                 mbarrier.wait(p0_bar, (pair0 + i) & 1)
-                _ss_wait(j - 1, n_tma, full_tma, full_cp, ph, BOX, PIECES)  # tile 2i landed (consumer 0 waited already)
+                _ss_wait(j - 1, n_tma, full_tma, full_cp, ph, BOX)  # tile 2i landed (consumer 0 waited already)
                 o = warpgroup_mma(p0_smem, _ss_values(ckv_smem, z, blk, V_OFF, HALF, VSPLIT), o,
                                   is_async=True)  # P0 V0R
                 o = warpgroup_mma_wait(0, deps=(o,))
@@ -408,15 +345,12 @@ if HAVE_GLUON:
         DL: gl.constexpr, DR: gl.constexpr, PAGE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         NCH: gl.constexpr, C_MIN: gl.constexpr, RULE: gl.constexpr, S_PAD: gl.constexpr, TREE: gl.constexpr,
         NB: gl.constexpr, STAGES: gl.constexpr, BOX: gl.constexpr, QTMA: gl.constexpr, VSPLIT: gl.constexpr = 1,
-        PIECES: gl.constexpr = False,
     ):
         """Arguments as `_mla_gluon._mla_fwd_gluon_kernel`. The prologue (consumer 0's warps) finds the query row
         and chunk, resolves the tree tiles' rows and sets up shared memory; then the partitions. VSPLIT (1, 2 or 4):
-        the programs along the grid's third axis that split each (query tile, chunk)'s value columns. PIECES: whole
-        committed tiles land in DL / 64 + 1 pieces with a barrier each, and S starts on the first (`_tma_pieces`)."""
+        the programs along the grid's third axis that split each (query tile, chunk)'s value columns."""
         gl.static_assert(BLOCK_M == 64 and BLOCK_N == 64 and DL == 512 and DR == 64 and STAGES == 2)
         gl.static_assert(VSPLIT == 1 or VSPLIT == 2 or VSPLIT == 4)
-        gl.static_assert(not PIECES or BOX > 0)  # (pieces are TMA copies)
         _check_box(BOX, PAGE, BLOCK_N)
         gl.static_assert(gl.num_warps() == 4)
         L1: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
@@ -451,8 +385,7 @@ if HAVE_GLUON:
         rows_smem = gl.allocate_shared_memory(gl.int32, [BLOCK_N], SH_1)  # the producer's current pool rows
         tree_smem = gl.allocate_shared_memory(gl.int32, [TT, BLOCK_N], SH_1)  # logical rows of the tree tiles
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        NFT: gl.constexpr = STAGES * (DL // 64 + 1) if PIECES else STAGES  # TMA barriers: per stage (and piece)
-        full_tma = gl.allocate_shared_memory(gl.int64, [NFT, 1], mbarrier.MBarrierLayout())
+        full_tma = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         full_cp = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         hand = gl.allocate_shared_memory(gl.int64, [5, 1], mbarrier.MBarrierLayout())  # m0, s1, p0, fin, qpe
@@ -460,9 +393,8 @@ if HAVE_GLUON:
             mbarrier.init(q_bar, count=1)  # expect_tx + the query tile's two copies
         else:
             mbarrier.init(q_bar, count=32)  # the producer warp's lanes (cp.async.mbarrier.arrive.noinc)
-        for i in gl.static_range(NFT):
-            mbarrier.init(full_tma.index(i), count=1)
         for i in gl.static_range(STAGES):
+            mbarrier.init(full_tma.index(i), count=1)
             mbarrier.init(full_cp.index(i), count=32)
             mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
         for i in gl.static_range(5):
@@ -482,13 +414,13 @@ if HAVE_GLUON:
             (_ss_consumer, (q_smem, p0_smem, p1_smem, ckv_smem, kpe_smem, stats, q_bar, full_tma, full_cp, empty,
                             hands, out_ptr, po_ptr, pml_ptr, pid_t, pid_c, GC, t64, hb, H, nc, start, end, n_tma,
                             qk_scale, stride_ot, stride_oh, (0, 0, 0, 0), 0, DL, BLOCK_M, BLOCK_N, BOX, pid_v,
-                            VSPLIT, PIECES)),
+                            VSPLIT)),
             (_ss_consumer, (q_smem, p0_smem, p1_smem, ckv_smem, kpe_smem, stats, q_bar, full_tma, full_cp, empty,
                             hands, out_ptr, po_ptr, pml_ptr, pid_t, pid_c, GC, t64, hb, H, nc, start, end, n_tma,
                             qk_scale, stride_ot, stride_oh, (0, 0, 0, 0), 1, DL, BLOCK_M, BLOCK_N, BOX, pid_v,
-                            VSPLIT, PIECES)),
+                            VSPLIT)),
             (_ss_producer, (q_ptr, qpe_ptr, kv_ptr, bt_row, q_smem, p0_smem, ckv_smem, kpe_smem, rows_smem, tree_smem,
                             q_bar, full_tma, full_cp, empty, desc_l, desc_r, desc_q, desc_qpe, t, t64, hb, H, L,
                             start, end, ident, n_tma, stride_qt, stride_qh, stride_pt, stride_ph, stride_kv, DL, DR,
-                            PAGE, BLOCK_M, BLOCK_N, TREE, BOX, QTMA, PIECES)),
+                            PAGE, BLOCK_M, BLOCK_N, TREE, BOX, QTMA)),
         ], [4, 1], _SS_REGS)

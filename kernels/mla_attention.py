@@ -29,8 +29,7 @@ compacted to L + depth (DESIGN 3.3, 3.5), a causal prefill row what the decode s
 position computes, and no row depends on the other rows or sessions of the launch (batch
 invariance). Tested bitwise in fp32 under the interpreter and in bf16 on the GPU.
 The seesaw kernel may split a (query tile, chunk)'s value columns over 2 or 4 programs (`vsplit`, "auto" by
-default: the same bits, more programs for a small launch), and take whole committed tiles in 64-column pieces with a
-barrier each, so that S starts on the first (`pieces`; the same bits).
+default: the same bits, more programs for a small launch).
 Launches: one attention kernel, plus one combine kernel when some row has more than one chunk.
 Grid sizes depend only on host-known shapes (T, H, block table width): no host sync, CUDA-graph
 capturable. Limits: tree_bits <= 2 words (128 nodes); page_size is a compile-time constant.
@@ -68,7 +67,6 @@ FOLD_MIN_TILES_PER_SM = 4  # fold="auto" folds launches of at least this many qu
 DEFAULT_VSPLIT = "auto"  # `mla_attention_triton(vsplit=)`: the same bits at any value (GPU tests); auto 5-12% faster
 # than 1 on an H100 at batch 1 / 1k with 9-33 nodes, where it splits, and the same elsewhere (forty-fifth session)
 VSPLITS = (1, 2, 4, "auto")
-DEFAULT_PIECES = False  # `mla_attention_triton(pieces=)`: the same bits (by construction; GPU tests); off: unmeasured
 IMPLS = ("triton", "gluon", "gluon_ws", "gluon_seesaw", "auto")  # tile kernel: `_mla_kernels` (any GPU, the
 # interpreter), `_mla_gluon_seesaw` (sm_90, warp-specialized: what "auto" picks there), `_mla_gluon` (sm_90; "auto"
 # picks it for the option only it has: fold), `_mla_gluon_ws` (sm_90, warp-specialized, experimental)
@@ -260,8 +258,7 @@ def mla_attention_triton(q_lat, q_pe, kv_cache, block_table, page_size, cu_q, pr
                          num_stages: int = 2, nch: int = _NCH, c_min: int = _C_MIN,
                          chunk_rule: str = DEFAULT_CHUNK_RULE, impl: str | None = None, tma: bool | None = None,
                          persistent: bool | None = None, partials: str | None = None,
-                         fold: bool | str | None = None, vsplit: int | str | None = None,
-                         pieces: bool | None = None):
+                         fold: bool | str | None = None, vsplit: int | str | None = None):
     """The Triton path on any device (tests call it on CPU under TRITON_INTERPRET=1).
 
     q_lat/q_pe are cast to the cache dtype; `out` ([T, H, Dl], optional) is written in place.
@@ -296,11 +293,7 @@ def mla_attention_triton(q_lat, q_pe, kv_cache, block_table, page_size, cu_q, pr
     chunk), each computing the tile's whole S and softmax and 512 / vsplit of its value columns. Every column gets
     the arithmetic it gets at 1, provided a warpgroup MMA's sum over the keys does not depend on its width N (the GPU
     tests compare the bits), so a launcher may pick it per launch: more programs for a launch with fewer (query
-    tile, chunk) items than SMs, at the price of S computed vsplit times. "auto": `_auto_vsplit`.
-    `pieces` (the seesaw grid kernel only; None: the module's `DEFAULT_PIECES`): its TMA tiles land in nine pieces
-    (the latent's 64-column blocks, then the rope columns) on a barrier each, and a consumer issues S's MMAs over each
-    piece as it lands instead of waiting for the whole 72 KB tile; the same MMA instructions in the same order, so the
-    same bits. Tiles gathered by cp.async (ragged, tree, or a page size without TMA) still land whole."""
+    tile, chunk) items than SMs, at the price of S computed vsplit times. "auto": `_auto_vsplit`."""
     T, H, Dl = q_lat.shape
     Dr = q_pe.shape[-1]
     S = prefix_lens.shape[0]
@@ -356,10 +349,6 @@ def mla_attention_triton(q_lat, q_pe, kv_cache, block_table, page_size, cu_q, pr
         raise ValueError(f"mla_attention: vsplit {vsplit!r} is not one of {VSPLITS}")
     if vsplit not in (1, "auto") and impl != "gluon_seesaw":
         raise ValueError(f"mla_attention: vsplit {vsplit} runs in the seesaw grid kernel only (impl {impl!r})")
-    explicit_pieces = bool(pieces)
-    pieces = DEFAULT_PIECES if pieces is None else pieces
-    if explicit_pieces and impl != "gluon_seesaw":
-        raise ValueError(f"mla_attention: pieces run in the seesaw grid kernel only (impl {impl!r})")
     parts = tiles * grid_c if grid_c > 1 and not fold else 1  # partials stored (fold: none)
     if fold and impl == "gluon":  # po: the running O of each query tile (fp32), the rounding a constexpr
         po = torch.empty(tiles if grid_c > 1 else 1, block_m, bdl, dtype=torch.float32, device=q_lat.device)
@@ -394,9 +383,6 @@ def mla_attention_triton(q_lat, q_pe, kv_cache, block_table, page_size, cu_q, pr
         if vsplit not in (1, "auto") and not seesaw_grid:
             raise ValueError(f"mla_attention: vsplit {vsplit} runs in the seesaw grid kernel only (impl {impl!r}, "
                              f"persistent {bool(persistent)})")
-        if explicit_pieces and not seesaw_grid:
-            raise ValueError(f"mla_attention: pieces run in the seesaw grid kernel only (impl {impl!r}, "
-                             f"persistent {bool(persistent)})")
         if impl == "gluon_seesaw" and not seesaw_grid:  # (the persistent form loads every query tile by TMA)
             nprog = min(tiles * grid_c, _sm_count(q_lat.device.index))
             _mla_gluon_seesaw_persistent._mla_fwd_gluon_seesaw_persistent_kernel[(nprog,)](
@@ -406,8 +392,7 @@ def mla_attention_triton(q_lat, q_pe, kv_cache, block_table, page_size, cu_q, pr
             nv = _auto_vsplit(tiles * grid_c, q_lat.device.index) if vsplit == "auto" else vsplit
             _mla_gluon_seesaw._mla_fwd_gluon_seesaw_kernel[(tiles, grid_c) + ((nv,) if nv > 1 else ())](
                 *common[:11], *kvdesc, *(qdesc or kvdesc), *common[11:], QTMA=qdesc is not None,
-                STAGES=_mla_gluon_seesaw.SEESAW_STAGES, num_warps=_mla_gluon_seesaw.SEESAW_WARPS, VSPLIT=nv,
-                PIECES=bool(pieces and box), **shape)
+                STAGES=_mla_gluon_seesaw.SEESAW_STAGES, num_warps=_mla_gluon_seesaw.SEESAW_WARPS, VSPLIT=nv, **shape)
         elif persistent and qdesc is not None and not fold:  # (it loads every query tile by TMA)
             nprog = min(tiles * grid_c, _sm_count(q_lat.device.index))
             _mla_gluon_persistent._mla_fwd_gluon_persistent_kernel[(nprog,)](

@@ -295,48 +295,6 @@ def test_mla_launcher_splits_the_seesaw_kernels_value_columns_when_asked(monkeyp
         assert calls == []  # refused before any launch
 
 
-def test_mla_launcher_lands_the_seesaw_kernels_tiles_in_pieces_when_asked(monkeypatch):
-    """`pieces`: the seesaw grid kernel with PIECES where its tiles come by TMA (not at a page size without TMA
-    boxes, nor with tma=False: there every tile is gathered whole), the module's `DEFAULT_PIECES` when None;
-    refused with the reason where the seesaw grid kernel does not run."""
-    from kernels import mla_attention as mla
-
-    calls = []
-
-    class Recorder:
-        def __init__(self, name):
-            self.name = name
-
-        def __getitem__(self, grid):
-            return lambda *a, **kw: calls.append((self.name, kw.get("PIECES"), kw.get("BOX")))
-
-    monkeypatch.setattr(mla, "gluon_unsupported", lambda *a: None)
-    monkeypatch.setattr(mla, "_sm_count", lambda index: 132)
-    monkeypatch.setattr(mla._mla_gluon_seesaw, "_mla_fwd_gluon_seesaw_kernel", Recorder("seesaw"))
-    monkeypatch.setattr(mla._mla_gluon, "_mla_fwd_gluon_kernel", Recorder("grid"))
-    monkeypatch.setattr(mla, "_mla_combine_kernel", Recorder("combine"))
-    page16 = make_batch([1500, 40], [2, 1], 64, 512, 64, 16, torch.float16, True, device="cpu")
-    page8 = make_batch([1500, 40], [2, 1], 64, 512, 64, 8, torch.float16, True, device="cpu")
-
-    def launch(*a, **kw):
-        calls.clear()
-        mla.mla_attention_triton(*a, SCALE_CPU, out=torch.empty_like(a[0]), **kw)
-        return [c for c in calls if c[0] != "combine"]
-
-    assert launch(*page16, impl="gluon_seesaw", pieces=True) == [("seesaw", True, 16)]
-    assert launch(*page16, impl="gluon_seesaw", pieces=False) == [("seesaw", False, 16)]
-    assert launch(*page8, impl="gluon_seesaw", pieces=True) == [("seesaw", False, 0)]  # no TMA tiles to split
-    assert launch(*page16, impl="gluon_seesaw", pieces=True, tma=False) == [("seesaw", False, 0)]
-    for default in (False, True):
-        monkeypatch.setattr(mla, "DEFAULT_PIECES", default)
-        assert launch(*page16) == [("seesaw", default, 16)]  # impl "auto": the seesaw kernel
-        assert launch(*page16, impl="gluon")[0][0] == "grid"  # (the default does not refuse other kernels)
-    for kw in (dict(impl="triton"), dict(impl="gluon"), dict(impl="gluon_seesaw", persistent=True)):
-        with pytest.raises(ValueError, match="pieces run in the seesaw grid kernel only"):
-            launch(*page16, pieces=True, **kw)
-        assert calls == []  # refused before any launch
-
-
 def test_mla_configure_fixes_the_deployment_kernel(monkeypatch):
     """`configure` sets DEFAULT_IMPL (read by every later launch) and says what runs: off CUDA the
     reference; "gluon" where it cannot run is refused with the reason; an unknown name is refused."""

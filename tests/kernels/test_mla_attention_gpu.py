@@ -145,27 +145,6 @@ def test_mla_seesaw_value_split_gives_the_same_bits(tree, prefix, ns, page, part
     assert_graph_replay(args, out, vsplit=vsplit, **kw)
 
 
-@pytest.mark.parametrize("page,vsplit", [(16, 1), (64, 1), (16, 4), (64, "auto")])
-@pytest.mark.parametrize("tree,prefix,ns", [
-    # TMA tiles (committed) and gathered ones (ragged ends, tree parts) in one chunk, 2-16 chunks, an odd chunk's
-    # phantom tile, a session without queries, a row with nothing committed, a chunk of only TMA tiles
-    (True, [0, 63, 1000, 0, 4097, 9001], [9, 1, 17, 0, 5, 3]),
-    (False, [0, 127, 2048, 5], [70, 3, 64, 1]),
-    (True, [1000], [9]),
-])
-def test_mla_seesaw_pieces_give_the_same_bits(tree, prefix, ns, page, vsplit):
-    """The seesaw grid kernel with its TMA tiles landing in nine pieces on a barrier each (`pieces`: S's MMAs issued
-    per piece as it lands) equals, bit for bit, the kernel that waits for whole tiles: the same MMA instructions in
-    the same order. Pages 16 (4 boxes a tile) and 64 (one), with the value split too; the reference within
-    tolerance, a CUDA-graph replay."""
-    args = make_batch(prefix, ns, KIMI["H"], KIMI["Dl"], KIMI["Dr"], page, torch.bfloat16, tree, seed=17)
-    kw = dict(impl="gluon_seesaw", persistent=False, vsplit=vsplit)
-    out = run_kernel(args, SCALE, pieces=True, **kw)
-    assert_bitwise(out, run_kernel(args, SCALE, pieces=False, **kw), f"pieces page {page} vsplit {vsplit} tree={tree}")
-    assert_close(out, reference(args, SCALE), TOL[torch.bfloat16], f"pieces page {page} {prefix} {ns}")
-    assert_graph_replay(args, out, pieces=True, **kw)
-
-
 @pytest.mark.parametrize("page", [16, 64])
 def test_mla_default_kernel_is_the_seesaw_and_replays_from_a_graph(page):
     """impl=None (the module default, "auto") runs the seesaw kernel on sm_90: its bits, a second launch's bits, and
