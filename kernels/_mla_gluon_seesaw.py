@@ -26,7 +26,7 @@ kept per consumer (even / odd tiles, rescaled as O) and added once at the end, c
 finish with tile 2i first, so its stage is refilled with tile 2i + 2 (consumer 0's next S) while the rest of the pair
 runs; tile 2i + 3 lands while consumer 0 computes S and its softmax, which consumer 1 waits for anyway. (FlashMLA
 goes further: 64-column TMA pieces with a barrier each, so that an S starts on the first piece. Tried here in the
-forty-sixth session, 681b43b: the same bits, 1-5% slower in every bench case on an H100, so the loop does not wait on
+forty-sixth session, 681b43b: the same bits, 0.6-5.4% slower in every bench case on an H100: the loop does not wait on
 its loads; docs/performance.md.)
 
 Partitions (`gl.warp_specialize`): consumer 0 (the default partition, 4 warps), consumer 1 (4 warps) and a one-warp
