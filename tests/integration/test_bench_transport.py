@@ -141,7 +141,7 @@ def test_bench_transport_steps_engines_that_draft_ahead(pair, tmp_path):
 def test_the_drafters_trace_window_covers_the_same_rounds():
     """`--torch-trace DIR:FIRST:COUNT` counts rounds in the verifier (a tick per engine and round); the drafter counts
     the steps it is sent, so its window is scaled by the steps a round sends it (remote engines x block steps)."""
-    from bench.bench_transport import drafter_trace_spec
+    from bench.transport_lineup import drafter_trace_spec
     from telemetry.torch_trace import DEFAULT_COUNT, DEFAULT_FIRST
 
     assert drafter_trace_spec("/tmp/traces:12:6", 6) == "/tmp/traces:72:36"

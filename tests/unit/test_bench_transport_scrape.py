@@ -6,7 +6,7 @@ import collections
 
 from prometheus_client import CollectorRegistry
 
-from bench.bench_transport import graph_runs
+from bench.transport_lineup import graph_runs
 from telemetry.metrics import Metrics, start_metrics_server
 
 

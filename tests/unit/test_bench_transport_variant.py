@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.bench_transport import Variant
+from bench.transport_lineup import Variant
 from verifier_service.engine import EngineConfig
 
 
