@@ -57,8 +57,9 @@ The fold in the last program (LAST, `mla_attention_triton(combine="last")`; fort
 combine launch, each consumer stores its block's partial and row statistics, counts itself (after a barrier of its
 warpgroup, one thread's acq_rel atomic add on the (query tile, block) counter), and the consumer that brings the count
 to nc folds that block of every chunk in chunk order with the combine kernel's arithmetic (`_ss_last_fold`; the same
-bits). The grid then numbers (query tile, chunk slot) with a tile's chunks side by side, so they run together and
-their partials are read back from L2, not DRAM.
+bits). The grid then numbers (query tile, chunk slot) in groups of LAST_GROUP query tiles that take each chunk
+together (`_ws_chunk`: as the grid's 2D order, the tiles of a tree share a chunk's keys in L2), so a tile's chunks
+run at most LAST_GROUP x chunk slots programs apart and their partials are read back from L2, not DRAM.
 
 Determinism: the pairing is by tile index within a chunk, chunks start at absolute positions that depend only on
 the row's position, and each tile always goes through the same consumer with the same instructions: results are
@@ -96,6 +97,9 @@ if HAVE_GLUON:
 
 SEESAW_WARPS = 4  # the launch's num_warps: consumer 0 (the default partition); consumer 1 and the producer are workers
 SEESAW_STAGES = 2  # one pair of KV tiles
+LAST_GROUP = 32  # LAST's grid: query tiles per group, which take each chunk together (`_ws_chunk`)
+if HAVE_GLUON:
+    _LAST_GROUP = gl.constexpr(LAST_GROUP)
 CONSUMER_REGS = 232  # setmaxnreg of consumer 1 (consumer 0 gets the rest: 232)
 PRODUCER_REGS = 48  # the producer warp's warpgroup
 
@@ -363,38 +367,37 @@ if HAVE_GLUON:
                       BLOCK_M: gl.constexpr, DL: gl.constexpr, HALF: gl.constexpr, NBLK: gl.constexpr):
         """Block `blk` (HALF stored columns from blk * HALF) of query tile pid_t's output: its nc chunks' partials
         folded in chunk order with `_mla_combine_kernel`'s arithmetic (`_mla_kernels._fold`: the same bits as the
-        combine launch), 64 columns at a time, read from L2 (.cg: other SMs wrote them), and 16-bit partials put
-        back from fragment order (`_mla_kernels._fragment_col`'s inverse) in the store's addresses."""
-        LB: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # a row's 64 columns: 16-byte loads
+        combine launch), read from L2 (.cg: other SMs wrote them) a whole block a chunk (one round of loads per
+        chunk: the fold is on a small launch's critical path), and 16-bit partials put back from fragment order
+        (`_mla_kernels._fragment_col`'s inverse) in the store's addresses."""
+        LB: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # 16-byte loads along a row
         rm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LB))
-        cc = gl.arange(0, 64, layout=gl.SliceLayout(0, LB))
+        d = blk * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, LB))  # stored columns
+        at = gl.expand_dims(rm * DL, 1) + gl.expand_dims(d, 0)
+        m = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, LB))
+        li = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, LB))
+        o = gl.zeros([BLOCK_M, HALF], gl.float32, layout=LB)
+        for c in range(nc):  # chunk order: fixed
+            part = (pid_t * GC + c).to(gl.int64)
+            st = pml_ptr + (part * NBLK + blk) * (2 * BLOCK_M)
+            mc = gl.load(st + rm, cache_modifier=".cg")
+            lc = gl.load(st + BLOCK_M + rm, cache_modifier=".cg")
+            oc = gl.load(po_ptr + part * (BLOCK_M * DL) + at, cache_modifier=".cg").to(gl.float32)
+            m_new = gl.maximum(m, mc)
+            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+            a = gl.exp2(m - m_use)
+            b = gl.exp2(mc - m_use)
+            li = gl.fma(li, a, lc * b)
+            o = gl.fma(o, gl.expand_dims(a, 1), oc * gl.expand_dims(b, 1))
+            m = m_new
+        out = o / gl.expand_dims(gl.where(li == 0.0, 1.0, li), 1)
+        if po_ptr.dtype.element_ty.primitive_bitwidth == 16:
+            col = d // 16 * 16 + (d // 2 % 2) * 8 + (d // 4 % 4) * 2 + d % 2
+        else:
+            col = d
         h = hb * BLOCK_M + rm
-        for piece in gl.static_range(HALF // 64):
-            d = blk * HALF + piece * 64 + cc  # stored columns
-            m = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, LB))
-            li = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, LB))
-            o = gl.zeros([BLOCK_M, 64], gl.float32, layout=LB)
-            for c in range(nc):  # chunk order: fixed
-                part = (pid_t * GC + c).to(gl.int64)
-                st = pml_ptr + (part * NBLK + blk) * (2 * BLOCK_M)
-                mc = gl.load(st + rm, cache_modifier=".cg")
-                lc = gl.load(st + BLOCK_M + rm, cache_modifier=".cg")
-                oc = gl.load(po_ptr + part * (BLOCK_M * DL) + gl.expand_dims(rm * DL, 1) + gl.expand_dims(d, 0),
-                             cache_modifier=".cg").to(gl.float32)
-                m_new = gl.maximum(m, mc)
-                m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-                a = gl.exp2(m - m_use)
-                b = gl.exp2(mc - m_use)
-                li = gl.fma(li, a, lc * b)
-                o = gl.fma(o, gl.expand_dims(a, 1), oc * gl.expand_dims(b, 1))
-                m = m_new
-            out = o / gl.expand_dims(gl.where(li == 0.0, 1.0, li), 1)
-            if po_ptr.dtype.element_ty.primitive_bitwidth == 16:
-                col = d // 16 * 16 + (d // 2 % 2) * 8 + (d // 4 % 4) * 2 + d % 2
-            else:
-                col = d
-            gl.store(out_ptr + t64 * stride_ot + gl.expand_dims(h * stride_oh, 1) + gl.expand_dims(col, 0),
-                     out.to(out_ptr.dtype.element_ty), mask=gl.expand_dims(h < H, 1) & gl.expand_dims(col < DL, 0))
+        gl.store(out_ptr + t64 * stride_ot + gl.expand_dims(h * stride_oh, 1) + gl.expand_dims(col, 0),
+                 out.to(out_ptr.dtype.element_ty), mask=gl.expand_dims(h < H, 1) & gl.expand_dims(col < DL, 0))
 
     # ----------------------------------------------------------------------------------------- kernel
 
@@ -416,8 +419,8 @@ if HAVE_GLUON:
         (`mla_attention_triton(combine="last")`): no combine launch; the last program of a query tile to finish a
         block of its columns folds that block (`_ss_last_fold`), counting in cnt_ptr [tiles, 2 VSPLIT] int32 (zeroed
         by the launcher, zeroed again by the folds), with pml [parts, 2 VSPLIT, 2, BLOCK_M]; the grid's first axis
-        is then (query tile, chunk slot) with a tile's chunks side by side, so that its partials are still in L2
-        when they are folded."""
+        is then (query tile, chunk slot) in groups of LAST_GROUP query tiles (`_ws_chunk`), so that a tile's partials
+        are still in L2 when they are folded."""
         gl.static_assert(BLOCK_M == 64 and BLOCK_N == 64 and DL == 512 and DR == 64 and STAGES == 2)
         gl.static_assert(VSPLIT == 1 or VSPLIT == 2 or VSPLIT == 4)
         _check_box(BOX, PAGE, BLOCK_N)
@@ -434,7 +437,7 @@ if HAVE_GLUON:
         # --- which query row and chunk (as _mla_gluon) ---
         pid_t, pid_c, hb, t, s, L, bit, nc, start, end, ident = _ws_chunk(
             cu_ptr, pre_ptr, bits_ptr, nc_ptr, S, HT, stride_bits, RULE, BLOCK_N, NCH, C_MIN, S_PAD, TREE, NB, L1, LB2,
-            GC, LAST)
+            GC, _LAST_GROUP if LAST else 0)
         if pid_c >= nc:
             return
         if BOX > 0:  # the chunk's first tiles whose keys are all committed rows (identity-mapped, all visible)
