@@ -53,14 +53,6 @@ warpgroup MMA's sum over the keys does not depend on N: bitwise on the GPU), so 
 little (5-12% at batch 1 / 1k on an H100): a program is bound by its own per-tile chain, which still loads every
 tile and computes every S.
 
-The fold in the last program (LAST, `mla_attention_triton(combine="last")`; forty-seventh session): instead of the
-combine launch, each consumer stores its block's partial and row statistics, counts itself (after a barrier of its
-warpgroup, one thread's acq_rel atomic add on the (query tile, block) counter), and the consumer that brings the count
-to nc folds that block of every chunk in chunk order with the combine kernel's arithmetic (`_ss_last_fold`; the same
-bits). The grid then numbers (query tile, chunk slot) in groups of LAST_GROUP query tiles that take each chunk
-together (`_ws_chunk`: as the grid's 2D order, the tiles of a tree share a chunk's keys in L2), so a tile's chunks
-run at most LAST_GROUP x chunk slots programs apart and their partials are read back from L2, not DRAM.
-
 Determinism: the pairing is by tile index within a chunk, chunks start at absolute positions that depend only on
 the row's position, and each tile always goes through the same consumer with the same instructions: results are
 batch-invariant and position-aligned within this impl (not bitwise equal to the other impls).
@@ -81,7 +73,7 @@ if HAVE_GLUON:
         warpgroup_mma_wait,
     )
 
-    from kernels._gluon_compat import cta_barrier, smem_reinterpret
+    from kernels._gluon_compat import smem_reinterpret
     from kernels._mla_gluon import (
         _ST_HALF_L,
         GLUON_DL,
@@ -97,9 +89,6 @@ if HAVE_GLUON:
 
 SEESAW_WARPS = 4  # the launch's num_warps: consumer 0 (the default partition); consumer 1 and the producer are workers
 SEESAW_STAGES = 2  # one pair of KV tiles
-LAST_GROUP = 32  # LAST's grid: query tiles per group, which take each chunk together (`_ws_chunk`)
-if HAVE_GLUON:
-    _LAST_GROUP = gl.constexpr(LAST_GROUP)
 CONSUMER_REGS = 232  # setmaxnreg of consumer 1 (consumer 0 gets the rest: 232)
 PRODUCER_REGS = 48  # the producer warp's warpgroup
 
@@ -204,16 +193,13 @@ if HAVE_GLUON:
     def _ss_consumer(q_smem, p0_smem, p1_smem, ckv_smem, kpe_smem, stats, q_bar, full_tma, full_cp, empty, hand,
                      out_ptr, po_ptr, pml_ptr, pid_t, pid_c, GC, t64, hb, H, nc, start, end, n_tma, qk_scale,
                      stride_ot, stride_oh, ph, W: gl.constexpr, DL: gl.constexpr, BLOCK_M: gl.constexpr,
-                     BLOCK_N: gl.constexpr, BOX: gl.constexpr, pid_v=0, VSPLIT: gl.constexpr = 1, cnt_ptr=0,
-                     LAST: gl.constexpr = False):
+                     BLOCK_N: gl.constexpr, BOX: gl.constexpr, pid_v=0, VSPLIT: gl.constexpr = 1):
         """Consumer W: S and the softmax of tile 2i + W of every pair, PV of both tiles into its value columns
         (module docstring), for one (query tile, chunk). `ph` = (pairs before it, TMA and cp.async parities per stage
         as bit masks (`_ss_wait`), its parity among the program's items): all 0 in the grid kernel; the persistent
         kernel's running counts. VSPLIT: the programs the tile's DL value columns are split over (`pid_v` this one's
         part); consumer W owns block 2 pid_v + W of DL / (2 VSPLIT) columns. S, the softmax and the row sums are
-        the whole tile's in every part, so each column gets the same arithmetic at any VSPLIT (module docstring).
-        LAST: the row statistics go beside each block's partial, and the last program of the query tile to store
-        its block folds that block of every chunk (`_ss_last_fold`; cnt_ptr: the launch's zeroed counters)."""
+        the whole tile's in every part, so each column gets the same arithmetic at any VSPLIT (module docstring)."""
         pair0 = ph[0]
         ip = ph[3]
         HALF: gl.constexpr = DL // (2 * VSPLIT)  # value columns per consumer
@@ -340,19 +326,7 @@ if HAVE_GLUON:
             else:
                 ST_L: gl.constexpr = _ST_EIGHTH_L
             _store_partial(po_ptr, part, o, BLOCK_M, DL, HALF, V_OFF, O_L, ST_L)
-            if LAST:  # our block's statistics beside its partial; the tile's last to arrive folds the block
-                NBLK: gl.constexpr = 2 * VSPLIT
-                rs_ = gl.arange(0, BLOCK_M, layout=RS)
-                st = pml_ptr + (part * NBLK + blk) * (2 * BLOCK_M)
-                gl.store(st + rs_, m)
-                gl.store(st + BLOCK_M + rs_, li)
-                cta_barrier()  # every warp's stores are in (a warpgroup barrier), before one thread's release
-                ctr = cnt_ptr + pid_t * NBLK + blk
-                if gl.atomic_add(ctr, 1, sem="acq_rel", scope="gpu") == nc - 1:  # (acquire: the others' stores)
-                    gl.store(ctr, 0)  # back to zero (every chunk has counted itself): as the launch found it
-                    _ss_last_fold(po_ptr, pml_ptr, out_ptr, pid_t, GC, nc, t64, hb, H, blk, stride_ot, stride_oh,
-                                  BLOCK_M, DL, HALF, NBLK)
-            elif W == 0:
+            if W == 0:
                 rs_ = gl.arange(0, BLOCK_M, layout=RS)
                 if VSPLIT == 1:
                     gl.store(pml_ptr + part * (2 * BLOCK_M) + rs_, m)
@@ -362,43 +336,6 @@ if HAVE_GLUON:
                     gl.store(pml_ptr + part * (2 * BLOCK_M) + rs_, m, mask=first)
                     gl.store(pml_ptr + part * (2 * BLOCK_M) + BLOCK_M + rs_, li, mask=first)
 
-    @gluon.jit
-    def _ss_last_fold(po_ptr, pml_ptr, out_ptr, pid_t, GC, nc, t64, hb, H, blk, stride_ot, stride_oh,
-                      BLOCK_M: gl.constexpr, DL: gl.constexpr, HALF: gl.constexpr, NBLK: gl.constexpr):
-        """Block `blk` (HALF stored columns from blk * HALF) of query tile pid_t's output: its nc chunks' partials
-        folded in chunk order with `_mla_combine_kernel`'s arithmetic (`_mla_kernels._fold`: the same bits as the
-        combine launch), read from L2 (.cg: other SMs wrote them) a whole block a chunk (one round of loads per
-        chunk: the fold is on a small launch's critical path), and 16-bit partials put back from fragment order
-        (`_mla_kernels._fragment_col`'s inverse) in the store's addresses."""
-        LB: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # 16-byte loads along a row
-        rm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LB))
-        d = blk * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, LB))  # stored columns
-        at = gl.expand_dims(rm * DL, 1) + gl.expand_dims(d, 0)
-        m = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, LB))
-        li = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, LB))
-        o = gl.zeros([BLOCK_M, HALF], gl.float32, layout=LB)
-        for c in range(nc):  # chunk order: fixed
-            part = (pid_t * GC + c).to(gl.int64)
-            st = pml_ptr + (part * NBLK + blk) * (2 * BLOCK_M)
-            mc = gl.load(st + rm, cache_modifier=".cg")
-            lc = gl.load(st + BLOCK_M + rm, cache_modifier=".cg")
-            oc = gl.load(po_ptr + part * (BLOCK_M * DL) + at, cache_modifier=".cg").to(gl.float32)
-            m_new = gl.maximum(m, mc)
-            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-            a = gl.exp2(m - m_use)
-            b = gl.exp2(mc - m_use)
-            li = gl.fma(li, a, lc * b)
-            o = gl.fma(o, gl.expand_dims(a, 1), oc * gl.expand_dims(b, 1))
-            m = m_new
-        out = o / gl.expand_dims(gl.where(li == 0.0, 1.0, li), 1)
-        if po_ptr.dtype.element_ty.primitive_bitwidth == 16:
-            col = d // 16 * 16 + (d // 2 % 2) * 8 + (d // 4 % 4) * 2 + d % 2
-        else:
-            col = d
-        h = hb * BLOCK_M + rm
-        gl.store(out_ptr + t64 * stride_ot + gl.expand_dims(h * stride_oh, 1) + gl.expand_dims(col, 0),
-                 out.to(out_ptr.dtype.element_ty), mask=gl.expand_dims(h < H, 1) & gl.expand_dims(col < DL, 0))
-
     # ----------------------------------------------------------------------------------------- kernel
 
     @gluon.jit
@@ -407,20 +344,13 @@ if HAVE_GLUON:
         desc_q, desc_qpe,
         S, H, HT, GC, qk_scale,
         stride_qt, stride_qh, stride_pt, stride_ph, stride_kv, stride_bt, stride_bits, stride_ot, stride_oh,
-        cnt_ptr,
         DL: gl.constexpr, DR: gl.constexpr, PAGE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         NCH: gl.constexpr, C_MIN: gl.constexpr, RULE: gl.constexpr, S_PAD: gl.constexpr, TREE: gl.constexpr,
         NB: gl.constexpr, STAGES: gl.constexpr, BOX: gl.constexpr, QTMA: gl.constexpr, VSPLIT: gl.constexpr = 1,
-        LAST: gl.constexpr = False,
     ):
         """Arguments as `_mla_gluon._mla_fwd_gluon_kernel`. The prologue (consumer 0's warps) finds the query row
         and chunk, resolves the tree tiles' rows and sets up shared memory; then the partitions. VSPLIT (1, 2 or 4):
-        the programs along the grid's last axis that split each (query tile, chunk)'s value columns. LAST
-        (`mla_attention_triton(combine="last")`): no combine launch; the last program of a query tile to finish a
-        block of its columns folds that block (`_ss_last_fold`), counting in cnt_ptr [tiles, 2 VSPLIT] int32 (zeroed
-        by the launcher, zeroed again by the folds), with pml [parts, 2 VSPLIT, 2, BLOCK_M]; the grid's first axis
-        is then (query tile, chunk slot) in groups of LAST_GROUP query tiles (`_ws_chunk`), so that a tile's partials
-        are still in L2 when they are folded."""
+        the programs along the grid's third axis that split each (query tile, chunk)'s value columns."""
         gl.static_assert(BLOCK_M == 64 and BLOCK_N == 64 and DL == 512 and DR == 64 and STAGES == 2)
         gl.static_assert(VSPLIT == 1 or VSPLIT == 2 or VSPLIT == 4)
         _check_box(BOX, PAGE, BLOCK_N)
@@ -436,8 +366,7 @@ if HAVE_GLUON:
 
         # --- which query row and chunk (as _mla_gluon) ---
         pid_t, pid_c, hb, t, s, L, bit, nc, start, end, ident = _ws_chunk(
-            cu_ptr, pre_ptr, bits_ptr, nc_ptr, S, HT, stride_bits, RULE, BLOCK_N, NCH, C_MIN, S_PAD, TREE, NB, L1, LB2,
-            GC, _LAST_GROUP if LAST else 0)
+            cu_ptr, pre_ptr, bits_ptr, nc_ptr, S, HT, stride_bits, RULE, BLOCK_N, NCH, C_MIN, S_PAD, TREE, NB, L1, LB2)
         if pid_c >= nc:
             return
         if BOX > 0:  # the chunk's first tiles whose keys are all committed rows (identity-mapped, all visible)
@@ -481,19 +410,17 @@ if HAVE_GLUON:
         hands = (hand.index(0), hand.index(1), hand.index(2), hand.index(3), hand.index(4))
         if VSPLIT == 1:
             pid_v = 0
-        elif LAST:
-            pid_v = gl.program_id(1)
         else:
             pid_v = gl.program_id(2)
         gl.warp_specialize([
             (_ss_consumer, (q_smem, p0_smem, p1_smem, ckv_smem, kpe_smem, stats, q_bar, full_tma, full_cp, empty,
                             hands, out_ptr, po_ptr, pml_ptr, pid_t, pid_c, GC, t64, hb, H, nc, start, end, n_tma,
                             qk_scale, stride_ot, stride_oh, (0, 0, 0, 0), 0, DL, BLOCK_M, BLOCK_N, BOX, pid_v,
-                            VSPLIT, cnt_ptr, LAST)),
+                            VSPLIT)),
             (_ss_consumer, (q_smem, p0_smem, p1_smem, ckv_smem, kpe_smem, stats, q_bar, full_tma, full_cp, empty,
                             hands, out_ptr, po_ptr, pml_ptr, pid_t, pid_c, GC, t64, hb, H, nc, start, end, n_tma,
                             qk_scale, stride_ot, stride_oh, (0, 0, 0, 0), 1, DL, BLOCK_M, BLOCK_N, BOX, pid_v,
-                            VSPLIT, cnt_ptr, LAST)),
+                            VSPLIT)),
             (_ss_producer, (q_ptr, qpe_ptr, kv_ptr, bt_row, q_smem, p0_smem, ckv_smem, kpe_smem, rows_smem, tree_smem,
                             q_bar, full_tma, full_cp, empty, desc_l, desc_r, desc_q, desc_qpe, t, t64, hb, H, L,
                             start, end, ident, n_tma, stride_qt, stride_qh, stride_pt, stride_ph, stride_kv, DL, DR,

@@ -274,22 +274,11 @@ if HAVE_GLUON:
     @gluon.jit
     def _ws_chunk(cu_ptr, pre_ptr, bits_ptr, nc_ptr, S, HT, stride_bits, RULE: gl.constexpr, BLOCK_N: gl.constexpr,
                   NCH: gl.constexpr, C_MIN: gl.constexpr, S_PAD: gl.constexpr, TREE: gl.constexpr, NB: gl.constexpr,
-                  L1: gl.constexpr, LB2: gl.constexpr, GC=1, GROUP: gl.constexpr = 0):
+                  L1: gl.constexpr, LB2: gl.constexpr):
         """This program's query row and chunk (as _mla_gluon), with the chunk count stored for the combine by chunk
-        0: (pid_t, pid_c, hb, t, s, L, bit, nc, start, end, ident); the caller returns when pid_c >= nc. GROUP > 0:
-        the grid's first axis numbers (query tile, chunk slot) in groups of GROUP query tiles (the last group may
-        have fewer), chunk slot by chunk slot within a group: a group's tiles take each chunk together (they share
-        its keys in L2, as the tiles of a tree do) and a tile's chunks are at most GROUP * GC programs apart."""
-        if GROUP > 0:
-            pid = gl.program_id(0)
-            g0 = pid // (GROUP * GC) * GROUP  # the group's first query tile
-            ge = gl.minimum(GROUP, gl.load(cu_ptr + S) * HT - g0)  # its tiles
-            r = pid - g0 * GC
-            pid_t = g0 + r % ge
-            pid_c = r // ge
-        else:
-            pid_t = gl.program_id(0)
-            pid_c = gl.program_id(1)
+        0: (pid_t, pid_c, hb, t, s, L, bit, nc, start, end, ident); the caller returns when pid_c >= nc."""
+        pid_t = gl.program_id(0)
+        pid_c = gl.program_id(1)
         hb = pid_t % HT
         t, s, L, bit, p = _item_query(pid_t, cu_ptr, pre_ptr, bits_ptr, S, HT, stride_bits, S_PAD, TREE, NB, L1, LB2)
         nc, start, end = chunk_span(p + 1, pid_c, RULE, BLOCK_N, NCH, C_MIN)

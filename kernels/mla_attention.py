@@ -30,8 +30,7 @@ position computes, and no row depends on the other rows or sessions of the launc
 invariance). Tested bitwise in fp32 under the interpreter and in bf16 on the GPU.
 The seesaw kernel may split a (query tile, chunk)'s value columns over 2 or 4 programs (`vsplit`, "auto" by
 default: the same bits, more programs for a small launch).
-Launches: one attention kernel, plus one combine kernel when some row has more than one chunk (with
-`combine="last"`, a zero-fill of the tiles' counters instead: the seesaw kernel folds the partials itself).
+Launches: one attention kernel, plus one combine kernel when some row has more than one chunk.
 Grid sizes depend only on host-known shapes (T, H, block table width): no host sync, CUDA-graph
 capturable. Limits: tree_bits <= 2 words (128 nodes); page_size is a compile-time constant.
 Bit alignment needs parents to precede children in each session's node order (DESIGN 3.1);
@@ -68,8 +67,6 @@ FOLD_MIN_TILES_PER_SM = 4  # fold="auto" folds launches of at least this many qu
 DEFAULT_VSPLIT = "auto"  # `mla_attention_triton(vsplit=)`: the same bits at any value (GPU tests); auto 5-12% faster
 # than 1 on an H100 at batch 1 / 1k with 9-33 nodes, where it splits, and the same elsewhere (forty-fifth session)
 VSPLITS = (1, 2, 4, "auto")
-COMBINES = ("launch", "last")  # how a multi-chunk row's partials are folded (`mla_attention_triton(combine=)`)
-DEFAULT_COMBINE = "launch"  # "last" (the seesaw grid kernel only): the same bits; not yet measured on a GPU
 IMPLS = ("triton", "gluon", "gluon_ws", "gluon_seesaw", "auto")  # tile kernel: `_mla_kernels` (any GPU, the
 # interpreter), `_mla_gluon_seesaw` (sm_90, warp-specialized: what "auto" picks there), `_mla_gluon` (sm_90; "auto"
 # picks it for the option only it has: fold), `_mla_gluon_ws` (sm_90, warp-specialized, experimental)
@@ -261,8 +258,7 @@ def mla_attention_triton(q_lat, q_pe, kv_cache, block_table, page_size, cu_q, pr
                          num_stages: int = 2, nch: int = _NCH, c_min: int = _C_MIN,
                          chunk_rule: str = DEFAULT_CHUNK_RULE, impl: str | None = None, tma: bool | None = None,
                          persistent: bool | None = None, partials: str | None = None,
-                         fold: bool | str | None = None, vsplit: int | str | None = None,
-                         combine: str | None = None):
+                         fold: bool | str | None = None, vsplit: int | str | None = None):
     """The Triton path on any device (tests call it on CPU under TRITON_INTERPRET=1).
 
     q_lat/q_pe are cast to the cache dtype; `out` ([T, H, Dl], optional) is written in place.
@@ -297,14 +293,7 @@ def mla_attention_triton(q_lat, q_pe, kv_cache, block_table, page_size, cu_q, pr
     chunk), each computing the tile's whole S and softmax and 512 / vsplit of its value columns. Every column gets
     the arithmetic it gets at 1, provided a warpgroup MMA's sum over the keys does not depend on its width N (the GPU
     tests compare the bits), so a launcher may pick it per launch: more programs for a launch with fewer (query
-    tile, chunk) items than SMs, at the price of S computed vsplit times. "auto": `_auto_vsplit`.
-    `combine` (None: the module's `DEFAULT_COMBINE`): how the partials of a row of several chunks are folded:
-    "launch", by `_mla_combine_kernel` after the tile kernel, or "last" (the seesaw grid kernel; elsewhere the
-    default falls back to "launch" and an explicit "last" is a ValueError): in the tile kernel, by the last program
-    of each query tile to finish a block of its value columns, found by a counter per (tile, block), with the
-    combine kernel's arithmetic in chunk order (the same bits), while the partials are still in L2 (the programs
-    of a tile's chunks run side by side). It costs one zero-fill of the counters per launch instead of the combine
-    launch, and the partials' second trip through DRAM."""
+    tile, chunk) items than SMs, at the price of S computed vsplit times. "auto": `_auto_vsplit`."""
     T, H, Dl = q_lat.shape
     Dr = q_pe.shape[-1]
     S = prefix_lens.shape[0]
@@ -355,10 +344,6 @@ def mla_attention_triton(q_lat, q_pe, kv_cache, block_table, page_size, cu_q, pr
                 and tiles >= FOLD_MIN_TILES_PER_SM * _sm_count(q_lat.device.index))
     if fold and impl not in ("triton", "gluon"):
         raise ValueError(f"mla_attention: fold runs in the Triton and gluon tile kernels (impl {impl!r})")
-    asked_last = combine == "last"
-    combine = DEFAULT_COMBINE if combine is None else combine
-    if combine not in COMBINES:
-        raise ValueError(f"mla_attention: combine {combine!r} is not one of {COMBINES}")
     vsplit = DEFAULT_VSPLIT if vsplit is None else vsplit
     if vsplit not in VSPLITS:
         raise ValueError(f"mla_attention: vsplit {vsplit!r} is not one of {VSPLITS}")
@@ -380,9 +365,6 @@ def mla_attention_triton(q_lat, q_pe, kv_cache, block_table, page_size, cu_q, pr
               q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), kv_cache.stride(0),
               block_table.stride(0), bits.stride(0), out.stride(0), out.stride(1))
     nb = 64 * (tree_bits.shape[1] if tree_bits is not None else 1)
-    combine_launch = True  # (the seesaw grid kernel may fold in the tile kernel instead)
-    if asked_last and impl not in ("gluon", "gluon_seesaw"):
-        raise ValueError(f"mla_attention: combine 'last' runs in the seesaw grid kernel only (impl {impl!r})")
     if impl == "gluon_ws":  # num_warps: the kernel's own (consumer 0; the other partitions add theirs)
         _mla_gluon_ws._mla_fwd_gluon_ws_kernel[(tiles, grid_c)](
             *common, DL=Dl, DR=Dr, PAGE=page_size, BLOCK_M=block_m, BLOCK_N=block_n, NCH=nch, C_MIN=c_min,
@@ -398,9 +380,6 @@ def mla_attention_triton(q_lat, q_pe, kv_cache, block_table, page_size, cu_q, pr
             persistent = (_mla_gluon_seesaw_persistent.SEESAW_PERSISTENT if impl == "gluon_seesaw"
                           else _mla_gluon_persistent.GLUON_PERSISTENT)
         seesaw_grid = impl == "gluon_seesaw" and not (persistent and qdesc is not None)
-        if asked_last and not seesaw_grid:
-            raise ValueError(f"mla_attention: combine 'last' runs in the seesaw grid kernel only (impl {impl!r}, "
-                             f"persistent {bool(persistent)})")
         if vsplit not in (1, "auto") and not seesaw_grid:
             raise ValueError(f"mla_attention: vsplit {vsplit} runs in the seesaw grid kernel only (impl {impl!r}, "
                              f"persistent {bool(persistent)})")
@@ -411,20 +390,9 @@ def mla_attention_triton(q_lat, q_pe, kv_cache, block_table, page_size, cu_q, pr
                 num_warps=_mla_gluon_seesaw.SEESAW_WARPS, **shape)
         elif seesaw_grid:  # num_warps: the kernel's own (consumer 0; the other partitions add theirs)
             nv = _auto_vsplit(tiles * grid_c, q_lat.device.index) if vsplit == "auto" else vsplit
-            last = combine == "last" and grid_c > 1
-            if last:  # statistics per (part, block of columns), a counter per (tile, block); tile-major grid
-                pml = torch.empty(parts, 2 * nv, 2, block_m, dtype=torch.float32, device=q_lat.device)
-                cnt = torch.zeros(tiles * 2 * nv, dtype=torch.int32, device=q_lat.device)
-                grid = (tiles * grid_c,) + ((nv,) if nv > 1 else ())
-                common = common[:9] + (pml,) + common[10:]
-            else:
-                cnt = nc  # (unused)
-                grid = (tiles, grid_c) + ((nv,) if nv > 1 else ())
-            _mla_gluon_seesaw._mla_fwd_gluon_seesaw_kernel[grid](
-                *common[:11], *kvdesc, *(qdesc or kvdesc), *common[11:], cnt, QTMA=qdesc is not None,
-                STAGES=_mla_gluon_seesaw.SEESAW_STAGES, num_warps=_mla_gluon_seesaw.SEESAW_WARPS, VSPLIT=nv,
-                LAST=last, **shape)
-            combine_launch = not last
+            _mla_gluon_seesaw._mla_fwd_gluon_seesaw_kernel[(tiles, grid_c) + ((nv,) if nv > 1 else ())](
+                *common[:11], *kvdesc, *(qdesc or kvdesc), *common[11:], QTMA=qdesc is not None,
+                STAGES=_mla_gluon_seesaw.SEESAW_STAGES, num_warps=_mla_gluon_seesaw.SEESAW_WARPS, VSPLIT=nv, **shape)
         elif persistent and qdesc is not None and not fold:  # (it loads every query tile by TMA)
             nprog = min(tiles * grid_c, _sm_count(q_lat.device.index))
             _mla_gluon_persistent._mla_fwd_gluon_persistent_kernel[(nprog,)](
@@ -440,7 +408,7 @@ def mla_attention_triton(q_lat, q_pe, kv_cache, block_table, page_size, cu_q, pr
             *common, DL=Dl, DR=Dr, BDL=bdl, BDR=bdr, PAGE=page_size, BLOCK_M=block_m, BLOCK_N=block_n, NCH=nch,
             C_MIN=c_min, RULE=rule, S_PAD=s_pad, TREE=tree_bits is not None, NB=nb, PREC=prec, FOLD=fold,
             num_warps=num_warps, num_stages=num_stages)
-    if grid_c > 1 and not fold and combine_launch:
+    if grid_c > 1 and not fold:
         block_d = min(bdl, 128)
         _mla_combine_kernel[(tiles, triton.cdiv(bdl, block_d))](
             po, pml, nc, out, H, ht, grid_c, out.stride(0), out.stride(1),

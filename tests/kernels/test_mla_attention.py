@@ -295,66 +295,6 @@ def test_mla_launcher_splits_the_seesaw_kernels_value_columns_when_asked(monkeyp
         assert calls == []  # refused before any launch
 
 
-def test_mla_launcher_folds_in_the_seesaw_kernels_last_program_when_asked(monkeypatch):
-    """`combine="last"`: the seesaw grid kernel with LAST on a grid whose first axis is (query tile, chunk slot), a
-    tile's slots side by side (then VSPLIT's axis), row statistics per (part, block of columns), counters [tiles x
-    blocks] that start at zero, and no combine launch; with every row in one chunk there is nothing to fold (LAST off,
-    the usual grid). "launch" (the default) is the two launches as before. Refused with the reason for a name it does
-    not know and where the seesaw grid kernel does not run; the default runs the combine launch there."""
-    from kernels import mla_attention as mla
-
-    calls = []
-
-    class Recorder:
-        def __init__(self, name):
-            self.name = name
-
-        def __getitem__(self, grid):
-            def run(*a, **kw):
-                calls.append((self.name, grid, kw.get("LAST"), kw.get("VSPLIT")))
-                if self.name == "seesaw":
-                    cnt, pml = a[-1], a[9]
-                    zero = int(cnt.abs().sum()) == 0 if kw["LAST"] else None  # (else a dummy pointer)
-                    calls.append(("cnt", tuple(cnt.shape), zero, tuple(pml.shape)))
-            return run
-
-    monkeypatch.setattr(mla, "gluon_unsupported", lambda *a: None)
-    monkeypatch.setattr(mla, "_sm_count", lambda index: 7)
-    monkeypatch.setattr(mla._mla_gluon_seesaw, "_mla_fwd_gluon_seesaw_kernel", Recorder("seesaw"))
-    monkeypatch.setattr(mla._mla_gluon, "_mla_fwd_gluon_kernel", Recorder("grid"))
-    monkeypatch.setattr(mla, "_mla_fwd_kernel", Recorder("triton"))
-    monkeypatch.setattr(mla, "_mla_combine_kernel", Recorder("combine"))
-    args = make_batch([1500, 40], [2, 1], 64, 512, 64, 16, torch.float16, True, device="cpu")
-    tiles, grid_c = 3, max_chunks(args[3].shape[1] * 16)
-    assert grid_c > 1
-    parts = tiles * grid_c
-
-    def launch(*a, **kw):
-        calls.clear()
-        mla.mla_attention_triton(*a, SCALE_CPU, out=torch.empty_like(a[0]), **kw)
-        return [c[:2] if c[0] == "combine" else c for c in calls]
-
-    assert mla.DEFAULT_COMBINE == "launch" and launch(*args, impl="gluon_seesaw", vsplit=1) == [
-        ("seesaw", (tiles, grid_c), False, 1), ("cnt", (tiles,), None, (parts, 2, 64)), ("combine", (tiles, 4))]
-    assert launch(*args, impl="gluon_seesaw", vsplit=1, combine="last") == [
-        ("seesaw", (tiles * grid_c,), True, 1), ("cnt", (tiles * 2,), True, (parts, 2, 2, 64))]
-    assert launch(*args, vsplit=4, combine="last") == [  # impl "auto" (the default): the seesaw kernel here
-        ("seesaw", (tiles * grid_c, 4), True, 4), ("cnt", (tiles * 8,), True, (parts, 8, 2, 64))]
-    short = make_batch([40], [3], 64, 512, 64, 16, torch.float16, True, device="cpu")
-    assert max_chunks(short[3].shape[1] * 16) == 1
-    assert launch(*short, impl="gluon_seesaw", vsplit=1, combine="last") == [
-        ("seesaw", (3, 1), False, 1), ("cnt", (3,), None, (1, 2, 64))]
-    with pytest.raises(ValueError, match="combine 'first' is not one of"):
-        launch(*args, combine="first")
-    for kw in (dict(impl="triton"), dict(impl="gluon"), dict(impl="gluon_seesaw", persistent=True),
-               dict(tma=False)):
-        with pytest.raises(ValueError, match="combine 'last' runs in the seesaw grid kernel only"):
-            launch(*args, combine="last", **kw)
-        assert calls == []  # refused before any launch
-    monkeypatch.setattr(mla, "DEFAULT_COMBINE", "last")
-    assert launch(*args, impl="triton") == [("triton", (tiles, grid_c), None, None), ("combine", (tiles, 4))]
-
-
 def test_mla_configure_fixes_the_deployment_kernel(monkeypatch):
     """`configure` sets DEFAULT_IMPL (read by every later launch) and says what runs: off CUDA the
     reference; "gluon" where it cannot run is refused with the reason; an unknown name is refused."""

@@ -145,32 +145,6 @@ def test_mla_seesaw_value_split_gives_the_same_bits(tree, prefix, ns, page, part
     assert_graph_replay(args, out, vsplit=vsplit, **kw)
 
 
-@pytest.mark.parametrize("page,partials,vsplit", [  # (each VSPLIT, TREE, page and partial dtype compiles anew)
-    (16, "out", 1), (16, "out", 4), (64, "out", "auto"), (8, "out", 1), (16, "fp32", 2)])
-@pytest.mark.parametrize("tree,prefix,ns", [
-    # one-chunk rows (the output written directly) beside 2-16 chunks (folded), a session without queries, a row
-    # with nothing committed; a batch of 16 sessions at 4k (8 chunks) and 33k (16); a small launch
-    (True, [0, 63, 1000, 0, 4097, 9001, 33000], [9, 1, 17, 0, 5, 3, 2]),
-    (False, [0, 127, 2048, 5], [70, 3, 64, 1]),
-    (True, [4096] * 12 + [33000] * 4, [65] * 12 + [9] * 4),
-    (True, [1000], [9]),
-])
-def test_mla_seesaw_last_combine_gives_the_launch_bits(tree, prefix, ns, page, partials, vsplit):
-    """combine="last" (the seesaw grid kernel: the last program of a query tile to store a block of its columns folds
-    every chunk's partial of that block, counted by an atomic per (tile, block), on a grid with a tile's chunks side
-    by side) equals the combine launch bit for bit; again on a second launch and from a CUDA graph (the counters end
-    each launch at zero, so a replay needs no fill but its own)."""
-    args = make_batch(prefix, ns, KIMI["H"], KIMI["Dl"], KIMI["Dr"], page, torch.bfloat16, tree, seed=19)
-    kw = dict(impl="gluon_seesaw", persistent=False, partials=partials, vsplit=vsplit)
-    out = run_kernel(args, SCALE, combine="last", **kw)
-    want = run_kernel(args, SCALE, combine="launch", **kw)
-    assert_bitwise(out, want, f"last vs launch: vsplit {vsplit} page {page} tree={tree} {partials}")
-    for _ in range(3):
-        assert_bitwise(run_kernel(args, SCALE, combine="last", **kw), want, "launched again")
-    assert_close(out, reference(args, SCALE), TOL[torch.bfloat16], f"last: page {page} {prefix} {ns}")
-    assert_graph_replay(args, want, combine="last", **kw)
-
-
 @pytest.mark.parametrize("page", [16, 64])
 def test_mla_default_kernel_is_the_seesaw_and_replays_from_a_graph(page):
     """impl=None (the module default, "auto") runs the seesaw kernel on sm_90: its bits, a second launch's bits, and

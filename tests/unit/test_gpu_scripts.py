@@ -85,18 +85,3 @@ def test_run_gpu_vsplit_selects_the_value_split_tests():
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     ids = [line for line in res.stdout.splitlines() if "::" in line]
     assert len(ids) == 15 and all("::test_mla_seesaw_value_split_gives_the_same_bits[" in i for i in ids), ids
-
-
-def test_run_gpu_last_selects_the_last_combine_tests_and_the_default_kernels():
-    """run_gpu_last.sh's -k picks every case of the combine="last" GPU test and the default-kernel test, nothing
-    else (collected by pytest, as on the device, where the bench runs only if they pass)."""
-    script = (BENCH / "run_gpu_last.sh").read_text()
-    m = re.search(r"pytest (tests/kernels/\S+\.py) [^\n]*\\\n\s*-k \"([^\"]+)\"", script)
-    assert m, "run_gpu_last.sh: the tests' pytest call changed shape"
-    res = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", m.group(1),
-                          "-k", m.group(2)], capture_output=True, text=True, cwd=BENCH.parent)
-    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
-    ids = [line.split("[")[0] for line in res.stdout.splitlines() if "::" in line]
-    last = "tests/kernels/test_mla_attention_gpu.py::test_mla_seesaw_last_combine_gives_the_launch_bits"
-    default = "tests/kernels/test_mla_attention_gpu.py::test_mla_default_kernel_is_the_seesaw_and_replays_from_a_graph"
-    assert ids.count(last) == 20 and ids.count(default) == 2 and len(ids) == 22, ids
