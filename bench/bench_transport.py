@@ -120,10 +120,6 @@ def timed_step(engine, block: int = 1) -> tuple[float, dict[str, list[int]]]:
     return (time.perf_counter() - t0) / block, out
 
 
-
-
-
-
 def report_syncs() -> None:
     """--sync-debug: print each new call stack that made the host wait for the GPU (torch's sync debug warnings)."""
     import traceback
@@ -140,18 +136,6 @@ def report_syncs() -> None:
 
     warnings.simplefilter("always")
     warnings.showwarning = show
-
-
-
-
-
-
-
-
-
-
-
-
 
 
 def mps_running() -> bool:
@@ -272,10 +256,6 @@ class Rounds:
     phases: dict[str, list[dict[str, float]]]  # the stream clients' last_step_ms
     emitted: dict[str, dict[str, list[int]]]  # each session's tokens, warm-up included
     diverged: int = 0  # engine-rounds that emitted other tokens than in-process that round (other trees)
-
-
-
-
 
 
 def run_rounds(run: Run, engines: dict, clients: dict, conc: int, share: float | None, step_trace) -> Rounds:
