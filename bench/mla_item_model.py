@@ -99,8 +99,8 @@ def fit_model(cases: list[dict], sms: int, launch: float | None = None, rounds: 
 
 
 def load_cases(paths: list[str], batch: int) -> list[dict]:
-    """One case per (prefix, tree, c_min) of the default launch (the seesaw grid kernel, the combine launch, the
-    balanced rule, a table as wide as the case), the latest record winning."""
+    """One case per (prefix, tree, c_min) of the default launch (the seesaw grid kernel, named or as "auto" picks it
+    on sm_90; the combine launch; the balanced rule; a table as wide as the case), the latest record winning."""
     cases = {}
     for path in paths:
         with open(path) as f:
@@ -108,7 +108,7 @@ def load_cases(paths: list[str], batch: int) -> list[dict]:
                 r = json.loads(line)
                 p = r["params"]
                 if (r["name"] != "mla_attention" or p["batch"] != batch or p.get("combine", "launch") != "launch"
-                        or p.get("impl") != "gluon_seesaw" or p.get("persistent") not in (None, "default", "off")
+                        or p.get("impl") not in ("gluon_seesaw", "auto") or p.get("persistent") not in (None, "default", "off")
                         or p.get("chunk_rule", "balanced") != "balanced"
                         or p.get("table_len", 0) > p["prefix"] + p["tree"] + 64 * 2):  # a serving table's slots
                     continue

@@ -60,7 +60,7 @@ def test_only_the_default_launchs_records_are_read(tmp_path):
         rec(prefix=1024, impl="gluon"),
         rec(prefix=1024, chunk_rule="legacy"),
         rec(prefix=1024, batch=1),
-        rec(prefix=32768, config={"c_min": 1024}),
+        rec(prefix=32768, config={"c_min": 1024}, impl="auto"),
     ]) + "\n")
     cases = im.load_cases([str(path)], 16)
     assert [(c["prefix"], c["c_min"], c["us"]) for c in cases] == [(4096, 512, 1000.0), (32768, 1024, 1000.0)]
