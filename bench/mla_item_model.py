@@ -108,7 +108,8 @@ def load_cases(paths: list[str], batch: int) -> list[dict]:
                 r = json.loads(line)
                 p = r["params"]
                 if (r["name"] != "mla_attention" or p["batch"] != batch or p.get("combine", "launch") != "launch"
-                        or p.get("impl") not in ("gluon_seesaw", "auto") or p.get("persistent") not in (None, "default", "off")
+                        or p.get("impl") not in ("gluon_seesaw", "auto")
+                        or p.get("persistent") not in (None, "default", "off")
                         or p.get("chunk_rule", "balanced") != "balanced"
                         or p.get("table_len", 0) > p["prefix"] + p["tree"] + 64 * 2):  # a serving table's slots
                     continue

@@ -8,8 +8,9 @@ heads of one token, a chunk a `chunk_span` of whole 64-key tiles at absolute pos
 else the partials that `_mla_combine_kernel` folds in chunk order). What differs is the schedule inside a program,
 after FlashMLA's "seesaw" (its 2025-04 deep dive): the output O [64, 512] fp32 is too large for one warpgroup's
 registers, so it is split by columns, O_L in consumer 0 and O_R in consumer 1, and the chunk's 64-key tiles are
-taken in PAIRS (tile 2i in stage 0, tile 2i + 1 in stage 1; an odd chunk ends with a zero-filled, fully masked
-phantom tile). Per pair, in base 2 with m the running row max:
+taken in PAIRS (tile 2i in stage 0, tile 2i + 1 in stage 1; an odd chunk ends with a phantom tile: fully masked, so
+its S is -inf, its P zero and its rescale factor 1, and its products would add exact zeros; nobody loads it or
+multiplies by it, `_ss_consumer`). Per pair, in base 2 with m the running row max:
 
   consumer 0                                       consumer 1
   S0 = Q K0^T (its whole tile, N = 64)             S1 = Q K1^T
@@ -121,12 +122,12 @@ if HAVE_GLUON:
     def _ss_tiles(kv_ptr, bt_row, ckv_smem, kpe_smem, rows_smem, tree_smem, full_tma, full_cp, empty, desc_l, desc_r,
                   L, start, end, ident, n_tma, pairs0, stride_kv, tree_bar, ip, DL: gl.constexpr, DR: gl.constexpr,
                   PAGE: gl.constexpr, BLOCK_N: gl.constexpr, TREE: gl.constexpr, BOX: gl.constexpr, LR: gl.constexpr,
-                  TREE_WAIT: gl.constexpr = False):
+                  TREE_WAIT: gl.constexpr = False, SKIP_PHANTOM: gl.constexpr = True):
         """The producer's loads of one (query tile, chunk)'s KV tiles. `pairs0`: pairs the program's stages went
         through before it (0 in the grid kernel; the persistent kernel's running count), so tile j of the item is
         the (pairs0 + j // 2)-th tile of its stage. TREE_WAIT (persistent kernel): the tree table is consumer 0's
         per item, so the first tile that reaches the tree part waits for it on `tree_bar` (phase: the item's
-        parity `ip`)."""
+        parity `ip`). SKIP_PHANTOM (as `_ss_consumer`'s): the phantom tile of an odd chunk is not loaded."""
         n_tiles = (end - start + BLOCK_N - 1) // BLOCK_N
         for j in range(2 * ((n_tiles + 1) // 2)):  # pairs; an odd chunk ends with a phantom (all rows masked)
             k0 = start + j * BLOCK_N
@@ -137,13 +138,25 @@ if HAVE_GLUON:
             if BOX > 0 and j < n_tma:
                 _tma_tile(_tile_boxes(k0, end, bt_row, PAGE, BOX), ckv_smem.index(st), kpe_smem.index(st),
                           full_tma.index(st), desc_l, desc_r, DL, BOX)
-            else:  # (a phantom tile: every row masked, so zero-filled)
+            else:
                 if TREE_WAIT:  # before the first tile that reads the tree table (consumer 0 writes it per item)
                     mbarrier.wait(tree_bar, ip, pred=(end > L) & (j == gl.maximum(ident - start, 0) // BLOCK_N))
-                _pool_rows(k0, end, ident, L, bt_row, rows_smem, tree_smem, PAGE, BLOCK_N, TREE, LR, True)
-                _copy_rows(ckv_smem.index(st), kpe_smem.index(st), kv_ptr, kv_ptr + DL, stride_kv, stride_kv,
-                           rows_smem, end - k0, DL, DR, BLOCK_N)
-                cp.mbarrier_arrive(full_cp.index(st), increment_count=False)  # each lane: when its copies landed
+                if not SKIP_PHANTOM:  # (the phantom zero-filled)
+                    _ss_gather(k0, end, ident, L, bt_row, ckv_smem.index(st), kpe_smem.index(st), kv_ptr, stride_kv,
+                               rows_smem, tree_smem, DL, DR, PAGE, BLOCK_N, TREE, LR)
+                elif k0 < end:  # not the phantom tile of an odd chunk, which no consumer reads (`_ss_consumer`)
+                    _ss_gather(k0, end, ident, L, bt_row, ckv_smem.index(st), kpe_smem.index(st), kv_ptr, stride_kv,
+                               rows_smem, tree_smem, DL, DR, PAGE, BLOCK_N, TREE, LR)
+                # each lane: when its copies landed (the phantom's arrival keeps the stage's phases as they were)
+                cp.mbarrier_arrive(full_cp.index(st), increment_count=False)
+
+    @gluon.jit
+    def _ss_gather(k0, end, ident, L, bt_row, ckv_dst, kpe_dst, kv_ptr, stride_kv, rows_smem, tree_smem,
+                   DL: gl.constexpr, DR: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, TREE: gl.constexpr,
+                   LR: gl.constexpr):
+        """The producer's cp.async copies of the tile at key k0 (its rows looked up, rows past `end` zero-filled)."""
+        _pool_rows(k0, end, ident, L, bt_row, rows_smem, tree_smem, PAGE, BLOCK_N, TREE, LR, True)
+        _copy_rows(ckv_dst, kpe_dst, kv_ptr, kv_ptr + DL, stride_kv, stride_kv, rows_smem, end - k0, DL, DR, BLOCK_N)
 
     # ----------------------------------------------------------------------------------------- consumers
 
@@ -193,13 +206,21 @@ if HAVE_GLUON:
     def _ss_consumer(q_smem, p0_smem, p1_smem, ckv_smem, kpe_smem, stats, q_bar, full_tma, full_cp, empty, hand,
                      out_ptr, po_ptr, pml_ptr, pid_t, pid_c, GC, t64, hb, H, nc, start, end, n_tma, qk_scale,
                      stride_ot, stride_oh, ph, W: gl.constexpr, DL: gl.constexpr, BLOCK_M: gl.constexpr,
-                     BLOCK_N: gl.constexpr, BOX: gl.constexpr, pid_v=0, VSPLIT: gl.constexpr = 1):
+                     BLOCK_N: gl.constexpr, BOX: gl.constexpr, pid_v=0, VSPLIT: gl.constexpr = 1,
+                     SKIP_PHANTOM: gl.constexpr = True):
         """Consumer W: S and the softmax of tile 2i + W of every pair, PV of both tiles into its value columns
         (module docstring), for one (query tile, chunk). `ph` = (pairs before it, TMA and cp.async parities per stage
         as bit masks (`_ss_wait`), its parity among the program's items): all 0 in the grid kernel; the persistent
         kernel's running counts. VSPLIT: the programs the tile's DL value columns are split over (`pid_v` this one's
         part); consumer W owns block 2 pid_v + W of DL / (2 VSPLIT) columns. S, the softmax and the row sums are
-        the whole tile's in every part, so each column gets the same arithmetic at any VSPLIT (module docstring)."""
+        the whole tile's in every part, so each column gets the same arithmetic at any VSPLIT (module docstring).
+        SKIP_PHANTOM: an odd chunk's last pair computes neither S of its phantom tile (all -inf: every key is past the
+        chunk's end) nor the products with its P1 (all zero), so the producer need not load it. The running max,
+        rescale factors and row sums come out as the products would make them (max(m0, -inf) = m0, 2^0 = 1, a sum
+        of zeros), and O as O * s1 without the product's exact zeros added: the same values (the sign of an exact
+        -0.0 in O and the MMA's handling of fp32 subnormals aside), and for the AR step at a position as for a tree
+        node there (chunks depend on the position only). Off: the products with a zero-filled phantom, as before
+        the forty-eighth session (the persistent kernel: its tile loop spills with the skip under Triton 3.9)."""
         pair0 = ph[0]
         ip = ph[3]
         HALF: gl.constexpr = DL // (2 * VSPLIT)  # value columns per consumer
@@ -232,7 +253,16 @@ if HAVE_GLUON:
             j = 2 * i + W
             z = _opaque_zero(i)  # stage 0 = ckv_smem.index(z), stage 1 = .index(z + 1): see _ss_scores
             _ss_wait(j, n_tma, full_tma, full_cp, ph, BOX)
-            sc = _ss_scores(j, q_smem, qpe, ckv_smem, kpe_smem, start, end, qk_scale, S_L, BLOCK_N)
+            if SKIP_PHANTOM:
+                real1 = start + (2 * i + 1) * BLOCK_N < end  # tile 2i + 1 holds keys (else: an odd chunk's phantom)
+            else:
+                real1: gl.constexpr = True
+            if W == 0:
+                sc = _ss_scores(j, q_smem, qpe, ckv_smem, kpe_smem, start, end, qk_scale, S_L, BLOCK_N)
+            elif real1:
+                sc = _ss_scores(j, q_smem, qpe, ckv_smem, kpe_smem, start, end, qk_scale, S_L, BLOCK_N)
+            else:  # the phantom's S, as the product would give it (every key past the chunk's end), not computed
+                sc = gl.full([BLOCK_M, BLOCK_N], float("-inf"), gl.float32, layout=S_L)
             mp = gl.max(sc, 1)
             if W == 0:
                 m_new = gl.maximum(m, mp)
@@ -261,9 +291,10 @@ if HAVE_GLUON:
                 mbarrier.arrive(empty.index(0), count=1)  # our reads of tile 2i are done (S0, P0 V0L)
                 _ss_wait(j + 1, n_tma, full_tma, full_cp, ph, BOX)  # tile 2i + 1 landed (consumer 1 waited already)
                 o = o * gl.expand_dims(gl.convert_layout(s1, gl.SliceLayout(1, O_L)), 1)
-                o = warpgroup_mma(p1_smem, _ss_values(ckv_smem, z + 1, blk, V_OFF, HALF, VSPLIT), o,
-                                   is_async=True)  # P1 V1L
-                o = warpgroup_mma_wait(0, deps=(o,))
+                if real1:  # (a phantom's P1 is zero: its product would add exact zeros)
+                    o = warpgroup_mma(p1_smem, _ss_values(ckv_smem, z + 1, blk, V_OFF, HALF, VSPLIT), o,
+                                      is_async=True)  # P1 V1L
+                    o = warpgroup_mma_wait(0, deps=(o,))
                 mbarrier.arrive(empty.index(1), count=1)  # and of tile 2i + 1 (P1 V1L)
                 m = m1
             else:
@@ -294,8 +325,10 @@ if HAVE_GLUON:
                 o = warpgroup_mma_wait(0, deps=(o,))
                 mbarrier.arrive(empty.index(0), count=1)  # our reads of tile 2i are done (P0 V0R)
                 o = o * gl.expand_dims(gl.convert_layout(s1, gl.SliceLayout(1, O_L)), 1)  # O_R at m1
-                o = warpgroup_mma(pa, _ss_values(ckv_smem, z + 1, blk, V_OFF, HALF, VSPLIT), o, is_async=True)  # P1 V1R
-                o = warpgroup_mma_wait(0, deps=(o, pa))[0]
+                if real1:
+                    o = warpgroup_mma(pa, _ss_values(ckv_smem, z + 1, blk, V_OFF, HALF, VSPLIT), o,
+                                      is_async=True)  # P1 V1R
+                    o = warpgroup_mma_wait(0, deps=(o, pa))[0]
                 mbarrier.arrive(empty.index(1), count=1)  # and of tile 2i + 1 (S1, P1 V1R)
                 m = m_new
 

@@ -128,7 +128,7 @@ if HAVE_GLUON:
                 _ss_tiles(kv_ptr, bt_ptr + s.to(gl.int64) * stride_bt, ckv_smem, kpe_smem,
                           rows_smem.index(_opaque_zero(w)), tree_smem,
                           full_tma, full_cp, empty, desc_l, desc_r, L, start, end, ident, n_tma, pairs, stride_kv,
-                          tree_bar, ip, DL, DR, PAGE, BLOCK_N, TREE, BOX, LR, TREE_WAIT=TREE)
+                          tree_bar, ip, DL, DR, PAGE, BLOCK_N, TREE, BOX, LR, TREE_WAIT=TREE, SKIP_PHANTOM=False)
                 pairs += (end - start + 2 * BLOCK_N - 1) // (2 * BLOCK_N)
                 ip = ip ^ 1
 
@@ -162,7 +162,8 @@ if HAVE_GLUON:
                         mbarrier.arrive(tree_bar, count=1)  # (after a warpgroup barrier: every warp's stores are in)
                 _ss_consumer(q_smem, p0_smem, p1_smem, ckv_smem, kpe_smem, stats, q_bar, full_tma, full_cp, empty,
                              hand, out_ptr, po_ptr, pml_ptr, pid_t, pid_c, GC, t.to(gl.int64), hb, H, nc, start, end,
-                             n_tma, qk_scale, stride_ot, stride_oh, (pairs, tb, cb, ip), W, DL, BLOCK_M, BLOCK_N, BOX)
+                             n_tma, qk_scale, stride_ot, stride_oh, (pairs, tb, cb, ip), W, DL, BLOCK_M, BLOCK_N, BOX,
+                             SKIP_PHANTOM=False)  # (with the skip its tile loop spills under Triton 3.9's ptxas)
                 cta_barrier()  # (this warpgroup's: its threads are done with the row sums before any rewrites them)
                 n_pairs = (end - start + 2 * BLOCK_N - 1) // (2 * BLOCK_N)
                 t0 = (n_tma + 1) // 2  # this item's TMA tiles in stage 0 (even j < n_tma) and stage 1

@@ -18,9 +18,11 @@ import torch
 NEG = float("-inf")
 
 
-def seesaw_chunk(sc: torch.Tensor, v: torch.Tensor, dtype=torch.float32):
+def seesaw_chunk(sc: torch.Tensor, v: torch.Tensor, dtype=torch.float32, skip_phantom: bool = True):
     """One (query tile, chunk): sc [M, K] base-2 scores (-inf = masked), v [K, D] -> (m, l, o) as the kernel keeps
-    them: o [M, D] (O_L | O_R) and l at the running max m."""
+    them: o [M, D] (O_L | O_R) and l at the running max m. skip_phantom: as the grid kernel (SKIP_PHANTOM), the
+    phantom tile of an odd chunk gets no products (its S is all -inf, its P zero); off: products with a zero-filled
+    phantom (the persistent kernel)."""
     M, K = sc.shape
     D = v.shape[1]
     half = D // 2
@@ -34,6 +36,7 @@ def seesaw_chunk(sc: torch.Tensor, v: torch.Tensor, dtype=torch.float32):
     for i in range(n_pairs):
         s0_, s1_ = sc[:, 128 * i:128 * i + 64], sc[:, 128 * i + 64:128 * i + 128]
         v0, v1 = v[128 * i:128 * i + 64], v[128 * i + 64:128 * i + 128]
+        real1 = not skip_phantom or 128 * i + 64 < K  # tile 2i + 1 holds keys
         # consumer 0
         m0 = torch.maximum(m, s0_.amax(1))
         mu0 = torch.where(m0 == NEG, 0.0, m0)
@@ -49,10 +52,14 @@ def seesaw_chunk(sc: torch.Tensor, v: torch.Tensor, dtype=torch.float32):
         rs1 = p1.sum(1)
         l1 = l1 * (sc0 * sc1) + rs1
         o_r = o_r * sc0[:, None] + p0.to(dtype).float() @ v0[:, half:]  # P0 V0R first, at m0 (P0 as published)
-        o_r = o_r * sc1[:, None] + p1.to(dtype).float() @ v1[:, half:]  # then at m1
+        o_r = o_r * sc1[:, None]  # then at m1
+        if real1:
+            o_r = o_r + p1.to(dtype).float() @ v1[:, half:]
         # consumer 0 (after m1, s1, P1)
         l0 = (l0 * sc0 + rs0) * sc1
-        o_l = o_l * sc1[:, None] + p1.to(dtype).float() @ v1[:, :half]
+        o_l = o_l * sc1[:, None]
+        if real1:
+            o_l = o_l + p1.to(dtype).float() @ v1[:, :half]
         m = m1
     return m, l0 + l1, torch.cat([o_l, o_r], 1)
 
@@ -86,6 +93,20 @@ def test_seesaw_pairs_equal_softmax(K):
     m, l, o = seesaw_chunk(sc, v)
     torch.testing.assert_close(finish(m, l, o), softmax_ref(sc, v), rtol=1e-5, atol=1e-5)
     assert torch.equal(o[3], torch.zeros(512)) and l[3] == 0 and m[3] == NEG  # a row that sees nothing
+
+
+@pytest.mark.parametrize("K", [1, 63, 64, 65, 129, 300, 2048 + 5])
+def test_skipping_the_phantoms_products_keeps_every_value(K):
+    """The grid kernel computes neither S of an odd chunk's phantom tile nor its products (`_ss_consumer`,
+    SKIP_PHANTOM); the persistent kernel computes them with a zero-filled tile. Both give the same m, l and O, bit for
+    bit, here with a masked row that sees nothing, a masked run of keys and tiles on very different scales (an odd
+    tile count ends with a phantom: K = 1, 63, 64, 129, 300 and 2053 keys; K = 65 is two tiles and has none)."""
+    sc, v = case(K + 7, K, masked_rows=(5,), masked_keys=slice(K // 2, K // 2 + 20))
+    for dtype in (torch.float32, torch.bfloat16):
+        skipped = seesaw_chunk(sc, v, dtype)
+        computed = seesaw_chunk(sc, v, dtype, skip_phantom=False)
+        for a, b in zip(skipped, computed):
+            assert torch.equal(a, b)
 
 
 def test_seesaw_with_p_in_bf16_stays_within_bf16_error():
