@@ -33,6 +33,9 @@ trees, as a model's layers run its attention; the one-kernel graph's launch cost
 in the record) is then paid once for N launches, and L2 still starts cold (do_bench clears it before each replay).
 `--vsplit 1 2 4 auto` times the seesaw grid kernel with each (query tile, chunk)'s value columns split over that many
 programs (params.vsplit; S computed in each, the same bits; auto: the most of 4 and 2 that keeps one program per SM).
+`--skip-phantom on off` times the seesaw grid kernel with an odd chunk's phantom tile skipped (neither loaded nor
+multiplied) and loaded zero-filled and multiplied as before the forty-eighth session (params.skip_phantom; the same
+bits).
 `--table-len 0 131072` times each case with the block table as wide as the case needs (0) and as wide as a serving
 pool's rows for that many keys (params.table_len): the launch's chunk grid is sized by the table's width (graph
 capturable), so in serving a short row's programs past its last chunk exist and return early; the kernel bench's tight
@@ -59,6 +62,7 @@ from kernels.mla_attention import (
     DEFAULT_FOLD,
     DEFAULT_IMPL,
     DEFAULT_PARTIALS,
+    DEFAULT_SKIP_PHANTOM,
     DEFAULT_VSPLIT,
     IMPLS,
     PARTIALS,
@@ -175,6 +179,8 @@ def main():
                     help="dtype of a multi-chunk row's partial O (default: the kernel's DEFAULT_PARTIALS)")
     ap.add_argument("--fold", nargs="+", default=["default"], choices=("default", "on", "off", "auto"),
                     help="triton / gluon: one program per query tile folding its chunks (default: DEFAULT_FOLD)")
+    ap.add_argument("--skip-phantom", nargs="+", default=["default"], choices=("default", "on", "off"),
+                    help="the seesaw grid kernel's skip of an odd chunk's phantom tile, each in turn")
     ap.add_argument("--vsplit", nargs="+", default=["default"], choices=("default", "1", "2", "4", "auto"),
                     help="gluon_seesaw: programs per (query tile, chunk) splitting its value columns, the same bits "
                          "(default: the kernel's DEFAULT_VSPLIT)")
@@ -209,17 +215,18 @@ def main():
                 outs = [torch.empty_like(a[0]) for a in more]
                 cfgs = [None] + (SWEEP if args_cli.sweep and n != 33 else [])
                 gluon_knobs = [(tm, pm) for tm in args_cli.tma for pm in args_cli.persistent]
-                combos = [(r, c, b, i, tm, pm, nch, cm, pa, fo, tl, vs) for r in args_cli.chunk_rule for c in cfgs
+                combos = [(r, c, b, i, tm, pm, nch, cm, pa, fo, tl, vs, sp) for r in args_cli.chunk_rule for c in cfgs
                           for b in args_cli.block_n for i in args_cli.impl
                           for tm, pm in (gluon_knobs if i in ("gluon", "gluon_seesaw", "auto")
                                          else [("default", "default")])
                           for nch in args_cli.nch for cm in args_cli.c_min for pa in args_cli.partials
                           for fo in (args_cli.fold if i in ("triton", "gluon", "auto") else ["default"])
                           for tl in args_cli.table_len
-                          for vs in (args_cli.vsplit if i in ("gluon_seesaw", "auto") else ["default"])]
+                          for vs in (args_cli.vsplit if i in ("gluon_seesaw", "auto") else ["default"])
+                          for sp in (args_cli.skip_phantom if i in ("gluon_seesaw", "auto") else ["default"])]
                 onoff = {"default": None, "on": True, "off": False}
                 for combo in combos:
-                    rule, cfg, bn, impl, tm, pm, nch, cm, pa, fo, tl, vs = combo
+                    rule, cfg, bn, impl, tm, pm, nch, cm, pa, fo, tl, vs, sp = combo
                     case = wide_table(args, tl, args_cli.page)
                     kw = {} if cfg is None else dict(block_n=cfg[0], num_warps=cfg[1], num_stages=cfg[2], nch=cfg[3],
                                                      c_min=cfg[4])
@@ -233,7 +240,8 @@ def main():
                     chunks = sum(len(chunk_spans(L + int(d), rule, **knobs)) for d in depth.flatten().tolist())
                     opts = dict(chunk_rule=rule, impl=impl, tma=onoff[tm], persistent=onoff[pm],
                                 partials=None if pa == "default" else pa, fold="auto" if fo == "auto" else onoff[fo],
-                                **({} if vs == "default" else {"vsplit": vs if vs == "auto" else int(vs)}), **kw)
+                                **({} if vs == "default" else {"vsplit": vs if vs == "auto" else int(vs)}),
+                                **({} if sp == "default" else {"skip_phantom": onoff[sp]}), **kw)
                     fn = functools.partial(mla_attention_triton, *case, SCALE, out=out, **opts)
                     try:
                         ms = graph_ms(fn)
@@ -275,6 +283,8 @@ def main():
                                   if impl in ("triton", "gluon", "auto") else None,
                                   table_len=max(tl, args[3].shape[1] * args_cli.page),
                                   vsplit=(DEFAULT_VSPLIT if vs == "default" else vs if vs == "auto" else int(vs))
+                                  if impl in ("gluon_seesaw", "auto") else None,
+                                  skip_phantom=(DEFAULT_SKIP_PHANTOM if sp == "default" else sp == "on")
                                   if impl in ("gluon_seesaw", "auto") else None)
                     rec = dict(name="mla_attention" if cfg is None else "mla_attention_sweep", params=params,
                                **info, ms=ms, floor_ms=floor_ms, ratio=floor_ms / ms, peers=peers, **ceil)
@@ -282,7 +292,7 @@ def main():
                     pe = "  ".join(f"{a}={b:.3f}" for a, b in peers.items() if isinstance(b, float))
                     print(f"{B:>3} {L:>6} {n:>3} {rule:>8} {chunks:>6} {ms:8.4f} {floor_ms:8.4f} {floor_ms / ms:6.3f} "
                           f"{flops / ms / 1e9:7.0f}  {impl} tma={tm} persistent={pm} partials={pa} fold={fo} "
-                          f"table={params['table_len']} vsplit={vs}  {pe}  "
+                          f"table={params['table_len']} vsplit={vs} skip_phantom={sp}  {pe}  "
                           f"{kw or ''}", flush=True)
                     if more:
                         calls = [fn] + [functools.partial(mla_attention_triton, *wide_table(a, tl, args_cli.page),

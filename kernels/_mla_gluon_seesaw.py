@@ -106,7 +106,7 @@ if HAVE_GLUON:
                      q_bar, full_tma, full_cp, empty, desc_l, desc_r, desc_q, desc_qpe, t, t64, hb, H, L, start, end,
                      ident, n_tma, stride_qt, stride_qh, stride_pt, stride_ph, stride_kv, DL: gl.constexpr,
                      DR: gl.constexpr, PAGE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                     TREE: gl.constexpr, BOX: gl.constexpr, QTMA: gl.constexpr):
+                     TREE: gl.constexpr, BOX: gl.constexpr, QTMA: gl.constexpr, SKIP_PHANTOM: gl.constexpr):
         LR: gl.constexpr = gl.BlockedLayout([BLOCK_N // 32], [32], [1], [0])  # [BLOCK_N] row lookups, one warp
         # the query tile: latent columns into Q's buffer, rope columns into P0's (the consumers take them to
         # registers before P0 is first written)
@@ -116,7 +116,8 @@ if HAVE_GLUON:
             _copy_query(q_ptr, qpe_ptr, q_smem.index(0), p0_smem, rows_smem, q_bar, t64, hb, H, stride_qt, stride_qh,
                         stride_pt, stride_ph, DL, DR, BLOCK_M, LR)
         _ss_tiles(kv_ptr, bt_row, ckv_smem, kpe_smem, rows_smem, tree_smem, full_tma, full_cp, empty, desc_l, desc_r,
-                  L, start, end, ident, n_tma, 0, stride_kv, q_bar, 0, DL, DR, PAGE, BLOCK_N, TREE, BOX, LR)
+                  L, start, end, ident, n_tma, 0, stride_kv, q_bar, 0, DL, DR, PAGE, BLOCK_N, TREE, BOX, LR,
+                  SKIP_PHANTOM=SKIP_PHANTOM)
 
     @gluon.jit
     def _ss_tiles(kv_ptr, bt_row, ckv_smem, kpe_smem, rows_smem, tree_smem, full_tma, full_cp, empty, desc_l, desc_r,
@@ -380,10 +381,12 @@ if HAVE_GLUON:
         DL: gl.constexpr, DR: gl.constexpr, PAGE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         NCH: gl.constexpr, C_MIN: gl.constexpr, RULE: gl.constexpr, S_PAD: gl.constexpr, TREE: gl.constexpr,
         NB: gl.constexpr, STAGES: gl.constexpr, BOX: gl.constexpr, QTMA: gl.constexpr, VSPLIT: gl.constexpr = 1,
+        SKIP_PHANTOM: gl.constexpr = True,
     ):
         """Arguments as `_mla_gluon._mla_fwd_gluon_kernel`. The prologue (consumer 0's warps) finds the query row
         and chunk, resolves the tree tiles' rows and sets up shared memory; then the partitions. VSPLIT (1, 2 or 4):
-        the programs along the grid's third axis that split each (query tile, chunk)'s value columns."""
+        the programs along the grid's third axis that split each (query tile, chunk)'s value columns. SKIP_PHANTOM:
+        an odd chunk's phantom tile is neither loaded nor multiplied (`_ss_consumer`; the same values)."""
         gl.static_assert(BLOCK_M == 64 and BLOCK_N == 64 and DL == 512 and DR == 64 and STAGES == 2)
         gl.static_assert(VSPLIT == 1 or VSPLIT == 2 or VSPLIT == 4)
         _check_box(BOX, PAGE, BLOCK_N)
@@ -449,13 +452,13 @@ if HAVE_GLUON:
             (_ss_consumer, (q_smem, p0_smem, p1_smem, ckv_smem, kpe_smem, stats, q_bar, full_tma, full_cp, empty,
                             hands, out_ptr, po_ptr, pml_ptr, pid_t, pid_c, GC, t64, hb, H, nc, start, end, n_tma,
                             qk_scale, stride_ot, stride_oh, (0, 0, 0, 0), 0, DL, BLOCK_M, BLOCK_N, BOX, pid_v,
-                            VSPLIT)),
+                            VSPLIT, SKIP_PHANTOM)),
             (_ss_consumer, (q_smem, p0_smem, p1_smem, ckv_smem, kpe_smem, stats, q_bar, full_tma, full_cp, empty,
                             hands, out_ptr, po_ptr, pml_ptr, pid_t, pid_c, GC, t64, hb, H, nc, start, end, n_tma,
                             qk_scale, stride_ot, stride_oh, (0, 0, 0, 0), 1, DL, BLOCK_M, BLOCK_N, BOX, pid_v,
-                            VSPLIT)),
+                            VSPLIT, SKIP_PHANTOM)),
             (_ss_producer, (q_ptr, qpe_ptr, kv_ptr, bt_row, q_smem, p0_smem, ckv_smem, kpe_smem, rows_smem, tree_smem,
                             q_bar, full_tma, full_cp, empty, desc_l, desc_r, desc_q, desc_qpe, t, t64, hb, H, L,
                             start, end, ident, n_tma, stride_qt, stride_qh, stride_pt, stride_ph, stride_kv, DL, DR,
-                            PAGE, BLOCK_M, BLOCK_N, TREE, BOX, QTMA)),
+                            PAGE, BLOCK_M, BLOCK_N, TREE, BOX, QTMA, SKIP_PHANTOM)),
         ], [4, 1], _SS_REGS)

@@ -67,6 +67,7 @@ FOLD_MIN_TILES_PER_SM = 4  # fold="auto" folds launches of at least this many qu
 DEFAULT_VSPLIT = "auto"  # `mla_attention_triton(vsplit=)`: the same bits at any value (GPU tests); auto 5-12% faster
 # than 1 on an H100 at batch 1 / 1k with 9-33 nodes, where it splits, and the same elsewhere (forty-fifth session)
 VSPLITS = (1, 2, 4, "auto")
+DEFAULT_SKIP_PHANTOM = True  # `mla_attention_triton(skip_phantom=)`: the same values, less work in an odd chunk
 IMPLS = ("triton", "gluon", "gluon_ws", "gluon_seesaw", "auto")  # tile kernel: `_mla_kernels` (any GPU, the
 # interpreter), `_mla_gluon_seesaw` (sm_90, warp-specialized: what "auto" picks there), `_mla_gluon` (sm_90; "auto"
 # picks it for the option only it has: fold), `_mla_gluon_ws` (sm_90, warp-specialized, experimental)
@@ -258,7 +259,8 @@ def mla_attention_triton(q_lat, q_pe, kv_cache, block_table, page_size, cu_q, pr
                          num_stages: int = 2, nch: int = _NCH, c_min: int = _C_MIN,
                          chunk_rule: str = DEFAULT_CHUNK_RULE, impl: str | None = None, tma: bool | None = None,
                          persistent: bool | None = None, partials: str | None = None,
-                         fold: bool | str | None = None, vsplit: int | str | None = None):
+                         fold: bool | str | None = None, vsplit: int | str | None = None,
+                         skip_phantom: bool | None = None):
     """The Triton path on any device (tests call it on CPU under TRITON_INTERPRET=1).
 
     q_lat/q_pe are cast to the cache dtype; `out` ([T, H, Dl], optional) is written in place.
@@ -293,7 +295,11 @@ def mla_attention_triton(q_lat, q_pe, kv_cache, block_table, page_size, cu_q, pr
     chunk), each computing the tile's whole S and softmax and 512 / vsplit of its value columns. Every column gets
     the arithmetic it gets at 1, provided a warpgroup MMA's sum over the keys does not depend on its width N (the GPU
     tests compare the bits), so a launcher may pick it per launch: more programs for a launch with fewer (query
-    tile, chunk) items than SMs, at the price of S computed vsplit times. "auto": `_auto_vsplit`."""
+    tile, chunk) items than SMs, at the price of S computed vsplit times. "auto": `_auto_vsplit`.
+    `skip_phantom` (the seesaw grid kernel; None: the module's `DEFAULT_SKIP_PHANTOM`): an odd chunk's last pair has
+    a phantom tile past the chunk's end; True neither loads it nor computes its S and products, whose results are
+    known (-inf scores, zero weights: `_mla_gluon_seesaw._ss_consumer`); False loads it zero-filled and multiplies,
+    as before the forty-eighth session. The same values either way (the GPU tests compare the bits)."""
     T, H, Dl = q_lat.shape
     Dr = q_pe.shape[-1]
     S = prefix_lens.shape[0]
@@ -392,7 +398,8 @@ def mla_attention_triton(q_lat, q_pe, kv_cache, block_table, page_size, cu_q, pr
             nv = _auto_vsplit(tiles * grid_c, q_lat.device.index) if vsplit == "auto" else vsplit
             _mla_gluon_seesaw._mla_fwd_gluon_seesaw_kernel[(tiles, grid_c) + ((nv,) if nv > 1 else ())](
                 *common[:11], *kvdesc, *(qdesc or kvdesc), *common[11:], QTMA=qdesc is not None,
-                STAGES=_mla_gluon_seesaw.SEESAW_STAGES, num_warps=_mla_gluon_seesaw.SEESAW_WARPS, VSPLIT=nv, **shape)
+                STAGES=_mla_gluon_seesaw.SEESAW_STAGES, num_warps=_mla_gluon_seesaw.SEESAW_WARPS, VSPLIT=nv,
+                SKIP_PHANTOM=DEFAULT_SKIP_PHANTOM if skip_phantom is None else bool(skip_phantom), **shape)
         elif persistent and qdesc is not None and not fold:  # (it loads every query tile by TMA)
             nprog = min(tiles * grid_c, _sm_count(q_lat.device.index))
             _mla_gluon_persistent._mla_fwd_gluon_persistent_kernel[(nprog,)](

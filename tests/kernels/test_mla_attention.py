@@ -295,6 +295,34 @@ def test_mla_launcher_splits_the_seesaw_kernels_value_columns_when_asked(monkeyp
         assert calls == []  # refused before any launch
 
 
+def test_mla_launcher_passes_skip_phantom_to_the_seesaw_grid_kernel(monkeypatch):
+    """`skip_phantom`: the seesaw grid kernel's SKIP_PHANTOM, the module's DEFAULT_SKIP_PHANTOM when None (read at
+    each call), with or without a value split."""
+    from kernels import mla_attention as mla
+
+    calls = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *a, **kw: calls.append((grid, kw.get("SKIP_PHANTOM")))
+
+    monkeypatch.setattr(mla, "gluon_unsupported", lambda *a: None)
+    monkeypatch.setattr(mla, "_sm_count", lambda index: 1000)
+    monkeypatch.setattr(mla._mla_gluon_seesaw, "_mla_fwd_gluon_seesaw_kernel", Recorder())
+    monkeypatch.setattr(mla, "_mla_combine_kernel", {})  # (no call expected: `[grid]` would raise)
+    args = make_batch([40], [2], 64, 512, 64, 16, torch.float16, True, device="cpu")  # one chunk a row: no combine
+
+    def launch(**kw):
+        calls.clear()
+        mla.mla_attention_triton(*args, SCALE_CPU, out=torch.empty_like(args[0]), impl="gluon_seesaw", **kw)
+        return [flag for _, flag in calls]
+
+    assert mla.DEFAULT_SKIP_PHANTOM is True and launch() == [True]
+    assert launch(skip_phantom=False) == [False] and launch(skip_phantom=True, vsplit=2) == [True]
+    monkeypatch.setattr(mla, "DEFAULT_SKIP_PHANTOM", False)
+    assert launch() == [False]
+
+
 def test_mla_configure_fixes_the_deployment_kernel(monkeypatch):
     """`configure` sets DEFAULT_IMPL (read by every later launch) and says what runs: off CUDA the
     reference; "gluon" where it cannot run is refused with the reason; an unknown name is refused."""

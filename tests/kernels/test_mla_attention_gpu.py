@@ -1,10 +1,11 @@
 """Absorbed MLA attention kernel (kernels/mla_attention.py) on the GPU at Kimi K2.6 shapes: 64 heads, 512 + 64, bf16,
 prefixes up to 33k, for every tile kernel (`impl` "triton" and the sm_90 Gluon kernels "gluon", "gluon_ws" and
 "gluon_seesaw"): within tolerance of the reference; TMA loads bitwise the cp.async ones; the persistent forms of
-"gluon" and "gluon_seesaw" bitwise their grids, and the seesaw kernel's value columns split over programs bitwise
-one program; partials in fp32 and bf16; the fold (Triton and gluon) bitwise the
-split launch; batch invariance (a session alone vs inside a batch of 64: bitwise equal) and position alignment (a
-tree node == the AR step at its position, bitwise) in bf16. The CPU side of the same checks: test_mla_attention.py.
+"gluon" and "gluon_seesaw" bitwise their grids, the seesaw kernel's value columns split over programs bitwise one
+program and its skip of an odd chunk's phantom tile bitwise the product with it; partials in fp32 and bf16; the fold
+(Triton and gluon) bitwise the split launch; batch invariance (a session alone vs inside a batch of 64: bitwise equal)
+and position alignment (a tree node == the AR step at its position, bitwise) in bf16. The CPU side of the same checks:
+test_mla_attention.py.
 """
 
 from __future__ import annotations
@@ -143,6 +144,27 @@ def test_mla_seesaw_value_split_gives_the_same_bits(tree, prefix, ns, page, part
     assert_bitwise(out, run_kernel(args, SCALE, vsplit=1, **kw), f"vsplit {vsplit} page {page} tree={tree}")
     assert_close(out, reference(args, SCALE), TOL[torch.bfloat16], f"vsplit {vsplit} page {page} {prefix} {ns}")
     assert_graph_replay(args, out, vsplit=vsplit, **kw)
+
+
+@pytest.mark.parametrize("page,partials,vsplit", [(16, "out", 1), (64, "out", 1), (8, "out", 1), (16, "fp32", 1),
+                                                   (16, "out", 2)])
+@pytest.mark.parametrize("tree,prefix,ns", [
+    # chunks of odd tile counts (a phantom: rows of 1 and 3 tiles, 4097 + a few keys = 8 x 8 + 9 tiles, 9001 + a few
+    # = 16 chunks of 8 and 9) and even ones (1000 + up to 17 keys = 2 x 8 tiles), a session without queries, a row
+    # with nothing committed
+    (True, [0, 63, 1000, 0, 4097, 9001], [9, 1, 17, 0, 5, 3]),
+    (False, [0, 127, 2048, 5], [70, 3, 64, 1]),
+])
+def test_mla_seesaw_phantom_skip_gives_the_same_bits(tree, prefix, ns, page, partials, vsplit):
+    """The seesaw grid kernel skipping an odd chunk's phantom tile (`skip_phantom`: no load, no S, no products)
+    equals, bit for bit, the kernel that loads it zero-filled and multiplies (the products add exact zeros, the
+    rescale factor is 2^0). Page 8: tiles by cp.async; 16 and 64: by TMA; bf16 and fp32 partials; values split."""
+    args = make_batch(prefix, ns, KIMI["H"], KIMI["Dl"], KIMI["Dr"], page, torch.bfloat16, tree, seed=19)
+    kw = dict(impl="gluon_seesaw", persistent=False, partials=partials, vsplit=vsplit)
+    out = run_kernel(args, SCALE, skip_phantom=True, **kw)
+    assert_bitwise(out, run_kernel(args, SCALE, skip_phantom=False, **kw), f"skip page {page} tree={tree}")
+    assert_close(out, reference(args, SCALE), TOL[torch.bfloat16], f"skip page {page} {prefix} {ns}")
+    assert_graph_replay(args, out, skip_phantom=True, **kw)
 
 
 @pytest.mark.parametrize("page", [16, 64])
