@@ -317,10 +317,11 @@ def test_mla_launcher_passes_skip_phantom_to_the_seesaw_grid_kernel(monkeypatch)
         mla.mla_attention_triton(*args, SCALE_CPU, out=torch.empty_like(args[0]), impl="gluon_seesaw", **kw)
         return [flag for _, flag in calls]
 
-    assert mla.DEFAULT_SKIP_PHANTOM is True and launch() == [True]
+    assert launch() == [mla.DEFAULT_SKIP_PHANTOM]
     assert launch(skip_phantom=False) == [False] and launch(skip_phantom=True, vsplit=2) == [True]
-    monkeypatch.setattr(mla, "DEFAULT_SKIP_PHANTOM", False)
-    assert launch() == [False]
+    for default in (False, True):
+        monkeypatch.setattr(mla, "DEFAULT_SKIP_PHANTOM", default)
+        assert launch() == [default]
 
 
 def test_mla_configure_fixes_the_deployment_kernel(monkeypatch):

@@ -28,7 +28,8 @@ po = sys.argv[7] if len(sys.argv) > 7 else "fp32"  # the partial O's dtype (`mla
 fold = json.loads(sys.argv[8]) if len(sys.argv) > 8 else {}  # the grid kernel's FOLD / ROUND constexprs
 fold = {k: fold.get(k, False) for k in ("FOLD", "ROUND") if k in kernel.arg_names}
 extra = json.loads(sys.argv[9]) if len(sys.argv) > 9 else {}  # more constexprs (the seesaw kernel's VSPLIT)
-extra = {**({"VSPLIT": 1} if "VSPLIT" in kernel.arg_names else {}), **extra}  # (a compile takes no defaults)
+defaults = {"VSPLIT": 1, "SKIP_PHANTOM": True}  # the seesaw grid kernel's (a compile takes no defaults)
+extra = {**{k: v for k, v in defaults.items() if k in kernel.arg_names}, **extra}
 out = {}
 for tree in (True, False):
     sig = {n: "*bf16" for n in ("q_ptr", "qpe_ptr", "kv_ptr", "out_ptr")}
@@ -172,10 +173,10 @@ def test_mla_gluon_seesaw_kernel_compiles_for_sm90(tmp_path):
 
     # Triton 3.6's ptxas (the H200's): 0-36 bytes over these variants (hoisted wgmma descriptors once made it ~550)
     max_spill = 64 if triton.__version__.startswith("3.6") else 512
-    for box in (0, 16, 64):
+    for box, skip in ((0, True), (16, True), (64, True), (16, False)):  # SKIP_PHANTOM: both forms of the last pair
         for tree, n in compile_for_sm90(tmp_path, "kernels._mla_gluon_seesaw", "_mla_fwd_gluon_seesaw_kernel",
-                                        ss.SEESAW_WARPS, ss.SEESAW_STAGES, box).items():
-            what = f"box={box} tree={tree}: {n}"
+                                        ss.SEESAW_WARPS, ss.SEESAW_STAGES, box, extra={"SKIP_PHANTOM": skip}).items():
+            what = f"box={box} skip={skip} tree={tree}: {n}"
             assert n["wgmma"] == {"m64n64k16": 2 * 32, "m64n64k16_rs": 2 * 4, "m64n256k16_rs": 2 * 4,
                                   "m64n256k16": 2 * 4}, what
             assert n["warps"] == 12 and {ss.CONSUMER_REGS, ss.PRODUCER_REGS} <= set(n["setmaxnreg"]), what
