@@ -9,8 +9,9 @@ else the partials that `_mla_combine_kernel` folds in chunk order). What differs
 after FlashMLA's "seesaw" (its 2025-04 deep dive): the output O [64, 512] fp32 is too large for one warpgroup's
 registers, so it is split by columns, O_L in consumer 0 and O_R in consumer 1, and the chunk's 64-key tiles are
 taken in PAIRS (tile 2i in stage 0, tile 2i + 1 in stage 1; an odd chunk ends with a phantom tile: fully masked, so
-its S is -inf, its P zero and its rescale factor 1, and its products would add exact zeros; nobody loads it or
-multiplies by it, `_ss_consumer`). Per pair, in base 2 with m the running row max:
+its S is -inf, its P zero and its rescale factor 1, and its products add exact zeros; it is zero-filled and multiplied
+as any tile, or with SKIP_PHANTOM neither loaded nor multiplied, `_ss_consumer`). Per pair, in base 2 with m the
+running row max:
 
   consumer 0                                       consumer 1
   S0 = Q K0^T (its whole tile, N = 64)             S1 = Q K1^T

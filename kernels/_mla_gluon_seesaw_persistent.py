@@ -20,10 +20,10 @@ the fixed cost of an item near 8 us, about four tiles' worth, a third of an item
 
 Work items and bits: `_mla_gluon_persistent`'s items (w = pid_c * tiles + pid_t, program k takes w = k, k + NPROG,
 ...; items with pid_c >= nc are skipped by every partition alike), each computed by the grid kernel's own partition
-code on the same bytes in the same order: **the bits are the grid seesaw kernel's**. One difference in the code: the
-grid kernel skips an odd chunk's phantom tile (`_ss_consumer`'s SKIP_PHANTOM: no load, no S, no products; the same
-values), this one loads it zero-filled and multiplies by it as before (with the skip, Triton 3.9's ptxas spills in its
-tile loop), so the GPU tests that compare the two also check the skip.
+code on the same bytes in the same order: **the bits are the grid seesaw kernel's**. One option differs: the grid
+kernel can skip an odd chunk's phantom tile (`skip_phantom`, `_ss_consumer`'s SKIP_PHANTOM: no load, no S, no
+products; the same values), this one always loads it zero-filled and multiplies by it (with the skip, Triton 3.9's
+ptxas spills in its tile loop).
 
 What carries over from item to item (`_ss_consumer`'s `ph`, `_ss_tiles`'s `pairs0`):
 - the pair count: both stages take one tile per pair (an odd chunk's phantom included), so the `empty` barriers and
