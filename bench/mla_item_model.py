@@ -23,6 +23,7 @@ Run:  python bench/mla_item_model.py bench/results/mla_attention_last_run2_h100_
 from __future__ import annotations
 
 import argparse
+import functools
 import heapq
 import json
 import random
@@ -42,19 +43,20 @@ def tree_depths(n: int, rng: random.Random) -> list[int]:
     return depth
 
 
+@functools.cache  # (the fit and the what-ifs ask for the same launches many times)
 def launch_items(batch: int, prefix: int, nodes: int, *, c_min: int, chunk_rule: str = "balanced",
-                 block_n: int = 64, seed: int = 0) -> tuple[list[int], int]:
+                 block_n: int = 64, seed: int = 0) -> tuple[tuple[int, ...], int]:
     """-> (tiles of each item in grid order, query tiles): one query tile per node, a session's nodes at
     positions prefix + depth, each cut into the kernel's own chunks (`chunk_spans`)."""
     rng = random.Random(seed)
     spans = [chunk_spans(prefix + d, chunk_rule, block_n, c_min=c_min)
              for _ in range(batch) for d in tree_depths(nodes, rng)]
     grid_c = max(len(s) for s in spans)
-    items = [-(-s[c][1] // block_n) - s[c][0] // block_n for c in range(grid_c) for s in spans if c < len(s)]
+    items = tuple(-(-s[c][1] // block_n) - s[c][0] // block_n for c in range(grid_c) for s in spans if c < len(s))
     return items, len(spans)
 
 
-def makespan(items: list[int], t_tile: float, x_item: float, sms: int) -> tuple[float, int, int]:
+def makespan(items: tuple[int, ...] | list[int], t_tile: float, x_item: float, sms: int) -> tuple[float, int, int]:
     """Greedy list schedule in order -> (makespan, tiles and items on the SM that finishes last)."""
     free = [(0.0, i, 0, 0) for i in range(sms)]  # (busy until, SM, tiles, items)
     for n in items:

@@ -13,13 +13,13 @@ from bench import mla_item_model as im
 def test_a_rows_items_are_its_chunks_in_grid_order():
     # one token at position 1024: K = 1025 keys = 17 tiles of 64, balanced: round(1025 / 512) = 2 chunks of 8 and 9
     items, tiles = im.launch_items(1, 1024, 1, c_min=512)
-    assert (items, tiles) == ([8, 9], 1)
+    assert (items, tiles) == ((8, 9), 1)
     # with 1024-key chunks the same row is one chunk of 17 tiles
-    assert im.launch_items(1, 1024, 1, c_min=1024) == ([17], 1)
+    assert im.launch_items(1, 1024, 1, c_min=1024) == ((17,), 1)
     # three sessions of a 2-node tree: 6 query tiles, chunk 0 of each before any chunk 1 (x = tile is fastest)
     items, tiles = im.launch_items(3, 4096, 2, c_min=512)
     assert tiles == 6 and len(items) == 6 * 8
-    assert items[:6] == [8] * 6 and items[-6:] == [9] * 6  # the last chunk holds the tree keys' extra tile
+    assert items[:6] == (8,) * 6 and items[-6:] == (9,) * 6  # the last chunk holds the tree keys' extra tile
 
 
 def test_the_greedy_schedule():
